@@ -1,0 +1,53 @@
+# pdd — one entry point for set-up, tests, demo and benchmarks.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PYTEST := $(VPY) -m pytest
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv test test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
+
+# The venv is rebuilt when pyproject.toml changes; the stamp lives inside the ignored .venv.
+$(VENV)/.stamp: pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[operator,sidecar,test]'
+	@touch $@
+
+venv: $(VENV)/.stamp
+
+lint: venv
+	$(VENV)/bin/ruff check operator sidecar tests bench
+	$(VENV)/bin/mypy operator/pdd_api operator/pdd_cli
+
+test-unit: venv
+	$(PYTEST) tests/unit -q
+
+test-dataplane: venv
+	$(PYTEST) tests/dataplane -q -m dataplane
+
+test-integration: venv cluster-build
+	$(PYTEST) tests/integration -q -m integration
+
+test-e2e: venv cluster-build
+	$(PYTEST) tests/e2e -q -m e2e
+
+# Every tier that exists; later tiers add themselves by having tests in their folder.
+test: venv lint
+	$(MAKE) test-unit
+	@if ls tests/dataplane/test_*.py >/dev/null 2>&1; then $(MAKE) test-dataplane; fi
+	@if ls tests/integration/test_*.py >/dev/null 2>&1; then $(MAKE) test-integration; fi
+	@if ls tests/e2e/test_*.py >/dev/null 2>&1; then $(MAKE) test-e2e; fi
+
+crd: venv
+	$(VENV)/bin/pdd crd > crds/serving.pdd.dev_pddeployments.yaml
+
+demo: venv
+	@echo "make demo: not yet available (lands with the end-to-end issue)"
+
+bench: venv
+	@for b in bench/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
+
+-include tests/cluster/cluster.mk
+cluster-build:

@@ -1,0 +1,96 @@
+"""The rank-routing rule: which prefill rank each decode rank reads which KV chunks from.
+
+A chunk g is tokens [g*blockSize, (g+1)*blockSize). Rank r of a side with dcp holds chunk g iff
+dcp == 1 or g % dcp == r. Every decode rank must end with exactly the chunks it holds, each read
+once, and every prefill rank must learn when it may free the request's blocks.
+"""
+
+from __future__ import annotations
+
+from pdd_api.plan import (
+    ChunkRead,
+    DecodeRankPlan,
+    PrefillRankPlan,
+    RoutingCase,
+    RoutingPlan,
+    SidePlan,
+)
+
+
+def routing_case(prefill: SidePlan, decode: SidePlan) -> RoutingCase:
+    p = "sharded" if prefill.sharded else "replicated"
+    d = "sharded" if decode.sharded else "replicated"
+    return f"{p}-to-{d}"  # type: ignore[return-value]
+
+
+def reads_for(decode_rank: int, prefill: SidePlan, decode: SidePlan) -> list[ChunkRead]:
+    """The routing rule of DESIGN.md, in one place."""
+    dcp_p, dcp_d = prefill.decode_context_parallel_size, decode.decode_context_parallel_size
+    # Decode rank d holds chunks g % dcp_d == d (all chunks when dcp_d == 1).
+    d_mod, d_res = (dcp_d, decode_rank) if dcp_d > 1 else (1, 0)
+    if dcp_p == 1:
+        # Every prefill rank holds everything: spread the readers evenly over prefill ranks.
+        source = decode_rank * prefill.tensor_parallel_size // decode.tensor_parallel_size
+        return [ChunkRead(prefill_rank=source, chunk_modulus=d_mod, chunk_residue=d_res)]
+    if dcp_d <= dcp_p:
+        # Each of my chunk classes mod dcp_p lives on exactly one prefill rank.
+        return [
+            ChunkRead(prefill_rank=p, chunk_modulus=dcp_p, chunk_residue=p)
+            for p in range(dcp_p)
+            if p % dcp_d == d_res % dcp_d
+        ]
+    # Finer sharding on decode: my class mod dcp_d is a subset of one prefill rank's class.
+    return [ChunkRead(prefill_rank=decode_rank % dcp_p, chunk_modulus=dcp_d, chunk_residue=d_res)]
+
+
+def plan_routing(prefill: SidePlan, decode: SidePlan, block_size: int) -> RoutingPlan:
+    """Compute the whole plan; callers must have validated the sides (see validation.py)."""
+    decode_ranks: list[DecodeRankPlan] = []
+    notified: dict[int, int] = {p: 0 for p in range(prefill.tensor_parallel_size)}
+    for d in range(decode.tensor_parallel_size):
+        reads = reads_for(d, prefill, decode)
+        notifies = sorted({r.prefill_rank for r in reads})
+        decode_ranks.append(DecodeRankPlan(rank=d, reads=reads, notifies=notifies))
+        for p in notifies:
+            notified[p] += 1
+    # A prefill rank nobody reads from still holds blocks: some decode rank must release it.
+    for p, count in notified.items():
+        if count == 0:
+            d = p * decode.tensor_parallel_size // prefill.tensor_parallel_size
+            decode_ranks[d] = decode_ranks[d].model_copy(
+                update={"notifies": sorted([*decode_ranks[d].notifies, p])}
+            )
+            notified[p] = 1
+    prefill_ranks = [
+        PrefillRankPlan(rank=p, expected_notifications=n) for p, n in sorted(notified.items())
+    ]
+    return RoutingPlan(
+        case=routing_case(prefill, decode),
+        block_size=block_size,
+        prefill=prefill,
+        decode=decode,
+        decode_ranks=decode_ranks,
+        prefill_ranks=prefill_ranks,
+    )
+
+
+def chunks_read(plan: RoutingPlan, decode_rank: int, num_chunks: int) -> dict[int, int]:
+    """Chunk -> prefill rank it is read from, for a request of num_chunks chunks."""
+    out: dict[int, int] = {}
+    for read in plan.reads_of(decode_rank):
+        for g in range(read.chunk_residue, num_chunks, read.chunk_modulus):
+            out[g] = read.prefill_rank
+    return out
+
+
+def bytes_per_decode_rank(plan: RoutingPlan, num_tokens: int, bytes_per_token: int) -> list[int]:
+    """Bytes each decode rank receives for one request (last chunk may be partial)."""
+    bs = plan.block_size
+    num_chunks = -(-num_tokens // bs)
+    out = []
+    for d in range(plan.decode.tensor_parallel_size):
+        tokens = sum(
+            min(bs, num_tokens - g * bs) for g in chunks_read(plan, d, num_chunks)
+        )
+        out.append(tokens * bytes_per_token)
+    return out
