@@ -1,0 +1,159 @@
+"""The CRD, generated from the models and rules so schema, defaults and CEL never drift."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from pdd_api.models import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    PLURAL,
+    SHORT_NAME,
+    PDDeploymentSpec,
+    PDDeploymentStatus,
+)
+from pdd_api.rules import RULES
+
+_SCALARS = {int: "integer", str: "string", bool: "boolean", float: "number"}
+
+
+def _strip_optional(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+        return Union[tuple(args)]  # noqa: UP007
+    return annotation
+
+
+def type_schema(annotation: Any) -> dict[str, Any]:
+    annotation = _strip_optional(annotation)
+    origin = get_origin(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return object_schema(annotation)
+    if annotation in _SCALARS:
+        return {"type": _SCALARS[annotation]}
+    if origin is Literal:
+        values = list(get_args(annotation))
+        return {"type": _SCALARS[type(values[0])], "enum": values}
+    if origin is list:
+        return {"type": "array", "items": type_schema(get_args(annotation)[0])}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": type_schema(get_args(annotation)[1])}
+    if origin in (Union, types.UnionType) and set(get_args(annotation)) == {int, str}:
+        return {"x-kubernetes-int-or-string": True}
+    raise TypeError(f"no CRD schema for {annotation!r}")
+
+
+def _field_schema(field: FieldInfo) -> dict[str, Any]:
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if extra.get("x-kubernetes-preserve-unknown-fields"):
+        schema: dict[str, Any] = {"type": "object", **extra}
+    else:
+        schema = type_schema(field.annotation)
+        schema.update(extra)
+    if field.description:
+        schema = {"description": field.description, **schema}
+    default = None if field.is_required() else field.get_default(call_default_factory=True)
+    if isinstance(default, BaseModel):
+        schema["default"] = {}
+    elif default is not None:
+        schema["default"] = default
+    return schema
+
+
+def object_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": {}}
+    required = []
+    for name, field in model.model_fields.items():
+        schema["properties"][name] = _field_schema(field)
+        if field.is_required():
+            required.append(name)
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = object_schema(PDDeploymentSpec)
+    schema["description"] = (
+        "Desired prefill/decode deployment. Validated by CEL here, by the operator's webhook "
+        "and by `pdd validate`, with the same messages."
+    )
+    schema["x-kubernetes-validations"] = [rule.cel() for rule in RULES]
+    return schema
+
+
+def _ready_column(name: str, ctype: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="{ctype}")].status',
+    }
+
+
+def crd() -> dict[str, Any]:
+    status = object_schema(PDDeploymentStatus)
+    status["description"] = "Observed state, written by the operator."
+    columns = [
+        {"name": "P-TP", "type": "integer", "jsonPath": ".spec.prefill.tensorParallelSize"},
+        {"name": "P-DCP", "type": "integer",
+         "jsonPath": ".spec.prefill.decodeContextParallelSize"},
+        {"name": "D-TP", "type": "integer", "jsonPath": ".spec.decode.tensorParallelSize"},
+        {"name": "D-DCP", "type": "integer", "jsonPath": ".spec.decode.decodeContextParallelSize"},
+        {"name": "Case", "type": "string", "jsonPath": ".status.routingCase"},
+        _ready_column("Ready", "Ready"),
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+        "spec": {
+            "group": API_GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": [SHORT_NAME],
+                "categories": ["all"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "PDDeployment runs prefill/decode disaggregated "
+                            "inference of an MLA model with decode context parallelism, "
+                            "handing KV from prefill to decode over NIXL.",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": status,
+                            },
+                            "required": ["spec"],
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    return yaml.safe_dump(crd(), sort_keys=False, width=100)

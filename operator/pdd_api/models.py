@@ -1,0 +1,212 @@
+"""PDDeployment spec and status (contract: DESIGN.md "The custom resource").
+
+Field names are the CRD's (camelCase) so one model drives validation, the CRD schema and the
+operator's builders. Structural checks (types, unknown fields, required fields) live here; value
+rules with their designed messages live in rules.py, shared with the CRD's CEL.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_GROUP = "serving.pdd.dev"
+API_VERSION = "v1alpha1"
+KIND = "PDDeployment"
+PLURAL = "pddeployments"
+SHORT_NAME = "pdd"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# CRD-only schema hints carried on fields (see crd.py).
+PRESERVE_UNKNOWN = {"x-kubernetes-preserve-unknown-fields": True}
+
+
+class _Strict(BaseModel):
+    """Unknown fields are errors and nothing is coerced: what the API server would accept."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSpec(_Strict):
+    name: str = Field(
+        description="Model served by the sidecars, a Hugging Face id such as "
+        "deepseek-ai/DeepSeek-V2-Lite-Chat. Used for the compatibility handshake."
+    )
+    source: str | None = Field(
+        default=None,
+        description="Where the sidecars load weights from: a directory inside the container "
+        "(a Hugging Face format DeepSeek-V2 checkpoint). Absent: the built-in tiny model.",
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        default="bfloat16", description="Compute and KV-cache dtype of both roles."
+    )
+
+
+class KVTransferSpec(_Strict):
+    backend: Literal["UCX"] = Field(
+        default="UCX", description="NIXL backend that moves KV blocks from prefill to decode."
+    )
+    sideChannelPort: int = Field(
+        default=5600,
+        description="Base port of the per-rank side channel (HTTP): rank r listens on "
+        "sideChannelPort + r and publishes its NIXL agent metadata there.",
+    )
+
+
+class ResourceRequirements(_Strict):
+    limits: dict[str, int | str] | None = Field(
+        default=None,
+        description="Resource limits of the sidecar container (Kubernetes quantities). "
+        "nvidia.com/gpu, when set, must equal tensorParallelSize."
+    )
+    requests: dict[str, int | str] | None = Field(
+        default=None,
+        description="Resource requests of the sidecar container (Kubernetes quantities). "
+        "nvidia.com/gpu, when set, must equal tensorParallelSize."
+    )
+
+
+class Toleration(_Strict):
+    key: str | None = Field(default=None, description="Taint key the toleration applies to.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal (default Equal)."
+    )
+    value: str | None = Field(default=None, description="Taint value to match with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty matches all."
+    )
+    tolerationSeconds: int | None = Field(
+        default=None, description="How long a NoExecute taint is tolerated."
+    )
+
+
+class EnvVar(_Strict):
+    name: str = Field(description="Environment variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    valueFrom: dict[str, Any] | None = Field(
+        default=None,
+        description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...).",
+        json_schema_extra=PRESERVE_UNKNOWN,
+    )
+
+
+class RoleSpec(_Strict):
+    replicas: int = Field(default=1, description="Instances of this role; each is one Pod.")
+    tensorParallelSize: int = Field(
+        default=1, description="TP ranks per instance (one process and one GPU per rank)."
+    )
+    decodeContextParallelSize: int = Field(
+        default=1,
+        description="DCP size: 1 keeps the latent KV replicated on every rank, "
+        "tensorParallelSize shards it by block across the ranks.",
+    )
+    resources: ResourceRequirements | None = Field(
+        default=None,
+        description="Container resources. Without an nvidia.com/gpu entry the operator asks "
+        "for tensorParallelSize GPUs.",
+    )
+    nodeSelector: dict[str, str] | None = Field(
+        default=None, description="Node labels the role's pods must match."
+    )
+    tolerations: list[Toleration] | None = Field(
+        default=None, description="Taints the role's pods tolerate (GPU nodes often have some)."
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="A Kubernetes Affinity object for the role's pods.",
+        json_schema_extra=PRESERVE_UNKNOWN,
+    )
+    env: list[EnvVar] | None = Field(
+        default=None, description="Extra environment for the sidecar (contract PDD_* win)."
+    )
+    extraArgs: list[str] | None = Field(
+        default=None, description="Extra command-line arguments appended to the sidecar's."
+    )
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Pull policy of the sidecar image."
+    )
+    priorityClassName: str | None = Field(
+        default=None, description="PriorityClass of the role's pods."
+    )
+
+
+class RouterSpec(_Strict):
+    enabled: bool = Field(
+        default=True,
+        description="Run the router Deployment and Service named after the PDDeployment "
+        "(the user-facing /v1/completions endpoint).",
+    )
+    replicas: int = Field(default=1, description="Router pods.")
+    resources: ResourceRequirements | None = Field(
+        default=None, description="Router container resources."
+    )
+
+
+class RolloutSpec(_Strict):
+    maxUnavailable: int = Field(
+        default=1,
+        description="Pods of a role replaced at once when a change needs new pods (parallelism, "
+        "block size, image, model). A role of several replicas always keeps one serving.",
+    )
+
+
+class PDDeploymentSpec(_Strict):
+    model: ModelSpec = Field(description="What the sidecars serve.")
+    image: str = Field(description="Sidecar image (runs the prefill, decode and router roles).")
+    blockSize: int = Field(
+        default=64,
+        description="Tokens per KV block on both sides; DCP interleaves at block granularity.",
+    )
+    kvTransfer: KVTransferSpec = Field(
+        default_factory=KVTransferSpec, description="How KV moves from prefill to decode."
+    )
+    prefill: RoleSpec = Field(description="Prefill instances: run prompts, hold KV until read.")
+    decode: RoleSpec = Field(description="Decode instances: read KV per the routing plan, decode.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The request router.")
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec, description="How pods are replaced when the spec changes."
+    )
+
+
+class Condition(BaseModel):
+    """Kubernetes condition conventions (kstatus, kubectl wait)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(description="Validated, RoutingReady, PrefillAvailable, DecodeAvailable "
+                      "or Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason for the last transition.")
+    message: str = Field(default="", description="What a person needs to know.")
+    lastTransitionTime: str = Field(description="When status last changed (RFC 3339).")
+    observedGeneration: int | None = Field(
+        default=None, description="Generation of the spec this condition describes."
+    )
+
+
+class RoleStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(default=0, description="Pods that exist for the role.")
+    readyReplicas: int = Field(default=0, description="Pods that are Ready.")
+    updatedReplicas: int = Field(default=0, description="Pods running the current spec.")
+
+
+class PDDeploymentStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    observedGeneration: int | None = Field(
+        default=None, description="Generation the operator last reconciled."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="Current state.")
+    prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
+    decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
+    routingCase: str | None = Field(default=None, description="The routing case of the plan.")
+    routingSummary: str | None = Field(
+        default=None, description="Which decode rank reads which prefill ranks, e.g. "
+        "`D0 <- P0,P2; D1 <- P1,P3`."
+    )
+
+
+ROLES: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")

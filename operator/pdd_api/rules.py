@@ -1,0 +1,252 @@
+"""Value rules of a PDDeployment spec, each stated once and rendered twice: as a Python check
+(`pdd validate`, the admission webhook, the operator) and as a CEL rule of the CRD, with the same
+message, so a GitOps dry run, the webhook and the CLI agree word for word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdd_api.models import GPU_RESOURCE, ROLES, PDDeploymentSpec
+
+MAX_TP = 64
+MAX_REPLICAS = 64
+MAX_BLOCK_SIZE = 1024
+BLOCK_ALIGN = 16
+
+
+def default_of(path: str) -> Any:
+    """The model's default for a dotted spec path, so rules see what the API server would."""
+    model: Any = PDDeploymentSpec
+    value: Any = None
+    for part in path.split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        value = field.get_default(call_default_factory=True)
+        annotation = field.annotation
+        model = next(
+            (a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")),
+            None,
+        )
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def lookup(spec: Mapping[str, Any], path: str) -> Any:
+    """The value at a dotted path, the model default when absent, None when not reachable."""
+    node: Any = spec
+    for part in path.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        if part not in node:
+            return default_of(path)
+        node = node[part]
+    return node
+
+
+def _int(spec: Mapping[str, Any], path: str) -> int | None:
+    v = lookup(spec, path)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _cel_guard(path: str) -> str:
+    """`!has(self.a) || !has(self.a.b) || ` for spec path a.b."""
+    parts = path.split(".")
+    return "".join(f"!has(self.{'.'.join(parts[: i + 1])}) || " for i in range(len(parts)))
+
+
+class Rule(Protocol):
+    field: str  # dotted path under spec
+
+    def check(self, spec: Mapping[str, Any]) -> str | None: ...
+
+    def cel(self) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class RangeRule:
+    field: str
+    lo: int
+    hi: int
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        v = _int(spec, self.field)
+        if v is None or self.lo <= v <= self.hi:
+            return None
+        return f"spec.{self.field}: must be between {self.lo} and {self.hi}, got {v}"
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        return {
+            "rule": f"{_cel_guard(self.field)}({f} >= {self.lo} && {f} <= {self.hi})",
+            "messageExpression": f"'spec.{self.field}: must be between {self.lo} and {self.hi}, "
+            f"got ' + string({f})",
+            "fieldPath": f".{self.field}",
+            "reason": "FieldValueInvalid",
+        }
+
+
+@dataclass(frozen=True)
+class DcpRule:
+    """Per side, KV is either replicated (dcp 1) or fully sharded (dcp == tp); never partial."""
+
+    role: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.decodeContextParallelSize"
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        dcp, tp = _int(spec, self.field), _int(spec, f"{self.role}.tensorParallelSize")
+        if dcp is None or tp is None or dcp in (1, tp):
+            return None
+        return (
+            f"spec.{self.field}: must be 1 or equal to tensorParallelSize ({tp}), got {dcp}"
+        )
+
+    def cel(self) -> dict[str, str]:
+        d, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
+        return {
+            "rule": f"{_cel_guard(self.field)}!has({t}) || {d} == 1 || {d} == {t}",
+            "messageExpression": f"'spec.{self.field}: must be 1 or equal to tensorParallelSize ('"
+            f" + string({t}) + '), got ' + string({d})",
+            "fieldPath": f".{self.field}",
+            "reason": "FieldValueInvalid",
+        }
+
+
+@dataclass(frozen=True)
+class DcpDivideRule:
+    """The two sides' DCP sizes divide one another, so plain modulo routing is exact."""
+
+    field: str = "decode.decodeContextParallelSize"
+    other: str = "prefill.decodeContextParallelSize"
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        d, p = _int(spec, self.field), _int(spec, self.other)
+        if d is None or p is None or d < 1 or p < 1 or d % p == 0 or p % d == 0:
+            return None
+        return (
+            f"spec.{self.field}: must divide or be a multiple of spec.{self.other} ({p}), "
+            f"got {d}"
+        )
+
+    def cel(self) -> dict[str, str]:
+        d, p = f"self.{self.field}", f"self.{self.other}"
+        return {
+            "rule": f"{_cel_guard(self.field)}{_cel_guard(self.other)}{d} < 1 || {p} < 1 || "
+            f"{d} % {p} == 0 || {p} % {d} == 0",
+            "messageExpression": f"'spec.{self.field}: must divide or be a multiple of "
+            f"spec.{self.other} (' + string({p}) + '), got ' + string({d})",
+            "fieldPath": f".{self.field}",
+            "reason": "FieldValueInvalid",
+        }
+
+
+@dataclass(frozen=True)
+class BlockSizeRule:
+    field: str = "blockSize"
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        v = _int(spec, self.field)
+        if v is None or (0 < v <= MAX_BLOCK_SIZE and v % BLOCK_ALIGN == 0):
+            return None
+        return (
+            f"spec.{self.field}: must be a positive multiple of {BLOCK_ALIGN} and at most "
+            f"{MAX_BLOCK_SIZE}, got {v}"
+        )
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        return {
+            "rule": f"{_cel_guard(self.field)}({f} > 0 && {f} <= {MAX_BLOCK_SIZE} && "
+            f"{f} % {BLOCK_ALIGN} == 0)",
+            "messageExpression": f"'spec.{self.field}: must be a positive multiple of "
+            f"{BLOCK_ALIGN} and at most {MAX_BLOCK_SIZE}, got ' + string({f})",
+            "fieldPath": f".{self.field}",
+            "reason": "FieldValueInvalid",
+        }
+
+
+@dataclass(frozen=True)
+class GpuRule:
+    """One GPU per TP rank: a GPU count that differs from TP strands GPUs or starves ranks."""
+
+    role: str
+    kind: str  # limits | requests
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.resources.{self.kind}"
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        amounts = lookup(spec, self.field)
+        tp = _int(spec, f"{self.role}.tensorParallelSize")
+        if not isinstance(amounts, Mapping) or GPU_RESOURCE not in amounts or tp is None:
+            return None
+        v = amounts[GPU_RESOURCE]
+        if str(v) == str(tp):
+            return None
+        return (
+            f"spec.{self.field}[{GPU_RESOURCE}]: must equal tensorParallelSize ({tp}), got {v}"
+        )
+
+    def cel(self) -> dict[str, str]:
+        m, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
+        v = f"{m}['{GPU_RESOURCE}']"
+        return {
+            "rule": f"{_cel_guard(self.field)}!has({t}) || !('{GPU_RESOURCE}' in {m}) || "
+            f"string({v}) == string({t})",
+            "messageExpression": f"'spec.{self.field}[{GPU_RESOURCE}]: must equal "
+            f"tensorParallelSize (' + string({t}) + '), got ' + string({v})",
+            "fieldPath": f".{self.field}",
+            "reason": "FieldValueInvalid",
+        }
+
+
+@dataclass(frozen=True)
+class NonEmptyRule:
+    field: str
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        v = lookup(spec, self.field)
+        if not isinstance(v, str) or v:
+            return None
+        return f"spec.{self.field}: must not be empty"
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        return {
+            "rule": f"{_cel_guard(self.field)}{f}.size() > 0",
+            "messageExpression": f"'spec.{self.field}: must not be empty'",
+            "fieldPath": f".{self.field}",
+            "reason": "FieldValueRequired",
+        }
+
+
+def _rules() -> tuple[Rule, ...]:
+    rules: list[Rule] = [NonEmptyRule("model.name"), NonEmptyRule("image"), BlockSizeRule()]
+    for role in ROLES:
+        rules += [
+            RangeRule(f"{role}.replicas", 1, MAX_REPLICAS),
+            RangeRule(f"{role}.tensorParallelSize", 1, MAX_TP),
+            DcpRule(role),
+            GpuRule(role, "limits"),
+            GpuRule(role, "requests"),
+        ]
+    rules += [
+        DcpDivideRule(),
+        RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
+        RangeRule("router.replicas", 1, 16),
+        RangeRule("rollout.maxUnavailable", 1, MAX_REPLICAS),
+    ]
+    return tuple(rules)
+
+
+RULES: tuple[Rule, ...] = _rules()
+
+
+def check_rules(spec: Mapping[str, Any]) -> list[str]:
+    return [m for m in (r.check(spec) for r in RULES) if m is not None]

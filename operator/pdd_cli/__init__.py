@@ -1,0 +1,1 @@
+"""The `pdd` command line: validate, plan, crd, generate."""
