@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
 
 API_GROUP = "serving.pdd.dev"
 API_VERSION = "v1alpha1"
@@ -19,7 +20,7 @@ SHORT_NAME = "pdd"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # CRD-only schema hints carried on fields (see crd.py).
-PRESERVE_UNKNOWN = {"x-kubernetes-preserve-unknown-fields": True}
+PRESERVE_UNKNOWN: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
 
 
 class _Strict(BaseModel):

@@ -57,7 +57,7 @@ class PrefillRankPlan(_Camel):
 
 
 class RoutingPlan(_Camel):
-    version: Literal[1] = PLAN_VERSION
+    version: Literal[1] = 1
     case: RoutingCase
     block_size: int = Field(ge=1)
     prefill: SidePlan

@@ -94,3 +94,33 @@ def bytes_per_decode_rank(plan: RoutingPlan, num_tokens: int, bytes_per_token: i
         )
         out.append(tokens * bytes_per_token)
     return out
+
+
+def load_plan(text: str | bytes) -> RoutingPlan:
+    """Parse a routing file and refuse any plan that differs from the rule's own output.
+
+    A sidecar that followed a hand-edited or stale plan could read a chunk twice or never, so
+    it must not start on one.
+    """
+    plan = RoutingPlan.from_json(text)
+    p, d = plan.prefill, plan.decode
+    for side_name, side in (("prefill", p), ("decode", d)):
+        if side.decode_context_parallel_size not in (1, side.tensor_parallel_size):
+            raise ValueError(
+                f"malformed routing plan: {side_name}.decodeContextParallelSize must be 1 or "
+                f"{side.tensor_parallel_size}, got {side.decode_context_parallel_size}"
+            )
+    a, b = p.decode_context_parallel_size, d.decode_context_parallel_size
+    if a % b and b % a:
+        raise ValueError(
+            f"malformed routing plan: decodeContextParallelSize {a} (prefill) and {b} (decode) "
+            "do not divide one another"
+        )
+    expected = plan_routing(p, d, plan.block_size)
+    if plan != expected:
+        raise ValueError(
+            "mismatched routing plan: it differs from the rule for "
+            f"P TP{p.tensor_parallel_size}/DCP{a} -> D TP{d.tensor_parallel_size}/DCP{b}; "
+            f"expected {expected.to_json()}"
+        )
+    return plan

@@ -27,10 +27,8 @@ def default_of(path: str) -> Any:
             return None
         value = field.get_default(call_default_factory=True)
         annotation = field.annotation
-        model = next(
-            (a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")),
-            None,
-        )
+        members = getattr(annotation, "__args__", (annotation,))
+        model = next((a for a in members if hasattr(a, "model_fields")), None)
     return value.model_dump() if hasattr(value, "model_dump") else value
 
 
@@ -58,7 +56,8 @@ def _cel_guard(path: str) -> str:
 
 
 class Rule(Protocol):
-    field: str  # dotted path under spec
+    @property
+    def field(self) -> str: ...  # dotted path under spec
 
     def check(self, spec: Mapping[str, Any]) -> str | None: ...
 
@@ -100,7 +99,7 @@ class DcpRule:
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         dcp, tp = _int(spec, self.field), _int(spec, f"{self.role}.tensorParallelSize")
-        if dcp is None or tp is None or dcp in (1, tp):
+        if dcp is None or tp is None or tp < 1 or dcp in (1, tp):
             return None
         return (
             f"spec.{self.field}: must be 1 or equal to tensorParallelSize ({tp}), got {dcp}"
@@ -109,7 +108,7 @@ class DcpRule:
     def cel(self) -> dict[str, str]:
         d, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
         return {
-            "rule": f"{_cel_guard(self.field)}!has({t}) || {d} == 1 || {d} == {t}",
+            "rule": f"{_cel_guard(self.field)}!has({t}) || {t} < 1 || {d} == 1 || {d} == {t}",
             "messageExpression": f"'spec.{self.field}: must be 1 or equal to tensorParallelSize ('"
             f" + string({t}) + '), got ' + string({d})",
             "fieldPath": f".{self.field}",
