@@ -1,0 +1,206 @@
+"""Every environment variable and label key the sidecar runtime reads, in one place.
+
+The operator sets these on prefill/decode/router pods; tests set them on local processes. Names in
+the first block are the DESIGN.md contract; the rest are runtime knobs with defaults that work in
+a pod (fixed ports) and can be overridden so several instances share one machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# --- contract (DESIGN.md "Sidecar env") ---
+PDD_ROLE = "PDD_ROLE"
+PDD_REPLICA = "PDD_REPLICA"
+PDD_TP_SIZE = "PDD_TP_SIZE"
+PDD_DCP_SIZE = "PDD_DCP_SIZE"
+PDD_BLOCK_SIZE = "PDD_BLOCK_SIZE"
+PDD_ROUTING_FILE = "PDD_ROUTING_FILE"
+PDD_SIDE_CHANNEL_PORT = "PDD_SIDE_CHANNEL_PORT"
+POD_IP = "POD_IP"
+
+# --- runtime knobs of prefill/decode instances ---
+PDD_HTTP_PORT = "PDD_HTTP_PORT"  # instance API (/v1/prefill, /v1/decode, /healthz, ...)
+PDD_BIND_HOST = "PDD_BIND_HOST"  # address the HTTP servers listen on
+PDD_DIST_PORT = "PDD_DIST_PORT"  # torch.distributed rendezvous of the instance's ranks
+PDD_MODEL = "PDD_MODEL"  # "builtin" or a Hugging Face DeepSeek-V2 checkpoint directory
+PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
+PDD_DTYPE = "PDD_DTYPE"  # float32 | bfloat16
+PDD_DEVICE = "PDD_DEVICE"  # cpu | cuda (rank r uses cuda:r)
+PDD_NUM_BLOCKS = "PDD_NUM_BLOCKS"  # KV cache blocks per rank
+PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"  # prefill frees unclaimed blocks after this
+PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (decode side)
+PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
+PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
+PDD_PREFILL_PEERS = "PDD_PREFILL_PEERS"  # decode: prefill instances to handshake for /readyz
+PDD_LOG_LEVEL = "PDD_LOG_LEVEL"
+# Fault injection for tests only: decode pauses this long between its per-peer reads.
+PDD_FAULT_PAUSE_BETWEEN_READS_S = "PDD_FAULT_PAUSE_BETWEEN_READS_S"
+
+# --- router ---
+PDD_ROUTER_PORT = "PDD_ROUTER_PORT"
+PDD_ROUTER_PREFILL = "PDD_ROUTER_PREFILL"  # comma list of host:port (static replicas)
+PDD_ROUTER_DECODE = "PDD_ROUTER_DECODE"
+PDD_ROUTER_PREFILL_SERVICE = "PDD_ROUTER_PREFILL_SERVICE"  # headless Service DNS name
+PDD_ROUTER_DECODE_SERVICE = "PDD_ROUTER_DECODE_SERVICE"
+PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
+PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
+
+# --- label keys (DESIGN.md) ---
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_REPLICA = "serving.pdd.dev/replica"
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+DEFAULT_DIST_PORT = 29500
+DEFAULT_ROUTER_PORT = 8080
+ROLES = ("prefill", "decode")
+
+
+class ConfigError(ValueError):
+    """The environment cannot describe a working instance; the message names the variable."""
+
+
+def _int(env: Mapping[str, str], key: str, default: int | None, minimum: int = 0) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigError(f"{key}: required, not set")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{key}: must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], key: str, default: float) -> float:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{key}: must be a number, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {value}")
+    return value
+
+
+def parse_peers(raw: str | None) -> list[str]:
+    """`host:port,host:port` -> list; empty entries are ignored."""
+    return [p.strip() for p in (raw or "").split(",") if p.strip()]
+
+
+@dataclass(frozen=True)
+class InstanceSettings:
+    role: str
+    replica: int
+    tp: int
+    dcp: int
+    block_size: int
+    routing_file: str
+    side_channel_port: int
+    pod_ip: str
+    http_port: int
+    bind_host: str
+    dist_port: int
+    model: str
+    model_seed: int
+    dtype: str
+    device: str
+    num_blocks: int
+    lease_seconds: float
+    transfer_timeout_s: float
+    handshake_timeout_s: float
+    notif_poll_s: float
+    prefill_peers: list[str] = field(default_factory=list)
+    fault_pause_between_reads_s: float = 0.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> InstanceSettings:
+        env = os.environ if env is None else env
+        role = env.get(PDD_ROLE, "")
+        if role not in ROLES:
+            raise ConfigError(f"{PDD_ROLE}: must be one of {', '.join(ROLES)}, got {role!r}")
+        tp = _int(env, PDD_TP_SIZE, None, 1)
+        dcp = _int(env, PDD_DCP_SIZE, 1, 1)
+        if dcp not in (1, tp):
+            raise ConfigError(
+                f"{PDD_DCP_SIZE}: must be 1 or equal to {PDD_TP_SIZE} ({tp}), got {dcp}"
+            )
+        routing_file = env.get(PDD_ROUTING_FILE, "")
+        if not routing_file:
+            raise ConfigError(f"{PDD_ROUTING_FILE}: required, not set")
+        dtype = env.get(PDD_DTYPE, "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{PDD_DTYPE}: must be float32, bfloat16 or float16, got {dtype!r}")
+        device = env.get(PDD_DEVICE, "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"{PDD_DEVICE}: must be cpu or cuda, got {device!r}")
+        side = _int(env, PDD_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT, 1)
+        return cls(
+            role=role,
+            replica=_int(env, PDD_REPLICA, 0),
+            tp=tp,
+            dcp=dcp,
+            block_size=_int(env, PDD_BLOCK_SIZE, None, 1),
+            routing_file=routing_file,
+            side_channel_port=side,
+            pod_ip=env.get(POD_IP, "") or "127.0.0.1",
+            http_port=_int(env, PDD_HTTP_PORT, DEFAULT_HTTP_PORT, 1),
+            bind_host=env.get(PDD_BIND_HOST, "") or "0.0.0.0",
+            dist_port=_int(env, PDD_DIST_PORT, DEFAULT_DIST_PORT, 1),
+            model=env.get(PDD_MODEL, "") or "builtin",
+            model_seed=_int(env, PDD_MODEL_SEED, 0),
+            dtype=dtype,
+            device=device,
+            num_blocks=_int(env, PDD_NUM_BLOCKS, 1024, 1),
+            lease_seconds=_float(env, PDD_LEASE_SECONDS, 30.0),
+            transfer_timeout_s=_float(env, PDD_TRANSFER_TIMEOUT_S, 30.0),
+            handshake_timeout_s=_float(env, PDD_HANDSHAKE_TIMEOUT_S, 5.0),
+            notif_poll_s=_float(env, PDD_NOTIF_POLL_S, 0.02),
+            prefill_peers=parse_peers(env.get(PDD_PREFILL_PEERS)),
+            fault_pause_between_reads_s=_float(env, PDD_FAULT_PAUSE_BETWEEN_READS_S, 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    port: int
+    bind_host: str
+    prefill: list[str]
+    decode: list[str]
+    prefill_service: str
+    decode_service: str
+    health_interval_s: float
+    request_timeout_s: float
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
+        env = os.environ if env is None else env
+        settings = cls(
+            port=_int(env, PDD_ROUTER_PORT, DEFAULT_ROUTER_PORT, 1),
+            bind_host=env.get(PDD_BIND_HOST, "") or "0.0.0.0",
+            prefill=parse_peers(env.get(PDD_ROUTER_PREFILL)),
+            decode=parse_peers(env.get(PDD_ROUTER_DECODE)),
+            prefill_service=env.get(PDD_ROUTER_PREFILL_SERVICE, ""),
+            decode_service=env.get(PDD_ROUTER_DECODE_SERVICE, ""),
+            health_interval_s=_float(env, PDD_ROUTER_HEALTH_INTERVAL_S, 2.0),
+            request_timeout_s=_float(env, PDD_ROUTER_REQUEST_TIMEOUT_S, 120.0),
+        )
+        if not (settings.prefill or settings.prefill_service):
+            raise ConfigError(
+                f"{PDD_ROUTER_PREFILL} or {PDD_ROUTER_PREFILL_SERVICE}: one is required"
+            )
+        if not (settings.decode or settings.decode_service):
+            raise ConfigError(
+                f"{PDD_ROUTER_DECODE} or {PDD_ROUTER_DECODE_SERVICE}: one is required"
+            )
+        return settings

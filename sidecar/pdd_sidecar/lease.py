@@ -1,0 +1,96 @@
+"""Prefill-side bookkeeping of blocks held for a decode that may never come.
+
+A prefill instance keeps a request's blocks until every rank has received the notifications the
+plan promises it (`expectedNotifications`); if the decode instance dies or the router gives up,
+the lease returns the blocks after `lease_seconds`. Time is passed in, so the table is pure.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+NOTIF_PREFIX = b"pdd1:"
+
+
+def notif_message(request_id: str) -> bytes:
+    return NOTIF_PREFIX + request_id.encode()
+
+
+def parse_notif(message: bytes) -> str | None:
+    if not message.startswith(NOTIF_PREFIX):
+        return None
+    return message[len(NOTIF_PREFIX) :].decode(errors="replace")
+
+
+@dataclass
+class Held:
+    request_id: str
+    blocks: list[int]
+    deadline: float
+    pending: dict[int, int] = field(default_factory=dict)  # rank -> notifications still due
+
+
+class LeaseTable:
+    """Requests whose blocks a prefill instance holds, released by notifications or by time."""
+
+    def __init__(self, lease_seconds: float, expected: dict[int, int]) -> None:
+        self.lease_seconds = lease_seconds
+        self.expected = dict(expected)
+        self._held: dict[str, Held] = {}
+        self.expired_total = 0
+        self.released_total = 0
+        self.stray_notifications = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self._held.values())
+
+    def hold(self, request_id: str, blocks: list[int], now: float) -> None:
+        if request_id in self._held:
+            raise ValueError(f"request {request_id} already holds blocks")
+        self._held[request_id] = Held(
+            request_id, list(blocks), now + self.lease_seconds, dict(self.expected)
+        )
+
+    def notified(self, request_id: str, rank: int) -> Held | None:
+        """Count one notification; return the request once nothing more is due."""
+        held = self._held.get(request_id)
+        if held is None or held.pending.get(rank, 0) <= 0:
+            self.stray_notifications += 1
+            return None
+        held.pending[rank] -= 1
+        if any(held.pending.values()):
+            return None
+        self.released_total += 1
+        return self._held.pop(request_id)
+
+    def release(self, request_id: str) -> Held | None:
+        return self._held.pop(request_id, None)
+
+    def expire(self, now: float) -> list[Held]:
+        gone = [h for h in self._held.values() if h.deadline <= now]
+        for h in gone:
+            del self._held[h.request_id]
+            self.expired_total += 1
+            due = {r: n for r, n in h.pending.items() if n}
+            log.warning(
+                "lease expired for request %s after %.1fs: freeing %d blocks, notifications "
+                "still due %s",
+                h.request_id,
+                self.lease_seconds,
+                len(h.blocks),
+                due,
+            )
+        return gone
+
+    def next_deadline(self) -> float | None:
+        return min((h.deadline for h in self._held.values()), default=None)

@@ -1,0 +1,455 @@
+"""KV hand-off over NIXL: one agent per rank, READs of exactly the chunks the plan assigns.
+
+Cost model (DESIGN.md measurements): per-request descriptor preparation dominates, so every
+block range a request can need is prepared once per agent (and once per remote agent), and a
+request picks entries by index. The prepared list holds, for each power of two s up to a cap,
+one descriptor per starting block covering s consecutive blocks; a coalesced run of n blocks then
+costs popcount(n) descriptors instead of n. The KV tensor is block-major, so consecutive block
+ids are one contiguous byte range.
+
+A request whose last chunk is partial moves only its filled tokens: that block is read row by row
+(one descriptor per layer) through a small unprepared transfer, so the bytes moved equal the
+plan's minimum exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LEVELS = 12  # runs of up to 2**11 blocks in one descriptor
+
+
+class TransferError(RuntimeError):
+    """A hand-off failed; the message names the peer."""
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """Where a rank's KV cache lives and how it is laid out; published on the side channel."""
+
+    addr: int
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    row_bytes: int  # one token of one layer
+    mem_type: str  # DRAM | VRAM
+    device_id: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.block_size * self.row_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RegionInfo:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+    @classmethod
+    def of_tensor(cls, kv: Any) -> RegionInfo:
+        """kv: [num_blocks, num_layers, block_size, latent], contiguous."""
+        if not kv.is_contiguous() or kv.dim() != 4:
+            raise ValueError(f"KV cache must be a contiguous 4-d tensor, got {tuple(kv.shape)}")
+        nb, layers, bs, latent = kv.shape
+        device_id = kv.get_device()
+        return cls(
+            addr=kv.data_ptr(),
+            num_blocks=nb,
+            num_layers=layers,
+            block_size=bs,
+            row_bytes=latent * kv.element_size(),
+            mem_type="DRAM" if device_id < 0 else "VRAM",
+            device_id=max(device_id, 0),
+        )
+
+
+# ---------------------------------------------------------------- pure descriptor arithmetic
+
+
+@dataclass(frozen=True)
+class Run:
+    """n consecutive blocks from remote_start onto local_start."""
+
+    remote_start: int
+    local_start: int
+    n: int
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The partial last chunk: ntokens filled tokens of one block."""
+
+    remote_block: int
+    local_block: int
+    ntokens: int
+
+
+@dataclass
+class ReadSpec:
+    """Everything one decode rank reads from one prefill rank for one request."""
+
+    prefill_rank: int
+    runs: list[Run] = field(default_factory=list)
+    tail: Tail | None = None
+    chunks: list[int] = field(default_factory=list)
+
+    @property
+    def full_blocks(self) -> int:
+        return sum(r.n for r in self.runs)
+
+
+def coalesce(pairs: Iterable[tuple[int, int]]) -> list[Run]:
+    """(remote, local) block pairs in chunk order -> maximal runs consecutive on both sides."""
+    runs: list[Run] = []
+    for remote, local in pairs:
+        if runs:
+            last = runs[-1]
+            if remote == last.remote_start + last.n and local == last.local_start + last.n:
+                runs[-1] = Run(last.remote_start, last.local_start, last.n + 1)
+                continue
+        runs.append(Run(remote, local, 1))
+    return runs
+
+
+def pow2_pieces(n: int, max_levels: int) -> list[tuple[int, int]]:
+    """Split n blocks into (offset, level) pieces of 2**level blocks, largest first."""
+    pieces: list[tuple[int, int]] = []
+    offset = 0
+    top = max_levels - 1
+    while n > 0:
+        level = min(n.bit_length() - 1, top)
+        pieces.append((offset, level))
+        offset += 1 << level
+        n -= 1 << level
+    return pieces
+
+
+def plan_read_specs(
+    reads: Sequence[Any],
+    num_tokens: int,
+    block_size: int,
+    prefill_dcp: int,
+    decode_dcp: int,
+    prefill_blocks: Sequence[int],
+    decode_blocks: Sequence[int],
+) -> list[ReadSpec]:
+    """Chunk g of the plan's reads: prefill block table[g // dcpP] -> decode table[g // dcpD].
+
+    `reads` are the plan's ChunkRead entries for one decode rank (prefill_rank, chunk_modulus,
+    chunk_residue); one ReadSpec per entry, in plan order, even when it covers no chunk.
+    """
+    num_chunks = -(-num_tokens // block_size)
+    partial = num_tokens % block_size
+    specs = []
+    for read in reads:
+        spec = ReadSpec(prefill_rank=read.prefill_rank)
+        pairs = []
+        for g in range(read.chunk_residue, num_chunks, read.chunk_modulus):
+            spec.chunks.append(g)
+            remote = prefill_blocks[g // prefill_dcp]
+            local = decode_blocks[g // decode_dcp]
+            if partial and g == num_chunks - 1:
+                spec.tail = Tail(remote, local, partial)
+            else:
+                pairs.append((remote, local))
+        spec.runs = coalesce(pairs)
+        specs.append(spec)
+    return specs
+
+
+class PreppedBlocks:
+    """Index arithmetic of a prepared list: level k, start block i -> descriptor index."""
+
+    def __init__(self, num_blocks: int, max_levels: int = DEFAULT_MAX_LEVELS) -> None:
+        self.num_blocks = num_blocks
+        self.levels = max(1, min(max_levels, num_blocks.bit_length()))
+        self.offsets = [0]
+        for k in range(self.levels):
+            self.offsets.append(self.offsets[-1] + num_blocks - (1 << k) + 1)
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def index(self, level: int, start: int) -> int:
+        return self.offsets[level] + start
+
+    def descriptors(self, region: RegionInfo) -> np.ndarray:
+        """Nx3 (addr, len, device) rows in index order."""
+        bpb = region.bytes_per_block
+        rows = []
+        for k in range(self.levels):
+            count = self.num_blocks - (1 << k) + 1
+            block = np.empty((count, 3), dtype=np.uint64)
+            block[:, 0] = region.addr + np.arange(count, dtype=np.uint64) * np.uint64(bpb)
+            block[:, 1] = bpb << k
+            block[:, 2] = region.device_id
+            rows.append(block)
+        return np.concatenate(rows)
+
+    def indices(self, runs: Sequence[Run]) -> tuple[list[int], list[int]]:
+        local: list[int] = []
+        remote: list[int] = []
+        for run in runs:
+            for offset, level in pow2_pieces(run.n, self.levels):
+                local.append(self.index(level, run.local_start + offset))
+                remote.append(self.index(level, run.remote_start + offset))
+        return local, remote
+
+
+def tail_descriptors(region: RegionInfo, block: int, ntokens: int) -> list[tuple[int, int, int]]:
+    """The filled rows of one block: one descriptor per layer."""
+    base = region.addr + block * region.bytes_per_block
+    layer_bytes = region.block_size * region.row_bytes
+    return [
+        (base + layer * layer_bytes, ntokens * region.row_bytes, region.device_id)
+        for layer in range(region.num_layers)
+    ]
+
+
+def spec_bytes(spec: ReadSpec, region: RegionInfo) -> int:
+    tail = spec.tail.ntokens * region.row_bytes * region.num_layers if spec.tail else 0
+    return spec.full_blocks * region.bytes_per_block + tail
+
+
+# ---------------------------------------------------------------- NIXL
+
+
+@dataclass
+class RemotePeer:
+    key: str  # host:port of its side channel
+    agent_name: str
+    region: RegionInfo
+    prepped: Any  # nixl_prepped_dlist_handle
+
+
+@dataclass
+class ReadStats:
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    transfers: int = 0
+
+    def add(self, other: ReadStats) -> None:
+        self.bytes += other.bytes
+        self.descriptors += other.descriptors
+        self.seconds += other.seconds
+        self.transfers += other.transfers
+
+
+@dataclass
+class _Posted:
+    peer: RemotePeer
+    handles: list[Any]
+    stats: ReadStats
+
+
+class KVTransferAgent:
+    """One rank's NIXL agent with its KV cache registered and prepared once."""
+
+    def __init__(
+        self,
+        name: str,
+        kv: Any,
+        backends: Sequence[str] = ("UCX",),
+        max_levels: int = DEFAULT_MAX_LEVELS,
+    ) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.kv = kv
+        self.region = RegionInfo.of_tensor(kv)
+        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._reg = self.agent.register_memory(kv)
+        self.layout = PreppedBlocks(self.region.num_blocks, max_levels)
+        self._local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self.layout.descriptors(self.region), mem_type=self.region.mem_type
+        )
+        self.peers: dict[str, RemotePeer] = {}
+        self._remote_layouts: dict[str, PreppedBlocks] = {}
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    # -- peers
+
+    def connect(self, key: str, metadata: bytes, region: RegionInfo) -> RemotePeer:
+        """Load a remote agent and prepare its block list once; reused until it changes."""
+        known = self.peers.get(key)
+        if known is not None:
+            return known
+        if (region.num_layers, region.block_size, region.row_bytes) != (
+            self.region.num_layers,
+            self.region.block_size,
+            self.region.row_bytes,
+        ):
+            raise TransferError(
+                f"peer {key}: block layout (layers={region.num_layers}, "
+                f"block={region.block_size}, row={region.row_bytes}B) != local "
+                f"(layers={self.region.num_layers}, block={self.region.block_size}, "
+                f"row={self.region.row_bytes}B)"
+            )
+        name = self.agent.add_remote_agent(metadata)
+        agent_name = name.decode() if isinstance(name, bytes) else str(name)
+        layout = PreppedBlocks(region.num_blocks, self.layout.levels)
+        try:
+            prepped = self.agent.prep_xfer_dlist(
+                agent_name, layout.descriptors(region), mem_type=region.mem_type
+            )
+        except Exception:
+            self._forget_agent(agent_name)
+            raise
+        peer = RemotePeer(key=key, agent_name=agent_name, region=region, prepped=prepped)
+        self.peers[key] = peer
+        self._remote_layouts[key] = layout
+        return peer
+
+    def disconnect(self, key: str) -> None:
+        """Drop a peer (dead or restarted); the next request handshakes again."""
+        peer = self.peers.pop(key, None)
+        self._remote_layouts.pop(key, None)
+        if peer is None:
+            return
+        try:
+            self.agent.release_dlist_handle(peer.prepped)
+        except Exception as exc:  # a dead peer's list may refuse release
+            log.debug("release of %s's prepared list failed: %s", key, exc)
+        self._forget_agent(peer.agent_name)
+
+    def _forget_agent(self, agent_name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(agent_name)
+        except Exception as exc:
+            log.debug("remove_remote_agent(%s) failed: %s", agent_name, exc)
+
+    # -- reads
+
+    def _post(self, peer: RemotePeer, spec: ReadSpec) -> _Posted:
+        layout = self._remote_layouts[peer.key]
+        stats = ReadStats(bytes=spec_bytes(spec, self.region))
+        handles: list[Any] = []
+        posted = _Posted(peer, handles, stats)
+        try:
+            if spec.runs:
+                local_idx, _ = self.layout.indices(spec.runs)
+                _, remote_idx = layout.indices(spec.runs)
+                handle = self.agent.make_prepped_xfer(
+                    "READ", self._local, local_idx, peer.prepped, remote_idx
+                )
+                handles.append(handle)
+                stats.descriptors += len(local_idx)
+            if spec.tail is not None:
+                t = spec.tail
+                local = self.agent.get_xfer_descs(
+                    tail_descriptors(self.region, t.local_block, t.ntokens), self.region.mem_type
+                )
+                remote = self.agent.get_xfer_descs(
+                    tail_descriptors(peer.region, t.remote_block, t.ntokens), peer.region.mem_type
+                )
+                handles.append(self.agent.initialize_xfer("READ", local, remote, peer.agent_name))
+                stats.descriptors += self.region.num_layers
+            for handle in handles:
+                if self.agent.transfer(handle) == "ERR":
+                    raise TransferError(f"peer {peer.key}: NIXL READ failed to post")
+                stats.transfers += 1
+        except TransferError:
+            self._release(posted)
+            raise
+        except Exception as exc:
+            self._release(posted)
+            raise TransferError(f"peer {peer.key}: NIXL READ failed: {exc}") from exc
+        return posted
+
+    def _release(self, posted: _Posted) -> None:
+        for handle in posted.handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:
+                log.debug("release of a transfer from %s failed: %s", posted.peer.key, exc)
+        posted.handles.clear()
+
+    def _wait(self, posted: _Posted, deadline: float) -> None:
+        spins = 0
+        pending = list(posted.handles)
+        while pending:
+            still = []
+            for handle in pending:
+                try:
+                    state = self.agent.check_xfer_state(handle)
+                except Exception as exc:
+                    raise TransferError(f"peer {posted.peer.key}: NIXL READ failed: {exc}") from exc
+                if state == "ERR":
+                    raise TransferError(f"peer {posted.peer.key}: NIXL READ reported an error")
+                if state == "PROC":
+                    still.append(handle)
+            pending = still
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"peer {posted.peer.key}: NIXL READ did not complete within the transfer "
+                    f"timeout"
+                )
+            spins += 1
+            if spins > 100:
+                time.sleep(0.0002)
+
+    def read(
+        self,
+        work: Sequence[tuple[RemotePeer, ReadSpec]],
+        timeout_s: float,
+        pause_between_s: float = 0.0,
+    ) -> ReadStats:
+        """Post every peer's READ, then wait for all; raise TransferError naming the peer."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        posted: list[_Posted] = []
+        total = ReadStats()
+        try:
+            for peer, spec in work:
+                if not spec.runs and spec.tail is None:
+                    continue
+                if posted and pause_between_s:
+                    # Test hook: let a test kill the peer in the middle of a hand-off.
+                    self._wait(posted[-1], deadline)
+                    time.sleep(pause_between_s)
+                posted.append(self._post(peer, spec))
+            for p in posted:
+                self._wait(p, deadline)
+                total.add(p.stats)
+        finally:
+            for p in posted:
+                self._release(p)
+        total.seconds = time.monotonic() - start
+        return total
+
+    # -- notifications
+
+    def notify(self, peer: RemotePeer, message: bytes) -> None:
+        try:
+            self.agent.send_notif(peer.agent_name, message)
+        except Exception as exc:
+            raise TransferError(f"peer {peer.key}: notification failed: {exc}") from exc
+
+    def poll_notifs(self) -> list[bytes]:
+        out: list[bytes] = []
+        for messages in self.agent.get_new_notifs().values():
+            out.extend(messages)
+        return out
+
+    def close(self) -> None:
+        for key in list(self.peers):
+            self.disconnect(key)
+        try:
+            self.agent.release_dlist_handle(self._local)
+            self.agent.deregister_memory(self._reg)
+        except Exception as exc:
+            log.debug("agent %s teardown: %s", self.name, exc)

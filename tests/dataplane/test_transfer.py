@@ -1,0 +1,222 @@
+"""Transfer layer: descriptor arithmetic, and real NIXL READs between synthetic KV caches."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from pdd_api.plan import SidePlan  # noqa: E402
+from pdd_api.routing import bytes_per_decode_rank, plan_routing  # noqa: E402
+from pdd_sidecar.compat import CompatError, CompatRecord, check_compatible  # noqa: E402
+from pdd_sidecar.lease import LeaseTable, notif_message, parse_notif  # noqa: E402
+from pdd_sidecar.side_channel import (  # noqa: E402
+    PeerUnreachable,
+    SideChannelServer,
+    handshake,
+    publication,
+)
+from pdd_sidecar.transfer import (  # noqa: E402
+    KVTransferAgent,
+    PreppedBlocks,
+    Run,
+    coalesce,
+    plan_read_specs,
+    pow2_pieces,
+    spec_bytes,
+)
+
+pytestmark = pytest.mark.dataplane
+
+SIDES = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 4)]
+CONFIGS = list(itertools.product(SIDES, SIDES))
+LAYERS, BLOCK, LATENT, NUM_BLOCKS = 3, 4, 8, 48
+
+
+def test_coalesce_merges_runs_consecutive_on_both_sides() -> None:
+    pairs = [(0, 10), (1, 11), (2, 12), (5, 13), (6, 14), (7, 20)]
+    assert coalesce(pairs) == [Run(0, 10, 3), Run(5, 13, 2), Run(7, 20, 1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13, 64, 100])
+def test_pow2_pieces_cover_the_run_in_popcount_pieces(n: int) -> None:
+    pieces = pow2_pieces(n, max_levels=12)
+    assert len(pieces) == bin(n).count("1")
+    covered = [o + i for o, lvl in pieces for i in range(1 << lvl)]
+    assert covered == list(range(n))
+    capped = pow2_pieces(n, max_levels=2)
+    assert sum(1 << lvl for _, lvl in capped) == n and all(lvl <= 1 for _, lvl in capped)
+
+
+def test_prepped_indices_are_distinct_and_in_range() -> None:
+    layout = PreppedBlocks(num_blocks=10)
+    seen = {(lvl, s): layout.index(lvl, s) for lvl in range(layout.levels)
+            for s in range(10 - (1 << lvl) + 1)}
+    assert len(set(seen.values())) == len(seen) == len(layout)
+    assert max(seen.values()) == len(layout) - 1
+
+
+def _tables(num_chunks: int, dcp: int, offset: int) -> list[int]:
+    """A block table with a hole, so runs break and coalescing has work to do."""
+    n = -(-num_chunks // dcp)
+    return [offset + i + (3 if i >= n // 2 else 0) for i in range(n)]
+
+
+@pytest.mark.parametrize(("prefill", "decode"), CONFIGS, ids=lambda s: f"tp{s[0]}dcp{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 4, 9, 30])
+def test_read_specs_give_each_decode_rank_exactly_its_chunks(
+    prefill: tuple[int, int], decode: tuple[int, int], num_tokens: int
+) -> None:
+    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
+                                 decode_context_parallel_size=prefill[1]),
+                        SidePlan(tensor_parallel_size=decode[0],
+                                 decode_context_parallel_size=decode[1]), BLOCK)
+    num_chunks = -(-num_tokens // BLOCK)
+    ptable, dtable = _tables(num_chunks, prefill[1], 5), _tables(num_chunks, decode[1], 2)
+    row = LATENT * 4
+    from pdd_sidecar.transfer import RegionInfo
+
+    region = RegionInfo(0, NUM_BLOCKS, LAYERS, BLOCK, row, "DRAM", 0)
+    minimum = bytes_per_decode_rank(plan, num_tokens, LAYERS * row)
+    for d in range(decode[0]):
+        specs = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
+                                ptable, dtable)
+        chunks = sorted(g for s in specs for g in s.chunks)
+        held = [g for g in range(num_chunks) if decode[1] == 1 or g % decode[1] == d]
+        assert chunks == held
+        for s in specs:
+            for g in s.chunks:
+                assert prefill[1] == 1 or g % prefill[1] == s.prefill_rank
+        assert sum(spec_bytes(s, region) for s in specs) == minimum[d]
+
+
+# ---------------------------------------------------------------- real NIXL
+
+
+class _Rank:
+    def __init__(self, name: str) -> None:
+        self.kv = torch.zeros(NUM_BLOCKS, LAYERS, BLOCK, LATENT, dtype=torch.float32)
+        self.agent = KVTransferAgent(name, self.kv)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> tuple[list[_Rank], list[_Rank]]:
+    return [_Rank(f"p{i}") for i in range(4)], [_Rank(f"d{i}") for i in range(4)]
+
+
+def _content(g: int, num_tokens: int) -> torch.Tensor:
+    """Chunk g as [layers, block, latent]; rows past the prompt are -1 (must never arrive)."""
+    layer = torch.arange(LAYERS).view(-1, 1, 1) * 1000.0
+    tok = (g * BLOCK + torch.arange(BLOCK)).view(1, -1, 1).float()
+    lat = torch.arange(LATENT).view(1, 1, -1) * 0.01
+    out = (layer + tok + lat).expand(LAYERS, BLOCK, LATENT).clone()
+    filled = max(0, min(BLOCK, num_tokens - g * BLOCK))
+    out[:, filled:] = -1.0
+    return out
+
+
+@pytest.mark.parametrize(("prefill", "decode"), CONFIGS, ids=lambda s: f"tp{s[0]}dcp{s[1]}")
+def test_nixl_reads_move_exactly_the_plan(
+    ranks: tuple[list[_Rank], list[_Rank]], prefill: tuple[int, int], decode: tuple[int, int]
+) -> None:
+    pranks, dranks = ranks
+    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
+                                 decode_context_parallel_size=prefill[1]),
+                        SidePlan(tensor_parallel_size=decode[0],
+                                 decode_context_parallel_size=decode[1]), BLOCK)
+    for num_tokens in (3, 8, 22):
+        num_chunks = -(-num_tokens // BLOCK)
+        ptable, dtable = _tables(num_chunks, prefill[1], 1), _tables(num_chunks, decode[1], 7)
+        for p in range(prefill[0]):
+            pranks[p].kv.fill_(-5.0)
+            for g in range(num_chunks):
+                if prefill[1] == 1 or g % prefill[1] == p:
+                    pranks[p].kv[ptable[g // prefill[1]]] = _content(g, num_tokens)
+        minimum = bytes_per_decode_rank(plan, num_tokens, LAYERS * LATENT * 4)
+        for d in range(decode[0]):
+            dr = dranks[d]
+            dr.kv.fill_(-7.0)
+            specs = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
+                                    ptable, dtable)
+            work = []
+            for s in specs:
+                src = pranks[s.prefill_rank]
+                peer = dr.agent.connect(src.agent.name, src.agent.metadata(), src.agent.region)
+                work.append((peer, s))
+            stats = dr.agent.read(work, timeout_s=30)
+            assert stats.bytes == minimum[d]
+            runs = sum(len(s.runs) for s in specs)
+            tails = sum(1 for s in specs if s.tail)
+            assert stats.descriptors <= sum(
+                len(pow2_pieces(r.n, 12)) for s in specs for r in s.runs) + tails * LAYERS
+            assert stats.descriptors >= runs
+            for g in range(num_chunks):
+                if decode[1] > 1 and g % decode[1] != d:
+                    continue
+                got = dr.kv[dtable[g // decode[1]]]
+                want = _content(g, num_tokens)
+                filled = min(BLOCK, num_tokens - g * BLOCK)
+                assert torch.equal(got[:, :filled], want[:, :filled]), (d, g)
+                assert bool((got[:, filled:] == -7.0).all()), "read past the prompt"
+            for p in plan.decode_ranks[d].notifies:
+                src = pranks[p]
+                peer = dr.agent.connect(src.agent.name, src.agent.metadata(), src.agent.region)
+                dr.agent.notify(peer, notif_message(f"req-{num_tokens}"))
+        # Every prefill rank hears exactly its expected notifications.
+        for p in range(prefill[0]):
+            got = []
+            for _ in range(10000):
+                got += [parse_notif(m) for m in pranks[p].agent.poll_notifs()]
+                if len(got) >= plan.prefill_ranks[p].expected_notifications:
+                    break
+                time.sleep(0.001)
+            assert got == [f"req-{num_tokens}"] * plan.prefill_ranks[p].expected_notifications
+
+
+def test_side_channel_handshake_refuses_a_mismatch_naming_both_values(
+    ranks: tuple[list[_Rank], list[_Rank]]
+) -> None:
+    pranks, _ = ranks
+    mine = CompatRecord("builtin:seed=0", "float32", BLOCK, "layout-a", 1, "abc")
+    payload = publication(role="prefill", rank=0, tp=1, dcp=1, instance_id="i0",
+                          agent_name=pranks[0].agent.name, metadata=pranks[0].agent.metadata(),
+                          region=pranks[0].agent.region, compat=mine)
+    server = SideChannelServer("127.0.0.1", 0, payload)
+    try:
+        info = handshake("127.0.0.1", server.port, mine, "decode rank 0", timeout_s=5)
+        assert info.agent_name == "p0" and info.region == pranks[0].agent.region
+        other = CompatRecord("builtin:seed=0", "bfloat16", BLOCK, "layout-a", 1, "abc")
+        with pytest.raises(CompatError, match="dtype: local 'float32' != .*'bfloat16'"):
+            handshake("127.0.0.1", server.port, other, "decode rank 0", timeout_s=5)
+    finally:
+        server.close()
+    with pytest.raises(PeerUnreachable, match=f"127.0.0.1:{server.port}"):
+        handshake("127.0.0.1", server.port, mine, "decode rank 0", timeout_s=2)
+
+
+def test_check_compatible_lists_every_difference() -> None:
+    a = CompatRecord("m1", "float32", 64, "L", 1, "x")
+    b = CompatRecord("m2", "float32", 128, "L", 1, "x")
+    with pytest.raises(CompatError) as err:
+        check_compatible(a, b, "peer p")
+    assert "model: local 'm1' != peer p 'm2'" in str(err.value)
+    assert "block_size: local 64 != peer p 128" in str(err.value)
+
+
+def test_lease_table_releases_on_notifications_or_time() -> None:
+    table = LeaseTable(lease_seconds=10, expected={0: 1, 1: 2})
+    table.hold("a", [1, 2], now=0)
+    table.hold("b", [3], now=5)
+    assert table.notified("a", 0) is None
+    assert table.notified("a", 1) is None
+    held = table.notified("a", 1)
+    assert held is not None and held.blocks == [1, 2]
+    assert table.notified("a", 1) is None and table.stray_notifications == 1
+    assert table.expire(now=14.9) == []
+    gone = table.expire(now=15)
+    assert [h.request_id for h in gone] == ["b"] and len(table) == 0
+    assert table.expired_total == 1 and table.released_total == 1
