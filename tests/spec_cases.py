@@ -1,0 +1,125 @@
+"""Spec cases shared by the unit tier (Python rules) and the integration tier (CEL rules)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+BASE: dict[str, Any] = {
+    "model": {"name": "deepseek-ai/DeepSeek-V2-Lite-Chat"},
+    "image": "pdd:0.1.0",
+    "prefill": {"tensorParallelSize": 4, "decodeContextParallelSize": 4},
+    "decode": {"tensorParallelSize": 4, "decodeContextParallelSize": 1},
+}
+
+
+def with_(path: str, value: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(BASE)
+    node = spec
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return spec
+
+
+def gpu(role: str, kind: str, tp: int, value: Any) -> dict[str, Any]:
+    spec = with_(f"{role}.tensorParallelSize", tp)
+    spec[role]["decodeContextParallelSize"] = 1
+    spec[role]["resources"] = {kind: {"nvidia.com/gpu": value}}
+    return spec
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("P TP4/DCP2", with_("prefill.decodeContextParallelSize", 2),
+     "spec.prefill.decodeContextParallelSize: must be 1 or equal to tensorParallelSize (4), got 2"),
+    ("D TP4/DCP2", with_("decode.decodeContextParallelSize", 2),
+     "spec.decode.decodeContextParallelSize: must be 1 or equal to tensorParallelSize (4), got 2"),
+    ("D TP8/DCP4", {**BASE, "decode": {"tensorParallelSize": 8, "decodeContextParallelSize": 4}},
+     "spec.decode.decodeContextParallelSize: must be 1 or equal to tensorParallelSize (8), got 4"),
+    ("P DCP0", with_("prefill.decodeContextParallelSize", 0),
+     "spec.prefill.decodeContextParallelSize: must be 1 or equal to tensorParallelSize (4), got 0"),
+    ("P DCP4 -> D DCP3", {**BASE, "decode": {"tensorParallelSize": 3,
+                                            "decodeContextParallelSize": 3}},
+     "spec.decode.decodeContextParallelSize: must divide or be a multiple of "
+     "spec.prefill.decodeContextParallelSize (4), got 3"),
+    ("P DCP6 -> D DCP4", {**BASE, "prefill": {"tensorParallelSize": 6,
+                                             "decodeContextParallelSize": 6},
+                          "decode": {"tensorParallelSize": 4, "decodeContextParallelSize": 4}},
+     "spec.decode.decodeContextParallelSize: must divide or be a multiple of "
+     "spec.prefill.decodeContextParallelSize (6), got 4"),
+    ("P TP0", with_("prefill.tensorParallelSize", 0),
+     "spec.prefill.tensorParallelSize: must be between 1 and 64, got 0"),
+    ("D TP65", {**BASE, "decode": {"tensorParallelSize": 65}},
+     "spec.decode.tensorParallelSize: must be between 1 and 64, got 65"),
+    ("P replicas 0", with_("prefill.replicas", 0),
+     "spec.prefill.replicas: must be between 1 and 64, got 0"),
+    ("D replicas 100", with_("decode.replicas", 100),
+     "spec.decode.replicas: must be between 1 and 64, got 100"),
+    ("D replicas -1", with_("decode.replicas", -1),
+     "spec.decode.replicas: must be between 1 and 64, got -1"),
+    ("blockSize 0", with_("blockSize", 0),
+     "spec.blockSize: must be a positive multiple of 16 and at most 1024, got 0"),
+    ("blockSize 100", with_("blockSize", 100),
+     "spec.blockSize: must be a positive multiple of 16 and at most 1024, got 100"),
+    ("blockSize 2048", with_("blockSize", 2048),
+     "spec.blockSize: must be a positive multiple of 16 and at most 1024, got 2048"),
+    ("blockSize -64", with_("blockSize", -64),
+     "spec.blockSize: must be a positive multiple of 16 and at most 1024, got -64"),
+    ("blockSize string", with_("blockSize", "64"), "spec.blockSize: must be an integer, got '64'"),
+    ("P GPU limit", gpu("prefill", "limits", 4, 2),
+     "spec.prefill.resources.limits[nvidia.com/gpu]: must equal tensorParallelSize (4), got 2"),
+    ("D GPU limit string", gpu("decode", "limits", 2, "8"),
+     "spec.decode.resources.limits[nvidia.com/gpu]: must equal tensorParallelSize (2), got 8"),
+    ("D GPU request", gpu("decode", "requests", 4, 1),
+     "spec.decode.resources.requests[nvidia.com/gpu]: must equal tensorParallelSize (4), got 1"),
+    ("unknown top field", with_("prefil", {}), "spec.prefil: unknown field"),
+    ("unknown role field", with_("decode.dcp", 4), "spec.decode.dcp: unknown field"),
+    ("unknown nested field", with_("kvTransfer.port", 1), "spec.kvTransfer.port: unknown field"),
+    ("unknown model field", with_("model.revision", "main"), "spec.model.revision: unknown field"),
+    ("missing image", {k: v for k, v in BASE.items() if k != "image"}, "spec.image: required"),
+    ("missing decode", {k: v for k, v in BASE.items() if k != "decode"}, "spec.decode: required"),
+    ("missing model name", with_("model", {}), "spec.model.name: required"),
+    ("empty image", with_("image", ""), "spec.image: must not be empty"),
+    ("empty model name", with_("model.name", ""), "spec.model.name: must not be empty"),
+    ("backend", with_("kvTransfer.backend", "TCP"),
+     "spec.kvTransfer.backend: must be one of 'UCX', got 'TCP'"),
+    ("side channel port", with_("kvTransfer.sideChannelPort", 80),
+     "spec.kvTransfer.sideChannelPort: must be between 1024 and 65471, got 80"),
+    ("dtype", with_("model.dtype", "fp8"),
+     "spec.model.dtype: must be one of 'bfloat16' or 'float32', got 'fp8'"),
+    ("pull policy", with_("prefill.imagePullPolicy", "Sometimes"),
+     "spec.prefill.imagePullPolicy: must be one of 'Always', 'IfNotPresent' or 'Never', "
+     "got 'Sometimes'"),
+    ("router replicas", with_("router.replicas", 0),
+     "spec.router.replicas: must be between 1 and 16, got 0"),
+    ("maxUnavailable", with_("rollout.maxUnavailable", 0),
+     "spec.rollout.maxUnavailable: must be between 1 and 64, got 0"),
+    ("tp bool", with_("prefill.tensorParallelSize", True),
+     "spec.prefill.tensorParallelSize: must be an integer, got True"),
+    ("toleration key type", with_("decode.tolerations", [{"key": 1}]),
+     "spec.decode.tolerations[0].key: must be a string, got 1"),
+    ("extraArgs type", with_("decode.extraArgs", "--foo"),
+     "spec.decode.extraArgs: must be a list, got '--foo'"),
+    ("nodeSelector value", with_("prefill.nodeSelector", {"gpu": 1}),
+     "spec.prefill.nodeSelector.gpu: must be a string, got 1"),
+]
+
+
+VALID_EDGES = [
+    with_("blockSize", 16),
+    with_("blockSize", 1024),
+    with_("prefill.replicas", 64),
+    {**BASE, "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}},
+    {**BASE, "prefill": {"tensorParallelSize": 64, "decodeContextParallelSize": 64},
+     "decode": {"tensorParallelSize": 16, "decodeContextParallelSize": 16}},
+    {**BASE, "prefill": {"tensorParallelSize": 2, "decodeContextParallelSize": 2},
+     "decode": {"tensorParallelSize": 8, "decodeContextParallelSize": 8}},
+    gpu("prefill", "limits", 4, 4),
+    gpu("decode", "limits", 2, "2"),
+    with_("prefill.resources", {"limits": {"cpu": "4", "memory": "16Gi"}}),
+    with_("decode.affinity", {"nodeAffinity": {"anything": ["goes"]}}),
+    with_("decode.env", [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]),
+    with_("router.enabled", False),
+    with_("kvTransfer.sideChannelPort", 1024),
+]
