@@ -1,0 +1,254 @@
+"""Greedy generation on one instance (``pdd generate``), ranks simulated in-process (threads) or
+run as local processes over torch.distributed; also the single-process reference for tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .comm import Comm, TorchDistComm, run_threads
+from .config import BUILTIN_SEED
+from .engine import RankEngine, allocate_request, new_cache
+from .kv_cache import KVCacheFullError, num_table_blocks
+from .model import load_rank_model, parse_dtype
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    prompt_logits: torch.Tensor | None = None  # [T, V] fp32 when requested
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # per decode step, [V] fp32
+
+
+@dataclass(frozen=True)
+class _Spec:
+    model: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    tp: int
+    dcp: int
+    dtype: str
+    block_size: int
+    num_blocks: int | None
+    device: str
+    seed: int
+    keep_logits: bool
+    forced_ids: tuple[int, ...] | None  # teacher forcing: feed these instead of greedy picks
+
+
+def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
+    device = spec.device if spec.device == "cpu" else f"{spec.device}:{rank}"
+    model = load_rank_model(spec.model, rank, spec.tp, spec.dtype, device, spec.seed)
+    # KV is written for every token but the last generated one.
+    kv_tokens = len(spec.prompt_ids) + spec.max_tokens - 1
+    num_blocks = spec.num_blocks or max(1, num_table_blocks(kv_tokens, spec.block_size, spec.dcp))
+    cache = new_cache(model, num_blocks, spec.block_size)
+    engine = RankEngine(model, cache, comm, spec.dcp)
+    table = allocate_request(cache, kv_tokens, spec.dcp)
+    out = GenerationResult(token_ids=[])
+    logits = engine.prefill(spec.prompt_ids, table, all_logits=spec.keep_logits)
+    if spec.keep_logits:
+        out.prompt_logits = logits.cpu()
+        logits = logits[-1]
+    pos = len(spec.prompt_ids)
+    for step in range(spec.max_tokens):
+        tok = int(torch.argmax(logits))
+        out.token_ids.append(tok)
+        if step == spec.max_tokens - 1:
+            break
+        feed = spec.forced_ids[step] if spec.forced_ids is not None else tok
+        logits = engine.decode_step(feed, pos, table)
+        if spec.keep_logits:
+            out.step_logits.append(logits.cpu())
+        pos += 1
+    cache.free(table)
+    return out if rank == 0 else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=spec.tp
+    )
+    try:
+        res = _rank_main(rank, TorchDistComm(), spec)
+        if rank == 0:
+            queue.put(("ok", res))  # type: ignore[attr-defined]
+    except BaseException as e:  # noqa: BLE001 - forwarded to the parent
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))  # type: ignore[attr-defined]
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_procs(spec: _Spec) -> GenerationResult:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_proc_entry, args=(r, spec, port, queue), daemon=True)
+        for r in range(spec.tp)
+    ]
+    for p in procs:
+        p.start()
+    status, payload = queue.get()
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        if "KVCacheFullError" in payload:
+            raise KVCacheFullError(payload)
+        raise RuntimeError(payload)
+    return payload
+
+
+def generate_result(
+    model: str | Path,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    tp: int = 1,
+    dcp: int = 1,
+    dtype: str | torch.dtype = "float32",
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    device: str = "cpu",
+    launcher: str = "inproc",
+    seed: int = BUILTIN_SEED,
+    keep_logits: bool = False,
+    forced_ids: Sequence[int] | None = None,
+) -> GenerationResult:
+    """Greedy generation with per-step logits kept on request; ``num_blocks`` (per rank)
+    defaults to exactly what the request needs."""
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    if dcp not in (1, tp):
+        raise ValueError(f"dcp must be 1 or tp ({tp}), got {dcp}")
+    dt = parse_dtype(dtype)
+    spec = _Spec(
+        model=str(model),
+        prompt_ids=tuple(int(t) for t in prompt_ids),
+        max_tokens=max_tokens,
+        tp=tp,
+        dcp=dcp,
+        dtype="bfloat16" if dt == torch.bfloat16 else "float32",
+        block_size=block_size,
+        num_blocks=num_blocks,
+        device=device,
+        seed=seed,
+        keep_logits=keep_logits,
+        forced_ids=None if forced_ids is None else tuple(forced_ids),
+    )
+    if launcher == "procs" and tp > 1:
+        return _run_procs(spec)
+    if launcher not in ("inproc", "procs"):
+        raise ValueError(f"launcher must be inproc or procs, got {launcher!r}")
+    res = run_threads(tp, lambda rank, comm: _rank_main(rank, comm, spec))[0]
+    assert res is not None
+    return res
+
+
+def generate(
+    model: str | Path,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    tp: int = 1,
+    dcp: int = 1,
+    dtype: str | torch.dtype = "float32",
+    block_size: int = 16,
+    **kwargs: object,
+) -> list[int]:
+    """Greedy token ids of one request on one instance (the single-process reference)."""
+    return generate_result(
+        model,
+        prompt_ids,
+        max_tokens,
+        tp,
+        dcp,
+        dtype,
+        block_size,
+        **kwargs,  # type: ignore[arg-type]
+    ).token_ids
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdd generate", description=__doc__)
+    p.add_argument("--model", default="builtin", help="Hugging Face DeepSeek-V2 dir or 'builtin'")
+    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dcp", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("-o", "--output", choices=["json", "text"], default="text")
+    p.add_argument("--launcher", choices=["inproc", "procs"], default="inproc")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks per rank")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--seed", type=int, default=BUILTIN_SEED, help="seed of the built-in model")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["generate"]:
+        args_in = args_in[1:]
+    parser = _parser()
+    a = parser.parse_args(args_in)
+    try:
+        prompt = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--prompt-ids: expected comma-separated integers, got {a.prompt_ids!r}")
+    if not prompt:
+        parser.error("--prompt-ids: empty prompt")
+    if a.tp < 1 or a.dcp not in (1, a.tp):
+        parser.error(f"--dcp: must be 1 or equal to --tp ({a.tp}), got {a.dcp}")
+    if a.max_tokens < 1:
+        parser.error("--max-tokens: must be >= 1")
+    if a.model != "builtin" and not os.path.isdir(a.model):
+        parser.error(f"--model: {a.model!r} is neither 'builtin' nor a directory")
+    try:
+        ids = generate(
+            a.model,
+            prompt,
+            a.max_tokens,
+            a.tp,
+            a.dcp,
+            a.dtype,
+            a.block_size,
+            num_blocks=a.num_blocks,
+            device=a.device,
+            launcher=a.launcher,
+            seed=a.seed,
+        )
+    except (KVCacheFullError, ValueError) as e:
+        print(f"pdd generate: {e}", file=sys.stderr)
+        return 1
+    if a.output == "json":
+        print(json.dumps({"token_ids": ids}))
+    else:
+        print(" ".join(str(t) for t in ids))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

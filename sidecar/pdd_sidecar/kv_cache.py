@@ -1,0 +1,188 @@
+"""Paged latent KV cache, one per rank, and the DCP chunk arithmetic shared with the transfer layer.
+
+Layout (contract): ``kv[num_blocks, num_layers, block_size, kv_lora_rank + qk_rope_head_dim]``.
+Block-major, so one block of every layer is one contiguous region and a run of consecutive block
+ids is one contiguous region too: a request allocated as one run moves as one NIXL descriptor.
+
+Chunk ``g`` of a request is tokens ``[g*bs, (g+1)*bs)``. With ``dcp > 1`` rank ``r`` holds chunks
+``g % dcp == r`` in local block ``g // dcp`` of the request's block table, which every rank of the
+instance shares (all ranks allocate identically). With ``dcp == 1`` every rank holds every chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCacheFullError(RuntimeError):
+    """Not enough free blocks for a request; raised instead of overwriting live KV."""
+
+
+# --- pure chunk / position arithmetic -------------------------------------------------------
+
+
+def num_chunks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def chunk_of_token(t: int, block_size: int) -> int:
+    return t // block_size
+
+
+def chunk_owner(g: int, dcp: int) -> int:
+    """The rank that holds chunk ``g`` when KV is sharded (with dcp == 1 every rank does)."""
+    return g % dcp
+
+
+def holds_chunk(rank: int, g: int, dcp: int) -> bool:
+    return dcp == 1 or g % dcp == rank
+
+
+def local_block_index(g: int, dcp: int) -> int:
+    """Index into the request's (shared) block table where the holder of chunk ``g`` keeps it."""
+    return g // dcp
+
+
+def chunk_of_local_block(k: int, rank: int, dcp: int) -> int:
+    return k * dcp + (rank if dcp > 1 else 0)
+
+
+def num_table_blocks(num_tokens: int, block_size: int, dcp: int) -> int:
+    """Length of the shared block table for ``num_tokens`` tokens (what each rank allocates)."""
+    return -(-num_chunks(num_tokens, block_size) // dcp)
+
+
+def num_local_blocks(num_tokens: int, block_size: int, dcp: int, rank: int) -> int:
+    """Blocks of the table that rank ``rank`` actually fills for ``num_tokens`` tokens."""
+    n = num_chunks(num_tokens, block_size)
+    if dcp == 1:
+        return n
+    return max(0, -(-(n - rank) // dcp))
+
+
+def local_chunks(num_tokens: int, block_size: int, dcp: int, rank: int) -> list[int]:
+    return [
+        chunk_of_local_block(k, rank, dcp)
+        for k in range(num_local_blocks(num_tokens, block_size, dcp, rank))
+    ]
+
+
+def local_token_count(num_tokens: int, block_size: int, dcp: int, rank: int) -> int:
+    """Tokens of the first ``num_tokens`` that rank ``rank`` holds; they fill its local blocks in
+    order, so only the last local block can be partial."""
+    k = num_local_blocks(num_tokens, block_size, dcp, rank)
+    if k == 0:
+        return 0
+    last = chunk_of_local_block(k - 1, rank, dcp)
+    return (k - 1) * block_size + min(block_size, num_tokens - last * block_size)
+
+
+def token_slot(t: int, block_size: int, dcp: int) -> tuple[int, int, int]:
+    """``(owner rank, local block index, offset in block)`` of token ``t``; with dcp == 1 the
+    owner is 0 but every rank stores the token at the same slot."""
+    g = t // block_size
+    return g % dcp, g // dcp, t % block_size
+
+
+def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first id, count)`` runs of consecutive ids, in table order: one transfer each."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        latent_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        self.num_blocks = num_blocks
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.latent_dim = latent_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv = torch.zeros(
+            num_blocks, num_layers, block_size, latent_dim, dtype=dtype, device=self.device
+        )
+        self._free = [True] * num_blocks
+        self._num_free = num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.block_size * self.latent_dim * self.kv.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """Lowest run of ``n`` consecutive free blocks (one transfer), else the lowest free ids.
+        Deterministic, so every rank of an instance gets the same table."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self._num_free:
+            raise KVCacheFullError(
+                f"KV cache full: requested {n} blocks of {self.block_size} tokens, "
+                f"{self._num_free} free of {self.num_blocks}"
+            )
+        if n == 0:
+            return []
+        run_start, run_len = 0, 0
+        for i, free in enumerate(self._free):
+            if free:
+                if run_len == 0:
+                    run_start = i
+                run_len += 1
+                if run_len == n:
+                    ids = list(range(run_start, run_start + n))
+                    break
+            else:
+                run_len = 0
+        else:
+            ids = [i for i, free in enumerate(self._free) if free][:n]
+        for i in ids:
+            self._free[i] = False
+        self._num_free -= n
+        return ids
+
+    def free(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not (0 <= i < self.num_blocks) or self._free[i]]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"freeing blocks that are not allocated: {sorted(set(bad))}")
+        for i in ids:
+            self._free[i] = True
+        self._num_free += len(ids)
+
+    # --- slot addressing used by the engine --------------------------------------------------
+
+    def write(
+        self, layer: int, block_idx: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Store ``values[i]`` at ``(block_idx[i], offsets[i])`` of ``layer``."""
+        if values.numel():
+            self.kv[block_idx, layer, offsets] = values.to(self.dtype)
+
+    def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` latents held in ``block_ids`` (filled in order), ``[N, D]``."""
+        if num_tokens == 0:
+            return self.kv.new_empty(0, self.latent_dim)
+        nb = -(-num_tokens // self.block_size)
+        blocks = self.kv[block_ids[:nb], layer]
+        return blocks.reshape(nb * self.block_size, self.latent_dim)[:num_tokens]

@@ -1,0 +1,99 @@
+"""Multi-head latent attention (MLA) of one rank's heads.
+
+The cache holds per token only the normalised compressed KV ``c`` (``kv_lora_rank``) and the
+roped shared key ``k_pe`` (``qk_rope_head_dim``). Prefill expands ``c`` into per-head keys and
+values (cheap while the whole prompt is at hand). Decode uses the absorbed form: ``W_UK`` is folded
+into the query and ``W_UV`` applied after attention, so attention reads the latent cache directly
+and returns the latent output plus its log-sum-exp, which is what DCP ranks merge.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .rope import apply_rope
+from .weights import AttnWeights
+
+LORA_NORM_EPS = 1e-6  # q_a/kv_a layernorms use the RMSNorm default, not rms_norm_eps
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def project_q(
+    x: torch.Tensor, w: AttnWeights, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_nope [T, Hl, nope], q_pe [T, Hl, rope])`` with rope applied to ``q_pe``."""
+    if w.q_proj is not None:
+        q = F.linear(x, w.q_proj)
+    else:
+        assert w.q_a_proj is not None and w.q_a_norm is not None and w.q_b_proj is not None
+        qa = rms_norm(F.linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, LORA_NORM_EPS)
+        q = F.linear(qa, w.q_b_proj)
+    q = q.unflatten(-1, (-1, cfg.qk_head_dim))
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    return q_nope, apply_rope(q_pe, cos, sin)
+
+
+def project_latent(
+    x: torch.Tensor, w: AttnWeights, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The cache entry of each token, ``[T, kv_lora + rope]``: ``[norm(c), rope(k_pe)]``."""
+    ckv = F.linear(x, w.kv_a_proj, w.kv_a_bias)
+    c, k_pe = ckv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    return torch.cat([rms_norm(c, w.kv_a_norm, LORA_NORM_EPS), apply_rope(k_pe, cos, sin)], -1)
+
+
+def prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    w: AttnWeights,
+    cfg: ModelConfig,
+) -> torch.Tensor:
+    """Causal attention of the prompt over itself, ``[T, Hl, v]``."""
+    c, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    hl, t = q_nope.shape[1], q_nope.shape[0]
+    k_nope = torch.einsum("tc,hnc->htn", c, w.w_uk)
+    v = torch.einsum("tc,hvc->htv", c, w.w_uv)
+    q = torch.cat([q_nope, q_pe], -1).transpose(0, 1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(hl, t, -1)], -1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)
+    return out.transpose(0, 1)
+
+
+def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w: AttnWeights) -> torch.Tensor:
+    """Query in latent space, ``[T, Hl, kv_lora + rope]``: ``q_nope @ W_UK`` then ``q_pe``."""
+    return torch.cat([torch.einsum("thn,hnc->thc", q_nope, w.w_uk), q_pe], -1)
+
+
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token's heads ``q [H, L]`` over latents ``kv [N, L]``.
+
+    Returns ``(out [H, kv_lora] fp32, lse [H] fp32)``; with no tokens (a DCP rank that holds no
+    chunk yet) the output is 0 and the LSE ``-inf``, which the LSE merge weighs as nothing.
+    """
+    h = q.shape[0]
+    if kv.shape[0] == 0:
+        return (
+            torch.zeros(h, kv_lora_rank, dtype=torch.float32, device=q.device),
+            torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device),
+        )
+    scores = (q @ kv.T).float() * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[:, None])
+    out = (p.to(kv.dtype) @ kv[:, :kv_lora_rank]).float()
+    return out, lse
+
+
+def unabsorb_v(out_latent: torch.Tensor, w: AttnWeights) -> torch.Tensor:
+    """Latent attention output ``[Hl, kv_lora]`` to per-head values ``[Hl, v]``."""
+    return torch.einsum("hc,hvc->hv", out_latent, w.w_uv)

@@ -1,0 +1,55 @@
+"""Dense SwiGLU MLP and the DeepSeek-V2 mixture of experts (softmax top-k routing, optional
+group-limited selection, ``routed_scaling_factor``, shared experts).
+
+Routing is computed in fp32 from the replicated router on every rank, so all ranks pick the same
+experts; a TP rank then runs its intermediate slice of every selected expert and the partial
+outputs are summed over ranks by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .weights import MLPWeights, MoEWeights
+
+
+def dense_mlp(x: torch.Tensor, w: MLPWeights, add_bias: bool = True) -> torch.Tensor:
+    """``add_bias`` is False on all but one rank of a sharded MLP so the sum has one bias."""
+    h = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
+    return F.linear(h, w.down, w.down_bias if add_bias else None)
+
+
+def route(
+    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] fp32, expert ids [T, k])``."""
+    scores = F.linear(x.float(), router).softmax(dim=-1, dtype=torch.float32)
+    k = cfg.num_experts_per_tok
+    if cfg.topk_method == "group_limited_greedy":
+        assert cfg.n_group and cfg.topk_group
+        n_exp = scores.shape[-1]
+        groups = scores.view(-1, cfg.n_group, n_exp // cfg.n_group).max(dim=-1).values
+        keep = torch.zeros_like(groups)
+        keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
+        mask = keep.unsqueeze(-1).expand(-1, cfg.n_group, n_exp // cfg.n_group).reshape(-1, n_exp)
+        scores = scores.masked_fill(~mask.bool(), 0.0)
+    weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    if cfg.norm_topk_prob and k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool = True) -> torch.Tensor:
+    weights, ids = route(x, w.router, cfg)
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        h = x[rows]
+        h = F.silu(F.linear(h, w.w_gate[e])) * F.linear(h, w.w_up[e])
+        y = F.linear(h, w.w_down[e]) * weights[rows, slot, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    if w.shared is not None:
+        out = out + dense_mlp(x, w.shared, add_bias)
+    return out

@@ -1,0 +1,353 @@
+"""Weights: Hugging Face safetensors checkpoints (single file or sharded with an index), the
+seeded built-in model, and slicing of one rank's tensor-parallel share.
+
+TP layout: attention is sharded by head (q/q_b and kv_b by output rows, o_proj by input columns,
+its output summed over ranks). Dense MLP, shared experts and every routed expert are sharded by
+intermediate dimension (gate/up rows, down columns; summed over ranks) when that dimension
+divides by tp, and replicated otherwise. The router, embeddings, norms, kv_a projections and the
+LM head are replicated: they are small next to the experts and replication keeps every rank's
+hidden state and greedy token identical with no extra collective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .config import ModelConfig
+
+
+class TensorSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or its ``[start:stop]`` range along ``dim``, on CPU."""
+        ...
+
+
+class DictSource:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def has(self, name: str) -> bool:
+        return name in self.state
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        t = self.state[name]
+        return t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start)
+
+
+class SafetensorsSource:
+    """Reads only the slices a rank needs, so a rank never materialises the whole checkpoint."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+            self._where = {k: self.dir / v for k, v in files.items()}
+        else:
+            shards = sorted(self.dir.glob("*.safetensors"))
+            if not shards:
+                raise FileNotFoundError(f"{self.dir}: no *.safetensors files")
+            self._where = {}
+            for p in shards:
+                with safe_open(str(p), framework="pt") as f:
+                    self._where.update({k: p for k in f.keys()})  # noqa: SIM118
+        self._open = {p: safe_open(str(p), framework="pt") for p in set(self._where.values())}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.dir}: checkpoint has no tensor {name!r}")
+        sl = self._open[self._where[name]].get_slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        index[dim] = slice(start, stop)
+        return sl[tuple(index)]
+
+
+def open_source(model: str | Path, config: ModelConfig, seed: int) -> TensorSource:
+    from .config import BUILTIN
+
+    if str(model) == BUILTIN:
+        return DictSource(builtin_state_dict(config, seed))
+    return SafetensorsSource(model)
+
+
+# --- the built-in model ----------------------------------------------------------------------
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a transformers DeepSeek-V2 checkpoint (per-expert layout), in order."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (h,)
+        s[p + "post_attention_layernorm.weight"] = (h,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            s[a + "q_proj.weight"] = (heads * cfg.qk_head_dim, h)
+        else:
+            s[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
+            s[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            s[a + "q_b_proj.weight"] = (heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        s[a + "kv_a_proj_with_mqa.weight"] = (cfg.latent_dim, h)
+        s[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        s[a + "kv_b_proj.weight"] = (
+            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            cfg.kv_lora_rank,
+        )
+        s[a + "o_proj.weight"] = (h, heads * cfg.v_head_dim)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            assert cfg.n_routed_experts
+            inter = cfg.moe_intermediate_size
+            s[m + "gate.weight"] = (cfg.n_routed_experts, h)
+            for e in range(cfg.n_routed_experts):
+                s[m + f"experts.{e}.gate_proj.weight"] = (inter, h)
+                s[m + f"experts.{e}.up_proj.weight"] = (inter, h)
+                s[m + f"experts.{e}.down_proj.weight"] = (h, inter)
+            if cfg.n_shared_experts:
+                sh = inter * cfg.n_shared_experts
+                s[m + "shared_experts.gate_proj.weight"] = (sh, h)
+                s[m + "shared_experts.up_proj.weight"] = (sh, h)
+                s[m + "shared_experts.down_proj.weight"] = (h, sh)
+        else:
+            s[m + "gate_proj.weight"] = (cfg.intermediate_size, h)
+            s[m + "up_proj.weight"] = (cfg.intermediate_size, h)
+            s[m + "down_proj.weight"] = (h, cfg.intermediate_size)
+    s["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, h)
+    return s
+
+
+def builtin_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic fp32 weights from ``seed`` (CPU generator, fixed order), identical on every
+    process and machine. Scaled 1/sqrt(fan_in) so activations stay O(1) and greedy tokens are
+    decided by clear margins rather than near-ties."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in hf_shapes(cfg).items():
+        if len(shape) == 1:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name == "model.embed_tokens.weight":
+            out[name] = torch.randn(shape, generator=g)
+        else:
+            out[name] = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+    return out
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    max_shard_tensors: int | None = None,
+) -> Path:
+    """Save as a Hugging Face directory: one ``model.safetensors``, or shards plus an index."""
+    from safetensors.torch import save_file
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    names = list(state)
+    if max_shard_tensors is None or len(names) <= max_shard_tensors:
+        save_file({k: state[k].contiguous() for k in names}, str(d / "model.safetensors"))
+        return d
+    groups = [names[i : i + max_shard_tensors] for i in range(0, len(names), max_shard_tensors)]
+    weight_map = {}
+    for j, grp in enumerate(groups):
+        fname = f"model-{j + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: state[k].contiguous() for k in grp}, str(d / fname))
+        weight_map.update({k: fname for k in grp})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return d
+
+
+# --- one rank's share ---------------------------------------------------------------------
+
+
+@dataclass
+class AttnWeights:
+    q_proj: torch.Tensor | None  # [Hl*qk, hidden] when q_lora_rank is None
+    q_a_proj: torch.Tensor | None  # [q_lora, hidden]
+    q_a_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None
+    q_b_proj: torch.Tensor | None  # [Hl*qk, q_lora]
+    kv_a_proj: torch.Tensor  # [kv_lora + rope, hidden]
+    kv_a_bias: torch.Tensor | None
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    w_uk: torch.Tensor  # [Hl, nope, kv_lora]
+    w_uv: torch.Tensor  # [Hl, v, kv_lora]
+    o_proj: torch.Tensor  # [hidden, Hl*v]
+    o_bias: torch.Tensor | None  # added once, after the sum over ranks
+
+
+@dataclass
+class MLPWeights:
+    gate: torch.Tensor  # [I (or I/tp), hidden]
+    up: torch.Tensor
+    down: torch.Tensor  # [hidden, I (or I/tp)]
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+@dataclass
+class MoEWeights:
+    router: torch.Tensor  # [E, hidden], always fp32 (routing is computed in fp32)
+    w_gate: torch.Tensor  # [E, I (or I/tp), hidden]
+    w_up: torch.Tensor
+    w_down: torch.Tensor  # [E, hidden, I (or I/tp)]
+    shared: MLPWeights | None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: AttnWeights
+    mlp: MLPWeights | None
+    moe: MoEWeights | None
+    mlp_sharded: bool  # True: this rank holds a slice and the output is summed over ranks
+
+
+@dataclass
+class RankWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def load_rank_weights(
+    cfg: ModelConfig,
+    src: TensorSource,
+    rank: int,
+    tp: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> RankWeights:
+    heads = cfg.num_attention_heads
+    if heads % tp:
+        raise ValueError(f"tp ({tp}) must divide num_attention_heads ({heads})")
+    hl = heads // tp
+
+    def t(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=dtype).contiguous()
+
+    def opt(name: str) -> torch.Tensor | None:
+        return t(src.get(name)) if src.has(name) else None
+
+    def shard(name: str, dim: int, size: int, n: int, r: int) -> torch.Tensor:
+        return src.get(name, dim, r * size // n, (r + 1) * size // n)
+
+    def mlp(prefix: str, inter: int, sharded: bool) -> MLPWeights:
+        n, r = (tp, rank) if sharded else (1, 0)
+        gb, ub = prefix + "gate_proj.bias", prefix + "up_proj.bias"
+        return MLPWeights(
+            gate=t(shard(prefix + "gate_proj.weight", 0, inter, n, r)),
+            up=t(shard(prefix + "up_proj.weight", 0, inter, n, r)),
+            down=t(shard(prefix + "down_proj.weight", 1, inter, n, r)),
+            gate_bias=t(shard(gb, 0, inter, n, r)) if src.has(gb) else None,
+            up_bias=t(shard(ub, 0, inter, n, r)) if src.has(ub) else None,
+            down_bias=opt(prefix + "down_proj.bias"),
+        )
+
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qk, nv = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+        kv_b = src.get(a + "kv_b_proj.weight", 0, rank * hl * nv, (rank + 1) * hl * nv)
+        kv_b = kv_b.reshape(hl, nv, cfg.kv_lora_rank)
+        lora = cfg.q_lora_rank is not None
+        attn = AttnWeights(
+            q_proj=None
+            if lora
+            else t(src.get(a + "q_proj.weight", 0, rank * hl * qk, (rank + 1) * hl * qk)),
+            q_a_proj=t(src.get(a + "q_a_proj.weight")) if lora else None,
+            q_a_bias=opt(a + "q_a_proj.bias"),
+            q_a_norm=t(src.get(a + "q_a_layernorm.weight")) if lora else None,
+            q_b_proj=(
+                t(src.get(a + "q_b_proj.weight", 0, rank * hl * qk, (rank + 1) * hl * qk))
+                if lora
+                else None
+            ),
+            kv_a_proj=t(src.get(a + "kv_a_proj_with_mqa.weight")),
+            kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias"),
+            kv_a_norm=t(src.get(a + "kv_a_layernorm.weight")),
+            w_uk=t(kv_b[:, : cfg.qk_nope_head_dim]),
+            w_uv=t(kv_b[:, cfg.qk_nope_head_dim :]),
+            o_proj=t(
+                src.get(
+                    a + "o_proj.weight",
+                    1,
+                    rank * hl * cfg.v_head_dim,
+                    (rank + 1) * hl * cfg.v_head_dim,
+                )
+            ),
+            o_bias=opt(a + "o_proj.bias"),
+        )
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            assert cfg.n_routed_experts
+            inter = cfg.moe_intermediate_size
+            sharded = inter % tp == 0
+            n, r = (tp, rank) if sharded else (1, 0)
+            lo, hi = r * inter // n, (r + 1) * inter // n
+            if src.has(m + "experts.gate_up_proj"):  # transformers v5 fused layout
+                w_gate = src.get(m + "experts.gate_up_proj", 1, lo, hi)
+                w_up = src.get(m + "experts.gate_up_proj", 1, inter + lo, inter + hi)
+                w_down = src.get(m + "experts.down_proj", 2, lo, hi)
+            else:
+                e_ = range(cfg.n_routed_experts)
+                w_gate = torch.stack(
+                    [src.get(m + f"experts.{e}.gate_proj.weight", 0, lo, hi) for e in e_]
+                )
+                w_up = torch.stack(
+                    [src.get(m + f"experts.{e}.up_proj.weight", 0, lo, hi) for e in e_]
+                )
+                w_down = torch.stack(
+                    [src.get(m + f"experts.{e}.down_proj.weight", 1, lo, hi) for e in e_]
+                )
+            shared = None
+            if cfg.n_shared_experts:
+                shared = mlp(m + "shared_experts.", inter * cfg.n_shared_experts, sharded)
+            moe = MoEWeights(
+                router=src.get(m + "gate.weight").to(device=device, dtype=torch.float32),
+                w_gate=t(w_gate),
+                w_up=t(w_up),
+                w_down=t(w_down),
+                shared=shared,
+            )
+            dense = None
+        else:
+            sharded = cfg.intermediate_size % tp == 0
+            dense, moe = mlp(m, cfg.intermediate_size, sharded), None
+        layers.append(
+            LayerWeights(
+                input_norm=t(src.get(p + "input_layernorm.weight")),
+                post_norm=t(src.get(p + "post_attention_layernorm.weight")),
+                attn=attn,
+                mlp=dense,
+                moe=moe,
+                mlp_sharded=sharded and tp > 1,
+            )
+        )
+    embed = t(src.get("model.embed_tokens.weight"))
+    head = embed if cfg.tie_word_embeddings else t(src.get("lm_head.weight"))
+    return RankWeights(
+        embed=embed, layers=layers, norm=t(src.get("model.norm.weight")), lm_head=head
+    )
