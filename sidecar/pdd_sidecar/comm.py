@@ -86,10 +86,10 @@ class ThreadComm:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         vals = self.group.exchange(self.rank, t)
-        acc = vals[0].clone()
+        acc = vals[0].float()  # accumulate in fp32 like gloo below: one rounding, not world_size
         for v in vals[1:]:
-            acc += v
-        return acc
+            acc = acc + v.float()
+        return acc.to(t.dtype)
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return torch.cat(self.group.exchange(self.rank, t), dim=dim)
