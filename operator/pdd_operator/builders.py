@@ -1,0 +1,393 @@
+"""Pure builders: a PDDeployment (name, namespace, uid, parsed spec) -> the objects it owns.
+
+Every function here is data in, data out, deterministic, so the same spec always yields the same
+objects and the same hashes. That is what makes the operator level-based: a reconcile compares
+these dicts with what the cluster holds and acts on the difference, never on remembered history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdd_api import keys
+from pdd_api.models import (
+    API_GROUP,
+    API_VERSION,
+    GPU_RESOURCE,
+    KIND,
+    PDDeploymentSpec,
+    ResourceRequirements,
+    RoleSpec,
+)
+from pdd_api.plan import RoutingPlan, SidePlan
+from pdd_api.routing import plan_routing
+from pdd_operator.hashing import content_hash
+
+Role = Literal["prefill", "decode"]
+Obj = dict[str, Any]
+
+SIDECAR_SERVE = ["python", "-m", "pdd_sidecar", "serve"]
+SIDECAR_ROUTER = ["python", "-m", "pdd_sidecar", "router"]
+ROUTING_VOLUME = "routing"
+# Model loading can take minutes: the startup probe gives it 20 min before liveness applies.
+STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 120
+
+CONTRACT_ENV = frozenset(
+    {
+        keys.ENV_ROLE, keys.ENV_REPLICA, keys.ENV_TP_SIZE, keys.ENV_DCP_SIZE,
+        keys.ENV_BLOCK_SIZE, keys.ENV_ROUTING_FILE, keys.ENV_SIDE_CHANNEL_PORT, keys.ENV_POD_IP,
+        keys.ENV_HTTP_PORT, keys.ENV_MODEL_NAME, keys.ENV_MODEL_SOURCE, keys.ENV_DTYPE,
+        keys.ENV_POD_NAME, keys.ENV_NAMESPACE,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Obj:
+        return {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass
+class Desired:
+    """Everything one PDDeployment should own; pods keyed by role then replica index."""
+
+    plan: RoutingPlan
+    configmap: Obj
+    services: list[Obj]
+    pods: dict[Role, dict[int, Obj]]
+    router_deployment: Obj | None = None
+    router_service: Obj | None = None
+    extra: list[Obj] = field(default_factory=list)
+
+    def owned_non_pods(self) -> list[Obj]:
+        objs = [self.configmap, *self.services]
+        objs += [o for o in (self.router_deployment, self.router_service) if o is not None]
+        return objs
+
+
+def plan_of(spec: PDDeploymentSpec) -> RoutingPlan:
+    """The same computation as `pdd plan -o json` (pdd_cli.main.plan_for), from a parsed spec."""
+    side = {
+        role: SidePlan(
+            tensor_parallel_size=getattr(spec, role).tensorParallelSize,
+            decode_context_parallel_size=getattr(spec, role).decodeContextParallelSize,
+        )
+        for role in ("prefill", "decode")
+    }
+    return plan_routing(side["prefill"], side["decode"], spec.blockSize)
+
+
+def labels(owner: Owner, component: str | None = None,
+           replica: int | None = None) -> dict[str, str]:
+    out = {
+        keys.LABEL_NAME: keys.APP_NAME,
+        keys.LABEL_INSTANCE: owner.name,
+        keys.LABEL_MANAGED_BY: keys.MANAGED_BY,
+    }
+    if component is not None:
+        out[keys.LABEL_COMPONENT] = component
+    if replica is not None:
+        out[keys.LABEL_REPLICA] = str(replica)
+    return out
+
+
+def selector(owner: Owner, component: str) -> dict[str, str]:
+    return {
+        keys.LABEL_NAME: keys.APP_NAME,
+        keys.LABEL_INSTANCE: owner.name,
+        keys.LABEL_COMPONENT: component,
+    }
+
+
+def _meta(owner: Owner, name: str, lbls: dict[str, str]) -> Obj:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": lbls,
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-routing"
+
+
+def service_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def pod_name(name: str, role: str, index: int) -> str:
+    return f"{name}-{role}-{index}"
+
+
+def pod_url(owner: Owner, role: str, index: int) -> str:
+    host = f"{pod_name(owner.name, role, index)}.{service_dns(owner, role)}"
+    return f"http://{host}:{keys.HTTP_PORT}"
+
+
+def service_dns(owner: Owner, role: str) -> str:
+    return f"{service_name(owner.name, role)}.{owner.namespace}.svc"
+
+
+def build_configmap(owner: Owner, plan: RoutingPlan) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, configmap_name(owner.name), labels(owner)),
+        "data": {keys.ROUTING_CONFIGMAP_KEY: plan.to_json()},
+    }
+
+
+def build_service(owner: Owner, role: Role, role_spec: RoleSpec, side_port: int) -> Obj:
+    """Headless, publishing not-ready pods: sidecars find each other's side channels (per-pod
+    DNS `<pod>.<svc>`) while still loading, before readiness."""
+    ports = [{"name": "http", "port": keys.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+    ports += [
+        {"name": f"side-{r}", "port": side_port + r, "targetPort": side_port + r,
+         "protocol": "TCP"}
+        for r in range(role_spec.tensorParallelSize)
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, service_name(owner.name, role), labels(owner, role)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(owner, role),
+            "ports": ports,
+        },
+    }
+
+
+def _quantities(amounts: dict[str, int | str] | None) -> dict[str, str]:
+    return {k: str(v) for k, v in (amounts or {}).items()}
+
+
+def role_resources(role_spec: RoleSpec) -> Obj:
+    """One GPU per TP rank, as limit and request (extended resources need both equal)."""
+    res = role_spec.resources or ResourceRequirements()
+    limits, requests = _quantities(res.limits), _quantities(res.requests)
+    gpus = str(role_spec.tensorParallelSize)
+    limits[GPU_RESOURCE] = gpus
+    requests[GPU_RESOURCE] = gpus
+    return {"limits": limits, "requests": requests}
+
+
+def _env(name: str, value: str | int) -> Obj:
+    return {"name": name, "value": str(value)}
+
+
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def role_env(spec: PDDeploymentSpec, role: Role, index: int) -> list[Obj]:
+    r = getattr(spec, role)
+    env = [
+        _env(keys.ENV_ROLE, role),
+        _env(keys.ENV_REPLICA, index),
+        _env(keys.ENV_TP_SIZE, r.tensorParallelSize),
+        _env(keys.ENV_DCP_SIZE, r.decodeContextParallelSize),
+        _env(keys.ENV_BLOCK_SIZE, spec.blockSize),
+        _env(keys.ENV_ROUTING_FILE, keys.ROUTING_FILE),
+        _env(keys.ENV_SIDE_CHANNEL_PORT, spec.kvTransfer.sideChannelPort),
+        _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
+        _env(keys.ENV_MODEL_NAME, spec.model.name),
+        _env(keys.ENV_DTYPE, spec.model.dtype),
+    ]
+    if spec.model.source:
+        env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
+    env += [
+        _field_env(keys.ENV_POD_IP, "status.podIP"),
+        _field_env(keys.ENV_POD_NAME, "metadata.name"),
+        _field_env(keys.ENV_NAMESPACE, "metadata.namespace"),
+    ]
+    # User env first would let a duplicate shadow the contract (the last duplicate wins in
+    # Kubernetes); dropping collisions makes "contract PDD_* win" true and visible in the pod.
+    env += [
+        e.model_dump(exclude_none=True) for e in (r.env or []) if e.name not in CONTRACT_ENV
+    ]
+    return env
+
+
+def _probe(path: str, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Role,
+              index: int) -> Obj:
+    r: RoleSpec = getattr(spec, role)
+    side = spec.kvTransfer.sideChannelPort
+    container: Obj = {
+        "name": keys.CONTAINER_NAME,
+        "image": spec.image,
+        "command": [*SIDECAR_SERVE, *(r.extraArgs or [])],
+        "env": role_env(spec, role, index),
+        "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}]
+        + [
+            {"name": f"side-{rank}", "containerPort": side + rank, "protocol": "TCP"}
+            for rank in range(r.tensorParallelSize)
+        ],
+        "resources": role_resources(r),
+        "volumeMounts": [
+            {"name": ROUTING_VOLUME, "mountPath": keys.ROUTING_MOUNT_DIR, "readOnly": True}
+        ],
+        "startupProbe": _probe("/healthz", STARTUP_PERIOD_S, STARTUP_FAILURES),
+        "livenessProbe": _probe("/healthz", 10, 3),
+        "readinessProbe": _probe("/readyz", 5, 3),
+    }
+    if r.imagePullPolicy:
+        container["imagePullPolicy"] = r.imagePullPolicy
+    pod_spec: Obj = {
+        "hostname": pod_name(owner.name, role, index),
+        "subdomain": service_name(owner.name, role),
+        "restartPolicy": "Always",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": [
+            {"name": ROUTING_VOLUME, "configMap": {"name": configmap_name(owner.name)}}
+        ],
+    }
+    if r.nodeSelector:
+        pod_spec["nodeSelector"] = dict(r.nodeSelector)
+    if r.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in r.tolerations]
+    if r.affinity:
+        pod_spec["affinity"] = r.affinity
+    if r.priorityClassName:
+        pod_spec["priorityClassName"] = r.priorityClassName
+    pod: Obj = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(owner, pod_name(owner.name, role, index), labels(owner, role, index)),
+        "spec": pod_spec,
+    }
+    # Everything a running sidecar cannot pick up live: its own pod spec and the routing plan
+    # (the ConfigMap volume updates in place, but a sidecar reads the plan once at start).
+    pod["metadata"]["annotations"] = {keys.ANNOTATION_SPEC_HASH: content_hash(pod, plan.to_json())}
+    return pod
+
+
+def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
+    """The user-facing endpoint; it learns the replicas from env, so a scale rolls it."""
+    rlabels = selector(owner, keys.COMPONENT_ROUTER)
+    env = [
+        _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
+        _env(keys.ENV_MODEL_NAME, spec.model.name),
+        _env(keys.ENV_BLOCK_SIZE, spec.blockSize),
+        _env(keys.ENV_PREFILL_URLS,
+             ",".join(pod_url(owner, "prefill", i) for i in range(spec.prefill.replicas))),
+        _env(keys.ENV_DECODE_URLS,
+             ",".join(pod_url(owner, "decode", i) for i in range(spec.decode.replicas))),
+        _env(keys.ENV_PREFILL_SERVICE, service_dns(owner, "prefill")),
+        _env(keys.ENV_DECODE_SERVICE, service_dns(owner, "decode")),
+        _field_env(keys.ENV_POD_IP, "status.podIP"),
+    ]
+    container: Obj = {
+        "name": keys.ROUTER_CONTAINER_NAME,
+        "image": spec.image,
+        "command": SIDECAR_ROUTER,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}],
+        "livenessProbe": _probe("/healthz", 10, 3),
+        "readinessProbe": _probe("/readyz", 5, 3),
+    }
+    if spec.router.resources is not None:
+        container["resources"] = {
+            k: _quantities(v)
+            for k, v in spec.router.resources.model_dump(exclude_none=True).items()
+        }
+    deployment: Obj = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, owner.name, labels(owner, keys.COMPONENT_ROUTER)),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": rlabels},
+            "template": {
+                "metadata": {"labels": dict(rlabels)},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "containers": [container],
+                },
+            },
+        },
+    }
+    service: Obj = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, owner.name, labels(owner, keys.COMPONENT_ROUTER)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": dict(rlabels),
+            "ports": [
+                {"name": "http", "port": keys.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return deployment, service
+
+
+def build(owner: Owner, spec: PDDeploymentSpec) -> Desired:
+    plan = plan_of(spec)
+    side = spec.kvTransfer.sideChannelPort
+    pods: dict[Role, dict[int, Obj]] = {
+        role: {
+            i: build_pod(owner, spec, plan, role, i) for i in range(getattr(spec, role).replicas)
+        }
+        for role in ("prefill", "decode")
+    }
+    desired = Desired(
+        plan=plan,
+        configmap=build_configmap(owner, plan),
+        services=[build_service(owner, role, getattr(spec, role), side)
+                  for role in ("prefill", "decode")],
+        pods=pods,
+    )
+    if spec.router.enabled:
+        desired.router_deployment, desired.router_service = build_router(owner, spec)
+    return desired
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether `have` (as the API server returns it, with defaults and extra entries added)
+    still carries everything in `want`. Named lists match by name, other lists by containment,
+    the way server-side apply merges them."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(
+            k in have and is_subset(v, have[k]) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        if not isinstance(have, list):
+            return False
+        if want and all(isinstance(w, dict) and "name" in w for w in want):
+            by_name = {h.get("name"): h for h in have if isinstance(h, dict)}
+            return all(w["name"] in by_name and is_subset(w, by_name[w["name"]]) for w in want)
+        if len(want) == len(have):
+            return all(is_subset(w, h) for w, h in zip(want, have, strict=True))
+        return all(any(is_subset(w, h) for h in have) for w in want)
+    if isinstance(want, bool) or isinstance(have, bool):
+        return want is have
+    return want == have or str(want) == str(have)

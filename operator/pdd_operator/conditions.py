@@ -1,0 +1,199 @@
+"""Pure status computation: what was observed -> the PDDeployment's status block.
+
+Conditions follow the Kubernetes/kstatus conventions (type, status, reason, message,
+lastTransitionTime, observedGeneration; `Ready` is the summary) so `kubectl wait
+--for=condition=Ready`, Flux and the Argo CD health check read them without knowing pdd.
+Messages carry what a user needs without the operator's logs: which pod is Pending and the
+scheduler's words, which pod is crash-looping, which decode rank reads which prefill ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdd_api.plan import RoutingPlan
+from pdd_operator.rollout import SEVERITY, RolePlan, effective_max_unavailable
+
+VALIDATED, ROUTING_READY, READY = "Validated", "RoutingReady", "Ready"
+AVAILABLE = {"prefill": "PrefillAvailable", "decode": "DecodeAvailable"}
+CONDITION_TYPES = (VALIDATED, ROUTING_READY, AVAILABLE["prefill"], AVAILABLE["decode"], READY)
+# Reasons the Argo CD health check calls Degraded: they do not resolve by waiting.
+STUCK_REASONS = ("Unschedulable", "CrashLooping", "ImagePullFailed", "ContainerCreateFailed",
+                 "PodFailed", "InvalidSpec")
+MAX_PROBLEMS = 3
+
+
+@dataclass(frozen=True)
+class RouterState:
+    enabled: bool
+    replicas: int = 0
+    ready: int = 0
+    updated: bool = True
+
+
+def router_state(enabled: bool, desired: Mapping[str, Any] | None,
+                 observed: Mapping[str, Any] | None) -> RouterState:
+    if not enabled or desired is None:
+        return RouterState(enabled=False)
+    want = int(desired["spec"]["replicas"])
+    if observed is None:
+        return RouterState(enabled=True, replicas=want, ready=0, updated=False)
+    st = observed.get("status") or {}
+    meta = observed.get("metadata") or {}
+    current = st.get("observedGeneration", 0) >= meta.get("generation", 0)
+    updated = current and st.get("updatedReplicas", 0) >= want
+    return RouterState(enabled=True, replicas=want, ready=int(st.get("availableReplicas") or 0),
+                       updated=bool(updated and st.get("replicas", 0) == want))
+
+
+def condition(ctype: str, ok: bool | None, reason: str, message: str, generation: int,
+              previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+    status = "Unknown" if ok is None else ("True" if ok else "False")
+    since = now
+    if previous is not None and previous.get("status") == status:
+        since = previous.get("lastTransitionTime") or now
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def _previous(status: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    return {c["type"]: c for c in (status or {}).get("conditions") or [] if "type" in c}
+
+
+def _worst(reasons: Sequence[str | None]) -> str | None:
+    found = [r for r in reasons if r is not None]
+    return min(found, key=lambda r: SEVERITY.index(r) if r in SEVERITY else len(SEVERITY),
+               default=None)
+
+
+def role_condition(role: str, rp: RolePlan, want: int, max_unavailable: int) -> tuple[bool, str,
+                                                                                         str]:
+    """(available, reason, message). Available means the role can serve: at least
+    max(1, replicas - maxUnavailable) pods Ready, the floor the rollout policy guarantees."""
+    floor = max(1, want - effective_max_unavailable(want, max_unavailable))
+    head = f"{rp.ready}/{want} {role} pods ready"
+    problems = [p.problem for p in rp.waiting_on if p.problem]
+    missing = len(rp.create)
+    detail = []
+    if rp.outdated:
+        detail.append(f"{rp.outdated} outdated, being replaced")
+    if missing:
+        detail.append(f"{missing} being created")
+    if rp.excess:
+        detail.append(f"{rp.excess} being removed")
+    extra = problems[:MAX_PROBLEMS] + (
+        [f"and {len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else []
+    )
+    message = "; ".join([head + (f" ({', '.join(detail)})" if detail else ""), *extra])
+    worst = _worst([p.problem_reason for p in rp.waiting_on])
+    if rp.ready >= floor:
+        full = rp.ready == want and rp.settled
+        return True, "AllReplicasReady" if full else "MinimumReplicasAvailable", message
+    if worst is not None and worst not in ("PodPending", "NotReady"):
+        return False, worst, message
+    if rp.outdated or any(p.terminating for p in rp.waiting_on):
+        return False, "Rolling", message
+    if missing or worst == "PodPending":
+        return False, "PodsStarting", message
+    return False, "PodsNotReady", message
+
+
+def compute_status(
+    *,
+    generation: int,
+    problems: Sequence[str],
+    plan: RoutingPlan | None,
+    routing_published: bool,
+    roles: Mapping[str, RolePlan],
+    wanted: Mapping[str, int],
+    max_unavailable: int,
+    router: RouterState,
+    previous: Mapping[str, Any] | None,
+    now: str,
+) -> dict[str, Any]:
+    prev = _previous(previous)
+
+    def cond(ctype: str, ok: bool | None, reason: str, message: str) -> dict[str, Any]:
+        return condition(ctype, ok, reason, message, generation, prev.get(ctype), now)
+
+    if problems:
+        # Nothing was created or changed: the other conditions keep describing the objects
+        # that exist (from the last valid generation).
+        msg = "; ".join(problems)
+        by_type = {c["type"]: dict(c) for c in (previous or {}).get("conditions") or []}
+        by_type[VALIDATED] = cond(VALIDATED, False, "InvalidSpec", msg)
+        by_type[READY] = cond(READY, False, "InvalidSpec",
+                            f"generation {generation} is invalid, existing objects are left "
+                            f"unchanged: {msg}")
+        out = dict(previous or {})
+        out["observedGeneration"] = generation
+        out["conditions"] = [by_type[t] for t in CONDITION_TYPES if t in by_type]
+        return out
+
+    assert plan is not None
+    conds = [cond(VALIDATED, True, "Valid", "spec is valid")]
+    summary = plan.summary()
+    if routing_published:
+        conds.append(cond(ROUTING_READY, True, "PlanPublished", f"{plan.case}: {summary}"))
+    else:
+        conds.append(cond(ROUTING_READY, False, "PlanPending",
+                          f"routing ConfigMap not yet written ({plan.case}: {summary})"))
+    role_ok: dict[str, bool] = {}
+    role_msgs: dict[str, str] = {}
+    for role in ("prefill", "decode"):
+        ok, reason, message = role_condition(role, roles[role], wanted[role], max_unavailable)
+        role_ok[role] = ok
+        role_msgs[role] = message
+        conds.append(cond(AVAILABLE[role], ok, reason, message))
+
+    settled = all(roles[r].settled and roles[r].ready == wanted[r] for r in roles)
+    router_ok = not router.enabled or (router.ready >= router.replicas and router.updated)
+    router_msg = f"router {router.ready}/{router.replicas} ready" if router.enabled else ""
+    if settled and routing_published and router_ok:
+        ready = cond(READY, True, "Ready", "; ".join(
+            x for x in (f"prefill {wanted['prefill']}/{wanted['prefill']} ready",
+                        f"decode {wanted['decode']}/{wanted['decode']} ready", router_msg,
+                        summary) if x))
+    else:
+        if any(roles[r].outdated for r in roles):
+            reason = "Rolling"
+        elif not role_ok["prefill"]:
+            reason = "PrefillUnavailable"
+        elif not role_ok["decode"]:
+            reason = "DecodeUnavailable"
+        elif not settled:
+            reason = "Scaling"
+        elif not routing_published:
+            reason = "RoutingPending"
+        else:
+            reason = "RouterUnavailable"
+        parts = [role_msgs[r] for r in ("prefill", "decode")
+                 if not (roles[r].settled and roles[r].ready == wanted[r])]
+        if router.enabled and not router_ok:
+            parts.append(router_msg + ("" if router.updated else " (updating)"))
+        ready = cond(READY, False, reason, "; ".join(parts) or "waiting for the routing plan")
+    conds.append(ready)
+    return {
+        "observedGeneration": generation,
+        "conditions": conds,
+        "prefill": _role_status(roles["prefill"]),
+        "decode": _role_status(roles["decode"]),
+        "routingCase": plan.case,
+        "routingSummary": summary,
+    }
+
+
+def _role_status(rp: RolePlan) -> dict[str, int]:
+    return {"replicas": rp.replicas, "readyReplicas": rp.ready, "updatedReplicas": rp.updated}
+
+
+def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    return dict(a or {}) == dict(b or {})

@@ -1,0 +1,356 @@
+"""One level-based reconcile pass per PDDeployment, serialised per object and coalesced.
+
+Whatever triggers it (the PDDeployment's own events, an owned object's events, the periodic
+resync, a retry after a failure), a pass reads the current PDDeployment and the owned objects
+from the store, computes the desired objects with the pure builders, acts on the difference and
+writes status. It never depends on what happened before, so an operator restarted at any point
+converges to the same objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd_api import keys
+from pdd_api.models import KIND, PDDeploymentSpec
+from pdd_api.validation import validate_name, validate_spec
+from pdd_operator import metrics
+from pdd_operator.builders import Desired, Obj, Owner, build
+from pdd_operator.conditions import (
+    AVAILABLE,
+    READY,
+    STUCK_REASONS,
+    VALIDATED,
+    compute_status,
+    router_state,
+)
+from pdd_operator.kube import ApiError, Kube, now_rfc3339
+from pdd_operator.rollout import Delete, RolePlan, needs_apply, plan_role
+from pdd_operator.store import Store
+
+log = logging.getLogger("pdd_operator")
+Key = tuple[str, str]
+CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Deployment")
+MANAGED_SELECTOR = f"{keys.LABEL_MANAGED_BY}={keys.MANAGED_BY}"
+
+
+@dataclass
+class _KeyState:
+    task: asyncio.Task[None] | None = None
+    dirty: bool = False
+    failures: int = 0
+    last_failure: str | None = None
+
+
+@dataclass
+class Outcome:
+    """What a pass did, for events and tests."""
+
+    created: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+    status: dict[str, Any] | None = None
+
+
+def _ref(obj: Obj) -> str:
+    return f"{obj['kind']} {obj['metadata']['name']}"
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, store: Store | None = None, *, debounce: float = 0.02,
+                 max_backoff: float = 30.0) -> None:
+        self.kube = kube
+        self.store = store or Store()
+        self.pdds: dict[Key, Obj] = {}
+        self.debounce = debounce
+        self.max_backoff = max_backoff
+        self._keys: dict[Key, _KeyState] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self.on_pass: Callable[[Key, Outcome], Awaitable[None]] | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def observe_pdd(self, body: Obj, deleted: bool = False) -> Key:
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self.pdds.pop(key, None)
+        else:
+            current = self.pdds.get(key)
+            if current is None or current["metadata"].get("uid") != meta.get("uid") or _rv(
+                body
+            ) >= _rv(current):
+                self.pdds[key] = body
+        metrics.DEPLOYMENTS.set(len(self.pdds))
+        return key
+
+    def observe_child(self, kind: str, obj: Obj, deleted: bool = False) -> None:
+        if deleted:
+            self.store.remove(kind, obj)
+        else:
+            self.store.upsert(kind, obj)
+        meta = obj.get("metadata", {})
+        inst = (meta.get("labels") or {}).get(keys.LABEL_INSTANCE)
+        if inst is not None and (meta.get("namespace"), inst) in self.pdds:
+            self.kick(meta["namespace"], inst)
+
+    async def seed(self, namespaces: list[str] | None) -> None:
+        """Fill the store before any pass runs, so a restarted operator sees what exists."""
+        for ns in namespaces or [None]:  # type: ignore[list-item]
+            for kind in CHILD_KINDS:
+                for obj in await self.kube.list_objects(kind, ns, MANAGED_SELECTOR):
+                    self.store.upsert(kind, obj)
+
+    async def resync(self, namespace: str, name: str) -> None:
+        """Authoritative re-read of one PDDeployment's objects (the periodic pass)."""
+        selector = f"{MANAGED_SELECTOR},{keys.LABEL_INSTANCE}={name}"
+        for kind in CHILD_KINDS:
+            objs, rv = await self.kube.list_rv(kind, namespace, selector)
+            self.store.replace_instance(kind, namespace, name, objs, rv)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def kick(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        st = self._keys.setdefault(key, _KeyState())
+        if st.task is not None and not st.task.done():
+            st.dirty = True
+            return
+        st.dirty = False
+        st.task = asyncio.get_running_loop().create_task(self._loop(key, st))
+
+    async def _loop(self, key: Key, st: _KeyState) -> None:
+        await asyncio.sleep(self.debounce)
+        while True:
+            st.dirty = False
+            try:
+                await self.run(*key)
+                st.failures = 0
+                st.last_failure = None
+            except Exception as exc:  # noqa: BLE001 - any failure is retried with backoff
+                st.failures += 1
+                delay = min(self.max_backoff, 0.5 * 2 ** (st.failures - 1))
+                log.warning("reconcile of %s/%s failed (retry in %.1fs): %s", *key, delay, exc)
+                await self._failure_event(key, st, exc)
+                await asyncio.sleep(delay)
+                st.dirty = True
+            if not st.dirty or key not in self.pdds:
+                break
+
+    async def _failure_event(self, key: Key, st: _KeyState, exc: Exception) -> None:
+        text = str(exc)
+        body = self.pdds.get(key)
+        if body is not None and text != st.last_failure:
+            st.last_failure = text
+            await self.kube.post_event(body, "Warning", "ReconcileFailed", text)
+
+    async def run(self, namespace: str, name: str) -> Outcome | None:
+        """One serialised pass; raises on failure (the caller retries)."""
+        key = (namespace, name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            start = time.perf_counter()
+            try:
+                outcome = await self._reconcile(key)
+            except Exception:
+                metrics.RECONCILES.labels("error").inc()
+                metrics.ERRORS.inc()
+                raise
+            finally:
+                metrics.LATENCY.observe(time.perf_counter() - start)
+            metrics.RECONCILES.labels("ok").inc()
+            for kind in CHILD_KINDS:
+                metrics.MANAGED.labels(kind).set(self.store.count(kind))
+            if outcome is not None and self.on_pass is not None:
+                await self.on_pass(key, outcome)
+            return outcome
+
+    # ------------------------------------------------------------------ the pass
+
+    async def _reconcile(self, key: Key) -> Outcome | None:
+        body = self.pdds.get(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        ns, name = key
+        meta = body["metadata"]
+        generation = int(meta.get("generation") or 0)
+        raw_spec = body.get("spec")
+        problems = validate_name(name) + validate_spec(raw_spec)
+        outcome = Outcome()
+        if problems:
+            status = compute_status(
+                generation=generation, problems=problems, plan=None, routing_published=False,
+                roles={}, wanted={}, max_unavailable=1, router=router_state(False, None, None),
+                previous=body.get("status"), now=now_rfc3339(),
+            )
+            await self._write_status(body, status)
+            outcome.status = status
+            return outcome
+
+        spec = PDDeploymentSpec.model_validate(raw_spec)
+        owner = Owner(name, ns, meta["uid"])
+        desired = build(owner, spec)
+        await self._apply_others(owner, desired, outcome)
+        roles: dict[str, RolePlan] = {}
+        for role in ("prefill", "decode"):
+            observed = [
+                p for p in self.store.of_instance("Pod", ns, name)
+                if (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT) == role
+            ]
+            rp = plan_role(desired.pods[role], observed, owner.uid, spec.rollout.maxUnavailable)
+            await self._act_on_pods(ns, rp, outcome)
+            roles[role] = rp
+
+        cm = self.store.get("ConfigMap", ns, desired.configmap["metadata"]["name"])
+        published = cm is not None and cm.get("data") == desired.configmap["data"]
+        router_obs = self.store.get("Deployment", ns, name)
+        status = compute_status(
+            generation=generation, problems=[], plan=desired.plan, routing_published=published,
+            roles=roles, wanted={"prefill": spec.prefill.replicas, "decode": spec.decode.replicas},
+            max_unavailable=spec.rollout.maxUnavailable,
+            router=router_state(spec.router.enabled, desired.router_deployment, router_obs),
+            previous=body.get("status"), now=now_rfc3339(),
+        )
+        await self._events(body, outcome)
+        await self._write_status(body, status)
+        outcome.status = status
+        return outcome
+
+    async def _apply(self, obj: Obj) -> Obj:
+        out = await self.kube.apply(obj)
+        self.store.upsert(obj["kind"], out)
+        return out
+
+    async def _apply_others(self, owner: Owner, desired: Desired, outcome: Outcome) -> None:
+        async def one(obj: Obj) -> None:
+            have = self.store.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
+            if needs_apply(obj, have):
+                await self._apply(obj)
+                metrics.ACTIONS.labels(obj["kind"], "apply").inc()
+                (outcome.created if have is None else outcome.restored).append(_ref(obj))
+
+        # The ConfigMap goes first: pods mount it, and a pod without it would not start.
+        await one(desired.configmap)
+        await asyncio.gather(*(one(o) for o in desired.owned_non_pods()[1:]))
+        if desired.router_deployment is None:
+            for kind in ("Deployment", "Service"):
+                have = self.store.get(kind, owner.namespace, owner.name)
+                if have is not None and _owned_by(have, owner.uid):
+                    await self._delete(kind, have, outcome.deleted)
+
+    async def _delete(self, kind: str, obj: Obj, into: list[str]) -> None:
+        meta = obj["metadata"]
+        try:
+            out = await self.kube.delete(kind, meta["namespace"], meta["name"], uid=meta["uid"])
+        except ApiError as exc:
+            if exc.status == 409:
+                # Replaced since we read it (uid precondition): re-read and decide again.
+                fresh = await self.kube.get(kind, meta["namespace"], meta["name"])
+                if fresh is not None:
+                    self.store.upsert(kind, fresh)
+                else:
+                    self.store.remove(kind, obj)
+                raise
+            raise
+        metrics.ACTIONS.labels(kind, "delete").inc()
+        if out is not None and out.get("kind") == kind and out.get("metadata", {}).get(
+            "deletionTimestamp"
+        ):
+            self.store.upsert(kind, out)
+        else:
+            self.store.remove(kind, out if out and out.get("kind") == kind else obj)
+        into.append(f"{kind} {meta['name']}")
+
+    async def _act_on_pods(self, namespace: str, rp: RolePlan, outcome: Outcome) -> None:
+        async def create(pod: Obj) -> None:
+            await self._apply(pod)
+            metrics.ACTIONS.labels("Pod", "create").inc()
+            outcome.created.append(_ref(pod))
+
+        async def restore(pod: Obj) -> None:
+            try:
+                await self._apply(pod)
+                outcome.restored.append(_ref(pod))
+            except ApiError as exc:
+                if exc.status != 422:
+                    raise
+                # An edit of an immutable pod field cannot be applied back: replace the pod.
+                have = self.store.get("Pod", pod["metadata"]["namespace"],
+                                      pod["metadata"]["name"])
+                if have is not None:
+                    await self._delete("Pod", have, outcome.replaced)
+
+        async def delete(d: Delete) -> None:
+            have = self.store.get("Pod", namespace, d.name) or {
+                "metadata": {"name": d.name, "uid": d.uid, "namespace": namespace}}
+            await self._delete("Pod", have, outcome.replaced if d.reason == "Replace"
+                               else outcome.deleted)
+
+        await asyncio.gather(*(create(p) for p in rp.create), *(restore(p) for p in rp.restore),
+                             *(delete(d) for d in rp.delete))
+
+    async def _events(self, body: Obj, outcome: Outcome) -> None:
+        posts = []
+        if outcome.created:
+            posts.append(("Normal", "Created", "Created " + ", ".join(outcome.created)))
+        if outcome.replaced:
+            posts.append(("Normal", "Replacing", "Deleted to replace with the new spec: "
+                          + ", ".join(outcome.replaced)))
+        if outcome.deleted:
+            posts.append(("Normal", "Deleted", "Deleted " + ", ".join(outcome.deleted)))
+        if outcome.restored:
+            posts.append(("Normal", "Restored", "Re-applied after a change made outside the "
+                          "operator: " + ", ".join(outcome.restored)))
+        await asyncio.gather(*(self.kube.post_event(body, t, r, m) for t, r, m in posts))
+
+    async def _write_status(self, body: Obj, status: dict[str, Any]) -> None:
+        previous = body.get("status") or {}
+        if _comparable(previous) == _comparable(status):
+            return
+        await self._transition_events(body, previous, status)
+        meta = body["metadata"]
+        out = await self.kube.patch_status(KIND, meta["namespace"], meta["name"], status)
+        self.observe_pdd(out)
+
+    async def _transition_events(self, body: Obj, old: dict[str, Any],
+                                 new: dict[str, Any]) -> None:
+        before = {c["type"]: c for c in old.get("conditions") or []}
+        posts = []
+        for c in new.get("conditions") or []:
+            b = before.get(c["type"])
+            changed = b is None or (b.get("status"), b.get("reason"), b.get("message")) != (
+                c["status"], c["reason"], c["message"])
+            if not changed:
+                continue
+            if c["type"] == VALIDATED and c["status"] == "False":
+                posts.append(("Warning", "InvalidSpec", c["message"]))
+            elif c["type"] in AVAILABLE.values() and c["status"] == "False" and (
+                c["reason"] in STUCK_REASONS
+            ):
+                posts.append(("Warning", c["reason"], c["message"]))
+            elif c["type"] == READY and c["status"] == "True" and (
+                b is None or b.get("status") != "True"
+            ):
+                posts.append(("Normal", "Ready", c["message"]))
+        await asyncio.gather(*(self.kube.post_event(body, t, r, m) for t, r, m in posts))
+
+
+def _rv(obj: Obj) -> int:
+    try:
+        return int(obj["metadata"].get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+def _owned_by(obj: Obj, uid: str) -> bool:
+    return any(r.get("uid") == uid for r in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def _comparable(status: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in status.items() if v is not None}

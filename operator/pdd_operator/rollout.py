@@ -1,0 +1,206 @@
+"""Pure rollout policy: observed pods of one role + desired pods -> create / delete / restore.
+
+Policy (docs/operator.md):
+- scale down removes the highest indices (index >= replicas) at once: they are not wanted;
+- a missing index is created at once (a deleted pod comes back);
+- an outdated pod (spec-hash differs) is deleted, then recreated at its index by a later pass;
+  at most `rollout.maxUnavailable` indices of the role may be unavailable at a time, and a role
+  of several replicas always keeps at least one pod (the effective budget is replicas - 1);
+  outdated pods that are not Ready go first and cost nothing, since they serve nothing;
+- a pod whose hash matches but which drifted (a manual edit) is re-applied in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd_api import keys
+from pdd_operator.builders import Obj, is_subset
+
+SEVERITY = ("Unschedulable", "CrashLooping", "ImagePullFailed", "ContainerCreateFailed",
+            "PodFailed", "PodPending", "NotReady")
+_IMAGE_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
+_CREATE_REASONS = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """What the operator needs to know of an observed pod, parsed once."""
+
+    name: str
+    index: int | None
+    uid: str
+    hash: str | None
+    ready: bool
+    terminating: bool
+    owner_uid: str | None
+    problem_reason: str | None = None
+    problem: str | None = None
+
+
+def _index(pod: Obj) -> int | None:
+    raw = (pod.get("metadata", {}).get("labels") or {}).get(keys.LABEL_REPLICA)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _controller_uid(pod: Obj) -> str | None:
+    for ref in pod.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def _condition(pod: Obj, ctype: str) -> Obj | None:
+    for c in pod.get("status", {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def diagnose(pod: Obj) -> tuple[str | None, str | None]:
+    """(reason, message) a user needs when the pod is not serving, e.g. the scheduler's words."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    sched = _condition(pod, "PodScheduled")
+    if sched is not None and sched.get("status") == "False":
+        reason = sched.get("reason") or "Unschedulable"
+        msg = sched.get("message") or "not scheduled"
+        return "Unschedulable", f"{name} is Pending ({reason}): {msg}"
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        wreason = waiting.get("reason")
+        if wreason == "CrashLoopBackOff":
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            exit_info = (
+                f"; last exit code {last.get('exitCode')} ({last.get('reason', 'Error')})"
+                if last else ""
+            )
+            return "CrashLooping", (
+                f"{name} is crash-looping: container {cs.get('name')} restarted "
+                f"{cs.get('restartCount', 0)} times{exit_info}"
+            )
+        if wreason in _IMAGE_REASONS:
+            return "ImagePullFailed", f"{name}: {wreason}: {waiting.get('message', '')}".rstrip()
+        if wreason in _CREATE_REASONS:
+            return "ContainerCreateFailed", (
+                f"{name}: {wreason}: {waiting.get('message', '')}".rstrip()
+            )
+    if phase == "Failed":
+        return "PodFailed", f"{name} Failed: {status.get('reason', '')} {status.get('message', '')}"
+    if phase == "Pending":
+        return "PodPending", f"{name} is Pending"
+    ready = _condition(pod, "Ready")
+    if phase == "Running" and not (ready and ready.get("status") == "True"):
+        return "NotReady", f"{name} is Running but not Ready"
+    return None, None
+
+
+def pod_info(pod: Obj) -> PodInfo:
+    meta = pod.get("metadata", {})
+    ready_c = _condition(pod, "Ready")
+    ready = bool(ready_c and ready_c.get("status") == "True")
+    terminating = meta.get("deletionTimestamp") is not None
+    reason, problem = (None, None) if ready or terminating else diagnose(pod)
+    return PodInfo(
+        name=meta.get("name", ""),
+        index=_index(pod),
+        uid=meta.get("uid", ""),
+        hash=(meta.get("annotations") or {}).get(keys.ANNOTATION_SPEC_HASH),
+        ready=ready and not terminating,
+        terminating=terminating,
+        owner_uid=_controller_uid(pod),
+        problem_reason=reason,
+        problem=problem,
+    )
+
+
+@dataclass(frozen=True)
+class Delete:
+    name: str
+    uid: str
+    reason: str  # ScaleDown | Replace | Orphan
+
+
+@dataclass
+class RolePlan:
+    """What to do for one role now, and the counts its status reports."""
+
+    create: list[Obj] = field(default_factory=list)
+    delete: list[Delete] = field(default_factory=list)
+    restore: list[Obj] = field(default_factory=list)
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    outdated: int = 0
+    excess: int = 0
+    waiting_on: list[PodInfo] = field(default_factory=list)  # indices < replicas not serving
+
+    @property
+    def settled(self) -> bool:
+        return not (self.create or self.delete or self.outdated or self.excess)
+
+
+def effective_max_unavailable(replicas: int, max_unavailable: int) -> int:
+    return 1 if replicas <= 1 else max(1, min(max_unavailable, replicas - 1))
+
+
+def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
+              max_unavailable: int) -> RolePlan:
+    n = len(desired)
+    plan = RolePlan()
+    by_index: dict[int, tuple[PodInfo, Obj]] = {}
+    for pod in observed:
+        info = pod_info(pod)
+        want = desired.get(info.index) if info.index is not None else None
+        if want is not None and info.name == want["metadata"]["name"]:
+            by_index[info.index] = (info, pod)  # type: ignore[index]
+        elif info.owner_uid == owner_uid:
+            if not info.terminating:
+                plan.delete.append(Delete(info.name, info.uid, "ScaleDown"))
+            plan.excess += 1
+        # A pod with our labels that we neither named nor own is someone else's: left alone.
+
+    unavailable = 0
+    outdated: list[PodInfo] = []
+    for i in range(n):
+        want = desired[i]
+        if i not in by_index:
+            plan.create.append(want)
+            unavailable += 1
+            continue
+        info, pod = by_index[i]
+        if not info.terminating:
+            plan.replicas += 1
+        if info.ready:
+            plan.ready += 1
+        else:
+            unavailable += 1
+            plan.waiting_on.append(info)
+        want_hash = want["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH]
+        if info.terminating:
+            continue
+        if info.hash != want_hash or info.owner_uid != owner_uid:
+            outdated.append(info)
+        else:
+            plan.updated += 1
+            if not is_subset(want, pod):
+                plan.restore.append(want)
+    plan.outdated = len(outdated)
+
+    budget = effective_max_unavailable(n, max_unavailable) - unavailable
+    for info in sorted(outdated, key=lambda p: (p.ready, p.index)):
+        if not info.ready:
+            plan.delete.append(Delete(info.name, info.uid, "Replace"))
+        elif budget > 0:
+            plan.delete.append(Delete(info.name, info.uid, "Replace"))
+            budget -= 1
+    return plan
+
+
+def needs_apply(want: Obj, have: Any) -> bool:
+    return have is None or not is_subset(want, have)
