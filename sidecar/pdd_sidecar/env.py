@@ -25,7 +25,8 @@ POD_IP = "POD_IP"
 PDD_HTTP_PORT = "PDD_HTTP_PORT"  # instance API (/v1/prefill, /v1/decode, /healthz, ...)
 PDD_BIND_HOST = "PDD_BIND_HOST"  # address the HTTP servers listen on
 PDD_DIST_PORT = "PDD_DIST_PORT"  # torch.distributed rendezvous of the instance's ranks
-PDD_MODEL = "PDD_MODEL"  # "builtin" or a Hugging Face DeepSeek-V2 checkpoint directory
+PDD_MODEL_NAME = "PDD_MODEL_NAME"  # what is served; part of the compatibility record
+PDD_MODEL_SOURCE = "PDD_MODEL_SOURCE"  # Hugging Face DeepSeek-V2 directory; built-in when empty
 PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
 PDD_DTYPE = "PDD_DTYPE"  # float32 | bfloat16
 PDD_DEVICE = "PDD_DEVICE"  # cpu | cuda (rank r uses cuda:r)
@@ -34,17 +35,15 @@ PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"  # prefill frees unclaimed blocks after 
 PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (decode side)
 PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
 PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
-PDD_PREFILL_PEERS = "PDD_PREFILL_PEERS"  # decode: prefill instances to handshake for /readyz
+PDD_PREFILL_URLS = "PDD_PREFILL_URLS"  # comma list of http://host:port of prefill instances
+PDD_DECODE_URLS = "PDD_DECODE_URLS"  # comma list of http://host:port of decode instances
+PDD_PREFILL_SERVICE = "PDD_PREFILL_SERVICE"  # headless Service DNS name[:port] of prefill pods
+PDD_DECODE_SERVICE = "PDD_DECODE_SERVICE"
 PDD_LOG_LEVEL = "PDD_LOG_LEVEL"
 # Fault injection for tests only: decode pauses this long between its per-peer reads.
 PDD_FAULT_PAUSE_BETWEEN_READS_S = "PDD_FAULT_PAUSE_BETWEEN_READS_S"
 
-# --- router ---
-PDD_ROUTER_PORT = "PDD_ROUTER_PORT"
-PDD_ROUTER_PREFILL = "PDD_ROUTER_PREFILL"  # comma list of host:port (static replicas)
-PDD_ROUTER_DECODE = "PDD_ROUTER_DECODE"
-PDD_ROUTER_PREFILL_SERVICE = "PDD_ROUTER_PREFILL_SERVICE"  # headless Service DNS name
-PDD_ROUTER_DECODE_SERVICE = "PDD_ROUTER_DECODE_SERVICE"
+# --- router (listens on PDD_HTTP_PORT; replicas from PDD_*_URLS and/or PDD_*_SERVICE) ---
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
 PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 
@@ -57,7 +56,6 @@ LABEL_REPLICA = "serving.pdd.dev/replica"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_DIST_PORT = 29500
-DEFAULT_ROUTER_PORT = 8080
 ROLES = ("prefill", "decode")
 
 
@@ -93,9 +91,14 @@ def _float(env: Mapping[str, str], key: str, default: float) -> float:
     return value
 
 
-def parse_peers(raw: str | None) -> list[str]:
-    """`host:port,host:port` -> list; empty entries are ignored."""
-    return [p.strip() for p in (raw or "").split(",") if p.strip()]
+def parse_urls(raw: str | None) -> list[str]:
+    """`http://a:8000,b:8000` -> base URLs without trailing slash; a bare host:port gets http."""
+    out = []
+    for part in (raw or "").split(","):
+        part = part.strip().rstrip("/")
+        if part:
+            out.append(part if "://" in part else f"http://{part}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ class InstanceSettings:
     http_port: int
     bind_host: str
     dist_port: int
-    model: str
+    model_name: str
+    model_source: str
     model_seed: int
     dtype: str
     device: str
@@ -120,7 +124,8 @@ class InstanceSettings:
     transfer_timeout_s: float
     handshake_timeout_s: float
     notif_poll_s: float
-    prefill_peers: list[str] = field(default_factory=list)
+    prefill_urls: list[str] = field(default_factory=list)
+    prefill_service: str = ""
     fault_pause_between_reads_s: float = 0.0
 
     @classmethod
@@ -138,9 +143,9 @@ class InstanceSettings:
         routing_file = env.get(PDD_ROUTING_FILE, "")
         if not routing_file:
             raise ConfigError(f"{PDD_ROUTING_FILE}: required, not set")
-        dtype = env.get(PDD_DTYPE, "float32")
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"{PDD_DTYPE}: must be float32, bfloat16 or float16, got {dtype!r}")
+        dtype = env.get(PDD_DTYPE, "") or "float32"
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"{PDD_DTYPE}: must be float32 or bfloat16, got {dtype!r}")
         device = env.get(PDD_DEVICE, "cpu")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"{PDD_DEVICE}: must be cpu or cuda, got {device!r}")
@@ -157,8 +162,9 @@ class InstanceSettings:
             http_port=_int(env, PDD_HTTP_PORT, DEFAULT_HTTP_PORT, 1),
             bind_host=env.get(PDD_BIND_HOST, "") or "0.0.0.0",
             dist_port=_int(env, PDD_DIST_PORT, DEFAULT_DIST_PORT, 1),
-            model=env.get(PDD_MODEL, "") or "builtin",
-            model_seed=_int(env, PDD_MODEL_SEED, 0),
+            model_name=env.get(PDD_MODEL_NAME, "") or "builtin",
+            model_source=env.get(PDD_MODEL_SOURCE, "") or "builtin",
+            model_seed=_int(env, PDD_MODEL_SEED, 1234),
             dtype=dtype,
             device=device,
             num_blocks=_int(env, PDD_NUM_BLOCKS, 1024, 1),
@@ -166,7 +172,8 @@ class InstanceSettings:
             transfer_timeout_s=_float(env, PDD_TRANSFER_TIMEOUT_S, 30.0),
             handshake_timeout_s=_float(env, PDD_HANDSHAKE_TIMEOUT_S, 5.0),
             notif_poll_s=_float(env, PDD_NOTIF_POLL_S, 0.02),
-            prefill_peers=parse_peers(env.get(PDD_PREFILL_PEERS)),
+            prefill_urls=parse_urls(env.get(PDD_PREFILL_URLS)),
+            prefill_service=env.get(PDD_PREFILL_SERVICE, ""),
             fault_pause_between_reads_s=_float(env, PDD_FAULT_PAUSE_BETWEEN_READS_S, 0.0),
         )
 
@@ -186,21 +193,17 @@ class RouterSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
         env = os.environ if env is None else env
         settings = cls(
-            port=_int(env, PDD_ROUTER_PORT, DEFAULT_ROUTER_PORT, 1),
+            port=_int(env, PDD_HTTP_PORT, DEFAULT_HTTP_PORT, 1),
             bind_host=env.get(PDD_BIND_HOST, "") or "0.0.0.0",
-            prefill=parse_peers(env.get(PDD_ROUTER_PREFILL)),
-            decode=parse_peers(env.get(PDD_ROUTER_DECODE)),
-            prefill_service=env.get(PDD_ROUTER_PREFILL_SERVICE, ""),
-            decode_service=env.get(PDD_ROUTER_DECODE_SERVICE, ""),
+            prefill=parse_urls(env.get(PDD_PREFILL_URLS)),
+            decode=parse_urls(env.get(PDD_DECODE_URLS)),
+            prefill_service=env.get(PDD_PREFILL_SERVICE, ""),
+            decode_service=env.get(PDD_DECODE_SERVICE, ""),
             health_interval_s=_float(env, PDD_ROUTER_HEALTH_INTERVAL_S, 2.0),
             request_timeout_s=_float(env, PDD_ROUTER_REQUEST_TIMEOUT_S, 120.0),
         )
         if not (settings.prefill or settings.prefill_service):
-            raise ConfigError(
-                f"{PDD_ROUTER_PREFILL} or {PDD_ROUTER_PREFILL_SERVICE}: one is required"
-            )
+            raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")
         if not (settings.decode or settings.decode_service):
-            raise ConfigError(
-                f"{PDD_ROUTER_DECODE} or {PDD_ROUTER_DECODE_SERVICE}: one is required"
-            )
+            raise ConfigError(f"{PDD_DECODE_URLS} or {PDD_DECODE_SERVICE}: one is required")
         return settings

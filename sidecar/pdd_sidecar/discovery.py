@@ -1,0 +1,46 @@
+"""Replica discovery: static URLs from config, plus the pods behind a headless Service.
+
+A headless Service's DNS name resolves to one A record per ready pod, so re-resolving it
+periodically tracks scale-ups and restarts without talking to the Kubernetes API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from pdd_sidecar.env import DEFAULT_HTTP_PORT
+
+log = logging.getLogger(__name__)
+
+
+def split_service(service: str) -> tuple[str, int]:
+    """`name.ns.svc[:port]` -> (host, port)."""
+    service = service.strip()
+    if "://" in service:
+        service = service.split("://", 1)[1]
+    host, _, port = service.rstrip("/").partition(":")
+    return host, int(port) if port else DEFAULT_HTTP_PORT
+
+
+async def resolve_service(service: str) -> list[str]:
+    """Base URLs of the Service's pods (sorted, so round robin order is stable)."""
+    host, port = split_service(service)
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        log.warning("cannot resolve %s: %s", host, exc)
+        return []
+    addrs = sorted({info[4][0] for info in infos})
+    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
+
+
+async def replicas(urls: list[str], service: str) -> list[str]:
+    found = list(urls)
+    if service:
+        for url in await resolve_service(service):
+            if url not in found:
+                found.append(url)
+    return found

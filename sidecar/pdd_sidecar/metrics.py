@@ -1,0 +1,75 @@
+"""Prometheus metrics of one instance or router, on a private registry.
+
+A private registry per process object keeps several instances in one test process (or a router
+and an instance) from colliding on the global default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "InstanceMetrics", "RouterMetrics"]
+
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class InstanceMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.role = role
+        self.requests = Counter(
+            "pdd_requests", "Instance API requests", ["role", "endpoint", "outcome"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "pdd_request_seconds", "Instance API latency", ["role", "endpoint"],
+            buckets=_SECONDS, registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "pdd_kv_transfer_bytes", "KV bytes read over NIXL", ["rank"], registry=r
+        )
+        self.transfer_descriptors = Counter(
+            "pdd_kv_transfer_descriptors", "NIXL descriptors posted", ["rank"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "pdd_kv_transfer_seconds", "Per-rank KV hand-off time (post to completion)", ["rank"],
+            buckets=_SECONDS, registry=r,
+        )
+        self.transfer_failures = Counter(
+            "pdd_kv_transfer_failures", "Hand-offs that failed", ["reason"], registry=r
+        )
+        self.lease_expiries = Counter(
+            "pdd_lease_expiries", "Prefill requests whose blocks were freed by the lease",
+            registry=r,
+        )
+        self.notifications = Counter(
+            "pdd_notifications", "Transfer-done notifications received", ["rank"], registry=r
+        )
+        self.held_requests = Gauge(
+            "pdd_held_requests", "Prefill requests holding blocks for a decode", registry=r
+        )
+        self.blocks_free = Gauge("pdd_kv_blocks_free", "Free KV blocks", ["rank"], registry=r)
+        self.tokens = Counter("pdd_tokens", "Tokens processed", ["kind"], registry=r)
+
+    def expose(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdd_router_requests", "Completions requests", ["outcome"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "pdd_router_request_seconds", "Completions latency", buckets=_SECONDS, registry=r
+        )
+        self.healthy = Gauge(
+            "pdd_router_replica_healthy", "1 if the replica answered /readyz",
+            ["role", "replica"], registry=r,
+        )
+
+    def expose(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,188 @@
+"""Local processes for runtime tests: prefill/decode instances and routers on 127.0.0.1.
+
+Instances are the real entry point (`pdd_sidecar.server.serve`, what `python -m pdd_sidecar
+serve` runs) with their environment passed in. They are forked from a forkserver that imported
+torch once, because importing torch costs seconds of CPU per process on a small machine. Each
+instance runs in its own session, so a test can kill it with all its rank processes at once.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(
+            ["torch", "aiohttp", "nixl._api", "pdd_sidecar.server", "pdd_sidecar.engine",
+             "pdd_sidecar.router"]
+        )
+    return _CTX
+
+
+def _ports_free(base: int, n: int) -> bool:
+    for port in range(base, base + n):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+_taken: set[int] = set()
+
+
+def free_ports(n: int) -> int:
+    """First of n consecutive free ports (not handed out before in this test run)."""
+    while True:
+        base = random.randint(20000, 60000 - n)
+        if any(p in _taken for p in range(base, base + n)):
+            continue
+        if _ports_free(base, n):
+            _taken.update(range(base, base + n))
+            return base
+
+
+def _serve_entry(env: dict[str, str]) -> None:
+    os.setsid()
+    os.environ.update(env)
+    from pdd_sidecar.server import serve
+
+    os._exit(serve(env))
+
+
+def _router_entry(env: dict[str, str]) -> None:
+    os.setsid()
+    os.environ.update(env)
+    from pdd_sidecar.router import main
+
+    os._exit(main(env))
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 60) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    process: Any
+    env: dict[str, str] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return bool(self.process.is_alive())
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.join(timeout=10)
+
+    def wait_ready(self, timeout: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.process.exitcode}")
+            try:
+                status, body = http("GET", f"{self.url}/readyz", timeout=5)
+                if status == 200:
+                    return body  # type: ignore[no-any-return]
+                last = body
+            except OSError as exc:
+                last = exc
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s: {last}")
+
+
+class LocalCluster:
+    """Starts and always stops the processes of one test."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+
+    def plan_file(self, plan_json: str, name: str = "routing.json") -> str:
+        path = self.workdir / name
+        path.write_text(plan_json)
+        return str(path)
+
+    def instance(self, role: str, tp: int, dcp: int, routing_file: str, block_size: int,
+                 replica: int = 0, **extra: Any) -> Proc:
+        http_port = free_ports(1)
+        env = {
+            "PDD_ROLE": role,
+            "PDD_REPLICA": str(replica),
+            "PDD_TP_SIZE": str(tp),
+            "PDD_DCP_SIZE": str(dcp),
+            "PDD_BLOCK_SIZE": str(block_size),
+            "PDD_ROUTING_FILE": routing_file,
+            "PDD_SIDE_CHANNEL_PORT": str(free_ports(tp)),
+            "POD_IP": "127.0.0.1",
+            "PDD_BIND_HOST": "127.0.0.1",
+            "PDD_HTTP_PORT": str(http_port),
+            "PDD_DIST_PORT": str(free_ports(1)),
+            "PDD_NUM_BLOCKS": "256",
+            "PDD_LOG_LEVEL": "WARNING",
+            "PDD_HANDSHAKE_TIMEOUT_S": "5",
+            "PDD_TRANSFER_TIMEOUT_S": "20",
+        }
+        env.update({k: str(v) for k, v in extra.items()})
+        process = _context().Process(target=_serve_entry, args=(env,), daemon=False)
+        process.start()
+        proc = Proc(f"{role}-{replica} tp{tp}/dcp{dcp}", f"http://127.0.0.1:{http_port}",
+                    process, env)
+        self.procs.append(proc)
+        return proc
+
+    def router(self, prefill: list[Proc], decode: list[Proc], **extra: Any) -> Proc:
+        port = free_ports(1)
+        env = {
+            "PDD_HTTP_PORT": str(port),
+            "PDD_BIND_HOST": "127.0.0.1",
+            "PDD_PREFILL_URLS": ",".join(p.url for p in prefill),
+            "PDD_DECODE_URLS": ",".join(p.url for p in decode),
+            "PDD_ROUTER_HEALTH_INTERVAL_S": "0.3",
+            "PDD_LOG_LEVEL": "WARNING",
+        }
+        env.update({k: str(v) for k, v in extra.items()})
+        process = _context().Process(target=_router_entry, args=(env,), daemon=False)
+        process.start()
+        proc = Proc("router", f"http://127.0.0.1:{port}", process, env)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+        self.procs.clear()
