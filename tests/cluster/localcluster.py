@@ -284,6 +284,9 @@ class Cluster:
     ports: dict[str, int]
     processes: dict[str, Process] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
+    # "cli" (a person ran `make cluster-up`: never stopped by tests) or "fixture" (stopped
+    # when the last test session using it ends).
+    started_by: str = "cli"
 
     def __fspath__(self) -> str:
         return str(self.kubeconfig)
@@ -339,6 +342,7 @@ class Cluster:
             "server": self.server,
             "ports": self.ports,
             "nodes": self.nodes,
+            "started_by": self.started_by,
             "processes": {n: vars(p) for n, p in self.processes.items()},
         }
 
@@ -355,6 +359,7 @@ class Cluster:
             ports=data["ports"],
             processes={n: Process(**p) for n, p in data["processes"].items()},
             nodes=data.get("nodes", []),
+            started_by=data.get("started_by", "cli"),
         )
 
     def save(self) -> None:
@@ -555,21 +560,62 @@ def up(
     gpus: int = 8,
     timeout: float = 120,
     log: Any = print,
+    user: int | None = None,
 ) -> tuple[Cluster, bool]:
     """Start the control plane, or return the running one. The flag says whether this call
-    started it (so a test session only tears down what it brought up)."""
+    started it. ``user`` (a pid) registers a test session as a user of the cluster, which
+    marks a cluster it starts as the fixture's; see :func:`release`."""
     with _lock(state_dir):
         existing = Cluster.load(state_dir)
         if existing is not None:
             problem = healthy(existing)
             if problem is None:
+                if user is not None:
+                    _add_user(existing, user)
                 return existing, False
             log(f"found a broken local cluster in {state_dir} ({problem}); replacing it")
             _stop(existing, log=log)
         if state_dir.exists():
             shutil.rmtree(state_dir)
         cluster = _up(state_dir, bin_dir, nodes, gpus, timeout, log)
+        if user is not None:
+            cluster.started_by = "fixture"
+            cluster.save()
+            _add_user(cluster, user)
         return cluster, True
+
+
+def _add_user(cluster: Cluster, pid: int) -> None:
+    users = cluster.state_dir / "users"
+    users.mkdir(exist_ok=True)
+    (users / str(pid)).write_text(_proc_start_time(pid) or "")
+
+
+def _live_users(cluster: Cluster) -> list[int]:
+    live = []
+    for entry in (cluster.state_dir / "users").glob("*"):
+        pid = int(entry.name)
+        if _proc_start_time(pid) == entry.read_text() and entry.read_text():
+            live.append(pid)
+        else:
+            entry.unlink(missing_ok=True)
+    return live
+
+
+def release(state_dir: Path, user: int, log: Any = print) -> bool:
+    """A test session is done with the cluster. Several sessions (engineers, tiers) can share
+    one working tree and so one cluster: it is stopped only when the last of them leaves, and
+    only if a test session started it; a cluster from `make cluster-up` stays. True if this
+    call stopped it."""
+    with _lock(state_dir):
+        cluster = Cluster.load(state_dir)
+        if cluster is None:
+            return False
+        (state_dir / "users" / str(user)).unlink(missing_ok=True)
+        if cluster.started_by != "fixture" or _live_users(cluster):
+            return False
+        _stop(cluster, log=log)
+        return True
 
 
 def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, log: Any) -> Cluster:

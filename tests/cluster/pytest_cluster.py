@@ -10,8 +10,9 @@ A test then takes ``cluster`` (a :class:`localcluster.Cluster`): ``os.fspath(clu
 and ``KUBECONFIG`` is set for the whole session so clients that read it (kubernetes, kopf,
 subprocesses) find the cluster without arguments.
 
-A cluster that is already running (``make cluster-up``) is reused and left running; one the
-fixture started is stopped at the end of the session unless ``PDD_KEEP_CLUSTER=1``. When the
+A cluster that is already running (``make cluster-up``) is reused and left running; one a
+test session started is stopped when the last session using it ends (sessions in the same
+working tree share it), unless ``PDD_KEEP_CLUSTER=1``. When the
 cluster cannot start, every test that needs it fails with the components' log tails: these
 tests are never skipped, because a skipped tier looks like a green one.
 """
@@ -31,7 +32,7 @@ from localcluster import (
     ClusterError,
     _env_path,
     _tail,
-    down,
+    release,
     up,
 )
 
@@ -43,15 +44,21 @@ def cluster() -> Iterator[Cluster]:
     state_dir = _env_path("PDD_CLUSTER_DIR", DEFAULT_STATE_DIR)
     bin_dir = _env_path("PDD_CLUSTER_BIN", DEFAULT_BIN_DIR)
     messages: list[str] = []
+    error: ClusterError | None = None
     try:
-        handle, started = up(state_dir, bin_dir, log=messages.append)
+        handle, _started = up(state_dir, bin_dir, log=messages.append, user=os.getpid())
     except ClusterError as e:
+        error = e
+    if error is not None:  # outside `except`, so the report is not a chained traceback
         tails = "\n".join(
-            f"----- {state_dir / (n + '.log')} -----\n{_tail(state_dir / (n + '.log'), 30)}"
+            f"----- {state_dir / (n + '.log')} -----\n{_tail(state_dir / (n + '.log'), 20)}"
             for n in COMPONENTS
             if (state_dir / f"{n}.log").exists()
         )
-        pytest.fail(f"local control plane did not start: {e}\n{tails}", pytrace=False)
+        pytest.fail(
+            f"local control plane did not start: {error}\n\nall component logs:\n{tails}",
+            pytrace=False,
+        )
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(handle.kubeconfig)
     try:
@@ -61,5 +68,5 @@ def cluster() -> Iterator[Cluster]:
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = previous
-        if started and os.environ.get("PDD_KEEP_CLUSTER") != "1":
-            down(state_dir, log=lambda _msg: None)
+        if os.environ.get("PDD_KEEP_CLUSTER") != "1":
+            release(state_dir, os.getpid(), log=lambda _msg: None)
