@@ -26,6 +26,7 @@ import base64
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import ipaddress
 import json
 import os
@@ -465,8 +466,10 @@ def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
 @contextlib.contextmanager
 def _lock(state_dir: Path) -> Iterator[None]:
     """Serialise up/down so two test sessions or a test and a human never interleave."""
-    state_dir.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = state_dir.parent / (state_dir.name + ".lock")
+    # Outside the state dir (which `down` removes) and in an ignored folder.
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    lock_path = REPO_ROOT / ".cache" / "cluster" / f"state-{digest}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
