@@ -43,6 +43,7 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("/api/v1", "services"),
     "ConfigMap": Kind("/api/v1", "configmaps"),
     "Event": Kind("/api/v1", "events"),
+    "Secret": Kind("/api/v1", "secrets"),
     "Namespace": Kind("/api/v1", "namespaces", namespaced=False),
     "Node": Kind("/api/v1", "nodes", namespaced=False),
     "Deployment": Kind("/apis/apps/v1", "deployments"),
@@ -205,6 +206,12 @@ class Kube:
             item.setdefault("apiVersion", api_version)
         raw_rv = (out.get("metadata") or {}).get("resourceVersion")
         return items, int(raw_rv) if raw_rv and str(raw_rv).isdigit() else None
+
+    async def create(self, obj: Obj) -> Obj:
+        meta = obj["metadata"]
+        out: Obj = await self.request("POST", path_of(obj["kind"], meta.get("namespace")),
+                                      body=obj, retries=2)
+        return out
 
     async def apply(self, obj: Obj) -> Obj:
         """Server-side apply with force: the operator owns the fields it sets, so a manual edit

@@ -1,0 +1,73 @@
+"""`python -m pdd_operator [--namespace NS ...] [--webhook-port P] ...` against KUBECONFIG (or the
+in-cluster service account). Options override the PDD_* environment (see config.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from pdd_operator.config import CONFIG
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m pdd_operator", description=__doc__)
+    ap.add_argument("-n", "--namespace", action="append", default=None,
+                    help="watch only this namespace (repeatable); default: all namespaces")
+    ap.add_argument("--resync-seconds", type=float, default=None)
+    ap.add_argument("--metrics-port", type=int, default=None, help="0 disables")
+    ap.add_argument("--liveness-port", type=int, default=None, help="0 disables")
+    ap.add_argument("--webhook-port", type=int, default=None, help="0 disables the webhook")
+    ap.add_argument("--webhook-host", default=None,
+                    help="host the API server uses to reach the webhook (URL mode)")
+    ap.add_argument("--webhook-service", default=None,
+                    help="NAMESPACE/NAME of the webhook Service (in-cluster mode)")
+    ap.add_argument("--webhook-config-name", default=None)
+    ap.add_argument("--tls-secret", default=None, help="NAMESPACE/NAME shared by replicas")
+    ap.add_argument("--peering", default=None, help="kopf peering name")
+    ap.add_argument("--priority", type=int, default=None, help="peering priority")
+    ap.add_argument("--standalone", action="store_true", help="no peering")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    cfg = CONFIG
+    if args.namespace:
+        cfg.namespaces = list(args.namespace)
+    for attr in ("resync_seconds", "metrics_port", "liveness_port", "webhook_port",
+                 "webhook_host", "webhook_service", "webhook_config_name", "tls_secret",
+                 "priority"):
+        value = getattr(args, attr)
+        if value is not None:
+            setattr(cfg, attr, value)
+    if args.peering:
+        cfg.peering_name = args.peering
+    cfg.standalone = cfg.standalone or args.standalone
+
+    import kopf
+
+    import pdd_operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if not args.verbose:
+        # kopf reports every handler call at INFO; the reconciler logs what matters.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    liveness = f"http://0.0.0.0:{cfg.liveness_port}/healthz" if cfg.liveness_port else None
+    asyncio.run(kopf.operator(
+        clusterwide=not cfg.namespaces,
+        namespaces=cfg.namespaces,
+        standalone=cfg.standalone,
+        priority=cfg.priority,
+        peering_name=cfg.peering_name,
+        liveness_endpoint=liveness,
+    ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

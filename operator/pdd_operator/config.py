@@ -1,0 +1,53 @@
+"""Operator settings: command line (python -m pdd_operator) or environment (kopf run -m ...)."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+from pdd_api.models import API_GROUP
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw else default
+
+
+@dataclass
+class Config:
+    namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
+    resync_seconds: float = 30.0
+    metrics_port: int = 8080
+    liveness_port: int = 8081
+    webhook_port: int = 9443  # 0: no webhook
+    webhook_addr: str = "0.0.0.0"
+    webhook_host: str = "127.0.0.1"  # how the API server reaches the webhook (URL mode)
+    webhook_service: str | None = None  # "<namespace>/<name>": in-cluster Service mode
+    webhook_config_name: str = f"pdd-operator.{API_GROUP}"
+    tls_secret: str | None = None  # "<namespace>/<name>": share one certificate across replicas
+    peering_name: str = "pdd-operator"
+    priority: int = field(default_factory=lambda: random.randint(1, 1_000_000))
+    standalone: bool = False
+    concurrency: int = 64
+
+    @classmethod
+    def from_env(cls) -> Config:
+        ns = [n for n in os.environ.get("PDD_NAMESPACES", "").split(",") if n]
+        cfg = cls(namespaces=ns)
+        cfg.resync_seconds = float(os.environ.get("PDD_RESYNC_SECONDS", cfg.resync_seconds))
+        cfg.metrics_port = _env_int("PDD_METRICS_PORT", cfg.metrics_port)
+        cfg.liveness_port = _env_int("PDD_LIVENESS_PORT", cfg.liveness_port)
+        cfg.webhook_port = _env_int("PDD_WEBHOOK_PORT", cfg.webhook_port)
+        cfg.webhook_host = os.environ.get("PDD_WEBHOOK_HOST", cfg.webhook_host)
+        cfg.webhook_service = os.environ.get("PDD_WEBHOOK_SERVICE") or None
+        cfg.webhook_config_name = os.environ.get("PDD_WEBHOOK_CONFIG", cfg.webhook_config_name)
+        cfg.tls_secret = os.environ.get("PDD_TLS_SECRET") or None
+        cfg.peering_name = os.environ.get("PDD_PEERING", cfg.peering_name)
+        if os.environ.get("PDD_PRIORITY"):
+            cfg.priority = int(os.environ["PDD_PRIORITY"])
+        cfg.standalone = os.environ.get("PDD_STANDALONE", "") in ("1", "true")
+        return cfg
+
+
+CONFIG = Config.from_env()

@@ -1,0 +1,130 @@
+"""kopf glue, kept thin: every handler feeds the reconciler and returns.
+
+- PDDeployment events (create, update, the initial listing on resume) -> one pass for it;
+- events of the objects it owns (pods, services, configmaps, the router) -> one pass for the
+  owner, so a deleted pod comes back and a pod turning Ready updates status at once;
+- a kopf timer per PDDeployment -> the periodic pass, which first re-lists its objects;
+- the validating webhook -> the same rules as `pdd validate`.
+kopf's peering pauses all of this (watches, timers) in every replica but the leader.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import kopf
+
+from pdd_api import keys
+from pdd_api.models import API_GROUP, API_VERSION, PLURAL
+from pdd_operator import metrics
+from pdd_operator.config import CONFIG
+from pdd_operator.kube import Kube
+from pdd_operator.reconciler import Reconciler
+from pdd_operator.webhook import (
+    HANDLER_ID,
+    admission_problems,
+    ensure_tls,
+    webhook_configuration,
+    write_tls,
+)
+
+log = logging.getLogger("pdd_operator")
+MANAGED = {keys.LABEL_MANAGED_BY: keys.MANAGED_BY}
+
+
+class _State:
+    reconciler: Reconciler | None = None
+    kube: Kube | None = None
+
+
+STATE = _State()
+
+
+def reconciler() -> Reconciler:
+    if STATE.reconciler is None:
+        raise kopf.TemporaryError("operator is starting", delay=1)
+    return STATE.reconciler
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    cfg = CONFIG
+    settings.posting.enabled = False  # the reconciler posts its own, meaningful events
+    settings.persistence.finalizer = f"{API_GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration"
+    )
+    settings.peering.name = cfg.peering_name
+    settings.peering.priority = cfg.priority
+    settings.peering.standalone = cfg.standalone
+    settings.peering.mandatory = False
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.execution.max_workers = 4
+    kube = Kube.from_environment(cfg.concurrency)
+    STATE.kube = kube
+    rec = Reconciler(kube)
+    await rec.seed(cfg.namespaces or None)
+    STATE.reconciler = rec
+    if cfg.webhook_port:
+        bundle = await ensure_tls(kube, cfg)
+        certfile, keyfile = write_tls(bundle)
+        settings.admission.server = kopf.WebhookServer(
+            addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
+            certfile=str(certfile), pkeyfile=str(keyfile), cadata=bundle.ca_pem,
+        )
+        await kube.apply(webhook_configuration(cfg, bundle.ca_pem))
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port)
+    log.info("pdd-operator started: namespaces=%s priority=%s",
+             cfg.namespaces or "all", cfg.priority)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if STATE.kube is not None:
+        await STATE.kube.close()
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def pddeployment_event(event: kopf.RawEvent, **_: Any) -> None:
+    obj = cast(dict[str, Any], event["object"])
+    rec = reconciler()
+    deleted = event["type"] == "DELETED"
+    ns, name = rec.observe_pdd(obj, deleted=deleted)
+    if not deleted:
+        rec.kick(ns, name)
+
+
+def _child_handler(kind: str, group: str, version: str, plural: str) -> None:
+    @kopf.on.event(group, version, plural, labels=MANAGED, id=f"watch-{plural}")
+    async def child_event(event: kopf.RawEvent, **_: Any) -> None:
+        obj = cast(dict[str, Any], event["object"])
+        reconciler().observe_child(kind, obj, deleted=event["type"] == "DELETED")
+
+
+_child_handler("Pod", "", "v1", "pods")
+_child_handler("Service", "", "v1", "services")
+_child_handler("ConfigMap", "", "v1", "configmaps")
+_child_handler("Deployment", "apps", "v1", "deployments")
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=CONFIG.resync_seconds,
+            initial_delay=CONFIG.resync_seconds, id="resync")
+async def periodic(**kwargs: Any) -> None:
+    namespace, name = kwargs["namespace"], kwargs["name"]
+    rec = reconciler()
+    await rec.resync(namespace, name)
+    rec.kick(namespace, name)
+
+
+@kopf.on.validate(API_GROUP, API_VERSION, PLURAL, id=HANDLER_ID,
+                  operations=["CREATE", "UPDATE"])
+async def validate(**kwargs: Any) -> None:
+    old = kwargs.get("old")
+    new = dict(kwargs["body"])
+    problems = admission_problems(new, dict(old) if old is not None else None)
+    if problems:
+        raise kopf.AdmissionError("; ".join(problems), code=422)

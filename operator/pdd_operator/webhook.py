@@ -1,0 +1,109 @@
+"""Admission: the same rules and messages as `pdd validate`, plus what CEL cannot check
+(metadata.name must leave room for `-prefill-<i>` in a DNS label).
+
+Every spec field may change: a change that needs new pods rolls them (rollout policy), so there is
+no field to freeze. An update that leaves the spec alone (finalizers, labels, status) is always
+admitted, so an invalid object that slipped in without the webhook can still be deleted.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pdd_api.models import API_GROUP, API_VERSION, PLURAL
+from pdd_api.validation import validate_document
+from pdd_operator.certs import TlsBundle, make_bundle
+from pdd_operator.config import Config
+from pdd_operator.kube import ApiError, Kube
+
+log = logging.getLogger("pdd_operator.webhook")
+HANDLER_ID = "validate"
+
+
+def admission_problems(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[str]:
+    if old is not None and old.get("spec") == new.get("spec"):
+        return []
+    return validate_document(new)
+
+
+def webhook_hosts(cfg: Config) -> list[str]:
+    if cfg.webhook_service:
+        ns, name = cfg.webhook_service.split("/", 1)
+        return [f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local", f"{name}.{ns}", name]
+    return [cfg.webhook_host, "localhost", "127.0.0.1"]
+
+
+def webhook_configuration(cfg: Config, ca_pem: bytes) -> dict[str, Any]:
+    client: dict[str, Any] = {"caBundle": base64.b64encode(ca_pem).decode()}
+    if cfg.webhook_service:
+        ns, name = cfg.webhook_service.split("/", 1)
+        client["service"] = {"namespace": ns, "name": name, "port": cfg.webhook_port,
+                             "path": f"/{HANDLER_ID}"}
+    else:
+        client["url"] = f"https://{cfg.webhook_host}:{cfg.webhook_port}/{HANDLER_ID}"
+    hook: dict[str, Any] = {
+        "name": f"validate.{PLURAL}.{API_GROUP}",
+        "clientConfig": client,
+        "rules": [{
+            "apiGroups": [API_GROUP], "apiVersions": [API_VERSION], "resources": [PLURAL],
+            "operations": ["CREATE", "UPDATE"], "scope": "Namespaced",
+        }],
+        "failurePolicy": "Fail",
+        "matchPolicy": "Equivalent",
+        "sideEffects": "None",
+        "admissionReviewVersions": ["v1"],
+        "timeoutSeconds": 10,
+    }
+    if cfg.namespaces:
+        hook["namespaceSelector"] = {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "In",
+            "values": sorted(cfg.namespaces),
+        }]}
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": cfg.webhook_config_name,
+                     "labels": {"app.kubernetes.io/name": "pdd-operator"}},
+        "webhooks": [hook],
+    }
+
+
+async def ensure_tls(kube: Kube, cfg: Config) -> TlsBundle:
+    """One certificate for all replicas when a Secret is configured (the caBundle must match
+    whichever replica the Service picks), else a fresh one for this process."""
+    if not cfg.tls_secret:
+        return make_bundle(webhook_hosts(cfg))
+    ns, name = cfg.tls_secret.split("/", 1)
+    for _ in range(3):
+        found = await kube.get("Secret", ns, name)
+        data = (found or {}).get("data") or {}
+        if all(k in data for k in ("ca.crt", "tls.crt", "tls.key")):
+            return TlsBundle(*(base64.b64decode(data[k]) for k in ("ca.crt", "tls.crt",
+                                                                    "tls.key")))
+        bundle = make_bundle(webhook_hosts(cfg))
+        secret = {
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": name, "namespace": ns},
+            "data": {k: base64.b64encode(v).decode() for k, v in (
+                ("ca.crt", bundle.ca_pem), ("tls.crt", bundle.cert_pem),
+                ("tls.key", bundle.key_pem))},
+        }
+        try:
+            if found is None:
+                await kube.create(secret)
+            else:
+                await kube.apply(secret)
+            return bundle
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+    raise RuntimeError(f"could not create or read the TLS secret {cfg.tls_secret}")
+
+
+def write_tls(bundle: TlsBundle) -> tuple[Path, Path]:
+    return bundle.write(Path(tempfile.mkdtemp(prefix="pdd-webhook-")))
