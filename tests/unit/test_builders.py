@@ -1,0 +1,294 @@
+"""The operator's pure builders and rollout policy: spec -> objects, observed -> actions."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdd_api import keys
+from pdd_api.models import PDDeploymentSpec
+from pdd_api.validation import parse_spec
+from pdd_operator.builders import Owner, build, is_subset, plan_of
+from pdd_operator.rollout import effective_max_unavailable, plan_role, pod_info
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
+OWNER = Owner("demo", "ns1", "uid-1")
+
+
+def example(path: Path) -> dict[str, Any]:
+    return next(d for d in yaml.safe_load_all(path.read_text()) if d)
+
+
+def spec_of(doc: dict[str, Any]) -> PDDeploymentSpec:
+    return parse_spec(doc["spec"])
+
+
+@pytest.fixture
+def doc() -> dict[str, Any]:
+    return copy.deepcopy(example(ROOT / "manifests/examples/p-tp4-dcp4-to-d-tp4-dcp4.yaml"))
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in
+            pod["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_routing_configmap_is_pdd_plan_json(path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "pdd_cli.main", "plan", "-f", str(path),
+                          "-o", "json"], capture_output=True, text=True, check=True)
+    desired = build(OWNER, spec_of(example(path)))
+    assert desired.configmap["data"][keys.ROUTING_CONFIGMAP_KEY] == out.stdout.strip()
+    assert desired.configmap["metadata"]["name"] == "demo-routing"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_pods_per_role_and_replica_with_contract_env(path: Path) -> None:
+    doc = example(path)
+    spec = spec_of(doc)
+    desired = build(OWNER, spec)
+    for role in ("prefill", "decode"):
+        rs = getattr(spec, role)
+        pods = desired.pods[role]
+        assert sorted(pods) == list(range(rs.replicas))
+        for i, pod in pods.items():
+            assert pod["metadata"]["name"] == f"demo-{role}-{i}"
+            lbl = pod["metadata"]["labels"]
+            assert lbl[keys.LABEL_NAME] == "pdd" and lbl[keys.LABEL_INSTANCE] == "demo"
+            assert lbl[keys.LABEL_COMPONENT] == role and lbl[keys.LABEL_REPLICA] == str(i)
+            env = env_of(pod)
+            assert env[keys.ENV_ROLE] == role
+            assert env[keys.ENV_REPLICA] == str(i)
+            assert env[keys.ENV_TP_SIZE] == str(rs.tensorParallelSize)
+            assert env[keys.ENV_DCP_SIZE] == str(rs.decodeContextParallelSize)
+            assert env[keys.ENV_BLOCK_SIZE] == str(spec.blockSize)
+            assert env[keys.ENV_ROUTING_FILE] == "/etc/pdd/routing.json"
+            assert env[keys.ENV_SIDE_CHANNEL_PORT] == str(spec.kvTransfer.sideChannelPort)
+            assert env[keys.ENV_POD_IP] == {"fieldRef": {"apiVersion": "v1",
+                                                         "fieldPath": "status.podIP"}}
+            c = pod["spec"]["containers"][0]
+            gpus = str(rs.tensorParallelSize)
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+            assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+            assert c["command"] == ["python", "-m", "pdd_sidecar", "serve"]
+            assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+            assert pod["spec"]["volumes"][0]["configMap"]["name"] == "demo-routing"
+            assert pod["spec"]["subdomain"] == f"demo-{role}"
+            assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+            assert pod["metadata"]["ownerReferences"][0]["controller"] is True
+
+
+def test_headless_services_and_router(doc: dict[str, Any]) -> None:
+    doc["spec"]["decode"]["replicas"] = 2
+    desired = build(OWNER, spec_of(doc))
+    svcs = {s["metadata"]["name"]: s for s in desired.services}
+    assert set(svcs) == {"demo-prefill", "demo-decode"}
+    for role in ("prefill", "decode"):
+        s = svcs[f"demo-{role}"]["spec"]
+        assert s["clusterIP"] == "None" and s["publishNotReadyAddresses"] is True
+        assert s["selector"][keys.LABEL_COMPONENT] == role
+        assert [p["port"] for p in s["ports"]] == [8000, 5600, 5601, 5602, 5603]
+    dep = desired.router_deployment
+    assert dep is not None and dep["metadata"]["name"] == "demo"
+    env = env_of(dep["spec"]["template"])
+    assert env[keys.ENV_DECODE_URLS] == (
+        "http://demo-decode-0.demo-decode.ns1.svc:8000,"
+        "http://demo-decode-1.demo-decode.ns1.svc:8000")
+    assert env[keys.ENV_PREFILL_URLS] == "http://demo-prefill-0.demo-prefill.ns1.svc:8000"
+    assert env[keys.ENV_PREFILL_SERVICE] == "demo-prefill.ns1.svc"
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "pdd_sidecar", "router"]
+    assert desired.router_service is not None
+    assert desired.router_service["spec"]["ports"][0]["port"] == 8000
+
+
+def test_router_disabled_and_sized(doc: dict[str, Any]) -> None:
+    doc["spec"]["router"] = {"enabled": False}
+    assert build(OWNER, spec_of(doc)).router_deployment is None
+    doc["spec"]["router"] = {"replicas": 3, "resources": {"limits": {"cpu": 2}}}
+    dep = build(OWNER, spec_of(doc)).router_deployment
+    assert dep is not None and dep["spec"]["replicas"] == 3
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "limits": {"cpu": "2"}}
+
+
+def test_gpus_default_to_tp_and_user_env_cannot_shadow_contract(doc: dict[str, Any]) -> None:
+    doc["spec"]["prefill"].pop("resources")
+    doc["spec"]["prefill"]["env"] = [{"name": "PDD_TP_SIZE", "value": "99"},
+                                     {"name": "EXTRA", "value": "x"}]
+    pod = build(OWNER, spec_of(doc)).pods["prefill"][0]
+    env = env_of(pod)
+    assert env["PDD_TP_SIZE"] == "4" and env["EXTRA"] == "x"
+    assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count("PDD_TP_SIZE") == 1
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+
+
+def test_builders_are_deterministic(doc: dict[str, Any]) -> None:
+    a, b = build(OWNER, spec_of(doc)), build(OWNER, spec_of(copy.deepcopy(doc)))
+    assert json.dumps(a.pods, sort_keys=True) == json.dumps(b.pods, sort_keys=True)
+
+
+def _hash(doc: dict[str, Any], role: str = "decode") -> str:
+    pod = build(OWNER, spec_of(doc)).pods[role][0]
+    return str(pod["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH])
+
+
+@pytest.mark.parametrize("path,value", [
+    ("image", "pdd:0.2.0"),
+    ("blockSize", 128),
+    ("model.name", "other/model"),
+    ("decode.decodeContextParallelSize", 1),
+    ("decode.extraArgs", ["--x"]),
+])
+def test_spec_hash_changes_with_what_needs_a_restart(doc: dict[str, Any], path: str,
+                                                     value: Any) -> None:
+    before = _hash(doc)
+    node = doc["spec"]
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    assert _hash(doc) != before
+
+
+def test_spec_hash_ignores_scale_and_router(doc: dict[str, Any]) -> None:
+    before = _hash(doc)
+    doc["spec"]["decode"]["replicas"] = 3
+    doc["spec"]["router"] = {"replicas": 2}
+    doc["spec"]["rollout"] = {"maxUnavailable": 2}
+    assert _hash(doc) == before
+
+
+def test_plan_change_rolls_the_other_role_too(doc: dict[str, Any]) -> None:
+    before = _hash(doc, "prefill")
+    doc["spec"]["decode"].update({"tensorParallelSize": 2, "decodeContextParallelSize": 2})
+    doc["spec"]["decode"].pop("resources")
+    assert plan_of(spec_of(doc)).summary() == "D0 <- P0,P2; D1 <- P1,P3"
+    assert _hash(doc, "prefill") != before
+
+
+def test_is_subset_tolerates_server_defaults() -> None:
+    want = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}]}],
+                     "tolerations": [{"key": "k"}], "n": 1}}
+    have = {"spec": {"containers": [{"name": "a", "imagePullPolicy": "Always",
+                                     "env": [{"name": "X", "value": "1"}]},
+                                    {"name": "injected"}],
+                     "tolerations": [{"key": "node.kubernetes.io/not-ready"}, {"key": "k"}],
+                     "n": "1", "extra": True}}
+    assert is_subset(want, have)
+    have["spec"]["containers"][0]["env"][0]["value"] = "2"
+    assert not is_subset(want, have)
+    assert not is_subset({"a": True}, {"a": "True"})
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+def observed(pod: dict[str, Any], *, ready: bool = True, terminating: bool = False,
+             hash_: str | None = None, uid: str | None = None) -> dict[str, Any]:
+    out = copy.deepcopy(pod)
+    meta = out["metadata"]
+    meta["uid"] = uid or f"pod-{meta['name']}"
+    meta["resourceVersion"] = "1"
+    if hash_ is not None:
+        meta["annotations"][keys.ANNOTATION_SPEC_HASH] = hash_
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    out["status"] = {"phase": "Running", "conditions": [
+        {"type": "PodScheduled", "status": "True"},
+        {"type": "Ready", "status": "True" if ready else "False"}]}
+    return out
+
+
+def role_pods(doc: dict[str, Any], replicas: int, role: str = "decode") -> dict[int, Any]:
+    doc["spec"][role]["replicas"] = replicas
+    return build(OWNER, spec_of(doc)).pods[role]  # type: ignore[return-value]
+
+
+def test_rollout_creates_missing_and_scales_down_highest(doc: dict[str, Any]) -> None:
+    three = role_pods(doc, 3)
+    rp = plan_role(three, [observed(three[0])], "uid-1", 1)
+    assert [p["metadata"]["name"] for p in rp.create] == ["demo-decode-1", "demo-decode-2"]
+    one = role_pods(doc, 1)
+    rp = plan_role(one, [observed(p) for p in three.values()], "uid-1", 1)
+    assert sorted(d.name for d in rp.delete) == ["demo-decode-1", "demo-decode-2"]
+    assert {d.reason for d in rp.delete} == {"ScaleDown"}
+    assert not rp.create and rp.ready == 1
+
+
+def test_rollout_replaces_within_budget_and_keeps_one_serving(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 3)
+    old = [observed(p, hash_="old") for p in pods.values()]
+    rp = plan_role(pods, old, "uid-1", 1)
+    assert [d.name for d in rp.delete] == ["demo-decode-0"] and rp.outdated == 3
+    rp = plan_role(pods, old, "uid-1", 10)
+    assert len(rp.delete) == 2, "a role of several replicas keeps one pod"
+    # one already terminating uses the budget of 1
+    old[0] = observed(pods[0], hash_="old", terminating=True)
+    assert plan_role(pods, old, "uid-1", 1).delete == []
+    # a recreated pod still starting also counts as unavailable
+    old[0] = observed(pods[0], ready=False)
+    assert plan_role(pods, old, "uid-1", 1).delete == []
+    old[0] = observed(pods[0])
+    assert [d.name for d in plan_role(pods, old, "uid-1", 1).delete] == ["demo-decode-1"]
+
+
+def test_rollout_replaces_unready_outdated_pods_for_free(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 2)
+    obs = [observed(pods[0], hash_="old", ready=False), observed(pods[1], hash_="old")]
+    rp = plan_role(pods, obs, "uid-1", 1)
+    assert [d.name for d in rp.delete] == ["demo-decode-0"]
+
+
+def test_rollout_single_replica_is_replaced(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 1)
+    assert effective_max_unavailable(1, 1) == 1
+    rp = plan_role(pods, [observed(pods[0], hash_="old")], "uid-1", 1)
+    assert [d.reason for d in rp.delete] == ["Replace"]
+
+
+def test_rollout_restores_drift_and_ignores_foreign_pods(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 1)
+    drifted = observed(pods[0])
+    drifted["metadata"]["labels"].pop(keys.LABEL_MANAGED_BY)
+    foreign = observed(pods[0])
+    foreign["metadata"]["name"] = "someone-elses"
+    foreign["metadata"]["ownerReferences"] = []
+    rp = plan_role(pods, [drifted, foreign], "uid-1", 1)
+    assert [p["metadata"]["name"] for p in rp.restore] == ["demo-decode-0"]
+    assert rp.delete == [] and rp.excess == 0
+
+
+def test_rollout_replaces_pod_of_a_previous_owner(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 1)
+    stale = observed(pods[0])
+    stale["metadata"]["ownerReferences"][0]["uid"] = "old-owner"
+    assert [d.reason for d in plan_role(pods, [stale], "uid-1", 1).delete] == ["Replace"]
+
+
+def test_pod_info_diagnoses_pending_and_crashloop(doc: dict[str, Any]) -> None:
+    pod = observed(role_pods(doc, 1)[0], ready=False)
+    pod["status"] = {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}
+    info = pod_info(pod)
+    assert info.problem_reason == "Unschedulable"
+    assert info.problem == ("demo-decode-0 is Pending (Unschedulable): 0/4 nodes are available: "
+                            "4 Insufficient nvidia.com/gpu.")
+    pod["status"] = {"phase": "Running", "conditions": [], "containerStatuses": [{
+        "name": "sidecar", "restartCount": 5,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
+    info = pod_info(pod)
+    assert info.problem_reason == "CrashLooping"
+    assert info.problem == ("demo-decode-0 is crash-looping: container sidecar restarted 5 times;"
+                            " last exit code 1 (Error)")
