@@ -1,0 +1,230 @@
+"""Every command the Dockerfile, the manifests and the operator's pod builders name exists in
+the installed package.
+
+There is no Docker engine here, so the image is never built in CI; what can rot silently is a
+renamed module or subcommand that the image's CMD, a manifest's ``command`` or the pods the
+operator writes still name. These tests resolve each such command against the installed
+package (the same one the local pod runner executes) and check that the runtime ENV of the
+image is what the pod runner gives its pods.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+# --------------------------------------------------------------------------- collect
+
+
+def _dockerfile_instructions() -> list[tuple[str, str, str]]:
+    """(stage, instruction, argument) with line continuations joined and comments dropped."""
+    out: list[tuple[str, str, str]] = []
+    stage = ""
+    buf = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        line, buf = buf + line, ""
+        word, _, rest = line.partition(" ")
+        word = word.upper()
+        if word == "FROM":
+            m = re.search(r"\bAS\s+(\S+)", rest, re.IGNORECASE)
+            stage = m.group(1) if m else ""
+        out.append((stage, word, rest.strip()))
+    return out
+
+
+def dockerfile_commands() -> list[tuple[str, list[str]]]:
+    """CMD and ENTRYPOINT of every stage, exec form (shell form would hide the argv)."""
+    cmds = []
+    for stage, word, rest in _dockerfile_instructions():
+        if word in ("CMD", "ENTRYPOINT"):
+            argv = json.loads(rest)
+            assert isinstance(argv, list), f"{stage} {word} must use the exec form: {rest}"
+            cmds.append((f"Dockerfile {stage} {word}", [str(a) for a in argv]))
+    return cmds
+
+
+def _containers(doc: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key in ("containers", "initContainers") and isinstance(value, list):
+                yield from (c for c in value if isinstance(c, dict))
+            else:
+                yield from _containers(value)
+    elif isinstance(doc, list):
+        for item in doc:
+            yield from _containers(item)
+
+
+def manifest_commands() -> list[tuple[str, list[str]]]:
+    cmds = []
+    for path in sorted((ROOT / "manifests").rglob("*.y*ml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            for c in _containers(doc):
+                argv = [*c.get("command", []), *c.get("args", [])]
+                if argv:
+                    cmds.append((f"{path.relative_to(ROOT)} container {c.get('name')}", argv))
+    return cmds
+
+
+def operator_commands() -> list[tuple[str, list[str]]]:
+    """What the operator writes into every prefill/decode pod and the router Deployment."""
+    from pdd_operator import builders
+
+    return [
+        ("pdd_operator.builders.SIDECAR_SERVE", list(builders.SIDECAR_SERVE)),
+        ("pdd_operator.builders.SIDECAR_ROUTER", list(builders.SIDECAR_ROUTER)),
+    ]
+
+
+ALL_COMMANDS = dockerfile_commands() + manifest_commands() + operator_commands()
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+def _help_text(argv: list[str]) -> str:
+    proc = subprocess.run(
+        [sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    return proc.stdout + proc.stderr
+
+
+def _subcommand_listed(sub: str, help_text: str) -> bool:
+    """The usage line's ``{a,b|c}`` choice set (argparse and pdd_sidecar both print one)."""
+    m = re.search(r"usage:[^{]*\{([\w,|-]+)\}", help_text)
+    return m is not None and sub in re.split(r"[,|]", m.group(1))
+
+
+def command_problem(argv: list[str]) -> str | None:
+    """None when ``argv`` names something the installed package provides, else why not.
+
+    ``python -m MOD [SUB ...]``: MOD must be importable and runnable (a package needs
+    ``__main__``), and a first positional SUB must be a subcommand its ``--help`` lists.
+    A bare name must be a console script of an installed distribution, likewise with SUB.
+    """
+    if not argv:
+        return "empty command"
+    exe, rest = argv[0], argv[1:]
+    if exe in ("python", "python3", "/opt/pdd/bin/python"):
+        if len(rest) < 2 or rest[0] != "-m":
+            return f"only `python -m MODULE` entry points are allowed, got {shlex.join(argv)}"
+        module, sub_args = rest[1], rest[2:]
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            return f"module {module!r} is not installed"
+        if spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(f"{module}.__main__") is None:
+                return f"package {module!r} has no __main__"
+        help_argv = ["-m", module]
+    else:
+        scripts = {
+            ep.name: ep
+            for dist in importlib.metadata.distributions()
+            for ep in dist.entry_points
+            if ep.group == "console_scripts"
+        }
+        if exe not in scripts:
+            return f"{exe!r} is not a console script of any installed distribution"
+        try:
+            scripts[exe].load()
+        except Exception as e:  # noqa: BLE001 - any import error is the finding
+            return f"console script {exe!r} does not load: {e}"
+        sub_args = rest
+        help_argv = ["-c", f"import sys; sys.argv[0] = {exe!r}; "
+                     f"from importlib.metadata import entry_points; "
+                     f"ep = [e for e in entry_points(group='console_scripts') "
+                     f"if e.name == {exe!r}][0]; sys.exit(ep.load()())"]  # fmt: skip
+    subs = [a for a in sub_args if not a.startswith("-")][:1]
+    if subs and not _subcommand_listed(subs[0], _help_text(help_argv)):
+        return f"{shlex.join(argv)}: subcommand {subs[0]!r} is not listed by --help"
+    return None
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_something_is_checked() -> None:
+    names = {where.split()[0] for where, _ in ALL_COMMANDS}
+    assert "Dockerfile" in names, "the Dockerfile names no CMD/ENTRYPOINT"
+    assert any(w.startswith("pdd_operator.builders") for w, _ in ALL_COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("where", "argv"), ALL_COMMANDS, ids=[f"{w}: {' '.join(a)}" for w, a in ALL_COMMANDS]
+)
+def test_command_exists_in_installed_package(where: str, argv: list[str]) -> None:
+    problem = command_problem(argv)
+    assert problem is None, f"{where}: {problem}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python", "-m", "pdd_sidecar", "serv"],  # typo of a subcommand
+        ["python", "-m", "pdd_no_such_module"],
+        ["python", "-m", "pdd_api"],  # a package without __main__
+        ["pdd", "plans"],
+        ["pdd-no-such-script"],
+        ["bash", "-c", "python -m pdd_operator"],  # a shell hides what runs
+    ],
+)
+def test_checker_rejects_what_is_not_there(argv: list[str]) -> None:
+    assert command_problem(argv) is not None
+
+
+def test_dockerfile_stages_run_as_non_root_from_a_pinned_base() -> None:
+    instructions = _dockerfile_instructions()
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for _, w, rest in instructions
+            if w == "ARG" and "=" in rest}  # fmt: skip
+    froms = [rest.split()[0] for _, w, rest in instructions if w == "FROM"]
+    stages = {s for s, w, _ in instructions if w == "FROM"}
+    for image in froms:
+        resolved = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), ""), image)
+        if resolved in stages:
+            continue
+        assert re.search(r":\d+\.\d+\.\d+", resolved) or "@sha256:" in resolved, (
+            f"base image {image} -> {resolved!r} is not pinned to a patch release or digest"
+        )
+    users = [rest for _, w, rest in instructions if w == "USER"]
+    assert users and all(not u.startswith(("0", "root")) for u in users)
+    assert len(froms) >= 3, "expected separate build and runtime stages"
+
+
+def test_image_env_is_what_the_pod_runner_gives_pods() -> None:
+    """The local pod runner stands in for the image; if the image's ENV changes, the e2e tier
+    would otherwise keep testing pods in an environment no real pod has."""
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    try:
+        import podrunner
+    finally:
+        sys.path.pop(0)
+    env: dict[str, str] = {}
+    for stage, word, rest in _dockerfile_instructions():
+        if word == "ENV" and stage == "runtime":
+            for token in shlex.split(rest):
+                key, _, value = token.partition("=")
+                env[key] = value
+    path = env.pop("PATH", "")
+    assert path.split(":")[0] == "/opt/pdd/bin", "the package's interpreter must come first"
+    assert env == podrunner.IMAGE_ENV
