@@ -73,7 +73,7 @@ class ThreadGroup:
     def exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
         self._slots[rank] = t
         self._barrier.wait()
-        vals = [v for v in self._slots if v is not None]
+        vals = [v.to(t.device) for v in self._slots if v is not None]
         self._barrier.wait()
         return vals
 

@@ -45,7 +45,9 @@ class _Spec:
 
 
 def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
-    device = spec.device if spec.device == "cpu" else f"{spec.device}:{rank}"
+    device = "cpu"
+    if spec.device == "cuda":  # rank r on GPU r; simulated ranks share what GPUs there are
+        device = f"cuda:{rank % torch.cuda.device_count()}"
     model = load_rank_model(spec.model, rank, spec.tp, spec.dtype, device, spec.seed)
     # KV is written for every token but the last generated one.
     kv_tokens = len(spec.prompt_ids) + spec.max_tokens - 1

@@ -87,11 +87,28 @@ def decode_attention(
             torch.zeros(h, kv_lora_rank, dtype=torch.float32, device=q.device),
             torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device),
         )
-    scores = (q @ kv.T).float() * scale
+    scores = mm_fp32(q, kv.T) * scale
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse[:, None])
-    out = (p.to(kv.dtype) @ kv[:, :kv_lora_rank]).float()
-    return out, lse
+    return mm_fp32(p.to(kv.dtype), kv[:, :kv_lora_rank]), lse
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated and returned in fp32 without widening the (large) operand in
+    memory where the backend can (CUDA ``out_dtype``): bf16-rounded attention scores would
+    cost ~1% of softmax weight per score."""
+    if a.dtype == torch.float32:
+        return a @ b.float()
+    dev = a.device.type
+    if _MM_OUT_DTYPE.get(dev, dev == "cuda"):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[dev] = False
+    return a.float() @ b.float()
 
 
 def unabsorb_v(out_latent: torch.Tensor, w: AttnWeights) -> torch.Tensor:
