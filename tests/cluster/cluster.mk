@@ -23,17 +23,17 @@ cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd
 
 # Each binary is written beside its final name and renamed, so an interrupted build never
 # leaves a truncated binary that make would take as up to date.
-$(CLUSTER_BIN)/kube: $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum $(CLUSTER_DIR)/cmd/kube/main.go
+$(CLUSTER_BIN)/kube: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum $(CLUSTER_DIR)/cmd/kube/main.go
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KUBE_LDFLAGS)' -o $(CURDIR)/$@.tmp ./cmd/kube
 	@mv $@.tmp $@
 
-$(CLUSTER_BIN)/kwok: $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum
+$(CLUSTER_BIN)/kwok: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KWOK_LDFLAGS)' -o $(CURDIR)/$@.tmp sigs.k8s.io/kwok/cmd/kwok
 	@mv $@.tmp $@
 
-$(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/etcd/go.mod $(CLUSTER_DIR)/etcd/go.sum $(CLUSTER_DIR)/etcd/main.go
+$(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/etcd/go.mod $(CLUSTER_DIR)/etcd/go.sum $(CLUSTER_DIR)/etcd/main.go
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR)/etcd && $(CLUSTER_GO) -ldflags '$(ETCD_LDFLAGS)' -o $(CURDIR)/$@.tmp .
 	@mv $@.tmp $@
