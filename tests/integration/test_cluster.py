@@ -109,10 +109,15 @@ def test_pod_asking_more_gpus_than_any_node_stays_pending(cluster: Cluster, name
     pod = get_pod(cluster, namespace, "huge")
     assert pod["status"]["phase"] == "Pending"
     assert not pod["spec"].get("nodeName")
-    events = cluster.kubectl_json(
-        "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=huge"
-    )["items"]
-    assert any(e["reason"] == "FailedScheduling" for e in events)
+
+    def failed_scheduling_event() -> bool:
+        events = cluster.kubectl_json(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=huge"
+        )["items"]
+        return any(e["reason"] == "FailedScheduling" for e in events)
+
+    # Events are written asynchronously, shortly after the condition.
+    wait_for("a FailedScheduling event for pod huge", failed_scheduling_event, 30)
 
 
 def test_deleting_owner_deletes_owned_objects(cluster: Cluster, namespace: str) -> None:
