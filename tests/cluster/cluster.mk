@@ -8,8 +8,9 @@ KWOK_VERSION := v0.7.0
 ETCD_VERSION := v3.6.16
 CLUSTER_NODES ?= 4
 CLUSTER_GPUS ?= 8
-# Static binaries, no local paths or debug info: smaller and faster to link.
-CLUSTER_GO := CGO_ENABLED=0 go build -trimpath
+# Static binaries, no local paths or debug info: smaller and faster to link. No VCS stamp:
+# the build must not depend on the state of the git checkout around it.
+CLUSTER_GO := CGO_ENABLED=0 go build -trimpath -buildvcs=false
 KUBE_VERSION_PKGS := k8s.io/component-base/version k8s.io/client-go/pkg/version
 KUBE_LDFLAGS := -s -w $(foreach p,$(KUBE_VERSION_PKGS),-X $(p).gitVersion=$(KUBE_VERSION) \
 	-X $(p).gitMajor=1 -X $(p).gitMinor=33 -X $(p).gitTreeState=clean)
