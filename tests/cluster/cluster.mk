@@ -12,8 +12,9 @@ CLUSTER_GPUS ?= 8
 # the build must not depend on the state of the git checkout around it.
 CLUSTER_GO := CGO_ENABLED=0 go build -trimpath -buildvcs=false
 KUBE_VERSION_PKGS := k8s.io/component-base/version k8s.io/client-go/pkg/version
+KUBE_MINOR := $(word 2,$(subst ., ,$(KUBE_VERSION)))
 KUBE_LDFLAGS := -s -w $(foreach p,$(KUBE_VERSION_PKGS),-X $(p).gitVersion=$(KUBE_VERSION) \
-	-X $(p).gitMajor=1 -X $(p).gitMinor=33 -X $(p).gitTreeState=clean)
+	-X $(p).gitMajor=1 -X $(p).gitMinor=$(KUBE_MINOR) -X $(p).gitTreeState=clean)
 KWOK_LDFLAGS := -s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$(KWOK_VERSION) \
 	-X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$(KUBE_VERSION)
 ETCD_LDFLAGS := -s -w
@@ -22,19 +23,26 @@ ETCD_LDFLAGS := -s -w
 
 cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd
 
+# The versions above only feed ldflags; go.mod pins what is built. Refuse to build if they differ.
+cluster-check-pins = grep -Eq '^\s*$(1) $(2)( |$$)' $(3) || \
+	{ echo "cluster.mk pins $(1) $(2) but $(3) does not"; exit 1; }
+
 # Each binary is written beside its final name and renamed, so an interrupted build never
 # leaves a truncated binary that make would take as up to date.
 $(CLUSTER_BIN)/kube: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum $(CLUSTER_DIR)/cmd/kube/main.go
+	@$(call cluster-check-pins,k8s.io/kubernetes,$(KUBE_VERSION),$(CLUSTER_DIR)/go.mod)
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KUBE_LDFLAGS)' -o $(CURDIR)/$@.tmp ./cmd/kube
 	@mv $@.tmp $@
 
 $(CLUSTER_BIN)/kwok: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum
+	@$(call cluster-check-pins,sigs.k8s.io/kwok,$(KWOK_VERSION),$(CLUSTER_DIR)/go.mod)
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KWOK_LDFLAGS)' -o $(CURDIR)/$@.tmp sigs.k8s.io/kwok/cmd/kwok
 	@mv $@.tmp $@
 
 $(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/etcd/go.mod $(CLUSTER_DIR)/etcd/go.sum $(CLUSTER_DIR)/etcd/main.go
+	@$(call cluster-check-pins,go.etcd.io/etcd/server/v3,$(ETCD_VERSION),$(CLUSTER_DIR)/etcd/go.mod)
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR)/etcd && $(CLUSTER_GO) -ldflags '$(ETCD_LDFLAGS)' -o $(CURDIR)/$@.tmp .
 	@mv $@.tmp $@
