@@ -11,11 +11,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Empty
 
 import torch
 
 from .comm import Comm, TorchDistComm, run_threads
-from .config import BUILTIN_SEED
+from .config import BUILTIN_SEED, load_config
 from .engine import RankEngine, allocate_request, new_cache
 from .kv_cache import KVCacheFullError, num_table_blocks
 from .model import load_rank_model, parse_dtype
@@ -94,9 +95,9 @@ def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
         res = _rank_main(rank, TorchDistComm(), spec)
         if rank == 0:
             queue.put(("ok", res))  # type: ignore[attr-defined]
-    except BaseException as e:  # noqa: BLE001 - forwarded to the parent
+    except Exception as e:  # forwarded to the parent, which reports it once
         queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))  # type: ignore[attr-defined]
-        raise
+        sys.exit(1)
     finally:
         dist.destroy_process_group()
 
@@ -105,7 +106,7 @@ def _run_procs(spec: _Spec) -> GenerationResult:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [
         ctx.Process(target=_proc_entry, args=(r, spec, port, queue), daemon=True)
@@ -113,11 +114,25 @@ def _run_procs(spec: _Spec) -> GenerationResult:
     ]
     for p in procs:
         p.start()
-    status, payload = queue.get()
-    for p in procs:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
+    status, payload = "error", "interrupted"
+    try:
+        while True:
+            try:
+                status, payload = queue.get(timeout=1.0)
+                break
+            except Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    status, payload = (
+                        "error",
+                        f"rank {dead[0]} exited with {procs[dead[0]].exitcode}",
+                    )
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=30 if status == "ok" else 1)
+            if p.is_alive():
+                p.kill()
     if status != "ok":
         if "KVCacheFullError" in payload:
             raise KVCacheFullError(payload)
@@ -147,6 +162,9 @@ def generate_result(
     if dcp not in (1, tp):
         raise ValueError(f"dcp must be 1 or tp ({tp}), got {dcp}")
     dt = parse_dtype(dtype)
+    heads = load_config(model).num_attention_heads
+    if tp < 1 or heads % tp:
+        raise ValueError(f"tp ({tp}) must divide num_attention_heads ({heads})")
     spec = _Spec(
         model=str(model),
         prompt_ids=tuple(int(t) for t in prompt_ids),
@@ -242,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher=a.launcher,
             seed=a.seed,
         )
-    except (KVCacheFullError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # KVCacheFullError, bad layout, a failed rank
         print(f"pdd generate: {e}", file=sys.stderr)
         return 1
     if a.output == "json":
