@@ -24,7 +24,7 @@ ETCD_LDFLAGS := -s -w
 cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd
 
 # The versions above only feed ldflags; go.mod pins what is built. Refuse to build if they differ.
-cluster-check-pins = grep -Eq '^\s*$(1) $(2)( |$$)' $(3) || \
+cluster-check-pins = grep -Eq '^(require)?\s*$(1) $(2)( |$$)' $(3) || \
 	{ echo "cluster.mk pins $(1) $(2) but $(3) does not"; exit 1; }
 
 # Each binary is written beside its final name and renamed, so an interrupted build never
