@@ -49,6 +49,12 @@ def _int(spec: Mapping[str, Any], path: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _fmt(template: str, *args: str) -> str:
+    """A CEL messageExpression. `'..' + string(int)` is refused by the API server's cost
+    estimator (unbounded string size); `format` is not."""
+    return f"'{template}'.format([{', '.join(args)}])"
+
+
 def _cel_guard(path: str) -> str:
     """`!has(self.a) || !has(self.a.b) || ` for spec path a.b."""
     parts = path.split(".")
@@ -80,8 +86,9 @@ class RangeRule:
         f = f"self.{self.field}"
         return {
             "rule": f"{_cel_guard(self.field)}({f} >= {self.lo} && {f} <= {self.hi})",
-            "messageExpression": f"'spec.{self.field}: must be between {self.lo} and {self.hi}, "
-            f"got ' + string({f})",
+            "messageExpression": _fmt(
+                f"spec.{self.field}: must be between {self.lo} and {self.hi}, got %d", f
+            ),
             "fieldPath": f".{self.field}",
             "reason": "FieldValueInvalid",
         }
@@ -109,8 +116,9 @@ class DcpRule:
         d, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
         return {
             "rule": f"{_cel_guard(self.field)}!has({t}) || {t} < 1 || {d} == 1 || {d} == {t}",
-            "messageExpression": f"'spec.{self.field}: must be 1 or equal to tensorParallelSize ('"
-            f" + string({t}) + '), got ' + string({d})",
+            "messageExpression": _fmt(
+                f"spec.{self.field}: must be 1 or equal to tensorParallelSize (%d), got %d", t, d
+            ),
             "fieldPath": f".{self.field}",
             "reason": "FieldValueInvalid",
         }
@@ -137,8 +145,12 @@ class DcpDivideRule:
         return {
             "rule": f"{_cel_guard(self.field)}{_cel_guard(self.other)}{d} < 1 || {p} < 1 || "
             f"{d} % {p} == 0 || {p} % {d} == 0",
-            "messageExpression": f"'spec.{self.field}: must divide or be a multiple of "
-            f"spec.{self.other} (' + string({p}) + '), got ' + string({d})",
+            "messageExpression": _fmt(
+                f"spec.{self.field}: must divide or be a multiple of spec.{self.other} (%d), "
+                "got %d",
+                p,
+                d,
+            ),
             "fieldPath": f".{self.field}",
             "reason": "FieldValueInvalid",
         }
@@ -162,8 +174,11 @@ class BlockSizeRule:
         return {
             "rule": f"{_cel_guard(self.field)}({f} > 0 && {f} <= {MAX_BLOCK_SIZE} && "
             f"{f} % {BLOCK_ALIGN} == 0)",
-            "messageExpression": f"'spec.{self.field}: must be a positive multiple of "
-            f"{BLOCK_ALIGN} and at most {MAX_BLOCK_SIZE}, got ' + string({f})",
+            "messageExpression": _fmt(
+                f"spec.{self.field}: must be a positive multiple of {BLOCK_ALIGN} and at most "
+                f"{MAX_BLOCK_SIZE}, got %d",
+                f,
+            ),
             "fieldPath": f".{self.field}",
             "reason": "FieldValueInvalid",
         }
@@ -198,8 +213,11 @@ class GpuRule:
         return {
             "rule": f"{_cel_guard(self.field)}!has({t}) || !('{GPU_RESOURCE}' in {m}) || "
             f"string({v}) == string({t})",
-            "messageExpression": f"'spec.{self.field}[{GPU_RESOURCE}]: must equal "
-            f"tensorParallelSize (' + string({t}) + '), got ' + string({v})",
+            "messageExpression": _fmt(
+                f"spec.{self.field}[{GPU_RESOURCE}]: must equal tensorParallelSize (%d), got %s",
+                t,
+                v,
+            ),
             "fieldPath": f".{self.field}",
             "reason": "FieldValueInvalid",
         }
