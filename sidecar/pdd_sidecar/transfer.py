@@ -261,13 +261,18 @@ class KVTransferAgent:
         kv: Any,
         backends: Sequence[str] = ("UCX",),
         max_levels: int = DEFAULT_MAX_LEVELS,
+        progress_thread: bool = False,
     ) -> None:
+        """Without a progress thread the agent progresses when polled (transfer state,
+        notifications); NIXL's thread polls without pause and would starve a small CPU."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.kv = kv
         self.region = RegionInfo.of_tensor(kv)
-        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self.agent = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        )
         self._reg = self.agent.register_memory(kv)
         self.layout = PreppedBlocks(self.region.num_blocks, max_levels)
         self._local = self.agent.prep_xfer_dlist(
