@@ -450,6 +450,7 @@ class PodWorker(threading.Thread):
         self.mounts: dict[str, list[tuple[Path, str, bool]]] = {}  # container -> (src, dst, ro)
         self.volume_dirs: dict[str, Path] = {}
         self.configmap_versions: dict[str, str] = {}
+        self.hosts_file: Path | None = None
         self.phase = "Pending"
         self.failed_reason = ""
         self._last_status: str = ""
@@ -465,8 +466,12 @@ class PodWorker(threading.Thread):
             vdir.mkdir(parents=True, exist_ok=True)
             self.volume_dirs[vol["name"]] = vdir
             self._fill_volume(vol, vdir)
+        self.hosts_file = self.root / "etc-hosts"
+        self.write_hosts(self.runner.hosts.current or [])
         for c in self.containers:
-            mounts: list[tuple[Path, str, bool]] = []
+            # The kubelet's per-pod /etc/hosts: the pod's own name resolves to its IP (torch's
+            # Gloo and c10d look it up); the runner's service records follow.
+            mounts: list[tuple[Path, str, bool]] = [(self.hosts_file, "/etc/hosts", False)]
             for vm in c.spec.get("volumeMounts", []):
                 src = self.volume_dirs.get(vm["name"])
                 if src is None:
@@ -475,6 +480,31 @@ class PodWorker(threading.Thread):
                     src = src / vm["subPath"]
                 mounts.append((src, vm["mountPath"], bool(vm.get("readOnly", False))))
             self.mounts[c.name] = mounts
+
+    def write_hosts(self, records: list[tuple[str, str]]) -> None:
+        """Rewritten in place: the bind mount pins the inode, so a rename would go unseen."""
+        spec = self.pod["spec"]
+        hostname = spec.get("hostname") or self.pod_name
+        names = [hostname]
+        if spec.get("subdomain"):
+            fqdn = f"{hostname}.{spec['subdomain']}.{self.ns_name}.svc"
+            names = [f"{fqdn}.{CLUSTER_DOMAIN}", fqdn, hostname]
+        lines = [
+            "# Kubernetes-managed hosts file (pdd pod runner).",
+            "127.0.0.1\tlocalhost",
+            "::1\tlocalhost ip6-localhost ip6-loopback",
+            f"{self.ip}\t{' '.join(names)}",
+            *(f"{ip}\t{name}" for ip, name in records),
+        ]
+        text = "\n".join(lines) + "\n"
+        assert self.hosts_file is not None
+        with open(self.hosts_file, "a+") as f:
+            f.seek(0)
+            if f.read() == text:
+                return
+            f.seek(0)
+            f.truncate()
+            f.write(text)
 
     def _fill_volume(self, vol: dict[str, Any], vdir: Path) -> None:
         api = self.runner.core
@@ -855,7 +885,7 @@ class PodWorker(threading.Thread):
         self._publish()
         init = [Container(s) for s in self.pod["spec"].get("initContainers", [])]
         for ic in init:
-            self.mounts.setdefault(ic.name, [])
+            self.mounts.setdefault(ic.name, [(self.hosts_file, "/etc/hosts", False)])
             for vm in ic.spec.get("volumeMounts", []):
                 self.mounts[ic.name].append(
                     (self.volume_dirs[vm["name"]], vm["mountPath"], bool(vm.get("readOnly")))
@@ -1230,6 +1260,9 @@ class Runner:
                 by_svc.setdefault((s["metadata"]["namespace"], svc), []).append(s)
         records: list[tuple[str, str]] = []
         wanted: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        # Endpoints of pods this node is already stopping leave at once, before the
+        # EndpointSlice says so: no new connection is sent to a process getting SIGTERM.
+        stopping = {w.ip for w in self.workers.values() if w.stop_event.is_set()}
         for svc in svcs:
             ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
             if ns == "default" and name == "kubernetes":
@@ -1242,6 +1275,8 @@ class Runner:
                 for ep in s.get("endpoints") or []:
                     ready = (ep.get("conditions") or {}).get("ready", True)
                     if not (ready or publish_all):
+                        continue
+                    if cluster_ip_of(spec) and set(ep.get("addresses", [])) & stopping:
                         continue
                     for addr in ep.get("addresses", []):
                         eps.append((addr, ep.get("hostname"), ports))
@@ -1262,6 +1297,9 @@ class Runner:
                         records.extend((ip, f"{hostname}.{f}") for f in fqdns)
         records = sorted(set(records))
         self.hosts.write(records)
+        for worker in list(self.workers.values()):
+            if worker.hosts_file is not None and worker.hosts_file.parent.exists():
+                worker.write_hosts(records)
         self.network.set_service_ips({ip for ip, _port in wanted})
         for key, endpoints in wanted.items():
             proxy = self.proxies.get(key)
@@ -1335,6 +1373,11 @@ class Runner:
         for name in self.node_names:
             with contextlib.suppress(Exception):
                 self.core.delete_node(name)
+
+
+def cluster_ip_of(spec: dict[str, Any]) -> str | None:
+    ip = spec.get("clusterIP")
+    return ip if ip and ip != "None" else None
 
 
 def pick_cidr(candidates: Iterable[str]) -> ipaddress.IPv4Network:

@@ -1,0 +1,352 @@
+"""The whole pdd stack on this machine, as a user meets it: local control plane, CRD, operator,
+pod runner; then ``kubectl apply`` and requests through the router Service.
+
+Shared by the e2e tier (tests/e2e/conftest.py) and ``make demo`` (hack/demo.py) so the demo
+shows exactly what the tests prove. Nothing here talks to a sidecar except through the router
+Service's DNS name, and nothing starts a sidecar: the pod runner runs what the operator wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tests" / "cluster"))
+
+import localcluster  # noqa: E402
+
+# The committed CRD; PDD_CRD_FILE points elsewhere only to try an unreleased one.
+CRD_FILE = Path(
+    os.environ.get("PDD_CRD_FILE") or REPO_ROOT / "crds/serving.pdd.dev_pddeployments.yaml"
+)
+EXAMPLES = REPO_ROOT / "manifests" / "examples"
+VENV_PY = REPO_ROOT / ".venv" / "bin" / "python"
+PYTHON = str(VENV_PY) if VENV_PY.exists() else sys.executable
+ROUTER_PORT = 8000  # pdd_api.keys.HTTP_PORT: the router Service's port
+
+
+class StackError(RuntimeError):
+    """Something in the stack failed; the message carries the log tails that say why."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 40) -> None:
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+@dataclass
+class Stack:
+    """Control plane + CRD + operator + pod runner, all under ``work_dir``."""
+
+    work_dir: Path
+    say: Callable[[str], None] = print
+    crd_file: Path = CRD_FILE
+    cluster: localcluster.Cluster | None = None
+    started_cluster: bool = False
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def kubeconfig(self) -> Path:
+        assert self.cluster is not None
+        return self.cluster.kubeconfig
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        # A control plane of its own with no kwok nodes: pods land only on the runner's
+        # nodes, where something really runs them.
+        self.cluster, self.started_cluster = localcluster.up(
+            self.work_dir / "cluster", nodes=0, log=lambda m: self.say(f"  cluster: {m}")
+        )
+        self.say(f"control plane up ({time.monotonic() - t0:.0f}s): {self.cluster.server}")
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(self.crd_file))
+        self.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s",
+            "crd/pddeployments.serving.pdd.dev",
+        )  # fmt: skip
+        self.say(f"CRD installed from {self.crd_file}")
+        ready_file = self.work_dir / "podrunner.ready"
+        ready_file.unlink(missing_ok=True)
+        self._spawn(
+            "podrunner",
+            [PYTHON, str(REPO_ROOT / "tests" / "e2e" / "podrunner.py"),
+             "--kubeconfig", str(self.kubeconfig),
+             "--state-dir", str(self.work_dir / "podrunner"),
+             "--ready-file", str(ready_file)],
+        )  # fmt: skip
+        self.wait("pod runner nodes", ready_file.exists, 60, procs=["podrunner"])
+        self.say(f"pod runner up: {json.loads(ready_file.read_text())['nodes']}")
+        webhook_port = free_port()
+        self._spawn(
+            "operator",
+            [PYTHON, "-m", "pdd_operator", "--standalone",
+             "--metrics-port", "0", "--liveness-port", "0",
+             "--webhook-port", str(webhook_port), "--webhook-host", "127.0.0.1"],
+        )  # fmt: skip
+        self.wait("operator webhook", lambda: _tcp_open("127.0.0.1", webhook_port), 90,
+                  procs=["operator"])  # fmt: skip
+        self.say(f"operator up (python -m pdd_operator, webhook on 127.0.0.1:{webhook_port})")
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = self.work_dir / f"{name}.log"
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                cwd=REPO_ROOT, start_new_session=True,
+            )  # fmt: skip
+        self.procs[name] = Proc(name, popen, log)
+
+    def stop(self) -> None:
+        """Operator first (so it stops reconciling), then the runner (stops every pod and
+        removes its network and /etc/hosts block), then the control plane if we started it."""
+        for name in ("operator", "podrunner"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop()
+        if self.started_cluster and os.environ.get("PDD_KEEP_CLUSTER") != "1":
+            localcluster.down(self.work_dir / "cluster", log=lambda _m: None)
+        self.say("stack stopped")
+
+    def diagnostics(self, lines: int = 30) -> str:
+        out = []
+        for proc in self.procs.values():
+            out.append(f"----- {proc.log} (last {lines} lines) -----\n{tail(proc.log, lines)}")
+        pods = self.work_dir / "podrunner" / "pods"
+        for log in sorted(pods.glob("*/*.log")) if pods.exists() else []:
+            out.append(f"----- {log} (last {lines} lines) -----\n{tail(log, lines)}")
+        return "\n".join(out)
+
+    def check_alive(self, names: Sequence[str] = ("operator", "podrunner")) -> None:
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None and not proc.alive():
+                raise StackError(
+                    f"{name} exited ({proc.popen.returncode}); last lines of {proc.log}:\n"
+                    f"{tail(proc.log, 40)}"
+                )
+
+    def wait(
+        self,
+        what: str,
+        check: Callable[[], Any],
+        timeout: float,
+        procs: Sequence[str] = ("operator", "podrunner"),
+        progress: Callable[[], str] | None = None,
+        every: float = 10,
+    ) -> Any:
+        """Poll ``check`` until truthy; fail at once when a stack process died, else after
+        ``timeout`` with the last progress line and the log tails."""
+        deadline = time.monotonic() + timeout
+        last_print = time.monotonic()
+        last = ""
+        while True:
+            self.check_alive(procs)
+            value = check()
+            if value:
+                return value
+            if progress is not None:
+                line = progress()
+                if time.monotonic() - last_print >= every or line != last:
+                    if line != last or time.monotonic() - last_print >= every:
+                        self.say(f"  ... {line}")
+                        last_print = time.monotonic()
+                    last = line
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"timed out after {timeout:.0f}s waiting for {what}; last: {last}\n"
+                    f"{self.diagnostics()}"
+                )
+            time.sleep(0.5)
+
+    # ----------------------------------------------------------------- kubectl
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        assert self.cluster is not None
+        return self.cluster.kubectl(*args, input=input, check=check).stdout
+
+    def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        assert self.cluster is not None
+        proc = self.cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    def create_namespace(self, name: str) -> None:
+        self.kubectl("create", "namespace", name)
+        self.wait(
+            f"service account {name}/default",
+            lambda: self.get("serviceaccount", "default", name) is not None,
+            60,
+        )
+
+    # ----------------------------------------------------------------- PDDeployment
+
+    def conditions(self, name: str, namespace: str) -> dict[str, dict[str, Any]]:
+        obj = self.get("pddeployment", name, namespace) or {}
+        return {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+
+    def progress_line(self, name: str, namespace: str) -> str:
+        assert self.cluster is not None
+        proc = self.cluster.kubectl(
+            "get", "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}",
+            "-o", "json", check=False,
+        )  # fmt: skip
+        pods = json.loads(proc.stdout)["items"] if proc.returncode == 0 else []
+        parts = []
+        for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
+            ready = any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in (p.get("status") or {}).get("conditions", [])
+            )
+            comp = p["metadata"]["labels"].get("app.kubernetes.io/component", "?")
+            phase = (p.get("status") or {}).get("phase", "Pending")
+            parts.append(f"{comp}:{phase}{'/Ready' if ready else ''}")
+        conds = self.conditions(name, namespace)
+        flags = " ".join(
+            f"{t}={c['status']}"
+            for t, c in conds.items()
+            if t in ("RoutingReady", "PrefillAvailable", "DecodeAvailable", "Ready")
+        )
+        return f"pods [{', '.join(parts) or 'none yet'}] conditions [{flags or 'none yet'}]"
+
+    def is_ready(self, name: str, namespace: str) -> bool:
+        obj = self.get("pddeployment", name, namespace) or {}
+        status = obj.get("status") or {}
+        gen = obj.get("metadata", {}).get("generation")
+        ready = {c["type"]: c for c in status.get("conditions", [])}.get("Ready", {})
+        return (
+            status.get("observedGeneration") == gen
+            and ready.get("status") == "True"
+            and ready.get("observedGeneration", gen) == gen
+        )
+
+    def wait_ready(self, name: str, namespace: str, timeout: float = 600) -> None:
+        """Ready as the user sees it: the PDDeployment's Ready condition for the current
+        generation, then the router answering /readyz through its Service (the runner's proxy
+        follows the EndpointSlice, which follows the router pod's readiness)."""
+        self.wait(
+            f"PDDeployment {namespace}/{name} Ready",
+            lambda: self.is_ready(name, namespace),
+            timeout,
+            progress=lambda: self.progress_line(name, namespace),
+        )
+        self.wait(
+            f"router Service {name}.{namespace}.svc ready",
+            lambda: router_ready(name, namespace),
+            120,
+            progress=lambda: self.progress_line(name, namespace),
+        )
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def router_url(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
+
+
+def router_ready(name: str, namespace: str) -> bool:
+    try:
+        with urllib.request.urlopen(router_url(name, namespace) + "/readyz", timeout=5) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def complete(
+    name: str, namespace: str, prompt_ids: list[int], max_tokens: int, timeout: float = 120
+) -> dict[str, Any]:
+    """One request through the router Service, the way a client in the cluster sends it."""
+    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(
+        router_url(name, namespace) + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        raise StackError(f"router answered {e.code}: {e.read().decode(errors='replace')}") from e
+
+
+_REFERENCE: dict[tuple[tuple[int, ...], int, str], list[int]] = {}
+
+
+def reference(prompt_ids: list[int], max_tokens: int, dtype: str = "float32") -> list[int]:
+    """The single-process reference (``python -m pdd_sidecar generate``: one instance, TP1),
+    run as a separate process so the harness itself never loads torch."""
+    key = (tuple(prompt_ids), max_tokens, dtype)
+    if key not in _REFERENCE:
+        proc = subprocess.run(
+            [PYTHON, "-m", "pdd_sidecar", "generate", "--model", "builtin",
+             "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens),
+             "--dtype", dtype, "-o", "json"],
+            capture_output=True, text=True, timeout=600, check=False, cwd=REPO_ROOT,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise StackError(f"reference generate failed:\n{proc.stderr[-3000:]}")
+        _REFERENCE[key] = list(json.loads(proc.stdout)["token_ids"])
+    return _REFERENCE[key]
+
+
+def example(name: str) -> tuple[str, dict[str, Any]]:
+    """(YAML text, parsed document) of one reference example."""
+    import yaml
+
+    text = (EXAMPLES / f"{name}.yaml").read_text()
+    return text, dict(yaml.safe_load(text))
+
+
+def prompt_ids(text: str) -> list[int]:
+    """The built-in model's tokenizer is byte-level (token id = UTF-8 byte)."""
+    return list(text.encode("utf-8"))
