@@ -175,6 +175,9 @@ def _write_pki(pki_dir: Path) -> _Pki:
     issue("admin", name_of("kubernetes-admin", "system:masters"), server=False)
     issue("controller-manager", name_of("system:kube-controller-manager"), server=False)
     issue("scheduler", name_of("system:kube-scheduler"), server=False)
+    # The aggregation layer's identity; also lets controller-manager and scheduler find the
+    # request-header CA they look for at start (they log errors every second without it).
+    issue("front-proxy-client", name_of("front-proxy-client"), server=False)
 
     # Service-account tokens are signed with RSA, the algorithm every client verifies.
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -697,6 +700,13 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
+                f"--requestheader-client-ca-file={pki.crt('ca')}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki.crt('front-proxy-client')}",
+                f"--proxy-client-key-file={pki.key('front-proxy-client')}",
                 "--profiling=false",
                 "--v=1",
             ],
