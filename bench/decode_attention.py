@@ -38,7 +38,8 @@ def _sync(device: torch.device) -> None:
 def time_op(
     fn: Callable[[], object], device: torch.device, min_time: float, min_iters: int
 ) -> float:
-    """Median seconds per call over batches; adaptive so slow CPU points stay short."""
+    """Best (as timeit: the least disturbed) seconds per call over batches; batch size adapts
+    so slow CPU points stay short."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
@@ -54,8 +55,7 @@ def time_op(
             fn()
         _sync(device)
         samples.append((time.perf_counter() - t0) / per_batch)
-    samples.sort()
-    return samples[len(samples) // 2]
+    return min(samples)
 
 
 def measure(ctx: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, float]:
