@@ -40,8 +40,9 @@ PDD_DECODE_URLS = "PDD_DECODE_URLS"  # comma list of http://host:port of decode 
 PDD_PREFILL_SERVICE = "PDD_PREFILL_SERVICE"  # headless Service DNS name[:port] of prefill pods
 PDD_DECODE_SERVICE = "PDD_DECODE_SERVICE"
 PDD_LOG_LEVEL = "PDD_LOG_LEVEL"
-# Fault injection for tests only: decode pauses this long between its per-peer reads.
-PDD_FAULT_PAUSE_BETWEEN_READS_S = "PDD_FAULT_PAUSE_BETWEEN_READS_S"
+# Fault injection for tests only: after its first per-peer read, decode rank r creates
+# <path>.reached.<r> and waits (within the transfer timeout) until <path> exists.
+PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
 
 # --- router (listens on PDD_HTTP_PORT; replicas from PDD_*_URLS and/or PDD_*_SERVICE) ---
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
@@ -126,7 +127,7 @@ class InstanceSettings:
     notif_poll_s: float
     prefill_urls: list[str] = field(default_factory=list)
     prefill_service: str = ""
-    fault_pause_between_reads_s: float = 0.0
+    fault_read_gate: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InstanceSettings:
@@ -174,7 +175,7 @@ class InstanceSettings:
             notif_poll_s=_float(env, PDD_NOTIF_POLL_S, 0.02),
             prefill_urls=parse_urls(env.get(PDD_PREFILL_URLS)),
             prefill_service=env.get(PDD_PREFILL_SERVICE, ""),
-            fault_pause_between_reads_s=_float(env, PDD_FAULT_PAUSE_BETWEEN_READS_S, 0.0),
+            fault_read_gate=env.get(PDD_FAULT_READ_GATE, ""),
         )
 
 

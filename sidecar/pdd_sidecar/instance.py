@@ -318,6 +318,14 @@ class RankWorker:
             self.peer_instances[key] = info.instance_id
         return peers
 
+    def _fault_gate(self) -> None:
+        gate = self.settings.fault_read_gate
+        with open(f"{gate}.reached.{self.rank}", "w"):
+            pass
+        deadline = time.monotonic() + self.settings.transfer_timeout_s
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _drop(self, key: str) -> None:
         self.peer_instances.pop(key, None)
         self.agent.disconnect(key)
@@ -377,7 +385,7 @@ class RankWorker:
             stats = self.agent.read(
                 [(peers[spec.prefill_rank], spec) for spec in specs],
                 s.transfer_timeout_s,
-                s.fault_pause_between_reads_s,
+                self._fault_gate if s.fault_read_gate else None,
             )
         except CompatError as exc:
             error = {"error": str(exc), "status": 409, "kind": "incompatible"}

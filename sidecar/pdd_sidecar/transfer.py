@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -411,7 +411,7 @@ class KVTransferAgent:
         self,
         work: Sequence[tuple[RemotePeer, ReadSpec]],
         timeout_s: float,
-        pause_between_s: float = 0.0,
+        between: Callable[[], None] | None = None,
     ) -> ReadStats:
         """Post every peer's READ, then wait for all; raise TransferError naming the peer."""
         start = time.monotonic()
@@ -422,10 +422,10 @@ class KVTransferAgent:
             for peer, spec in work:
                 if not spec.runs and spec.tail is None:
                     continue
-                if posted and pause_between_s:
-                    # Test hook: let a test kill the peer in the middle of a hand-off.
+                if posted and between is not None:
+                    # Fault injection: a test kills the peer in the middle of a hand-off.
                     self._wait(posted[-1], deadline)
-                    time.sleep(pause_between_s)
+                    between()
                 posted.append(self._post(peer, spec))
             for p in posted:
                 self._wait(p, deadline)

@@ -1,0 +1,272 @@
+"""Failure behaviour of the runtime: dead or silent peers, abandoned requests, bad configuration.
+
+Every test checks the failure is reported with the name of what failed, and that the surviving
+instance gave back everything it allocated and still serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from runtime_fixtures import LocalCluster, free_ports, http  # noqa: E402
+
+from pdd_api.plan import SidePlan  # noqa: E402
+from pdd_api.routing import plan_routing  # noqa: E402
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+NUM_BLOCKS = 64
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
+    return plan_routing(
+        SidePlan(tensor_parallel_size=p[0], decode_context_parallel_size=p[1]),
+        SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
+        BLOCK,
+    ).to_json()
+
+
+def _prompt(n: int) -> list[int]:
+    return [(i * 53 + 7) % 256 for i in range(n)]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _all_free(url: str) -> list[int]:
+    status, stats = http("GET", f"{url}/v1/stats")
+    assert status == 200, stats
+    return [r["free_blocks"] for r in stats["ranks"]]
+
+
+def _reference(n: int, max_tokens: int) -> list[int]:
+    from pdd_sidecar.generate import generate
+
+    return generate("builtin", _prompt(n), max_tokens, block_size=BLOCK)
+
+
+def _fake_params(port: int, tp: int, dcp: int, num_tokens: int) -> dict[str, Any]:
+    return {"host": "127.0.0.1", "side_channel_port": port, "instance_id": "gone", "tp": tp,
+            "dcp": dcp, "block_size": BLOCK, "block_ids": list(range(8)),
+            "num_tokens": num_tokens}
+
+
+def test_unreachable_or_silent_prefill_fails_the_decode_naming_the_peer(
+    cluster: LocalCluster,
+) -> None:
+    routing = cluster.plan_file(_plan((2, 2), (2, 2)))
+    decode = cluster.instance("decode", 2, 2, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
+                              PDD_HANDSHAKE_TIMEOUT_S=1)
+    decode.wait_ready()
+    # Nothing listens on these ports.
+    dead = free_ports(2)
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "r-dead", "first_token": 1, "max_new_tokens": 4,
+        "kv_transfer_params": _fake_params(dead, 2, 2, 40)})
+    assert status == 502, body
+    assert f"127.0.0.1:{dead}" in body["error"] and "unreachable" in body["error"]
+    # A side channel that accepts and never answers: bounded by the handshake timeout.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    try:
+        status, body = http("POST", f"{decode.url}/v1/decode", {
+            "request_id": "r-silent", "first_token": 1, "max_new_tokens": 4,
+            "kv_transfer_params": _fake_params(port, 2, 2, 40)}, timeout=60)
+    finally:
+        silent.close()
+    assert status == 502, body
+    assert f"127.0.0.1:{port}" in body["error"]
+    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
+    # ... and it still serves a healthy prefill.
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
+    router = cluster.router([prefill], [decode])
+    prefill.wait_ready()
+    router.wait_ready()
+    status, body = http("POST", f"{router.url}/v1/completions",
+                        {"prompt": _prompt(40), "max_tokens": 6})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == _reference(40, 6)
+    status, text = http("GET", f"{decode.url}/metrics")
+    assert 'pdd_kv_transfer_failures_total{reason="transfer"} 2.0' in text
+
+
+def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
+                                                    tmp_path: Path) -> None:
+    # P tp2/dcp2 -> D tp2/dcp1: every decode rank reads from both prefill ranks, so each
+    # hand-off is two READs; the prefill instance dies between them.
+    routing = cluster.plan_file(_plan((2, 2), (2, 1)))
+    gate = tmp_path / "gate"
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
+    decode = cluster.instance("decode", 2, 1, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
+                              PDD_FAULT_READ_GATE=gate, PDD_TRANSFER_TIMEOUT_S=15)
+    prefill.wait_ready()
+    decode.wait_ready()
+    status, pre = http("POST", f"{prefill.url}/v1/prefill",
+                       {"request_id": "r-kill", "prompt_ids": _prompt(70)})
+    assert status == 200, pre
+    result: dict[str, Any] = {}
+
+    def run_decode() -> None:
+        result["answer"] = http("POST", f"{decode.url}/v1/decode", {
+            "request_id": "r-kill", "first_token": pre["first_token"], "max_new_tokens": 4,
+            "kv_transfer_params": pre["kv_transfer_params"]}, timeout=120)
+
+    thread = threading.Thread(target=run_decode)
+    thread.start()
+    reached = [Path(f"{gate}.reached.{r}") for r in range(2)]
+    for _ in range(1200):
+        if all(p.exists() for p in reached) or not thread.is_alive():
+            break
+        thread.join(0.05)
+    assert all(p.exists() for p in reached), "decode ranks never finished their first READ"
+    prefill.kill()
+    gate.touch()
+    thread.join(120)
+    status, body = result["answer"]
+    assert status == 502, body
+    side = pre["kv_transfer_params"]["side_channel_port"]
+    assert f"127.0.0.1:{side}" in body["error"] or f"127.0.0.1:{side + 1}" in body["error"]
+    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
+    # The decode instance keeps serving, from a new prefill instance.
+    os.remove(gate)
+    fresh = cluster.instance("prefill", 2, 2, routing, BLOCK, replica=1)
+    fresh.wait_ready()
+    status, pre = http("POST", f"{fresh.url}/v1/prefill",
+                       {"request_id": "r-after", "prompt_ids": _prompt(30)})
+    assert status == 200, pre
+    gate.touch()  # let the gated ranks through at once
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "r-after", "first_token": pre["first_token"], "max_new_tokens": 5,
+        "kv_transfer_params": pre["kv_transfer_params"]})
+    assert status == 200, body
+    assert [pre["first_token"], *body["token_ids"]] == _reference(30, 6)
+    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
+
+
+def test_lease_frees_a_thousand_abandoned_requests(cluster: LocalCluster) -> None:
+    routing = cluster.plan_file(_plan((2, 2), (1, 1)))
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
+                               PDD_LEASE_SECONDS=0.3, PDD_NOTIF_POLL_S=0.05)
+    prefill.wait_ready()
+    errors: list[Any] = []
+
+    def client(k: int) -> None:
+        for i in range(k, 1000, 4):
+            status, body = http("POST", f"{prefill.url}/v1/prefill",
+                                {"request_id": f"abandoned-{i}", "prompt_ids": _prompt(20)})
+            if status != 200:
+                errors.append((i, status, body))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    stats: dict[str, Any] = {}
+    for _ in range(300):
+        status, stats = http("GET", f"{prefill.url}/v1/stats")
+        if stats["leases"]["held"] == 0 and all(r["held_requests"] == 0 for r in stats["ranks"]):
+            break
+        threading.Event().wait(0.1)
+    assert stats["leases"] == {"held": 0, "expired_total": 1000, "released_total": 0}
+    assert _all_free(prefill.url) == [NUM_BLOCKS, NUM_BLOCKS]
+    assert all(r["held_requests"] == 0 for r in stats["ranks"])
+    status, text = http("GET", f"{prefill.url}/metrics")
+    assert "pdd_lease_expiries_total 1000.0" in text
+
+
+def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": f"{REPO / 'sidecar'}:{REPO / 'operator'}", **env}
+    return subprocess.run([sys.executable, "-m", "pdd_sidecar", "serve"], env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _base_env(routing: Path, **extra: Any) -> dict[str, str]:
+    env = {"PDD_ROLE": "decode", "PDD_REPLICA": "0", "PDD_TP_SIZE": "2", "PDD_DCP_SIZE": "2",
+           "PDD_BLOCK_SIZE": str(BLOCK), "PDD_ROUTING_FILE": str(routing),
+           "PDD_SIDE_CHANNEL_PORT": str(free_ports(2)), "PDD_HTTP_PORT": str(free_ports(1)),
+           "POD_IP": "127.0.0.1", "PDD_BIND_HOST": "127.0.0.1"}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def test_malformed_or_mismatched_routing_file_refuses_to_start(tmp_path: Path) -> None:
+    routing = tmp_path / "routing.json"
+    cases: list[tuple[str, dict[str, Any], str]] = []
+    cases.append(("{not json", {}, "malformed routing plan"))
+    good = json.loads(_plan((4, 4), (2, 2)))
+    cases.append((json.dumps({**good, "blockSize": "big"}), {}, "blockSize"))
+    unsound = json.loads(json.dumps(good))
+    unsound["decodeRanks"][0]["reads"] = unsound["decodeRanks"][0]["reads"][:1]
+    cases.append((json.dumps(unsound), {}, "decode rank 0 must read each chunk it holds"))
+    cases.append((json.dumps(good), {"PDD_TP_SIZE": "4", "PDD_DCP_SIZE": "4"},
+                  "decode.tensorParallelSize is 2, PDD_TP_SIZE is 4"))
+    cases.append((json.dumps(good), {"PDD_BLOCK_SIZE": "64"},
+                  "blockSize is 16, PDD_BLOCK_SIZE is 64"))
+    cases.append((json.dumps(good), {"PDD_DCP_SIZE": "3"}, "PDD_DCP_SIZE: must be 1 or"))
+    for text, extra, message in cases:
+        routing.write_text(text)
+        done = _serve(_base_env(routing, **extra))
+        assert done.returncode == 2, (message, done.stderr)
+        assert message in done.stderr, (message, done.stderr)
+        assert "refusing to start" in done.stderr
+    done = _serve(_base_env(tmp_path / "missing.json"))
+    assert done.returncode == 2 and "missing.json: cannot read" in done.stderr
+
+
+def test_metadata_mismatch_is_refused_naming_both_values(cluster: LocalCluster) -> None:
+    routing = cluster.plan_file(_plan((1, 1), (2, 1)))
+    prefill = cluster.instance("prefill", 1, 1, routing, BLOCK, PDD_DTYPE="bfloat16")
+    prefill.wait_ready()
+    decode = cluster.instance("decode", 2, 1, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
+                              PDD_PREFILL_URLS=prefill.url)
+    # Not ready: its only prefill peer is incompatible, and /readyz says why.
+    reason = ""
+    status = 0
+    for _ in range(600):
+        try:
+            status, body = http("GET", f"{decode.url}/readyz")
+        except OSError:  # not listening yet
+            body = {}
+        reason = body.get("reason", "") if isinstance(body, dict) else ""
+        if "dtype" in reason:
+            break
+        assert decode.alive()
+        threading.Event().wait(0.1)
+    assert status == 503
+    assert "dtype: local 'bfloat16' != decode 0 rank 0 'float32'" in reason, reason
+    # A hand-off from that peer is refused with the same message, and nothing leaks.
+    status, pre = http("POST", f"{prefill.url}/v1/prefill",
+                       {"request_id": "r-mismatch", "prompt_ids": _prompt(20)})
+    assert status == 200, pre
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "r-mismatch", "first_token": pre["first_token"], "max_new_tokens": 3,
+        "kv_transfer_params": pre["kv_transfer_params"]})
+    assert status == 409, body
+    assert "dtype: local 'bfloat16' != decode 0 rank" in body["error"], body
+    assert "'float32'" in body["error"]
+    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
+    status, released = http("POST", f"{prefill.url}/v1/release", {"request_id": "r-mismatch"})
+    assert status == 200 and released == {"released": True}
