@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = harness.Stack(args.work_dir, say=say)
     text, doc = harness.example(args.example)
     name = doc["metadata"]["name"]
-    dtype = (doc["spec"].get("model") or {}).get("dtype", "float32")
+    dtype = harness.spec_dtype(doc)
     ids = harness.prompt_ids(args.prompt)
     ref: dict[str, Any] = {}
 
@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         ref_thread.join()
         if "error" in ref:
             raise ref["error"]
-        say(f"reference token ids:  {ref['ids']}  (python -m pdd_sidecar generate, one process)")
+        say(
+            f"reference token ids:  {ref['ids']}  "
+            f"(python -m pdd_sidecar generate, one process, {dtype})"
+        )
         ok = got == ref["ids"]
         banner("completion EQUALS the single-process reference" if ok else
                "completion DIFFERS from the single-process reference")  # fmt: skip

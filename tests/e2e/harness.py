@@ -322,7 +322,7 @@ def complete(
 _REFERENCE: dict[tuple[tuple[int, ...], int, str], list[int]] = {}
 
 
-def reference(prompt_ids: list[int], max_tokens: int, dtype: str = "float32") -> list[int]:
+def reference(prompt_ids: list[int], max_tokens: int, dtype: str) -> list[int]:
     """The single-process reference (``python -m pdd_sidecar generate``: one instance, TP1),
     run as a separate process so the harness itself never loads torch."""
     key = (tuple(prompt_ids), max_tokens, dtype)
@@ -345,6 +345,14 @@ def example(name: str) -> tuple[str, dict[str, Any]]:
 
     text = (EXAMPLES / f"{name}.yaml").read_text()
     return text, dict(yaml.safe_load(text))
+
+
+def spec_dtype(doc: dict[str, Any]) -> str:
+    """The dtype the sidecars compute in: the spec's, with pdd_api's default filled in (the
+    reference must use the same one, or near-tied logits flip)."""
+    from pdd_api.models import PDDeploymentSpec
+
+    return str(PDDeploymentSpec.model_validate(doc["spec"]).model.dtype)
 
 
 def prompt_ids(text: str) -> list[int]:
