@@ -29,6 +29,7 @@ class Config:
     peering_name: str = "pdd-operator"
     priority: int = field(default_factory=lambda: random.randint(1, 1_000_000))
     standalone: bool = False
+    peering_lifetime: int = 60  # seconds a silent peer is still taken as alive
     concurrency: int = 64
 
     @classmethod
@@ -47,6 +48,7 @@ class Config:
         if os.environ.get("PDD_PRIORITY"):
             cfg.priority = int(os.environ["PDD_PRIORITY"])
         cfg.standalone = os.environ.get("PDD_STANDALONE", "") in ("1", "true")
+        cfg.peering_lifetime = _env_int("PDD_PEERING_LIFETIME", cfg.peering_lifetime)
         return cfg
 
 

@@ -60,6 +60,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.priority = cfg.priority
     settings.peering.standalone = cfg.standalone
     settings.peering.mandatory = False
+    settings.peering.lifetime = cfg.peering_lifetime
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 4
@@ -120,11 +121,15 @@ async def periodic(**kwargs: Any) -> None:
     rec.kick(namespace, name)
 
 
-@kopf.on.validate(API_GROUP, API_VERSION, PLURAL, id=HANDLER_ID,
-                  operations=["CREATE", "UPDATE"])
 async def validate(**kwargs: Any) -> None:
     old = kwargs.get("old")
     new = dict(kwargs["body"])
     problems = admission_problems(new, dict(old) if old is not None else None)
     if problems:
         raise kopf.AdmissionError("; ".join(problems), code=422)
+
+
+# kopf refuses to start with an admission handler but no server: register it only when served.
+if CONFIG.webhook_port:
+    kopf.on.validate(API_GROUP, API_VERSION, PLURAL, id=HANDLER_ID,
+                     operations=["CREATE", "UPDATE"])(validate)
