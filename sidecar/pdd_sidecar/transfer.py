@@ -15,6 +15,7 @@ plan's minimum exactly.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -261,17 +262,31 @@ class KVTransferAgent:
         kv: Any,
         backends: Sequence[str] = ("UCX",),
         max_levels: int = DEFAULT_MAX_LEVELS,
-        progress_thread: bool = False,
+        progress_interval_s: float = 0.001,
     ) -> None:
-        """Without a progress thread the agent progresses when polled (transfer state,
-        notifications); NIXL's thread polls without pause and would starve a small CPU."""
-        from nixl._api import nixl_agent, nixl_agent_config
+        """The agent must progress even while its rank waits for work: UCX connection set-up
+        and notifications need the target side to answer. NIXL's own progress thread polls
+        without pause (a whole core per agent), so a thread of ours progresses the agent every
+        `progress_interval_s` instead, with the agent in strict thread-safe mode."""
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name
         self.kv = kv
         self.region = RegionInfo.of_tensor(kv)
         self.agent = nixl_agent(
-            name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+            name,
+            nixl_agent_config(
+                enable_prog_thread=False,
+                backends=list(backends),
+                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            ),
+        )
+        self._notifs: list[bytes] = []
+        self._notif_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._progress_interval_s = progress_interval_s
+        self._progress = threading.Thread(
+            target=self._progress_loop, name=f"nixl-progress-{name}", daemon=True
         )
         self._reg = self.agent.register_memory(kv)
         self.layout = PreppedBlocks(self.region.num_blocks, max_levels)
@@ -280,6 +295,19 @@ class KVTransferAgent:
         )
         self.peers: dict[str, RemotePeer] = {}
         self._remote_layouts: dict[str, PreppedBlocks] = {}
+        self._progress.start()
+
+    def _progress_loop(self) -> None:
+        while not self._closed.wait(self._progress_interval_s):
+            try:
+                new = self.agent.get_new_notifs()
+            except Exception as exc:
+                log.debug("agent %s progress: %s", self.name, exc)
+                continue
+            if new:
+                with self._notif_lock:
+                    for messages in new.values():
+                        self._notifs.extend(messages)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -382,7 +410,8 @@ class KVTransferAgent:
         posted.handles.clear()
 
     def _wait(self, posted: _Posted, deadline: float) -> None:
-        spins = 0
+        # Spin first (a GPU hand-off takes about a millisecond), then yield the CPU.
+        spin_until = time.monotonic() + 0.005
         pending = list(posted.handles)
         while pending:
             still = []
@@ -403,9 +432,8 @@ class KVTransferAgent:
                     f"peer {posted.peer.key}: NIXL READ did not complete within the transfer "
                     f"timeout"
                 )
-            spins += 1
-            if spins > 100:
-                time.sleep(0.0002)
+            if time.monotonic() > spin_until:
+                time.sleep(0.0001)
 
     def read(
         self,
@@ -445,12 +473,16 @@ class KVTransferAgent:
             raise TransferError(f"peer {peer.key}: notification failed: {exc}") from exc
 
     def poll_notifs(self) -> list[bytes]:
-        out: list[bytes] = []
-        for messages in self.agent.get_new_notifs().values():
+        new = self.agent.get_new_notifs()
+        with self._notif_lock:
+            out, self._notifs = self._notifs, []
+        for messages in new.values():
             out.extend(messages)
         return out
 
     def close(self) -> None:
+        self._closed.set()
+        self._progress.join(timeout=1)
         for key in list(self.peers):
             self.disconnect(key)
         try:

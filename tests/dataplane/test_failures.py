@@ -145,6 +145,7 @@ def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
     thread.join(120)
     status, body = result["answer"]
     assert status == 502, body
+    assert "NIXL READ failed" in body["error"], body
     side = pre["kv_transfer_params"]["side_channel_port"]
     assert f"127.0.0.1:{side}" in body["error"] or f"127.0.0.1:{side + 1}" in body["error"]
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
