@@ -19,7 +19,7 @@ from pdd_api import keys
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_operator import metrics
 from pdd_operator.config import CONFIG
-from pdd_operator.kube import Kube
+from pdd_operator.kube import ApiError, Kube
 from pdd_operator.reconciler import Reconciler
 from pdd_operator.webhook import (
     HANDLER_ID,
@@ -66,6 +66,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = 4
     kube = Kube.from_environment(cfg.concurrency)
     STATE.kube = kube
+    if not cfg.standalone:
+        await ensure_peering(kube, cfg.peering_name, cfg.namespaces)
     rec = Reconciler(kube)
     await rec.seed(cfg.namespaces or None)
     STATE.reconciler = rec
@@ -81,6 +83,20 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         metrics.serve(cfg.metrics_port)
     log.info("pdd-operator started: namespaces=%s priority=%s",
              cfg.namespaces or "all", cfg.priority)
+
+
+async def ensure_peering(kube: Kube, name: str, namespaces: list[str]) -> None:
+    """kopf pauses replicas only through an existing peering object; without one every
+    replica would act, so the operator creates it (the CRDs come with the manifests)."""
+    objs = [{"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+             "metadata": {"name": name, "namespace": ns}} for ns in namespaces] or [
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}]
+    for obj in objs:
+        try:
+            await kube.apply(obj)
+        except ApiError as exc:
+            log.warning("no peering object %s (%s): replicas will not exclude each other",
+                        name, exc)
 
 
 @kopf.on.cleanup()

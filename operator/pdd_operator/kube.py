@@ -48,6 +48,8 @@ KINDS: dict[str, Kind] = {
     "Node": Kind("/api/v1", "nodes", namespaced=False),
     "Deployment": Kind("/apis/apps/v1", "deployments"),
     KIND: Kind(f"/apis/{API_GROUP}/{API_VERSION}", PLURAL),
+    "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings", namespaced=False),
+    "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
     "ValidatingWebhookConfiguration": Kind(
         "/apis/admissionregistration.k8s.io/v1", "validatingwebhookconfigurations", False
     ),
@@ -129,8 +131,8 @@ class Kube:
         def auth() -> str | None:
             if cfg.refresh_api_key_hook is not None:
                 cfg.refresh_api_key_hook(cfg)
-            value = cfg.get_api_key_with_prefix("authorization")
-            return str(value) if value else None
+            bearer = cfg.auth_settings().get("BearerToken")
+            return str(bearer["value"]) if bearer and bearer.get("value") else None
 
         return cls(cfg.host, ctx, auth, concurrency)
 

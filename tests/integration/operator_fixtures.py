@@ -108,7 +108,8 @@ class Operator:
 
     def __init__(self, cluster: Cluster, namespace: str, log_dir: Path, *,
                  webhook: bool = True, env: dict[str, str] | None = None,
-                 priority: int | None = None, resync: float = 5.0) -> None:
+                 priority: int | None = None, resync: float = 5.0,
+                 standalone: bool = True) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.webhook = webhook
@@ -118,6 +119,7 @@ class Operator:
         self.webhook_config = f"pdd-test-{namespace}"
         self.env = env or {}
         self.priority = priority
+        self.standalone = standalone  # peering is the HA test's subject, a delay elsewhere
         self.resync = resync
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
@@ -137,6 +139,8 @@ class Operator:
                 "--resync-seconds", str(self.resync)]
         if self.priority is not None:
             args += ["--priority", str(self.priority)]
+        if self.standalone:
+            args.append("--standalone")
         env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig), **self.env,
                **(extra_env or {})}
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -42,11 +42,11 @@ def reconciles(op: Operator) -> float:
 def test_only_the_leader_acts_and_a_follower_takes_over(cluster: Cluster, kube: Kubectl,
                                                         tmp_path: Path) -> None:
     ns = make_namespace(kube, "opha")
-    kube.apply({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
-                "metadata": {"name": "pdd-operator", "namespace": ns}})
     env = {"PDD_PEERING_LIFETIME": "10"}
-    follower = Operator(cluster, ns, tmp_path / "a", webhook=False, env=env, priority=10)
-    leader = Operator(cluster, ns, tmp_path / "b", webhook=False, env=env, priority=20)
+    follower = Operator(cluster, ns, tmp_path / "a", webhook=False, env=env, priority=10,
+                        standalone=False)
+    leader = Operator(cluster, ns, tmp_path / "b", webhook=False, env=env, priority=20,
+                      standalone=False)
     try:
         follower.start()
         leader.start()

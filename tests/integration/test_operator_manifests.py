@@ -1,0 +1,133 @@
+"""The kustomize base: `kubectl apply -k manifests/` works on the local control plane, the
+operator Deployment runs as non-root with probes, and the RBAC is enough for the operator to do
+its whole job while denying what it does not need (the operator runs here with nothing but the
+ServiceAccount's token)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from localcluster import Cluster
+from operator_fixtures import (  # noqa: F401  (fixtures)
+    CRD_FILE,
+    REPO_ROOT,
+    Kubectl,
+    Operator,
+    install_crd,
+    kube,
+    make_namespace,
+    teardown_namespace,
+    wait_for,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.integration
+SA = "system:serviceaccount:pdd-system:pdd-operator"
+
+
+def rendered() -> list[dict[str, Any]]:
+    out = subprocess.run(["kubectl", "kustomize", str(REPO_ROOT / "manifests")],
+                         capture_output=True, text=True, check=True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_base_renders_with_crd_in_sync() -> None:
+    docs = rendered()
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+    assert "Namespace/pdd-system" in kinds and "ServiceAccount/pdd-operator" in kinds
+    assert "Deployment/pdd-operator" in kinds and "ClusterRole/pdd-operator" in kinds
+    crd = next(d for d in docs if d["kind"] == "CustomResourceDefinition"
+               and d["metadata"]["name"] == "pddeployments.serving.pdd.dev")
+    committed = yaml.safe_load(CRD_FILE.read_text())
+    crd["metadata"].pop("labels", None)
+    assert crd == committed, "manifests/base/crd.yaml differs from crds/ (copy it over)"
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    c = pod["containers"][0]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["livenessProbe"] and c["readinessProbe"]
+    assert c["command"] == ["python", "-m", "pdd_operator"]
+    for d in docs:
+        if d["kind"] in ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"):
+            assert d["metadata"]["namespace"] == "pdd-system", d["metadata"]
+
+
+@pytest.fixture(scope="module")
+def applied(kube: Kubectl) -> Iterator[None]:
+    wait_for("an earlier pdd-system to finish terminating", lambda: (
+        (ns := kube.maybe("get", "namespace", "pdd-system")) is None
+        or ns["status"].get("phase") != "Terminating"), timeout=120)
+    kube("apply", "-k", str(REPO_ROOT / "manifests"))
+    yield
+    kube("delete", "namespace", "pdd-system", "--wait=false", check=False)
+    kube("delete", "clusterrolebinding,clusterrole", "pdd-operator", "--ignore-not-found",
+         check=False)
+    install_crd(kube)  # leave the committed CRD, with its kubectl apply history gone
+
+
+def test_apply_k_creates_the_operator(kube: Kubectl, applied: None) -> None:
+    dep = wait_for("operator deployment available", lambda: (
+        (d := kube.maybe("get", "deployment", "pdd-operator", "-n", "pdd-system"))
+        and d.get("status", {}).get("availableReplicas") == 2 and d), timeout=90)
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "pdd-operator"
+    kube("wait", "--for=condition=Established", "crd/pddeployments.serving.pdd.dev")
+
+
+@pytest.mark.parametrize("verb,resource,allowed", [
+    ("create", "pods", True), ("delete", "pods", True), ("patch", "services", True),
+    ("create", "configmaps", True), ("create", "deployments.apps", True),
+    ("patch", "pddeployments.serving.pdd.dev/status", True), ("create", "events", True),
+    ("delete", "pddeployments.serving.pdd.dev", False), ("get", "secrets", False),
+    ("create", "clusterroles.rbac.authorization.k8s.io", False), ("delete", "nodes", False),
+    ("update", "pddeployments.serving.pdd.dev", False),
+])
+def test_rbac_is_least_privilege(kube: Kubectl, applied: None, verb: str, resource: str,
+                                 allowed: bool) -> None:
+    out = kube("auth", "can-i", verb, resource, "-n", "default", f"--as={SA}", check=False)
+    assert out.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, out.stderr)
+
+
+def sa_kubeconfig(cluster: Cluster, kube: Kubectl, path: Path) -> Path:
+    token = kube("create", "token", "pdd-operator", "-n", "pdd-system").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    cl = admin["clusters"][0]
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [cl],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": cl["name"], "user": "sa"}}],
+    }))
+    return path
+
+
+def test_operator_works_with_only_its_rbac(cluster: Cluster, kube: Kubectl, applied: None,
+                                           tmp_path: Path) -> None:
+    ns = make_namespace(kube, "oprbac")
+    cfg = sa_kubeconfig(cluster, kube, tmp_path / "sa.kubeconfig")
+    secret = f"pdd-test-tls-{ns}"
+    op = Operator(cluster, ns, tmp_path, env={"KUBECONFIG": str(cfg),
+                                              "PDD_TLS_SECRET": f"pdd-system/{secret}"},
+                  standalone=False)
+    try:
+        op.start()
+        doc = next(d for d in yaml.safe_load_all(
+            (REPO_ROOT / "manifests/examples/p-tp2-dcp1-to-d-tp4-dcp1.yaml").read_text()) if d)
+        kube.apply(doc, "-n", ns)
+        obj = wait_ready(kube, ns, doc["metadata"]["name"], op)
+        assert obj["status"]["routingCase"] == "replicated-to-replicated"
+        tls = kube.json("get", "secret", secret, "-n", "pdd-system")
+        vwc = kube.json("get", "validatingwebhookconfiguration", op.webhook_config)
+        assert vwc["webhooks"][0]["clientConfig"]["caBundle"] == tls["data"]["ca.crt"]
+        assert base64.b64decode(tls["data"]["tls.crt"]).startswith(b"-----BEGIN CERTIFICATE")
+        assert kube.maybe("get", "kopfpeering", "pdd-operator", "-n", ns) is not None
+    finally:
+        teardown_namespace(kube, ns, op)
+        kube("delete", "secret", secret, "-n", "pdd-system", "--ignore-not-found", check=False)
