@@ -1,4 +1,4 @@
-"""Replica discovery: static URLs from config, plus the pods behind a headless Service.
+"""Replica discovery: static URLs from config, or the pods behind a headless Service.
 
 A headless Service's DNS name resolves to one A record per ready pod, so re-resolving it
 periodically tracks scale-ups and restarts without talking to the Kubernetes API.
@@ -38,9 +38,8 @@ async def resolve_service(service: str) -> list[str]:
 
 
 async def replicas(urls: list[str], service: str) -> list[str]:
-    found = list(urls)
-    if service:
-        for url in await resolve_service(service):
-            if url not in found:
-                found.append(url)
-    return found
+    """Static URLs when configured (stable names, e.g. per-pod DNS), else the Service's pods:
+    using both would list every pod twice, under its name and under its address."""
+    if urls:
+        return list(urls)
+    return await resolve_service(service) if service else []
