@@ -170,7 +170,7 @@ def compute_status(
         elif not role_ok["decode"]:
             reason = "DecodeUnavailable"
         elif not settled:
-            reason = "Scaling"
+            reason = "Progressing"
         elif not routing_published:
             reason = "RoutingPending"
         else:

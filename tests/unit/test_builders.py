@@ -292,3 +292,56 @@ def test_pod_info_diagnoses_pending_and_crashloop(doc: dict[str, Any]) -> None:
     assert info.problem_reason == "CrashLooping"
     assert info.problem == ("demo-decode-0 is crash-looping: container sidecar restarted 5 times;"
                             " last exit code 1 (Error)")
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def test_admission_uses_pdd_validate_rules_and_admits_spec_neutral_updates(
+        doc: dict[str, Any]) -> None:
+    from pdd_api.validation import validate_document
+    from pdd_operator.webhook import admission_problems
+
+    bad = copy.deepcopy(doc)
+    bad["spec"]["decode"]["decodeContextParallelSize"] = 3
+    bad["metadata"]["name"] = "x" * 48
+    assert admission_problems(bad, None) == validate_document(bad)
+    assert any(p.startswith("metadata.name:") for p in admission_problems(bad, None))
+    finalizer_only = copy.deepcopy(bad)
+    finalizer_only["metadata"]["finalizers"] = []
+    assert admission_problems(finalizer_only, bad) == [], "deletion of a bad object not blocked"
+    assert admission_problems(bad, doc) != []
+
+
+def test_webhook_configuration_and_certificate() -> None:
+    import ssl
+    import tempfile
+
+    from cryptography import x509
+
+    from pdd_operator.certs import make_bundle
+    from pdd_operator.config import Config
+    from pdd_operator.webhook import webhook_configuration, webhook_hosts
+
+    cfg = Config(namespaces=["a"], webhook_port=9443, webhook_service="pdd-system/hook")
+    vwc = webhook_configuration(cfg, b"CA")
+    hook = vwc["webhooks"][0]
+    assert hook["clientConfig"]["service"] == {"namespace": "pdd-system", "name": "hook",
+                                               "port": 9443, "path": "/validate"}
+    assert hook["failurePolicy"] == "Fail"
+    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["a"]
+    assert hook["rules"][0]["resources"] == ["pddeployments"]
+    bundle = make_bundle(webhook_hosts(cfg))
+    cert = x509.load_pem_x509_certificate(bundle.cert_pem)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "hook.pdd-system.svc" in sans.get_values_for_type(x509.DNSName)
+    with tempfile.TemporaryDirectory() as tmp:
+        certfile, keyfile = bundle.write(Path(tmp))
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(certfile, keyfile)  # the pair kopf's server will load
+        verify = ssl.create_default_context(cadata=bundle.ca_pem.decode())
+        assert verify.cert_store_stats()["x509_ca"] == 1
+    url_cfg = Config(webhook_port=19443, webhook_host="127.0.0.1")
+    client = webhook_configuration(url_cfg, b"CA")["webhooks"][0]["clientConfig"]
+    assert client["url"] == "https://127.0.0.1:19443/validate"
+    assert "namespaceSelector" not in webhook_configuration(url_cfg, b"CA")["webhooks"][0]
