@@ -211,6 +211,9 @@ def _child(rank: int, settings: InstanceSettings, plan_text: str, instance_id: s
                             instance_id)
         worker.follow()
     except BaseException:
+        time.sleep(0.2)  # rank 0 gone closes our sockets a moment before we are reparented
+        if os.getppid() != parent:  # rank 0 is gone; its collectives broke, nothing to report
+            os._exit(1)
         log.critical("rank %d failed: %s", rank, traceback.format_exc())
         os._exit(1)
     os._exit(0)
