@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -119,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per point")
     p.add_argument("--min-iters", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print rows as JSON lines too")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible")
     dev_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     print(
         f"decode attention, {args.heads} heads, latent {args.kv_lora_rank}+{args.rope_dim}, "
         f"{args.dtype}, block {args.block_size}, device {dev_name}, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
     )
     print(
         f"{'context':>8} {'KV MiB':>8} {'paged ms':>9} {'GB/s':>7} {'/copy':>6}"

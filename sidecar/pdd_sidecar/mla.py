@@ -87,28 +87,39 @@ def decode_attention(
             torch.zeros(h, kv_lora_rank, dtype=torch.float32, device=q.device),
             torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device),
         )
-    scores = mm_fp32(q, kv.T) * scale
+    if kv.dtype != torch.float32 and not has_fp32_out_mm(kv.device):
+        q, kv = q.float(), kv.float()  # widen once here rather than inside both products
+    scores = _mm_fp32(q, kv.T) * scale
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse[:, None])
-    return mm_fp32(p.to(kv.dtype), kv[:, :kv_lora_rank]), lse
+    return _mm_fp32(p.to(kv.dtype), kv[:, :kv_lora_rank]), lse
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}
+_FP32_OUT_MM: dict[str, bool] = {}
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` accumulated and returned in fp32 without widening the (large) operand in
-    memory where the backend can (CUDA ``out_dtype``): bf16-rounded attention scores would
-    cost ~1% of softmax weight per score."""
+def has_fp32_out_mm(device: torch.device) -> bool:
+    """Whether bf16 matmuls can return fp32 directly (CUDA ``out_dtype``): bf16-rounded
+    attention scores would cost ~1% of softmax weight per score, and widening the cache in
+    memory would double the bytes decode reads."""
+    key = str(device)
+    if key not in _FP32_OUT_MM:
+        ok = False
+        if device.type == "cuda":
+            try:
+                one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+                torch.mm(one, one, out_dtype=torch.float32)
+                ok = True
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass
+        _FP32_OUT_MM[key] = ok
+    return _FP32_OUT_MM[key]
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32:
-        return a @ b.float()
-    dev = a.device.type
-    if _MM_OUT_DTYPE.get(dev, dev == "cuda"):
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[dev] = False
-    return a.float() @ b.float()
+        return a @ b
+    return torch.mm(a, b, out_dtype=torch.float32)
 
 
 def unabsorb_v(out_latent: torch.Tensor, w: AttnWeights) -> torch.Tensor:
