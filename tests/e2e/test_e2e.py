@@ -1,0 +1,275 @@
+"""The whole path as a user meets it: ``kubectl apply`` of a PDDeployment -> operator -> pods
+with the injected routing -> pod runner -> sidecars -> NIXL hand-off -> completion through the
+router Service, compared token for token with the single-process reference.
+
+The reference deployment (P TP2/DCP2 -> D TP4/DCP4) is deployed once and then taken through
+the lifecycle tests in file order (delete a decode pod, change decode DCP, scale decode), each of
+which starts by waiting for the deployment to be Ready, so each checks its own claim.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import harness
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REFERENCE_EXAMPLE = "p-tp2-dcp2-to-d-tp4-dcp4"
+# One per routing case family that is not the reference's: sharded->replicated and
+# replicated->sharded (the reference itself is sharded->sharded).
+CONFIGS = [REFERENCE_EXAMPLE, "p-tp4-dcp4-to-d-tp4-dcp1", "p-tp2-dcp1-to-d-tp4-dcp4"]
+# 270 byte-tokens: five 64-token blocks, the last one partial, so every DCP rank holds KV.
+PROMPT = harness.prompt_ids("The quick brown fox jumps over the lazy dog. " * 6)
+MAX_TOKENS = 8
+
+
+@dataclass
+class Deployment:
+    stack: harness.Stack
+    namespace: str
+    name: str
+    doc: dict[str, Any]
+
+    @property
+    def dtype(self) -> str:
+        return harness.spec_dtype(self.doc)
+
+    def reference(self) -> list[int]:
+        return harness.reference(PROMPT, MAX_TOKENS, self.dtype)
+
+    def complete(self) -> dict[str, Any]:
+        return harness.complete(self.name, self.namespace, PROMPT, MAX_TOKENS)
+
+    def get(self) -> dict[str, Any]:
+        obj = self.stack.get("pddeployment", self.name, self.namespace)
+        assert obj is not None
+        return obj
+
+    def patch(self, spec: dict[str, Any]) -> None:
+        self.stack.kubectl(
+            "patch", "pddeployment", self.name, "-n", self.namespace, "--type", "merge",
+            "-p", json.dumps({"spec": spec}),
+        )  # fmt: skip
+
+    def pod(self, role: str, index: int) -> dict[str, Any] | None:
+        return self.stack.get("pod", f"{self.name}-{role}-{index}", self.namespace)
+
+    def routing(self) -> dict[str, Any]:
+        cm = self.stack.get("configmap", f"{self.name}-routing", self.namespace)
+        assert cm is not None
+        return dict(json.loads(cm["data"]["routing.json"]))
+
+    def wait_ready(self) -> None:
+        self.stack.wait_ready(self.name, self.namespace, timeout=600)
+
+
+def deploy(stack: harness.Stack, namespace: str, example: str) -> Deployment:
+    text, doc = harness.example(example)
+    stack.kubectl("apply", "-n", namespace, "-f", "-", input=text)
+    dep = Deployment(stack, namespace, doc["metadata"]["name"], doc)
+    dep.wait_ready()
+    return dep
+
+
+def pod_ready(pod: dict[str, Any] | None) -> bool:
+    conds = ((pod or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def served_by(result: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """The router reports the decode URL it used, by pod DNS name or by pod IP."""
+    url = (result.get("pdd") or {}).get("decode", "")
+    host = url.split("//", 1)[-1].split(":", 1)[0]
+    return host.split(".")[0] == pod["metadata"]["name"] or host == pod["status"].get("podIP")
+
+
+@dataclass
+class Request:
+    started: float
+    ok: bool
+    tokens: list[int] | None = None
+    result: dict[str, Any] | None = None
+    error: str = ""
+
+
+@dataclass
+class Traffic:
+    """Requests one after another through the router Service until stopped; a failed request
+    is recorded (with its start time) and the next one follows shortly."""
+
+    dep: Deployment
+    requests: list[Request] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> Traffic:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(180)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                r = harness.complete(self.dep.name, self.dep.namespace, PROMPT, MAX_TOKENS, 60)
+                toks = list(r["choices"][0]["token_ids"])
+                self.requests.append(Request(t, True, toks, r))
+            except Exception as e:  # noqa: BLE001 - every failure kind counts as failed
+                self.requests.append(Request(t, False, error=f"{type(e).__name__}: {e}"))
+                self._stop.wait(0.5)
+
+    def after(self, t: float) -> list[Request]:
+        return [r for r in list(self.requests) if r.started >= t]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def reference_deployment(stack: harness.Stack) -> Iterator[Deployment]:
+    ns = f"e2e-ref-{uuid.uuid4().hex[:6]}"
+    stack.create_namespace(ns)
+    try:
+        yield deploy(stack, ns, REFERENCE_EXAMPLE)
+    finally:
+        stack.kubectl("delete", "namespace", ns, "--timeout=120s", check=False)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("example", CONFIGS)
+def test_reference_configuration_completion_equals_reference(
+    request: pytest.FixtureRequest, stack: harness.Stack, example: str
+) -> None:
+    if example == REFERENCE_EXAMPLE:
+        dep: Deployment = request.getfixturevalue("reference_deployment")
+        ns = None
+    else:
+        ns = f"e2e-{uuid.uuid4().hex[:6]}"
+        stack.create_namespace(ns)
+        dep = deploy(stack, ns, example)
+    try:
+        status = dep.get()["status"]
+        assert status["routingCase"] == dep.routing()["case"]
+        result = dep.complete()
+        assert result["choices"][0]["token_ids"] == dep.reference()
+        # The KV really moved: every decode rank received some (five blocks >= any DCP size).
+        ranks = result["pdd"]["transfer"]["ranks"]
+        assert len(ranks) == dep.doc["spec"]["decode"]["tensorParallelSize"]
+        assert all(r["bytes"] > 0 for r in ranks), ranks
+    finally:
+        if ns is not None:
+            # Wait, so the next configuration does not share the CPU with this one's exit.
+            stack.kubectl("delete", "namespace", ns, "--timeout=120s", check=False)
+
+
+def test_delete_decode_pod_under_traffic(reference_deployment: Deployment) -> None:
+    dep = reference_deployment
+    dep.wait_ready()
+    old = dep.pod("decode", 0)
+    assert old is not None and dep.get()["spec"]["decode"]["replicas"] == 1
+    gap: dict[str, Any] = {}
+
+    def recreated_and_ready() -> bool:
+        conds = {c["type"]: c for c in dep.get()["status"].get("conditions", [])}
+        if conds.get("DecodeAvailable", {}).get("status") == "False" and not gap:
+            gap.update(conds["DecodeAvailable"])
+        pod = dep.pod("decode", 0)
+        new = pod is not None and pod["metadata"]["uid"] != old["metadata"]["uid"]
+        return bool(gap) and new and pod_ready(pod) and dep.stack.is_ready(dep.name, dep.namespace)
+
+    with Traffic(dep) as traffic:
+        time.sleep(1)
+        dep.stack.kubectl("delete", "pod", old["metadata"]["name"], "-n", dep.namespace,
+                          "--wait=false")  # fmt: skip
+        dep.stack.wait(
+            "decode pod recreated after a visible gap",
+            recreated_and_ready,
+            600,
+            progress=lambda: dep.stack.progress_line(dep.name, dep.namespace),
+        )
+        dep.wait_ready()
+        t_back = time.monotonic()
+        dep.stack.wait("3 requests after recovery", lambda: len(traffic.after(t_back)) >= 3, 300)
+    assert gap["status"] == "False" and gap.get("reason"), gap
+    later = traffic.after(t_back)
+    assert all(r.ok for r in later), [r.error for r in later if not r.ok]
+    assert all(r.tokens == dep.reference() for r in later)
+
+
+def test_change_decode_dcp_4_to_1_restarts_sidecars_with_new_plan(
+    reference_deployment: Deployment,
+) -> None:
+    dep = reference_deployment
+    dep.wait_ready()
+    before = dep.routing()
+    assert before["decode"]["decodeContextParallelSize"] == 4
+    old_uid = dep.pod("decode", 0)["metadata"]["uid"]  # type: ignore[index]
+    dep.patch({"decode": {"decodeContextParallelSize": 1}})
+
+    def new_plan_running() -> bool:
+        plan = dep.routing()
+        pod = dep.pod("decode", 0)
+        if pod is None or pod["metadata"]["uid"] == old_uid or not pod_ready(pod):
+            return False
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        return (
+            plan["decode"]["decodeContextParallelSize"] == 1
+            and env.get("PDD_DCP_SIZE") == "1"
+            and dep.stack.is_ready(dep.name, dep.namespace)
+        )
+
+    dep.stack.wait("decode restarted with DCP 1", new_plan_running, 600,
+                   progress=lambda: dep.stack.progress_line(dep.name, dep.namespace))  # fmt: skip
+    dep.wait_ready()
+    after = dep.routing()
+    assert after != before
+    assert (before["case"], after["case"]) == ("sharded-to-sharded", "sharded-to-replicated")
+    result = dep.complete()
+    assert result["choices"][0]["token_ids"] == dep.reference()
+    # Replicated decode KV: every decode rank now receives every chunk, so the same bytes.
+    per_rank = [r["bytes"] for r in result["pdd"]["transfer"]["ranks"]]
+    assert len(set(per_rank)) == 1 and per_rank[0] > 0, per_rank
+
+
+def test_scale_decode_1_to_2_under_traffic(reference_deployment: Deployment) -> None:
+    dep = reference_deployment
+    dep.wait_ready()
+    assert dep.get()["spec"]["decode"]["replicas"] == 1
+    with Traffic(dep) as traffic:
+        time.sleep(1)
+        dep.patch({"decode": {"replicas": 2}})
+        new_pod = dep.stack.wait(
+            "decode-1 Ready",
+            lambda: (lambda p: p if pod_ready(p) else None)(dep.pod("decode", 1)),
+            600,
+            progress=lambda: dep.stack.progress_line(dep.name, dep.namespace),
+        )
+        t_ready = time.monotonic()
+
+        def new_replica_served() -> bool:
+            done = [r for r in traffic.after(t_ready) if r.result is not None]
+            return len(traffic.after(t_ready)) >= 6 and any(
+                served_by(r.result, new_pod) for r in done if r.result
+            )
+
+        dep.stack.wait("the new replica to serve requests", new_replica_served, 300)
+    later = traffic.after(t_ready)
+    assert later, "no request after the new replica was Ready"
+    assert all(r.ok for r in later), [r.error for r in later if not r.ok]
+    assert all(r.tokens == dep.reference() for r in later)
+    assert dep.get()["status"]["decode"]["readyReplicas"] == 2
