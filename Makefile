@@ -43,8 +43,8 @@ test: venv lint
 crd: venv
 	$(VENV)/bin/pdd crd > crds/serving.pdd.dev_pddeployments.yaml
 
-demo: venv
-	@echo "make demo: not yet available (lands with the end-to-end issue)"
+demo: venv cluster-build
+	$(VPY) hack/demo.py
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
