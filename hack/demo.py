@@ -30,7 +30,7 @@ import harness  # noqa: E402
 DEFAULT_PROMPT = (
     "Prefill and decode run on different pods; the KV cache of this prompt moves between "
     "them over NIXL, each decode rank reading exactly the chunks the routing plan gives it. "
-    "One byte, one token: four blocks of sixty-four, so each of the four decode ranks reads."
+    "One byte, one token: five blocks of sixty-four, so each of the four decode ranks reads."
 )
 
 
