@@ -7,6 +7,7 @@ other engineers' tests on the same control plane) never see each other's objects
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -61,6 +63,69 @@ def strip_cel(crd: dict[str, Any]) -> dict[str, Any]:
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     spec.pop("x-kubernetes-validations", None)
     return crd
+
+
+class NodeHeartbeat:
+    """Renews a Lease per fake node, as a kubelet does, unless kwok already holds it.
+
+    Without node leases (kwok runs without --node-lease-duration-seconds) the node lifecycle
+    controller marks the fake nodes NotReady about once a minute and sets every pod on them
+    Ready=False, which kwok never sets back: a test waiting for Ready then waits forever.
+    With kwok renewing its own leases this is a no-op."""
+
+    HOLDER = "pdd-test-heartbeat"
+
+    def __init__(self, kubeconfig: str, period: float = 10.0) -> None:
+        from kubernetes import client, config
+
+        api = config.new_client_from_config(kubeconfig)
+        self.core = client.CoreV1Api(api)
+        self.leases = client.CoordinationV1Api(api)
+        self.period = period
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def beat(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        nodes = self.core.list_node(label_selector="type=kwok").items
+        for node in nodes:
+            name = node.metadata.name
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "namespace": "kube-node-lease",
+                                 "ownerReferences": [{"apiVersion": "v1", "kind": "Node",
+                                                      "name": name,
+                                                      "uid": node.metadata.uid}]},
+                    "spec": {"holderIdentity": self.HOLDER, "leaseDurationSeconds": 40,
+                             "renewTime": now}}
+            try:
+                lease = self.leases.read_namespaced_lease(name, "kube-node-lease")
+            except ApiException as exc:
+                if exc.status == 404:
+                    self.leases.create_namespaced_lease("kube-node-lease", body)
+                continue
+            if lease.spec.holder_identity in (None, self.HOLDER):
+                self.leases.patch_namespaced_lease(name, "kube-node-lease",
+                                                   {"spec": body["spec"]})
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - best effort; the next beat retries
+                pass
+            self.stop.wait(self.period)
+
+
+_HEARTBEATS: dict[str, NodeHeartbeat] = {}
+
+
+def node_heartbeat(kubeconfig: str) -> NodeHeartbeat:
+    if kubeconfig not in _HEARTBEATS:
+        _HEARTBEATS[kubeconfig] = NodeHeartbeat(kubeconfig)
+    return _HEARTBEATS[kubeconfig]
 
 
 class Kubectl:
@@ -229,6 +294,7 @@ def teardown_namespace(k: Kubectl, ns: str, op: Operator | None) -> None:
 
 @pytest.fixture(scope="module")
 def kube(cluster: Cluster) -> Kubectl:
+    node_heartbeat(str(cluster.kubeconfig))
     k = Kubectl(cluster)
     install_crd(k)
     k("apply", "--server-side", "--force-conflicts", "-f", str(PEERING_FILE))

@@ -1,0 +1,285 @@
+"""Operator at scale: 200 PDDeployments (1 prefill + 2 decode replicas, tp 2) applied at once
+on the local control plane, against a baseline that creates the same 600 pods directly with the
+Python client as fast as it can, in the same run on the same cluster.
+
+    .venv/bin/python bench/operator_scale.py [--count 200] [--nodes 20] [--gpus 64]
+
+Prints, for the operator and the baseline: apply -> all pods of a set created (p50, p99) and
+the total, apply -> Ready (p50, p99, total; for the baseline: all 3 pods Ready), the
+operator/baseline ratios, and the operator's peak RSS and CPU seconds. Uses its own control
+plane under .cache/bench-cluster (started and stopped here), never the test cluster.
+The router is disabled so both sides create exactly the same pods (the operator still writes
+the routing ConfigMap and two headless Services per PDDeployment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+
+from kubernetes import client, config, watch  # noqa: E402
+from localcluster import DEFAULT_BIN_DIR, down, up  # noqa: E402
+from operator_fixtures import node_heartbeat  # noqa: E402
+
+from pdd_api.validation import parse_spec  # noqa: E402
+from pdd_operator.builders import Owner, build  # noqa: E402
+
+GROUP, VERSION, PLURAL = "serving.pdd.dev", "v1alpha1", "pddeployments"
+SPEC: dict[str, Any] = {
+    "model": {"name": "deepseek-ai/DeepSeek-V2-Lite-Chat"},
+    "image": "pdd:0.1.0",
+    "prefill": {"replicas": 1, "tensorParallelSize": 2, "decodeContextParallelSize": 2},
+    "decode": {"replicas": 2, "tensorParallelSize": 2, "decodeContextParallelSize": 1},
+    "router": {"enabled": False},
+}
+PODS_PER_SET = 3
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+class PodWatch:
+    """Client-side times at which each pod was first seen and first seen Ready."""
+
+    def __init__(self, api: client.CoreV1Api, ns: str) -> None:
+        self.api, self.ns = api, ns
+        self.added: dict[str, float] = {}
+        self.ready: dict[str, float] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            w = watch.Watch()
+            for ev in w.stream(self.api.list_namespaced_pod, self.ns, timeout_seconds=30,
+                               _request_timeout=60):
+                now = time.monotonic()
+                pod = ev["object"]
+                name = pod.metadata.name
+                self.added.setdefault(name, now)
+                if any(c.type == "Ready" and c.status == "True"
+                       for c in (pod.status.conditions or [])):
+                    self.ready.setdefault(name, now)
+                if self.stop.is_set():
+                    w.stop()
+                    break
+
+
+class PddWatch:
+    def __init__(self, api: client.CustomObjectsApi, ns: str) -> None:
+        self.api, self.ns = api, ns
+        self.ready: dict[str, float] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            w = watch.Watch()
+            for ev in w.stream(self.api.list_namespaced_custom_object, GROUP, VERSION, self.ns,
+                               PLURAL, timeout_seconds=30, _request_timeout=60):
+                now = time.monotonic()
+                obj = ev["object"]
+                gen = obj["metadata"].get("generation")
+                for c in (obj.get("status") or {}).get("conditions") or []:
+                    if (c["type"] == "Ready" and c["status"] == "True"
+                            and c.get("observedGeneration") == gen):
+                        self.ready.setdefault(obj["metadata"]["name"], now)
+                if self.stop.is_set():
+                    w.stop()
+                    break
+
+
+def wait_until(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def set_pods(name: str, ns: str) -> list[str]:
+    return [f"{name}-prefill-0", f"{name}-decode-0", f"{name}-decode-1"]
+
+
+def summarize(starts: dict[str, float], done: dict[str, float]) -> dict[str, float]:
+    lat = [done[n] - starts[n] for n in starts]
+    return {"p50_s": pct(lat, 0.5), "p99_s": pct(lat, 0.99),
+            "total_s": max(done.values()) - min(starts.values())}
+
+
+def proc_usage(pid: int) -> tuple[float, float]:
+    """(peak RSS MiB, CPU seconds) of a process, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return hwm / 1024, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def names(count: int, prefix: str) -> list[str]:
+    return [f"{prefix}-{i:03d}" for i in range(count)]
+
+
+def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int) -> dict[str, Any]:
+    spec = parse_spec(SPEC)
+    pods = PodWatch(core, ns)
+    starts: dict[str, float] = {}
+
+    def create_set(name: str) -> None:
+        desired = build(Owner(name, ns, "baseline"), spec)
+        bodies = [p for role in ("prefill", "decode") for p in desired.pods[role].values()]
+        starts[name] = time.monotonic()
+        for body in bodies:
+            body["metadata"].pop("ownerReferences")
+            core.create_namespaced_pod(ns, body, _preload_content=False)
+
+    sets = names(count, "base")
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(create_set, sets))
+    wait_until(lambda: all(p in pods.added for s in sets for p in set_pods(s, ns)), 600,
+               "baseline pods created")
+    wait_until(lambda: all(p in pods.ready for s in sets for p in set_pods(s, ns)), 900,
+               "baseline pods Ready")
+    pods.stop.set()
+    created = {s: max(pods.added[p] for p in set_pods(s, ns)) for s in sets}
+    ready = {s: max(pods.ready[p] for p in set_pods(s, ns)) for s in sets}
+    return {"created": summarize(starts, created), "ready": summarize(starts, ready)}
+
+
+def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, count: int,
+                 threads: int, kubeconfig: str, log: Path) -> dict[str, Any]:
+    env = {**os.environ, "KUBECONFIG": kubeconfig}
+    args = [sys.executable, "-m", "pdd_operator", "-n", ns, "--standalone",
+            "--metrics-port", "0", "--liveness-port", "18581", "--webhook-port", "18543",
+            "--webhook-config-name", f"pdd-bench-{ns}", "--resync-seconds", "120"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        import urllib.request
+
+        def live() -> bool:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:18581/healthz", timeout=2):
+                    return True
+            except OSError:
+                return proc.poll() is not None
+        wait_until(live, 60, "operator start")
+        if proc.poll() is not None:
+            raise SystemExit(f"operator exited: {log.read_text()[-2000:]}")
+        time.sleep(2)  # the webhook server starts right after the liveness endpoint
+        rss0, cpu0 = proc_usage(proc.pid)
+        pods = PodWatch(core, ns)
+        pdds = PddWatch(crd, ns)
+        starts: dict[str, float] = {}
+
+        def apply(name: str) -> None:
+            body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDDeployment",
+                    "metadata": {"name": name}, "spec": SPEC}
+            starts[name] = time.monotonic()
+            crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body,
+                                                _preload_content=False)
+
+        sets = names(count, "pdd")
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(apply, sets))
+        wait_until(lambda: all(p in pods.added for s in sets for p in set_pods(s, ns)), 600,
+                   "operator pods created")
+        wait_until(lambda: all(s in pdds.ready for s in sets), 900, "PDDeployments Ready")
+        rss, cpu = proc_usage(proc.pid)
+        pods.stop.set()
+        pdds.stop.set()
+        created = {s: max(pods.added[p] for p in set_pods(s, ns)) for s in sets}
+        return {"created": summarize(starts, created), "ready": summarize(starts, pdds.ready),
+                "operator_peak_rss_mib": rss, "operator_cpu_s": cpu - cpu0,
+                "operator_idle_rss_mib": rss0}
+    finally:
+        # Deleting the PDDeployments needs the operator (kopf's finalizer): leave the
+        # namespace to the cluster's teardown instead.
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--count", type=int, default=200)
+    ap.add_argument("--nodes", type=int, default=20)
+    ap.add_argument("--gpus", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--state-dir", type=Path, default=ROOT / ".cache" / "bench-cluster")
+    ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
+    args = ap.parse_args()
+
+    cluster, started = up(args.state_dir, DEFAULT_BIN_DIR, nodes=args.nodes, gpus=args.gpus,
+                          log=lambda m: print(m, file=sys.stderr))
+    kubeconfig = str(cluster.kubeconfig)
+    heartbeat = node_heartbeat(kubeconfig)
+    try:
+        kc = ["kubectl", "--kubeconfig", kubeconfig]
+        subprocess.run([*kc, "apply", "--server-side", "--force-conflicts", "-f",
+                        str(ROOT / "crds" / "serving.pdd.dev_pddeployments.yaml"), "-f",
+                        str(ROOT / "manifests" / "base" / "kopf-peering.yaml")],
+                       check=True, capture_output=True)
+        subprocess.run([*kc, "wait", "--for=condition=Established", "--timeout=60s",
+                        "crd/pddeployments.serving.pdd.dev"], check=True, capture_output=True)
+        api = config.new_client_from_config(kubeconfig)
+        api.configuration.connection_pool_maxsize = args.threads * 2
+        core, crd = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        for ns in ("bench-baseline", "bench-operator"):
+            subprocess.run([*kc, "create", "namespace", ns], check=True, capture_output=True)
+            wait_until(lambda ns=ns: subprocess.run(
+                [*kc, "get", "sa", "default", "-n", ns], capture_output=True).returncode == 0,
+                60, "default service account")
+
+        print(f"baseline: {args.count} x {PODS_PER_SET} pods with the Python client, "
+              f"{args.threads} threads ...", file=sys.stderr)
+        base = run_baseline(core, "bench-baseline", args.count, args.threads)
+        subprocess.run([*kc, "delete", "namespace", "bench-baseline", "--wait=true",
+                        "--timeout=300s"], capture_output=True)
+        print(f"operator: {args.count} PDDeployments applied at once ...", file=sys.stderr)
+        log = args.state_dir / "operator.log"
+        op = run_operator(core, crd, "bench-operator", args.count, args.threads, kubeconfig, log)
+    finally:
+        heartbeat.stop.set()
+        if started and not args.keep:
+            down(args.state_dir, log=lambda _m: None)
+
+    result = {"count": args.count, "pods": args.count * PODS_PER_SET,
+              "nodes": args.nodes, "gpus_per_node": args.gpus, "baseline": base,
+              "operator": op,
+              "ratio_created_total": op["created"]["total_s"] / base["created"]["total_s"],
+              "ratio_ready_total": op["ready"]["total_s"] / base["ready"]["total_s"]}
+    b, o = base, op
+    print(f"{'':34}{'p50 s':>9}{'p99 s':>9}{'total s':>10}")
+    for label, side in (("baseline apply->pods created", b["created"]),
+                        ("operator apply->pods created", o["created"]),
+                        ("baseline apply->pods Ready", b["ready"]),
+                        ("operator apply->Ready=True", o["ready"])):
+        print(f"{label:34}{side['p50_s']:9.3f}{side['p99_s']:9.3f}{side['total_s']:10.2f}")
+    print(f"operator/baseline total, pods created: {result['ratio_created_total']:.2f}x "
+          f"(target <= 1.5x); Ready: {result['ratio_ready_total']:.2f}x")
+    print(f"operator p99 apply->pods created: {o['created']['p99_s']:.3f} s (target <= 1 s)")
+    print(f"operator peak RSS {o['operator_peak_rss_mib']:.0f} MiB, "
+          f"CPU {o['operator_cpu_s']:.1f} s for the run")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
