@@ -31,7 +31,9 @@ PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
 PDD_DTYPE = "PDD_DTYPE"  # float32 | bfloat16
 PDD_DEVICE = "PDD_DEVICE"  # cpu | cuda (rank r uses cuda:r)
 PDD_NUM_BLOCKS = "PDD_NUM_BLOCKS"  # KV cache blocks per rank
-PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"  # prefill frees unclaimed blocks after this
+# Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
+# or a slow hand-off could read blocks the lease already gave to another request.
+PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"
 PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (decode side)
 PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
 PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
@@ -169,8 +171,8 @@ class InstanceSettings:
             dtype=dtype,
             device=device,
             num_blocks=_int(env, PDD_NUM_BLOCKS, 1024, 1),
-            lease_seconds=_float(env, PDD_LEASE_SECONDS, 30.0),
-            transfer_timeout_s=_float(env, PDD_TRANSFER_TIMEOUT_S, 30.0),
+            lease_seconds=_float(env, PDD_LEASE_SECONDS, 60.0),
+            transfer_timeout_s=_float(env, PDD_TRANSFER_TIMEOUT_S, 20.0),
             handshake_timeout_s=_float(env, PDD_HANDSHAKE_TIMEOUT_S, 5.0),
             notif_poll_s=_float(env, PDD_NOTIF_POLL_S, 0.02),
             prefill_urls=parse_urls(env.get(PDD_PREFILL_URLS)),

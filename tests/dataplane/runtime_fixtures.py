@@ -49,9 +49,13 @@ _taken: set[int] = set()
 
 
 def free_ports(n: int) -> int:
-    """First of n consecutive free ports (not handed out before in this test run)."""
+    """First of n consecutive free ports (not handed out before in this test run).
+
+    Drawn below Linux's ephemeral range (32768+), where gloo, UCX and other tests' `bind(0)`
+    sockets would otherwise take a port between our check and the instance's bind.
+    """
     while True:
-        base = random.randint(20000, 60000 - n)
+        base = random.randint(10000, 32000 - n)
         if any(p in _taken for p in range(base, base + n)):
             continue
         if _ports_free(base, n):
