@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGHUP, interrupt)
 
