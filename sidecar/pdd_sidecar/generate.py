@@ -102,7 +102,9 @@ def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
         dist.destroy_process_group()
 
 
-def _run_procs(spec: _Spec) -> GenerationResult:
+def _run_procs(spec: _Spec, timeout_s: float = 900.0) -> GenerationResult:
+    import time
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -115,6 +117,7 @@ def _run_procs(spec: _Spec) -> GenerationResult:
     for p in procs:
         p.start()
     status, payload = "error", "interrupted"
+    deadline = time.monotonic() + timeout_s
     try:
         while True:
             try:
@@ -127,6 +130,9 @@ def _run_procs(spec: _Spec) -> GenerationResult:
                         "error",
                         f"rank {dead[0]} exited with {procs[dead[0]].exitcode}",
                     )
+                    break
+                if time.monotonic() > deadline:
+                    status, payload = "error", f"ranks gave no result within {timeout_s:.0f} s"
                     break
     finally:
         for p in procs:
