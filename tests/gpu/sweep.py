@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""GPU data-plane sweep (issue 8): the CPU sweep's configurations on GPUs, through the real path.
+
+For each configuration one prefill instance, one decode instance (rank r of either side on
+``cuda:r``, NCCL for the TP/DCP collectives, NIXL over UCX with the KV cache registered as VRAM)
+and a router are started as local processes; four prompts (shorter than one block to several
+blocks) are completed with 16 greedy tokens each and compared with the single-GPU reference
+(``pdd_sidecar.generate.generate``: tp1, dcp1, same dtype, on ``cuda:0``). Every decode rank must
+receive exactly the plan's minimum bytes. Configurations that need more GPUs than the machine has
+are listed as NOT RUN with the reason.
+
+Not collected by pytest (``tests/gpu/conftest.py``); CI has no GPU. Run by hand:
+
+    python tests/gpu/sweep.py --device cuda --dtype bfloat16,float32 --out /tmp/sweep
+
+``--device cpu`` runs the same code path on CPUs (gloo, DRAM registration), for checking the
+script without a GPU. Exit status 0 when every configuration that ran passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for _p in (ROOT / "tests" / "dataplane", ROOT / "sidecar", ROOT / "operator"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import runtime_fixtures as rf  # noqa: E402
+from runtime_fixtures import LocalCluster, http  # noqa: E402
+from test_sweep import (  # noqa: E402  (the CPU sweep's table, reused so the two stay alike)
+    BLOCK,
+    CONFIGS,
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    REFERENCE_SWEEP,
+    _label,
+    _prompt,
+)
+
+from pdd_api.plan import SidePlan  # noqa: E402
+from pdd_api.routing import bytes_per_decode_rank, plan_routing  # noqa: E402
+
+Config = tuple[tuple[int, int], tuple[int, int]]
+
+# The configurations a two-GPU machine can run (both sides share the GPUs: rank r on cuda:r).
+X2 = [((2, 1), (2, 1)), ((2, 1), (2, 2)), ((2, 2), (2, 1)), ((2, 2), (2, 2)),
+      ((1, 1), (2, 1)), ((1, 1), (2, 2)), ((2, 1), (1, 1)), ((1, 1), (1, 1))]
+
+
+@dataclass
+class Row:
+    config: str
+    dtype: str
+    status: str  # PASS | FAIL | ERROR | NOT RUN
+    tokens: str = "-"
+    divergence: str = "-"  # per prompt length: first step that differs, '-' when none
+    bytes: str = "-"
+    seconds: str = "-"
+    reference: bool = False  # one of the seven reference configurations
+    detail: str = ""
+
+
+def parse_config(text: str) -> Config:
+    """`2x1-2x2` = P TP2/DCP1 -> D TP2/DCP2."""
+    try:
+        p, d = text.split("-")
+        tp_p, dcp_p = (int(v) for v in p.split("x"))
+        tp_d, dcp_d = (int(v) for v in d.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad configuration {text!r}, want e.g. 2x1-2x2") from None
+    return (tp_p, dcp_p), (tp_d, dcp_d)
+
+
+def parse_configs(text: str) -> list[Config]:
+    out: list[Config] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "all":
+            out += CONFIGS
+        elif part == "x2":
+            out += X2
+        elif part == "reference":
+            out += REFERENCE_SWEEP
+        elif part:
+            out.append(parse_config(part))
+    seen: set[Config] = set()
+    return [c for c in out if not (c in seen or seen.add(c))]  # type: ignore[func-returns-value]
+
+
+def gpus_needed(cfg: Config) -> int:
+    return max(cfg[0][0], cfg[1][0])
+
+
+def references(dtype: str, device: str) -> dict[int, list[int]]:
+    from pdd_sidecar.generate import generate
+
+    return {n: generate("builtin", _prompt(n), MAX_TOKENS, block_size=BLOCK, dtype=dtype,
+                        device=device)
+            for n in PROMPT_LENGTHS}
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
+               workdir: Path, ready_timeout: float) -> Row:
+    import torch
+
+    from pdd_sidecar.config import builtin_config
+
+    (tp_p, dcp_p), (tp_d, dcp_d) = cfg
+    row = Row(_label(cfg), dtype, "ERROR", reference=cfg in REFERENCE_SWEEP)
+    start = time.monotonic()
+    plan = plan_routing(SidePlan(tensor_parallel_size=tp_p, decode_context_parallel_size=dcp_p),
+                        SidePlan(tensor_parallel_size=tp_d, decode_context_parallel_size=dcp_d),
+                        BLOCK)
+    model = builtin_config()
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    bytes_per_token = model.num_hidden_layers * model.latent_dim * elem
+    workdir.mkdir(parents=True)
+    cluster = LocalCluster(workdir)
+    try:
+        routing = cluster.plan_file(plan.to_json())
+        extra = {"PDD_DEVICE": device, "PDD_DTYPE": dtype, "PDD_TRANSFER_TIMEOUT_S": "60",
+                 "PDD_HANDSHAKE_TIMEOUT_S": "20", "PDD_LEASE_SECONDS": "180"}
+        prefill = cluster.instance("prefill", tp_p, dcp_p, routing, BLOCK, **extra)
+        decode = cluster.instance("decode", tp_d, dcp_d, routing, BLOCK,
+                                  PDD_PREFILL_URLS=prefill.url, **extra)
+        router = cluster.router([prefill], [decode])
+        for p in (prefill, decode, router):
+            p.wait_ready(timeout=ready_timeout)
+        matched = moved = minimum = 0
+        div: list[str] = []
+        problems: list[str] = []
+        for n in PROMPT_LENGTHS:
+            status, body = http("POST", f"{router.url}/v1/completions",
+                                {"prompt": _prompt(n), "max_tokens": MAX_TOKENS}, timeout=120)
+            if status != 200:
+                problems.append(f"prompt {n}: HTTP {status}: {body}")
+                div.append("err")
+                continue
+            got = body["choices"][0]["token_ids"]
+            want = refs[n]
+            matched += sum(a == b for a, b in zip(got, want, strict=False))
+            step = first_divergence(got, want)
+            div.append("-" if step is None else str(step))
+            if step is not None:
+                problems.append(f"prompt {n}: tokens {got} != reference {want}")
+            per_rank = [r["bytes"] for r in body["pdd"]["transfer"]["ranks"]]
+            need = bytes_per_decode_rank(plan, n, bytes_per_token)
+            moved += sum(per_rank)
+            minimum += sum(need)
+            if per_rank != need:
+                problems.append(f"prompt {n}: bytes per decode rank {per_rank} != minimum {need}")
+        # Cross-check the decode instance's own counter against the responses.
+        status, text = http("GET", f"{decode.url}/metrics")
+        counted = _metric_sum(text if isinstance(text, str) else "",
+                              "pdd_kv_transfer_bytes_total")
+        if counted is not None and int(counted) != moved:
+            problems.append(f"/metrics transfer bytes {counted} != responses' {moved}")
+        status, stats = http("GET", f"{prefill.url}/v1/stats")
+        if status != 200 or stats["leases"]["expired_total"] != 0:
+            problems.append(f"prefill freed by lease, not notification: {stats}")
+        row.tokens = f"{matched}/{len(PROMPT_LENGTHS) * MAX_TOKENS}"
+        row.divergence = " ".join(div)
+        row.bytes = f"{moved}/{minimum}"
+        row.status = "PASS" if not problems else "FAIL"
+        row.detail = "\n".join(problems)
+    except Exception as exc:  # one configuration's failure must not stop the sweep
+        row.detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        cluster.close()
+        row.seconds = f"{time.monotonic() - start:.1f}"
+    return row
+
+
+def _metric_sum(text: str, name: str) -> float | None:
+    """Sum of every sample of metric `name` in a Prometheus text exposition."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or line.split("{")[0].split(" ")[0] != name:
+            continue
+        total += float(line.rsplit(" ", 1)[1])
+        found = True
+    return total if found else None
+
+
+HEADER = ("Configuration", "dtype", "Status", "Tokens matched", "First divergence",
+          "Bytes moved / minimum", "s")
+
+
+def table(rows: list[Row]) -> str:
+    cells = [HEADER] + [(r.config + (" *" if r.reference else ""), r.dtype, r.status, r.tokens,
+                         r.divergence, r.bytes, r.seconds) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="comma list of float32|bfloat16; each runs the whole sweep")
+    ap.add_argument("--configs", default="all",
+                    help="comma list: all | x2 | reference | PxQ-RxS (P TPp/DCPq -> D TPr/DCPs)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs available (default: torch.cuda.device_count(); none on cpu)")
+    ap.add_argument("--jobs", type=int, default=1, help="configurations run at once")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no configuration after this many seconds (listed as NOT RUN)")
+    ap.add_argument("--ready-timeout-s", type=float, default=120)
+    ap.add_argument("--max-errors", type=int, default=2,
+                    help="after this many configurations in ERROR, skip the rest (NOT RUN)")
+    ap.add_argument("--out", type=Path, default=None, help="write sweep.txt and sweep.json here")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    import torch
+
+    dtypes = [d.strip() for d in a.dtype.split(",") if d.strip()]
+    configs = parse_configs(a.configs)
+    if a.device == "cuda":
+        gpus = a.gpus if a.gpus is not None else torch.cuda.device_count()
+        where = (f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "no GPU")
+    else:
+        gpus, where = 1 << 30, "CPU (gloo, DRAM registration)"
+    print(f"GPU sweep on {where}; torch {torch.__version__}; configurations {len(configs)}; "
+          f"dtypes {','.join(dtypes)}", flush=True)
+
+    # The single-device reference per dtype, and how it compares with the CPU float32 one.
+    refs = {d: references(d, a.device) for d in dtypes}
+    cpu_ref = references("float32", "cpu")
+    notes = []
+    for d in dtypes:
+        same = sum(x == y for n in PROMPT_LENGTHS for x, y in zip(refs[d][n], cpu_ref[n],
+                                                                 strict=False))
+        notes.append(f"reference {a.device} tp1 {d} vs CPU float32 tp1: {same}/"
+                     f"{len(PROMPT_LENGTHS) * MAX_TOKENS} tokens equal")
+    for line in notes:
+        print(line, flush=True)
+
+    rf._context()  # start the forkserver once, before any worker thread uses it
+    rows: dict[tuple[Config, str], Row] = {}
+    todo = []
+    for d in dtypes:
+        for cfg in configs:
+            if gpus_needed(cfg) > gpus:
+                rows[(cfg, d)] = Row(_label(cfg), d, "NOT RUN", reference=cfg in REFERENCE_SWEEP,
+                                     detail=f"needs {gpus_needed(cfg)} GPUs, machine has {gpus}")
+            else:
+                todo.append((cfg, d))
+
+    workroot = Path(tempfile.mkdtemp(prefix="pdd-gpu-sweep-"))
+    errors = [0]  # configurations that ended in ERROR after their retry
+
+    def one(item: tuple[Config, str]) -> Row:
+        cfg, d = item
+        if a.budget_s is not None and time.monotonic() - t0 > a.budget_s:
+            return Row(_label(cfg), d, "NOT RUN", reference=cfg in REFERENCE_SWEEP,
+                       detail=f"time budget {a.budget_s:.0f}s spent")
+        if errors[0] >= a.max_errors:
+            return Row(_label(cfg), d, "NOT RUN", reference=cfg in REFERENCE_SWEEP,
+                       detail=f"skipped after {errors[0]} configurations ended in ERROR")
+        name = f"{cfg[0][0]}x{cfg[0][1]}-{cfg[1][0]}x{cfg[1][1]}-{d}"
+        row = run_config(cfg, d, a.device, refs[d], workroot / name, a.ready_timeout_s)
+        if row.status == "ERROR":  # a start-up race (a port taken meanwhile): one more try
+            print(f"{row.config} {d}: ERROR, trying once more: {row.detail}", flush=True)
+            first = row.detail.strip().splitlines()[0]
+            row = run_config(cfg, d, a.device, refs[d], workroot / f"{name}-2",
+                             a.ready_timeout_s)
+            row.detail = (row.detail + "\n" if row.detail else "") + f"(retried after: {first})"
+            if row.status == "ERROR":
+                errors[0] += 1
+        print(f"[{time.monotonic() - t0:6.1f}s] {row.config} {d}: {row.status} "
+              f"tokens {row.tokens} bytes {row.bytes} ({row.seconds}s)", flush=True)
+        if row.detail:
+            print("    " + row.detail.replace("\n", "\n    "), flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        for item, row in zip(todo, pool.map(one, todo), strict=True):
+            rows[item] = row
+    ordered = [rows[(cfg, d)] for d in dtypes for cfg in configs]
+
+    title = (f"GPU data-plane sweep ({where}; router -> prefill -> NIXL/UCX "
+             f"{'VRAM' if a.device == 'cuda' else 'DRAM'} -> decode; blockSize {BLOCK}, "
+             f"{len(PROMPT_LENGTHS)} prompts of {','.join(map(str, PROMPT_LENGTHS))} tokens x "
+             f"{MAX_TOKENS} greedy tokens; * = reference configuration)")
+    text = "\n".join([title, *notes, table(ordered)])
+    not_run = [r for r in ordered if r.status == "NOT RUN"]
+    if not_run:
+        text += "\nNot run:\n" + "\n".join(f"  {r.config} {r.dtype}: {r.detail}" for r in not_run)
+    print("\n" + text, flush=True)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "sweep.txt").write_text(text + "\n")
+        (a.out / "sweep.json").write_text(json.dumps(
+            {"where": where, "notes": notes, "rows": [asdict(r) for r in ordered]}, indent=1))
+    print(f"total {time.monotonic() - t0:.1f}s", flush=True)
+    ran = [r for r in ordered if r.status != "NOT RUN"]
+    return 0 if ran and all(r.status == "PASS" for r in ran) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
