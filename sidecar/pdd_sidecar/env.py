@@ -29,7 +29,7 @@ PDD_MODEL_NAME = "PDD_MODEL_NAME"  # what is served; part of the compatibility r
 PDD_MODEL_SOURCE = "PDD_MODEL_SOURCE"  # Hugging Face DeepSeek-V2 directory; built-in when empty
 PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
 PDD_DTYPE = "PDD_DTYPE"  # float32 | bfloat16
-PDD_DEVICE = "PDD_DEVICE"  # cpu | cuda (rank r uses cuda:r)
+PDD_DEVICE = "PDD_DEVICE"  # auto | cpu | cuda (rank r uses cuda:r); auto: cuda if tp GPUs are seen
 PDD_NUM_BLOCKS = "PDD_NUM_BLOCKS"  # KV cache blocks per rank
 # Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
 # or a slow hand-off could read blocks the lease already gave to another request.
@@ -149,9 +149,9 @@ class InstanceSettings:
         dtype = env.get(PDD_DTYPE, "") or "float32"
         if dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{PDD_DTYPE}: must be float32 or bfloat16, got {dtype!r}")
-        device = env.get(PDD_DEVICE, "cpu")
-        if device not in ("cpu", "cuda"):
-            raise ConfigError(f"{PDD_DEVICE}: must be cpu or cuda, got {device!r}")
+        device = env.get(PDD_DEVICE, "") or "auto"
+        if device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"{PDD_DEVICE}: must be auto, cpu or cuda, got {device!r}")
         side = _int(env, PDD_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT, 1)
         return cls(
             role=role,

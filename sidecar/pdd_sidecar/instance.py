@@ -156,16 +156,20 @@ class RankWorker:
         self.plan = plan
         self.instance_id = instance_id
         s = settings
-        if s.device == "cpu":
+        # Resolved here, after the fork: asking CUDA in the parent first would break the children.
+        cuda = s.device == "cuda" or (
+            s.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= s.tp
+        )
+        if not cuda:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tp))
-        device = "cpu" if s.device == "cpu" else f"cuda:{rank}"
+        device = f"cuda:{rank}" if cuda else "cpu"
+        if cuda:
+            torch.cuda.set_device(rank)
         if s.tp > 1:
             import torch.distributed as dist
 
-            if s.device == "cuda":
-                torch.cuda.set_device(rank)
             dist.init_process_group(
-                "nccl" if s.device == "cuda" else "gloo",
+                "nccl" if cuda else "gloo",
                 init_method=f"tcp://127.0.0.1:{s.dist_port}",
                 rank=rank,
                 world_size=s.tp,

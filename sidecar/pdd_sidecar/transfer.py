@@ -14,9 +14,11 @@ plan's minimum exactly.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,6 +28,16 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LEVELS = 12  # runs of up to 2**11 blocks in one descriptor
+
+# An agent still open at interpreter exit aborts the process from NIXL's destructor
+# ("terminate called without an active exception"), so whatever is left gets closed first.
+_OPEN_AGENTS: weakref.WeakSet[KVTransferAgent] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_agents() -> None:
+    for agent in list(_OPEN_AGENTS):
+        agent.close()
 
 
 class TransferError(RuntimeError):
@@ -296,6 +308,7 @@ class KVTransferAgent:
         self.peers: dict[str, RemotePeer] = {}
         self._remote_layouts: dict[str, PreppedBlocks] = {}
         self._progress.start()
+        _OPEN_AGENTS.add(self)
 
     def _progress_loop(self) -> None:
         while not self._closed.wait(self._progress_interval_s):
@@ -481,6 +494,9 @@ class KVTransferAgent:
         return out
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
+        _OPEN_AGENTS.discard(self)
         self._closed.set()
         self._progress.join(timeout=1)
         for key in list(self.peers):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -104,8 +105,11 @@ class _Rank:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> tuple[list[_Rank], list[_Rank]]:
-    return [_Rank(f"p{i}") for i in range(4)], [_Rank(f"d{i}") for i in range(4)]
+def ranks() -> Iterator[tuple[list[_Rank], list[_Rank]]]:
+    prefill, decode = [_Rank(f"p{i}") for i in range(4)], [_Rank(f"d{i}") for i in range(4)]
+    yield prefill, decode
+    for r in decode + prefill:
+        r.agent.close()
 
 
 def _content(g: int, num_tokens: int) -> torch.Tensor:
