@@ -98,9 +98,10 @@ async def _stream(request: web.Request, state: InstanceState,
                   cmd: dict[str, Any]) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     tokens: asyncio.Queue[int] = asyncio.Queue()
-    fut = asyncio.wrap_future(
-        state.driver.submit(cmd, lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t))
-    )
+    def on_token(token: int) -> None:
+        loop.call_soon_threadsafe(tokens.put_nowait, token)
+
+    fut = asyncio.wrap_future(state.driver.submit(cmd, on_token))
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     while True:

@@ -33,7 +33,7 @@ async def resolve_service(service: str) -> list[str]:
     except OSError as exc:
         log.warning("cannot resolve %s: %s", host, exc)
         return []
-    addrs = sorted({info[4][0] for info in infos})
+    addrs = sorted({str(info[4][0]) for info in infos})
     return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
 
 

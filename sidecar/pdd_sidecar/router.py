@@ -31,9 +31,6 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 
 log = logging.getLogger(__name__)
 
-ROUTER = web.AppKey("router", "Router")
-
-
 class UpstreamError(RuntimeError):
     def __init__(self, message: str, status: int = 502) -> None:
         super().__init__(message)
@@ -136,6 +133,9 @@ class Router:
         except UpstreamError as exc:
             log.info("release of %s on %s failed (the lease will free it): %s", rid,
                      prefill_url, exc)
+
+
+ROUTER = web.AppKey("router", Router)
 
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:

@@ -59,11 +59,11 @@ def check_plan_soundness(plan: RoutingPlan) -> None:
             notified[p] += 1
         if not {r.prefill_rank for r in d.reads} <= set(d.notifies):
             raise ValueError(f"decode rank {d.rank} must notify every prefill rank it reads")
-    for p in plan.prefill_ranks:
-        if p.expected_notifications != notified[p.rank]:
+    for pr in plan.prefill_ranks:
+        if pr.expected_notifications != notified[pr.rank]:
             raise ValueError(
-                f"prefill rank {p.rank} expects {p.expected_notifications} notifications, "
-                f"decode ranks send {notified[p.rank]}"
+                f"prefill rank {pr.rank} expects {pr.expected_notifications} notifications, "
+                f"decode ranks send {notified[pr.rank]}"
             )
 
 

@@ -28,9 +28,6 @@ from pdd_sidecar.side_channel import handshake
 
 log = logging.getLogger(__name__)
 
-STATE = web.AppKey("state", "InstanceState")
-
-
 class InstanceState:
     """What rank 0's HTTP handlers share."""
 
@@ -66,6 +63,9 @@ class InstanceState:
             "compat": self.worker.compat.to_dict(),
             "ready": self.ready,
         }
+
+
+STATE = web.AppKey("state", InstanceState)
 
 
 def error_response(exc: BaseException) -> web.Response:
