@@ -132,13 +132,14 @@ async def stats(request: web.Request) -> web.Response:
 async def _check_own_ranks(state: InstanceState) -> None:
     """Ready needs every rank's side channel to answer a handshake with our own record."""
     s = state.settings
+    host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "::", "") else s.bind_host
     loop = asyncio.get_running_loop()
     while True:
         try:
             await state.call({"op": "stats"})
             for r in range(s.tp):
                 await loop.run_in_executor(
-                    None, handshake, "127.0.0.1", s.side_channel_port + r,
+                    None, handshake, host, s.side_channel_port + r,
                     state.worker.compat, f"{s.role} {s.replica} rank 0", s.handshake_timeout_s,
                 )
             state.ranks_ready = True
