@@ -503,9 +503,15 @@ class InstanceDriver:
                 os._exit(1)
 
     def _after(self, cmd: dict[str, Any], results: list[Any]) -> None:
-        if cmd["op"] == "prefill" and "error" not in results[0]:
-            self.leases.hold(cmd["id"], results[0]["block_ids"], time.monotonic())
-            self.metrics.held_requests.set(len(self.leases))
+        if cmd["op"] != "prefill":
+            return
+        if any("error" in r for r in results):
+            # Ranks that did allocate give their blocks back at the next poll.
+            if any("block_ids" in r for r in results):
+                self._free_next.append(cmd["id"])
+            return
+        self.leases.hold(cmd["id"], results[0]["block_ids"], time.monotonic())
+        self.metrics.held_requests.set(len(self.leases))
 
     def _poll(self) -> None:
         free, self._free_next = self._free_next, []
