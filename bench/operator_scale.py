@@ -166,6 +166,8 @@ def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int) -> d
 def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, count: int,
                  threads: int, kubeconfig: str, log: Path) -> dict[str, Any]:
     env = {**os.environ, "KUBECONFIG": kubeconfig}
+    if os.environ.get("BENCH_PROFILE"):
+        env["PDD_PROFILE"] = os.environ["BENCH_PROFILE"]
     args = [sys.executable, "-m", "pdd_operator", "-n", ns, "--standalone",
             "--metrics-port", "0", "--liveness-port", "18581", "--webhook-port", "18543",
             "--webhook-config-name", f"pdd-bench-{ns}", "--resync-seconds", "120"]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pdd_operator.config import CONFIG
 
@@ -58,6 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         # kopf reports every handler call at INFO; the reconciler logs what matters.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     liveness = f"http://0.0.0.0:{cfg.liveness_port}/healthz" if cfg.liveness_port else None
+    profile = os.environ.get("PDD_PROFILE")  # a path: cProfile stats written at exit
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        _run(kopf, cfg, liveness)
+    finally:
+        if profiler is not None and profile:
+            profiler.disable()
+            profiler.dump_stats(profile)
+    return 0
+
+
+def _run(kopf: Any, cfg: Any, liveness: str | None) -> None:
     asyncio.run(kopf.operator(
         clusterwide=not cfg.namespaces,
         namespaces=cfg.namespaces,
@@ -66,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         peering_name=cfg.peering_name,
         liveness_endpoint=liveness,
     ))
-    return 0
 
 
 if __name__ == "__main__":

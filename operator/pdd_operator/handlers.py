@@ -3,13 +3,14 @@
 - PDDeployment events (create, update, the initial listing on resume) -> one pass for it;
 - events of the objects it owns (pods, services, configmaps, the router) -> one pass for the
   owner, so a deleted pod comes back and a pod turning Ready updates status at once;
-- a kopf timer per PDDeployment -> the periodic pass, which first re-lists its objects;
+- a periodic pass (re-list, then one pass per PDDeployment), paused with kopf's peering;
 - the validating webhook -> the same rules as `pdd validate`.
-kopf's peering pauses all of this (watches, timers) in every replica but the leader.
+kopf's peering pauses all of this in every replica but the leader.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, cast
 
@@ -20,6 +21,7 @@ from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_operator import metrics
 from pdd_operator.config import CONFIG
 from pdd_operator.kube import ApiError, Kube
+from pdd_operator.peering import paused
 from pdd_operator.reconciler import Reconciler
 from pdd_operator.webhook import (
     HANDLER_ID,
@@ -33,9 +35,19 @@ log = logging.getLogger("pdd_operator")
 MANAGED = {keys.LABEL_MANAGED_BY: keys.MANAGED_BY}
 
 
+class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf deep-copies every event's body to diff it for on.create/on.update handlers. This
+    operator has none (it is level-based: on.event, a periodic pass, a webhook), and the copies were
+    the largest CPU cost at a few hundred PDDeployments (bench/operator_scale.py)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        return {}
+
+
 class _State:
     reconciler: Reconciler | None = None
     kube: Kube | None = None
+    loop: asyncio.Task[None] | None = None
 
 
 STATE = _State()
@@ -53,7 +65,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.enabled = False  # the reconciler posts its own, meaningful events
     settings.persistence.finalizer = f"{API_GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = NoDiffBase(
         prefix=API_GROUP, key="last-handled-configuration"
     )
     settings.peering.name = cfg.peering_name
@@ -71,6 +83,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     rec = Reconciler(kube)
     await rec.seed(cfg.namespaces or None)
     STATE.reconciler = rec
+    STATE.loop = asyncio.get_running_loop().create_task(periodic_loop(rec, kube))
     if cfg.webhook_port:
         bundle = await ensure_tls(kube, cfg)
         certfile, keyfile = write_tls(bundle)
@@ -101,6 +114,8 @@ async def ensure_peering(kube: Kube, name: str, namespaces: list[str]) -> None:
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
+    if STATE.loop is not None:
+        STATE.loop.cancel()
     if STATE.kube is not None:
         await STATE.kube.close()
 
@@ -128,13 +143,26 @@ _child_handler("ConfigMap", "", "v1", "configmaps")
 _child_handler("Deployment", "apps", "v1", "deployments")
 
 
-@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=CONFIG.resync_seconds,
-            initial_delay=CONFIG.resync_seconds, id="resync")
-async def periodic(**kwargs: Any) -> None:
-    namespace, name = kwargs["namespace"], kwargs["name"]
-    rec = reconciler()
-    await rec.resync(namespace, name)
-    rec.kick(namespace, name)
+async def periodic_loop(rec: Reconciler, kube: Kube) -> None:
+    """The periodic pass: re-list every owned object, then one pass per PDDeployment, so an
+    event missed by a watch costs at most one period. Skipped while peering pauses us."""
+    cfg = CONFIG
+    while True:
+        await asyncio.sleep(cfg.resync_seconds)
+        try:
+            if not cfg.standalone and await peering_paused(kube, cfg):
+                continue
+            await rec.resync_all()
+        except Exception as exc:  # noqa: BLE001 - the next period retries
+            log.warning("periodic resync failed: %s", exc)
+
+
+async def peering_paused(kube: Kube, cfg: Any) -> bool:
+    if cfg.namespaces:
+        objs = [await kube.get("KopfPeering", ns, cfg.peering_name) for ns in cfg.namespaces]
+    else:
+        objs = [await kube.get("ClusterKopfPeering", None, cfg.peering_name)]
+    return any(paused((o or {}).get("status"), cfg.priority) for o in objs)
 
 
 async def validate(**kwargs: Any) -> None:

@@ -63,7 +63,7 @@ def _ref(obj: Obj) -> str:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, store: Store | None = None, *, debounce: float = 0.02,
+    def __init__(self, kube: Kube, store: Store | None = None, *, debounce: float = 0.05,
                  max_backoff: float = 30.0) -> None:
         self.kube = kube
         self.store = store or Store()
@@ -74,6 +74,8 @@ class Reconciler:
         self._locks: dict[Key, asyncio.Lock] = {}
         self.on_pass: Callable[[Key, Outcome], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._built: dict[Key, tuple[tuple[str, int], tuple[
+            list[str], PDDeploymentSpec | None, Desired | None]]] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -82,6 +84,7 @@ class Reconciler:
         key = (meta["namespace"], meta["name"])
         if deleted:
             self.pdds.pop(key, None)
+            self._built.pop(key, None)
         else:
             current = self.pdds.get(key)
             if current is None or current["metadata"].get("uid") != meta.get("uid") or _rv(
@@ -114,6 +117,23 @@ class Reconciler:
         for kind in CHILD_KINDS:
             objs, rv = await self.kube.list_rv(kind, namespace, selector)
             self.store.replace_instance(kind, namespace, name, objs, rv)
+
+    async def resync_all(self) -> None:
+        """The periodic pass: one LIST per kind and namespace, then a pass for every
+        PDDeployment (a LIST per PDDeployment would cost 4 requests each)."""
+        for ns in sorted({ns for ns, _ in self.pdds}):
+            names = [n for n_ns, n in self.pdds if n_ns == ns]
+            for kind in CHILD_KINDS:
+                objs, rv = await self.kube.list_rv(kind, ns, MANAGED_SELECTOR)
+                grouped: dict[str, list[Obj]] = {n: [] for n in names}
+                for o in objs:
+                    inst = (o["metadata"].get("labels") or {}).get(keys.LABEL_INSTANCE)
+                    if inst in grouped:
+                        grouped[inst].append(o)
+                for n, items in grouped.items():
+                    self.store.replace_instance(kind, ns, n, items, rv)
+            for n in names:
+                self.kick(ns, n)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -182,7 +202,8 @@ class Reconciler:
         meta = body["metadata"]
         generation = int(meta.get("generation") or 0)
         raw_spec = body.get("spec")
-        problems = validate_name(name) + validate_spec(raw_spec)
+        owner = Owner(name, ns, meta["uid"])
+        problems, spec, desired = self._desired_for(owner, generation, raw_spec)
         outcome = Outcome()
         if problems:
             status = compute_status(
@@ -194,9 +215,7 @@ class Reconciler:
             outcome.status = status
             return outcome
 
-        spec = PDDeploymentSpec.model_validate(raw_spec)
-        owner = Owner(name, ns, meta["uid"])
-        desired = build(owner, spec)
+        assert spec is not None and desired is not None
         roles: dict[str, RolePlan] = {}
         for role in ("prefill", "decode"):
             observed = [
@@ -208,8 +227,8 @@ class Reconciler:
         # One wave of writes: a pod created before its ConfigMap just waits for the volume
         # (the kubelet retries the mount), so nothing here needs ordering; latency is one
         # round trip instead of three.
-        await asyncio.gather(self._apply_others(owner, desired, outcome),
-                             *(self._act_on_pods(ns, roles[r], outcome) for r in roles))
+        await asyncio.gather(*(self._act_on_pods(ns, roles[r], outcome) for r in roles),
+                             self._apply_others(owner, desired, outcome))
 
         cm = self.store.get("ConfigMap", ns, desired.configmap["metadata"]["name"])
         published = cm is not None and cm.get("data") == desired.configmap["data"]
@@ -225,6 +244,24 @@ class Reconciler:
         await self._write_status(body, status)
         outcome.status = status
         return outcome
+
+    def _desired_for(self, owner: Owner, generation: int, raw_spec: Any) -> tuple[
+            list[str], PDDeploymentSpec | None, Desired | None]:
+        """Validation and builders run once per generation (the spec cannot change without a
+        new generation); most passes are triggered by pod events and reuse them."""
+        key = (owner.namespace, owner.name)
+        cached = self._built.get(key)
+        if cached is not None and cached[0] == (owner.uid, generation):
+            return cached[1]
+        problems = validate_name(owner.name) + validate_spec(raw_spec)
+        if problems:
+            result: tuple[list[str], PDDeploymentSpec | None, Desired | None] = (
+                problems, None, None)
+        else:
+            spec = PDDeploymentSpec.model_validate(raw_spec)
+            result = ([], spec, build(owner, spec))
+        self._built[key] = ((owner.uid, generation), result)
+        return result
 
     async def _apply(self, obj: Obj) -> Obj:
         out = await self.kube.apply(obj)

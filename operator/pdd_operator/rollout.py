@@ -188,7 +188,7 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
             outdated.append(info)
         else:
             plan.updated += 1
-            if not is_subset(want, pod):
+            if drifted(want, pod):
                 plan.restore.append(want)
     plan.outdated = len(outdated)
 
@@ -202,5 +202,23 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
     return plan
 
 
+_DRIFT: dict[tuple[int, str, str], tuple[Obj, bool]] = {}
+
+
+def drifted(want: Obj, have: Obj) -> bool:
+    """`not is_subset(want, have)`, remembered per (desired object, observed uid and
+    resourceVersion): most passes look at objects that have not changed since the last one."""
+    meta = have.get("metadata", {})
+    key = (id(want), str(meta.get("uid")), str(meta.get("resourceVersion")))
+    hit = _DRIFT.get(key)
+    if hit is not None and hit[0] is want:
+        return hit[1]
+    result = not is_subset(want, have)
+    if len(_DRIFT) > 50_000:
+        _DRIFT.clear()
+    _DRIFT[key] = (want, result)  # holding `want` keeps its id from being reused
+    return result
+
+
 def needs_apply(want: Obj, have: Any) -> bool:
-    return have is None or not is_subset(want, have)
+    return have is None or drifted(want, have)

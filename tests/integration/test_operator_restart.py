@@ -164,10 +164,10 @@ def test_conflict_between_read_and_write_is_retried(cluster: Cluster, kube: Kube
             for _ in range(60):
                 await rec.resync(ns, name)
                 await rec.run(ns, name)
-                images = {p["spec"]["containers"][0]["image"]
-                          for p in rec.store.of_instance("Pod", ns, name)
-                          if p["metadata"].get("deletionTimestamp") is None}
-                if images == {"pdd:0.2.0"} and len(rec.store.of_instance("Pod", ns, name)) == 2:
+                live = [p for p in rec.store.of_instance("Pod", ns, name)
+                        if p["metadata"].get("deletionTimestamp") is None]
+                images = {p["spec"]["containers"][0]["image"] for p in live}
+                if images == {"pdd:0.2.0"} and len(live) == 2:
                     break
                 await asyncio.sleep(0.5)
             return error, ",".join(sorted(images))

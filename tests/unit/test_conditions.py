@@ -159,3 +159,22 @@ def test_router_state_from_deployment_status() -> None:
     assert router_state(True, want, dep).updated is False
     assert router_state(True, want, None) == RouterState(True, 2, 0, False)
     assert router_state(False, None, dep).enabled is False
+
+
+def test_peering_pause_follows_kopf_rules() -> None:
+    import datetime
+
+    from pdd_operator.peering import paused
+
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    fresh = (now - datetime.timedelta(seconds=5)).isoformat()
+    stale = (now - datetime.timedelta(seconds=120)).isoformat()
+    me = {"priority": 10, "lifetime": 60, "lastseen": fresh}
+    assert not paused({"me": me}, 10, now)
+    assert not paused(None, 10, now)
+    assert paused({"me": me, "b": {"priority": 20, "lifetime": 60, "lastseen": fresh}}, 10, now)
+    assert not paused({"me": me, "b": {"priority": 20, "lifetime": 60, "lastseen": stale}}, 10,
+                      now), "a dead leader does not pause the others"
+    assert paused({"me": me, "c": {"priority": 10, "lifetime": 60, "lastseen": fresh}}, 10, now)
+    assert not paused({"me": me, "d": {"priority": 5, "lifetime": 60, "lastseen": fresh}}, 10,
+                      now)
