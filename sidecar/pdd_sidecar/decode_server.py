@@ -71,7 +71,7 @@ async def decode(request: web.Request) -> web.StreamResponse:
     start = time.monotonic()
     outcome = "error"
     try:
-        if not state.ranks_ready:
+        if not state.ranks_ready or state.draining:
             raise RequestError(f"not ready: {state.not_ready_reason}", 503, "not_ready")
         body = await read_json(request)
         cmd = _parse(body)

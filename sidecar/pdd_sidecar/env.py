@@ -37,6 +37,7 @@ PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"
 PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (decode side)
 PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
 PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
+PDD_DRAIN_S = "PDD_DRAIN_S"  # on SIGTERM, wait at most this long for held KV and requests
 PDD_PREFILL_URLS = "PDD_PREFILL_URLS"  # comma list of http://host:port of prefill instances
 PDD_DECODE_URLS = "PDD_DECODE_URLS"  # comma list of http://host:port of decode instances
 PDD_PREFILL_SERVICE = "PDD_PREFILL_SERVICE"  # headless Service DNS name[:port] of prefill pods
@@ -130,6 +131,7 @@ class InstanceSettings:
     prefill_urls: list[str] = field(default_factory=list)
     prefill_service: str = ""
     fault_read_gate: str = ""
+    drain_s: float = 25.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InstanceSettings:
@@ -178,6 +180,7 @@ class InstanceSettings:
             prefill_urls=parse_urls(env.get(PDD_PREFILL_URLS)),
             prefill_service=env.get(PDD_PREFILL_SERVICE, ""),
             fault_read_gate=env.get(PDD_FAULT_READ_GATE, ""),
+            drain_s=_float(env, PDD_DRAIN_S, 25.0),
         )
 
 

@@ -448,6 +448,11 @@ class InstanceDriver:
     def start(self) -> None:
         self._thread.start()
 
+    def idle(self) -> bool:
+        """Nothing queued or running, and no KV held for a decode."""
+        return (self._queue.unfinished_tasks == 0 and len(self.leases) == 0
+                and not self._free_next)
+
     def submit(self, cmd: dict[str, Any],
                on_token: Callable[[int], None] | None = None) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -478,18 +483,10 @@ class InstanceDriver:
             try:
                 if item is not None:
                     cmd, on_token, fut = item
-                    if not fut.set_running_or_notify_cancel():
-                        continue
-                    if cmd["op"] == "release":  # bookkeeping of rank 0 only
-                        fut.set_result(self._release(cmd["id"]))
-                        continue
                     try:
-                        results = self._run(cmd, on_token)
-                        self._after(cmd, results)
-                        fut.set_result(results)
-                    except BaseException as exc:
-                        fut.set_exception(exc)
-                        raise
+                        self._execute(cmd, on_token, fut)
+                    finally:
+                        self._queue.task_done()
                     if cmd["op"] == "shutdown":
                         return
                 now = time.monotonic()
@@ -501,6 +498,21 @@ class InstanceDriver:
                 self.fatal = f"instance broken: {traceback.format_exc(limit=1)}"
                 log.critical("%s", traceback.format_exc())
                 os._exit(1)
+
+    def _execute(self, cmd: dict[str, Any], on_token: Callable[[int], None] | None,
+                 fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        if cmd["op"] == "release":  # bookkeeping of rank 0 only
+            fut.set_result(self._release(cmd["id"]))
+            return
+        try:
+            results = self._run(cmd, on_token)
+            self._after(cmd, results)
+            fut.set_result(results)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
 
     def _after(self, cmd: dict[str, Any], results: list[Any]) -> None:
         if cmd["op"] != "prefill":

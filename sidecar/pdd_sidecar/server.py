@@ -41,10 +41,26 @@ class InstanceState:
         self.peers_ready = self.settings.role == "prefill"
         self.not_ready_reason = "starting: waiting for every rank's side channel"
         self.peer_status: dict[str, str] = {}
+        self.draining = False
 
     @property
     def ready(self) -> bool:
-        return self.ranks_ready and self.peers_ready and not self.driver.fatal
+        return (self.ranks_ready and self.peers_ready and not self.driver.fatal
+                and not self.draining)
+
+    def drain_and_exit(self, limit_s: float) -> None:
+        """SIGTERM: stop taking work, let held KV be read and running requests finish, exit.
+
+        Runs on its own thread; the pod's terminationGracePeriodSeconds bounds it anyway.
+        """
+        self.draining = True
+        self.not_ready_reason = "draining: shutting down"
+        log.info("draining before exit (at most %.0fs)", limit_s)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not self.driver.idle():
+            time.sleep(0.1)
+        logging.shutdown()
+        os._exit(0)
 
     async def call(self, cmd: dict[str, Any], on_token: Any = None) -> list[Any]:
         return await asyncio.wrap_future(self.driver.submit(cmd, on_token))
@@ -166,6 +182,12 @@ def build_app(state: InstanceState) -> web.Application:
     add_routes(app)
 
     async def background(app: web.Application) -> Any:
+        def on_term() -> None:
+            if not state.draining:
+                threading.Thread(target=state.drain_and_exit, args=(state.settings.drain_s,),
+                                 daemon=True).start()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
         tasks = [asyncio.create_task(_check_own_ranks(state))]
         if state.settings.role == "decode":
             from pdd_sidecar.decode_server import watch_prefill_peers
@@ -271,7 +293,6 @@ def serve(env: Mapping[str, str] | None = None) -> int:
              settings.role, instance_id, settings.tp, settings.dcp, settings.bind_host,
              settings.http_port, settings.side_channel_port,
              settings.side_channel_port + settings.tp - 1)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     web.run_app(build_app(state), host=settings.bind_host, port=settings.http_port,
                 print=None, handle_signals=False, access_log=None)
     return 0

@@ -213,3 +213,40 @@ def test_decode_is_not_ready_until_its_prefill_peer_answers(tmp_path: Path) -> N
         assert body["peers"] == {future: "ok"}
     finally:
         cluster.close()
+
+
+def test_sigterm_drains_held_kv_before_exiting(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    cluster = LocalCluster(tmp_path)
+    try:
+        plan = plan_routing(SidePlan(tensor_parallel_size=2, decode_context_parallel_size=2),
+                            SidePlan(tensor_parallel_size=1, decode_context_parallel_size=1),
+                            BLOCK)
+        routing = cluster.plan_file(plan.to_json())
+        prefill = cluster.instance("prefill", 2, 2, routing, BLOCK, PDD_LEASE_SECONDS=300,
+                                   PDD_DRAIN_S=120)
+        prefill.wait_ready()
+        status, pre = http("POST", f"{prefill.url}/v1/prefill",
+                           {"request_id": "held", "prompt_ids": list(range(40))})
+        assert status == 200, pre
+        os.kill(prefill.process.pid, signal.SIGTERM)
+        body: Any = {}
+        for _ in range(200):
+            status, body = http("GET", f"{prefill.url}/readyz")
+            if status == 503:
+                break
+            threading.Event().wait(0.05)
+        assert status == 503 and "draining" in body["reason"]
+        # Still holding KV for a decode: it must not have gone away, nor take new work.
+        assert prefill.alive()
+        status, refused = http("POST", f"{prefill.url}/v1/prefill",
+                               {"request_id": "late", "prompt_ids": [1, 2]})
+        assert status == 503 and "draining" in refused["error"]
+        status, released = http("POST", f"{prefill.url}/v1/release", {"request_id": "held"})
+        assert status == 200 and released == {"released": True}
+        prefill.process.join(60)
+        assert prefill.process.exitcode == 0
+    finally:
+        cluster.close()
