@@ -9,6 +9,7 @@ Service's DNS name, and nothing starts a sidecar: the pod runner runs what the o
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -87,6 +88,7 @@ class Stack:
     cluster: localcluster.Cluster | None = None
     started_cluster: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
+    _lock_file: Any = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -95,8 +97,42 @@ class Stack:
         assert self.cluster is not None
         return self.cluster.kubeconfig
 
+    def lock(self) -> None:
+        """One stack per work dir at a time: two sessions (two engineers' `make test`, or a
+        test and a demo in one dir) would share node names, the runner's bridge and its hosts
+        block. The second waits here; the lock goes with the process."""
+        self.work_dir.parent.mkdir(parents=True, exist_ok=True)
+        path = self.work_dir.parent / f"{self.work_dir.name}.lock"
+        self._lock_file = open(path, "w")  # held for the life of the process
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.say(f"another stack uses {self.work_dir}; waiting for it to finish")
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+
+    def _reap_leftovers(self) -> None:
+        """A session killed hard (SIGKILL, a lost terminal) leaves its operator and runner
+        running in their own sessions, and its control plane; stop them before starting."""
+        record = self.work_dir / "procs.json"
+        with contextlib.suppress(OSError, ValueError):
+            for pid in json.loads(record.read_text()).values():
+                with contextlib.suppress(OSError):
+                    # Ours only: we started both with KUBECONFIG inside this work dir.
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    mine = f"KUBECONFIG={self.work_dir / 'cluster' / 'kubeconfig'}".encode()
+                    if mine in environ:
+                        os.killpg(pid, signal.SIGTERM)
+                        for _ in range(100):
+                            if not Path(f"/proc/{pid}").exists():
+                                break
+                            time.sleep(0.2)
+        record.unlink(missing_ok=True)
+        localcluster.down(self.work_dir / "cluster", log=lambda _m: None)
+
     def start(self) -> None:
+        self.lock()
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._reap_leftovers()
         t0 = time.monotonic()
         # A control plane of its own with no kwok nodes: pods land only on the runner's
         # nodes, where something really runs them.
@@ -141,6 +177,8 @@ class Stack:
                 cwd=REPO_ROOT, start_new_session=True,
             )  # fmt: skip
         self.procs[name] = Proc(name, popen, log)
+        record = self.work_dir / "procs.json"
+        record.write_text(json.dumps({n: p.popen.pid for n, p in self.procs.items()}))
 
     def stop(self) -> None:
         """Operator first (so it stops reconciling), then the runner (stops every pod and
