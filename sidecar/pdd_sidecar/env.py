@@ -1,5 +1,7 @@
 """Every environment variable and label key the sidecar runtime reads, in one place.
 
+Keys shared with the operator are defined once in pdd_api.keys and named here for the runtime.
+
 The operator sets these on prefill/decode/router pods; tests set them on local processes. Names in
 the first block are the DESIGN.md contract; the rest are runtime knobs with defaults that work in
 a pod (fixed ports) and can be overridden so several instances share one machine.
@@ -11,24 +13,26 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pdd_api import keys
+
 # --- contract (DESIGN.md "Sidecar env") ---
-PDD_ROLE = "PDD_ROLE"
-PDD_REPLICA = "PDD_REPLICA"
-PDD_TP_SIZE = "PDD_TP_SIZE"
-PDD_DCP_SIZE = "PDD_DCP_SIZE"
-PDD_BLOCK_SIZE = "PDD_BLOCK_SIZE"
-PDD_ROUTING_FILE = "PDD_ROUTING_FILE"
-PDD_SIDE_CHANNEL_PORT = "PDD_SIDE_CHANNEL_PORT"
-POD_IP = "POD_IP"
+PDD_ROLE = keys.ENV_ROLE
+PDD_REPLICA = keys.ENV_REPLICA
+PDD_TP_SIZE = keys.ENV_TP_SIZE
+PDD_DCP_SIZE = keys.ENV_DCP_SIZE
+PDD_BLOCK_SIZE = keys.ENV_BLOCK_SIZE
+PDD_ROUTING_FILE = keys.ENV_ROUTING_FILE
+PDD_SIDE_CHANNEL_PORT = keys.ENV_SIDE_CHANNEL_PORT
+POD_IP = keys.ENV_POD_IP
 
 # --- runtime knobs of prefill/decode instances ---
-PDD_HTTP_PORT = "PDD_HTTP_PORT"  # instance API (/v1/prefill, /v1/decode, /healthz, ...)
+PDD_HTTP_PORT = keys.ENV_HTTP_PORT  # instance API (/v1/prefill, /v1/decode, /healthz, ...)
 PDD_BIND_HOST = "PDD_BIND_HOST"  # address the HTTP servers listen on
 PDD_DIST_PORT = "PDD_DIST_PORT"  # torch.distributed rendezvous of the instance's ranks
-PDD_MODEL_NAME = "PDD_MODEL_NAME"  # what is served; part of the compatibility record
-PDD_MODEL_SOURCE = "PDD_MODEL_SOURCE"  # Hugging Face DeepSeek-V2 directory; built-in when empty
+PDD_MODEL_NAME = keys.ENV_MODEL_NAME  # what is served; part of the compatibility record
+PDD_MODEL_SOURCE = keys.ENV_MODEL_SOURCE  # Hugging Face DeepSeek-V2 directory; built-in when empty
 PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
-PDD_DTYPE = "PDD_DTYPE"  # float32 | bfloat16
+PDD_DTYPE = keys.ENV_DTYPE  # float32 | bfloat16
 PDD_DEVICE = "PDD_DEVICE"  # auto | cpu | cuda (rank r uses cuda:r); auto: cuda if tp GPUs are seen
 PDD_NUM_BLOCKS = "PDD_NUM_BLOCKS"  # KV cache blocks per rank
 # Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
@@ -38,10 +42,10 @@ PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (deco
 PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
 PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
 PDD_DRAIN_S = "PDD_DRAIN_S"  # on SIGTERM, wait at most this long for held KV and requests
-PDD_PREFILL_URLS = "PDD_PREFILL_URLS"  # comma list of http://host:port of prefill instances
-PDD_DECODE_URLS = "PDD_DECODE_URLS"  # comma list of http://host:port of decode instances
-PDD_PREFILL_SERVICE = "PDD_PREFILL_SERVICE"  # headless Service DNS name[:port] of prefill pods
-PDD_DECODE_SERVICE = "PDD_DECODE_SERVICE"
+PDD_PREFILL_URLS = keys.ENV_PREFILL_URLS  # comma list of http://host:port of prefill instances
+PDD_DECODE_URLS = keys.ENV_DECODE_URLS  # comma list of http://host:port of decode instances
+PDD_PREFILL_SERVICE = keys.ENV_PREFILL_SERVICE  # headless Service DNS name[:port] of prefill pods
+PDD_DECODE_SERVICE = keys.ENV_DECODE_SERVICE
 PDD_LOG_LEVEL = "PDD_LOG_LEVEL"
 # Fault injection for tests only: after its first per-peer read, decode rank r creates
 # <path>.reached.<r> and waits (within the transfer timeout) until <path> exists.
@@ -52,12 +56,12 @@ PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
 PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 
 # --- label keys (DESIGN.md) ---
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_REPLICA = "serving.pdd.dev/replica"
+LABEL_NAME = keys.LABEL_NAME
+LABEL_INSTANCE = keys.LABEL_INSTANCE
+LABEL_COMPONENT = keys.LABEL_COMPONENT
+LABEL_REPLICA = keys.LABEL_REPLICA
 
-DEFAULT_HTTP_PORT = 8000
+DEFAULT_HTTP_PORT = keys.HTTP_PORT
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_DIST_PORT = 29500
 ROLES = ("prefill", "decode")

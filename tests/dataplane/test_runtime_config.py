@@ -8,11 +8,10 @@ import itertools
 import pytest
 
 from pdd_api.plan import SidePlan
-from pdd_api.routing import plan_routing
+from pdd_api.routing import check_plan_soundness, plan_routing
 from pdd_sidecar import tokenizer
 from pdd_sidecar.discovery import replicas, split_service
 from pdd_sidecar.env import ConfigError, InstanceSettings, RouterSettings, parse_urls
-from pdd_sidecar.routing_file import check_plan_soundness
 
 pytestmark = pytest.mark.dataplane
 

@@ -208,8 +208,16 @@ def test_load_plan_refuses_a_plan_that_breaks_the_rule() -> None:
     good = plan_routing(S(4, 4), S(2, 2), 64)
     assert load_plan(good.to_json()) == good
     swapped = good.to_json().replace('"prefillRank":2', '"prefillRank":3', 1)
-    with pytest.raises(ValueError, match="mismatched routing plan: it differs from the rule"):
+    with pytest.raises(ValueError, match="unsound routing plan: decode rank 0 reads chunk 2 from "
+                                         "prefill rank 3, which does not hold it"):
         load_plan(swapped)
+    rule = plan_routing(S(2, 1), S(2, 1), 64)
+    crossed = rule.model_copy(update={"decode_ranks": [
+        rule.decode_ranks[1].model_copy(update={"rank": 0}),
+        rule.decode_ranks[0].model_copy(update={"rank": 1}),
+    ]})
+    with pytest.raises(ValueError, match="mismatched routing plan: it differs from the rule"):
+        load_plan(crossed.to_json())
     partial = plan_routing(S(4, 1), S(4, 1), 64).to_json().replace(
         '"prefill":{"tensorParallelSize":4,"decodeContextParallelSize":1',
         '"prefill":{"tensorParallelSize":4,"decodeContextParallelSize":2',
