@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 from kubernetes import client, config, watch  # noqa: E402
 from localcluster import DEFAULT_BIN_DIR, down, up  # noqa: E402
-from operator_fixtures import node_heartbeat  # noqa: E402
 
 from pdd_api.validation import parse_spec  # noqa: E402
 from pdd_operator.builders import Owner, build  # noqa: E402
@@ -66,19 +65,25 @@ class PodWatch:
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            w = watch.Watch()
-            for ev in w.stream(self.api.list_namespaced_pod, self.ns, timeout_seconds=30,
-                               _request_timeout=60):
-                now = time.monotonic()
-                pod = ev["object"]
-                name = pod.metadata.name
-                self.added.setdefault(name, now)
-                if any(c.type == "Ready" and c.status == "True"
-                       for c in (pod.status.conditions or [])):
-                    self.ready.setdefault(name, now)
-                if self.stop.is_set():
-                    w.stop()
-                    break
+            try:
+                self._stream()
+            except Exception:  # noqa: BLE001 - a broken watch is restarted (it re-lists)
+                time.sleep(0.2)
+
+    def _stream(self) -> None:
+        w = watch.Watch()
+        for ev in w.stream(self.api.list_namespaced_pod, self.ns, timeout_seconds=30,
+                           _request_timeout=60):
+            now = time.monotonic()
+            pod = ev["object"]
+            name = pod.metadata.name
+            self.added.setdefault(name, now)
+            if any(c.type == "Ready" and c.status == "True"
+                   for c in (pod.status.conditions or [])):
+                self.ready.setdefault(name, now)
+            if self.stop.is_set():
+                w.stop()
+                break
 
 
 class PddWatch:
@@ -91,19 +96,25 @@ class PddWatch:
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            w = watch.Watch()
-            for ev in w.stream(self.api.list_namespaced_custom_object, GROUP, VERSION, self.ns,
-                               PLURAL, timeout_seconds=30, _request_timeout=60):
-                now = time.monotonic()
-                obj = ev["object"]
-                gen = obj["metadata"].get("generation")
-                for c in (obj.get("status") or {}).get("conditions") or []:
-                    if (c["type"] == "Ready" and c["status"] == "True"
-                            and c.get("observedGeneration") == gen):
-                        self.ready.setdefault(obj["metadata"]["name"], now)
-                if self.stop.is_set():
-                    w.stop()
-                    break
+            try:
+                self._stream()
+            except Exception:  # noqa: BLE001 - a broken watch is restarted (it re-lists)
+                time.sleep(0.2)
+
+    def _stream(self) -> None:
+        w = watch.Watch()
+        for ev in w.stream(self.api.list_namespaced_custom_object, GROUP, VERSION, self.ns,
+                           PLURAL, timeout_seconds=30, _request_timeout=60):
+            now = time.monotonic()
+            obj = ev["object"]
+            gen = obj["metadata"].get("generation")
+            for c in (obj.get("status") or {}).get("conditions") or []:
+                if (c["type"] == "Ready" and c["status"] == "True"
+                        and c.get("observedGeneration") == gen):
+                    self.ready.setdefault(obj["metadata"]["name"], now)
+            if self.stop.is_set():
+                w.stop()
+                break
 
 
 def wait_until(pred: Any, timeout: float, what: str) -> None:
@@ -231,7 +242,14 @@ def main() -> int:
     cluster, started = up(args.state_dir, DEFAULT_BIN_DIR, nodes=args.nodes, gpus=args.gpus,
                           log=lambda m: print(m, file=sys.stderr))
     kubeconfig = str(cluster.kubeconfig)
-    heartbeat = node_heartbeat(kubeconfig)
+    # In its own process: this one's threads would starve it of the GIL, and a late
+    # heartbeat turns every pod NotReady for good (see operator_fixtures.NodeHeartbeat).
+    heartbeat = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "from operator_fixtures import NodeHeartbeat\n"
+        "NodeHeartbeat(sys.argv[3])\n"
+        "time.sleep(86400)"), str(ROOT / "tests" / "integration"),
+        str(ROOT / "tests" / "cluster"), kubeconfig])
     try:
         kc = ["kubectl", "--kubeconfig", kubeconfig]
         subprocess.run([*kc, "apply", "--server-side", "--force-conflicts", "-f",
@@ -258,7 +276,7 @@ def main() -> int:
         log = args.state_dir / "operator.log"
         op = run_operator(core, crd, "bench-operator", args.count, args.threads, kubeconfig, log)
     finally:
-        heartbeat.stop.set()
+        heartbeat.kill()
         if started and not args.keep:
             down(args.state_dir, log=lambda _m: None)
 

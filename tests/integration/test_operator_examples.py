@@ -40,6 +40,8 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
     ns, doc = op_namespace, load_example(path)
     name, spec = doc["metadata"]["name"], doc["spec"]
     kube("apply", "-n", ns, "-f", str(path))
+    # kstatus conventions: plain `kubectl wait` understands the Ready condition.
+    kube("wait", f"pddeployment/{name}", "-n", ns, "--for=condition=Ready", "--timeout=90s")
     obj = wait_ready(kube, ns, name, operator)
     plan = json.loads(pdd_plan_json(path))
     table = kube("get", "pdd", name, "-n", ns).stdout.splitlines()
