@@ -166,7 +166,7 @@ def install_crd(k: Kubectl, cel: bool = True) -> bool:
     if not cel or not ok:
         k("apply", "--server-side", "--force-conflicts", "-f", "-",
           input=yaml.safe_dump(strip_cel(crd)))
-    k("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    k("wait", "--for=condition=Established", "--timeout=50s", f"crd/{CRD_NAME}")
     wait_for("discovery of pddeployments",
              lambda: k("get", "pddeployments", "-A", check=False).returncode == 0)
     return ok
@@ -284,7 +284,7 @@ def teardown_namespace(k: Kubectl, ns: str, op: Operator | None) -> None:
     """PDDeployments carry kopf's finalizer (the periodic timer): delete them while the
     operator runs, then the namespace."""
     if op is not None and op.alive():
-        k("delete", "pddeployments", "--all", "-n", ns, "--timeout=60s", check=False)
+        k("delete", "pddeployments", "--all", "-n", ns, "--timeout=50s", check=False)
     else:
         for item in (k.maybe("get", "pddeployments", "-n", ns) or {}).get("items", []):
             k("patch", "pddeployment", item["metadata"]["name"], "-n", ns, "--type=merge",

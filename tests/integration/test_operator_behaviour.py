@@ -65,7 +65,7 @@ def uids(pods: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def delete_and_wait(k: Kubectl, ns: str, name: str) -> None:
-    k("delete", "pddeployment", name, "-n", ns, "--timeout=60s")
+    k("delete", "pddeployment", name, "-n", ns, "--timeout=50s")
     wait_for(f"{name}'s pods gone", lambda: not pods_of(k, ns, name), timeout=60)
 
 
@@ -253,7 +253,7 @@ def test_delete_garbage_collects_everything(kube: Kubectl, operator: Operator,
     ns, name = op_namespace, "gc"
     kube.apply(make(name, decode={"replicas": 2}), "-n", ns)
     wait_ready(kube, ns, name, operator)
-    kube("delete", "pddeployment", name, "-n", ns, "--timeout=60s")
+    kube("delete", "pddeployment", name, "-n", ns, "--timeout=50s")
     sel = f"app.kubernetes.io/instance={name}"
 
     def leftovers() -> list[str]:

@@ -41,7 +41,7 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
     name, spec = doc["metadata"]["name"], doc["spec"]
     kube("apply", "-n", ns, "-f", str(path))
     # kstatus conventions: plain `kubectl wait` understands the Ready condition.
-    kube("wait", f"pddeployment/{name}", "-n", ns, "--for=condition=Ready", "--timeout=90s")
+    kube("wait", f"pddeployment/{name}", "-n", ns, "--for=condition=Ready", "--timeout=55s")
     obj = wait_ready(kube, ns, name, operator)
     plan = json.loads(pdd_plan_json(path))
     table = kube("get", "pdd", name, "-n", ns).stdout.splitlines()
@@ -138,7 +138,7 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
     assert {"Created", "Ready"} <= reasons
 
     # Free the GPUs for the next example: deletion is garbage collection of owned objects.
-    kube("delete", "pddeployment", name, "-n", ns, "--timeout=60s")
+    kube("delete", "pddeployment", name, "-n", ns, "--timeout=50s")
     wait_for(f"{name}'s pods gone", lambda: not pods_of(kube, ns, name), timeout=60)
 
 
