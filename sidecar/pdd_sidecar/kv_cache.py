@@ -184,5 +184,8 @@ class PagedKVCache:
         if num_tokens == 0:
             return self.kv.new_empty(0, self.latent_dim)
         nb = -(-num_tokens // self.block_size)
-        blocks = self.kv[block_ids[:nb], layer]
-        return blocks.reshape(nb * self.block_size, self.latent_dim)[:num_tokens]
+        # One block of one layer is a contiguous row: gathering whole rows runs at copy speed,
+        # several times faster than element-wise advanced indexing.
+        rows = self.kv.view(self.num_blocks * self.num_layers, self.block_size * self.latent_dim)
+        blocks = rows.index_select(0, block_ids[:nb] * self.num_layers + layer)
+        return blocks.view(nb * self.block_size, self.latent_dim)[:num_tokens]
