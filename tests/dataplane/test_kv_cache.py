@@ -121,3 +121,18 @@ def test_sharded_cache_holds_exactly_the_replicated_chunks():
     # replicated ranks hold identical caches
     for cache, _ in replicated[1:]:
         assert torch.equal(cache.kv, full_cache.kv)
+
+
+def test_write_then_read_follows_the_block_table():
+    """Tokens written at (table[k], offset) come back in token order from a scattered table,
+    only from the requested layer, and the last partial block is cut to the token count."""
+    c = PagedKVCache(8, 3, 4, 6)
+    table = torch.tensor([5, 1, 6])
+    n = 10
+    vals = torch.arange(n * 6, dtype=torch.float32).view(n, 6)
+    pos = torch.arange(n)
+    c.write(1, table[pos // 4], pos % 4, vals)
+    assert torch.equal(c.read(1, table, n), vals)
+    assert torch.equal(c.read(1, table, 7), vals[:7])
+    assert float(c.read(0, table, n).abs().sum()) == 0.0
+    assert c.read(2, table, 0).shape == (0, 6)
