@@ -81,6 +81,7 @@ class RankEngine:
         ``all_logits``)."""
         if len(token_ids) == 0:
             raise ValueError("empty prompt")
+        self._check_tokens(token_ids)
         table = self._table(block_ids, len(token_ids))
         tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.model.device)
         positions = torch.arange(len(token_ids), device=self.model.device)
@@ -91,12 +92,19 @@ class RankEngine:
     def decode_step(self, token_id: int, position: int, block_ids: Sequence[int]) -> torch.Tensor:
         """Feed ``token_id`` at ``position`` (all earlier positions are cached); returns fp32
         logits ``[V]`` for the next token."""
+        self._check_tokens([token_id])
         table = self._table(block_ids, position + 1)
         tokens = torch.tensor([token_id], dtype=torch.long, device=self.model.device)
         positions = torch.tensor([position], device=self.model.device)
         return self._logits(self._forward(tokens, positions, table, decode_len=position + 1)[0])
 
     # --- internals -----------------------------------------------------------------------
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> None:
+        """An out-of-range id would be a device-side assert on CUDA, fatal to the process."""
+        bad = [t for t in token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
 
     def _table(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         need = kvc.num_table_blocks(num_tokens, self.cache.block_size, self.dcp)

@@ -93,6 +93,8 @@ def test_short_block_table_is_rejected():
     engine = RankEngine(model, cache, SingleComm(), 1)
     with pytest.raises(ValueError, match="block table has 1 blocks, 6 tokens need 2"):
         engine.prefill([1, 2, 3, 4, 5, 6], [0])
+    with pytest.raises(ValueError, match=r"out of range \[0, 256\): \[256\]"):
+        engine.prefill([1, 256], [0])
     logits = engine.prefill([1, 2, 3, 4], [0])
     with pytest.raises(ValueError, match="5 tokens need 2"):
         engine.decode_step(int(logits.argmax()), 4, [0])
