@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PYTEST := $(VPY) -m pytest
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
+.PHONY: sysdeps venv test test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
 
 # The venv is rebuilt when pyproject.toml changes; the stamp lives inside the ignored .venv.
 $(VENV)/.stamp: pyproject.toml
@@ -19,7 +19,12 @@ venv: $(VENV)/.stamp
 
 lint: venv
 	$(VENV)/bin/ruff check operator sidecar tests bench
-	$(VENV)/bin/mypy operator/pdd_api operator/pdd_cli
+	$(VENV)/bin/mypy operator/pdd_api operator/pdd_cli operator/pdd_operator sidecar/pdd_sidecar
+
+# The pod runner (tests/e2e/podrunner.py) needs iproute2 and util-linux; install them if missing.
+sysdeps:
+	@command -v ip >/dev/null && command -v unshare >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq iproute2 util-linux; }
 
 test-unit: venv
 	$(PYTEST) tests/unit -q
@@ -30,7 +35,7 @@ test-dataplane: venv
 test-integration: venv cluster-build
 	$(PYTEST) tests/integration -q -m integration
 
-test-e2e: venv cluster-build
+test-e2e: venv cluster-build sysdeps
 	$(PYTEST) tests/e2e -q -m e2e
 
 # Every tier that exists; later tiers add themselves by having tests in their folder.
@@ -43,7 +48,7 @@ test: venv lint
 crd: venv
 	$(VENV)/bin/pdd crd > crds/serving.pdd.dev_pddeployments.yaml
 
-demo: venv cluster-build
+demo: venv cluster-build sysdeps
 	$(VPY) hack/demo.py
 
 bench: venv
