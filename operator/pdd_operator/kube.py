@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -64,6 +66,41 @@ class ApiError(Exception):
         super().__init__(f"HTTP {status}: {message}")
 
 
+class PriorityGate:
+    """At most `slots` requests in flight; a waiting request of lower `priority` value goes
+    first. When hundreds of PDDeployments arrive at once the API server is the bottleneck, and
+    pods are what users wait for: they pass before Services, status and events."""
+
+    def __init__(self, slots: int) -> None:
+        self.free = slots
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # woken and cancelled at once: pass the slot on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+PRIORITY_POD, PRIORITY_OBJECT, PRIORITY_STATUS, PRIORITY_EVENT = 0, 1, 2, 3
+
+
 class FaultInjector:
     """PDD_FAULT_EXIT_AFTER_WRITES=N: the process dies (no cleanup) after N writes. Tests use
     it to stop the operator in the middle of a reconcile, deterministically."""
@@ -109,6 +146,7 @@ class Kube:
         self._session: aiohttp.ClientSession | None = None
         self.fault = FaultInjector()
         self.writes = 0
+        self.gate = PriorityGate(concurrency)
 
     @classmethod
     def from_environment(cls, concurrency: int = 64) -> Kube:
@@ -150,7 +188,16 @@ class Kube:
 
     async def request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
                       body: Any = None, content_type: str = "application/json",
-                      retries: int = 5) -> Any:
+                      retries: int = 5, priority: int = PRIORITY_OBJECT) -> Any:
+        await self.gate.acquire(priority)
+        try:
+            return await self._request(method, path, params=params, body=body,
+                                       content_type=content_type, retries=retries)
+        finally:
+            self.gate.release()
+
+    async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None,
+                       body: Any, content_type: str, retries: int) -> Any:
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
@@ -221,8 +268,10 @@ class Kube:
         meta = obj["metadata"]
         path = path_of(obj["kind"], meta.get("namespace"), meta["name"])
         params = {"fieldManager": keys.FIELD_MANAGER, "force": "true"}
+        prio = PRIORITY_POD if obj["kind"] == "Pod" else PRIORITY_OBJECT
         out: Obj = await self.request("PATCH", path, params=params, body=obj,
-                                      content_type="application/apply-patch+yaml")
+                                      content_type="application/apply-patch+yaml",
+                                      priority=prio)
         return out
 
     async def delete(self, kind: str, namespace: str | None, name: str, *,
@@ -234,7 +283,9 @@ class Kube:
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
         try:
-            out: Obj = await self.request("DELETE", path_of(kind, namespace, name), body=body)
+            out: Obj = await self.request("DELETE", path_of(kind, namespace, name), body=body,
+                                          priority=PRIORITY_POD if kind == "Pod" else
+                                          PRIORITY_OBJECT)
             return out
         except ApiError as exc:
             if exc.status == 404:
@@ -244,7 +295,7 @@ class Kube:
     async def patch_status(self, kind: str, namespace: str, name: str, status: Obj) -> Obj:
         out: Obj = await self.request(
             "PATCH", path_of(kind, namespace, name, "status"), body={"status": status},
-            content_type="application/merge-patch+json",
+            content_type="application/merge-patch+json", priority=PRIORITY_STATUS,
         )
         return out
 
@@ -279,6 +330,6 @@ class Kube:
         }
         try:
             await self.request("POST", path_of("Event", meta["namespace"]), body=event,
-                               retries=2)
+                               retries=2, priority=PRIORITY_EVENT)
         except ApiError as exc:
             log.warning("could not post event %s/%s: %s", reason, meta["name"], exc)

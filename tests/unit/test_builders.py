@@ -345,3 +345,32 @@ def test_webhook_configuration_and_certificate() -> None:
     client = webhook_configuration(url_cfg, b"CA")["webhooks"][0]["clientConfig"]
     assert client["url"] == "https://127.0.0.1:19443/validate"
     assert "namespaceSelector" not in webhook_configuration(url_cfg, b"CA")["webhooks"][0]
+
+
+def test_priority_gate_lets_pods_pass_first() -> None:
+    import asyncio
+
+    from pdd_operator.kube import PriorityGate
+
+    async def scenario() -> list[str]:
+        gate = PriorityGate(1)
+        order: list[str] = []
+        await gate.acquire(0)  # the only slot is taken
+
+        async def job(name: str, prio: int) -> None:
+            await gate.acquire(prio)
+            order.append(name)
+            gate.release()
+
+        tasks = [asyncio.create_task(job(n, p)) for n, p in
+                 (("event", 3), ("status", 2), ("pod", 0), ("service", 1))]
+        await asyncio.sleep(0)
+        cancelled = asyncio.create_task(job("cancelled", 0))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        gate.release()
+        await asyncio.gather(*tasks)
+        assert gate.free == 1, "no slot leaked by the cancelled waiter"
+        return order
+
+    assert asyncio.run(scenario()) == ["pod", "service", "status", "event"]
