@@ -29,6 +29,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                     help="NAMESPACE/NAME of the webhook Service (in-cluster mode)")
     ap.add_argument("--webhook-config-name", default=None)
     ap.add_argument("--tls-secret", default=None, help="NAMESPACE/NAME shared by replicas")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="API requests in flight at most (default 64)")
     ap.add_argument("--peering", default=None, help="kopf peering name")
     ap.add_argument("--priority", type=int, default=None, help="peering priority")
     ap.add_argument("--standalone", action="store_true", help="no peering")
@@ -43,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.namespaces = list(args.namespace)
     for attr in ("resync_seconds", "metrics_port", "liveness_port", "webhook_port",
                  "webhook_host", "webhook_service", "webhook_config_name", "tls_secret",
-                 "priority"):
+                 "priority", "concurrency"):
         value = getattr(args, attr)
         if value is not None:
             setattr(cfg, attr, value)

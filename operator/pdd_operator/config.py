@@ -49,6 +49,7 @@ class Config:
             cfg.priority = int(os.environ["PDD_PRIORITY"])
         cfg.standalone = os.environ.get("PDD_STANDALONE", "") in ("1", "true")
         cfg.peering_lifetime = _env_int("PDD_PEERING_LIFETIME", cfg.peering_lifetime)
+        cfg.concurrency = _env_int("PDD_CONCURRENCY", cfg.concurrency)
         return cfg
 
 

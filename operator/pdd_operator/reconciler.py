@@ -85,6 +85,7 @@ class Reconciler:
         if deleted:
             self.pdds.pop(key, None)
             self._built.pop(key, None)
+            self._locks.pop(key, None)
         else:
             current = self.pdds.get(key)
             if current is None or current["metadata"].get("uid") != meta.get("uid") or _rv(
