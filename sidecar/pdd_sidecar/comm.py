@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -133,7 +136,7 @@ class TorchDistComm:
     """Over an initialised ``torch.distributed`` process group. Gloo has no reduce-scatter and
     patchy bf16 support, so on gloo those go through fp32 all-reduce."""
 
-    def __init__(self, group: object | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
+from typing import Any
 
 import torch
 
@@ -116,7 +117,8 @@ def _run_procs(spec: _Spec, timeout_s: float = 900.0) -> GenerationResult:
     ]
     for p in procs:
         p.start()
-    status, payload = "error", "interrupted"
+    status: str = "error"
+    payload: Any = "interrupted"
     deadline = time.monotonic() + timeout_s
     try:
         while True:
