@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -175,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnusableInputError as exc:
         print(f"pdd {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
+    except BrokenPipeError:
+        # The reader (`| head`) left; point stdout at /dev/null so the exit flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":
