@@ -1,11 +1,13 @@
 """kopf glue, kept thin: every handler feeds the reconciler and returns.
 
 - PDDeployment events (create, update, the initial listing on resume) -> one pass for it;
-- events of the objects it owns (pods, services, configmaps, the router) -> one pass for the
-  owner, so a deleted pod comes back and a pod turning Ready updates status at once;
+- events of the objects it owns (pods, services, configmaps, the router), from the operator's
+  own light watches (kube.Kube.watch) -> one pass for the owner, so a deleted pod comes back
+  and a pod turning Ready updates status at once;
 - a periodic pass (re-list, then one pass per PDDeployment), paused with kopf's peering;
 - the validating webhook -> the same rules as `pdd validate`.
-kopf's peering pauses all of this in every replica but the leader.
+kopf's peering pauses all of this in every replica but the leader (the parts outside kopf read
+the peering object and follow the same rule).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Any, cast
 
 import kopf
 
-from pdd_api import keys
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_operator import metrics
 from pdd_operator.config import CONFIG
@@ -32,7 +33,6 @@ from pdd_operator.webhook import (
 )
 
 log = logging.getLogger("pdd_operator")
-MANAGED = {keys.LABEL_MANAGED_BY: keys.MANAGED_BY}
 
 
 class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
@@ -47,7 +47,7 @@ class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
 class _State:
     reconciler: Reconciler | None = None
     kube: Kube | None = None
-    loop: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[Any]] = []
 
 
 STATE = _State()
@@ -83,7 +83,12 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     rec = Reconciler(kube)
     await rec.seed(cfg.namespaces or None)
     STATE.reconciler = rec
-    STATE.loop = asyncio.get_running_loop().create_task(periodic_loop(rec, kube))
+    loop = asyncio.get_running_loop()
+    if not cfg.standalone:
+        rec.paused = await peering_paused(kube, cfg)
+        STATE.tasks.append(loop.create_task(peering_loop(rec, kube)))
+    STATE.tasks.append(loop.create_task(periodic_loop(rec)))
+    STATE.tasks.append(loop.create_task(rec.watch_children(cfg.namespaces or None)))
     if cfg.webhook_port:
         bundle = await ensure_tls(kube, cfg)
         certfile, keyfile = write_tls(bundle)
@@ -114,8 +119,8 @@ async def ensure_peering(kube: Kube, name: str, namespaces: list[str]) -> None:
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    if STATE.loop is not None:
-        STATE.loop.cancel()
+    for task in STATE.tasks:
+        task.cancel()
     if STATE.kube is not None:
         await STATE.kube.close()
 
@@ -130,31 +135,30 @@ async def pddeployment_event(event: kopf.RawEvent, **_: Any) -> None:
         rec.kick(ns, name)
 
 
-def _child_handler(kind: str, group: str, version: str, plural: str) -> None:
-    @kopf.on.event(group, version, plural, labels=MANAGED, id=f"watch-{plural}")
-    async def child_event(event: kopf.RawEvent, **_: Any) -> None:
-        obj = cast(dict[str, Any], event["object"])
-        reconciler().observe_child(kind, obj, deleted=event["type"] == "DELETED")
-
-
-_child_handler("Pod", "", "v1", "pods")
-_child_handler("Service", "", "v1", "services")
-_child_handler("ConfigMap", "", "v1", "configmaps")
-_child_handler("Deployment", "apps", "v1", "deployments")
-
-
-async def periodic_loop(rec: Reconciler, kube: Kube) -> None:
+async def periodic_loop(rec: Reconciler) -> None:
     """The periodic pass: re-list every owned object, then one pass per PDDeployment, so an
     event missed by a watch costs at most one period. Skipped while peering pauses us."""
-    cfg = CONFIG
     while True:
-        await asyncio.sleep(cfg.resync_seconds)
+        await asyncio.sleep(CONFIG.resync_seconds)
         try:
-            if not cfg.standalone and await peering_paused(kube, cfg):
-                continue
-            await rec.resync_all()
+            if not rec.paused:
+                await rec.resync_all()
         except Exception as exc:  # noqa: BLE001 - the next period retries
             log.warning("periodic resync failed: %s", exc)
+
+
+async def peering_loop(rec: Reconciler, kube: Kube, period: float = 5.0) -> None:
+    """kopf pauses its own watches; the child watches and the periodic pass run outside kopf
+    and follow the same verdict, read from the peering object."""
+    while True:
+        try:
+            now_paused = await peering_paused(kube, CONFIG)
+            if now_paused != rec.paused:
+                log.info("peering: %s", "pausing" if now_paused else "resuming")
+            rec.paused = now_paused
+        except Exception as exc:  # noqa: BLE001 - keep the last verdict, retry
+            log.warning("peering check failed: %s", exc)
+        await asyncio.sleep(period)
 
 
 async def peering_paused(kube: Kube, cfg: Any) -> bool:

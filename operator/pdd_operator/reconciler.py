@@ -74,6 +74,7 @@ class Reconciler:
         self._locks: dict[Key, asyncio.Lock] = {}
         self.on_pass: Callable[[Key, Outcome], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.paused = False  # kopf peering: another replica leads (set by the handlers)
         self._built: dict[Key, tuple[tuple[str, int], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
 
@@ -98,12 +99,22 @@ class Reconciler:
     def observe_child(self, kind: str, obj: Obj, deleted: bool = False) -> None:
         if deleted:
             self.store.remove(kind, obj)
-        else:
-            self.store.upsert(kind, obj)
+        elif not self.store.upsert(kind, obj):
+            return  # older than what we know (our own write's response came first)
         meta = obj.get("metadata", {})
         inst = (meta.get("labels") or {}).get(keys.LABEL_INSTANCE)
-        if inst is not None and (meta.get("namespace"), inst) in self.pdds:
+        if inst is not None and not self.paused and (meta.get("namespace"), inst) in self.pdds:
             self.kick(meta["namespace"], inst)
+
+    async def watch_children(self, namespaces: list[str] | None) -> None:
+        """Watches of the owned objects feed the store and kick their owner's pass."""
+        def handler(kind: str) -> Callable[[str, Obj], None]:
+            return lambda etype, obj: self.observe_child(kind, obj, etype == "DELETED")
+
+        await asyncio.gather(*(
+            self.kube.watch(kind, ns, MANAGED_SELECTOR, handler(kind))
+            for ns in (namespaces or [None])  # type: ignore[list-item]
+            for kind in CHILD_KINDS))
 
     async def seed(self, namespaces: list[str] | None) -> None:
         """Fill the store before any pass runs, so a restarted operator sees what exists."""

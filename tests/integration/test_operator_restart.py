@@ -140,7 +140,7 @@ def test_conflict_between_read_and_write_is_retried(cluster: Cluster, kube: Kube
     kube.apply(doc(name, prefill=one, decode=one), "-n", ns)
 
     async def scenario() -> tuple[ApiError | None, str]:
-        base = Kube.from_environment()
+        base = Kube.from_environment(kubeconfig=str(cluster.kubeconfig))
         rec = Reconciler(base)
         try:
             rec.observe_pdd(pdd(kube, ns, name))
