@@ -216,10 +216,14 @@ def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, 
                    "operator pods created")
         wait_until(lambda: all(s in pdds.ready for s in sets), 900, "PDDeployments Ready")
         rss, cpu = proc_usage(proc.pid)
+        wait_until(lambda: all(p in pods.ready for s in sets for p in set_pods(s, ns)), 60,
+                   "operator pods Ready")
         pods.stop.set()
         pdds.stop.set()
         created = {s: max(pods.added[p] for p in set_pods(s, ns)) for s in sets}
+        pods_ready = {s: max(pods.ready[p] for p in set_pods(s, ns)) for s in sets}
         return {"created": summarize(starts, created), "ready": summarize(starts, pdds.ready),
+                "pods_ready": summarize(starts, pods_ready),
                 "operator_peak_rss_mib": rss, "operator_cpu_s": cpu - cpu0,
                 "operator_idle_rss_mib": rss0}
     finally:
@@ -290,6 +294,7 @@ def main() -> int:
     for label, side in (("baseline apply->pods created", b["created"]),
                         ("operator apply->pods created", o["created"]),
                         ("baseline apply->pods Ready", b["ready"]),
+                        ("operator apply->pods Ready", o["pods_ready"]),
                         ("operator apply->Ready=True", o["ready"])):
         print(f"{label:34}{side['p50_s']:9.3f}{side['p99_s']:9.3f}{side['total_s']:10.2f}")
     print(f"operator/baseline total, pods created: {result['ratio_created_total']:.2f}x "

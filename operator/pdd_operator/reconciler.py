@@ -63,12 +63,13 @@ def _ref(obj: Obj) -> str:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, store: Store | None = None, *, debounce: float = 0.05,
-                 max_backoff: float = 30.0) -> None:
+    def __init__(self, kube: Kube, store: Store | None = None, *, debounce: float = 0.02,
+                 child_debounce: float = 0.3, max_backoff: float = 30.0) -> None:
         self.kube = kube
         self.store = store or Store()
         self.pdds: dict[Key, Obj] = {}
         self.debounce = debounce
+        self.child_debounce = child_debounce
         self.max_backoff = max_backoff
         self._keys: dict[Key, _KeyState] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -104,7 +105,9 @@ class Reconciler:
         meta = obj.get("metadata", {})
         inst = (meta.get("labels") or {}).get(keys.LABEL_INSTANCE)
         if inst is not None and not self.paused and (meta.get("namespace"), inst) in self.pdds:
-            self.kick(meta["namespace"], inst)
+            # Pods change state in bursts (scheduled, started, Ready): one pass per burst
+            # keeps status writes, the API server's load at scale, down.
+            self.kick(meta["namespace"], inst, self.child_debounce)
 
     async def watch_children(self, namespaces: list[str] | None) -> None:
         """Watches of the owned objects feed the store and kick their owner's pass."""
@@ -149,17 +152,20 @@ class Reconciler:
 
     # ------------------------------------------------------------------ scheduling
 
-    def kick(self, namespace: str, name: str) -> None:
+    def kick(self, namespace: str, name: str, delay: float | None = None) -> None:
+        """Schedule a pass after `delay` (default: the debounce); kicks that arrive while one
+        is pending or running are folded into it (one more pass at most)."""
         key = (namespace, name)
         st = self._keys.setdefault(key, _KeyState())
         if st.task is not None and not st.task.done():
             st.dirty = True
             return
         st.dirty = False
-        st.task = asyncio.get_running_loop().create_task(self._loop(key, st))
+        wait = self.debounce if delay is None else delay
+        st.task = asyncio.get_running_loop().create_task(self._loop(key, st, wait))
 
-    async def _loop(self, key: Key, st: _KeyState) -> None:
-        await asyncio.sleep(self.debounce)
+    async def _loop(self, key: Key, st: _KeyState, delay: float) -> None:
+        await asyncio.sleep(delay)
         while True:
             st.dirty = False
             try:
