@@ -125,6 +125,13 @@ class RoleWatch:
         self.serving.append(sum(1 for n in self.names if self.state.get(n)))
 
     def _run(self, rv: str) -> None:
+        try:
+            self._stream(rv)
+        except Exception:  # noqa: BLE001 - close() ends the stream mid-read
+            if not self.stop.is_set():
+                raise
+
+    def _stream(self, rv: str) -> None:
         for ev in self.w.stream(self.api.list_namespaced_pod, self.ns,
                                 label_selector=self.selector, resource_version=rv,
                                 timeout_seconds=120):
