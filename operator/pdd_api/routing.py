@@ -7,6 +7,7 @@ once, and every prefill rank must learn when it may free the request's blocks.
 
 from __future__ import annotations
 
+from pdd_api.models import PDDeploymentSpec
 from pdd_api.plan import (
     ChunkRead,
     DecodeRankPlan,
@@ -72,6 +73,18 @@ def plan_routing(prefill: SidePlan, decode: SidePlan, block_size: int) -> Routin
         decode_ranks=decode_ranks,
         prefill_ranks=prefill_ranks,
     )
+
+
+def plan_for_spec(spec: PDDeploymentSpec) -> RoutingPlan:
+    """The plan of a validated spec: `pdd plan -o json` and the `<name>-routing` ConfigMap."""
+    prefill, decode = (
+        SidePlan(
+            tensor_parallel_size=role.tensorParallelSize,
+            decode_context_parallel_size=role.decodeContextParallelSize,
+        )
+        for role in (spec.prefill, spec.decode)
+    )
+    return plan_routing(prefill, decode, spec.blockSize)
 
 
 def chunks_read(plan: RoutingPlan, decode_rank: int, num_chunks: int) -> dict[int, int]:

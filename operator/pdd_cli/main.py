@@ -11,8 +11,8 @@ from typing import Any
 
 from pdd_api.crd import crd_yaml
 from pdd_api.models_catalog import KNOWN_MODELS
-from pdd_api.plan import RoutingPlan, SidePlan
-from pdd_api.routing import bytes_per_decode_rank, plan_routing
+from pdd_api.plan import RoutingPlan
+from pdd_api.routing import bytes_per_decode_rank, plan_for_spec
 from pdd_api.validation import (
     UnusableInputError,
     describe_document,
@@ -55,15 +55,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def plan_for(doc: Any) -> RoutingPlan:
-    spec = parse_spec(doc.get("spec") if isinstance(doc, dict) else None)
-    side = {
-        role: SidePlan(
-            tensor_parallel_size=getattr(spec, role).tensorParallelSize,
-            decode_context_parallel_size=getattr(spec, role).decodeContextParallelSize,
-        )
-        for role in ("prefill", "decode")
-    }
-    return plan_routing(side["prefill"], side["decode"], spec.blockSize)
+    return plan_for_spec(parse_spec(doc.get("spec") if isinstance(doc, dict) else None))
 
 
 def _chunk_class(modulus: int, residue: int) -> str:
