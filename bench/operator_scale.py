@@ -148,7 +148,10 @@ def names(count: int, prefix: str) -> list[str]:
     return [f"{prefix}-{i:03d}" for i in range(count)]
 
 
-def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int) -> dict[str, Any]:
+def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int,
+                 full: bool) -> dict[str, Any]:
+    """`full`: also the routing ConfigMap and the two headless Services of each set (their
+    endpoint updates load the control plane as much as the pods do)."""
     spec = parse_spec(SPEC)
     pods = PodWatch(core, ns)
     starts: dict[str, float] = {}
@@ -160,6 +163,12 @@ def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int) -> d
         for body in bodies:
             body["metadata"].pop("ownerReferences")
             core.create_namespaced_pod(ns, body, _preload_content=False)
+        if full:
+            desired.configmap["metadata"].pop("ownerReferences")
+            core.create_namespaced_config_map(ns, desired.configmap, _preload_content=False)
+            for svc in desired.services:
+                svc["metadata"].pop("ownerReferences")
+                core.create_namespaced_service(ns, svc, _preload_content=False)
 
     sets = names(count, "base")
     with ThreadPoolExecutor(threads) as pool:
@@ -239,6 +248,9 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=20)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--baseline", choices=["pods", "full"], default="pods",
+                    help="pods: the same 600 pods; full: plus each set's ConfigMap and "
+                    "headless Services, as the operator writes them")
     ap.add_argument("--state-dir", type=Path, default=ROOT / ".cache" / "bench-cluster")
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
     args = ap.parse_args()
@@ -271,9 +283,10 @@ def main() -> int:
                 [*kc, "get", "sa", "default", "-n", ns], capture_output=True).returncode == 0,
                 60, "default service account")
 
-        print(f"baseline: {args.count} x {PODS_PER_SET} pods with the Python client, "
-              f"{args.threads} threads ...", file=sys.stderr)
-        base = run_baseline(core, "bench-baseline", args.count, args.threads)
+        print(f"baseline ({args.baseline}): {args.count} x {PODS_PER_SET} pods with the Python "
+              f"client, {args.threads} threads ...", file=sys.stderr)
+        base = run_baseline(core, "bench-baseline", args.count, args.threads,
+                            args.baseline == "full")
         subprocess.run([*kc, "delete", "namespace", "bench-baseline", "--wait=true",
                         "--timeout=300s"], capture_output=True)
         print(f"operator: {args.count} PDDeployments applied at once ...", file=sys.stderr)
@@ -285,6 +298,7 @@ def main() -> int:
             down(args.state_dir, log=lambda _m: None)
 
     result = {"count": args.count, "pods": args.count * PODS_PER_SET,
+              "baseline_kind": args.baseline,
               "nodes": args.nodes, "gpus_per_node": args.gpus, "baseline": base,
               "operator": op,
               "ratio_created_total": op["created"]["total_s"] / base["created"]["total_s"],
