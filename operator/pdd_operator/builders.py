@@ -20,8 +20,8 @@ from pdd_api.models import (
     ResourceRequirements,
     RoleSpec,
 )
-from pdd_api.plan import RoutingPlan, SidePlan
-from pdd_api.routing import plan_routing
+from pdd_api.plan import RoutingPlan
+from pdd_api.routing import plan_for_spec
 from pdd_operator.hashing import content_hash
 
 Role = Literal["prefill", "decode"]
@@ -79,15 +79,8 @@ class Desired:
 
 
 def plan_of(spec: PDDeploymentSpec) -> RoutingPlan:
-    """The same computation as `pdd plan -o json` (pdd_cli.main.plan_for), from a parsed spec."""
-    side = {
-        role: SidePlan(
-            tensor_parallel_size=getattr(spec, role).tensorParallelSize,
-            decode_context_parallel_size=getattr(spec, role).decodeContextParallelSize,
-        )
-        for role in ("prefill", "decode")
-    }
-    return plan_routing(side["prefill"], side["decode"], spec.blockSize)
+    """The plan `pdd plan -o json` prints for this spec: the `<name>-routing` ConfigMap."""
+    return plan_for_spec(spec)
 
 
 def labels(owner: Owner, component: str | None = None,
