@@ -250,8 +250,9 @@ def test_unschedulable_role_is_explained(kube: Kubectl, operator: Operator,
     assert conditions(obj)["PrefillAvailable"]["status"] == "True"
     describe = kube("describe", "pdd", name, "-n", ns).stdout
     assert f"{name}-decode-0 is Pending (Unschedulable)" in describe
-    assert "Warning  Unschedulable" in " ".join(describe.split("  ")).replace("   ", "  ") or (
-        "Unschedulable" in describe.split("Events:")[1]), describe
+    events = describe.split("Events:")[1]
+    assert any(line.split()[:2] == ["Warning", "Unschedulable"]
+               for line in events.splitlines() if line.strip()), describe
     delete_and_wait(kube, ns, name)
 
 
