@@ -45,8 +45,10 @@ test: venv lint
 	@if ls tests/integration/test_*.py >/dev/null 2>&1; then $(MAKE) test-integration; fi
 	@if ls tests/e2e/test_*.py >/dev/null 2>&1; then $(MAKE) test-e2e; fi
 
+# kustomize cannot reach outside manifests/, so the base keeps a copy (a test checks it).
 crd: venv
 	$(VENV)/bin/pdd crd > crds/serving.pdd.dev_pddeployments.yaml
+	cp crds/serving.pdd.dev_pddeployments.yaml manifests/base/crd.yaml
 
 demo: venv cluster-build sysdeps
 	$(VPY) hack/demo.py

@@ -773,6 +773,9 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
                 f"--server-address=127.0.0.1:{ports['kwok']}",
                 "--node-ip=127.0.0.1",
                 "--cidr=10.244.0.1/16",
+                # Without node leases the node lifecycle controller marks every fake node
+                # NotReady about once a minute, and kwok never sets its pods Ready again.
+                "--node-lease-duration-seconds=40",
             ],
         )
         everything = list(cluster.processes.values())
