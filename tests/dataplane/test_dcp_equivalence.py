@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from pdd_sidecar.dcp import merge_by_lse  # noqa: E402
 from pdd_sidecar.generate import generate, generate_result, main  # noqa: E402

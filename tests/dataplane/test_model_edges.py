@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from pdd_sidecar.comm import SingleComm  # noqa: E402
 from pdd_sidecar.config import BUILTIN_SEED, builtin_config  # noqa: E402

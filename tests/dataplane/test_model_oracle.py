@@ -9,11 +9,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "DeepseekV2ForCausalLM"):
-    pytest.skip("this transformers has no DeepSeek-V2 implementation", allow_module_level=True)
+assert hasattr(transformers, "DeepseekV2ForCausalLM"), "the oracle needs transformers' DeepSeek-V2"
 
 from pdd_sidecar.config import ModelConfig  # noqa: E402
 from pdd_sidecar.generate import generate_result  # noqa: E402

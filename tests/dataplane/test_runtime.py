@@ -10,11 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("nixl")
-
+import torch  # noqa: F401  (the tier needs it; never skip)
 from runtime_fixtures import LocalCluster, Proc, http  # noqa: E402
 
 from pdd_api.plan import SidePlan  # noqa: E402
