@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import socket
 import sys
 from collections.abc import Sequence
@@ -95,7 +96,9 @@ def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
     try:
         res = _rank_main(rank, TorchDistComm(), spec)
         if rank == 0:
-            queue.put(("ok", res))  # type: ignore[attr-defined]
+            # Plain pickle copies tensors by value; the queue's own pickler would share them by
+            # file descriptor, which dies with this process before the parent reads them.
+            queue.put(("ok", pickle.dumps(res)))  # type: ignore[attr-defined]
     except Exception as e:  # forwarded to the parent, which reports it once
         queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))  # type: ignore[attr-defined]
         sys.exit(1)
@@ -145,7 +148,8 @@ def _run_procs(spec: _Spec, timeout_s: float = 900.0) -> GenerationResult:
         if "KVCacheFullError" in payload:
             raise KVCacheFullError(payload)
         raise RuntimeError(payload)
-    return payload
+    result: GenerationResult = pickle.loads(payload)
+    return result
 
 
 def generate_result(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdd_sidecar.dcp import merge_by_lse  # noqa: E402
-from pdd_sidecar.generate import generate, generate_result, main  # noqa: E402
+from pdd_sidecar.generate import generate_result, main  # noqa: E402
 from pdd_sidecar.mla import decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.dataplane
@@ -93,8 +93,10 @@ def test_bf16_close_to_fp32(ref_fp32):
 
 
 def test_local_processes_over_gloo(ref_fp32):
-    ids = generate("builtin", PROMPT, STEPS + 1, tp=2, dcp=2, block_size=BLOCK, launcher="procs")
-    assert ids == ref_fp32.token_ids
+    res = generate_result("builtin", PROMPT, STEPS + 1, tp=2, dcp=2, block_size=BLOCK,
+                          keep_logits=True, launcher="procs")
+    assert res.token_ids == ref_fp32.token_ids
+    assert _max_diff(res, ref_fp32) <= FP32_TOL  # logits survive the trip from the rank process
 
 
 def test_cli_generate_json(capsys, ref_fp32):
