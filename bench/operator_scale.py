@@ -52,12 +52,11 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-class PodWatch:
-    """Client-side times at which each pod was first seen and first seen Ready."""
+class _Watch:
+    """A watch on its own thread; a broken stream is restarted (it re-lists)."""
 
-    def __init__(self, api: client.CoreV1Api, ns: str) -> None:
+    def __init__(self, api: Any, ns: str) -> None:
         self.api, self.ns = api, ns
-        self.added: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -67,8 +66,19 @@ class PodWatch:
         while not self.stop.is_set():
             try:
                 self._stream()
-            except Exception:  # noqa: BLE001 - a broken watch is restarted (it re-lists)
+            except Exception:  # noqa: BLE001
                 time.sleep(0.2)
+
+    def _stream(self) -> None:
+        raise NotImplementedError
+
+
+class PodWatch(_Watch):
+    """Client-side times at which each pod was first seen and first seen Ready."""
+
+    def __init__(self, api: client.CoreV1Api, ns: str) -> None:
+        self.added: dict[str, float] = {}
+        super().__init__(api, ns)
 
     def _stream(self) -> None:
         w = watch.Watch()
@@ -86,20 +96,8 @@ class PodWatch:
                 break
 
 
-class PddWatch:
-    def __init__(self, api: client.CustomObjectsApi, ns: str) -> None:
-        self.api, self.ns = api, ns
-        self.ready: dict[str, float] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                self._stream()
-            except Exception:  # noqa: BLE001 - a broken watch is restarted (it re-lists)
-                time.sleep(0.2)
+class PddWatch(_Watch):
+    """Client-side times at which each PDDeployment was first seen Ready."""
 
     def _stream(self) -> None:
         w = watch.Watch()
