@@ -7,8 +7,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-PLAN_VERSION = 1
-
 RoutingCase = Literal[
     "replicated-to-replicated",
     "replicated-to-sharded",

@@ -49,6 +49,11 @@ def _int(spec: Mapping[str, Any], path: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _cel(field: str, rule: str, message: str, reason: str = "FieldValueInvalid") -> dict[str, str]:
+    """One x-kubernetes-validations entry, reported at the field it is about."""
+    return {"rule": rule, "messageExpression": message, "fieldPath": f".{field}", "reason": reason}
+
+
 def _fmt(template: str, *args: str) -> str:
     """A CEL messageExpression. `'..' + string(int)` is refused by the API server's cost
     estimator (unbounded string size); `format` is not."""
@@ -84,14 +89,13 @@ class RangeRule:
 
     def cel(self) -> dict[str, str]:
         f = f"self.{self.field}"
-        return {
-            "rule": f"{_cel_guard(self.field)}({f} >= {self.lo} && {f} <= {self.hi})",
-            "messageExpression": _fmt(
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}({f} >= {self.lo} && {f} <= {self.hi})",
+            _fmt(
                 f"spec.{self.field}: must be between {self.lo} and {self.hi}, got %d", f
             ),
-            "fieldPath": f".{self.field}",
-            "reason": "FieldValueInvalid",
-        }
+        )
 
 
 @dataclass(frozen=True)
@@ -114,14 +118,13 @@ class DcpRule:
 
     def cel(self) -> dict[str, str]:
         d, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
-        return {
-            "rule": f"{_cel_guard(self.field)}!has({t}) || {t} < 1 || {d} == 1 || {d} == {t}",
-            "messageExpression": _fmt(
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}!has({t}) || {t} < 1 || {d} == 1 || {d} == {t}",
+            _fmt(
                 f"spec.{self.field}: must be 1 or equal to tensorParallelSize (%d), got %d", t, d
             ),
-            "fieldPath": f".{self.field}",
-            "reason": "FieldValueInvalid",
-        }
+        )
 
 
 @dataclass(frozen=True)
@@ -142,18 +145,17 @@ class DcpDivideRule:
 
     def cel(self) -> dict[str, str]:
         d, p = f"self.{self.field}", f"self.{self.other}"
-        return {
-            "rule": f"{_cel_guard(self.field)}{_cel_guard(self.other)}{d} < 1 || {p} < 1 || "
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}{_cel_guard(self.other)}{d} < 1 || {p} < 1 || "
             f"{d} % {p} == 0 || {p} % {d} == 0",
-            "messageExpression": _fmt(
+            _fmt(
                 f"spec.{self.field}: must divide or be a multiple of spec.{self.other} (%d), "
                 "got %d",
                 p,
                 d,
             ),
-            "fieldPath": f".{self.field}",
-            "reason": "FieldValueInvalid",
-        }
+        )
 
 
 @dataclass(frozen=True)
@@ -171,17 +173,16 @@ class BlockSizeRule:
 
     def cel(self) -> dict[str, str]:
         f = f"self.{self.field}"
-        return {
-            "rule": f"{_cel_guard(self.field)}({f} > 0 && {f} <= {MAX_BLOCK_SIZE} && "
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}({f} > 0 && {f} <= {MAX_BLOCK_SIZE} && "
             f"{f} % {BLOCK_ALIGN} == 0)",
-            "messageExpression": _fmt(
+            _fmt(
                 f"spec.{self.field}: must be a positive multiple of {BLOCK_ALIGN} and at most "
                 f"{MAX_BLOCK_SIZE}, got %d",
                 f,
             ),
-            "fieldPath": f".{self.field}",
-            "reason": "FieldValueInvalid",
-        }
+        )
 
 
 @dataclass(frozen=True)
@@ -210,17 +211,16 @@ class GpuRule:
     def cel(self) -> dict[str, str]:
         m, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
         v = f"{m}['{GPU_RESOURCE}']"
-        return {
-            "rule": f"{_cel_guard(self.field)}!has({t}) || !('{GPU_RESOURCE}' in {m}) || "
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}!has({t}) || !('{GPU_RESOURCE}' in {m}) || "
             f"string({v}) == string({t})",
-            "messageExpression": _fmt(
+            _fmt(
                 f"spec.{self.field}[{GPU_RESOURCE}]: must equal tensorParallelSize (%d), got %s",
                 t,
                 v,
             ),
-            "fieldPath": f".{self.field}",
-            "reason": "FieldValueInvalid",
-        }
+        )
 
 
 @dataclass(frozen=True)
@@ -235,12 +235,11 @@ class NonEmptyRule:
 
     def cel(self) -> dict[str, str]:
         f = f"self.{self.field}"
-        return {
-            "rule": f"{_cel_guard(self.field)}{f}.size() > 0",
-            "messageExpression": f"'spec.{self.field}: must not be empty'",
-            "fieldPath": f".{self.field}",
-            "reason": "FieldValueRequired",
-        }
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}{f}.size() > 0",
+            f"'spec.{self.field}: must not be empty'", reason="FieldValueRequired",
+        )
 
 
 def _rules() -> tuple[Rule, ...]:

@@ -16,16 +16,16 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from localcluster import Cluster
+from polling import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO_ROOT / "crds" / "serving.pdd.dev_pddeployments.yaml"
@@ -33,20 +33,6 @@ PEERING_FILE = REPO_ROOT / "manifests" / "base" / "kopf-peering.yaml"
 EXAMPLES = sorted((REPO_ROOT / "manifests" / "examples").glob("*.yaml"))
 CRD_NAME = "pddeployments.serving.pdd.dev"
 GROUP, VERSION, PLURAL = "serving.pdd.dev", "v1alpha1", "pddeployments"
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60,
-             interval: float = 0.3) -> Any:
-    """Poll until `probe` returns something truthy; on timeout the failure says what never
-    happened and the last value seen (a guard against hangs, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
 
 
 def free_port() -> int:

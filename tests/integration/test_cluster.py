@@ -4,28 +4,17 @@ real scheduling by extended resources, pods turning Running, and garbage collect
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from localcluster import Cluster
+from polling import wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60) -> Any:
-    """Poll until ``probe`` returns something truthy; the failure names what never happened
-    and the last value seen, which is what one needs to debug a slow or stuck controller."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
 
 
 @pytest.fixture

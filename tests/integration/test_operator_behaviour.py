@@ -26,8 +26,10 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     wait_ready,
 )
 
+from pdd_api import keys
+
 pytestmark = pytest.mark.integration
-HASH = "serving.pdd.dev/spec-hash"
+HASH = keys.ANNOTATION_SPEC_HASH
 
 BASE: dict[str, Any] = {
     "apiVersion": "serving.pdd.dev/v1alpha1",

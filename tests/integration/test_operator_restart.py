@@ -24,11 +24,12 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     wait_ready,
 )
 
+from pdd_api import keys
 from pdd_operator.kube import ApiError, Kube
 from pdd_operator.reconciler import Reconciler
 
 pytestmark = pytest.mark.integration
-HASH = "serving.pdd.dev/spec-hash"
+HASH = keys.ANNOTATION_SPEC_HASH
 
 SPEC: dict[str, Any] = {
     "model": {"name": "deepseek-ai/DeepSeek-V2-Lite-Chat"},
