@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
-from pdd_sidecar.kv_cache import PagedKVCache  # noqa: E402
-from pdd_sidecar.mla import decode_attention  # noqa: E402
+from pdd_sidecar.kv.cache import PagedKVCache  # noqa: E402
+from pdd_sidecar.model.mla import decode_attention  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

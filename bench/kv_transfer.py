@@ -2,7 +2,7 @@
 
 A DeepSeek-V2-Lite-shaped cache (27 layers, 576 latent values per token, bfloat16, blockSize 64)
 lives in a "prefill" process; the "decode" process READs one request's blocks into its own cache
-through pdd_sidecar.transfer (prepared lists, contiguous blocks coalesced), and, for comparison,
+through pdd_sidecar.kv.transfer (prepared lists, contiguous blocks coalesced), and, for comparison,
 through one prepared descriptor per block and through per-request `initialize_xfer`.
 
     python bench/kv_transfer.py                   # CPU: DRAM -> DRAM over UCX
@@ -43,7 +43,7 @@ def _prefill_process(conn: Any, num_blocks: int, device: str) -> None:
     try:
         import torch
 
-        from pdd_sidecar.transfer import KVTransferAgent
+        from pdd_sidecar.kv.transfer import KVTransferAgent
 
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
@@ -74,7 +74,7 @@ def _median_seconds(fn: Any, repeat: int) -> float:
 def run(device: str, token_counts: list[int], repeat: int) -> dict[str, Any]:
     import torch
 
-    from pdd_sidecar.transfer import KVTransferAgent, ReadSpec, RegionInfo, Run
+    from pdd_sidecar.kv.transfer import KVTransferAgent, ReadSpec, RegionInfo, Run
 
     cuda = device == "cuda"
     if cuda and torch.cuda.device_count() < 2:

@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
-        from pdd_sidecar.generate import main as generate_main  # torch lives in the sidecar
+        from pdd_sidecar.engine.generate import main as generate_main  # torch lives in the sidecar
 
         return generate_main(argv[1:])
     args = parser().parse_args(argv)

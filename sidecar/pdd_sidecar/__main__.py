@@ -18,15 +18,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        from pdd_sidecar.server import serve
+        from pdd_sidecar.serve.server import serve
 
         return serve()
     if command == "router":
-        from pdd_sidecar.router import main as router_main
+        from pdd_sidecar.serve.router import main as router_main
 
         return router_main()
     if command == "generate":
-        from pdd_sidecar.generate import main as generate_main
+        from pdd_sidecar.engine.generate import main as generate_main
 
         return generate_main(rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Local processes for runtime tests: prefill/decode instances and routers on 127.0.0.1.
 
-Instances are the real entry point (`pdd_sidecar.server.serve`, what `python -m pdd_sidecar
+Instances are the real entry point (`pdd_sidecar.serve.server.serve`, what `python -m pdd_sidecar
 serve` runs) with their environment passed in. They are forked from a forkserver that imported
 torch once, because importing torch costs seconds of CPU per process on a small machine. Each
 instance runs in its own session, so a test can kill it with all its rank processes at once.
@@ -29,8 +29,8 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(
-            ["torch", "aiohttp", "nixl._api", "pdd_sidecar.server", "pdd_sidecar.engine",
-             "pdd_sidecar.router"]
+            ["torch", "aiohttp", "nixl._api", "pdd_sidecar.serve.server",
+             "pdd_sidecar.engine.rank_engine", "pdd_sidecar.serve.router"]
         )
     return _CTX
 
@@ -66,7 +66,7 @@ def free_ports(n: int) -> int:
 def _serve_entry(env: dict[str, str]) -> None:
     os.setsid()
     os.environ.update(env)
-    from pdd_sidecar.server import serve
+    from pdd_sidecar.serve.server import serve
 
     os._exit(serve(env))
 
@@ -74,7 +74,7 @@ def _serve_entry(env: dict[str, str]) -> None:
 def _router_entry(env: dict[str, str]) -> None:
     os.setsid()
     os.environ.update(env)
-    from pdd_sidecar.router import main
+    from pdd_sidecar.serve.router import main
 
     os._exit(main(env))
 

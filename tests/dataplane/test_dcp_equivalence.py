@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from pdd_sidecar.dcp import merge_by_lse  # noqa: E402
-from pdd_sidecar.generate import generate_result, main  # noqa: E402
-from pdd_sidecar.mla import decode_attention  # noqa: E402
+from pdd_sidecar.engine.dcp import merge_by_lse  # noqa: E402
+from pdd_sidecar.engine.generate import generate_result, main  # noqa: E402
+from pdd_sidecar.model.mla import decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.dataplane
 

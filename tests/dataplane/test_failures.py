@@ -57,7 +57,7 @@ def _all_free(url: str) -> list[int]:
 
 
 def _reference(n: int, max_tokens: int) -> list[int]:
-    from pdd_sidecar.generate import generate
+    from pdd_sidecar.engine.generate import generate
 
     return generate("builtin", _prompt(n), max_tokens, block_size=BLOCK)
 

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pdd_sidecar import kv_cache as kvc  # noqa: E402
-from pdd_sidecar.comm import run_threads  # noqa: E402
-from pdd_sidecar.engine import RankEngine, allocate_request, new_cache  # noqa: E402
-from pdd_sidecar.kv_cache import KVCacheFullError, PagedKVCache  # noqa: E402
-from pdd_sidecar.model import load_rank_model  # noqa: E402
+from pdd_sidecar.engine.comm import run_threads  # noqa: E402
+from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache  # noqa: E402
+from pdd_sidecar.kv import cache as kvc  # noqa: E402
+from pdd_sidecar.kv.cache import KVCacheFullError, PagedKVCache  # noqa: E402
+from pdd_sidecar.model.rank_model import load_rank_model  # noqa: E402
 
 pytestmark = pytest.mark.dataplane
 

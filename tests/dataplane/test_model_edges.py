@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from pdd_sidecar.comm import SingleComm  # noqa: E402
-from pdd_sidecar.config import BUILTIN_SEED, builtin_config  # noqa: E402
-from pdd_sidecar.engine import RankEngine, new_cache  # noqa: E402
-from pdd_sidecar.generate import generate, generate_result, main  # noqa: E402
-from pdd_sidecar.kv_cache import KVCacheFullError  # noqa: E402
-from pdd_sidecar.model import load_rank_model  # noqa: E402
-from pdd_sidecar.weights import builtin_state_dict, write_checkpoint  # noqa: E402
+from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
+from pdd_sidecar.engine.generate import generate, generate_result, main  # noqa: E402
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache  # noqa: E402
+from pdd_sidecar.kv.cache import KVCacheFullError  # noqa: E402
+from pdd_sidecar.model.config import BUILTIN_SEED, builtin_config  # noqa: E402
+from pdd_sidecar.model.rank_model import load_rank_model  # noqa: E402
+from pdd_sidecar.model.weights import builtin_state_dict, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.dataplane
 

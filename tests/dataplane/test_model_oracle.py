@@ -14,8 +14,8 @@ import transformers
 
 assert hasattr(transformers, "DeepseekV2ForCausalLM"), "the oracle needs transformers' DeepSeek-V2"
 
-from pdd_sidecar.config import ModelConfig  # noqa: E402
-from pdd_sidecar.generate import generate_result  # noqa: E402
+from pdd_sidecar.engine.generate import generate_result  # noqa: E402
+from pdd_sidecar.model.config import ModelConfig  # noqa: E402
 
 pytestmark = [
     pytest.mark.dataplane,

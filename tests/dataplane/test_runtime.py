@@ -48,13 +48,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, P
 
 
 def _reference(prompt: list[int], n: int) -> list[int]:
-    from pdd_sidecar.generate import generate
+    from pdd_sidecar.engine.generate import generate
 
     return generate("builtin", prompt, n, block_size=BLOCK)
 
 
 def test_text_prompt_goes_through_the_byte_tokenizer(deployment: dict[str, Proc]) -> None:
-    from pdd_sidecar import tokenizer
+    from pdd_sidecar.serve import tokenizer
 
     status, body = http("POST", f"{deployment['router'].url}/v1/completions",
                         {"prompt": "Disaggregated prefill and decode.", "max_tokens": 8})

@@ -46,7 +46,7 @@ def _label(cfg: tuple[tuple[int, int], tuple[int, int]]) -> str:
 
 @pytest.fixture(scope="module")
 def references() -> dict[int, list[int]]:
-    from pdd_sidecar.generate import generate
+    from pdd_sidecar.engine.generate import generate
 
     return {n: generate("builtin", _prompt(n), MAX_TOKENS, block_size=BLOCK)
             for n in PROMPT_LENGTHS}
@@ -94,7 +94,7 @@ def test_sweep(cfg: Any, cluster: LocalCluster, references: dict[int, list[int]]
     router = cluster.router([prefill], [decode])
     for p in (prefill, decode, router):
         p.wait_ready()
-    from pdd_sidecar.config import builtin_config
+    from pdd_sidecar.model.config import builtin_config
 
     cfg_model = builtin_config()
     bytes_per_token = cfg_model.num_hidden_layers * cfg_model.latent_dim * 4  # float32

@@ -12,15 +12,15 @@ import torch
 
 from pdd_api.plan import SidePlan  # noqa: E402
 from pdd_api.routing import bytes_per_decode_rank, plan_routing  # noqa: E402
-from pdd_sidecar.compat import CompatError, CompatRecord, check_compatible  # noqa: E402
-from pdd_sidecar.lease import LeaseTable, notif_message, parse_notif  # noqa: E402
-from pdd_sidecar.side_channel import (  # noqa: E402
+from pdd_sidecar.kv.compat import CompatError, CompatRecord, check_compatible  # noqa: E402
+from pdd_sidecar.kv.lease import LeaseTable, notif_message, parse_notif  # noqa: E402
+from pdd_sidecar.kv.side_channel import (  # noqa: E402
     PeerUnreachable,
     SideChannelServer,
     handshake,
     publication,
 )
-from pdd_sidecar.transfer import (  # noqa: E402
+from pdd_sidecar.kv.transfer import (  # noqa: E402
     KVTransferAgent,
     PreppedBlocks,
     Run,
@@ -78,7 +78,7 @@ def test_read_specs_give_each_decode_rank_exactly_its_chunks(
     num_chunks = -(-num_tokens // BLOCK)
     ptable, dtable = _tables(num_chunks, prefill[1], 5), _tables(num_chunks, decode[1], 2)
     row = LATENT * 4
-    from pdd_sidecar.transfer import RegionInfo
+    from pdd_sidecar.kv.transfer import RegionInfo
 
     region = RegionInfo(0, NUM_BLOCKS, LAYERS, BLOCK, row, "DRAM", 0)
     minimum = bytes_per_decode_rank(plan, num_tokens, LAYERS * row)

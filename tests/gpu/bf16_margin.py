@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from pdd_sidecar.generate import generate_result
+    from pdd_sidecar.engine.generate import generate_result
 
     layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",") if s]
     lengths = [int(n) for n in a.prompts.split(",") if n]

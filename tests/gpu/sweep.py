@@ -101,7 +101,7 @@ def gpus_needed(cfg: Config) -> int:
 
 
 def references(dtype: str, device: str) -> dict[int, list[int]]:
-    from pdd_sidecar.generate import generate
+    from pdd_sidecar.engine.generate import generate
 
     return {n: generate("builtin", _prompt(n), MAX_TOKENS, block_size=BLOCK, dtype=dtype,
                         device=device)
@@ -119,7 +119,7 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
                workdir: Path, ready_timeout: float) -> Row:
     import torch
 
-    from pdd_sidecar.config import builtin_config
+    from pdd_sidecar.model.config import builtin_config
 
     (tp_p, dcp_p), (tp_d, dcp_d) = cfg
     row = Row(_label(cfg), dtype, "ERROR", reference=cfg in REFERENCE_SWEEP)

@@ -24,10 +24,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdd_sidecar import tokenizer
-from pdd_sidecar.discovery import replicas
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from pdd_sidecar.serve import tokenizer
+from pdd_sidecar.serve.discovery import replicas
 
 log = logging.getLogger(__name__)
 

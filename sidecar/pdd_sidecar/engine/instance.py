@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd_api.plan import RoutingPlan
-from pdd_sidecar.compat import CompatError, CompatRecord, cache_layout, plan_digest
 from pdd_sidecar.env import InstanceSettings
-from pdd_sidecar.lease import LeaseTable, notif_message, parse_notif
+from pdd_sidecar.kv.compat import CompatError, CompatRecord, cache_layout, plan_digest
+from pdd_sidecar.kv.lease import LeaseTable, notif_message, parse_notif
+from pdd_sidecar.kv.side_channel import PeerInfo, SideChannelServer, handshake, publication
+from pdd_sidecar.kv.transfer import KVTransferAgent, ReadStats, TransferError, plan_read_specs
 from pdd_sidecar.metrics import InstanceMetrics
-from pdd_sidecar.side_channel import PeerInfo, SideChannelServer, handshake, publication
-from pdd_sidecar.transfer import KVTransferAgent, ReadStats, TransferError, plan_read_specs
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,9 @@ class RankWorker:
                  plan_text: str, instance_id: str) -> None:
         import torch
 
-        from pdd_sidecar.comm import SingleComm, TorchDistComm
-        from pdd_sidecar.engine import RankEngine, new_cache
-        from pdd_sidecar.model import load_rank_model
+        from pdd_sidecar.engine.comm import SingleComm, TorchDistComm
+        from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+        from pdd_sidecar.model.rank_model import load_rank_model
 
         self.torch = torch
         self.rank = rank
@@ -245,8 +245,8 @@ class RankWorker:
     # -- prefill
 
     def _prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from pdd_sidecar.engine import allocate_request
-        from pdd_sidecar.kv_cache import KVCacheFullError
+        from pdd_sidecar.engine.rank_engine import allocate_request
+        from pdd_sidecar.kv.cache import KVCacheFullError
 
         rid, tokens = cmd["id"], cmd["tokens"]
         if rid in self.held:
@@ -354,8 +354,8 @@ class RankWorker:
 
     def _decode(self, cmd: dict[str, Any],
                 on_token: Callable[[int], None] | None) -> dict[str, Any]:
-        from pdd_sidecar.engine import allocate_request
-        from pdd_sidecar.kv_cache import KVCacheFullError
+        from pdd_sidecar.engine.rank_engine import allocate_request
+        from pdd_sidecar.kv.cache import KVCacheFullError
 
         s = self.settings
         src = _Source.parse(cmd["source"])

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .config import RopeConfig, yarn_get_mscale
+from pdd_sidecar.model.config import RopeConfig, yarn_get_mscale
 
 
 def inv_freq_and_scale(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

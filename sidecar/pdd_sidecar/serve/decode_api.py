@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdd_sidecar.discovery import replicas
-from pdd_sidecar.instance import RequestError
-from pdd_sidecar.server import STATE, InstanceState, error_response, first_error, read_json
+from pdd_sidecar.engine.instance import RequestError
+from pdd_sidecar.serve.discovery import replicas
+from pdd_sidecar.serve.server import STATE, InstanceState, error_response, first_error, read_json
 
 
 def _parse(body: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pdd_sidecar.compat import CompatError, CompatRecord, check_compatible
-from pdd_sidecar.transfer import RegionInfo, TransferError
+from pdd_sidecar.kv.compat import CompatError, CompatRecord, check_compatible
+from pdd_sidecar.kv.transfer import RegionInfo, TransferError
 
 log = logging.getLogger(__name__)
 

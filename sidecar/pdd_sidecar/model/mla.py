@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .rope import apply_rope
-from .weights import AttnWeights
+from pdd_sidecar.model.config import ModelConfig
+from pdd_sidecar.model.rope import apply_rope
+from pdd_sidecar.model.weights import AttnWeights
 
 LORA_NORM_EPS = 1e-6  # q_a/kv_a layernorms use the RMSNorm default, not rms_norm_eps
 

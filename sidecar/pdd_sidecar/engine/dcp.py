@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm
+from pdd_sidecar.engine.comm import Comm
 
 
 def lse_weights(lse_r: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

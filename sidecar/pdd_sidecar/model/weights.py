@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .config import ModelConfig
+from pdd_sidecar.model.config import ModelConfig
 
 
 class TensorSource(Protocol):
@@ -76,7 +76,7 @@ class SafetensorsSource:
 
 
 def open_source(model: str | Path, config: ModelConfig, seed: int) -> TensorSource:
-    from .config import BUILTIN
+    from pdd_sidecar.model.config import BUILTIN
 
     if str(model) == BUILTIN:
         return DictSource(builtin_state_dict(config, seed))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .config import BUILTIN_SEED, ModelConfig, load_config
-from .rope import Rotary
-from .weights import RankWeights, load_rank_weights, open_source
+from pdd_sidecar.model.config import BUILTIN_SEED, ModelConfig, load_config
+from pdd_sidecar.model.rope import Rotary
+from pdd_sidecar.model.weights import RankWeights, load_rank_weights, open_source
 
 _DTYPES = {
     "float32": torch.float32,

@@ -20,11 +20,11 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar.engine.instance import InstanceDriver, RankWorker, RequestError, new_instance_id
 from pdd_sidecar.env import ConfigError, InstanceSettings
-from pdd_sidecar.instance import InstanceDriver, RankWorker, RequestError, new_instance_id
+from pdd_sidecar.kv.side_channel import handshake
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from pdd_sidecar.routing_file import load_routing_file
-from pdd_sidecar.side_channel import handshake
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,9 @@ def build_app(state: InstanceState) -> web.Application:
     app.router.add_get("/v1/info", info)
     app.router.add_get("/v1/stats", stats)
     if state.settings.role == "prefill":
-        from pdd_sidecar.prefill_server import add_routes
+        from pdd_sidecar.serve.prefill_api import add_routes
     else:
-        from pdd_sidecar.decode_server import add_routes
+        from pdd_sidecar.serve.decode_api import add_routes
     add_routes(app)
 
     async def background(app: web.Application) -> Any:
@@ -190,7 +190,7 @@ def build_app(state: InstanceState) -> web.Application:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
         tasks = [asyncio.create_task(_check_own_ranks(state))]
         if state.settings.role == "decode":
-            from pdd_sidecar.decode_server import watch_prefill_peers
+            from pdd_sidecar.serve.decode_api import watch_prefill_peers
 
             tasks.append(asyncio.create_task(watch_prefill_peers(state)))
         yield

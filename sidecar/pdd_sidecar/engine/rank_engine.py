@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import kv_cache as kvc
-from .comm import Comm
-from .dcp import dcp_merge
-from .kv_cache import PagedKVCache
-from .mla import (
+from pdd_sidecar.engine.comm import Comm
+from pdd_sidecar.engine.dcp import dcp_merge
+from pdd_sidecar.kv import cache as kvc
+from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model.mla import (
     absorb_q,
     decode_attention,
     prefill_attention,
@@ -25,8 +25,8 @@ from .mla import (
     rms_norm,
     unabsorb_v,
 )
-from .model import RankModel
-from .moe import dense_mlp, moe
+from pdd_sidecar.model.moe import dense_mlp, moe
+from pdd_sidecar.model.rank_model import RankModel
 
 
 def new_cache(

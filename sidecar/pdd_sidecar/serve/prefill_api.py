@@ -13,8 +13,8 @@ import uuid
 
 from aiohttp import web
 
-from pdd_sidecar.instance import RequestError
-from pdd_sidecar.server import STATE, error_response, first_error, read_json
+from pdd_sidecar.engine.instance import RequestError
+from pdd_sidecar.serve.server import STATE, error_response, first_error, read_json
 
 
 async def prefill(request: web.Request) -> web.Response:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .comm import Comm, TorchDistComm, run_threads
-from .config import BUILTIN_SEED, load_config
-from .engine import RankEngine, allocate_request, new_cache
-from .kv_cache import KVCacheFullError, num_table_blocks
-from .model import load_rank_model, parse_dtype
+from pdd_sidecar.engine.comm import Comm, TorchDistComm, run_threads
+from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
+from pdd_sidecar.kv.cache import KVCacheFullError, num_table_blocks
+from pdd_sidecar.model.config import BUILTIN_SEED, load_config
+from pdd_sidecar.model.rank_model import load_rank_model, parse_dtype
 
 
 @dataclass

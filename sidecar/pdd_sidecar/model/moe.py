@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .weights import MLPWeights, MoEWeights
+from pdd_sidecar.model.config import ModelConfig
+from pdd_sidecar.model.weights import MLPWeights, MoEWeights
 
 
 def dense_mlp(x: torch.Tensor, w: MLPWeights, add_bias: bool = True) -> torch.Tensor:
