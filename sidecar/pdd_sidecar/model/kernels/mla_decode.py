@@ -1,0 +1,412 @@
+"""Paged MLA decode attention for a batch of sequences: absorbed queries over the paged latent
+cache, returning the latent output and its log-sum-exp (what DCP ranks merge).
+
+Contract: ``q [B, H, L]`` with ``L = kv_lora_rank + rope``; ``kv_cache`` the whole per-rank cache
+``[num_blocks, num_layers, block_size, L]`` (kv/cache.py's layout); ``block_tables [B, max_blocks]``
+(padded); ``seq_lens [B]`` the tokens this rank holds per sequence, filling the table's blocks in
+order (token ``j`` at ``block_tables[b, j // block_size]``, offset ``j % block_size``). A length of
+0 (a DCP rank holding no chunk) gives output 0 and LSE ``-inf``. Scores are ``q . k`` over all
+``L`` dims times ``scale``; values are the first ``kv_lora_rank`` dims of each latent.
+
+The torch reference runs on the CPU (and is what the Triton kernel is tested against); on CUDA
+the Triton kernel reads each sequence's blocks in place (no gather copy), splits long contexts
+over several programs and merges the splits by LSE. Its launch shapes depend only on tensor
+shapes, never on ``seq_lens`` values, so it needs no host sync and can be captured in a graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdd_sidecar.model.mla import decode_attention
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # machines without a GPU may have no Triton: the reference serves them
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+LOG2E = 1.4426950408889634
+
+
+def _check(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, L], got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 4:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, num_layers, block_size, L], got {tuple(kv_cache.shape)}"
+        )
+    b, _, latent = q.shape
+    if kv_cache.shape[-1] != latent:
+        raise ValueError(f"q's L ({latent}) differs from kv_cache's L ({kv_cache.shape[-1]})")
+    if not 0 < kv_lora_rank < latent:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} must be in (0, {latent})")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer {layer} out of range [0, {kv_cache.shape[1]})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be [{b}, max_blocks], got {tuple(block_tables.shape)}")
+    if seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens must be [{b}], got {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def gather_latents(
+    kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """The first ``num_tokens`` latents of ``layer`` held in ``block_ids`` (filled in order)."""
+    bs, latent = kv_cache.shape[2], kv_cache.shape[3]
+    nb = -(-num_tokens // bs)
+    blocks = kv_cache[block_ids[:nb].long(), layer]
+    return blocks.reshape(nb * bs, latent)[:num_tokens]
+
+
+def paged_mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: gather its latents and run ``decode_attention`` (the single-sequence path
+    the transformers oracle checks), so the batched contract cannot drift from it."""
+    _check(q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank)
+    b, h, _ = q.shape
+    lens = seq_lens.tolist()
+    cap = block_tables.shape[1] * kv_cache.shape[2]
+    bad = [(i, n) for i, n in enumerate(lens) if not 0 <= n <= cap]
+    if bad:
+        raise ValueError(f"seq_lens out of range [0, {cap}] (table capacity): {bad[:5]}")
+    out = torch.zeros(b, h, kv_lora_rank, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q.device)
+    for i, n in enumerate(lens):
+        if n:
+            kv = gather_latents(kv_cache, layer, block_tables[i], n)
+            out[i], lse[i] = decode_attention(q[i], kv, kv_lora_rank, scale)
+    return out, lse
+
+
+def paged_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H, kv_lora_rank] fp32, lse [B, H] fp32, natural log)``: the Triton kernel on
+    CUDA, the torch reference elsewhere."""
+    if q.is_cuda and HAS_TRITON:
+        return paged_mla_decode_triton(
+            q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale
+        )
+    return paged_mla_decode_ref(q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale)
+
+
+# --- Triton -----------------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+
+# Tunables; the bench sweeps them on the device (bench/engine.py --tune).
+BLOCK_N = 32
+NUM_WARPS = 4
+NUM_STAGES = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def num_splits_for(batch: int, head_groups: int, capacity: int, sms: int) -> int:
+    """Splits per sequence from shapes alone: enough programs for two waves over the SMs, each
+    split at least ``MIN_SPLIT_TOKENS`` of the table's capacity."""
+    want = -(-2 * sms // max(1, batch * head_groups))
+    most = max(1, -(-capacity // MIN_SPLIT_TOKENS))
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def _p2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def paged_mla_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lengths past the table's capacity are clipped to it in the kernel (no host check: that
+    would be a sync); the reference raises for them."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not importable")
+    _check(q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank)
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache's last dimension must be contiguous")
+    b, h, latent = q.shape
+    c, r = kv_lora_rank, latent - kv_lora_rank
+    q = q.to(kv_cache.dtype).contiguous()
+    block_h = 16 if h <= 16 else 32
+    hg = -(-h // block_h)
+    bs = kv_cache.shape[2]
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = num_splits_for(b, hg, max_blocks * bs, _sm_count(q.device))
+    out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        o_part = torch.empty(b, h, num_splits, c, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
+        so = o_part.stride()
+        sl = l_part.stride()
+    else:
+        o_part, l_part = out, lse
+        so = (out.stride(0), out.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1), 0)
+    kernel: Any = _mla_decode_split
+    kernel[(b, num_splits, hg)](
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        o_part,
+        l_part,
+        layer,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_tables.stride(0),
+        so[0],
+        so[1],
+        so[2],
+        sl[0],
+        sl[1],
+        sl[2],
+        max_blocks,
+        h,
+        BS=bs,
+        C=c,
+        R=r,
+        C_P2=_p2(c),
+        R_P2=_p2(r),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n or BLOCK_N,
+        NUM_SPLITS=num_splits,
+        IEEE=kv_cache.dtype == torch.float32,
+        num_warps=num_warps or NUM_WARPS,
+        num_stages=num_stages or NUM_STAGES,
+    )
+    if num_splits > 1:
+        reduce: Any = _mla_decode_reduce
+        reduce[(b, h)](
+            o_part,
+            l_part,
+            out,
+            lse,
+            so[0],
+            so[1],
+            so[2],
+            sl[0],
+            sl[1],
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            C=c,
+            C_P2=_p2(c),
+            NUM_SPLITS=num_splits,
+            S_P2=_p2(num_splits, 2),
+            num_warps=4,
+        )
+    return out, lse
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mla_decode_split(
+        Q,
+        KV,
+        BT,
+        SL,
+        O_PART,
+        LSE,
+        layer,
+        scale_log2,
+        stride_qb,
+        stride_qh,
+        stride_kvb,
+        stride_kvl,
+        stride_kvt,
+        stride_btb,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        max_blocks,
+        num_heads,
+        BS: tl.constexpr,
+        C: tl.constexpr,
+        R: tl.constexpr,
+        C_P2: tl.constexpr,
+        R_P2: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        s = tl.program_id(1)
+        hg = tl.program_id(2)
+        offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        offs_c = tl.arange(0, C_P2)
+        offs_r = tl.arange(0, R_P2)
+        mask_c = offs_c < C
+        mask_r = offs_r < R
+
+        seq_len = tl.minimum(tl.load(SL + b).to(tl.int32), max_blocks * BS)
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+        q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+        q_r = tl.load(
+            q_row + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0
+        )
+
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, C_P2], dtype=tl.float32)
+        kv_layer = KV + layer.to(tl.int64) * stride_kvl
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+            row = kv_layer + blk * stride_kvb + (offs_n % BS) * stride_kvt
+            k_c = tl.load(
+                row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
+            )
+            k_r = tl.load(
+                row[:, None] + C + offs_r[None, :],
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                qk = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
+                qk += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+            else:
+                qk = tl.dot(q_c, tl.trans(k_c))
+                qk += tl.dot(q_r, tl.trans(k_r))
+            qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p.to(k_c.dtype), k_c, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(k_c.dtype), k_c)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+
+        has = l_sum > 0
+        l_safe = tl.where(has, l_sum, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o_ptr = O_PART + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + s * stride_os
+        tl.store(o_ptr + offs_c[None, :], out, mask=mask_h[:, None] & mask_c[None, :])
+        tl.store(
+            LSE + b.to(tl.int64) * stride_lb + offs_h * stride_lh + s * stride_ls, lse, mask=mask_h
+        )
+
+    @triton.jit
+    def _mla_decode_reduce(
+        O_PART,
+        L_PART,
+        OUT,
+        LSE,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_lb,
+        stride_lh,
+        stride_ob,
+        stride_oh,
+        stride_sb,
+        C: tl.constexpr,
+        C_P2: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        S_P2: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, S_P2)
+        mask_s = offs_s < NUM_SPLITS
+        offs_c = tl.arange(0, C_P2)
+        mask_c = offs_c < C
+        lses = tl.load(
+            L_PART + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
+            mask=mask_s,
+            other=float("-inf"),
+        )
+        m = tl.max(lses, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lses - m_safe)
+        total = tl.sum(w, 0)
+        parts = tl.load(
+            O_PART
+            + b.to(tl.int64) * stride_pb
+            + h * stride_ph
+            + offs_s[:, None] * stride_ps
+            + offs_c[None, :],
+            mask=mask_s[:, None] & mask_c[None, :],
+            other=0.0,
+        )
+        t_safe = tl.where(total > 0, total, 1.0)
+        out = tl.sum(parts * w[:, None], 0) / t_safe
+        tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c, out, mask=mask_c)
+        lse = tl.where(total > 0, m_safe + tl.log(t_safe), float("-inf"))
+        tl.store(LSE + b.to(tl.int64) * stride_sb + h, lse)
+
+
+__all__ = [
+    "HAS_TRITON",
+    "gather_latents",
+    "num_splits_for",
+    "paged_mla_decode",
+    "paged_mla_decode_ref",
+    "paged_mla_decode_triton",
+]
