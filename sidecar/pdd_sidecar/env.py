@@ -42,6 +42,12 @@ PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (deco
 PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
 PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
 PDD_DRAIN_S = "PDD_DRAIN_S"  # on SIGTERM, wait at most this long for held KV and requests
+# Serving engine (see engine/scheduler.py for the policy)
+PDD_MAX_NUM_SEQS = "PDD_MAX_NUM_SEQS"  # sequences admitted at once (running or pulling KV)
+PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
+PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"  # prefill tokens in one forward pass
+PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (rounded down to whole blocks)
+PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
 PDD_PREFILL_URLS = keys.ENV_PREFILL_URLS  # comma list of http://host:port of prefill instances
 PDD_DECODE_URLS = keys.ENV_DECODE_URLS  # comma list of http://host:port of decode instances
 PDD_PREFILL_SERVICE = keys.ENV_PREFILL_SERVICE  # headless Service DNS name[:port] of prefill pods
@@ -54,6 +60,9 @@ PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
 # --- router (listens on PDD_HTTP_PORT; replicas from PDD_*_URLS and/or PDD_*_SERVICE) ---
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
 PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
+PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
+# Longest prompt + completion the router accepts; unset: the checkpoint's max_position_embeddings.
+PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"
 
 DEFAULT_HTTP_PORT = keys.HTTP_PORT
 DEFAULT_SIDE_CHANNEL_PORT = 5600
@@ -130,6 +139,11 @@ class InstanceSettings:
     prefill_service: str = ""
     fault_read_gate: str = ""
     drain_s: float = 25.0
+    max_num_seqs: int = 256
+    max_waiting: int = 256
+    max_step_tokens: int = 2048
+    chunk_tokens: int = 512
+    max_model_len: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InstanceSettings:
@@ -179,6 +193,11 @@ class InstanceSettings:
             prefill_service=env.get(PDD_PREFILL_SERVICE, ""),
             fault_read_gate=env.get(PDD_FAULT_READ_GATE, ""),
             drain_s=_float(env, PDD_DRAIN_S, 25.0),
+            max_num_seqs=_int(env, PDD_MAX_NUM_SEQS, 256, 1),
+            max_waiting=_int(env, PDD_MAX_WAITING, 256, 0),
+            max_step_tokens=_int(env, PDD_MAX_STEP_TOKENS, 2048, 1),
+            chunk_tokens=_int(env, PDD_CHUNK_TOKENS, 512, 1),
+            max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
         )
 
 
@@ -192,6 +211,10 @@ class RouterSettings:
     decode_service: str
     health_interval_s: float
     request_timeout_s: float
+    model_name: str = "builtin"
+    model_source: str = "builtin"
+    max_model_len: int = 0  # 0: from the checkpoint
+    max_body_bytes: int = 8 << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -205,6 +228,10 @@ class RouterSettings:
             decode_service=env.get(PDD_DECODE_SERVICE, ""),
             health_interval_s=_float(env, PDD_ROUTER_HEALTH_INTERVAL_S, 2.0),
             request_timeout_s=_float(env, PDD_ROUTER_REQUEST_TIMEOUT_S, 120.0),
+            model_name=env.get(PDD_MODEL_NAME, "") or "builtin",
+            model_source=env.get(PDD_MODEL_SOURCE, "") or "builtin",
+            max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
+            max_body_bytes=_int(env, PDD_ROUTER_MAX_BODY_BYTES, 8 << 20, 1024),
         )
         if not (settings.prefill or settings.prefill_service):
             raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")
