@@ -1,11 +1,13 @@
-"""`python -m pdd_sidecar router`: OpenAI-style completions over prefill -> NIXL -> decode.
+"""`python -m pdd_sidecar router`: the OpenAI-compatible front end over prefill -> NIXL -> decode.
 
-`POST /v1/completions {"prompt": "text" | [ids], "max_tokens": 16, "stream": false}`: a prompt
-given as text goes through the built-in model's byte-level tokenizer. The router picks a prefill
-and a decode replica round robin among those whose /readyz answered, runs the prompt on the
-prefill replica, and hands its `kv_transfer_params` to the decode replica. With `"stream": true`
-it answers server-sent events, one per token. If the decode side fails, the router releases the
-prefill blocks at once instead of waiting for the lease.
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (messages rendered through the
+checkpoint's chat template, see serve/text.py), `GET /v1/models`, plus `/healthz`, `/readyz`,
+`/metrics`. Each request runs its prompt on a prefill replica (round robin among the ready
+ones; a 5xx or unreachable replica is retried on another, a 4xx is the client's answer) and
+hands the prefill's `kv_transfer_params` to a decode replica, whose tokens the router always
+reads as a stream: that is how it applies stop strings and honours a client that went away
+(closing the decode stream cancels the sequence; the prefill gets a /v1/release). Bad input is
+refused here, before any replica works on it, with OpenAI-style error JSON naming the field.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
+import secrets
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -26,15 +31,51 @@ from aiohttp import web
 
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from pdd_sidecar.serve import tokenizer
 from pdd_sidecar.serve.discovery import replicas
+from pdd_sidecar.serve.text import (
+    IncrementalDetokenizer,
+    ModelText,
+    StopStrings,
+    TemplateRenderError,
+    TextConfigError,
+    chat_ids,
+    load_model_text,
+)
 
 log = logging.getLogger(__name__)
 
-class UpstreamError(RuntimeError):
-    def __init__(self, message: str, status: int = 502) -> None:
+INT64 = (-(2**63), 2**63 - 1)
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error format: `{"error": {"message", "type", "param", "code"}}`."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str | None = None, code: Any = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or self.TYPES.get(status) or (
+            "invalid_request_error" if status < 500 else "server_error")
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, param)
 
 
 class Pool:
@@ -58,13 +99,357 @@ class Pool:
         self.healthy[url] = healthy
 
 
+# ---------------------------------------------------------------- request validation
+@dataclass
+class GenRequest:
+    """One validated completion request, in the terms the instances speak."""
+
+    kind: str  # "completion" | "chat"
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    local_stop_ids: frozenset[int] = frozenset()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
+
+
+def _check_strings(value: Any, path: str, top: str) -> None:
+    """JSON may carry lone surrogates (`"\\ud800"`), which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(f"{path}: contains an unpaired surrogate, not valid Unicode text",
+                      top) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path, top)
+            _check_strings(v, f"{path}.{k}", top)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{path}[{i}]", top)
+
+
+def _opt_int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None = None,
+             hi: int | None = None, what: str = "") -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(f"{key} must be an integer{what}, got {v!r}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(f"{key} must be an integer{what}, got {v}", key)
+    return int(v)
+
+
+def _opt_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+def _opt_number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float,
+                lo_open: bool, what: str) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_number(v) or (v <= lo if lo_open else v < lo) or v > hi:
+        raise bad(f"{key} must be a number in {what}, got {v!r}", key)
+    return float(v)
+
+
+def _ids(value: Any, model: ModelText, param: str) -> list[int] | None:
+    """A list of token ids, validated against the vocabulary; None if it is not a list of ints."""
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        return None
+    bad_ids = [t for t in value if not 0 <= t < model.vocab_size]
+    if bad_ids:
+        raise bad(f"{param}: token ids must be in [0, {model.vocab_size}) (the model's "
+                  f"vocabulary), got {bad_ids[:5]}", param)
+    return list(value)
+
+
+def _need_codec(model: ModelText, param: str) -> Any:
+    if model.codec is None:
+        raise bad(f"{param}: the model at {model.source} has no tokenizer "
+                  f"({model.missing_tokenizer}); send the prompt as token ids", param)
+    return model.codec
+
+
+def _prompt_ids(body: Mapping[str, Any], model: ModelText) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad(f"prompt: batches of prompts are not supported, got {len(prompt)} prompts "
+                  "(send one request per prompt)", "prompt")
+    if isinstance(prompt, str):
+        codec = _need_codec(model, "prompt")
+        ids = list(codec.encode(prompt, add_special_tokens=True))
+    else:
+        ids_or_none = _ids(prompt, model, "prompt")
+        if ids_or_none is None:
+            raise bad("prompt must be a string, a list of token ids, or a list holding one "
+                      "of those", "prompt")
+        ids = ids_or_none
+    if not ids:
+        raise bad("prompt is empty (no tokens)", "prompt")
+    return ids
+
+
+def _content_text(content: Any, where: str) -> str | None:
+    """Message content: a string, or OpenAI content parts of type text (joined by newlines)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if (not isinstance(part, dict) or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)):
+                raise bad(f"{where}[{i}]: only text content parts "
+                          '({"type": "text", "text": ...}) are supported', "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"{where} must be a string or a list of text parts", "messages")
+
+
+def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    conv = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with role and content", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad(f"messages[{i}].role must be a non-empty string", "messages")
+        msg = dict(m)
+        msg["content"] = _content_text(m.get("content"), f"messages[{i}].content")
+        conv.append(msg)
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise bad(f"{key}: tool calling is not supported", key)
+    add_gen = _opt_bool(body, "add_generation_prompt", True)
+    codec = _need_codec(model, "messages")
+    try:
+        ids = chat_ids(codec, conv, add_generation_prompt=add_gen)
+    except TemplateRenderError as exc:
+        raise bad(f"messages: {exc}", "messages") from None
+    if not ids:
+        raise bad("messages render to no tokens", "messages")
+    return ids
+
+
+def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenRequest:
+    if not isinstance(body, dict):
+        raise bad("request body must be a JSON object", None)
+    for key, value in body.items():
+        _check_strings(value, key, key)
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise bad(f"model must be a string, got {name!r}", "model")
+    if name not in (None, "", served):
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{served!r}", "model", "not_found_error", "model_not_found")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n")
+    for key in ("best_of",):
+        if body.get(key) not in (None, 1):
+            raise bad(f"{key} must be 1, got {body[key]!r}", key)
+    if kind == "completion":
+        if body.get("echo"):
+            raise bad("echo is not supported", "echo")
+        if body.get("suffix"):
+            raise bad("suffix is not supported", "suffix")
+    if body.get("logprobs") not in (None, False):
+        raise bad("logprobs are not supported", "logprobs")
+    stream = _opt_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options must be an object", "stream_options")
+        if not stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        include_usage = _opt_bool(opts, "include_usage", False)
+    temperature = _opt_number(body, "temperature", 1.0, 0.0, 2.0, False, "[0, 2]")
+    top_p = _opt_number(body, "top_p", 1.0, 0.0, 1.0, True, "(0, 1]")
+    top_k = _opt_int(body, "top_k", 0, -1, None, " (-1 or 0 = off, else >= 1)")
+    seed = _opt_int(body, "seed", None, INT64[0], INT64[1], " in the signed 64-bit range")
+    if seed is None:
+        seed = secrets.randbits(63)
+    stop_raw = body.get("stop")
+    if stop_raw is None:
+        stop: list[str] = []
+    elif isinstance(stop_raw, str):
+        stop = [stop_raw]
+    elif (isinstance(stop_raw, list) and len(stop_raw) <= MAX_STOP_STRINGS
+          and all(isinstance(s, str) for s in stop_raw)):
+        stop = list(stop_raw)
+    else:
+        raise bad(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, "
+                  f"got {stop_raw!r}"[:300], "stop")
+    stop = [s for s in stop if s]
+    if stop:
+        _need_codec(model, "stop")
+    stop_ids_raw = body.get("stop_token_ids")
+    if stop_ids_raw is None:
+        stop_token_ids: list[int] = []
+    else:
+        checked = _ids(stop_ids_raw, model, "stop_token_ids")
+        if checked is None:
+            raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+        stop_token_ids = checked
+    ignore_eos = _opt_bool(body, "ignore_eos", False)
+
+    if kind == "completion":
+        prompt = _prompt_ids(body, model)
+        prompt_param = "prompt"
+    else:
+        prompt = _chat_prompt(body, model)
+        prompt_param = "messages"
+    limit = model.max_model_len
+    if len(prompt) >= limit:
+        raise bad(f"{prompt_param}: the prompt is {len(prompt)} tokens; this model's maximum "
+                  f"context length is {limit} tokens (prompt + completion)", prompt_param)
+    key = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        key = "max_completion_tokens"
+    default = 16 if kind == "completion" else limit - len(prompt)
+    max_tokens = _opt_int(body, key, default, 1, None, " >= 1")
+    assert max_tokens is not None
+    if len(prompt) + max_tokens > limit:
+        raise bad(f"{key}: this model's maximum context length is {limit} tokens; the request "
+                  f"asks for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, "
+                  f"{max_tokens} for the completion)", key)
+    local = set(stop_token_ids)
+    if not ignore_eos:
+        local |= model.eos_token_ids
+    return GenRequest(
+        kind=kind, prompt_ids=prompt, max_tokens=max_tokens,
+        sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
+        include_usage=include_usage, local_stop_ids=frozenset(local))
+
+
+# ---------------------------------------------------------------- generation
+class Output:
+    """The completion as the client sees it: token ids, text, why it finished."""
+
+    def __init__(self, req: GenRequest, model: ModelText) -> None:
+        self.req = req
+        self.detok = (IncrementalDetokenizer(model.codec, req.prompt_ids)
+                      if model.codec is not None else None)
+        self.stops = StopStrings(req.stop)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish: str | None = None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.finish == "stop" and self.stops.hit
+
+    def _emit(self, delta: str) -> str:
+        out, hit = self.stops.feed(delta)
+        if hit:
+            self.finish = "stop"
+        self.text += out
+        return out
+
+    def _tail(self) -> str:
+        out = self._emit(self.detok.flush() if self.detok else "")
+        if self.finish is None:
+            held = self.stops.flush()
+            self.text += held
+            out += held
+        return out
+
+    def add(self, token: int) -> str:
+        """Take one token; returns the text to show now. Sets `finish` when the request ends."""
+        self.token_ids.append(token)
+        if token in self.req.local_stop_ids:
+            out = self._tail()
+            self.finish = "stop"
+            return out
+        out = self._emit(self.detok.add(token) if self.detok else "")
+        if self.finish is None and len(self.token_ids) >= self.req.max_tokens:
+            out += self._tail()
+            self.finish = self.finish or "length"
+        return out
+
+    def end(self, upstream_finish: Any) -> str:
+        """The upstream finished before this side decided to (an instance-side stop)."""
+        out = self._tail()
+        if self.finish is None:
+            self.finish = upstream_finish if upstream_finish in ("stop", "length") else (
+                "stop" if self.token_ids and self.token_ids[-1] in self.req.local_stop_ids
+                else "length")
+        return out
+
+
+@dataclass
+class Trip:
+    """Where one request went."""
+
+    prefill: str | None = None
+    decode: str | None = None
+    transfer: Any = None
+    finish: Any = None
+
+    def meta(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer}
+
+
+Emit = Callable[[list[int], str, str | None], Awaitable[None]]
+
+
+def _upstream_error(role: str, url: str, status: int, data: Any,
+                    headers: Mapping[str, str] | None = None) -> ApiError:
+    """An instance's error, old (`{"error": "text"}`) or new (OpenAI-style) format."""
+    err = data.get("error") if isinstance(data, dict) else None
+    type_ = None
+    if isinstance(err, dict):
+        message = str(err.get("message", err))
+        type_ = err.get("type") if isinstance(err.get("type"), str) else None
+    elif isinstance(err, str):
+        message = err
+    else:
+        message = str(data)[:500]
+    out_headers = {}
+    if status == 429 and headers and "Retry-After" in headers:
+        out_headers["Retry-After"] = headers["Retry-After"]
+    if status >= 500:
+        message = f"{role} {url}: {message}"
+    return ApiError(status, message, None, type_, None, out_headers)
+
+
 class Router:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, model: ModelText) -> None:
         self.settings = settings
+        self.model = model
         self.prefill = Pool("prefill", settings.prefill, settings.prefill_service)
         self.decode = Pool("decode", settings.decode, settings.decode_service)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
+        self.created = int(time.time())
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def ready(self) -> bool:
@@ -97,29 +482,34 @@ class Router:
                 log.warning("health probe round failed: %s", exc)
             await asyncio.sleep(self.settings.health_interval_s)
 
-    async def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, role: str, url: str, path: str,
+                    body: dict[str, Any]) -> dict[str, Any]:
         assert self.session is not None
         try:
             async with self.session.post(f"{url}{path}", json=body) as resp:
-                data = await resp.json(content_type=None)
+                try:
+                    data = await resp.json(content_type=None)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    data = None
                 if resp.status != 200:
-                    raise UpstreamError(f"{url}{path}: {data.get('error', data)}", resp.status)
-                return data  # type: ignore[no-any-return]
-        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
-            raise UpstreamError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+                    raise _upstream_error(role, url, resp.status, data, resp.headers)
+                if not isinstance(data, dict):
+                    raise ApiError(502, f"{role} {url}{path}: answered 200 without a JSON object")
+                return data
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ApiError(502, f"{role} {url}{path}: {type(exc).__name__}: {exc}") from None
 
-    async def run_prefill(self, rid: str, prompt: list[int]) -> tuple[str, dict[str, Any]]:
+    async def run_prefill(self, rid: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         tried: set[str] = set()
-        last: UpstreamError | None = None
+        last: ApiError | None = None
         while True:
             url = self.prefill.pick(tried)
             if url is None:
-                raise last or UpstreamError("no ready prefill replica", 503)
+                raise last or ApiError(503, "no ready prefill replica", type_="server_error")
             tried.add(url)
             try:
-                return url, await self._post(url, "/v1/prefill",
-                                             {"request_id": rid, "prompt_ids": prompt})
-            except UpstreamError as exc:
+                return url, await self._post("prefill", url, "/v1/prefill", body)
+            except ApiError as exc:
                 if exc.status < 500:
                     raise
                 log.warning("prefill replica failed, trying another: %s", exc)
@@ -129,142 +519,265 @@ class Router:
 
     async def release(self, prefill_url: str, rid: str) -> None:
         try:
-            await self._post(prefill_url, "/v1/release", {"request_id": rid})
-        except UpstreamError as exc:
+            await self._post("prefill", prefill_url, "/v1/release", {"request_id": rid})
+        except ApiError as exc:
             log.info("release of %s on %s failed (the lease will free it): %s", rid,
                      prefill_url, exc)
+
+    def release_soon(self, prefill_url: str, rid: str) -> None:
+        """Release on its own task: the caller may be a handler being cancelled."""
+        task = asyncio.get_running_loop().create_task(self.release(prefill_url, rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _open_decode(self, rid: str, first: int, pre: dict[str, Any], req: GenRequest,
+                           trip: Trip) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        url = self.decode.pick()
+        if url is None:
+            raise ApiError(503, "no ready decode replica", type_="server_error")
+        trip.decode = url
+        body = {"request_id": rid, "first_token": first, "max_new_tokens": req.max_tokens - 1,
+                "kv_transfer_params": pre.get("kv_transfer_params"), "sampling": req.sampling,
+                "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+                "stream": True}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                        sock_read=self.settings.request_timeout_s or None)
+        try:
+            resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ApiError(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}") from None
+        if resp.status != 200:
+            try:
+                data = await resp.json(content_type=None)
+            except (json.JSONDecodeError, UnicodeDecodeError, aiohttp.ClientError):
+                data = None
+            finally:
+                resp.release()
+            raise _upstream_error("decode", url, resp.status, data, resp.headers)
+        return resp
+
+    async def tokens(self, rid: str, req: GenRequest, trip: Trip) -> AsyncGenerator[int, None]:
+        """The completion's tokens as the replicas choose them.
+
+        Closing this generator early (a stop string, a client gone) closes the decode stream,
+        which cancels the sequence there, and releases the prefill's blocks.
+        """
+        prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
+                        "max_tokens": req.max_tokens, "sampling": req.sampling,
+                        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
+        prefill_url, pre = await self.run_prefill(rid, prefill_body)
+        trip.prefill = prefill_url
+        if not _is_int(pre.get("first_token")):
+            self.release_soon(prefill_url, rid)
+            raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
+        first = int(pre["first_token"])
+        # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
+        finished = pre.get("finish_reason")
+        held = finished is None
+        resp: aiohttp.ClientResponse | None = None
+        complete = False
+        try:
+            if finished is None and req.max_tokens > 1 and first not in req.local_stop_ids:
+                resp = await self._open_decode(rid, first, pre, req, trip)
+            yield first
+            if resp is None:
+                trip.finish = finished
+                return
+            while True:
+                try:
+                    line = await resp.content.readline()
+                except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                    raise ApiError(502, f"decode {trip.decode}: stream broke: "
+                                   f"{type(exc).__name__}: {exc}") from None
+                if not line:
+                    raise ApiError(502, f"decode {trip.decode}: stream ended without its "
+                                   "final line")
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise ApiError(502, f"decode {trip.decode}: bad stream line "
+                                   f"{line[:200]!r}") from None
+                if "token" in msg:
+                    yield int(msg["token"])
+                elif "error" in msg:
+                    status = msg.get("status")
+                    raise _upstream_error("decode", str(trip.decode),
+                                          status if _is_int(status) else 502, msg)
+                else:
+                    complete = True
+                    held = False
+                    trip.finish = msg.get("finish_reason")
+                    trip.transfer = msg.get("transfer")
+                    return
+        finally:
+            if resp is not None:
+                if complete:
+                    resp.release()
+                else:
+                    resp.close()
+            if held:
+                self.release_soon(prefill_url, rid)
+
+    async def generate(self, rid: str, req: GenRequest, trip: Trip,
+                       emit: Emit | None) -> Output:
+        """Run one request; `emit(token_ids, text, finish_reason)` sees each step."""
+        out = Output(req, self.model)
+        upstream = self.tokens(rid, req, trip)
+        try:
+            async for token in upstream:
+                if out.finish is not None:
+                    break  # the instance goes on past this side's stop (pre-v2 instances do)
+                text = out.add(token)
+                if emit is not None:
+                    await emit([token], text, out.finish)
+                if out.stopped_by_string:
+                    break
+            else:
+                if out.finish is None:
+                    text = out.end(trip.finish)
+                    if emit is not None:
+                        await emit([], text, out.finish)
+        finally:
+            await upstream.aclose()
+        return out
 
 
 ROUTER = web.AppKey("router", Router)
 
 
-def _prompt_ids(body: dict[str, Any]) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise UpstreamError("prompt is empty", 400)
-        return tokenizer.encode(prompt)
-    if (isinstance(prompt, list) and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
-        return list(prompt)
-    raise UpstreamError("prompt must be a non-empty string or list of token ids", 400)
+async def _read_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[ROUTER].settings.max_body_bytes
+        raise ApiError(413, f"request body larger than {limit} bytes", None) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise bad("request body must be JSON", None) from None
 
 
-def _choice(ids: list[int], text_prompt: bool) -> dict[str, Any]:
-    return {"index": 0, "token_ids": ids, "text": tokenizer.decode(ids) if text_prompt else "",
-            "finish_reason": "length"}
+def _usage(req: GenRequest, out: Output) -> dict[str, int]:
+    n = len(out.token_ids)
+    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
+            "total_tokens": len(req.prompt_ids) + n}
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     router = request.app[ROUTER]
     start = time.monotonic()
     outcome = "error"
     try:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UpstreamError("request body must be JSON", 400) from None
-        if not isinstance(body, dict):
-            raise UpstreamError("request body must be a JSON object", 400)
-        prompt = _prompt_ids(body)
-        max_tokens = body.get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise UpstreamError("max_tokens must be an integer >= 1", 400)
-        text_prompt = isinstance(body.get("prompt"), str)
-        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        prefill_url, pre = await router.run_prefill(rid, prompt)
-        first = int(pre["first_token"])
-        decode_url = None
-        if max_tokens > 1:
-            decode_url = router.decode.pick()
-            if decode_url is None:
-                await router.release(prefill_url, rid)
-                raise UpstreamError("no ready decode replica", 503)
-        dec_body = {"request_id": rid, "first_token": first, "max_new_tokens": max_tokens - 1,
-                    "kv_transfer_params": pre["kv_transfer_params"]}
-        meta = {"prefill": prefill_url, "decode": decode_url}
-        if body.get("stream"):
-            response = await _stream(request, router, rid, prompt, first, decode_url,
-                                     prefill_url, dec_body, meta, text_prompt)
-            outcome = "ok"
-            return response
-        tokens = [first]
-        transfer = None
-        if decode_url is not None:
-            try:
-                dec = await router._post(decode_url, "/v1/decode", dec_body)
-            except UpstreamError:
-                await router.release(prefill_url, rid)
-                raise
-            tokens += dec["token_ids"]
-            transfer = dec["transfer"]
+        body = await _read_body(request)
+        req = parse_request(kind, body, router.model, router.settings.model_name)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        trip = Trip()
+        if req.stream:
+            response = await _stream(request, router, rid, req, trip)
         else:
-            await router.release(prefill_url, rid)
+            out = await router.generate(rid, req, trip, None)
+            response = web.json_response(_final_body(router, rid, req, out, trip))
         outcome = "ok"
-        return web.json_response({
-            "id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model", "pdd"),
-            "choices": [_choice(tokens, text_prompt)],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                      "total_tokens": len(prompt) + len(tokens)},
-            "pdd": {**meta, "transfer": transfer},
-        })
-    except UpstreamError as exc:
-        return web.json_response({"error": str(exc)}, status=exc.status)
+        return response
+    except ApiError as exc:
+        return exc.response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "cancelled"
+        raise
     finally:
         router.metrics.requests.labels(outcome=outcome).inc()
         router.metrics.request_seconds.observe(time.monotonic() - start)
 
 
-async def _stream(request: web.Request, router: Router, rid: str, prompt: list[int], first: int,
-                  decode_url: str | None, prefill_url: str, dec_body: dict[str, Any],
-                  meta: dict[str, Any], text_prompt: bool) -> web.StreamResponse:
+def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
+                trip: Trip) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0}
+    if req.kind == "completion":
+        choice.update(text=out.text)
+    else:
+        choice.update(message={"role": "assistant", "content": out.text})
+    choice.update(token_ids=out.token_ids, logprobs=None, finish_reason=out.finish)
+    return {"id": rid, "object": "text_completion" if req.kind == "completion"
+            else "chat.completion", "created": int(time.time()),
+            "model": router.settings.model_name, "choices": [choice], "usage": _usage(req, out),
+            "pdd": trip.meta()}
+
+
+async def _stream(request: web.Request, router: Router, rid: str, req: GenRequest,
+                  trip: Trip) -> web.StreamResponse:
+    """Server-sent events in OpenAI's chunk formats, then `data: [DONE]`.
+
+    The response starts once the prefill answered, so errors before the first token keep
+    their HTTP status; later ones arrive as an `{"error": ...}` event.
+    """
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    created = int(time.time())
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    sent = {"tokens": 0}
 
     async def event(data: dict[str, Any] | str) -> None:
         payload = data if isinstance(data, str) else json.dumps(data)
         await response.write(f"data: {payload}\n\n".encode())
 
-    def chunk(tok: int) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion",
-                "choices": [{"index": 0, "token_ids": [tok],
-                             "text": tokenizer.decode([tok]) if text_prompt else "",
-                             "finish_reason": None}]}
+    def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        body = {"id": rid, "object": obj, "created": created,
+                "model": router.settings.model_name, "choices": [choice]}
+        if req.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return body
 
-    await event(chunk(first))
-    if decode_url is None:
-        await router.release(prefill_url, rid)
-    else:
-        assert router.session is not None
-        ok = False
-        try:
-            async with router.session.post(f"{decode_url}/v1/decode",
-                                           json={**dec_body, "stream": True}) as resp:
-                if resp.status != 200:
-                    data = await resp.json(content_type=None)
-                    await event({"error": f"{decode_url}/v1/decode: {data.get('error', data)}"})
-                else:
-                    async for line in resp.content:
-                        if not line.strip():
-                            continue
-                        msg = json.loads(line)
-                        if "token" in msg:
-                            await event(chunk(int(msg["token"])))
-                        elif "error" in msg:
-                            await event({"error": f"{decode_url}/v1/decode: {msg['error']}"})
-                        else:
-                            ok = True
-                            await event({"id": rid, "pdd": {**meta,
-                                                            "transfer": msg.get("transfer")}})
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            await event({"error": f"{decode_url}/v1/decode: {type(exc).__name__}: {exc}"})
-        if not ok:
-            await router.release(prefill_url, rid)
+    async def emit(tokens: list[int], text: str, finish: str | None) -> None:
+        if not response.prepared:
+            await response.prepare(request)
+            if req.kind == "chat":
+                await event(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                   "token_ids": [], "logprobs": None, "finish_reason": None}))
+        sent["tokens"] += len(tokens)
+        if req.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text}
+        else:
+            choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
+        choice.update(token_ids=tokens, logprobs=None, finish_reason=finish)
+        extra = {"pdd": trip.meta()} if finish else {}
+        await event(chunk(choice, **extra))
+
+    try:
+        out = await router.generate(rid, req, trip, emit)
+    except ApiError as exc:
+        if not response.prepared:
+            raise
+        await event(exc.body())
+        await event("[DONE]")
+        await response.write_eof()
+        return response
+    if req.include_usage:
+        body = {"id": rid, "object": obj, "created": created,
+                "model": router.settings.model_name, "choices": [], "usage": _usage(req, out)}
+        await event(body)
     await event("[DONE]")
     await response.write_eof()
     return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    return web.json_response({"object": "list", "data": [{
+        "id": router.settings.model_name, "object": "model", "created": router.created,
+        "owned_by": "pdd", "root": router.model.source,
+        "max_model_len": router.model.max_model_len,
+    }]})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -286,18 +799,39 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_app(settings: RouterSettings) -> web.Application:
-    router = Router(settings)
-    app = web.Application()
+@web.middleware
+async def openai_errors(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                        ) -> web.StreamResponse:
+    """aiohttp's own refusals (404, 405, 413) in the same error format as the rest."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}"
+                        if exc.status != 413 else
+                        f"request body larger than "
+                        f"{request.app[ROUTER].settings.max_body_bytes} bytes").response()
+
+
+def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.Application:
+    if model is None:
+        model = load_model_text(settings.model_source, settings.max_model_len or None)
+    router = Router(settings, model)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER] = router
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app: web.Application) -> Any:
         router.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s)
+            timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s or None),
+            read_bufsize=1 << 22,
         )
         await router.refresh()
         task = asyncio.create_task(router.health_loop())
@@ -312,7 +846,8 @@ def build_app(settings: RouterSettings) -> web.Application:
 def main(env: Mapping[str, str] | None = None) -> int:
     try:
         settings = RouterSettings.from_env(env)
-    except ConfigError as exc:
+        model = load_model_text(settings.model_source, settings.max_model_len or None)
+    except (ConfigError, TextConfigError) as exc:
         print(f"pdd-router: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(
@@ -320,8 +855,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
         format="%(asctime)s router %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    log.info("router on %s:%d; prefill %s %s; decode %s %s", settings.bind_host, settings.port,
-             settings.prefill, settings.prefill_service, settings.decode, settings.decode_service)
-    web.run_app(build_app(settings), host=settings.bind_host, port=settings.port, print=None,
-                access_log=None)
+    log.info("router on %s:%d serving %s (%s, max length %d); prefill %s %s; decode %s %s",
+             settings.bind_host, settings.port, settings.model_name, model.source,
+             model.max_model_len, settings.prefill, settings.prefill_service, settings.decode,
+             settings.decode_service)
+    # handler_cancellation: a client that goes away cancels its handler at once, which closes
+    # the decode stream and releases the prefill (see Router.tokens).
+    web.run_app(build_app(settings, model), host=settings.bind_host, port=settings.port,
+                print=None, access_log=None, handler_cancellation=True)
     return 0
