@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from model_fixtures import BF16_MAX_TOL, BF16_Q90_TOL, FP32_TOL, LAYOUTS, result_diffs
 
 from pdd_sidecar.engine.dcp import merge_by_lse  # noqa: E402
 from pdd_sidecar.engine.generate import generate_result, main  # noqa: E402
@@ -14,14 +15,6 @@ from pdd_sidecar.model.mla import decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.dataplane
 
-LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 4), (8, 8)]
-FP32_TOL = 1e-4
-# bf16 keeps 8 mantissa bits: at logits of magnitude ~4 one ulp is 1/32. TP/DCP change the
-# summation order of every reduction, so nearly all logits stay within 2 ulps; where a hidden
-# state lands on a near-tie of the MoE router a token may pick another expert, which moves its
-# logits by a few tenths. Hence two bounds: the 90th percentile and the maximum.
-BF16_Q90_TOL = 1 / 16
-BF16_MAX_TOL = 0.5
 PROMPT = list(range(40, 77))  # 37 tokens: 9 full blocks of 4 and one partial
 BLOCK = 4
 STEPS = 16
@@ -41,14 +34,8 @@ def _run(tp: int, dcp: int, dtype: str = "float32", forced: list[int] | None = N
     )
 
 
-def _diffs(a, b) -> torch.Tensor:
-    steps = zip(a.step_logits, b.step_logits, strict=True)
-    parts = [(a.prompt_logits - b.prompt_logits).flatten()] + [(x - y) for x, y in steps]
-    return torch.cat(parts).abs()
-
-
 def _max_diff(a, b) -> float:
-    return float(_diffs(a, b).max())
+    return float(result_diffs(a, b).max())
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +62,7 @@ def test_fp32_layout_matches_single_rank(ref_fp32, tp, dcp):
 def test_bf16_layout_close_to_single_rank(ref_bf16, tp, dcp):
     # Teacher-forced with the reference tokens so one near-tie cannot derail the comparison.
     res = _run(tp, dcp, "bfloat16", forced=ref_bf16.token_ids)
-    d = _diffs(res, ref_bf16)
+    d = result_diffs(res, ref_bf16)
     q90, worst = float(torch.quantile(d, 0.9)), float(d.max())
     print(f"bf16 tp{tp} dcp{dcp}: |logit diff| q90 {q90:.3f} max {worst:.3f}")
     assert q90 <= BF16_Q90_TOL
@@ -84,7 +71,7 @@ def test_bf16_layout_close_to_single_rank(ref_bf16, tp, dcp):
 
 def test_bf16_close_to_fp32(ref_fp32):
     res = _run(1, 1, "bfloat16", forced=ref_fp32.token_ids)
-    d = _diffs(res, ref_fp32)
+    d = result_diffs(res, ref_fp32)
     print(
         f"bf16 vs fp32 (1,1): |logit diff| q90 {float(torch.quantile(d, 0.9)):.3f} max "
         f"{float(d.max()):.3f}"

@@ -1,7 +1,5 @@
-"""Our DeepSeek-V2 against transformers' own implementation on checkpoints transformers writes.
-
-Weights are re-initialised with O(1) scales (transformers' 0.02 init would make attention nearly
-uniform and hide mistakes in rope, scaling or routing)."""
+"""Our DeepSeek-V2 against transformers' own implementation on checkpoints transformers writes,
+with weights re-initialised at O(1) scales (``model_fixtures.reinit``)."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from model_fixtures import FP32_TOL, hf_reference, reference_diffs, reinit
 
 assert hasattr(transformers, "DeepseekV2ForCausalLM"), "the oracle needs transformers' DeepSeek-V2"
 
@@ -22,7 +21,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
 ]
 
-FP32_TOL = 1e-4
 STEPS = 16
 PROMPT = [5, 77, 12, 200, 31, 9, 150, 64, 3, 99, 18, 240, 7, 45, 128, 66, 90, 21, 180, 2, 33]
 
@@ -79,65 +77,30 @@ VARIANTS = {
 }
 
 
-def _reinit(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-
-
-def _hf_reference(model: torch.nn.Module, prompt: list[int], steps: int):
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        prompt_logits = out.logits[0].float()
-        past = out.past_key_values
-        tok = int(prompt_logits[-1].argmax())
-        tokens, step_logits = [tok], []
-        for _ in range(steps):
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            step_logits.append(logits)
-            tok = int(logits.argmax())
-            tokens.append(tok)
-    return prompt_logits, step_logits, tokens
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def hf_case(request, tmp_path_factory):
     cfg = transformers.DeepseekV2Config(**BASE, **VARIANTS[request.param])
     torch.manual_seed(0)
     model = transformers.DeepseekV2ForCausalLM(cfg).eval()
-    _reinit(model, seed=len(request.param))
+    reinit(model, seed=len(request.param))
     if cfg.tie_word_embeddings:
         model.tie_weights()
     path: Path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    return request.param, path, _hf_reference(model, PROMPT, STEPS)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
+    return request.param, path, hf_reference(model, PROMPT, STEPS)
 
 
 @pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
 def test_matches_transformers_fp32(hf_case, tp, dcp):
-    name, path, (ref_prompt, ref_steps, ref_tokens) = hf_case
+    name, path, ref = hf_case
     res = generate_result(path, PROMPT, STEPS + 1, tp=tp, dcp=dcp, block_size=8, keep_logits=True)
-    assert res.token_ids == ref_tokens, name
-    assert res.prompt_logits is not None
-    diff_prompt = _max_diff(res.prompt_logits, ref_prompt)
-    diff_steps = max(_max_diff(a, b) for a, b in zip(res.step_logits, ref_steps, strict=True))
+    assert res.token_ids == ref[2], name
+    diff_prompt, diff_steps = reference_diffs(res, ref)
     print(f"{name} tp{tp} dcp{dcp}: prompt {diff_prompt:.2e} decode {diff_steps:.2e}")
     assert diff_prompt <= FP32_TOL, name
     assert diff_steps <= FP32_TOL, name
     # the comparison is meaningful: logits spread well beyond the tolerance
-    assert float(ref_prompt.std()) > 1000 * FP32_TOL
+    assert float(ref[0].std()) > 1000 * FP32_TOL
 
 
 def test_config_reads_transformers_fields(hf_case):
