@@ -1,5 +1,6 @@
-"""Dense SwiGLU MLP and the DeepSeek-V2 mixture of experts (softmax top-k routing, optional
-group-limited selection, ``routed_scaling_factor``, shared experts).
+"""Dense SwiGLU MLP and the DeepSeek mixture of experts: V2's softmax top-k routing (optional
+group-limited selection) or V3's sigmoid ``noaux_tc`` routing, ``routed_scaling_factor``, shared
+experts.
 
 Routing is computed in fp32 from the replicated router on every rank, so all ranks pick the same
 experts; a TP rank then runs its intermediate slice of every selected expert and the partial
@@ -22,11 +23,15 @@ def dense_mlp(x: torch.Tensor, w: MLPWeights, add_bias: bool = True) -> torch.Te
 
 
 def route(
-    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig
+    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, k] fp32, expert ids [T, k])``."""
-    scores = F.linear(x.float(), router).softmax(dim=-1, dtype=torch.float32)
+    """``(weights [T, k] fp32, expert ids [T, k])``. ``bias`` is V3's ``e_score_correction_bias``:
+    it steers which experts are chosen but not how much they weigh."""
+    logits = F.linear(x.float(), router)
     k = cfg.num_experts_per_tok
+    if cfg.scoring_func == "sigmoid":
+        return _route_noaux_tc(logits, cfg, bias)
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
     if cfg.topk_method == "group_limited_greedy":
         assert cfg.n_group and cfg.topk_group
         n_exp = scores.shape[-1]
@@ -41,8 +46,30 @@ def route(
     return weights * cfg.routed_scaling_factor, ids
 
 
+def _route_noaux_tc(
+    logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router, op for op as transformers runs it (the same ops keep near-ties
+    broken the same way): groups ranked by the sum of their two best biased scores, experts
+    picked among the ``topk_group`` best groups, weighted by their unbiased scores."""
+    assert cfg.n_group and cfg.topk_group
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    n_exp, g = scores.shape[-1], cfg.n_group
+    groups = choice.view(-1, g, n_exp // g).topk(2, dim=-1)[0].sum(dim=-1)
+    keep = torch.zeros_like(groups)
+    keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
+    mask = keep.unsqueeze(-1).expand(-1, g, n_exp // g).reshape(-1, n_exp)
+    choice = choice.masked_fill(~mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool = True) -> torch.Tensor:
-    weights, ids = route(x, w.router, cfg)
+    weights, ids = route(x, w.router, cfg, w.score_bias)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.where(ids == e)

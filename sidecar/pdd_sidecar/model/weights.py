@@ -7,23 +7,34 @@ intermediate dimension (gate/up rows, down columns; summed over ranks) when that
 divides by tp, and replicated otherwise. The router, embeddings, norms, kv_a projections and the
 LM head are replicated: they are small next to the experts and replication keeps every rank's
 hidden state and greedy token identical with no extra collective.
+
+FP8 checkpoints (DeepSeek's e4m3 weights with a ``weight_scale_inv`` per block) are dequantized
+slice by slice as a rank reads its share, so a rank's shard boundary may fall inside a block.
+Multi-token-prediction layers (V3's ``model.layers.{num_hidden_layers}+``) are not loaded: they
+only serve speculative decoding, which the engine does not do.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from pdd_sidecar.model.config import ModelConfig
+from pdd_sidecar.model.config import ConfigError, Fp8BlockQuant, ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class TensorSource(Protocol):
     def has(self, name: str) -> bool: ...
+
+    def names(self) -> list[str]: ...
 
     def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tensor, or its ``[start:stop]`` range along ``dim``, on CPU."""
@@ -36,6 +47,9 @@ class DictSource:
 
     def has(self, name: str) -> bool:
         return name in self.state
+
+    def names(self) -> list[str]:
+        return list(self.state)
 
     def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.state[name]
@@ -66,6 +80,9 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        return list(self._where)
+
     def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"{self.dir}: checkpoint has no tensor {name!r}")
@@ -75,12 +92,94 @@ class SafetensorsSource:
         return sl[tuple(index)]
 
 
+class Fp8BlockSource:
+    """Dequantizes e4m3 tensors to fp32 as they are read: ``w = q * scale_inv`` per block, the
+    product DeepSeek's and transformers' dequantization compute, so the fp32 weights are the same
+    bits either way."""
+
+    def __init__(self, inner: TensorSource, quant: Fp8BlockQuant) -> None:
+        self.inner, self.block = inner, quant.block
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        q = self.inner.get(name, dim, start, stop)
+        if q.dtype != torch.float8_e4m3fn:
+            _refuse_quantized_dtype(name, q)
+            return q
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if q.dim() != 2 or not name.endswith(".weight") or not self.inner.has(scale_name):
+            raise ConfigError(
+                f"checkpoint tensor {name!r} is float8_e4m3fn but has no 2-D block scale "
+                f"{scale_name!r}"
+            )
+        size, full = q.shape[dim], q.shape[1 - dim]  # only ``dim`` is sliced
+        stop = start + size
+        b = self.block[dim]
+        s = self.inner.get(scale_name, dim, start // b, -(-stop // b)).float()
+        want = -(-full // self.block[1 - dim])
+        if s.dim() != 2 or s.shape[1 - dim] != want or s.shape[dim] != -(-stop // b) - start // b:
+            raise ConfigError(
+                f"checkpoint tensor {scale_name!r} has shape {list(s.shape)} for blocks "
+                f"{list(self.block)} of {name!r}"
+            )
+        s = s.repeat_interleave(b, dim).narrow(dim, start - (start // b) * b, size)
+        s = s.repeat_interleave(self.block[1 - dim], 1 - dim).narrow(1 - dim, 0, full)
+        return q.float() * s
+
+
+def _refuse_quantized_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return
+    raise ConfigError(
+        f"checkpoint tensor {name!r} has dtype {str(t.dtype).removeprefix('torch.')}, which "
+        "config.json's quantization_config does not describe (float32, bfloat16, float16, or "
+        "float8_e4m3fn with quantization_config.quant_method 'fp8')"
+    )
+
+
+class CheckedSource:
+    """Unquantized checkpoints: a quantized tensor read as if it were plain would be served as
+    garbage, so any dtype but a float one is refused."""
+
+    def __init__(self, inner: TensorSource) -> None:
+        self.inner = inner
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        t = self.inner.get(name, dim, start, stop)
+        _refuse_quantized_dtype(name, t)
+        return t
+
+
 def open_source(model: str | Path, config: ModelConfig, seed: int) -> TensorSource:
     from pdd_sidecar.model.config import BUILTIN
 
     if str(model) == BUILTIN:
         return DictSource(builtin_state_dict(config, seed))
-    return SafetensorsSource(model)
+    src = SafetensorsSource(model)
+    if config.quantization is not None:
+        return Fp8BlockSource(src, config.quantization)
+    return CheckedSource(src)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def skipped_layers(cfg: ModelConfig, src: TensorSource) -> list[int]:
+    """Layer indices past ``num_hidden_layers`` in the checkpoint: V3's multi-token-prediction
+    modules, which are left on disk."""
+    found = {int(m.group(1)) for n in src.names() if (m := _LAYER.match(n))}
+    return sorted(i for i in found if i >= cfg.num_hidden_layers)
 
 
 # --- the built-in model ----------------------------------------------------------------------
@@ -211,6 +310,7 @@ class MoEWeights:
     w_up: torch.Tensor
     w_down: torch.Tensor  # [E, hidden, I (or I/tp)]
     shared: MLPWeights | None
+    score_bias: torch.Tensor | None = None  # [E] fp32, V3's e_score_correction_bias
 
 
 @dataclass
@@ -243,6 +343,13 @@ def load_rank_weights(
     if heads % tp:
         raise ValueError(f"tp ({tp}) must divide num_attention_heads ({heads})")
     hl = heads // tp
+    extra = skipped_layers(cfg, src)
+    if extra and rank == 0:
+        log.info(
+            "skipping %d multi-token-prediction layer(s) (model.layers.%s): not used for decoding",
+            len(extra),
+            ",".join(map(str, extra)),
+        )
 
     def t(x: torch.Tensor) -> torch.Tensor:
         return x.to(device=device, dtype=dtype).contiguous()
@@ -325,12 +432,16 @@ def load_rank_weights(
             shared = None
             if cfg.n_shared_experts:
                 shared = mlp(m + "shared_experts.", inter * cfg.n_shared_experts, sharded)
+            bias = None
+            if cfg.scoring_func == "sigmoid":
+                bias = src.get(m + "gate.e_score_correction_bias").to(device, torch.float32)
             moe = MoEWeights(
                 router=src.get(m + "gate.weight").to(device=device, dtype=torch.float32),
                 w_gate=t(w_gate),
                 w_up=t(w_up),
                 w_down=t(w_down),
                 shared=shared,
+                score_bias=bias,
             )
             dense = None
         else:
