@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 assert hasattr(transformers, "DeepseekV3ForCausalLM"), "the oracle needs transformers' DeepSeek-V3"
 
+from pdd_api.models_catalog import KNOWN_MODELS  # noqa: E402
 from pdd_sidecar.engine.generate import generate_result  # noqa: E402
 from pdd_sidecar.model.config import ConfigError, ModelConfig  # noqa: E402
 from pdd_sidecar.model.moe import route  # noqa: E402
@@ -478,6 +479,15 @@ def test_deepseek_v3_release_config_accepted():
     assert cfg.rope.rope_type == "yarn" and cfg.rope.factor == 40
     assert cfg.latent_dim == 576
     assert [cfg.is_moe_layer(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
+
+
+def test_plan_catalog_matches_v3_config():
+    """`pdd plan` sizes V3's KV from its catalog entry (pdd_api has no torch): the entry must be
+    what this model caches per token."""
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3_CONFIG)
+    for name in ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-R1"):
+        shape = KNOWN_MODELS[name]
+        assert (shape.num_layers, shape.latent_dim) == (cfg.num_hidden_layers, cfg.latent_dim)
 
 
 def _with(**changes: Any) -> dict[str, Any]:
