@@ -50,6 +50,19 @@ class InstanceMetrics:
             "pdd_held_requests", "Prefill requests holding blocks for a decode", registry=r
         )
         self.blocks_free = Gauge("pdd_kv_blocks_free", "Free KV blocks", ["rank"], registry=r)
+        self.blocks_total = Gauge("pdd_kv_blocks_total", "KV blocks", ["rank"], registry=r)
+        self.running = Gauge(
+            "pdd_running_sequences", "Sequences admitted (running or pulling their KV)",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "pdd_waiting_sequences", "Sequences queued for KV blocks or a running slot",
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "pdd_batch_size", "Sequences per engine step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
+        )
         self.tokens = Counter("pdd_tokens", "Tokens processed", ["kind"], registry=r)
 
     def expose(self) -> bytes:

@@ -190,3 +190,11 @@ class LocalCluster:
         for p in self.procs:
             p.kill()
         self.procs.clear()
+
+
+def error_text(body: Any) -> str:
+    """The message of an error answer, OpenAI-shaped (``{"error": {"message": ...}}``)."""
+    err = body.get("error") if isinstance(body, dict) else body
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    return str(err)

@@ -19,7 +19,7 @@ from typing import Any
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
 import torch  # noqa: F401  (the tier needs it; never skip)
-from runtime_fixtures import LocalCluster, free_ports, http  # noqa: E402
+from runtime_fixtures import LocalCluster, error_text, free_ports, http  # noqa: E402
 
 from pdd_api.plan import SidePlan  # noqa: E402
 from pdd_api.routing import plan_routing  # noqa: E402
@@ -81,7 +81,7 @@ def test_unreachable_or_silent_prefill_fails_the_decode_naming_the_peer(
         "request_id": "r-dead", "first_token": 1, "max_new_tokens": 4,
         "kv_transfer_params": _fake_params(dead, 2, 2, 40)})
     assert status == 502, body
-    assert f"127.0.0.1:{dead}" in body["error"] and "unreachable" in body["error"]
+    assert f"127.0.0.1:{dead}" in error_text(body) and "unreachable" in error_text(body)
     # A side channel that accepts and never answers: bounded by the handshake timeout.
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -94,7 +94,7 @@ def test_unreachable_or_silent_prefill_fails_the_decode_naming_the_peer(
     finally:
         silent.close()
     assert status == 502, body
-    assert f"127.0.0.1:{port}" in body["error"]
+    assert f"127.0.0.1:{port}" in error_text(body)
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
     # ... and it still serves a healthy prefill.
     prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
@@ -102,7 +102,7 @@ def test_unreachable_or_silent_prefill_fails_the_decode_naming_the_peer(
     prefill.wait_ready()
     router.wait_ready()
     status, body = http("POST", f"{router.url}/v1/completions",
-                        {"prompt": _prompt(40), "max_tokens": 6})
+                        {"prompt": _prompt(40), "max_tokens": 6, "temperature": 0})
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == _reference(40, 6)
     status, text = http("GET", f"{decode.url}/metrics")
@@ -143,9 +143,9 @@ def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
     thread.join(120)
     status, body = result["answer"]
     assert status == 502, body
-    assert "NIXL READ failed" in body["error"], body
+    assert "NIXL READ failed" in error_text(body), body
     side = pre["kv_transfer_params"]["side_channel_port"]
-    assert f"127.0.0.1:{side}" in body["error"] or f"127.0.0.1:{side + 1}" in body["error"]
+    assert f"127.0.0.1:{side}" in error_text(body) or f"127.0.0.1:{side + 1}" in error_text(body)
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
     # The decode instance keeps serving, from a new prefill instance.
     os.remove(gate)
@@ -264,8 +264,8 @@ def test_metadata_mismatch_is_refused_naming_both_values(cluster: LocalCluster) 
         "request_id": "r-mismatch", "first_token": pre["first_token"], "max_new_tokens": 3,
         "kv_transfer_params": pre["kv_transfer_params"]})
     assert status == 409, body
-    assert "dtype: local 'bfloat16' != decode 0 rank" in body["error"], body
-    assert "'float32'" in body["error"]
+    assert "dtype: local 'bfloat16' != decode 0 rank" in error_text(body), body
+    assert "'float32'" in error_text(body)
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
     status, released = http("POST", f"{prefill.url}/v1/release", {"request_id": "r-mismatch"})
     assert status == 200 and released == {"released": True}

@@ -13,7 +13,7 @@ from typing import Any
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
 import torch  # noqa: F401  (the tier needs it; never skip)
-from runtime_fixtures import LocalCluster, Proc, http  # noqa: E402
+from runtime_fixtures import LocalCluster, Proc, error_text, http  # noqa: E402
 
 from pdd_api.plan import SidePlan  # noqa: E402
 from pdd_api.routing import plan_routing  # noqa: E402
@@ -57,7 +57,8 @@ def test_text_prompt_goes_through_the_byte_tokenizer(deployment: dict[str, Proc]
     from pdd_sidecar.serve import tokenizer
 
     status, body = http("POST", f"{deployment['router'].url}/v1/completions",
-                        {"prompt": "Disaggregated prefill and decode.", "max_tokens": 8})
+                        {"prompt": "Disaggregated prefill and decode.", "max_tokens": 8,
+                         "temperature": 0})
     assert status == 200, body
     want = _reference(tokenizer.encode("Disaggregated prefill and decode."), 8)
     assert body["choices"][0]["token_ids"] == want
@@ -69,7 +70,8 @@ def test_streaming_returns_the_same_tokens_one_event_each(deployment: dict[str, 
     prompt = [(i * 7) % 256 for i in range(40)]
     req = urllib.request.Request(
         f"{deployment['router'].url}/v1/completions",
-        data=json.dumps({"prompt": prompt, "max_tokens": 10, "stream": True}).encode(),
+        data=json.dumps({"prompt": prompt, "max_tokens": 10, "stream": True,
+                         "temperature": 0}).encode(),
         headers={"Content-Type": "application/json"}, method="POST")
     events: list[Any] = []
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -87,7 +89,7 @@ def test_streaming_returns_the_same_tokens_one_event_each(deployment: dict[str, 
 
 def test_single_token_request_releases_the_prefill_blocks(deployment: dict[str, Proc]) -> None:
     status, body = http("POST", f"{deployment['router'].url}/v1/completions",
-                        {"prompt": [5, 6, 7], "max_tokens": 1})
+                        {"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0})
     assert status == 200 and body["choices"][0]["token_ids"] == _reference([5, 6, 7], 1)
     assert body["pdd"]["decode"] is None
     held = None
@@ -106,9 +108,9 @@ def test_bad_requests_are_refused_with_a_reason(deployment: dict[str, Proc]) -> 
                            ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
                            ({"prompt": [1, -2]}, "prompt")):
         status, answer = http("POST", f"{router}/v1/completions", body)
-        assert status == 400 and fragment in answer["error"]
+        assert status == 400 and fragment in error_text(answer)
     status, answer = http("POST", f"{deployment['d0'].url}/v1/decode", {"first_token": 1})
-    assert status == 400 and "kv_transfer_params" in answer["error"]
+    assert status == 400 and "kv_transfer_params" in error_text(answer)
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -138,7 +140,7 @@ def test_metrics_count_requests_bytes_and_descriptors(deployment: dict[str, Proc
     moved = descs = 0
     for n in (3, 33):
         status, body = http("POST", f"{router}/v1/completions",
-                            {"prompt": list(range(n)), "max_tokens": 3})
+                            {"prompt": list(range(n)), "max_tokens": 3, "temperature": 0})
         assert status == 200, body
         moved += body["pdd"]["transfer"]["bytes"]
         descs += body["pdd"]["transfer"]["descriptors"]
@@ -164,7 +166,7 @@ def test_router_round_robins_and_skips_a_dead_decode_replica(
     used = set()
     for _ in range(4):
         status, body = http("POST", f"{router}/v1/completions",
-                            {"prompt": [1, 2, 3, 4], "max_tokens": 2})
+                            {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0})
         assert status == 200, body
         used.add(body["pdd"]["decode"])
     assert used == {deployment["d0"].url, deployment["d1"].url}
@@ -176,7 +178,7 @@ def test_router_round_robins_and_skips_a_dead_decode_replica(
         threading.Event().wait(0.05)
     for _ in range(4):
         status, body = http("POST", f"{router}/v1/completions",
-                            {"prompt": [1, 2, 3, 4], "max_tokens": 2})
+                            {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0})
         assert status == 200, body
         assert body["pdd"]["decode"] == deployment["d0"].url
 
@@ -241,7 +243,7 @@ def test_sigterm_drains_held_kv_before_exiting(tmp_path: Path) -> None:
         assert prefill.alive()
         status, refused = http("POST", f"{prefill.url}/v1/prefill",
                                {"request_id": "late", "prompt_ids": [1, 2]})
-        assert status == 503 and "draining" in refused["error"]
+        assert status == 503 and "draining" in error_text(refused)
         status, released = http("POST", f"{prefill.url}/v1/release", {"request_id": "held"})
         assert status == 200 and released == {"released": True}
         prefill.process.join(60)

@@ -102,7 +102,7 @@ def test_sweep(cfg: Any, cluster: LocalCluster, references: dict[int, list[int]]
     problems = []
     for n in PROMPT_LENGTHS:
         status, body = http("POST", f"{router.url}/v1/completions",
-                            {"prompt": _prompt(n), "max_tokens": MAX_TOKENS})
+                            {"prompt": _prompt(n), "max_tokens": MAX_TOKENS, "temperature": 0})
         if status != 200:
             problems.append(f"prompt {n}: HTTP {status}: {body}")
             continue

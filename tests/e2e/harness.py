@@ -344,7 +344,7 @@ def complete(
     name: str, namespace: str, prompt_ids: list[int], max_tokens: int, timeout: float = 120
 ) -> dict[str, Any]:
     """One request through the router Service, the way a client in the cluster sends it."""
-    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens}).encode()
+    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(
         router_url(name, namespace) + "/v1/completions",
         data=body,

@@ -147,7 +147,8 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
         problems: list[str] = []
         for n in PROMPT_LENGTHS:
             status, body = http("POST", f"{router.url}/v1/completions",
-                                {"prompt": _prompt(n), "max_tokens": MAX_TOKENS}, timeout=120)
+                                {"prompt": _prompt(n), "max_tokens": MAX_TOKENS,
+                                 "temperature": 0}, timeout=120)
             if status != 200:
                 problems.append(f"prompt {n}: HTTP {status}: {body}")
                 div.append("err")

@@ -26,7 +26,7 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def dcp_merge(out: torch.Tensor, lse: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """This rank's partial ``out [H, C]``, ``lse [H]`` to the merged output of its heads
-    ``[H / world_size, C]``."""
+    """This rank's partial ``out [..., H, C]``, ``lse [..., H]`` to the merged output of its heads
+    ``[..., H / world_size, C]``; leading dims are rows (tokens of a batch), merged in one go."""
     lses = comm.all_gather(lse.unsqueeze(0), dim=0)
-    return comm.reduce_scatter(out * lse_weights(lse, lses)[:, None], dim=0)
+    return comm.reduce_scatter(out * lse_weights(lse, lses)[..., None], dim=out.dim() - 2)

@@ -8,6 +8,7 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.mla import (
     absorb_q,
-    decode_attention,
+    latent_attention,
     prefill_attention,
     project_latent,
     project_q,
@@ -50,6 +51,17 @@ def allocate_request(cache: PagedKVCache, num_tokens: int, dcp: int) -> list[int
     return cache.allocate(kvc.num_table_blocks(num_tokens, cache.block_size, dcp))
 
 
+@dataclass(frozen=True)
+class SeqChunk:
+    """Tokens of one sequence fed in a step: ``tokens`` at positions ``start..``, every earlier
+    position already cached in ``block_ids`` (the sequence's whole table). A decode step is one
+    token; a prefill chunk is many."""
+
+    tokens: Sequence[int]
+    start: int
+    block_ids: Sequence[int]
+
+
 class RankEngine:
     def __init__(self, model: RankModel, cache: PagedKVCache, comm: Comm, dcp: int = 1) -> None:
         cfg = model.config
@@ -73,6 +85,18 @@ class RankEngine:
     # --- public API ----------------------------------------------------------------------
 
     @torch.inference_mode()
+    def step(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> torch.Tensor | None:
+        """One forward pass over every chunk of the batch; fp32 logits ``[len(chunks), V]`` of
+        each chunk's last token (None without ``want_logits``: only rank 0 samples)."""
+        if not chunks:
+            raise ValueError("empty step")
+        hidden = self._forward(chunks)
+        if not want_logits:
+            return None
+        ends = torch.tensor([len(c.tokens) for c in chunks], device=hidden.device).cumsum(0)
+        return self._logits(hidden[ends - 1])
+
+    @torch.inference_mode()
     def prefill(
         self, token_ids: Sequence[int], block_ids: Sequence[int], all_logits: bool = False
     ) -> torch.Tensor:
@@ -81,22 +105,16 @@ class RankEngine:
         ``all_logits``)."""
         if len(token_ids) == 0:
             raise ValueError("empty prompt")
-        self._check_tokens(token_ids)
-        table = self._table(block_ids, len(token_ids))
-        tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.model.device)
-        positions = torch.arange(len(token_ids), device=self.model.device)
-        hidden = self._forward(tokens, positions, table, decode_len=None)
+        hidden = self._forward([SeqChunk(token_ids, 0, block_ids)])
         return self._logits(hidden if all_logits else hidden[-1])
 
     @torch.inference_mode()
     def decode_step(self, token_id: int, position: int, block_ids: Sequence[int]) -> torch.Tensor:
         """Feed ``token_id`` at ``position`` (all earlier positions are cached); returns fp32
         logits ``[V]`` for the next token."""
-        self._check_tokens([token_id])
-        table = self._table(block_ids, position + 1)
-        tokens = torch.tensor([token_id], dtype=torch.long, device=self.model.device)
-        positions = torch.tensor([position], device=self.model.device)
-        return self._logits(self._forward(tokens, positions, table, decode_len=position + 1)[0])
+        logits = self.step([SeqChunk([token_id], position, block_ids)])
+        assert logits is not None
+        return logits[0]
 
     # --- internals -----------------------------------------------------------------------
 
@@ -128,28 +146,43 @@ class RankEngine:
             mine = torch.arange(pos.shape[0], device=pos.device)
         return mine, table[chunk[mine] // self.dcp], pos[mine] % bs
 
-    def _forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        table: torch.Tensor,
-        decode_len: int | None,
-    ) -> torch.Tensor:
-        cfg, w, comm = self.cfg, self.model.weights, self.comm
+    def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        cfg, w, comm, dev = self.cfg, self.model.weights, self.comm, self.model.device
+        all_tokens = [t for c in chunks for t in c.tokens]
+        self._check_tokens(all_tokens)
+        if any(len(c.tokens) == 0 for c in chunks):
+            raise ValueError("a chunk with no tokens")
+        tables = [self._table(c.block_ids, c.start + len(c.tokens)) for c in chunks]
+        bounds = [0]
+        for c in chunks:
+            bounds.append(bounds[-1] + len(c.tokens))
+        positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        slot_parts = [self._slots(positions[a:b], t)
+                      for a, b, t in zip(bounds[:-1], bounds[1:], tables, strict=True)]
+        mine = torch.cat([m + a for (m, _, _), a in zip(slot_parts, bounds[:-1], strict=True)])
+        blk = torch.cat([b for _, b, _ in slot_parts])
+        off = torch.cat([o for _, _, o in slot_parts])
+        fresh = [i for i, c in enumerate(chunks) if c.start == 0]
+        cached = [i for i, c in enumerate(chunks) if c.start > 0]
+        views = self._cached_views(chunks, tables, cached)
+        positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
-        mine, blk, off = self._slots(positions, table)
         lead = self.rank == 0  # adds the biases of row-sharded projections exactly once
-        x = F.embedding(tokens, w.embed)
+        x = F.embedding(torch.tensor(all_tokens, dtype=torch.long, device=dev), w.embed)
         for i, lw in enumerate(w.layers):
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
             latent = project_latent(a, lw.attn, cfg, cos, sin)
             self.cache.write(i, blk, off, latent[mine.to(latent.device)])
-            if decode_len is None:
-                o = prefill_attention(q_nope, q_pe, latent, lw.attn, cfg)
-            else:
-                o = self._decode_attention(absorb_q(q_nope, q_pe, lw.attn)[0], i, table, decode_len)
-                o = unabsorb_v(o.to(x.dtype), lw.attn).unsqueeze(0)
+            o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
+            for s in fresh:
+                a_, b_ = bounds[s], bounds[s + 1]
+                o[a_:b_] = prefill_attention(q_nope[a_:b_], q_pe[a_:b_], latent[a_:b_],
+                                             lw.attn, cfg)
+            if cached:
+                rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in cached]).to(dev)
+                q = absorb_q(q_nope[rows], q_pe[rows], lw.attn)
+                o[rows] = unabsorb_v(self._cached_attention(q, i, views).to(x.dtype), lw.attn)
             o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
             x = x + (comm.all_reduce(o) if self.tp > 1 else o)
             m = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
@@ -162,16 +195,47 @@ class RankEngine:
             x = x + (comm.all_reduce(y) if lw.mlp_sharded else y)
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
 
-    def _decode_attention(
-        self, q: torch.Tensor, layer: int, table: torch.Tensor, num_tokens: int
+    def _cached_views(self, chunks: Sequence[SeqChunk], tables: Sequence[torch.Tensor],
+                      cached: Sequence[int]) -> list[tuple[int, torch.Tensor, int,
+                                                          torch.Tensor | None]]:
+        """Per chunk that continues a cached sequence: (query count, table, local tokens to
+        read, visibility mask or None when every local token is visible to every query)."""
+        bs, dev = self.cache.block_size, self.cache.device
+        views = []
+        for s in cached:
+            c = chunks[s]
+            end = c.start + len(c.tokens)
+            n_local = kvc.local_token_count(end, bs, self.dcp, self.rank)
+            mask = None
+            if len(c.tokens) > 1:
+                kpos = kvc.local_positions(n_local, bs, self.dcp, self.rank, dev)
+                qpos = torch.arange(c.start, end, device=dev)
+                mask = kpos[None, :] <= qpos[:, None]
+            views.append((len(c.tokens), tables[s], n_local, mask))
+        return views
+
+    def _cached_attention(
+        self, q: torch.Tensor, layer: int,
+        views: Sequence[tuple[int, torch.Tensor, int, torch.Tensor | None]],
     ) -> torch.Tensor:
-        """``q [Hl, L]`` (absorbed) to this rank's heads' latent output ``[Hl, kv_lora]``."""
-        n_local = kvc.local_token_count(num_tokens, self.cache.block_size, self.dcp, self.rank)
-        kv = self.cache.read(layer, table, n_local)
+        """Absorbed ``q [N, Hl, L]`` of every continuing chunk over its sequence's cached latent
+        (this rank's chunks of it) to this rank's heads' latent output ``[N, Hl, kv_lora]``;
+        under DCP every rank attends with all heads and the partials merge by LSE in one go."""
+        cfg = self.cfg
+        if self.dcp > 1:
+            q = self.comm.all_gather(q, dim=1)
+        outs, lses = [], []
+        row = 0
+        for n_q, table, n_local, mask in views:
+            kv = self.cache.read(layer, table, n_local)
+            out, lse = latent_attention(q[row:row + n_q], kv, cfg.kv_lora_rank,
+                                        cfg.softmax_scale, mask)
+            outs.append(out)
+            lses.append(lse)
+            row += n_q
+        out, lse = torch.cat(outs), torch.cat(lses)
         if self.dcp == 1:
-            return decode_attention(q, kv, self.cfg.kv_lora_rank, self.cfg.softmax_scale)[0]
-        q_all = self.comm.all_gather(q, dim=0)
-        out, lse = decode_attention(q_all, kv, self.cfg.kv_lora_rank, self.cfg.softmax_scale)
+            return out
         return dcp_merge(out, lse, self.comm)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,15 @@ def local_token_count(num_tokens: int, block_size: int, dcp: int, rank: int) -> 
     return (k - 1) * block_size + min(block_size, num_tokens - last * block_size)
 
 
+def local_positions(num_local: int, block_size: int, dcp: int, rank: int,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sequence positions of the first ``num_local`` tokens a rank holds, in storage order."""
+    j = torch.arange(num_local, device=device)
+    if dcp == 1:
+        return j
+    return (j // block_size * dcp + rank) * block_size + j % block_size
+
+
 def token_slot(t: int, block_size: int, dcp: int) -> tuple[int, int, int]:
     """``(owner rank, local block index, offset in block)`` of token ``t``; with dcp == 1 the
     owner is 0 but every rank stores the token at the same slot."""

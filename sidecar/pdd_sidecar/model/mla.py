@@ -64,7 +64,16 @@ def prefill_attention(
     v = torch.einsum("tc,hvc->htv", c, w.w_uv)
     q = torch.cat([q_nope, q_pe], -1).transpose(0, 1)
     k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(hl, t, -1)], -1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)
+    dv, dqk = v.shape[-1], q.shape[-1]
+    if q.is_cuda and q.dtype != torch.float32 and dv < dqk:
+        # Flash and cuDNN attention want one head dim for q, k and v: zero-padding v to the qk
+        # dim costs a little copying and keeps the fused kernels instead of the unfused math.
+        vp = F.pad(v, (0, dqk - dv))
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), vp.unsqueeze(0), is_causal=True, scale=cfg.softmax_scale
+        )[0, ..., :dv]
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)
     return out.transpose(0, 1)
 
 
@@ -81,18 +90,35 @@ def decode_attention(
     Returns ``(out [H, kv_lora] fp32, lse [H] fp32)``; with no tokens (a DCP rank that holds no
     chunk yet) the output is 0 and the LSE ``-inf``, which the LSE merge weighs as nothing.
     """
-    h = q.shape[0]
+    out, lse = latent_attention(q.unsqueeze(0), kv, kv_lora_rank, scale)
+    return out[0], lse[0]
+
+
+def latent_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed queries ``q [T, H, L]`` over latents ``kv [N, L]``; ``mask [T, N]`` (True =
+    visible) for causal chunks. Returns ``(out [T, H, kv_lora] fp32, lse [T, H] fp32)``; a
+    query that sees no token gets output 0 and LSE ``-inf``."""
+    t, h = q.shape[0], q.shape[1]
     if kv.shape[0] == 0:
         return (
-            torch.zeros(h, kv_lora_rank, dtype=torch.float32, device=q.device),
-            torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device),
+            torch.zeros(t, h, kv_lora_rank, dtype=torch.float32, device=q.device),
+            torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device),
         )
     if kv.dtype != torch.float32 and not has_fp32_out_mm(kv.device):
         q, kv = q.float(), kv.float()  # widen once here rather than inside both products
-    scores = _mm_fp32(q, kv.T) * scale
+    scores = (_mm_fp32(q.reshape(t * h, -1), kv.T) * scale).view(t, h, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse[:, None])
-    return _mm_fp32(p.to(kv.dtype), kv[:, :kv_lora_rank]), lse
+    p = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    out = _mm_fp32(p.view(t * h, -1).to(kv.dtype), kv[:, :kv_lora_rank])
+    return out.view(t, h, kv_lora_rank), lse
 
 
 _FP32_OUT_MM: dict[str, bool] = {}
@@ -123,5 +149,5 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def unabsorb_v(out_latent: torch.Tensor, w: AttnWeights) -> torch.Tensor:
-    """Latent attention output ``[Hl, kv_lora]`` to per-head values ``[Hl, v]``."""
-    return torch.einsum("hc,hvc->hv", out_latent, w.w_uv)
+    """Latent attention output ``[..., Hl, kv_lora]`` to per-head values ``[..., Hl, v]``."""
+    return torch.einsum("...hc,hvc->...hv", out_latent, w.w_uv)

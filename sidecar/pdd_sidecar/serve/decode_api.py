@@ -1,11 +1,13 @@
-"""Decode instance API: READ the prompt's KV from a prefill instance, then decode greedily.
+"""Decode instance API: pull the prompt's KV from a prefill instance, then decode in the running
+batch.
 
 `POST /v1/decode {"request_id", "first_token", "max_new_tokens", "kv_transfer_params",
-"stream"}`: every rank reads exactly the chunks the routing plan gives it, notifies the prefill
-ranks the plan names, and the instance decodes `max_new_tokens` tokens after `first_token`.
-With `"stream": true` the answer is NDJSON, one `{"token": id}` line per token and a final line
-with the totals. A failed hand-off answers an error naming the peer; the decode's blocks are
-freed either way.
+"sampling", "stop_token_ids", "ignore_eos", "stream"}`: the request waits for KV blocks if the
+instance is full (429 once the queue is), every rank reads exactly the chunks the routing plan
+gives it while the batch keeps running, notifies the prefill ranks the plan names, and the
+sequence joins the batch until a stop id, EOS or `max_new_tokens`. With `"stream": true` the
+answer is NDJSON, one `{"token": id}` line per token and a final line with the totals; an error
+before the first token is a plain HTTP error. A client that disconnects cancels its sequence.
 """
 
 from __future__ import annotations
@@ -19,44 +21,59 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdd_sidecar.engine.instance import RequestError
+from pdd_sidecar.engine.driver import on_loop
+from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.worker import Source
+from pdd_sidecar.serve.common import (
+    STATE,
+    InstanceState,
+    bad,
+    client_gone,
+    error_response,
+    finished,
+    first_error,
+    int_field,
+    read_json,
+    request_id,
+    sequence_error,
+    sequence_options,
+    token_ids,
+)
 from pdd_sidecar.serve.discovery import replicas
-from pdd_sidecar.serve.server import STATE, InstanceState, error_response, first_error, read_json
 
 
-def _parse(body: dict[str, Any]) -> dict[str, Any]:
+def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
     params = body.get("kv_transfer_params")
-    if not isinstance(params, dict):
-        raise RequestError("kv_transfer_params must be an object", 400)
-    try:
-        first = int(body["first_token"])
-        max_new = int(body.get("max_new_tokens", 16))
-    except (KeyError, TypeError, ValueError):
-        raise RequestError("first_token and max_new_tokens must be integers", 400) from None
-    if max_new < 0:
-        raise RequestError("max_new_tokens must be >= 0", 400)
-    return {
-        "op": "decode",
-        "id": str(body.get("request_id") or uuid.uuid4().hex),
-        "first_token": first,
-        "max_new": max_new,
-        "source": params,
-    }
+    src = Source.parse(params)
+    first = token_ids(state, [body.get("first_token")], "first_token")[0]
+    max_new = int_field(body, "max_new_tokens", 16, 0)
+    assert max_new is not None
+    total = src.num_tokens + 1 + max_new
+    if total > state.max_model_len:
+        raise bad(f"max_new_tokens: prompt ({src.num_tokens} tokens) + 1 + max_new_tokens "
+                  f"({max_new}) = {total} exceeds the maximum model length "
+                  f"{state.max_model_len}")
+    seq = Sequence(request_id(body, lambda: uuid.uuid4().hex), [], max_new,
+                   src.num_tokens + max_new, source=src, first_token=first,
+                   **sequence_options(state, body))
+    seq.extra["source"] = params
+    return seq
 
 
-def _summary(state: InstanceState, cmd: dict[str, Any], results: list[Any]) -> dict[str, Any]:
+def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
     m = state.metrics
     ranks = []
-    for rank, r in enumerate(results):
-        t = r["transfer"]
+    for rank, t in sorted(seq.extra.get("transfer", {}).items()):
+        if not t:
+            continue
         m.transfer_bytes.labels(rank=str(rank)).inc(t["bytes"])
         m.transfer_descriptors.labels(rank=str(rank)).inc(t["descriptors"])
         m.transfer_seconds.labels(rank=str(rank)).observe(t["seconds"])
         ranks.append({"rank": rank, **t})
-    m.tokens.labels(kind="generated").inc(len(results[0]["tokens"]))
     return {
-        "request_id": cmd["id"],
-        "token_ids": results[0]["tokens"],
+        "request_id": seq.id,
+        "token_ids": seq.output,
+        "finish_reason": seq.finish_reason,
         "transfer": {
             "bytes": sum(r["bytes"] for r in ranks),
             "descriptors": sum(r["descriptors"] for r in ranks),
@@ -71,21 +88,19 @@ async def decode(request: web.Request) -> web.StreamResponse:
     start = time.monotonic()
     outcome = "error"
     try:
-        if not state.ranks_ready or state.draining:
-            raise RequestError(f"not ready: {state.not_ready_reason}", 503, "not_ready")
+        state.require_serving("decode")
         body = await read_json(request)
-        cmd = _parse(body)
+        seq = _sequence(state, body)
         if body.get("stream"):
-            response = await _stream(request, state, cmd)
+            response = await _stream(request, state, seq)
             outcome = "ok"
             return response
-        results = await state.call(cmd)
-        err = first_error(results)
+        await finished(request, state, seq)
+        err = sequence_error(seq)
         if err:
-            m.transfer_failures.labels(reason=err.kind).inc()
             raise err
         outcome = "ok"
-        return web.json_response(_summary(state, cmd, results))
+        return web.json_response(_summary(state, seq))
     except Exception as exc:
         return error_response(exc)
     finally:
@@ -95,37 +110,44 @@ async def decode(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, state: InstanceState,
-                  cmd: dict[str, Any]) -> web.StreamResponse:
-    loop = asyncio.get_running_loop()
+                  seq: Sequence) -> web.StreamResponse:
     tokens: asyncio.Queue[int] = asyncio.Queue()
-    def on_token(token: int) -> None:
-        loop.call_soon_threadsafe(tokens.put_nowait, token)
-
-    fut = asyncio.wrap_future(state.driver.submit(cmd, on_token))
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
+    seq.on_token = on_loop(asyncio.get_running_loop(), tokens.put_nowait)
+    done = asyncio.ensure_future(finished(request, state, seq))
+    response: web.StreamResponse | None = None
     while True:
         getter = asyncio.ensure_future(tokens.get())
-        done, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
-        if getter in done:
+        await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            break
+        if response is None:
+            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await response.prepare(request)
+        try:
             await response.write(json.dumps({"token": getter.result()}).encode() + b"\n")
-            continue
-        getter.cancel()
-        break
-    while not tokens.empty():
-        await response.write(json.dumps({"token": tokens.get_nowait()}).encode() + b"\n")
-    try:
-        results = fut.result()
-        err = first_error(results)
+        except (ConnectionError, RuntimeError):
+            state.driver.cancel(seq.id)
+    await done
+    err = sequence_error(seq)
+    if response is None:
         if err:
-            state.metrics.transfer_failures.labels(reason=err.kind).inc()
-            final: dict[str, Any] = {"error": str(err), "status": err.status}
-        else:
-            final = {"done": True, **_summary(state, cmd, results)}
-    except Exception as exc:
-        final = {"error": f"{type(exc).__name__}: {exc}", "status": 500}
-    await response.write(json.dumps(final).encode() + b"\n")
-    await response.write_eof()
+            raise err
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+    lines = [json.dumps({"token": tokens.get_nowait()}) for _ in range(tokens.qsize())]
+    if err:
+        final: dict[str, Any] = {"error": {"message": str(err), "type": err.kind,
+                                           "code": err.status}, "status": err.status}
+    else:
+        final = {"done": True, **_summary(state, seq)}
+    lines.append(json.dumps(final))
+    if not client_gone(request):
+        try:
+            await response.write(("\n".join(lines) + "\n").encode())
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
     return response
 
 

@@ -1,9 +1,12 @@
-"""Prefill instance API: run the prompt, hold its blocks for the decode, hand back where they are.
+"""Prefill instance API: run prompts in batches, hold their blocks for a decode, hand back where
+they are.
 
-`POST /v1/prefill {"request_id", "prompt_ids"}` answers the first (greedy) token and the
-`kv_transfer_params` a decode instance needs to READ the KV; the blocks stay held until every
-prefill rank has its notifications or the lease runs out. `POST /v1/release {"request_id"}`
-frees a request the router gave up on without waiting for the lease.
+`POST /v1/prefill {"request_id", "prompt_ids", "max_tokens", "sampling", "stop_token_ids",
+"ignore_eos"}` answers the first token (chosen by the request's sampling), `finish_reason` (set
+when that token already ends the completion, and then nothing is held), and the
+`kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every prefill
+rank has its notifications or the lease runs out. `POST /v1/release {"request_id"}` frees a
+request the router gave up on without waiting for the lease.
 """
 
 from __future__ import annotations
@@ -13,8 +16,19 @@ import uuid
 
 from aiohttp import web
 
-from pdd_sidecar.engine.instance import RequestError
-from pdd_sidecar.serve.server import STATE, error_response, first_error, read_json
+from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.serve.common import (
+    STATE,
+    bad,
+    error_response,
+    finished,
+    int_field,
+    read_json,
+    request_id,
+    sequence_error,
+    sequence_options,
+    token_ids,
+)
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -23,25 +37,29 @@ async def prefill(request: web.Request) -> web.Response:
     start = time.monotonic()
     outcome = "error"
     try:
-        if not state.ready:
-            raise RequestError(f"not ready: {state.not_ready_reason}", 503, "not_ready")
+        state.require_serving("prefill")
         body = await read_json(request)
-        rid = str(body.get("request_id") or uuid.uuid4().hex)
-        prompt = body.get("prompt_ids")
-        if (not isinstance(prompt, list) or not prompt
-                or not all(isinstance(t, int) and t >= 0 for t in prompt)):
-            raise RequestError("prompt_ids must be a non-empty list of token ids", 400)
-        results = await state.call({"op": "prefill", "id": rid, "tokens": prompt})
-        err = first_error(results)
+        rid = request_id(body, lambda: uuid.uuid4().hex)
+        prompt = token_ids(state, body.get("prompt_ids"), "prompt_ids")
+        max_tokens = int_field(body, "max_tokens", None, 1)
+        total = len(prompt) + (max_tokens or 1)
+        if total > state.max_model_len:
+            raise bad(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
+                      f"({max_tokens or 1}) = {total} exceeds the maximum model length "
+                      f"{state.max_model_len}")
+        seq = Sequence(rid, prompt, max_tokens or 1 << 30, len(prompt),
+                       **sequence_options(state, body))
+        await finished(request, state, seq)
+        err = sequence_error(seq)
         if err:
             raise err
         s = state.settings
-        head = results[0]
-        m.tokens.labels(kind="prompt").inc(len(prompt))
+        held = seq.finish_reason is None
         outcome = "ok"
         return web.json_response({
             "request_id": rid,
-            "first_token": head["first_token"],
+            "first_token": seq.output[0],
+            "finish_reason": seq.finish_reason,
             "kv_transfer_params": {
                 "host": s.pod_ip,
                 "side_channel_port": s.side_channel_port,
@@ -49,11 +67,11 @@ async def prefill(request: web.Request) -> web.Response:
                 "tp": s.tp,
                 "dcp": s.dcp,
                 "block_size": s.block_size,
-                "block_ids": head["block_ids"],
+                "block_ids": seq.blocks,
                 "num_tokens": len(prompt),
                 "plan_digest": state.worker.compat.plan_digest,
                 "lease_seconds": s.lease_seconds,
-            },
+            } if held else None,
         })
     except Exception as exc:
         return error_response(exc)
@@ -67,7 +85,10 @@ async def release(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         body = await read_json(request)
-        released = await state.call({"op": "release", "id": str(body.get("request_id", ""))})
+        rid = body.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            raise bad("request_id: must be a non-empty string")
+        released = await state.call_release(rid)
     except Exception as exc:
         return error_response(exc)
     state.metrics.requests.labels(role="prefill", endpoint="release", outcome="ok").inc()

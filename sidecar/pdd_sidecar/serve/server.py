@@ -7,7 +7,6 @@ endpoints come from prefill_server or decode_server.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -15,97 +14,22 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
-from pdd_sidecar.engine.instance import InstanceDriver, RankWorker, RequestError, new_instance_id
+from pdd_sidecar.engine.driver import InstanceDriver
+from pdd_sidecar.engine.worker import RankWorker
 from pdd_sidecar.env import ConfigError, InstanceSettings
 from pdd_sidecar.kv.side_channel import handshake
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from pdd_sidecar.routing_file import load_routing_file
+from pdd_sidecar.serve import decode_api, prefill_api
+from pdd_sidecar.serve.common import STATE, InstanceState
 
 log = logging.getLogger(__name__)
-
-class InstanceState:
-    """What rank 0's HTTP handlers share."""
-
-    def __init__(self, worker: RankWorker, driver: InstanceDriver,
-                 metrics: InstanceMetrics) -> None:
-        self.worker = worker
-        self.driver = driver
-        self.metrics = metrics
-        self.settings = worker.settings
-        self.ranks_ready = False
-        self.peers_ready = self.settings.role == "prefill"
-        self.not_ready_reason = "starting: waiting for every rank's side channel"
-        self.peer_status: dict[str, str] = {}
-        self.draining = False
-
-    @property
-    def ready(self) -> bool:
-        return (self.ranks_ready and self.peers_ready and not self.driver.fatal
-                and not self.draining)
-
-    def drain_and_exit(self, limit_s: float) -> None:
-        """SIGTERM: stop taking work, let held KV be read and running requests finish, exit.
-
-        Runs on its own thread; the pod's terminationGracePeriodSeconds bounds it anyway.
-        """
-        self.draining = True
-        self.not_ready_reason = "draining: shutting down"
-        log.info("draining before exit (at most %.0fs)", limit_s)
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline and not self.driver.idle():
-            time.sleep(0.1)
-        logging.shutdown()
-        os._exit(0)
-
-    async def call(self, cmd: dict[str, Any], on_token: Any = None) -> list[Any]:
-        return await asyncio.wrap_future(self.driver.submit(cmd, on_token))
-
-    def info(self) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "role": s.role,
-            "replica": s.replica,
-            "tp": s.tp,
-            "dcp": s.dcp,
-            "block_size": s.block_size,
-            "host": s.pod_ip,
-            "side_channel_port": s.side_channel_port,
-            "instance_id": self.worker.instance_id,
-            "compat": self.worker.compat.to_dict(),
-            "ready": self.ready,
-        }
-
-
-STATE = web.AppKey("state", InstanceState)
-
-
-def error_response(exc: BaseException) -> web.Response:
-    if isinstance(exc, RequestError):
-        return web.json_response({"error": str(exc), "kind": exc.kind}, status=exc.status)
-    return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
-
-
-def first_error(results: list[Any]) -> RequestError | None:
-    for r in results:
-        if isinstance(r, dict) and r.get("error"):
-            return RequestError(r["error"], int(r.get("status", 500)), r.get("kind", "error"))
-    return None
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("request body must be JSON", 400) from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object", 400)
-    return body
-
 
 async def healthz(request: web.Request) -> web.Response:
     state = request.app[STATE]
@@ -134,12 +58,16 @@ async def info(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    results = await state.call({"op": "stats"})
-    leases = state.driver.leases
+    driver = state.driver
+    leases = driver.leases
+    free = driver.cache.num_free
+    sched = driver.scheduler
     return web.json_response({
-        "ranks": [{"rank": r, "free_blocks": x["free"], "held_requests": x["held"]}
-                  for r, x in enumerate(results)],
+        "ranks": [{"rank": r, "free_blocks": free, "held_requests": len(leases)}
+                  for r in range(state.settings.tp)],
         "num_blocks": state.settings.num_blocks,
+        "running": len(sched.running) + len(sched.pulling),
+        "waiting": len(sched.waiting),
         "leases": {"held": len(leases), "expired_total": leases.expired_total,
                    "released_total": leases.released_total},
     })
@@ -168,18 +96,14 @@ async def _check_own_ranks(state: InstanceState) -> None:
 
 
 def build_app(state: InstanceState) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=16 * 1024 * 1024)
     app[STATE] = state
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/info", info)
     app.router.add_get("/v1/stats", stats)
-    if state.settings.role == "prefill":
-        from pdd_sidecar.serve.prefill_api import add_routes
-    else:
-        from pdd_sidecar.serve.decode_api import add_routes
-    add_routes(app)
+    (prefill_api if state.settings.role == "prefill" else decode_api).add_routes(app)
 
     async def background(app: web.Application) -> Any:
         def on_term() -> None:
@@ -190,9 +114,7 @@ def build_app(state: InstanceState) -> web.Application:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
         tasks = [asyncio.create_task(_check_own_ranks(state))]
         if state.settings.role == "decode":
-            from pdd_sidecar.serve.decode_api import watch_prefill_peers
-
-            tasks.append(asyncio.create_task(watch_prefill_peers(state)))
+            tasks.append(asyncio.create_task(decode_api.watch_prefill_peers(state)))
         yield
         for t in tasks:
             t.cancel()
@@ -266,7 +188,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     _setup_logging(settings, 0)
-    instance_id = new_instance_id()
+    instance_id = uuid.uuid4().hex[:12]
     children = []
     if settings.tp > 1:
         import multiprocessing

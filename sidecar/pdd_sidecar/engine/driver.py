@@ -1,0 +1,272 @@
+"""Rank 0's driver thread: the serving loop of an instance.
+
+Each turn drains the inbox (new sequences, cancellations, releases, probes), asks the scheduler
+for the next step, runs it on every rank in lockstep, samples the next token of every sequence
+that produced logits, and hands tokens and finished sequences back to the HTTP layer through
+callbacks. A prefill also polls transfer-done notifications and runs the leases of the blocks it
+holds for decodes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from pdd_sidecar.engine.sampling import sample
+from pdd_sidecar.engine.scheduler import (
+    NeverFits,
+    QueueFull,
+    Scheduler,
+    Sequence,
+    State,
+    StepPlan,
+)
+from pdd_sidecar.engine.worker import RankWorker, RequestError
+from pdd_sidecar.kv.lease import LeaseTable
+from pdd_sidecar.metrics import InstanceMetrics
+
+log = logging.getLogger(__name__)
+
+Future = concurrent.futures.Future
+
+
+class InstanceDriver:
+    def __init__(self, worker: RankWorker, metrics: InstanceMetrics) -> None:
+        s = worker.settings
+        self.worker = worker
+        self.settings = s
+        self.metrics = metrics
+        self.role = s.role
+        self.cache = worker.cache
+        self.scheduler = Scheduler(
+            s.role, worker.cache, s.block_size, s.dcp, s.tp,
+            max_running=s.max_num_seqs, max_waiting=s.max_waiting,
+            step_tokens=s.max_step_tokens, chunk_tokens=s.chunk_tokens,
+        )
+        expected = {p.rank: p.expected_notifications for p in worker.plan.prefill_ranks}
+        self.leases = LeaseTable(s.lease_seconds, expected)
+        self._inbox: queue.Queue[tuple[str, Any, Future[Any] | None]] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
+        self._last_poll = 0.0
+        self.fatal: str | None = None
+        for rank in range(s.tp):
+            metrics.blocks_total.labels(rank=str(rank)).set(s.num_blocks)
+        self._update_gauges()
+
+    # -- called from the HTTP threads
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def idle(self) -> bool:
+        """Nothing queued or running, and no KV held for a decode."""
+        return self._inbox.empty() and not self.scheduler.busy and len(self.leases) == 0
+
+    def submit(self, seq: Sequence) -> Future[Sequence]:
+        """Resolves with the finished sequence (error set on failure); raises RequestError at
+        once for a full queue or a request that can never fit."""
+        return self._post("submit", seq)
+
+    def cancel(self, seq_id: str) -> None:
+        self._inbox.put(("cancel", seq_id, None))
+
+    def release(self, request_id: str) -> Future[bool]:
+        return self._post("release", request_id)
+
+    def call(self, cmd: dict[str, Any]) -> Future[list[Any]]:
+        """A command every rank runs between two steps (handshakes, stats)."""
+        return self._post("call", cmd)
+
+    def _post(self, kind: str, payload: Any) -> Future[Any]:
+        fut: Future[Any] = concurrent.futures.Future()
+        if self.fatal:
+            fut.set_exception(RequestError(self.fatal, 503, "broken"))
+        else:
+            self._inbox.put((kind, payload, fut))
+        return fut
+
+    # -- the loop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._drain(block=not self._has_work())
+                plan = self.scheduler.plan()
+                poll = self._poll_due()
+                if plan.has_forward or plan.pulls or self.scheduler.pulling or poll:
+                    self._run_step(plan, poll)
+                self._expire_leases()
+                self._update_gauges()
+        except SystemExit:
+            return
+        except Exception:
+            # A failed collective means a rank is gone; the instance cannot go on.
+            self.fatal = f"instance broken: {traceback.format_exc(limit=1)}"
+            log.critical("%s", traceback.format_exc())
+            os._exit(1)
+
+    def _has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def _poll_due(self) -> bool:
+        if self.role != "prefill" or len(self.leases) == 0:
+            return False
+        return time.monotonic() - self._last_poll >= self.settings.notif_poll_s
+
+    def _drain(self, block: bool) -> None:
+        timeout = None
+        if self.scheduler.pulling or len(self.leases):
+            timeout = max(self.settings.notif_poll_s, 0.001)
+        elif block:
+            timeout = 0.5
+        first = True
+        while True:
+            try:
+                if first and block:
+                    item = self._inbox.get(timeout=timeout)
+                else:
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            self._handle(*item)
+
+    def _handle(self, kind: str, payload: Any, fut: Future[Any] | None) -> None:
+        if kind == "cancel":
+            self.scheduler.cancel(payload)
+            return
+        assert fut is not None
+        if not fut.set_running_or_notify_cancel():
+            return
+        if kind == "submit":
+            seq: Sequence = payload
+            seq.on_done = lambda s, f=fut: f.set_result(s)  # type: ignore[misc]
+            try:
+                self.scheduler.submit(seq)
+            except QueueFull as exc:
+                fut.set_exception(RequestError(str(exc), 429, "overloaded", retry_after=1.0))
+            except NeverFits as exc:
+                fut.set_exception(RequestError(str(exc), 400, "invalid_request"))
+            except ValueError as exc:
+                fut.set_exception(RequestError(str(exc), 409, "conflict"))
+        elif kind == "release":
+            fut.set_result(self._release(payload))
+        elif kind == "call":
+            if payload.get("op") == "shutdown":
+                fut.set_result(self.worker.run_as_leader(payload))
+                raise SystemExit
+            fut.set_result(self.worker.run_as_leader(payload))
+
+    def _run_step(self, plan: StepPlan, poll: bool) -> None:
+        cmd: dict[str, Any] = {
+            "op": "step",
+            "chunks": [(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
+            + [([d.token], d.position, d.seq.blocks) for d in plan.decode],
+            "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks}
+                      for s in plan.pulls],
+            "poll": poll,
+        }
+        if poll:
+            self._last_poll = time.monotonic()
+        results = self.worker.run_as_leader(cmd)
+        failed = next((r for r in results if r.get("error")), None)
+        if cmd["chunks"]:
+            self.metrics.batch_size.observe(len(cmd["chunks"]))
+        for rank, r in enumerate(results):
+            for rid, error, stats in r.get("pulled", ()):
+                seq = self.scheduler.pulling.get(rid)
+                if seq is not None:
+                    seq.extra.setdefault("transfer", {})[rank] = stats
+                self.scheduler.on_pulled(rid, rank, error)
+                if seq is not None and seq.state is State.FINISHED and seq.error:
+                    self.metrics.transfer_failures.labels(reason=seq.error.get("kind")).inc()
+            for rid in r.get("notified", ()):
+                self.metrics.notifications.labels(rank=str(rank)).inc()
+                held = self.leases.notified(rid, rank)
+                if held is not None:
+                    self.cache.free(held.blocks)
+        seqs = [c.seq for c in plan.prefill] + [d.seq for d in plan.decode]
+        if failed:
+            for seq in seqs:
+                seq.error = failed
+                self.scheduler.cancel(seq.id)
+            return
+        self._sample(plan)
+
+    def _sample(self, plan: StepPlan) -> None:
+        logits = self.worker.logits
+        rows: list[tuple[int, Sequence]] = []
+        for i, c in enumerate(plan.prefill):
+            self.scheduler.on_chunk_done(c)
+            if c.last:
+                rows.append((i, c.seq))
+        base = len(plan.prefill)
+        rows += [(base + i, d.seq) for i, d in enumerate(plan.decode)]
+        live = [(i, s) for i, s in rows if s.state is State.RUNNING]
+        if not live or logits is None:
+            return
+        idx = [i for i, _ in live]
+        tokens = sample(
+            logits[idx],
+            [s.sampling for _, s in live],
+            [len(s.output) + (0 if s.source is None else 1) for _, s in live],
+        )
+        for (_, seq), tok in zip(live, tokens, strict=True):
+            if self.role == "prefill":
+                self._prefilled(seq, tok)
+            else:
+                self.metrics.tokens.labels(kind="generated").inc()
+                self.scheduler.on_token(seq, tok)
+
+    def _prefilled(self, seq: Sequence, token: int) -> None:
+        seq.output.append(token)
+        self.metrics.tokens.labels(kind="prompt").inc(len(seq.prompt))
+        if token in seq.stop_ids:
+            seq.finish_reason = "stop"
+        elif seq.max_tokens <= 1:
+            seq.finish_reason = "length"
+        keep = seq.finish_reason is None
+        if keep:
+            self.leases.hold(seq.id, seq.blocks, time.monotonic())
+        self.scheduler.finish_prefill(seq, keep_blocks=keep)
+
+    def _expire_leases(self) -> None:
+        if not len(self.leases):
+            return
+        for held in self.leases.expire(time.monotonic()):
+            self.metrics.lease_expiries.inc()
+            self.cache.free(held.blocks)
+
+    def _release(self, request_id: str) -> bool:
+        """The router gave up on a request: its blocks go now."""
+        held = self.leases.release(request_id)
+        if held is not None:
+            self.cache.free(held.blocks)
+            return True
+        self.scheduler.cancel(request_id)
+        return False
+
+    def _update_gauges(self) -> None:
+        m, sch = self.metrics, self.scheduler
+        free = self.cache.num_free
+        for rank in range(self.settings.tp):
+            m.blocks_free.labels(rank=str(rank)).set(free)
+        m.running.set(len(sch.running) + len(sch.pulling))
+        m.waiting.set(len(sch.waiting))
+        m.held_requests.set(len(self.leases))
+
+
+def on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
+    """A callback for the driver thread that runs ``fn`` on an asyncio loop instead."""
+
+    def call(*args: Any) -> None:
+        loop.call_soon_threadsafe(fn, *args)
+
+    return call

@@ -1,0 +1,277 @@
+"""Rank 0's scheduling policy: which sequences run in the next step, and when blocks come and go.
+
+Policy (one place, pure Python, no torch):
+- **Admission reserves** every block a sequence can need up front (prefill: the prompt; decode:
+  prompt + max_tokens), so a running sequence never runs out of KV and nothing is preempted. A
+  sequence waits in a bounded FIFO queue until its blocks fit and a running slot is free; the
+  head of the queue is never overtaken, so a long request cannot starve. More waiting than
+  ``max_waiting`` is refused (HTTP 429). A request that could never fit is refused at once (400).
+- **Decode** sequences first pull their KV from the prefill (``PULLING``, vLLM's
+  WAITING_FOR_REMOTE_KVS) without holding up the running batch; they join at the next step
+  boundary once every rank has its chunks, and leave the moment they finish, freeing their blocks.
+- **Prefill** packs prompt chunks of at most ``chunk_tokens`` into a step of at most
+  ``step_tokens`` tokens, several prompts per forward pass; a prompt longer than a chunk runs over
+  several steps, each chunk attending over the cached latent of the earlier ones.
+
+With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
+per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdd_sidecar.kv.cache import num_table_blocks
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PULLING = "pulling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later (429)."""
+
+
+class NeverFits(ValueError):
+    """The request needs more KV blocks than the instance has at all (400)."""
+
+
+class Allocator(Protocol):
+    num_blocks: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def free(self, ids: list[int]) -> None: ...
+
+
+@dataclass
+class Sequence:
+    """One request on one instance. ``context`` is the prompt length whose KV exists before the
+    first generated token is fed (decode: pulled from the prefill)."""
+
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    kv_tokens: int  # tokens whose KV this instance stores: what admission reserves
+    sampling: Any = None
+    stop_ids: frozenset[int] = frozenset()
+    source: Any = None  # decode: where to pull from
+    first_token: int | None = None  # decode: chosen by the prefill
+    state: State = State.WAITING
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # prefill: prompt tokens already run
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    cancelled: bool = False
+    pulled_ranks: set[int] = field(default_factory=set)
+    on_token: Callable[[int], None] | None = None
+    on_done: Callable[[Sequence], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt) if self.source is None else int(self.source.num_tokens)
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    tokens: list[int]
+
+    @property
+    def last(self) -> bool:
+        return self.start + len(self.tokens) == len(self.seq.prompt)
+
+
+@dataclass
+class DecodeEntry:
+    seq: Sequence
+    token: int
+    position: int
+
+
+@dataclass
+class StepPlan:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[DecodeEntry] = field(default_factory=list)
+    pulls: list[Sequence] = field(default_factory=list)
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, role: str, allocator: Allocator, block_size: int, dcp: int,
+                 tp: int, max_running: int = 256, max_waiting: int = 256,
+                 step_tokens: int = 2048, chunk_tokens: int = 512) -> None:
+        self.role = role
+        self.allocator = allocator
+        self.block_size = block_size
+        self.dcp = dcp
+        self.tp = tp
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.step_tokens = step_tokens
+        # Chunks end on block boundaries, so each chunk's KV lands in whole blocks.
+        self.chunk_tokens = max(block_size, chunk_tokens // block_size * block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.pulling: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}
+        self.by_id: dict[str, Sequence] = {}
+
+    # -- intake
+
+    def blocks_needed(self, kv_tokens: int) -> int:
+        return num_table_blocks(max(kv_tokens, 1), self.block_size, self.dcp)
+
+    def submit(self, seq: Sequence) -> None:
+        need = self.blocks_needed(seq.kv_tokens)
+        if need > self.allocator.num_blocks:
+            raise NeverFits(
+                f"the request needs {need} KV blocks of {self.block_size} tokens per rank "
+                f"({seq.kv_tokens} tokens, dcp {self.dcp}); this instance has "
+                f"{self.allocator.num_blocks}"
+            )
+        if seq.id in self.by_id:
+            raise ValueError(f"request_id {seq.id!r} is already in flight on this instance")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting (limit "
+                            f"{self.max_waiting})")
+        self.waiting.append(seq)
+        self.by_id[seq.id] = seq
+
+    def cancel(self, seq_id: str) -> Sequence | None:
+        """Mark a sequence cancelled; it leaves at the next step (or once its pull is done)."""
+        seq = self.by_id.get(seq_id)
+        if seq is None or seq.state is State.FINISHED:
+            return None
+        seq.cancelled = True
+        if seq.state is State.WAITING:
+            self.waiting.remove(seq)
+            self._finish(seq, "cancelled")
+        elif seq.state is State.RUNNING:
+            self._finish(seq, "cancelled")
+        return seq
+
+    # -- planning
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.pulling or self.running)
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting:
+            seq = self.waiting[0]
+            if len(self.running) + len(self.pulling) >= self.max_running:
+                break
+            need = self.blocks_needed(seq.kv_tokens)
+            if need > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            seq.blocks = self.allocator.allocate(need)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> StepPlan:
+        plan = StepPlan()
+        for seq in self._admit():
+            if self.role == "decode":
+                seq.state = State.PULLING
+                self.pulling[seq.id] = seq
+                plan.pulls.append(seq)
+            else:
+                seq.state = State.RUNNING
+                self.running[seq.id] = seq
+        if self.role == "decode":
+            for seq in self.running.values():
+                fed = seq.output[-1] if seq.output else seq.first_token
+                assert fed is not None
+                plan.decode.append(DecodeEntry(seq, fed, seq.context + len(seq.output)))
+            return plan
+        budget = self.step_tokens
+        for seq in self.running.values():
+            if budget <= 0:
+                break
+            n = min(self.chunk_tokens, len(seq.prompt) - seq.computed, budget)
+            plan.prefill.append(PrefillChunk(seq, seq.computed, seq.prompt[seq.computed:
+                                                                          seq.computed + n]))
+            budget -= n
+        return plan
+
+    # -- results
+
+    def on_pulled(self, seq_id: str, rank: int, error: dict[str, Any] | None) -> None:
+        seq = self.pulling.get(seq_id)
+        if seq is None:
+            return
+        if error is not None:
+            seq.extra.setdefault("pull_errors", {})[rank] = error
+        seq.pulled_ranks.add(rank)
+        if len(seq.pulled_ranks) < self.tp:
+            return
+        del self.pulling[seq_id]  # every rank is done writing into its blocks
+        errors = seq.extra.get("pull_errors")
+        if errors:  # the lowest rank's, whichever finished first
+            seq.error = errors[min(errors)]
+        if seq.error is not None:
+            self._finish(seq, "error")
+        elif seq.cancelled:
+            self._finish(seq, "cancelled")
+        elif seq.max_tokens == 0:
+            self._finish(seq, "length")
+        else:
+            seq.state = State.RUNNING
+            self.running[seq.id] = seq
+
+    def on_chunk_done(self, chunk: PrefillChunk) -> None:
+        chunk.seq.computed = chunk.start + len(chunk.tokens)
+
+    def on_token(self, seq: Sequence, token: int) -> None:
+        """A token was chosen for ``seq``; stop on a stop id or at max_tokens."""
+        if seq.state is not State.RUNNING:
+            return
+        seq.output.append(token)
+        if seq.on_token is not None:
+            seq.on_token(token)
+        if token in seq.stop_ids:
+            self._finish(seq, "stop")
+        elif len(seq.output) >= seq.max_tokens:
+            self._finish(seq, "length")
+
+    def finish_prefill(self, seq: Sequence, keep_blocks: bool) -> None:
+        """The prompt is done; the prefill keeps its blocks for a decode (a lease then owns
+        them) unless the sequence already finished."""
+        if not keep_blocks:
+            self._finish(seq, seq.finish_reason or "length")
+            return
+        self.running.pop(seq.id, None)
+        self.by_id.pop(seq.id, None)
+        seq.state = State.FINISHED
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.state = State.FINISHED
+        if seq.finish_reason is None or reason in ("error", "cancelled"):
+            seq.finish_reason = reason
+        self.running.pop(seq.id, None)
+        self.by_id.pop(seq.id, None)
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+        if seq.on_done is not None:
+            seq.on_done(seq)

@@ -1,0 +1,201 @@
+"""What the prefill and decode HTTP APIs share: the instance state, request parsing, errors in
+OpenAI's shape, and waiting for a sequence while watching the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from pdd_sidecar.engine.driver import InstanceDriver
+from pdd_sidecar.engine.sampling import SamplingError, SamplingParams
+from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.worker import RankWorker, RequestError
+from pdd_sidecar.metrics import InstanceMetrics
+from pdd_sidecar.model.generation import eos_token_ids
+
+log = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class InstanceState:
+    """What rank 0's HTTP handlers share."""
+
+    def __init__(self, worker: RankWorker, driver: InstanceDriver,
+                 metrics: InstanceMetrics) -> None:
+        self.worker = worker
+        self.driver = driver
+        self.metrics = metrics
+        self.settings = worker.settings
+        cfg = worker.model.config
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = self.settings.max_model_len or cfg.max_position_embeddings
+        self.eos_ids = eos_token_ids(self.settings.model_source)
+        self.ranks_ready = False
+        self.peers_ready = self.settings.role == "prefill"
+        self.not_ready_reason = "starting: waiting for every rank's side channel"
+        self.peer_status: dict[str, str] = {}
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return (self.ranks_ready and self.peers_ready and not self.driver.fatal
+                and not self.draining)
+
+    def drain_and_exit(self, limit_s: float) -> None:
+        """SIGTERM: stop taking work, let held KV be read and running requests finish, exit.
+
+        Runs on its own thread; the pod's terminationGracePeriodSeconds bounds it anyway.
+        """
+        self.draining = True
+        self.not_ready_reason = "draining: shutting down"
+        log.info("draining before exit (at most %.0fs)", limit_s)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not self.driver.idle():
+            time.sleep(0.1)
+        logging.shutdown()
+        os._exit(0)
+
+    async def call(self, cmd: dict[str, Any]) -> list[Any]:
+        return await asyncio.wrap_future(self.driver.call(cmd))
+
+    async def call_release(self, request_id: str) -> bool:
+        return await asyncio.wrap_future(self.driver.release(request_id))
+
+    def info(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "role": s.role,
+            "replica": s.replica,
+            "tp": s.tp,
+            "dcp": s.dcp,
+            "block_size": s.block_size,
+            "host": s.pod_ip,
+            "side_channel_port": s.side_channel_port,
+            "instance_id": self.worker.instance_id,
+            "compat": self.worker.compat.to_dict(),
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "num_blocks": s.num_blocks,
+            "ready": self.ready,
+        }
+
+    def require_serving(self, role: str) -> None:
+        if not self.ranks_ready or self.draining or (role == "prefill" and not self.ready):
+            raise RequestError(f"not ready: {self.not_ready_reason}", 503, "not_ready")
+
+
+STATE = web.AppKey("state", InstanceState)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    """OpenAI-style error JSON; a 5xx only for what is not the client's fault."""
+    if isinstance(exc, RequestError):
+        status, message, kind = exc.status, str(exc), exc.kind
+    else:
+        status, message, kind = 500, f"{type(exc).__name__}: {exc}", "internal_error"
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, kind),
+                      "code": status, "kind": kind}}
+    headers = {}
+    if isinstance(exc, RequestError) and exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return web.json_response(body, status=status, headers=headers)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError("request body must be JSON", 400, "invalid_request") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", 400, "invalid_request")
+    return body
+
+
+def first_error(results: list[Any]) -> RequestError | None:
+    for r in results:
+        if isinstance(r, dict) and r.get("error"):
+            return RequestError.from_dict(r)
+    return None
+
+
+def bad(message: str) -> RequestError:
+    return RequestError(message, 400, "invalid_request")
+
+
+def int_field(body: dict[str, Any], key: str, default: int | None, minimum: int) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{key}: must be an integer, got {value!r}")
+    if value < minimum:
+        raise bad(f"{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def token_ids(state: InstanceState, value: Any, key: str, allow_empty: bool = False) -> list[int]:
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise bad(f"{key}: must be a non-empty list of token ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < state.vocab_size:
+            raise bad(f"{key}: token id {t!r} is not in the vocabulary [0, {state.vocab_size})")
+    return list(value)
+
+
+def sequence_options(state: InstanceState, body: dict[str, Any]) -> dict[str, Any]:
+    """Sampling and stop settings shared by prefill and decode requests."""
+    try:
+        sampling = SamplingParams.parse(body.get("sampling"))
+    except SamplingError as exc:
+        raise bad(str(exc)) from None
+    stops = set(token_ids(state, body.get("stop_token_ids") or [], "stop_token_ids", True))
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad(f"ignore_eos: must be a boolean, got {ignore_eos!r}")
+    if not ignore_eos:
+        stops |= state.eos_ids
+    return {"sampling": sampling, "stop_ids": frozenset(stops)}
+
+
+def request_id(body: dict[str, Any], make: Callable[[], str]) -> str:
+    rid = body.get("request_id")
+    if rid is None or rid == "":
+        return make()
+    if not isinstance(rid, str) or len(rid) > 256:
+        raise bad("request_id: must be a string of at most 256 characters")
+    return rid
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def finished(request: web.Request, state: InstanceState, seq: Sequence) -> Sequence:
+    """Submit ``seq`` and wait for it to finish; a client that goes away cancels it."""
+    fut = asyncio.wrap_future(state.driver.submit(seq))
+    cancelled = False
+    while True:
+        done, _ = await asyncio.wait({fut}, timeout=0.05)
+        if done:
+            return fut.result()
+        if not cancelled and client_gone(request):
+            cancelled = True
+            state.driver.cancel(seq.id)
+
+
+def sequence_error(seq: Sequence) -> RequestError | None:
+    if seq.error:
+        return RequestError.from_dict(seq.error)
+    if seq.finish_reason == "cancelled":
+        return RequestError("request cancelled", 499, "cancelled")
+    return None

@@ -1,0 +1,151 @@
+"""The batched step: many sequences in one forward pass, and prompts in chunks, give each sequence
+what it gets alone (greedy tokens identical, logits equal within fp32 rounding), also with TP and
+DCP ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd_sidecar.engine.comm import Comm, run_threads
+from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, allocate_request, new_cache
+from pdd_sidecar.engine.sampling import SamplingParams, sample
+from pdd_sidecar.model.rank_model import load_rank_model
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 4
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 37 + salt * 11 + 5) % 256 for i in range(n)]
+
+
+def _alone(engine: RankEngine, prompt: list[int],
+           steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    table = allocate_request(engine.cache, len(prompt) + steps, engine.dcp)
+    logits = engine.prefill(prompt, table)
+    out, all_logits = [], [logits]
+    for i in range(steps):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        logits = engine.decode_step(tok, len(prompt) + i, table)
+        all_logits.append(logits)
+    engine.cache.free(table)
+    return out, all_logits
+
+
+def _batched(engine: RankEngine, prompts: list[list[int]], steps: int,
+             chunk: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Prompts prefilled in chunks of ``chunk`` tokens, all in the same steps, then decoded
+    together; sequences start decoding as soon as their prompt is done."""
+    tables = [allocate_request(engine.cache, len(p) + steps, engine.dcp) for p in prompts]
+    done = [0] * len(prompts)
+    outs: list[list[int]] = [[] for _ in prompts]
+    logs: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(len(o) < steps for o in outs):
+        chunks, who = [], []
+        for i, p in enumerate(prompts):
+            if done[i] < len(p):
+                n = min(chunk, len(p) - done[i])
+                chunks.append(SeqChunk(p[done[i]:done[i] + n], done[i], tables[i]))
+                done[i] += n
+                who.append((i, done[i] == len(p)))
+            elif len(outs[i]) < steps:
+                tok = outs[i][-1]
+                chunks.append(SeqChunk([tok], len(p) + len(outs[i]) - 1, tables[i]))
+                who.append((i, True))
+        logits = engine.step(chunks)
+        assert logits is not None
+        for row, (i, sampled) in enumerate(who):
+            if sampled and len(outs[i]) < steps:
+                logs[i].append(logits[row])
+                outs[i].append(int(torch.argmax(logits[row])))
+    for t in tables:
+        engine.cache.free(t)
+    return outs, logs
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 1), (2, 2)])
+def test_batch_of_mixed_lengths_equals_each_alone(tp: int, dcp: int) -> None:
+    prompts = [_prompt(n, i) for i, n in enumerate([3, 9, 17, 4, 30, 12])]
+    steps = 6
+
+    def body(rank: int, comm: Comm) -> tuple[list[list[int]], list[list[int]], float]:
+        model = load_rank_model("builtin", rank, tp)
+        engine = RankEngine(model, new_cache(model, 128, BLOCK), comm, dcp)
+        alone = [_alone(engine, p, steps) for p in prompts]
+        batched, logs = _batched(engine, prompts, steps, chunk=8)
+        worst = max(
+            float((a - b).abs().max())
+            for (_, la), lb in zip(alone, logs, strict=True)
+            for a, b in zip(la[:steps], lb, strict=True)
+        )
+        assert engine.cache.num_free == 128
+        return [a for a, _ in alone], batched, worst
+
+    alone, batched, worst = run_threads(tp, body)[0]
+    assert batched == alone
+    assert worst < 1e-4, worst
+
+
+def test_chunked_prefill_attends_over_the_cached_chunks() -> None:
+    model = load_rank_model("builtin", 0, 1)
+    engine = RankEngine(model, new_cache(model, 64, BLOCK), _single(), 1)
+    prompt = _prompt(23, 3)
+    table = allocate_request(engine.cache, len(prompt), 1)
+    whole = engine.prefill(prompt, table, all_logits=True)
+    for chunk in (4, 8, 12):
+        logits = []
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start:start + chunk]
+            out = engine.step([SeqChunk(piece, start, table)])
+            assert out is not None
+            logits.append(out[0])
+        assert torch.allclose(logits[-1], whole[-1], atol=1e-4)
+
+
+def _single() -> Comm:
+    from pdd_sidecar.engine.comm import SingleComm
+
+    return SingleComm()
+
+
+def test_seeded_sampling_is_reproducible_and_temperature_zero_is_greedy() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    logits[1] = logits[0]
+    greedy = sample(logits, [SamplingParams()] * 4, [0, 1, 2, 3])
+    assert greedy == torch.argmax(logits, -1).tolist()
+    hot = [SamplingParams(temperature=1.5, top_p=0.9, top_k=20, seed=s) for s in (1, 1, 2, 3)]
+    a = [sample(logits, hot, [i] * 4) for i in range(20)]
+    b = [sample(logits, hot, [i] * 4) for i in range(20)]
+    assert a == b
+    assert [r[0] for r in a] == [r[1] for r in a]  # same seed, index and logits: same token
+    assert len({tuple(r[2] for r in a)} | {tuple(r[3] for r in a)}) == 2  # seeds differ
+    top1 = [SamplingParams(temperature=1.0, top_k=1, seed=9)] * 4
+    assert sample(logits, top1, [5] * 4) == greedy
+    narrow = [SamplingParams(temperature=1.0, top_p=1e-6, seed=9)] * 4
+    assert sample(logits, narrow, [5] * 4) == greedy
+    # top_k keeps only the k best: a thousand draws never leave them.
+    k3 = SamplingParams(temperature=5.0, top_k=3, seed=4)
+    best = set(torch.topk(logits[0], 3).indices.tolist())
+    drawn = {sample(logits[:1], [k3], [i])[0] for i in range(300)}
+    assert drawn <= best and len(drawn) == 3
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"temperature": -1}, "sampling.temperature"),
+    ({"temperature": "hot"}, "sampling.temperature"),
+    ({"top_p": 0}, "sampling.top_p"),
+    ({"top_p": 1.5}, "sampling.top_p"),
+    ({"top_k": -2}, "sampling.top_k"),
+    ({"top_k": 2.5}, "sampling.top_k"),
+    ({"seed": True}, "sampling.seed"),
+    ([], "sampling"),
+])
+def test_bad_sampling_parameters_name_the_field(raw: object, field: str) -> None:
+    from pdd_sidecar.engine.sampling import SamplingError
+
+    with pytest.raises(SamplingError, match=field.replace(".", r"\.")):
+        SamplingParams.parse(raw)
