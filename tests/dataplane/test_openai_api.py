@@ -58,6 +58,7 @@ class Script:
     prefill_error: Any = None
     retry_after: str | None = None
     decode_status: int = 200
+    prefill_delay_s: float = 0.0
 
 
 class FakeInstance:
@@ -100,6 +101,8 @@ class FakeInstance:
         body = await request.json()
         self.prefills.append(body)
         s = self.script
+        if s.prefill_delay_s:
+            await asyncio.sleep(s.prefill_delay_s)
         if s.prefill_status != 200:
             return self._error(s.prefill_status, s.prefill_error or "refused")
         answer: dict[str, Any] = {"request_id": body["request_id"], "first_token": s.first,
@@ -571,6 +574,16 @@ def test_client_gone_while_waiting_cancels_decode_and_releases(stack: Stack,
     assert _wait(lambda: len(fake.prefills) == 1)
     rid = fake.prefills[0]["request_id"]
     assert _wait(lambda: fake.cancelled == [rid] and fake.releases == [rid])
+
+
+def test_client_gone_during_the_prefill_releases(stack: Stack, fake: FakeInstance) -> None:
+    fake.script.prefill_delay_s = 2.0
+    with pytest.raises(OSError):
+        _post(f"{stack.routers['builtin']}/v1/completions",
+              {"prompt": [1], "max_tokens": 4}, timeout=0.5)
+    assert _wait(lambda: len(fake.prefills) == 1)
+    assert _wait(lambda: fake.releases == [fake.prefills[0]["request_id"]])
+    assert fake.decodes == []
 
 
 # ---------------------------------------------------------------- the real stack

@@ -178,6 +178,19 @@ def test_text_without_a_tokenizer_json_is_refused(tmp_path: Path) -> None:
         parse_request("completion", {"prompt": [380]}, model, "m")
 
 
+def test_eos_ids_come_from_config_and_generation_config(tmp_path: Path) -> None:
+    _bpe_dir(tmp_path)
+    assert load_model_text(str(tmp_path)).eos_token_ids == {1}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 7]}')
+    model = load_model_text(str(tmp_path))
+    assert model.eos_token_ids == {1, 7}
+    req = parse_request("completion", {"prompt": [2]}, model, "m")
+    assert req.local_stop_ids == {1, 7}
+    req = parse_request("completion", {"prompt": [2], "ignore_eos": True,
+                                       "stop_token_ids": [3]}, model, "m")
+    assert req.local_stop_ids == {3}
+
+
 def test_bad_model_source_refuses_to_load(tmp_path: Path) -> None:
     with pytest.raises(TextConfigError, match="config.json"):
         load_model_text(str(tmp_path))

@@ -499,7 +499,8 @@ class Router:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ApiError(502, f"{role} {url}{path}: {type(exc).__name__}: {exc}") from None
 
-    async def run_prefill(self, rid: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    async def run_prefill(self, rid: str, body: dict[str, Any],
+                          trip: Trip) -> tuple[str, dict[str, Any]]:
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
@@ -507,6 +508,7 @@ class Router:
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica", type_="server_error")
             tried.add(url)
+            trip.prefill = url
             try:
                 return url, await self._post("prefill", url, "/v1/prefill", body)
             except ApiError as exc:
@@ -566,8 +568,13 @@ class Router:
         prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
                         "max_tokens": req.max_tokens, "sampling": req.sampling,
                         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
-        prefill_url, pre = await self.run_prefill(rid, prefill_body)
-        trip.prefill = prefill_url
+        try:
+            prefill_url, pre = await self.run_prefill(rid, prefill_body, trip)
+        except asyncio.CancelledError:
+            # The client left while the prefill ran: it may hold blocks for this id by now.
+            if trip.prefill is not None:
+                self.release_soon(trip.prefill, rid)
+            raise
         if not _is_int(pre.get("first_token")):
             self.release_soon(prefill_url, rid)
             raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
