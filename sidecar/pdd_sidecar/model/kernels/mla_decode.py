@@ -192,17 +192,15 @@ def paged_mla_decode_triton(
     kernel: Any = _mla_decode_split
     kernel[(b, num_splits, hg)](
         q,
-        kv_cache,
+        kv_cache[:, layer],  # the layer's base address: no layer index inside the kernel
         block_tables,
         seq_lens,
         o_part,
         l_part,
-        layer,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
-        kv_cache.stride(1),
         kv_cache.stride(2),
         block_tables.stride(0),
         so[0],
@@ -259,12 +257,10 @@ if HAS_TRITON:
         SL,
         O_PART,
         LSE,
-        layer,
         scale_log2,
         stride_qb,
         stride_qh,
         stride_kvb,
-        stride_kvl,
         stride_kvt,
         stride_btb,
         stride_ob,
@@ -309,13 +305,12 @@ if HAS_TRITON:
         m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, C_P2], dtype=tl.float32)
-        kv_layer = KV + layer.to(tl.int64) * stride_kvl
         bt_row = BT + b.to(tl.int64) * stride_btb
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
-            row = kv_layer + blk * stride_kvb + (offs_n % BS) * stride_kvt
+            row = KV + blk * stride_kvb + (offs_n % BS) * stride_kvt
             k_c = tl.load(
                 row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
             )

@@ -1,0 +1,232 @@
+"""GPU kernels against their torch references (run by hand on a CUDA machine; skipped without
+one): the Triton paged MLA decode, the grouped-GEMM MoE and the fused prefill attention.
+
+    PYTHONPATH=sidecar python -m pytest tests/gpu/test_kernels.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from pdd_sidecar.model.config import ModelConfig  # noqa: E402
+from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
+from pdd_sidecar.model.kernels.moe_grouped import (  # noqa: E402
+    can_group,
+    grouped_experts,
+    loop_experts,
+)
+from pdd_sidecar.model.mla import prefill_attention  # noqa: E402
+from pdd_sidecar.model.moe import moe  # noqa: E402
+from pdd_sidecar.model.weights import AttnWeights, MLPWeights, MoEWeights  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Any synchronising call inside raises (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _decode_case(
+    lens: list[int], h: int, c: int, r: int, bs: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    layers = 3
+    need = sum(max(1, -(-n // bs)) for n in lens) + 8
+    kv = torch.randn(need, layers, bs, c + r, device=DEV, generator=g).to(dtype)
+    perm = torch.randperm(need, device=DEV, generator=g).tolist()
+    width = max(max(1, -(-n // bs)) for n in lens) + 2
+    rows = []
+    for n in lens:
+        k = max(1, -(-n // bs))
+        ids = [perm.pop() for _ in range(k)]
+        rows.append(ids + [perm[0]] * (width - k))  # padding points at live foreign data
+    table = torch.tensor(rows, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), h, c + r, device=DEV, generator=g).to(dtype)
+    return q, kv, table, torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+LENS = [0, 1, 63, 64, 65, 1000, 4097, 0, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("h", "c", "r", "bs"),
+    [(16, 512, 64, 64), (16, 512, 64, 16), (8, 512, 64, 64), (32, 512, 64, 32), (8, 32, 8, 16)],
+)
+def test_triton_decode_matches_reference(
+    dtype: torch.dtype, h: int, c: int, r: int, bs: int, splits: int | None = None
+) -> None:
+    q, kv, table, lens = _decode_case(LENS, h, c, r, bs, dtype, seed=h + c + bs)
+    scale = 0.1
+    out, lse = md.paged_mla_decode_triton(q, kv, 1, table, lens, c, scale, num_splits=splits)
+    # fp32 reference from widened inputs: the kernel's bf16 rounding of p is its only loss
+    ref_out, ref_lse = md.paged_mla_decode_ref(q.float(), kv.float(), 1, table, lens, c, scale)
+    assert out.shape == (len(LENS), h, c) and lse.shape == (len(LENS), h)
+    empty = lens == 0
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[~empty]).all()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(out[~empty], ref_out[~empty]) < tol
+    assert float((lse[~empty] - ref_lse[~empty]).abs().max()) < 10 * tol
+
+
+@pytest.mark.parametrize("splits", [1, 7])
+def test_triton_decode_forced_splits(splits: int) -> None:
+    test_triton_decode_matches_reference(torch.bfloat16, 16, 512, 64, 64, splits)
+
+
+def test_triton_decode_dispatch_and_no_host_sync() -> None:
+    q, kv, table, lens = _decode_case(LENS, 16, 512, 64, 64, torch.bfloat16, seed=1)
+    md.paged_mla_decode(q, kv, 0, table, lens, 512, 0.1)  # compile outside the check
+    with no_host_sync():
+        out, lse = md.paged_mla_decode(q, kv, 0, table, lens, 512, 0.1)
+    ref_out, _ = md.paged_mla_decode_ref(q, kv, 0, table, lens, 512, 0.1)
+    assert rel_err(out, ref_out) < 1e-2
+
+
+def test_triton_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
+    q, kv, table, lens = _decode_case(LENS, 16, 512, 64, 64, torch.bfloat16, seed=2)
+    md.paged_mla_decode(q, kv, 2, table, lens, 512, 0.1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        md.paged_mla_decode(q, kv, 2, table, lens, 512, 0.1)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = md.paged_mla_decode(q, kv, 2, table, lens, 512, 0.1)
+    new_lens = torch.tensor([5, 0, 64, 1, 100, 999, 4000, 17, 0], dtype=torch.int32, device=DEV)
+    lens.copy_(new_lens)
+    q.copy_(torch.randn_like(q))
+    table.copy_(table.flip(0))
+    graph.replay()
+    ref_out, ref_lse = md.paged_mla_decode_ref(q, kv, 2, table, lens, 512, 0.1)
+    assert rel_err(out, ref_out) < 1e-2
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+
+
+def _moe_weights(e: int, hidden: int, inter: int, dtype: torch.dtype) -> MoEWeights:
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=DEV, generator=g) / shape[-1] ** 0.5).to(dtype)
+
+    return MoEWeights(
+        router=torch.randn(e, hidden, device=DEV, generator=g),
+        w_gate=w(e, inter, hidden),
+        w_up=w(e, inter, hidden),
+        w_down=w(e, hidden, inter),
+        shared=MLPWeights(
+            gate=w(2 * inter, hidden), up=w(2 * inter, hidden), down=w(hidden, 2 * inter)
+        ),
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+def test_grouped_moe_matches_loop(tokens: int) -> None:
+    e, k, hidden, inter = 16, 6, 256, 128
+    w = _moe_weights(e, hidden, inter, torch.bfloat16)
+    x = torch.randn(tokens, hidden, device=DEV).to(torch.bfloat16)
+    assert can_group(x, w), "torch._grouped_mm should serve bf16 on this GPU"
+    weights = torch.rand(tokens, k, device=DEV)
+    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tokens)])
+    grouped_experts(x, weights, ids, w)
+    with no_host_sync():
+        got = grouped_experts(x, weights, ids, w)
+    want = loop_experts(x.float(), weights, ids, _as_float(w))
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+
+
+def _as_float(w: MoEWeights) -> MoEWeights:
+    return MoEWeights(w.router, w.w_gate.float(), w.w_up.float(), w.w_down.float(), None)
+
+
+def test_moe_dispatches_to_grouped_on_cuda() -> None:
+    cfg = ModelConfig(
+        vocab_size=16,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        moe_intermediate_size=128,
+        n_routed_experts=16,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+    )
+    w = _moe_weights(16, 256, 128, torch.bfloat16)
+    x = torch.randn(37, 256, device=DEV).to(torch.bfloat16)
+    moe(x, w, cfg)
+    with no_host_sync():
+        got = moe(x, w, cfg)
+    wf = _as_float(w)
+    assert w.shared is not None
+    wf.shared = MLPWeights(w.shared.gate.float(), w.shared.up.float(), w.shared.down.float())
+    want = moe(x.float(), wf, cfg)  # fp32: can_group is False, the loop runs
+    assert rel_err(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("t", [1, 17, 300, 2048])
+def test_prefill_attention_fused_matches_reference(t: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hl, nope, rope, v, c = 16, 128, 64, 128, 512
+    cfg = ModelConfig(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=hl,
+        kv_lora_rank=c,
+        q_lora_rank=None,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+    )
+    g = torch.Generator(device=DEV).manual_seed(t)
+    w_uk = torch.randn(hl, nope, c, device=DEV, generator=g) / c**0.5
+    w_uv = torch.randn(hl, v, c, device=DEV, generator=g) / c**0.5
+    q_nope = torch.randn(t, hl, nope, device=DEV, generator=g)
+    q_pe = torch.randn(t, hl, rope, device=DEV, generator=g)
+    latent = torch.randn(t, c + rope, device=DEV, generator=g)
+
+    def attn(dtype: torch.dtype) -> AttnWeights:
+        z = torch.zeros(1, device=DEV)
+        return AttnWeights(
+            q_proj=z, q_a_proj=None, q_a_bias=None, q_a_norm=None, q_b_proj=None,
+            kv_a_proj=z, kv_a_bias=None, kv_a_norm=z,
+            w_uk=w_uk.to(dtype), w_uv=w_uv.to(dtype), o_proj=z, o_bias=None,
+        )  # fmt: skip
+
+    bf = torch.bfloat16
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        got = prefill_attention(q_nope.to(bf), q_pe.to(bf), latent.to(bf), attn(bf), cfg)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = prefill_attention(q_nope, q_pe, latent, attn(torch.float32), cfg)
+    assert got.shape == (t, hl, v)
+    assert rel_err(got, want) < 2e-2
