@@ -677,7 +677,10 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     outcome = "error"
     try:
         body = await _read_body(request)
-        req = parse_request(kind, body, router.model, router.settings.model_name)
+        # Off the event loop: tokenizing a long text or rendering a template takes a while,
+        # and the streams of other requests should not wait for it.
+        req = await asyncio.to_thread(parse_request, kind, body, router.model,
+                                      router.settings.model_name)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         trip = Trip()

@@ -321,7 +321,8 @@ def render_chat(template: str, messages: Iterable[Mapping[str, Any]],
                                    **variables))
     except jinja2.exceptions.TemplateError as exc:
         raise TemplateRenderError(f"chat template: {exc}") from None
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except Exception as exc:  # the template is code from the checkpoint; any failure is
+        # about this conversation as far as the client can tell
         raise TemplateRenderError(f"chat template cannot render these messages: "
                                   f"{type(exc).__name__}: {exc}") from None
 
