@@ -59,6 +59,7 @@ class Script:
     retry_after: str | None = None
     decode_status: int = 200
     prefill_delay_s: float = 0.0
+    fail_after: int | None = None  # decode: a transfer error line after this many tokens
 
 
 class FakeInstance:
@@ -131,6 +132,12 @@ class FakeInstance:
         finish = "length"
         try:
             for tok in s.tokens[:body["max_new_tokens"]]:
+                if s.fail_after is not None and len(sent) == s.fail_after:
+                    err = {"message": "NIXL READ failed", "type": "server_error", "code": 502}
+                    await response.write(json.dumps(
+                        {"error": err if s.v2 else err["message"], "status": 502}).encode())
+                    await response.write_eof()
+                    return response
                 if s.delay_s:
                     await asyncio.sleep(s.delay_s)
                 await response.write(json.dumps({"token": tok}).encode() + b"\n")
@@ -473,6 +480,22 @@ def test_decode_refusal_releases_the_prefill(stack: Stack, fake: FakeInstance) -
                                  {"prompt": [1], "max_tokens": 4, "stream": True})
     assert status == 429 and headers.get("Retry-After") == "1"
     assert _wait(lambda: fake.releases == [fake.prefills[0]["request_id"]])
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_decode_failing_mid_stream(stack: Stack, fake: FakeInstance, v2: bool) -> None:
+    fake.reset(fail_after=3, v2=v2)
+    status, body = _post(f"{stack.routers['builtin']}/v1/completions",
+                         {"prompt": [1], "max_tokens": 10})
+    assert status == 502 and "NIXL READ failed" in body["error"]["message"]
+    assert body["error"]["type"] == "server_error"
+    assert _wait(lambda: fake.releases == [fake.prefills[0]["request_id"]])
+    fake.reset(fail_after=3, v2=v2)
+    status, events, _ = _sse(f"{stack.routers['builtin']}/v1/completions",
+                             {"prompt": [1], "max_tokens": 10, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert [t for e in events[:-2] for t in e["choices"][0]["token_ids"]] == list(b"Hell")
+    assert "NIXL READ failed" in events[-2]["error"]["message"]
 
 
 BAD = [
