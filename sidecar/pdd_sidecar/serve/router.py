@@ -605,8 +605,10 @@ class Router:
                 try:
                     msg = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
+                    msg = None
+                if not isinstance(msg, dict) or ("token" in msg and not _is_int(msg["token"])):
                     raise ApiError(502, f"decode {trip.decode}: bad stream line "
-                                   f"{line[:200]!r}") from None
+                                   f"{line[:200]!r}")
                 if "token" in msg:
                     yield int(msg["token"])
                 elif "error" in msg:
