@@ -613,8 +613,9 @@ class Router:
                     yield int(msg["token"])
                 elif "error" in msg:
                     status = msg.get("status")
-                    raise _upstream_error("decode", str(trip.decode),
-                                          status if _is_int(status) else 502, msg)
+                    if not isinstance(status, int) or isinstance(status, bool):
+                        status = 502
+                    raise _upstream_error("decode", str(trip.decode), status, msg)
                 else:
                     complete = True
                     held = False
