@@ -147,7 +147,7 @@ class Scheduler:
             )
         if seq.id in self.by_id:
             raise ValueError(f"request_id {seq.id!r} is already in flight on this instance")
-        if len(self.waiting) >= self.max_waiting:
+        if len(self.waiting) >= self.max_waiting and not self._fits_now(need):
             raise QueueFull(f"{len(self.waiting)} requests already waiting (limit "
                             f"{self.max_waiting})")
         self.waiting.append(seq)
@@ -165,6 +165,11 @@ class Scheduler:
         elif seq.state is State.RUNNING:
             self._finish(seq, "cancelled")
         return seq
+
+    def _fits_now(self, need: int) -> bool:
+        """Would be admitted at the next step without waiting behind anyone."""
+        return (not self.waiting and need <= self.allocator.num_free
+                and len(self.running) + len(self.pulling) < self.max_running)
 
     # -- planning
 

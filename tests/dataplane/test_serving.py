@@ -1,0 +1,293 @@
+"""The serving engine behind the router: concurrent requests batched into one forward pass give
+each the tokens it gets alone; admission by KV blocks (dcp = N holds N times the sequences);
+a bounded queue (429); sampling reproducible by seed; stops; cancellation frees every block; a
+request waiting for its KV does not stall the running batch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nixl  # noqa: F401  (the tier needs it; never skip)
+import pytest
+from runtime_fixtures import LocalCluster, Proc, error_text, free_ports, http
+
+from pdd_api.plan import SidePlan
+from pdd_api.routing import plan_routing
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+
+
+def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
+    return plan_routing(
+        SidePlan(tensor_parallel_size=p[0], decode_context_parallel_size=p[1]),
+        SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
+        BLOCK,
+    ).to_json()
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 53 + salt * 29 + 7) % 256 for i in range(n)]
+
+
+_REFS: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+
+def _reference(prompt: list[int], max_tokens: int) -> list[int]:
+    from pdd_sidecar.engine.generate import generate
+
+    key = (tuple(prompt), max_tokens)
+    if key not in _REFS:
+        _REFS[key] = generate("builtin", prompt, max_tokens, block_size=BLOCK)
+    return _REFS[key]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],
+           **decode_env: Any) -> dict[str, Proc]:
+    routing = cluster.plan_file(_plan(p, d))
+    prefill = cluster.instance("prefill", p[0], p[1], routing, BLOCK)
+    decode = cluster.instance("decode", d[0], d[1], routing, BLOCK,
+                              PDD_PREFILL_URLS=prefill.url, **decode_env)
+    router = cluster.router([prefill], [decode])
+    for proc in (prefill, decode, router):
+        proc.wait_ready()
+    return {"prefill": prefill, "decode": decode, "router": router}
+
+
+def _complete(router: str, body: dict[str, Any]) -> tuple[int, Any]:
+    return http("POST", f"{router}/v1/completions", body, timeout=300)
+
+
+def _metric(url: str, name: str) -> list[tuple[str, float]]:
+    _, text = http("GET", f"{url}/metrics")
+    return [(m.group(1) or "", float(m.group(2)))
+            for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)]
+
+
+def _free(url: str) -> tuple[list[int], int]:
+    status, stats = http("GET", f"{url}/v1/stats")
+    assert status == 200, stats
+    return [r["free_blocks"] for r in stats["ranks"]], stats["num_blocks"]
+
+
+def _all_blocks_back(*urls: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        states = [_free(u) for u in urls]
+        if all(all(f == total for f in free) for free, total in states):
+            return
+        assert time.monotonic() < deadline, f"blocks still held: {states}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("p,d", [((2, 2), (2, 2)), ((1, 1), (2, 2)), ((2, 2), (2, 1))])
+def test_concurrent_requests_get_exactly_the_tokens_each_gets_alone(
+        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
+    stack = _stack(cluster, p, d)
+    lengths = [3 + (i * 11) % 45 for i in range(32)]
+    prompts = [_prompt(n, i) for i, n in enumerate(lengths)]
+    max_tokens = [4 + i % 9 for i in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(
+            lambda i: _complete(stack["router"].url, {"prompt": prompts[i], "temperature": 0,
+                                                      "max_tokens": max_tokens[i]}),
+            range(32)))
+    for i, (status, body) in enumerate(answers):
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == _reference(prompts[i], max_tokens[i]), i
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == max_tokens[i]
+    buckets = dict(_metric(stack["decode"].url, "pdd_batch_size_bucket"))
+    steps = buckets['{le="+Inf"}']
+    assert steps > buckets['{le="1.0"}'], "every decode step ran one sequence"
+    _all_blocks_back(stack["prefill"].url, stack["decode"].url)
+
+
+def test_admission_reserves_blocks_and_dcp_multiplies_what_fits() -> None:
+    from pdd_sidecar.engine.scheduler import NeverFits, QueueFull, Scheduler, Sequence, State
+    from pdd_sidecar.kv.cache import PagedKVCache
+
+    def admitted(dcp: int) -> tuple[int, Scheduler, PagedKVCache]:
+        cache = PagedKVCache(24, 1, BLOCK, 4)
+        sched = Scheduler("decode", cache, BLOCK, dcp, 2, max_waiting=100)
+        for i in range(40):  # 6 chunks of prompt + max_tokens each
+            src = type("Src", (), {"num_tokens": 80})()
+            sched.submit(Sequence(f"r{i}", [], 16, 96, source=src, first_token=1))
+        plan = sched.plan()
+        return len(plan.pulls), sched, cache
+
+    one, _, _ = admitted(1)
+    two, sched, cache = admitted(2)
+    assert (one, two) == (4, 8)  # 24 blocks / 6 and 24 / 3: exactly twice
+    assert cache.num_free == 0 and len(sched.waiting) == 32  # the rest wait, none refused
+    for rank in (0, 1):
+        sched.on_pulled("r0", rank, None)
+    assert sched.running["r0"].state is State.RUNNING
+    sched.cancel("r0")  # leaving frees its blocks at once; the head of the queue gets them
+    assert cache.num_free == 3 and [s.id for s in sched.plan().pulls] == ["r8"]
+    with pytest.raises(NeverFits, match="needs 25 KV blocks"):
+        sched.submit(Sequence("huge", [], 8, 25 * 2 * BLOCK - 8))
+    full = Scheduler("decode", PagedKVCache(4, 1, BLOCK, 4), BLOCK, 1, 1, max_running=1,
+                     max_waiting=0)
+    full.submit(Sequence("a", [], 4, 8))
+    full.plan()
+    with pytest.raises(QueueFull):
+        full.submit(Sequence("b", [], 4, 8))
+
+
+def test_kv_capacity_bounds_the_running_batch_and_the_queue_answers_429(
+        cluster: LocalCluster) -> None:
+    # 12 blocks per rank, each request needs 3 chunks (dcp 1): at most 4 run at once.
+    stack = _stack(cluster, (1, 1), (1, 1), PDD_NUM_BLOCKS=12, PDD_MAX_WAITING=4)
+    prompt = _prompt(20)
+    peak = {"running": 0.0, "waiting": 0.0}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for key in peak:
+                for _, v in _metric(stack["decode"].url, f"pdd_{key}_sequences"):
+                    peak[key] = max(peak[key], v)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(
+                lambda _: _complete(stack["router"].url, {"prompt": prompt, "temperature": 0,
+                                                          "max_tokens": 26}), range(16)))
+    finally:
+        stop.set()
+        watcher.join()
+    statuses = sorted(s for s, _ in answers)
+    assert set(statuses) <= {200, 429}, answers
+    assert statuses.count(429) >= 1 and statuses.count(200) >= 5, statuses
+    for status, body in answers:
+        if status == 200:
+            assert body["choices"][0]["token_ids"] == _reference(prompt, 26)
+        else:
+            assert "waiting" in error_text(body), body
+    assert peak["running"] <= 4 and peak["waiting"] >= 1, peak
+    _all_blocks_back(stack["prefill"].url, stack["decode"].url)
+
+
+def test_a_full_decode_queue_answers_429_with_retry_after(cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (1, 1), (1, 1), PDD_MAX_NUM_SEQS=1, PDD_MAX_WAITING=0)
+    url = f"{stack['router'].url}/v1/completions"
+    long_body = json.dumps({"prompt": _prompt(10), "max_tokens": 200, "stream": True,
+                            "temperature": 0}).encode()
+    req = urllib.request.Request(url, data=long_body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.readline()  # the long one is running
+        resp.readline()
+        refused = urllib.request.Request(url, method="POST",
+                                         data=json.dumps({"prompt": [1, 2], "max_tokens": 5})
+                                         .encode(), headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(refused, timeout=60)
+            raise AssertionError("a second request was admitted past max_num_seqs 1")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 429
+            assert int(exc.headers["Retry-After"]) >= 1
+            assert "waiting" in error_text(json.loads(exc.read()))
+    _all_blocks_back(stack["prefill"].url, stack["decode"].url)
+
+
+def test_seeded_sampling_reproducible_and_stop_ids_end_with_stop(cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (2, 2), (2, 2))
+    router = stack["router"].url
+    prompt = _prompt(30, 5)
+    hot = {"prompt": prompt, "max_tokens": 12, "temperature": 1.3, "top_p": 0.95,
+           "top_k": 40}
+    a = _complete(router, {**hot, "seed": 7})
+    b = _complete(router, {**hot, "seed": 7})
+    c = _complete(router, {**hot, "seed": 8})
+    assert a[0] == b[0] == c[0] == 200
+    ids = [x[1]["choices"][0]["token_ids"] for x in (a, b, c)]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+    greedy = _reference(prompt, 12)
+    status, body = _complete(router, {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert body["choices"][0]["token_ids"] == greedy
+    stop_at = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])
+    status, body = _complete(router, {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                      "stop_token_ids": [greedy[stop_at]]})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == greedy[:stop_at + 1] and choice["finish_reason"] == "stop"
+    _all_blocks_back(stack["prefill"].url, stack["decode"].url)
+
+
+def test_a_client_that_disconnects_frees_its_blocks_on_both_sides(
+        cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (2, 2), (2, 2))
+    host, port = stack["router"].url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": _prompt(40), "max_tokens": 400, "stream": True,
+                       "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"data:") < 3:
+            got += s.recv(4096)
+    # Gone after 3 tokens of 400: both sides give every block back long before 400 steps.
+    _all_blocks_back(stack["prefill"].url, stack["decode"].url, within_s=5.0)
+    generated = sum(v for _, v in _metric(stack["decode"].url, "pdd_tokens_total"))
+    assert generated < 200, generated
+
+
+def test_a_request_waiting_for_its_kv_does_not_stall_the_running_batch(
+        cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (1, 1), (1, 1), PDD_HANDSHAKE_TIMEOUT_S=3)
+    req = urllib.request.Request(
+        f"{stack['router'].url}/v1/completions", method="POST",
+        data=json.dumps({"prompt": _prompt(10), "max_tokens": 1000, "stream": True,
+                         "temperature": 0, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", free_ports(1)))
+    silent.listen(4)
+    stamps: list[float] = []
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.readline()
+            # A decode whose prefill never answers the handshake: its pull hangs 3 s.
+            stalled: dict[str, Any] = {}
+            params = {"host": "127.0.0.1", "side_channel_port": silent.getsockname()[1],
+                      "instance_id": "x", "tp": 1, "dcp": 1, "block_size": BLOCK,
+                      "block_ids": [0], "num_tokens": 8}
+            t = threading.Thread(target=lambda: stalled.update(answer=http(
+                "POST", f"{stack['decode'].url}/v1/decode",
+                {"request_id": "stalled", "first_token": 1, "max_new_tokens": 4,
+                 "kv_transfer_params": params}, timeout=60)))
+            start = time.monotonic()
+            t.start()
+            while time.monotonic() - start < 2.5:
+                line = resp.readline()
+                if line.startswith(b"data:"):
+                    stamps.append(time.monotonic() - start)
+            t.join()
+    finally:
+        silent.close()
+    assert stalled["answer"][0] == 502, stalled
+    # Tokens kept coming while the other request's pull hung (0.5 s to 2.5 s in).
+    assert sum(1 for s in stamps if 0.5 < s < 2.5) >= 5, stamps
