@@ -1,6 +1,7 @@
 """Byte-level tokenizer of the built-in model: token id = UTF-8 byte (vocabulary 256).
 
-Real checkpoints bring their own tokenizer; the router then accepts token ids only.
+Real checkpoints bring their own tokenizer.json (serve/text.py); one without it takes token ids
+only.
 """
 
 from __future__ import annotations
