@@ -133,6 +133,15 @@ def test_bad_chat_fields_are_400s_naming_them(body: dict[str, Any], field: str) 
     assert (err.value.status, err.value.param) == (400, field)
 
 
+def test_error_messages_quote_huge_values_briefly() -> None:
+    for body in ({"prompt": [1], "max_tokens": [7] * 100000},
+                 {"prompt": [1], "stop": ["x" * 100000] * 5},
+                 {"prompt": [1], "model": "m" * 100000}):
+        with pytest.raises(ApiError) as err:
+            _parse(body)
+        assert len(err.value.message) < 300
+
+
 def test_length_limit_names_the_limit() -> None:
     limit = BUILTIN.max_model_len
     assert _parse({"prompt": [1] * 10, "max_tokens": limit - 10}).max_tokens == limit - 10

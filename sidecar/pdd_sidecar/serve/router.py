@@ -116,6 +116,12 @@ class GenRequest:
     local_stop_ids: frozenset[int] = frozenset()
 
 
+def _show(v: Any, limit: int = 80) -> str:
+    """A client's value in an error message, cut short (it may be megabytes)."""
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -148,7 +154,7 @@ def _opt_int(body: Mapping[str, Any], key: str, default: int | None, lo: int | N
     if v is None:
         return default
     if not _is_int(v):
-        raise bad(f"{key} must be an integer{what}, got {v!r}", key)
+        raise bad(f"{key} must be an integer{what}, got {_show(v)}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise bad(f"{key} must be an integer{what}, got {v}", key)
     return int(v)
@@ -159,7 +165,7 @@ def _opt_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(f"{key} must be true or false, got {v!r}", key)
+        raise bad(f"{key} must be true or false, got {_show(v)}", key)
     return v
 
 
@@ -169,7 +175,7 @@ def _opt_number(body: Mapping[str, Any], key: str, default: float, lo: float, hi
     if v is None:
         return default
     if not _is_number(v) or (v <= lo if lo_open else v < lo) or v > hi:
-        raise bad(f"{key} must be a number in {what}, got {v!r}", key)
+        raise bad(f"{key} must be a number in {what}, got {_show(v)}", key)
     return float(v)
 
 
@@ -263,16 +269,16 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
         _check_strings(value, key, key)
     name = body.get("model")
     if name is not None and not isinstance(name, str):
-        raise bad(f"model must be a string, got {name!r}", "model")
+        raise bad(f"model must be a string, got {_show(name)}", "model")
     if name not in (None, "", served):
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+        raise ApiError(404, f"the model {_show(name)} does not exist; this server serves "
                        f"{served!r}", "model", "not_found_error", "model_not_found")
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
-        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n")
+        raise bad(f"n must be 1 (one choice per request), got {_show(n)}", "n")
     for key in ("best_of",):
         if body.get(key) not in (None, 1):
-            raise bad(f"{key} must be 1, got {body[key]!r}", key)
+            raise bad(f"{key} must be 1, got {_show(body[key])}", key)
     if kind == "completion":
         if body.get("echo"):
             raise bad("echo is not supported", "echo")
@@ -305,7 +311,7 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
         stop = list(stop_raw)
     else:
         raise bad(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, "
-                  f"got {stop_raw!r}"[:300], "stop")
+                  f"got {_show(stop_raw)}", "stop")
     stop = [s for s in stop if s]
     if stop:
         _need_codec(model, "stop")
