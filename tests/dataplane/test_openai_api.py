@@ -300,6 +300,10 @@ def test_models_lists_the_served_model(stack: Stack) -> None:
     assert status == 200 and body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["served"]
     assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == 512
+    status, card = http("GET", f"{stack.routers['hf']}/v1/models/served")
+    assert status == 200 and card == body["data"][0]
+    status, card = http("GET", f"{stack.routers['hf']}/v1/models/org/other")
+    assert status == 404 and card["error"]["param"] == "model"
 
 
 def test_completion_sends_the_instance_api_and_answers_openai(stack: Stack,

@@ -790,13 +790,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "chat")
 
 
+def _model_card(router: Router) -> dict[str, Any]:
+    return {"id": router.settings.model_name, "object": "model", "created": router.created,
+            "owned_by": "pdd", "root": router.model.source,
+            "max_model_len": router.model.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[ROUTER])]})
+
+
+async def model_card(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    return web.json_response({"object": "list", "data": [{
-        "id": router.settings.model_name, "object": "model", "created": router.created,
-        "owned_by": "pdd", "root": router.model.source,
-        "max_model_len": router.model.max_model_len,
-    }]})
+    name = request.match_info["name"]
+    if name != router.settings.model_name:
+        return ApiError(404, f"the model {_show(name)} does not exist; this server serves "
+                        f"{router.settings.model_name!r}", "model", "not_found_error",
+                        "model_not_found").response()
+    return web.json_response(_model_card(router))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -843,6 +854,7 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name:.+}", model_card)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
