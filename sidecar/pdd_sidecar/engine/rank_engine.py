@@ -8,7 +8,7 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from pdd_sidecar.engine.comm import Comm
 from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model.kernels.mla_decode import paged_mla_decode
 from pdd_sidecar.model.mla import (
     absorb_q,
     latent_attention,
@@ -49,6 +50,17 @@ def allocate_request(cache: PagedKVCache, num_tokens: int, dcp: int) -> list[int
     tokens whose KV decode will write). Call it on every rank: allocation is deterministic, so
     every rank gets the same ids."""
     return cache.allocate(kvc.num_table_blocks(num_tokens, cache.block_size, dcp))
+
+
+@dataclass
+class CachedViews:
+    """The continuing chunks of a step, as their attention needs them."""
+
+    items: list[tuple[int, torch.Tensor, int, torch.Tensor | None]] = field(
+        default_factory=list)
+    decode: list[int] = field(default_factory=list)  # indices into items of decode tokens
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -196,12 +208,13 @@ class RankEngine:
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
 
     def _cached_views(self, chunks: Sequence[SeqChunk], tables: Sequence[torch.Tensor],
-                      cached: Sequence[int]) -> list[tuple[int, torch.Tensor, int,
-                                                          torch.Tensor | None]]:
-        """Per chunk that continues a cached sequence: (query count, table, local tokens to
-        read, visibility mask or None when every local token is visible to every query)."""
+                      cached: Sequence[int]) -> CachedViews:
+        """Per chunk that continues a cached sequence: its query count, table, the local tokens
+        to read, and a visibility mask (None when every local token is visible to every query,
+        as for a decode token). Decode tokens also go into one padded block-table batch for the
+        paged decode kernel, built once per step."""
         bs, dev = self.cache.block_size, self.cache.device
-        views = []
+        views = CachedViews()
         for s in cached:
             c = chunks[s]
             end = c.start + len(c.tokens)
@@ -211,29 +224,47 @@ class RankEngine:
                 kpos = kvc.local_positions(n_local, bs, self.dcp, self.rank, dev)
                 qpos = torch.arange(c.start, end, device=dev)
                 mask = kpos[None, :] <= qpos[:, None]
-            views.append((len(c.tokens), tables[s], n_local, mask))
+            else:
+                views.decode.append(len(views.items))
+            views.items.append((len(c.tokens), tables[s], n_local, mask))
+        if views.decode:
+            width = max(views.items[i][1].shape[0] for i in views.decode)
+            views.block_tables = torch.zeros(len(views.decode), width, dtype=torch.int32,
+                                             device=dev)
+            for row, i in enumerate(views.decode):
+                table = views.items[i][1]
+                views.block_tables[row, : table.shape[0]] = table
+            views.seq_lens = torch.tensor([views.items[i][2] for i in views.decode],
+                                          dtype=torch.int32, device=dev)
         return views
 
-    def _cached_attention(
-        self, q: torch.Tensor, layer: int,
-        views: Sequence[tuple[int, torch.Tensor, int, torch.Tensor | None]],
-    ) -> torch.Tensor:
+    def _cached_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
         """Absorbed ``q [N, Hl, L]`` of every continuing chunk over its sequence's cached latent
         (this rank's chunks of it) to this rank's heads' latent output ``[N, Hl, kv_lora]``;
-        under DCP every rank attends with all heads and the partials merge by LSE in one go."""
+        under DCP every rank attends with all heads and the partials merge by LSE in one go.
+        Decode tokens run as one batch through the paged kernel (Triton on CUDA)."""
         cfg = self.cfg
         if self.dcp > 1:
             q = self.comm.all_gather(q, dim=1)
-        outs, lses = [], []
-        row = 0
-        for n_q, table, n_local, mask in views:
+        starts = [0]
+        for n_q, *_ in views.items:
+            starts.append(starts[-1] + n_q)
+        out = torch.empty(q.shape[0], q.shape[1], cfg.kv_lora_rank, dtype=torch.float32,
+                          device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        if views.decode:
+            rows = torch.tensor([starts[i] for i in views.decode], device=q.device)
+            assert views.block_tables is not None and views.seq_lens is not None
+            out[rows], lse[rows] = paged_mla_decode(
+                q[rows], self.cache.kv, layer, views.block_tables, views.seq_lens,
+                cfg.kv_lora_rank, cfg.softmax_scale)
+        for i, (n_q, table, n_local, mask) in enumerate(views.items):
+            if mask is None:
+                continue
             kv = self.cache.read(layer, table, n_local)
-            out, lse = latent_attention(q[row:row + n_q], kv, cfg.kv_lora_rank,
-                                        cfg.softmax_scale, mask)
-            outs.append(out)
-            lses.append(lse)
-            row += n_q
-        out, lse = torch.cat(outs), torch.cat(lses)
+            a = starts[i]
+            out[a:a + n_q], lse[a:a + n_q] = latent_attention(
+                q[a:a + n_q], kv, cfg.kv_lora_rank, cfg.softmax_scale, mask)
         if self.dcp == 1:
             return out
         return dcp_merge(out, lse, self.comm)
