@@ -3,7 +3,9 @@ own greedy reference, and logit comparisons between two runs."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,3 +74,77 @@ def reference_diffs(res: Any, ref: tuple[torch.Tensor, list[torch.Tensor], list[
     diff_prompt = max_diff(res.prompt_logits, ref_prompt)
     diff_steps = max(max_diff(a, b) for a, b in zip(res.step_logits, ref_steps, strict=True))
     return diff_prompt, diff_steps
+
+
+# --- small DeepSeek-V3 checkpoints written by transformers --------------------------------------
+
+V3_BASE: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=512,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+V3_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+# Group-limited routing: 4 layers (2 dense), 12 experts in 4 groups of 3, the best 2 groups,
+# 3 experts a token with raw (unnormalised) weights times 1.5, 2 shared experts, q LoRA, YaRN.
+V3_GROUPED: dict[str, Any] = dict(
+    num_hidden_layers=4,
+    q_lora_rank=40,
+    n_routed_experts=12,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.5,
+    n_shared_experts=2,
+    first_k_dense_replace=2,
+    rope_parameters={
+        **V3_YARN,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+    },
+)
+
+
+def write_v3_checkpoint(
+    path: Path, config: dict[str, Any], seed: int, drop_keys: tuple[str, ...] = ()
+) -> None:
+    """transformers' DeepseekV3 with ``V3_BASE | config``, O(1) weights and a score-correction
+    bias large enough to change which experts win, saved to ``path``; ``drop_keys`` are then left
+    out of its config.json (so they take transformers' defaults)."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**V3_BASE, **config)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    reinit(model, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
+    model.save_pretrained(path)
+    if drop_keys:
+        cfg_path = path / "config.json"
+        d = json.loads(cfg_path.read_text())
+        cfg_path.write_text(json.dumps({k: v for k, v in d.items() if k not in drop_keys}))

@@ -26,11 +26,13 @@ from model_fixtures import (
     BF16_Q90_TOL,
     FP32_TOL,
     LAYOUTS,
+    V3_GROUPED,
+    V3_YARN,
     hf_reference,
     max_diff,
     reference_diffs,
-    reinit,
     result_diffs,
+    write_v3_checkpoint,
 )
 from safetensors.torch import load_file, save_file
 
@@ -50,31 +52,6 @@ pytestmark = [
 STEPS = 16
 PROMPT = [5, 77, 12, 200, 31, 9, 150, 64, 3, 99, 18, 240, 7, 45, 128, 66, 90, 21, 180, 2, 33]
 
-BASE: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=512,
-    eos_token_id=None,
-    bos_token_id=None,
-)
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 128,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
 # transformers' DeepseekV3Config defaults, which "grouped-defaults" leaves out of config.json.
 ROUTING_KEYS = (
     "n_group",
@@ -96,50 +73,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         num_experts_per_tok=2,
         first_k_dense_replace=1,
-        rope_parameters=YARN,
+        rope_parameters=V3_YARN,
     ),
     # 8 groups of 2, best 4 groups, 8 experts, 3 dense layers, scale 2.5, normalised weights:
     # every routing key is transformers' default and absent from config.json
     "grouped-defaults": dict(num_hidden_layers=4, q_lora_rank=None, n_routed_experts=16),
-    "grouped-raw-weights": dict(
-        num_hidden_layers=4,
-        q_lora_rank=40,
-        n_routed_experts=12,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=3,
-        norm_topk_prob=False,
-        routed_scaling_factor=1.5,
-        n_shared_experts=2,
-        first_k_dense_replace=2,
-        rope_parameters={
-            **YARN,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-            "factor": 8.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
+    "grouped-raw-weights": V3_GROUPED,
 }
 
 
 def _write_v3(name: str, path: Path) -> None:
-    """A transformers-written V3 checkpoint with O(1) weights and a score-correction bias large
-    enough to change which experts win."""
-    cfg = transformers.DeepseekV3Config(**BASE, **VARIANTS[name])
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    reinit(model, seed=len(name))
-    g = torch.Generator().manual_seed(len(name) + 1)
-    with torch.no_grad():
-        for mod_name, buf in model.named_buffers():
-            if mod_name.endswith("e_score_correction_bias"):
-                buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
-    model.save_pretrained(path)
-    if name == "grouped-defaults":
-        cfg_path = path / "config.json"
-        d = json.loads(cfg_path.read_text())
-        cfg_path.write_text(json.dumps({k: v for k, v in d.items() if k not in ROUTING_KEYS}))
+    drop = ROUTING_KEYS if name == "grouped-defaults" else ()
+    write_v3_checkpoint(path, VARIANTS[name], seed=len(name), drop_keys=drop)
 
 
 def _load_hf(path: Path) -> torch.nn.Module:
