@@ -47,3 +47,10 @@ CONTAINER_NAME = "sidecar"
 ROUTER_CONTAINER_NAME = "router"
 FIELD_MANAGER = "pdd-operator"
 MANAGED_BY = "pdd-operator"
+
+# Transfer grants (issue 12): a per-deployment HMAC key, in a Secret the operator creates once.
+ENV_GRANT_KEY_FILE = "PDD_GRANT_KEY_FILE"
+GRANT_KEY_SECRET_SUFFIX = "-grant-key"
+GRANT_KEY_FILE_NAME = "grant.key"
+GRANT_MOUNT_DIR = "/etc/pdd-grant"
+GRANT_KEY_FILE = f"{GRANT_MOUNT_DIR}/{GRANT_KEY_FILE_NAME}"
