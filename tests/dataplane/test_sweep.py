@@ -83,21 +83,48 @@ IDS = [f"P{p[0]}{p[1]}-D{d[0]}{d[1]}" for p, d in CONFIGS]
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_sweep(cfg: Any, cluster: LocalCluster, references: dict[int, list[int]]) -> None:
+    from pdd_sidecar.model.config import builtin_config
+
+    _sweep_row(cfg, cluster, references, builtin_config(), {}, _label(cfg))
+
+
+V3_CONFIG = ((2, 2), (4, 4))  # resharding on both sides: P TP2/DCP2 -> D TP4/DCP4
+
+
+@pytest.fixture(scope="module")
+def v3_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small DeepSeek-V3 checkpoint (group-limited sigmoid routing), written by transformers."""
+    from model_fixtures import V3_GROUPED, write_v3_checkpoint
+
+    path: Path = tmp_path_factory.mktemp("v3-sweep")
+    write_v3_checkpoint(path, V3_GROUPED, seed=7)
+    return path
+
+
+def test_sweep_v3(cluster: LocalCluster, v3_source: Path) -> None:
+    from pdd_sidecar.engine.generate import generate
+    from pdd_sidecar.model.config import ModelConfig
+
+    refs = {n: generate(v3_source, _prompt(n), MAX_TOKENS, block_size=BLOCK)
+            for n in PROMPT_LENGTHS}
+    _sweep_row(V3_CONFIG, cluster, refs, ModelConfig.from_pretrained(v3_source),
+               {"PDD_MODEL_SOURCE": str(v3_source)}, f"{_label(V3_CONFIG)} (DeepSeek-V3)")
+
+
+def _sweep_row(cfg: Any, cluster: LocalCluster, references: dict[int, list[int]],
+               model: Any, model_env: dict[str, str], label: str) -> None:
     (tp_p, dcp_p), (tp_d, dcp_d) = cfg
     plan = plan_routing(SidePlan(tensor_parallel_size=tp_p, decode_context_parallel_size=dcp_p),
                         SidePlan(tensor_parallel_size=tp_d, decode_context_parallel_size=dcp_d),
                         BLOCK)
     routing = cluster.plan_file(plan.to_json())
-    prefill = cluster.instance("prefill", tp_p, dcp_p, routing, BLOCK)
+    prefill = cluster.instance("prefill", tp_p, dcp_p, routing, BLOCK, **model_env)
     decode = cluster.instance("decode", tp_d, dcp_d, routing, BLOCK,
-                              PDD_PREFILL_URLS=prefill.url)
-    router = cluster.router([prefill], [decode])
+                              PDD_PREFILL_URLS=prefill.url, **model_env)
+    router = cluster.router([prefill], [decode], **model_env)
     for p in (prefill, decode, router):
         p.wait_ready()
-    from pdd_sidecar.model.config import builtin_config
-
-    cfg_model = builtin_config()
-    bytes_per_token = cfg_model.num_hidden_layers * cfg_model.latent_dim * 4  # float32
+    bytes_per_token = model.num_hidden_layers * model.latent_dim * 4  # float32
     matched = moved = minimum = 0
     problems = []
     for n in PROMPT_LENGTHS:
@@ -118,7 +145,7 @@ def test_sweep(cfg: Any, cluster: LocalCluster, references: dict[int, list[int]]
         if per_rank != need:
             problems.append(f"prompt {n}: bytes per decode rank {per_rank} != minimum {need}")
     total = len(PROMPT_LENGTHS) * MAX_TOKENS
-    ROWS.append((_label(cfg), "PASS" if not problems else "FAIL", f"{matched}/{total}",
+    ROWS.append((label, "PASS" if not problems else "FAIL", f"{matched}/{total}",
                  f"{moved}/{minimum}"))
     assert not problems, "\n".join(problems)
     # The prefill side freed every request on its notifications, not by the lease.
