@@ -153,6 +153,9 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy generation in one instance (needs torch)",
                        add_help=False)
     g.set_defaults(func=None)
+    s = sub.add_parser("serve", help="prefill, decode and router as local processes, no cluster "
+                       "(needs torch)", add_help=False)
+    s.set_defaults(func=None)
     return ap
 
 
@@ -162,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdd_sidecar.engine.generate import main as generate_main  # torch lives in the sidecar
 
         return generate_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from pdd_sidecar.serve.local_stack import main as serve_main  # imports no torch itself
+
+        return serve_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))

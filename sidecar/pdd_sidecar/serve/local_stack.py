@@ -1,0 +1,629 @@
+"""`pdd serve`: a prefill instance, a decode instance and the router as local processes.
+
+The processes are the ones pods run (`python -m pdd_sidecar serve` and `python -m pdd_sidecar
+router`, configured by environment), so a completion goes through a real NIXL hand-off; only the
+routing plan, the ports and the GPUs come from here instead of the operator. Each child runs in
+its own session, so stopping one with its rank processes is one `killpg`, and a Ctrl-C typed at
+the terminal reaches `pdd serve` alone, which then stops the children in order.
+
+Nothing here imports torch or aiohttp: `pdd --help` and argument errors stay fast, and the
+benchmark can drive stacks from a light process. The pure helpers (argument checks, plan, env,
+GPU assignment) are separate from the process handling so they can be tested without starting
+anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from pdd_api.routing import plan_for_spec
+from pdd_api.validation import parse_spec, validate_spec
+from pdd_sidecar import env as E
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+ROLE_FLAGS = {
+    "spec.prefill.tensorParallelSize": "--prefill-tp",
+    "spec.prefill.decodeContextParallelSize": "--prefill-dcp",
+    "spec.decode.tensorParallelSize": "--decode-tp",
+    "spec.decode.decodeContextParallelSize": "--decode-dcp",
+    "spec.blockSize": "--block-size",
+    "spec.model.dtype": "--dtype",
+}
+# Below Linux's ephemeral range, where gloo, UCX and client sockets take ports between our check
+# and the child's bind.
+PORT_RANGE = (10000, 32000)
+
+
+class StackError(RuntimeError):
+    """A process of the stack failed to start or died; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    prefill_tp: int = 1
+    prefill_dcp: int = 1
+    decode_tp: int = 1
+    decode_dcp: int = 1
+    model: str = "builtin"
+    device: str = "cpu"
+    port: int = 8000  # the router's; 0 picks a free one
+    host: str = "127.0.0.1"
+    block_size: int = 16
+    num_blocks: int | None = None  # KV blocks per rank, both roles; None: the instance default
+    prefill_num_blocks: int | None = None
+    decode_num_blocks: int | None = None
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPUs
+    drain_s: float = 5.0
+    log_level: str = "INFO"
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    def layout(self) -> str:
+        return (f"prefill tp{self.prefill_tp}/dcp{self.prefill_dcp}, "
+                f"decode tp{self.decode_tp}/dcp{self.decode_dcp}")
+
+    def blocks(self, role: str) -> int | None:
+        own = self.prefill_num_blocks if role == "prefill" else self.decode_num_blocks
+        return own if own is not None else self.num_blocks
+
+
+@dataclass(frozen=True)
+class Ports:
+    router: int
+    prefill_http: int
+    prefill_side: int  # rank r listens on prefill_side + r
+    prefill_dist: int
+    decode_http: int
+    decode_side: int
+    decode_dist: int
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def deployment_spec(cfg: StackConfig) -> dict[str, Any]:
+    """The PDDeployment spec this stack stands for, so `pdd validate` rules judge the layout."""
+    model: dict[str, Any] = {"name": model_name(cfg.model), "dtype": cfg.resolved_dtype}
+    if cfg.model != "builtin":
+        model["source"] = cfg.model
+    return {
+        "model": model,
+        "image": "local",
+        "blockSize": cfg.block_size,
+        "prefill": {"tensorParallelSize": cfg.prefill_tp,
+                    "decodeContextParallelSize": cfg.prefill_dcp},
+        "decode": {"tensorParallelSize": cfg.decode_tp,
+                   "decodeContextParallelSize": cfg.decode_dcp},
+    }
+
+
+def model_name(model: str) -> str:
+    return "builtin" if model == "builtin" else Path(model).name or model
+
+
+def _flag_for(problem: str) -> str:
+    """`spec.decode.decodeContextParallelSize: must ...` -> `--decode-dcp: spec.decode...`."""
+    path = problem.split(":", 1)[0]
+    flag = ROLE_FLAGS.get(path)
+    return f"{flag}: {problem}" if flag else problem
+
+
+def problems(cfg: StackConfig, attention_heads: int | None = None,
+             gpus: Sequence[str] | None = None) -> list[str]:
+    """Every reason the stack cannot run, each naming its flag; empty when it can.
+
+    The P/D fit goes through pdd_api's rules so the messages are the ones `pdd validate` prints.
+    """
+    out: list[str] = []
+    if cfg.device not in DEVICES:
+        out.append(f"--device: must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        out.append(f"--dtype: must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if not 0 <= cfg.port <= 65535:
+        out.append(f"--port: must be between 0 and 65535, got {cfg.port}")
+    for flag, value in (("--num-blocks", cfg.num_blocks),
+                        ("--prefill-num-blocks", cfg.prefill_num_blocks),
+                        ("--decode-num-blocks", cfg.decode_num_blocks)):
+        if value is not None and value < 1:
+            out.append(f"{flag}: must be >= 1, got {value}")
+    if cfg.drain_s < 0:
+        out.append(f"--drain-s: must be >= 0, got {cfg.drain_s}")
+    if out:
+        return out
+    out += [_flag_for(p) for p in validate_spec(deployment_spec(cfg))]
+    if out:
+        return out
+    if attention_heads is not None:
+        for flag, tp in (("--prefill-tp", cfg.prefill_tp), ("--decode-tp", cfg.decode_tp)):
+            if attention_heads % tp:
+                out.append(f"{flag}: must divide the model's num_attention_heads "
+                           f"({attention_heads}), got {tp}")
+    if gpus is not None and cfg.device == "cuda":
+        if not gpus:
+            out.append("--device cuda: no GPU visible (CUDA_VISIBLE_DEVICES is empty, or "
+                       "nvidia-smi lists none)")
+        for flag, tp in (("--prefill-tp", cfg.prefill_tp), ("--decode-tp", cfg.decode_tp)):
+            if gpus and tp > len(gpus):
+                out.append(f"{flag}: {tp} ranks need {tp} distinct GPUs, {len(gpus)} visible")
+    return out
+
+
+def routing_plan_json(cfg: StackConfig) -> str:
+    """What the operator would put in the routing ConfigMap for this layout."""
+    return plan_for_spec(parse_spec(deployment_spec(cfg))).to_json()
+
+
+def gpu_lists(prefill_tp: int, decode_tp: int,
+              gpus: Sequence[str]) -> tuple[list[str], list[str]]:
+    """CUDA_VISIBLE_DEVICES entries per role: prefill ranks first, then decode, wrapping around.
+
+    Ranks of one instance always get distinct GPUs (so tp <= len(gpus)); the two instances may
+    share some, which lets 2 GPUs host P TP1 + D TP2.
+    """
+    n = len(gpus)
+    if n == 0:
+        raise ValueError("no GPUs to assign")
+    if max(prefill_tp, decode_tp) > n:
+        raise ValueError(f"an instance of tp {max(prefill_tp, decode_tp)} needs that many "
+                         f"distinct GPUs, {n} visible")
+    prefill = [gpus[i % n] for i in range(prefill_tp)]
+    decode = [gpus[(prefill_tp + i) % n] for i in range(decode_tp)]
+    return prefill, decode
+
+
+def connect_host(host: str) -> str:
+    """The address clients (and the decode's side-channel reads) use for a bind address."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
+                 gpus: Sequence[str] | None = None) -> dict[str, str]:
+    """The PDD_* environment of one instance: what the operator writes into a pod."""
+    tp, dcp = ((cfg.prefill_tp, cfg.prefill_dcp) if role == "prefill"
+               else (cfg.decode_tp, cfg.decode_dcp))
+    http, side, dist = ((ports.prefill_http, ports.prefill_side, ports.prefill_dist)
+                        if role == "prefill"
+                        else (ports.decode_http, ports.decode_side, ports.decode_dist))
+    env = {
+        E.PDD_ROLE: role,
+        E.PDD_REPLICA: "0",
+        E.PDD_TP_SIZE: str(tp),
+        E.PDD_DCP_SIZE: str(dcp),
+        E.PDD_BLOCK_SIZE: str(cfg.block_size),
+        E.PDD_ROUTING_FILE: routing_file,
+        E.PDD_SIDE_CHANNEL_PORT: str(side),
+        E.POD_IP: connect_host(cfg.host),
+        E.PDD_HTTP_PORT: str(http),
+        E.PDD_BIND_HOST: cfg.host,
+        E.PDD_DIST_PORT: str(dist),
+        E.PDD_MODEL_NAME: model_name(cfg.model),
+        E.PDD_MODEL_SOURCE: cfg.model,
+        E.PDD_DTYPE: cfg.resolved_dtype,
+        E.PDD_DEVICE: cfg.device,
+        E.PDD_DRAIN_S: str(cfg.drain_s),
+        E.PDD_LOG_LEVEL: cfg.log_level,
+    }
+    blocks = cfg.blocks(role)
+    if blocks is not None:
+        env[E.PDD_NUM_BLOCKS] = str(blocks)
+    if role == "decode":
+        env[E.PDD_PREFILL_URLS] = f"http://{connect_host(cfg.host)}:{ports.prefill_http}"
+    if cfg.device == "cuda" and gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    env.update(cfg.extra_env)
+    return env
+
+
+def router_env(cfg: StackConfig, ports: Ports) -> dict[str, str]:
+    host = connect_host(cfg.host)
+    env = {
+        E.PDD_HTTP_PORT: str(ports.router),
+        E.PDD_BIND_HOST: cfg.host,
+        E.PDD_PREFILL_URLS: f"http://{host}:{ports.prefill_http}",
+        E.PDD_DECODE_URLS: f"http://{host}:{ports.decode_http}",
+        E.PDD_ROUTER_HEALTH_INTERVAL_S: "0.5",
+        E.PDD_LOG_LEVEL: cfg.log_level,
+    }
+    env.update(cfg.extra_env)
+    return env
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_ports(cfg: StackConfig, is_free: Callable[[int], bool] = port_free,
+               rng: random.Random | None = None) -> Ports:
+    """Free ports for everything but an explicit router port: side channels need tp
+    consecutive ones each."""
+    rng = rng or random.Random()
+    taken: set[int] = set()
+    if cfg.port:
+        taken.add(cfg.port)
+
+    def run(n: int) -> int:
+        for _ in range(10000):
+            base = rng.randint(PORT_RANGE[0], PORT_RANGE[1] - n)
+            span = range(base, base + n)
+            if not taken.intersection(span) and all(is_free(p) for p in span):
+                taken.update(span)
+                return base
+        raise StackError(f"no {n} consecutive free ports in {PORT_RANGE[0]}..{PORT_RANGE[1]}")
+
+    router = cfg.port or run(1)
+    return Ports(router=router, prefill_http=run(1), prefill_side=run(cfg.prefill_tp),
+                 prefill_dist=run(1), decode_http=run(1), decode_side=run(cfg.decode_tp),
+                 decode_dist=run(1))
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """GPU ids to hand out: CUDA_VISIBLE_DEVICES when set, else what nvidia-smi lists."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def attention_heads(model: str) -> int:
+    """The model's head count (tp must divide it); ValueError naming the model when unreadable."""
+    from pdd_sidecar.model.config import load_config
+
+    try:
+        return load_config(model).num_attention_heads
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"cannot read the model's config.json: {exc}") from None
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {path}: {exc.strerror})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------ processes
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if `pdd serve` itself is killed outright (Linux; best effort)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def describe_exit(self) -> str:
+        code = self.exit_code()
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        return (f"{self.name} {how}; last lines of {self.log_path}:\n"
+                f"{log_tail(self.log_path)}")
+
+
+class LocalStack:
+    """One prefill instance, one decode instance and a router; `with` stops them all."""
+
+    def __init__(self, cfg: StackConfig, log_dir: str | Path | None = None,
+                 out: TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.out = out if out is not None else sys.stdout
+        self.own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdd-serve-"))
+        self.children: list[Child] = []
+        self.ports: Ports | None = None
+        self._stopped = False
+
+    # public ---------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        assert self.ports is not None
+        return f"http://{connect_host(self.cfg.host)}:{self.ports.router}"
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    @property
+    def prefill_url(self) -> str:
+        return self.child("prefill").url
+
+    @property
+    def decode_url(self) -> str:
+        return self.child("decode").url
+
+    def start(self, timeout_s: float = 600.0,
+              should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Start every process and wait until all answer /readyz 200.
+
+        False when `should_stop` turned true first (the caller then stops); StackError when a
+        child died or the timeout passed (after stopping the rest).
+        """
+        cfg = self.cfg
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        routing_file = self.log_dir / "routing.json"
+        routing_file.write_text(routing_plan_json(cfg))
+        self.ports = ports = pick_ports(cfg)
+        p_gpus = d_gpus = None
+        if cfg.device == "cuda":
+            p_gpus, d_gpus = gpu_lists(cfg.prefill_tp, cfg.decode_tp, visible_gpus(os.environ))
+        host = connect_host(cfg.host)
+        serve_argv = [sys.executable, "-m", "pdd_sidecar", "serve"]
+        self.children = [
+            Child("prefill", serve_argv,
+                  instance_env(cfg, "prefill", ports, str(routing_file), p_gpus),
+                  f"http://{host}:{ports.prefill_http}", self.log_dir / "prefill.log"),
+            Child("decode", serve_argv,
+                  instance_env(cfg, "decode", ports, str(routing_file), d_gpus),
+                  f"http://{host}:{ports.decode_http}", self.log_dir / "decode.log"),
+            Child("router", [sys.executable, "-m", "pdd_sidecar", "router"],
+                  router_env(cfg, ports), self.url, self.log_dir / "router.log"),
+        ]
+        for c in self.children:
+            self._spawn(c)
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        while pending:
+            if should_stop():
+                return False
+            self.raise_if_dead()
+            pending = [c for c in pending if _http_status(f"{c.url}/readyz") != 200]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                self.stop()
+                raise StackError(f"not ready after {timeout_s:.0f}s: {names} (logs in "
+                                 f"{self.log_dir})")
+            if pending:
+                time.sleep(0.3)
+        return True
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.exit_code() is not None]
+
+    def raise_if_dead(self) -> None:
+        dead = self.dead()
+        if dead:
+            message = "\n".join(c.describe_exit() for c in dead)
+            self.stop()
+            raise StackError(message)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Router first, then decode, then prefill: SIGTERM to each leader (instances drain
+        and their rank processes follow), SIGKILL to whole groups after the grace period."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.cfg.drain_s + 5.0 if grace_s is None else grace_s
+        started = [c for c in self.children if c.process is not None]
+        for c in reversed(started):
+            if c.exit_code() is None:
+                try:
+                    os.kill(c.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for c in started:
+            assert c.process is not None
+            try:
+                c.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in started:
+            try:
+                os.killpg(c.pid, signal.SIGKILL)  # rank processes left behind, if any
+            except ProcessLookupError:
+                pass
+            assert c.process is not None
+            c.process.wait()
+        deadline = time.monotonic() + 10.0
+        while any(group_alive(c.pid) for c in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def cleanup(self) -> None:
+        """Remove the run folder when it was our own temporary one."""
+        if self.own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # private --------------------------------------------------------------
+
+    def _spawn(self, c: Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **c.env}
+        with c.log_path.open("ab") as log:
+            c.process = subprocess.Popen(
+                c.argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdd serve",
+        description="Run a prefill instance, a decode instance and the router as local "
+        "processes (no cluster) until Ctrl-C or SIGTERM. Any other PDD_* setting of the "
+        "instances can be given in the environment.",
+    )
+    p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (default 1)")
+    p.add_argument("--prefill-dcp", type=int, default=1, help="1 or --prefill-tp (default 1)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks (default 1)")
+    p.add_argument("--decode-dcp", type=int, default=1, help="1 or --decode-tp (default 1)")
+    p.add_argument("--model", default="builtin",
+                   help="Hugging Face DeepSeek-V2/V3 checkpoint directory, or 'builtin'")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="default cpu")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="default float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--port", type=int, default=8000, help="router port, 0 for any (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per rank on both roles (default: the instance's)")
+    p.add_argument("--prefill-num-blocks", type=int, default=None,
+                   help="KV blocks per prefill rank (overrides --num-blocks)")
+    p.add_argument("--decode-num-blocks", type=int, default=None,
+                   help="KV blocks per decode rank (overrides --num-blocks)")
+    p.add_argument("--log-dir", default=None,
+                   help="folder for the logs and the routing plan (default: a new temp folder)")
+    p.add_argument("--log-level", default="INFO", help="log level of the processes")
+    p.add_argument("--drain-s", type=float, default=5.0,
+                   help="on stop, how long instances may finish running requests (default 5)")
+    p.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds to wait for every process to be ready (default 600)")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> StackConfig:
+    return StackConfig(
+        prefill_tp=a.prefill_tp, prefill_dcp=a.prefill_dcp, decode_tp=a.decode_tp,
+        decode_dcp=a.decode_dcp, model=a.model, device=a.device, port=a.port, host=a.host,
+        block_size=a.block_size, num_blocks=a.num_blocks,
+        prefill_num_blocks=a.prefill_num_blocks, decode_num_blocks=a.decode_num_blocks,
+        dtype=a.dtype, drain_s=a.drain_s, log_level=a.log_level.upper(),
+    )
+
+
+def check_config(cfg: StackConfig, env: Mapping[str, str] | None = None) -> list[str]:
+    """Everything `pdd serve` refuses before starting a process (model, GPUs and port too)."""
+    found = problems(cfg)
+    if found:
+        return found
+    if cfg.model != "builtin" and not Path(cfg.model).is_dir():
+        return [f"--model: {cfg.model!r} is neither 'builtin' nor a directory"]
+    try:
+        heads = attention_heads(cfg.model)
+    except ValueError as exc:
+        return [f"--model {cfg.model}: {exc}"]
+    gpus = visible_gpus(os.environ if env is None else env) if cfg.device == "cuda" else None
+    found = problems(cfg, heads, gpus)
+    if not found and cfg.port and not port_free(cfg.port, connect_host(cfg.host)):
+        found.append(f"--port: {cfg.port} is already in use on {connect_host(cfg.host)}")
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 after a requested stop, 1 when a process failed, 2 on bad arguments."""
+    ap = parser()
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = config_from_args(a)
+    found = check_config(cfg)
+    if found:
+        ap.print_usage(sys.stderr)
+        for f in found:
+            print(f"pdd serve: {f}", file=sys.stderr)
+        return 2
+    if cfg.model != "builtin":
+        cfg = dataclasses.replace(cfg, model=str(Path(cfg.model).resolve()))
+
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = LocalStack(cfg, a.log_dir)
+    print(f"pdd serve: starting {cfg.layout()} on {cfg.device}; logs and routing plan in "
+          f"{stack.log_dir}", flush=True)
+    try:
+        try:
+            if stack.start(a.start_timeout, stop.is_set):
+                assert stack.ports is not None
+                print(f"pdd serve: ready at {stack.url} ({cfg.layout()})", flush=True)
+                while not stop.wait(0.5):
+                    stack.raise_if_dead()
+        except StackError as exc:
+            print(f"pdd serve: {exc}\npdd serve: stopped everything", file=sys.stderr,
+                  flush=True)
+            return 1
+        print(f"pdd serve: {received[0] if received else 'stop'} received, stopping",
+              flush=True)
+        stack.stop()
+        print("pdd serve: stopped", flush=True)
+        return 0
+    finally:
+        stack.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

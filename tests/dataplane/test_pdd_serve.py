@@ -1,0 +1,251 @@
+"""`pdd serve` as a user runs it: one command, a ready line, completions, and nothing left behind.
+
+Each test starts the real command (`python -m pdd_cli.main serve ...`) in its own session, reads
+its stdout for the ready line, and afterwards walks /proc for every process the stack had: the
+command, the instances, their forked rank processes and the router.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nixl  # noqa: F401  (the tier needs it; never skip)
+import pytest
+import torch  # noqa: F401  (the tier needs it; never skip)
+from runtime_fixtures import http
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+READY = re.compile(r"^pdd serve: ready at (http://\S+) \((.*)\)$")
+
+
+def _proc_stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, pgid, state) of a live process, None when gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()
+    return int(fields[1]), int(fields[2]), fields[0]
+
+
+def _all_pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        st = _proc_stat(pid)
+        if st is not None:
+            children.setdefault(st[0], []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        for c in children.get(pid, []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _role(pid: int) -> str:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    for item in env:
+        if item.startswith(b"PDD_ROLE="):
+            return item.split(b"=", 1)[1].decode()
+    return "router" if b"PDD_DECODE_URLS=" in b"\0".join(env) else ""
+
+
+@dataclass
+class Serve:
+    """One `pdd serve` run with its stdout read on a thread."""
+
+    args: list[str]
+    log_dir: Path
+    process: subprocess.Popen[str] = field(init=False)
+    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    stdout: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdd_cli.main", "serve", "--port", "0",
+             "--log-dir", str(self.log_dir), "--log-level", "WARNING", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_ready(self, timeout: float = 240) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no ready line after {timeout}s: {self.stdout}") from None
+            if line is None:
+                raise AssertionError(f"pdd serve exited ({self.process.wait()}) before ready: "
+                                     f"{self.stdout} {self.stderr()}")
+            self.stdout.append(line)
+            m = READY.match(line)
+            if m:
+                return m.group(1)
+
+    def rest(self) -> list[str]:
+        """The stdout lines after the ready line, once the command has exited."""
+        out = []
+        while (line := self.lines.get(timeout=10)) is not None:
+            out.append(line)
+        return out
+
+    def stderr(self) -> str:
+        assert self.process.stderr is not None
+        if self.process.poll() is None:
+            return ""
+        return self.process.stderr.read()
+
+    def tree(self) -> dict[int, str]:
+        """Every process under the command now, with its role (rank processes inherit it)."""
+        return {pid: _role(pid) for pid in _descendants(self.process.pid)}
+
+    def kill_all(self) -> None:
+        for pid in [self.process.pid, *self.tree()]:
+            st = _proc_stat(pid)
+            if st is not None:
+                try:
+                    os.killpg(st[1], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.process.wait(timeout=30)
+
+
+def _assert_nothing_left(pids: set[int], pgids: set[int], timeout: float = 15) -> None:
+    """No process of the stack remains: neither one we saw nor any member of its groups.
+
+    Zombies count as gone (their reaper is not ours); anything else alive is a leak.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {}
+        for pid in _all_pids():
+            st = _proc_stat(pid)
+            if st is None or st[2] == "Z":
+                continue
+            if pid in pids or st[1] in pgids:
+                alive[pid] = st
+        if not alive:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes of the stack still running: {alive}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def serves(tmp_path: Path) -> Iterator[list[Serve]]:
+    started: list[Serve] = []
+    yield started
+    for s in started:
+        if s.process.poll() is None:
+            s.kill_all()
+
+
+def _start(serves: list[Serve], tmp_path: Path, *args: str) -> tuple[Serve, str]:
+    s = Serve(list(args), tmp_path / f"logs{len(serves)}")
+    serves.append(s)
+    return s, s.wait_ready()
+
+
+def _snapshot(s: Serve) -> tuple[set[int], set[int], dict[int, str]]:
+    tree = s.tree()
+    pgids = {st[1] for pid in tree if (st := _proc_stat(pid)) is not None}
+    return {s.process.pid, *tree}, pgids, tree
+
+
+def _stop_and_check(s: Serve, sig: signal.Signals, pids: set[int], pgids: set[int]) -> None:
+    s.process.send_signal(sig)
+    assert s.process.wait(timeout=60) == 0, s.stderr()
+    _assert_nothing_left(pids, pgids)
+
+
+def test_sharded_to_sharded_completion_matches_reference_and_sigterm_stops_all(
+    serves: list[Serve], tmp_path: Path
+) -> None:
+    from pdd_sidecar.engine.generate import generate
+    from pdd_sidecar.serve import tokenizer
+
+    s, url = _start(serves, tmp_path, "--prefill-tp", "2", "--prefill-dcp", "2",
+                    "--decode-tp", "2", "--decode-dcp", "2", "--block-size", str(BLOCK))
+    assert url.startswith("http://127.0.0.1:")
+    assert "prefill tp2/dcp2, decode tp2/dcp2" in s.stdout[-1]
+    assert any(str(tmp_path / "logs0") in line for line in s.stdout), s.stdout
+    pids, pgids, tree = _snapshot(s)
+    roles = sorted(tree.values())
+    # Two ranks per instance (rank 0 and its forked rank 1) and the router.
+    assert roles == ["decode", "decode", "prefill", "prefill", "router"], tree
+    # Each child leads its own group; the ranks share their instance's.
+    assert len(pgids) == 3 and os.getpgid(s.process.pid) not in pgids
+
+    prompt = [(i * 37 + 11) % 256 for i in range(3 * BLOCK + 5)]  # 4 chunks: both ranks hold some
+    status, body = http("POST", f"{url}/v1/completions",
+                        {"prompt": prompt, "max_tokens": 7, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == generate("builtin", prompt, 7, block_size=BLOCK)
+
+    text = "Try it without a cluster."
+    status, body = http("POST", f"{url}/v1/completions",
+                        {"prompt": text, "max_tokens": 5, "temperature": 0})
+    assert status == 200, body
+    want = generate("builtin", tokenizer.encode(text), 5, block_size=BLOCK)
+    assert body["choices"][0]["token_ids"] == want
+    assert body["choices"][0]["text"] == tokenizer.decode(want)
+
+    _stop_and_check(s, signal.SIGTERM, pids, pgids)
+    assert s.rest()[-2:] == ["pdd serve: SIGTERM received, stopping", "pdd serve: stopped"]
+
+
+def test_sigint_stops_all(serves: list[Serve], tmp_path: Path) -> None:
+    s, url = _start(serves, tmp_path, "--prefill-tp", "2", "--decode-tp", "1")
+    pids, pgids, tree = _snapshot(s)
+    assert sorted(tree.values()) == ["decode", "prefill", "prefill", "router"], tree
+    status, body = http("POST", f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3,
+                                                          "temperature": 0})
+    assert status == 200, body
+    _stop_and_check(s, signal.SIGINT, pids, pgids)
+
+
+@pytest.mark.parametrize("victim", ["decode", "router"])
+def test_a_dead_child_stops_the_stack_with_an_error(
+    serves: list[Serve], tmp_path: Path, victim: str
+) -> None:
+    s, _ = _start(serves, tmp_path, "--prefill-tp", "2", "--prefill-dcp", "2")
+    pids, pgids, tree = _snapshot(s)
+    (leader,) = [pid for pid, role in tree.items()
+                 if role == victim and _proc_stat(pid) is not None
+                 and _proc_stat(pid)[0] == s.process.pid]  # type: ignore[index]
+    assert os.getpgid(leader) == leader
+    os.kill(leader, signal.SIGKILL)
+    rc = s.process.wait(timeout=60)
+    err = s.stderr()
+    assert rc == 1, err
+    assert f"{victim} killed by SIGKILL" in err, err
+    assert str(tmp_path / "logs0" / f"{victim}.log") in err, err
+    _assert_nothing_left(pids, pgids)
