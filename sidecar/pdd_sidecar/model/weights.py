@@ -97,8 +97,16 @@ class Fp8BlockSource:
     product DeepSeek's and transformers' dequantization compute, so the fp32 weights are the same
     bits either way."""
 
-    def __init__(self, inner: TensorSource, quant: Fp8BlockQuant) -> None:
-        self.inner, self.block = inner, quant.block
+    def __init__(
+        self, inner: TensorSource, quant: Fp8BlockQuant, device: torch.device | None = None
+    ) -> None:
+        self.inner, self.quant, self.block = inner, quant, quant.block
+        self.device = device
+
+    def on(self, device: torch.device) -> Fp8BlockSource:
+        """The same source dequantizing on ``device``: an accelerator does the multiply far
+        faster than the host, and IEEE fp32 gives the same bits on either."""
+        return Fp8BlockSource(self.inner, self.quant, device)
 
     def has(self, name: str) -> bool:
         return self.inner.has(name)
@@ -127,6 +135,8 @@ class Fp8BlockSource:
                 f"checkpoint tensor {scale_name!r} has shape {list(s.shape)} for blocks "
                 f"{list(self.block)} of {name!r}"
             )
+        if self.device is not None and self.device.type != "cpu":
+            q, s = q.to(self.device), s.to(self.device)
         s = s.repeat_interleave(b, dim).narrow(dim, start - (start // b) * b, size)
         s = s.repeat_interleave(self.block[1 - dim], 1 - dim).narrow(1 - dim, 0, full)
         return q.float() * s
@@ -343,6 +353,8 @@ def load_rank_weights(
     if heads % tp:
         raise ValueError(f"tp ({tp}) must divide num_attention_heads ({heads})")
     hl = heads // tp
+    if isinstance(src, Fp8BlockSource):
+        src = src.on(torch.device(device))
     extra = skipped_layers(cfg, src)
     if extra and rank == 0:
         log.info(
