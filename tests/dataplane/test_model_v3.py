@@ -114,6 +114,7 @@ def test_matches_transformers_fp32(hf_case, tp, dcp):
 
 def test_config_reads_transformers_fields(hf_case):
     name, path, _, _ = hf_case
+    assert "scoring_func" not in json.loads((path / "config.json").read_text())
     ours = ModelConfig.from_pretrained(path)
     hf = transformers.DeepseekV3Config.from_pretrained(path)
     assert (ours.model_type, ours.scoring_func, ours.topk_method) == (
