@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdd_api import keys
 from pdd_api.routing import plan_for_spec
 from pdd_api.validation import parse_spec, validate_spec
 from pdd_sidecar import env as E
@@ -73,6 +75,8 @@ class StackConfig:
     decode_num_blocks: int | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPUs
     drain_s: float = 5.0
+    max_num_seqs: int | None = None  # engine admission bound; None: the instance default
+    max_waiting: int | None = None  # queue bound (429 beyond); None: the instance default
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -148,6 +152,11 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
                         ("--decode-num-blocks", cfg.decode_num_blocks)):
         if value is not None and value < 1:
             out.append(f"{flag}: must be >= 1, got {value}")
+    for flag, value in (("--max-num-seqs", cfg.max_num_seqs),
+                        ("--max-waiting", cfg.max_waiting)):
+        if value is not None and value < (1 if flag == "--max-num-seqs" else 0):
+            out.append(f"{flag}: must be >= {1 if flag == '--max-num-seqs' else 0}, "
+                       f"got {value}")
     if cfg.drain_s < 0:
         out.append(f"--drain-s: must be >= 0, got {cfg.drain_s}")
     if out:
@@ -199,7 +208,7 @@ def connect_host(host: str) -> str:
 
 
 def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
-                 gpus: Sequence[str] | None = None) -> dict[str, str]:
+                 gpus: Sequence[str] | None = None, grant_key_file: str = "") -> dict[str, str]:
     """The PDD_* environment of one instance: what the operator writes into a pod."""
     tp, dcp = ((cfg.prefill_tp, cfg.prefill_dcp) if role == "prefill"
                else (cfg.decode_tp, cfg.decode_dcp))
@@ -224,10 +233,13 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
         E.PDD_DEVICE: cfg.device,
         E.PDD_DRAIN_S: str(cfg.drain_s),
         E.PDD_LOG_LEVEL: cfg.log_level,
+        keys.ENV_GRANT_KEY_FILE: grant_key_file,
     }
-    blocks = cfg.blocks(role)
-    if blocks is not None:
-        env[E.PDD_NUM_BLOCKS] = str(blocks)
+    for key, value in ((E.PDD_NUM_BLOCKS, cfg.blocks(role)),
+                       (E.PDD_MAX_NUM_SEQS, cfg.max_num_seqs),
+                       (E.PDD_MAX_WAITING, cfg.max_waiting)):
+        if value is not None:
+            env[key] = str(value)
     if role == "decode":
         env[E.PDD_PREFILL_URLS] = f"http://{connect_host(cfg.host)}:{ports.prefill_http}"
     if cfg.device == "cuda" and gpus is not None:
@@ -244,6 +256,8 @@ def router_env(cfg: StackConfig, ports: Ports) -> dict[str, str]:
         E.PDD_PREFILL_URLS: f"http://{host}:{ports.prefill_http}",
         E.PDD_DECODE_URLS: f"http://{host}:{ports.decode_http}",
         E.PDD_ROUTER_HEALTH_INTERVAL_S: "0.5",
+        E.PDD_MODEL_NAME: model_name(cfg.model),
+        E.PDD_MODEL_SOURCE: cfg.model,
         E.PDD_LOG_LEVEL: cfg.log_level,
     }
     env.update(cfg.extra_env)
@@ -381,6 +395,7 @@ class LocalStack:
         self.out = out if out is not None else sys.stdout
         self.own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdd-serve-"))
+        self.run_dir: Path | None = None  # routing plan and grant key, removed on stop
         self.children: list[Child] = []
         self.ports: Ports | None = None
         self._stopped = False
@@ -412,8 +427,13 @@ class LocalStack:
         """
         cfg = self.cfg
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        routing_file = self.log_dir / "routing.json"
+        self.run_dir = Path(tempfile.mkdtemp(prefix="pdd-serve-run-"))
+        routing_file = self.run_dir / "routing.json"
         routing_file.write_text(routing_plan_json(cfg))
+        # The deployment's transfer-grant key (a Secret in a cluster): both instances share it.
+        key_file = self.run_dir / "grant.key"
+        key_file.touch(mode=0o600)
+        key_file.write_text(secrets.token_hex(32))
         self.ports = ports = pick_ports(cfg)
         p_gpus = d_gpus = None
         if cfg.device == "cuda":
@@ -422,10 +442,12 @@ class LocalStack:
         serve_argv = [sys.executable, "-m", "pdd_sidecar", "serve"]
         self.children = [
             Child("prefill", serve_argv,
-                  instance_env(cfg, "prefill", ports, str(routing_file), p_gpus),
+                  instance_env(cfg, "prefill", ports, str(routing_file), p_gpus,
+                               str(key_file)),
                   f"http://{host}:{ports.prefill_http}", self.log_dir / "prefill.log"),
             Child("decode", serve_argv,
-                  instance_env(cfg, "decode", ports, str(routing_file), d_gpus),
+                  instance_env(cfg, "decode", ports, str(routing_file), d_gpus,
+                               str(key_file)),
                   f"http://{host}:{ports.decode_http}", self.log_dir / "decode.log"),
             Child("router", [sys.executable, "-m", "pdd_sidecar", "router"],
                   router_env(cfg, ports), self.url, self.log_dir / "router.log"),
@@ -489,9 +511,11 @@ class LocalStack:
         deadline = time.monotonic() + 10.0
         while any(group_alive(c.pid) for c in started) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def cleanup(self) -> None:
-        """Remove the run folder when it was our own temporary one."""
+        """Remove the log folder too when it was a temporary one of ours (benchmark runs)."""
         if self.own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -540,8 +564,13 @@ def parser() -> argparse.ArgumentParser:
                    help="KV blocks per prefill rank (overrides --num-blocks)")
     p.add_argument("--decode-num-blocks", type=int, default=None,
                    help="KV blocks per decode rank (overrides --num-blocks)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences an instance admits at once (default: the instance's)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests an instance queues beyond that; more get 429 "
+                   "(default: the instance's)")
     p.add_argument("--log-dir", default=None,
-                   help="folder for the logs and the routing plan (default: a new temp folder)")
+                   help="folder for the logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO", help="log level of the processes")
     p.add_argument("--drain-s", type=float, default=5.0,
                    help="on stop, how long instances may finish running requests (default 5)")
@@ -556,7 +585,8 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         decode_dcp=a.decode_dcp, model=a.model, device=a.device, port=a.port, host=a.host,
         block_size=a.block_size, num_blocks=a.num_blocks,
         prefill_num_blocks=a.prefill_num_blocks, decode_num_blocks=a.decode_num_blocks,
-        dtype=a.dtype, drain_s=a.drain_s, log_level=a.log_level.upper(),
+        dtype=a.dtype, drain_s=a.drain_s, max_num_seqs=a.max_num_seqs,
+        max_waiting=a.max_waiting, log_level=a.log_level.upper(),
     )
 
 
@@ -601,8 +631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     stack = LocalStack(cfg, a.log_dir)
-    print(f"pdd serve: starting {cfg.layout()} on {cfg.device}; logs and routing plan in "
-          f"{stack.log_dir}", flush=True)
+    print(f"pdd serve: starting {cfg.layout()} on {cfg.device}; logs in {stack.log_dir}",
+          flush=True)
     try:
         try:
             if stack.start(a.start_timeout, stop.is_set):

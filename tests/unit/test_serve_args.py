@@ -1,0 +1,179 @@
+"""`pdd serve` before it starts anything: argument errors, the plan, env, ports and GPUs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdd_api.routing import load_plan
+from pdd_cli.main import main
+from pdd_sidecar.env import InstanceSettings, RouterSettings
+from pdd_sidecar.routing_file import load_routing_file
+from pdd_sidecar.serve.local_stack import (
+    Ports,
+    StackConfig,
+    check_config,
+    deployment_spec,
+    gpu_lists,
+    instance_env,
+    pick_ports,
+    problems,
+    router_env,
+    routing_plan_json,
+)
+
+PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=13000,
+              decode_http=14000, decode_side=15000, decode_dist=16000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "says"),
+    [
+        (["--decode-tp", "2", "--decode-dcp", "3"], "--decode-dcp",
+         "spec.decode.decodeContextParallelSize: must be 1 or equal to tensorParallelSize (2), "
+         "got 3"),
+        (["--prefill-tp", "4", "--prefill-dcp", "2"], "--prefill-dcp", "tensorParallelSize (4)"),
+        (["--prefill-tp", "4", "--prefill-dcp", "4", "--decode-tp", "3", "--decode-dcp", "3"],
+         "--decode-dcp", "must divide or be a multiple of spec.prefill.decodeContextParallelSize"),
+        (["--prefill-tp", "0"], "--prefill-tp", "got 0"),
+        (["--block-size", "8"], "--block-size", "got 8"),
+        (["--prefill-tp", "3"], "--prefill-tp", "num_attention_heads (8), got 3"),
+        (["--num-blocks", "0"], "--num-blocks", "got 0"),
+        (["--decode-num-blocks", "-1"], "--decode-num-blocks", "got -1"),
+        (["--model", "/no/such/checkpoint"], "--model", "/no/such/checkpoint"),
+        (["--port", "70000"], "--port", "got 70000"),
+        (["--max-num-seqs", "0"], "--max-num-seqs", "got 0"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(
+    argv: list[str], flag: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("pdd serve: "))
+    assert line.startswith(f"pdd serve: {flag}"), err
+    assert says in line, err
+
+
+def test_messages_are_the_ones_pdd_validate_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = StackConfig(prefill_tp=4, prefill_dcp=4, decode_tp=3, decode_dcp=3)
+    doc = {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+           "metadata": {"name": "x"}, "spec": deployment_spec(cfg)}
+    f = tmp_path / "x.yaml"
+    f.write_text(json.dumps(doc))
+    assert main(["validate", "-f", str(f)]) == 1
+    validate_err = capsys.readouterr().err
+    (mine,) = problems(cfg)
+    assert mine.startswith("--decode-dcp: ")
+    assert mine.removeprefix("--decode-dcp: ") in validate_err
+
+
+def test_unknown_device_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "tpu"])
+    assert exc.value.code == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_cuda_without_gpus_and_too_few_gpus() -> None:
+    cfg = StackConfig(device="cuda", prefill_tp=1, decode_tp=4, decode_dcp=4)
+    assert any(p.startswith("--device cuda: no GPU visible")
+               for p in check_config(cfg, {"CUDA_VISIBLE_DEVICES": ""}))
+    (p,) = check_config(cfg, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert p == "--decode-tp: 4 ranks need 4 distinct GPUs, 2 visible"
+    assert check_config(StackConfig(device="cuda", decode_tp=2, port=0),
+                        {"CUDA_VISIBLE_DEVICES": "0,1"}) == []
+
+
+@pytest.mark.parametrize(
+    ("ptp", "dtp", "gpus", "want_p", "want_d"),
+    [
+        (1, 2, ["0", "1"], ["0"], ["1", "0"]),  # 2 GPUs host P TP1 + D TP2
+        (2, 2, ["0", "1", "2", "3"], ["0", "1"], ["2", "3"]),
+        (2, 4, ["4", "5", "6", "7"], ["4", "5"], ["6", "7", "4", "5"]),
+        (1, 1, ["3"], ["3"], ["3"]),
+    ],
+)
+def test_gpus_prefill_first_then_decode_wrapping(
+    ptp: int, dtp: int, gpus: list[str], want_p: list[str], want_d: list[str]
+) -> None:
+    p, d = gpu_lists(ptp, dtp, gpus)
+    assert (p, d) == (want_p, want_d)
+    assert len(set(p)) == ptp and len(set(d)) == dtp
+
+
+def test_gpu_lists_refuse_an_instance_wider_than_the_gpus() -> None:
+    with pytest.raises(ValueError, match="tp 4"):
+        gpu_lists(1, 4, ["0", "1"])
+
+
+@pytest.mark.parametrize(("p", "d"), [((2, 2), (2, 2)), ((2, 1), (4, 4)), ((4, 4), (2, 1))])
+def test_plan_and_env_are_what_the_instances_accept(
+    tmp_path: Path, p: tuple[int, int], d: tuple[int, int]
+) -> None:
+    cfg = StackConfig(prefill_tp=p[0], prefill_dcp=p[1], decode_tp=d[0], decode_dcp=d[1],
+                      block_size=32, num_blocks=64, decode_num_blocks=9)
+    plan_text = routing_plan_json(cfg)
+    plan = load_plan(plan_text)
+    assert (plan.decode.tensor_parallel_size, plan.decode.decode_context_parallel_size) == d
+    f = tmp_path / "routing.json"
+    f.write_text(plan_text)
+    for role, (tp, dcp), blocks in (("prefill", p, 64), ("decode", d, 9)):
+        env = instance_env(cfg, role, PORTS, str(f), None, "/run/grant.key")
+        assert env["PDD_GRANT_KEY_FILE"] == "/run/grant.key"
+        s = InstanceSettings.from_env(env)
+        assert (s.role, s.tp, s.dcp, s.block_size, s.num_blocks) == (role, tp, dcp, 32, blocks)
+        assert s.device == "cpu" and s.dtype == "float32" and s.model_source == "builtin"
+        load_routing_file(s.routing_file, role, s.tp, s.dcp, s.block_size)  # raises on mismatch
+        assert "CUDA_VISIBLE_DEVICES" not in env
+    dec = InstanceSettings.from_env(instance_env(cfg, "decode", PORTS, str(f), None, "/k"))
+    assert dec.prefill_urls == ["http://127.0.0.1:11000"]
+    assert (dec.http_port, dec.side_channel_port, dec.dist_port) == (14000, 15000, 16000)
+    r = RouterSettings.from_env(router_env(cfg, PORTS))
+    assert (r.port, r.prefill, r.decode) == (8000, ["http://127.0.0.1:11000"],
+                                             ["http://127.0.0.1:14000"])
+
+
+def test_cuda_env_and_wildcard_host() -> None:
+    cfg = StackConfig(device="cuda", decode_tp=2, host="0.0.0.0")
+    env = instance_env(cfg, "decode", PORTS, "/r.json", ["1", "0"])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert env["PDD_DTYPE"] == "bfloat16" and env["PDD_DEVICE"] == "cuda"
+    assert env["PDD_BIND_HOST"] == "0.0.0.0" and env["POD_IP"] == "127.0.0.1"
+    assert "PDD_NUM_BLOCKS" not in env and "PDD_MAX_NUM_SEQS" not in env  # instance defaults
+    env = instance_env(StackConfig(max_num_seqs=8, max_waiting=0), "prefill", PORTS, "/r.json")
+    assert (env["PDD_MAX_NUM_SEQS"], env["PDD_MAX_WAITING"]) == ("8", "0")
+
+
+def test_ports_do_not_overlap_and_skip_busy_ones() -> None:
+    busy = set(range(10000, 32000, 10))
+    cfg = StackConfig(prefill_tp=4, decode_tp=8, decode_dcp=8, port=0)
+    ports = pick_ports(cfg, lambda port: port not in busy, random.Random(7))
+    spans = [range(ports.router, ports.router + 1),
+             range(ports.prefill_http, ports.prefill_http + 1),
+             range(ports.prefill_side, ports.prefill_side + 4),
+             range(ports.prefill_dist, ports.prefill_dist + 1),
+             range(ports.decode_http, ports.decode_http + 1),
+             range(ports.decode_side, ports.decode_side + 8),
+             range(ports.decode_dist, ports.decode_dist + 1)]
+    used = [port for span in spans for port in span]
+    assert len(used) == len(set(used)) == 17
+    assert not busy.intersection(used)
+    assert pick_ports(StackConfig(port=8123), lambda port: True).router == 8123
+
+
+def test_pdd_help_lists_serve_without_importing_torch() -> None:
+    code = ("import sys; from pdd_cli.main import main; import pdd_sidecar.serve.local_stack; "
+            "assert 'torch' not in sys.modules and 'aiohttp' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'aiohttp'))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "pdd_cli.main", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert "serve" in out
