@@ -1,0 +1,301 @@
+"""Serving throughput against concurrency: decode dcp = 1 against dcp = N at the same KV memory.
+
+Each layout runs as a whole local stack (`pdd serve` used as a library: a prefill instance, a
+decode instance, the router, real NIXL hand-offs). Both decode layouts get the same KV blocks per
+rank, sized so dcp = 1 holds only ``--seqs-at-dcp1`` sequences of prompt + max_tokens; with the
+KV sharded over N ranks each sequence needs 1/N of the blocks per rank, so the decode should
+admit N times as many. The yardstick is the dcp = 1 stack of the same run.
+
+At every concurrency level, ``--requests-per-level`` x concurrency streaming completions go
+through the router (ignore_eos, so every one is exactly ``--max-tokens`` long) from that many
+concurrent clients. Reported per level: output tokens/s (all completion tokens over the level's
+wall time), time to first token and time per output token (TPOT, per request: (last token - first
+token) / (tokens - 1), median over requests), and from the decode's /metrics, sampled every
+50 ms: the most sequences it admitted at once (pdd_running_sequences), the longest queue
+(pdd_waiting_sequences), the fewest free blocks (pdd_kv_blocks_free) and the mean decode batch
+(pdd_batch_size). The summary gives admitted(dcp=N) / admitted(dcp=1) at the top level (target:
+exactly N) and the tokens/s ratio there.
+
+    python bench/serving.py --quick                       # CPU, built-in model, a few minutes
+    python bench/serving.py --device cuda --decode-tp 4 --model /models/DeepSeek-V2-Lite-Chat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sidecar"))
+sys.path.insert(0, str(ROOT / "operator"))
+
+import aiohttp  # noqa: E402
+
+from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
+
+_SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
+
+
+@dataclass
+class Level:
+    decode_dcp: int
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    output_tokens: int
+    tokens_per_s: float
+    ttft_p50_ms: float
+    tpot_p50_ms: float
+    tpot_p90_ms: float
+    max_running: int
+    max_waiting: int
+    min_blocks_free: int
+    mean_batch: float
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """`name{labels}` -> value for the pdd_* samples of a Prometheus exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+class MetricsWatch:
+    """Samples the decode's /metrics while a level runs; keeps the extremes."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+        self.session, self.url = session, url
+        self.max_running = self.max_waiting = 0.0
+        self.min_free = float("inf")
+        self.batch: tuple[float, float] | None = None  # (sum, count) at the start
+
+    async def scrape(self) -> dict[str, float]:
+        async with self.session.get(f"{self.url}/metrics") as resp:
+            return parse_metrics(await resp.text())
+
+    async def run(self, stop: asyncio.Event) -> tuple[float, float]:
+        first = await self.scrape()
+        self.batch = (first.get("pdd_batch_size_sum", 0.0), first.get("pdd_batch_size_count", 0.0))
+        last = first
+        while True:
+            s = last
+            self.max_running = max(self.max_running, s.get("pdd_running_sequences", 0.0))
+            self.max_waiting = max(self.max_waiting, s.get("pdd_waiting_sequences", 0.0))
+            free = [v for k, v in s.items() if k.startswith("pdd_kv_blocks_free")]
+            if free:
+                self.min_free = min(self.min_free, min(free))
+            if stop.is_set():
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 0.05)
+            except TimeoutError:
+                pass
+            last = await self.scrape()
+        end = await self.scrape()
+        return (end.get("pdd_batch_size_sum", 0.0) - self.batch[0],
+                end.get("pdd_batch_size_count", 0.0) - self.batch[1])
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                      max_tokens: int) -> tuple[float, list[float]] | None:
+    """(start, token arrival times) of one streamed completion; None when it failed."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start = time.perf_counter()
+    times: list[float] = []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                return None
+            for choice in msg.get("choices", ()):
+                n = len(choice.get("token_ids") or ())
+                times.extend([time.perf_counter()] * n)
+    return (start, times) if len(times) == max_tokens else None
+
+
+async def run_level(stack: LocalStack, dcp: int, concurrency: int, n_requests: int,
+                    prompts: list[list[int]], max_tokens: int) -> Level:
+    timeout = aiohttp.ClientTimeout(total=600)
+    conn = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        watch = MetricsWatch(session, stack.decode_url)
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch.run(stop))
+        queue = list(range(n_requests))
+        results: list[tuple[float, list[float]] | None] = []
+
+        async def client() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await one_request(session, stack.url, prompts[i % len(prompts)],
+                                                 max_tokens))
+
+        await asyncio.sleep(0.1)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+        stop.set()
+        batch_sum, batch_count = await watcher
+    ok = [r for r in results if r is not None]
+    tokens = sum(len(t) for _, t in ok)
+    ttft = [t[0] - s for s, t in ok]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in ok if len(t) > 1]
+
+    def pct(xs: list[float], q: float) -> float:
+        if not xs:
+            return float("nan")
+        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 \
+            else xs[0]
+
+    return Level(
+        decode_dcp=dcp, concurrency=concurrency, requests=len(results),
+        errors=len(results) - len(ok), seconds=seconds, output_tokens=tokens,
+        tokens_per_s=tokens / seconds, ttft_p50_ms=pct(ttft, 50) * 1e3,
+        tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p90_ms=pct(tpot, 90) * 1e3,
+        max_running=int(watch.max_running), max_waiting=int(watch.max_waiting),
+        min_blocks_free=int(watch.min_free) if watch.min_free != float("inf") else -1,
+        mean_batch=batch_sum / batch_count if batch_count else float("nan"),
+    )
+
+
+def sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(prompt tokens, decode blocks per rank, blocks a sequence needs per rank at dcp = 1).
+
+    The decode reserves prompt + max_tokens - 1 tokens of KV per sequence; the prompt is sized so
+    that is a whole number of chunks divisible by N, so dcp = N needs exactly 1/N of the blocks.
+    """
+    n = args.decode_tp
+    want = args.prompt_tokens + args.max_tokens - 1
+    chunks = -(-want // args.block_size)
+    chunks = -(-chunks // n) * n
+    prompt = chunks * args.block_size - args.max_tokens + 1
+    if prompt < 1:
+        raise SystemExit("--max-tokens: too long for the chosen block size")
+    return prompt, chunks * args.seqs_at_dcp1, chunks
+
+
+def row(r: Level) -> str:
+    return (f"{r.decode_dcp:>4} {r.concurrency:>5} {r.requests:>5} {r.errors:>4} "
+            f"{r.tokens_per_s:>9.1f} {r.ttft_p50_ms:>9.1f} {r.tpot_p50_ms:>9.2f} "
+            f"{r.tpot_p90_ms:>9.2f} {r.max_running:>8} {r.max_waiting:>7} "
+            f"{r.min_blocks_free:>6} {r.mean_batch:>6.2f}")
+
+
+HEADER = (f"{'dcp':>4} {'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>9} {'TTFT p50':>9} "
+          f"{'TPOT p50':>9} {'TPOT p90':>9} {'admitted':>8} {'waiting':>7} {'free':>6} "
+          f"{'batch':>6}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="small levels and few requests (a few minutes on 2 CPU cores)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", default="builtin")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--decode-tp", type=int, default=2, help="N: decode ranks (dcp 1 against N)")
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--prefill-dcp", type=int, default=1)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="comma-separated levels (default 1,4,16,64,256; --quick 1,4,16,32)")
+    p.add_argument("--requests-per-level", type=float, default=None,
+                   help="requests per level as a multiple of its concurrency (default 4; "
+                   "--quick 2), at least 8")
+    p.add_argument("--prompt-tokens", type=int, default=48,
+                   help="prompt length, rounded up so the KV fills whole chunks")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 32; --quick 16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seqs-at-dcp1", type=int, default=8,
+                   help="sequences the decode's per-rank KV holds at dcp = 1 (default 8)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    args = p.parse_args(argv)
+    levels = args.concurrency or ([1, 4, 16, 32] if args.quick else [1, 4, 16, 64, 256])
+    per_level = args.requests_per_level or (2.0 if args.quick else 4.0)
+    args.max_tokens = args.max_tokens or (16 if args.quick else 32)
+    n = args.decode_tp
+    prompt_len, decode_blocks, blocks_per_seq = sizes(args)
+    top = max(levels)
+    # The prefill holds each prompt's KV until the decode has read it: never its limit here.
+    prefill_blocks = 2 * top * -(-(prompt_len) // args.block_size) + 64
+    prompts = [[(17 * i + 31 * j + 7) % 256 for j in range(prompt_len)] for i in range(64)]
+    if args.model != "builtin":
+        prompts = [[(17 * i + 31 * j + 7) % 1000 + 100 for j in range(prompt_len)]
+                   for i in range(64)]
+    print(f"serving: P tp{args.prefill_tp}/dcp{args.prefill_dcp} -> D tp{n}/dcp{{1,{n}}}, "
+          f"model {args.model}, {args.device}, prompt {prompt_len} + {args.max_tokens} tokens, "
+          f"block {args.block_size}, decode KV {decode_blocks} blocks per rank "
+          f"({blocks_per_seq} per sequence at dcp 1 -> {decode_blocks // blocks_per_seq} "
+          f"sequences; at dcp {n}: {decode_blocks // (blocks_per_seq // n)}), "
+          f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    results: list[Level] = []
+    for dcp in (1, n):
+        cfg = StackConfig(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
+                          decode_tp=n, decode_dcp=dcp, model=args.model, device=args.device,
+                          port=0, block_size=args.block_size, prefill_num_blocks=prefill_blocks,
+                          decode_num_blocks=decode_blocks, dtype=args.dtype,
+                          max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
+                          log_level="WARNING", drain_s=1.0)
+        found = check_config(cfg)
+        if found:
+            p.error("; ".join(found))
+        stack = LocalStack(cfg, out=sys.stderr)
+        try:
+            t0 = time.perf_counter()
+            stack.start()
+            print(f"decode dcp {dcp}: stack ready in {time.perf_counter() - t0:.0f}s "
+                  f"(logs {stack.log_dir})", flush=True)
+            asyncio.run(run_level(stack, dcp, 2, 4, prompts, args.max_tokens))  # warm-up
+            print(HEADER, flush=True)
+            for c in levels:
+                r = asyncio.run(run_level(stack, dcp, c, max(8, int(per_level * c)), prompts,
+                                          args.max_tokens))
+                stack.raise_if_dead()
+                results.append(r)
+                print(row(r), flush=True)
+        finally:
+            stack.stop()
+            stack.cleanup()
+    base = {r.concurrency: r for r in results if r.decode_dcp == 1}
+    shard = {r.concurrency: r for r in results if r.decode_dcp == n}
+    admitted = shard[top].max_running / max(1, base[top].max_running)
+    speed = shard[top].tokens_per_s / base[top].tokens_per_s
+    print(f"\nat concurrency {top}: admitted dcp{n}/dcp1 = {shard[top].max_running}/"
+          f"{base[top].max_running} = {admitted:.2f} (target {n}); output tokens/s "
+          f"dcp{n}/dcp1 = {speed:.2f}; TPOT p50 {shard[top].tpot_p50_ms:.2f} vs "
+          f"{base[top].tpot_p50_ms:.2f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": {k: v for k, v in vars(args).items() if k != "concurrency"}
+            | {"concurrency": levels, "prompt_tokens": prompt_len,
+               "decode_blocks_per_rank": decode_blocks, "blocks_per_seq_dcp1": blocks_per_seq},
+            "levels": [asdict(r) for r in results],
+            "summary": {"admitted_ratio": admitted, "tokens_per_s_ratio": speed,
+                        "target_ratio": n},
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
