@@ -163,11 +163,10 @@ async def run_level(stack: LocalStack, dcp: int, concurrency: int, n_requests: i
     ttft = [t[0] - s for s, t in ok]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in ok if len(t) > 1]
 
-    def pct(xs: list[float], q: float) -> float:
-        if not xs:
-            return float("nan")
-        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 \
-            else xs[0]
+    def pct(xs: list[float], q: int) -> float:
+        if len(xs) < 2:
+            return xs[0] if xs else float("nan")
+        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
     return Level(
         decode_dcp=dcp, concurrency=concurrency, requests=len(results),
