@@ -21,7 +21,7 @@ import kopf
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_operator import metrics
 from pdd_operator.config import CONFIG
-from pdd_operator.kube import ApiError, Kube
+from pdd_operator.kube import KINDS, ApiError, Kube
 from pdd_operator.peering import paused
 from pdd_operator.reconciler import Reconciler
 from pdd_operator.webhook import (
@@ -79,7 +79,17 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube = Kube.from_environment(cfg.concurrency)
     STATE.kube = kube
     if not cfg.standalone:
-        await ensure_peering(kube, cfg.peering_name, cfg.namespaces)
+        missing = await missing_peering_crd(kube, cfg.namespaces)
+        if missing is not None:
+            log.warning(
+                "peering CRD %s is not installed: running standalone, so a second replica "
+                "would act as well. To run several replicas (HA), apply "
+                "manifests/base/kopf-peering.yaml (kopf's peering CRDs); --standalone "
+                "silences this warning.", missing)
+            cfg.standalone = True
+            settings.peering.standalone = True
+        else:
+            await ensure_peering(kube, cfg.peering_name, cfg.namespaces)
     rec = Reconciler(kube)
     await rec.seed(cfg.namespaces or None)
     STATE.reconciler = rec
@@ -101,6 +111,14 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         metrics.serve(cfg.metrics_port)
     log.info("pdd-operator started: namespaces=%s priority=%s",
              cfg.namespaces or "all", cfg.priority)
+
+
+async def missing_peering_crd(kube: Kube, namespaces: list[str]) -> str | None:
+    """The peering CRD this mode needs when the API server does not serve it, else None."""
+    kind = "KopfPeering" if namespaces else "ClusterKopfPeering"
+    if await kube.serves(kind):
+        return None
+    return f"{KINDS[kind].plural}.kopf.dev"
 
 
 async def ensure_peering(kube: Kube, name: str, namespaces: list[str]) -> None:

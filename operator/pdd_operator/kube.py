@@ -49,6 +49,7 @@ KINDS: dict[str, Kind] = {
     "Namespace": Kind("/api/v1", "namespaces", namespaced=False),
     "Node": Kind("/api/v1", "nodes", namespaced=False),
     "Deployment": Kind("/apis/apps/v1", "deployments"),
+    "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
     KIND: Kind(f"/apis/{API_GROUP}/{API_VERSION}", PLURAL),
     "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings", namespaced=False),
     "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
@@ -58,16 +59,59 @@ KINDS: dict[str, Kind] = {
 }
 
 
+# Listed and watched as metadata only: the operator needs to know that its Secrets exist, never
+# what they hold, so key bytes never pass through its memory after creation.
+METADATA_ONLY = frozenset({"Secret"})
+_PARTIAL = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+_PARTIAL_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+
+
+def _as_kind(obj: Obj, kind: str, api_version: str) -> Obj:
+    """Stamp kind/apiVersion (metadata-only answers say PartialObjectMetadata)."""
+    if kind in METADATA_ONLY:
+        obj["kind"], obj["apiVersion"] = kind, api_version
+    else:
+        obj.setdefault("kind", kind)
+        obj.setdefault("apiVersion", api_version)
+    return obj
+
+
+def _api_version(kind: str) -> str:
+    return KINDS[kind].prefix.removeprefix("/api/").removeprefix("/apis/")
+
+
 class _WatchExpired(Exception):
     """410 Gone: the resourceVersion is too old; list again."""
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, body: Any) -> None:
+    def __init__(self, status: int, body: Any, method: str | None = None,
+                 path: str | None = None) -> None:
         self.status = status
         self.body = body
+        self.method = method
+        self.path = path
         message = body.get("message") if isinstance(body, dict) else str(body)
-        super().__init__(f"HTTP {status}: {message}")
+        where = f" {method} {path}" if method and path else ""
+        super().__init__(f"HTTP {status}{where}: {message}")
+
+    @property
+    def reason(self) -> str:
+        """The API's machine-readable reason (Forbidden, Invalid, AlreadyExists, ...)."""
+        return str(self.body.get("reason") or "") if isinstance(self.body, dict) else ""
+
+
+def parse_answer(status: int, method: str, path: str, text: str) -> Any:
+    """JSON of an API answer. Anything else (a proxy's HTML page, the API server's plain-text
+    `404 page not found` for a group that is not installed) is an ApiError naming the status,
+    method and path, never a JSONDecodeError from deep inside a pass."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        snippet = " ".join(text.split())[:200]
+        raise ApiError(status, f"non-JSON answer: {snippet!r}", method, path) from None
 
 
 class PriorityGate:
@@ -226,15 +270,17 @@ class Kube:
                   "labelSelector": selector}
         if rv is not None:
             params["resourceVersion"] = str(rv)
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": _PARTIAL if kind in METADATA_ONLY else "application/json"}
         token = self._auth() if self._auth else None
         if token:
             headers["Authorization"] = token
-        api_version = KINDS[kind].prefix.removeprefix("/api/").removeprefix("/apis/")
+        api_version = _api_version(kind)
         async with self._watch_session.get(self.host + path_of(kind, namespace),
                                            params=params, headers=headers) as resp:
             if resp.status >= 400:
-                raise ApiError(resp.status, await resp.text())
+                where = path_of(kind, namespace)
+                body = parse_answer(resp.status, "GET", where, await resp.text())
+                raise ApiError(resp.status, body, "GET", where)
             async for line in resp.content:
                 if not line.strip():
                     continue
@@ -250,24 +296,24 @@ class Kube:
                     rv = int(raw)
                 if etype == "BOOKMARK":
                     continue
-                obj.setdefault("kind", kind)
-                obj.setdefault("apiVersion", api_version)
-                handle(str(etype), obj)
+                handle(str(etype), _as_kind(obj, kind, api_version))
         return rv
 
     async def request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
                       body: Any = None, content_type: str = "application/json",
-                      retries: int = 5, priority: int = PRIORITY_OBJECT) -> Any:
+                      retries: int = 5, priority: int = PRIORITY_OBJECT,
+                      accept: str = "application/json") -> Any:
         await self.gate.acquire(priority)
         try:
             return await self._request(method, path, params=params, body=body,
-                                       content_type=content_type, retries=retries)
+                                       content_type=content_type, retries=retries,
+                                       accept=accept)
         finally:
             self.gate.release()
 
     async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None,
-                       body: Any, content_type: str, retries: int) -> Any:
-        headers = {"Accept": "application/json"}
+                       body: Any, content_type: str, retries: int, accept: str) -> Any:
+        headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
         token = self._auth() if self._auth else None
@@ -281,18 +327,24 @@ class Kube:
                 async with session.request(method, self.host + path, params=params,
                                            data=data, headers=headers) as resp:
                     text = await resp.text()
-                    payload = json.loads(text) if text else None
+                    try:
+                        payload = parse_answer(resp.status, method, path, text)
+                    except ApiError as bad:
+                        if resp.status < 400:
+                            raise
+                        payload = bad.body
                     if resp.status < 400:
                         if method != "GET":
                             self.writes += 1
                             self.fault.wrote()
                         return payload
-                    err = ApiError(resp.status, payload)
+                    err = ApiError(resp.status, payload, method, path)
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
-                err = ApiError(0, str(exc))
+                err = ApiError(0, str(exc), method, path)
             retryable = err.status in RETRY_STATUSES or err.status == 0
-            # A 409 on a precondition is an answer, not a transient: the caller re-reads.
-            if err.status == 409 and method == "DELETE":
+            # A 409 on a precondition or a create is an answer, not a transient: the caller
+            # re-reads.
+            if err.status == 409 and method in ("DELETE", "POST"):
                 retryable = False
             if not retryable or attempt == retries:
                 raise err
@@ -300,13 +352,31 @@ class Kube:
             delay = min(delay * 2, 2.0)
         raise AssertionError("unreachable")
 
-    async def get(self, kind: str, namespace: str | None, name: str) -> Obj | None:
+    async def get(self, kind: str, namespace: str | None, name: str, *,
+                  metadata_only: bool = False) -> Obj | None:
         try:
-            return await self.request("GET", path_of(kind, namespace, name))  # type: ignore[no-any-return]
+            out = await self.request("GET", path_of(kind, namespace, name),
+                                     accept=_PARTIAL if metadata_only else "application/json")
+            if metadata_only and out is not None:
+                out = _as_kind(out, kind, _api_version(kind)) if kind in METADATA_ONLY else {
+                    **out, "kind": kind, "apiVersion": _api_version(kind)}
+            return out  # type: ignore[no-any-return]
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
+
+    async def serves(self, kind: str) -> bool:
+        """Whether the API server serves `kind` (its group is installed and lists it): the
+        discovery document every client may read, no RBAC on CRDs needed."""
+        k = KINDS[kind]
+        try:
+            doc = await self.request("GET", k.prefix, retries=2)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == k.plural for r in (doc or {}).get("resources") or [])
 
     async def list_objects(self, kind: str, namespace: str | None = None,
                    selector: str | None = None) -> list[Obj]:
@@ -316,19 +386,22 @@ class Kube:
                       selector: str | None = None) -> tuple[list[Obj], int | None]:
         """Items and the list's resourceVersion (the snapshot they describe)."""
         params = {"labelSelector": selector} if selector else None
-        out = await self.request("GET", path_of(kind, namespace), params=params)
+        out = await self.request("GET", path_of(kind, namespace), params=params,
+                                 accept=_PARTIAL_LIST if kind in METADATA_ONLY
+                                 else "application/json")
         items: list[Obj] = out.get("items", [])
-        api_version = out.get("apiVersion", "v1")
+        api_version = _api_version(kind)
         for item in items:
-            item.setdefault("kind", kind)
-            item.setdefault("apiVersion", api_version)
+            _as_kind(item, kind, api_version)
         raw_rv = (out.get("metadata") or {}).get("resourceVersion")
         return items, int(raw_rv) if raw_rv and str(raw_rv).isdigit() else None
 
     async def create(self, obj: Obj) -> Obj:
         meta = obj["metadata"]
         out: Obj = await self.request("POST", path_of(obj["kind"], meta.get("namespace")),
-                                      body=obj, retries=2)
+                                      params={"fieldManager": keys.FIELD_MANAGER}, body=obj,
+                                      retries=2, priority=PRIORITY_POD if obj["kind"] == "Pod"
+                                      else PRIORITY_OBJECT)
         return out
 
     async def apply(self, obj: Obj) -> Obj:
