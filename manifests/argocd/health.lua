@@ -1,7 +1,10 @@
 -- Argo CD health check for serving.pdd.dev/PDDeployment.
 -- Healthy:     Ready=True for the current generation.
--- Degraded:    Validated=False, or a role unavailable for a reason that waiting will not fix
---              (a pod the scheduler cannot place, a crash loop, an image that cannot be pulled).
+-- Degraded:    Validated=False; Stalled=True (kstatus: the operator cannot write an object
+--              and retrying will not help, e.g. a ResourceQuota or PodSecurity refusal, or one
+--              of its names held by an object it does not own); or a role unavailable for a
+--              reason that waiting will not fix (a pod the scheduler cannot place, a crash
+--              loop, an image that cannot be pulled).
 -- Progressing: anything else (the operator has not seen this generation yet, pods starting,
 --              a controlled roll replacing pods).
 local hs = {}
@@ -38,6 +41,13 @@ local validated = condition("Validated")
 if validated ~= nil and validated.status == "False" then
   hs.status = "Degraded"
   hs.message = validated.message
+  return hs
+end
+
+local stalled = condition("Stalled")
+if stalled ~= nil and stalled.status == "True" then
+  hs.status = "Degraded"
+  hs.message = stalled.message
   return hs
 end
 

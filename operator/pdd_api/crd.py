@@ -131,7 +131,13 @@ def crd() -> dict[str, Any]:
                     "name": API_VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # The scale subresource drives decode replicas (kubectl scale, HPA, KEDA):
+                    # decode is what grows with concurrent sequences; prefill scales by patch.
+                    "subresources": {"status": {}, "scale": {
+                        "specReplicasPath": ".spec.decode.replicas",
+                        "statusReplicasPath": ".status.decode.replicas",
+                        "labelSelectorPath": ".status.decode.selector",
+                    }},
                     "additionalPrinterColumns": columns,
                     "schema": {
                         "openAPIV3Schema": {

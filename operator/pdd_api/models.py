@@ -152,6 +152,15 @@ class RolloutSpec(_Strict):
     )
 
 
+class NetworkPolicySpec(_Strict):
+    enabled: bool = Field(
+        default=True,
+        description="Render NetworkPolicies: prefill and decode pods accept traffic (HTTP, side "
+        "channel, NIXL) only from pods of this PDDeployment; the router accepts client traffic "
+        "on its HTTP port from anywhere. Needs a network plugin that enforces NetworkPolicy.",
+    )
+
+
 class PDDeploymentSpec(_Strict):
     model: ModelSpec = Field(description="What the sidecars serve.")
     image: str = Field(description="Sidecar image (runs the prefill, decode and router roles).")
@@ -167,6 +176,11 @@ class PDDeploymentSpec(_Strict):
     router: RouterSpec = Field(default_factory=RouterSpec, description="The request router.")
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec, description="How pods are replaced when the spec changes."
+    )
+    networkPolicy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="Ingress isolation of the pods (NetworkPolicy objects owned by this "
+        "PDDeployment).",
     )
 
 
@@ -192,6 +206,9 @@ class RoleStatus(BaseModel):
     replicas: int = Field(default=0, description="Pods that exist for the role.")
     readyReplicas: int = Field(default=0, description="Pods that are Ready.")
     updatedReplicas: int = Field(default=0, description="Pods running the current spec.")
+    selector: str | None = Field(
+        default=None, description="Label selector of the role's pods (the scale subresource's "
+        "selector for decode, as an HPA reads it).")
 
 
 class PDDeploymentStatus(BaseModel):

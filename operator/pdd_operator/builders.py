@@ -7,6 +7,7 @@ these dicts with what the cluster holds and acts on the difference, never on rem
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ Obj = dict[str, Any]
 SIDECAR_SERVE = ["python", "-m", "pdd_sidecar", "serve"]
 SIDECAR_ROUTER = ["python", "-m", "pdd_sidecar", "router"]
 ROUTING_VOLUME = "routing"
+GRANT_VOLUME = "grant-key"
 # Model loading can take minutes: the startup probe gives it 20 min before liveness applies.
 STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 120
 
@@ -38,7 +40,7 @@ CONTRACT_ENV = frozenset(
         keys.ENV_ROLE, keys.ENV_REPLICA, keys.ENV_TP_SIZE, keys.ENV_DCP_SIZE,
         keys.ENV_BLOCK_SIZE, keys.ENV_ROUTING_FILE, keys.ENV_SIDE_CHANNEL_PORT, keys.ENV_POD_IP,
         keys.ENV_HTTP_PORT, keys.ENV_MODEL_NAME, keys.ENV_MODEL_SOURCE, keys.ENV_DTYPE,
-        keys.ENV_POD_NAME, keys.ENV_NAMESPACE,
+        keys.ENV_POD_NAME, keys.ENV_NAMESPACE, keys.ENV_GRANT_KEY_FILE,
     }
 )
 
@@ -70,12 +72,13 @@ class Desired:
     pods: dict[Role, dict[int, Obj]]
     router_deployment: Obj | None = None
     router_service: Obj | None = None
+    network_policies: list[Obj] = field(default_factory=list)
     extra: list[Obj] = field(default_factory=list)
 
     def owned_non_pods(self) -> list[Obj]:
         objs = [self.configmap, *self.services]
         objs += [o for o in (self.router_deployment, self.router_service) if o is not None]
-        return objs
+        return objs + self.network_policies
 
 
 def plan_of(spec: PDDeploymentSpec) -> RoutingPlan:
@@ -118,6 +121,15 @@ def configmap_name(name: str) -> str:
     return f"{name}-routing"
 
 
+def grant_secret_name(name: str) -> str:
+    return f"{name}{keys.GRANT_KEY_SECRET_SUFFIX}"
+
+
+def network_policy_names(name: str) -> tuple[str, str]:
+    """(prefill and decode pods, router pods)."""
+    return f"{name}-dataplane", f"{name}-router"
+
+
 def service_name(name: str, role: str) -> str:
     return f"{name}-{role}"
 
@@ -142,6 +154,64 @@ def build_configmap(owner: Owner, plan: RoutingPlan) -> Obj:
         "metadata": _meta(owner, configmap_name(owner.name), labels(owner)),
         "data": {keys.ROUTING_CONFIGMAP_KEY: plan.to_json()},
     }
+
+
+def build_grant_secret(owner: Owner, key: bytes) -> Obj:
+    """The transfer-grant HMAC key. Random, so it is not part of the desired state the
+    builders compute: the reconciler creates it once (immutable, never rotated) and then only
+    checks that it exists."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(owner, grant_secret_name(owner.name), labels(owner)),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {keys.GRANT_KEY_FILE_NAME: base64.b64encode(key).decode()},
+    }
+
+
+def _grant_volume(owner: Owner) -> Obj:
+    return {"name": GRANT_VOLUME, "secret": {"secretName": grant_secret_name(owner.name)}}
+
+
+def _grant_mount() -> Obj:
+    return {"name": GRANT_VOLUME, "mountPath": keys.GRANT_MOUNT_DIR, "readOnly": True}
+
+
+def build_network_policies(owner: Owner, spec: PDDeploymentSpec) -> list[Obj]:
+    """Ingress only. Prefill and decode pods take any TCP port (HTTP, the side channel and
+    the UCX ports NIXL picks at run time) from pods of the same PDDeployment, the router
+    included; the router takes its HTTP port from anywhere."""
+    if not spec.networkPolicy.enabled:
+        return []
+    workers, router = network_policy_names(owner.name)
+    instance = {keys.LABEL_NAME: keys.APP_NAME, keys.LABEL_INSTANCE: owner.name}
+    dataplane: Obj = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, workers, labels(owner)),
+        "spec": {
+            "podSelector": {
+                "matchLabels": dict(instance),
+                "matchExpressions": [{"key": keys.LABEL_COMPONENT, "operator": "In",
+                                      "values": ["prefill", "decode"]}],
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": dict(instance)}}],
+                         "ports": [{"protocol": "TCP"}]}],
+        },
+    }
+    front: Obj = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, router, labels(owner, keys.COMPONENT_ROUTER)),
+        "spec": {
+            "podSelector": {"matchLabels": selector(owner, keys.COMPONENT_ROUTER)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"protocol": "TCP", "port": keys.HTTP_PORT}]}],
+        },
+    }
+    return [dataplane, front]
 
 
 def build_service(owner: Owner, role: Role, role_spec: RoleSpec, side_port: int) -> Obj:
@@ -204,6 +274,7 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int) -> list[Obj]:
     ]
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
+    env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))
     env += [
         _field_env(keys.ENV_POD_IP, "status.podIP"),
         _field_env(keys.ENV_POD_NAME, "metadata.name"),
@@ -242,7 +313,8 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         ],
         "resources": role_resources(r),
         "volumeMounts": [
-            {"name": ROUTING_VOLUME, "mountPath": keys.ROUTING_MOUNT_DIR, "readOnly": True}
+            {"name": ROUTING_VOLUME, "mountPath": keys.ROUTING_MOUNT_DIR, "readOnly": True},
+            _grant_mount(),
         ],
         "startupProbe": _probe("/healthz", STARTUP_PERIOD_S, STARTUP_FAILURES),
         "livenessProbe": _probe("/healthz", 10, 3),
@@ -259,7 +331,8 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "terminationGracePeriodSeconds": 30,
         "containers": [container],
         "volumes": [
-            {"name": ROUTING_VOLUME, "configMap": {"name": configmap_name(owner.name)}}
+            {"name": ROUTING_VOLUME, "configMap": {"name": configmap_name(owner.name)}},
+            _grant_volume(owner),
         ],
     }
     if r.nodeSelector:
@@ -295,6 +368,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
              ",".join(pod_url(owner, "decode", i) for i in range(spec.decode.replicas))),
         _env(keys.ENV_PREFILL_SERVICE, service_dns(owner, "prefill")),
         _env(keys.ENV_DECODE_SERVICE, service_dns(owner, "decode")),
+        _env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE),
         _field_env(keys.ENV_POD_IP, "status.podIP"),
     ]
     container: Obj = {
@@ -303,6 +377,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         "command": SIDECAR_ROUTER,
         "env": env,
         "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}],
+        "volumeMounts": [_grant_mount()],
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", 5, 3),
     }
@@ -324,6 +399,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "containers": [container],
+                    "volumes": [_grant_volume(owner)],
                 },
             },
         },
@@ -361,6 +437,7 @@ def build(owner: Owner, spec: PDDeploymentSpec) -> Desired:
     )
     if spec.router.enabled:
         desired.router_deployment, desired.router_service = build_router(owner, spec)
+    desired.network_policies = build_network_policies(owner, spec)
     return desired
 
 

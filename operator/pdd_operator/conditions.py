@@ -17,11 +17,32 @@ from pdd_api.plan import RoutingPlan
 from pdd_operator.rollout import SEVERITY, RolePlan, effective_max_unavailable
 
 VALIDATED, ROUTING_READY, READY = "Validated", "RoutingReady", "Ready"
+# kstatus: an abnormal-true condition, present (True) only while the operator cannot make
+# progress without a change from someone (a quota, a PodSecurity level, a name held by another
+# object, an invalid spec); kstatus-based tools (Flux, kpt, cli-utils) then report Failed.
+STALLED = "Stalled"
 AVAILABLE = {"prefill": "PrefillAvailable", "decode": "DecodeAvailable"}
 CONDITION_TYPES = (VALIDATED, ROUTING_READY, AVAILABLE["prefill"], AVAILABLE["decode"], READY)
 # Reasons the Argo CD health check calls Degraded: they do not resolve by waiting.
 STUCK_REASONS = ("Unschedulable", "CrashLooping", "ImagePullFailed", "ContainerCreateFailed",
                  "PodFailed", "InvalidSpec")
+RECONCILE_ERROR, NAME_CONFLICT = "ReconcileError", "NameConflict"
+# API answers that waiting (and the operator's retries) may fix; anything else needs a person.
+TRANSIENT_STATUSES = frozenset({0, 409, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class ObjectError:
+    """One object the pass could not write: `ref` like `Pod ns/name`, the API's status and
+    message."""
+
+    ref: str
+    status: int
+    message: str
+
+    @property
+    def transient(self) -> bool:
+        return self.status in TRANSIENT_STATUSES
 MAX_PROBLEMS = 3
 
 
@@ -133,9 +154,10 @@ def compute_status(
         by_type[READY] = cond(READY, False, "InvalidSpec",
                             f"generation {generation} is invalid, existing objects are left "
                             f"unchanged: {msg}")
+        by_type[STALLED] = cond(STALLED, True, "InvalidSpec", msg)
         out = dict(previous or {})
         out["observedGeneration"] = generation
-        out["conditions"] = [by_type[t] for t in CONDITION_TYPES if t in by_type]
+        out["conditions"] = [by_type[t] for t in (*CONDITION_TYPES, STALLED) if t in by_type]
         return out
 
     assert plan is not None
@@ -189,6 +211,33 @@ def compute_status(
         "routingCase": plan.case,
         "routingSummary": summary,
     }
+
+
+def with_errors(status: dict[str, Any], *, errors: Sequence[ObjectError],
+                conflicts: Sequence[str], generation: int,
+                previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+    """A pass that could not write some objects still reports: Ready=False with the API's own
+    words (reason NameConflict when one of our names is held by an object we do not control,
+    else ReconcileError), and Stalled=True unless every error is one that retries may fix."""
+    if not errors and not conflicts:
+        return status
+    prev = _previous(previous)
+    parts = [f"{ref} exists and is not controlled by this PDDeployment: left alone "
+             "(delete or rename it)" for ref in conflicts]
+    parts += [f"{e.ref}: {e.message}" for e in errors]
+    shown = parts[:MAX_PROBLEMS] + (
+        [f"and {len(parts) - MAX_PROBLEMS} more"] if len(parts) > MAX_PROBLEMS else [])
+    message = "; ".join(shown)
+    reason = NAME_CONFLICT if conflicts else RECONCILE_ERROR
+    out = dict(status)
+    conds = [c for c in status.get("conditions") or [] if c["type"] not in (READY, STALLED)]
+    conds.append(condition(READY, False, reason, message, generation, prev.get(READY), now))
+    if conflicts or any(not e.transient for e in errors):
+        stalled_reason = NAME_CONFLICT if conflicts else RECONCILE_ERROR
+        conds.append(condition(STALLED, True, stalled_reason, message, generation,
+                               prev.get(STALLED), now))
+    out["conditions"] = conds
+    return out
 
 
 def _role_status(rp: RolePlan) -> dict[str, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,22 +21,34 @@ from pdd_api import keys
 from pdd_api.models import KIND, PDDeploymentSpec
 from pdd_api.validation import validate_name, validate_spec
 from pdd_operator import metrics
-from pdd_operator.builders import Desired, Obj, Owner, build
+from pdd_operator.builders import (
+    Desired,
+    Obj,
+    Owner,
+    build,
+    build_grant_secret,
+    grant_secret_name,
+    network_policy_names,
+    selector,
+)
 from pdd_operator.conditions import (
     AVAILABLE,
+    NAME_CONFLICT,
     READY,
     STUCK_REASONS,
     VALIDATED,
+    ObjectError,
     compute_status,
     router_state,
+    with_errors,
 )
 from pdd_operator.kube import ApiError, Kube, now_rfc3339
-from pdd_operator.rollout import Delete, RolePlan, needs_apply, plan_role
+from pdd_operator.rollout import Delete, RolePlan, foreign, needs_apply, plan_role
 from pdd_operator.store import Store
 
 log = logging.getLogger("pdd_operator")
 Key = tuple[str, str]
-CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Deployment")
+CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Deployment", "Secret", "NetworkPolicy")
 MANAGED_SELECTOR = f"{keys.LABEL_MANAGED_BY}={keys.MANAGED_BY}"
 
 
@@ -54,12 +67,36 @@ class Outcome:
     created: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
     restored: list[str] = field(default_factory=list)
+    errors: list[ObjectError] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
     status: dict[str, Any] | None = None
+
+
+class PassErrors(Exception):
+    """Some objects could not be written; status says which. Raised after the status write so
+    the pass is retried with backoff."""
 
 
 def _ref(obj: Obj) -> str:
     return f"{obj['kind']} {obj['metadata']['name']}"
+
+
+def _full_ref(kind: str, namespace: str, name: str) -> str:
+    return f"{kind} {namespace}/{name}"
+
+
+def _api_message(exc: ApiError) -> str:
+    body = exc.body
+    if isinstance(body, dict) and body.get("message"):
+        return str(body["message"])
+    return str(exc)
+
+
+def _metadata(obj: Obj) -> Obj:
+    """What the store keeps of a Secret: never its data."""
+    return {k: obj[k] for k in ("apiVersion", "kind", "metadata") if k in obj}
 
 
 class Reconciler:
@@ -241,12 +278,14 @@ class Reconciler:
                 if (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT) == role
             ]
             roles[role] = plan_role(desired.pods[role], observed, owner.uid,
-                                    spec.rollout.maxUnavailable)
+                                    spec.rollout.maxUnavailable, owner.name)
         # One wave of writes: a pod created before its ConfigMap just waits for the volume
         # (the kubelet retries the mount), so nothing here needs ordering; latency is one
         # round trip instead of three.
-        await asyncio.gather(*(self._act_on_pods(ns, roles[r], outcome) for r in roles),
-                             self._apply_others(owner, desired, outcome))
+        await asyncio.gather(*(self._act_on_pods(owner, roles[r], outcome) for r in roles),
+                             self._apply_others(owner, desired, outcome),
+                             self._guard(_full_ref("Secret", ns, grant_secret_name(name)),
+                                         self._ensure_grant_key(owner, outcome), outcome))
 
         cm = self.store.get("ConfigMap", ns, desired.configmap["metadata"]["name"])
         published = cm is not None and cm.get("data") == desired.configmap["data"]
@@ -258,9 +297,19 @@ class Reconciler:
             router=router_state(spec.router.enabled, desired.router_deployment, router_obs),
             previous=body.get("status"), now=now_rfc3339(),
         )
+        for role in ("prefill", "decode"):
+            status[role]["selector"] = ",".join(
+                f"{k}={v}" for k, v in selector(owner, role).items())
+        conflicts = outcome.conflicts + [
+            _full_ref("Pod", ns, n) for r in ("prefill", "decode") for n in roles[r].conflicts]
+        status = with_errors(status, errors=outcome.errors, conflicts=conflicts,
+                             generation=generation, previous=body.get("status"),
+                             now=now_rfc3339())
         self._events(body, outcome)
         await self._write_status(body, status)
         outcome.status = status
+        if outcome.errors:
+            raise PassErrors("; ".join(f"{e.ref}: {e.message}" for e in outcome.errors))
         return outcome
 
     def _desired_for(self, owner: Owner, generation: int, raw_spec: Any) -> tuple[
@@ -286,20 +335,85 @@ class Reconciler:
         self.store.upsert(obj["kind"], out)
         return out
 
+    async def _guard(self, ref: str, action: Awaitable[Any], outcome: Outcome) -> None:
+        """One object's failure is recorded for status, never aborts the rest of the pass."""
+        try:
+            await action
+        except ApiError as exc:
+            outcome.errors.append(ObjectError(ref, exc.status, _api_message(exc)))
+
+    def _foreign(self, obj: Obj, owner: Owner) -> bool:
+        return foreign(obj, owner.uid, owner.name, KIND)
+
+    async def _held_by_another(self, kind: str, owner: Owner, name: str,
+                               outcome: Outcome) -> bool:
+        """Before our first write of a name: an object the store does not know (it lacks our
+        labels) may hold it. Server-side apply with force would take it over, and garbage
+        collection would delete it with the PDDeployment."""
+        existing = await self.kube.get(kind, owner.namespace, name, metadata_only=True)
+        if existing is not None and self._foreign(existing, owner):
+            outcome.conflicts.append(_full_ref(kind, owner.namespace, name))
+            return True
+        return False
+
     async def _apply_others(self, owner: Owner, desired: Desired, outcome: Outcome) -> None:
         async def one(obj: Obj) -> None:
-            have = self.store.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
-            if needs_apply(obj, have):
-                await self._apply(obj)
-                metrics.ACTIONS.labels(obj["kind"], "apply").inc()
-                (outcome.created if have is None else outcome.restored).append(_ref(obj))
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            have = self.store.get(kind, owner.namespace, name)
+            if have is not None and self._foreign(have, owner):
+                outcome.conflicts.append(_full_ref(kind, owner.namespace, name))
+                return
+            if not needs_apply(obj, have):
+                return
+            if have is None and await self._held_by_another(kind, owner, name, outcome):
+                return
+            await self._apply(obj)
+            metrics.ACTIONS.labels(kind, "apply").inc()
+            (outcome.created if have is None else outcome.restored).append(_ref(obj))
 
-        await asyncio.gather(*(one(o) for o in desired.owned_non_pods()))
+        await asyncio.gather(*(
+            self._guard(_full_ref(o["kind"], owner.namespace, o["metadata"]["name"]), one(o),
+                        outcome)
+            for o in desired.owned_non_pods()))
+        unwanted: list[tuple[str, str]] = []
         if desired.router_deployment is None:
-            for kind in ("Deployment", "Service"):
-                have = self.store.get(kind, owner.namespace, owner.name)
-                if have is not None and _owned_by(have, owner.uid):
-                    await self._delete(kind, have, outcome.deleted)
+            unwanted += [("Deployment", owner.name), ("Service", owner.name)]
+        if not desired.network_policies:
+            unwanted += [("NetworkPolicy", n) for n in network_policy_names(owner.name)]
+        for kind, name in unwanted:
+            have = self.store.get(kind, owner.namespace, name)
+            if have is not None and _owned_by(have, owner.uid):
+                await self._guard(_full_ref(kind, owner.namespace, name),
+                                  self._delete(kind, have, outcome.deleted), outcome)
+
+    async def _ensure_grant_key(self, owner: Owner, outcome: Outcome) -> None:
+        """The transfer-grant key: created once with 32 random bytes, never rewritten (the
+        Secret is immutable), never read back (the store keeps its metadata only)."""
+        name = grant_secret_name(owner.name)
+        ref = _full_ref("Secret", owner.namespace, name)
+        have = self.store.get("Secret", owner.namespace, name)
+        if have is None:
+            have = await self.kube.get("Secret", owner.namespace, name, metadata_only=True)
+            if have is None:
+                try:
+                    out = await self.kube.create(build_grant_secret(owner,
+                                                                    secrets.token_bytes(32)))
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise
+                    have = await self.kube.get("Secret", owner.namespace, name,
+                                               metadata_only=True)
+                    if have is None:
+                        raise
+                else:
+                    self.store.upsert("Secret", _metadata(out))
+                    metrics.ACTIONS.labels("Secret", "create").inc()
+                    outcome.created.append(f"Secret {name}")
+                    return
+        if self._foreign(have, owner):
+            outcome.conflicts.append(ref)
+        elif (have.get("metadata", {}).get("labels") or {}).get(keys.LABEL_MANAGED_BY):
+            self.store.upsert("Secret", _metadata(have))
 
     async def _delete(self, kind: str, obj: Obj, into: list[str]) -> None:
         meta = obj["metadata"]
@@ -324,9 +438,22 @@ class Reconciler:
             self.store.remove(kind, out if out and out.get("kind") == kind else obj)
         into.append(f"{kind} {meta['name']}")
 
-    async def _act_on_pods(self, namespace: str, rp: RolePlan, outcome: Outcome) -> None:
+    async def _act_on_pods(self, owner: Owner, rp: RolePlan, outcome: Outcome) -> None:
+        namespace = owner.namespace
+
         async def create(pod: Obj) -> None:
-            await self._apply(pod)
+            """POST, not apply: a pod of that name we do not know (no labels of ours) answers
+            409 instead of being taken over."""
+            name = pod["metadata"]["name"]
+            try:
+                out = await self.kube.create(pod)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                if await self._held_by_another("Pod", owner, name, outcome):
+                    return
+                out = await self.kube.apply(pod)
+            self.store.upsert("Pod", out)
             metrics.ACTIONS.labels("Pod", "create").inc()
             outcome.created.append(_ref(pod))
 
@@ -346,11 +473,17 @@ class Reconciler:
         async def delete(d: Delete) -> None:
             have = self.store.get("Pod", namespace, d.name) or {
                 "metadata": {"name": d.name, "uid": d.uid, "namespace": namespace}}
-            await self._delete("Pod", have, outcome.replaced if d.reason == "Replace"
-                               else outcome.deleted)
+            into = {"Replace": outcome.replaced, "Ended": outcome.ended}.get(
+                d.reason, outcome.deleted)
+            await self._delete("Pod", have, into)
 
-        await asyncio.gather(*(create(p) for p in rp.create), *(restore(p) for p in rp.restore),
-                             *(delete(d) for d in rp.delete))
+        def ref(name: str) -> str:
+            return _full_ref("Pod", namespace, name)
+
+        await asyncio.gather(
+            *(self._guard(ref(p["metadata"]["name"]), create(p), outcome) for p in rp.create),
+            *(self._guard(ref(p["metadata"]["name"]), restore(p), outcome) for p in rp.restore),
+            *(self._guard(ref(d.name), delete(d), outcome) for d in rp.delete))
 
     def _events(self, body: Obj, outcome: Outcome) -> None:
         posts = []
@@ -359,6 +492,9 @@ class Reconciler:
         if outcome.replaced:
             posts.append(("Normal", "Replacing", "Deleted to replace with the new spec: "
                           + ", ".join(outcome.replaced)))
+        if outcome.ended:
+            posts.append(("Warning", "ReplacingEnded", "Deleted to replace, the pod had ended "
+                          "(Failed or Succeeded): " + ", ".join(outcome.ended)))
         if outcome.deleted:
             posts.append(("Normal", "Deleted", "Deleted " + ", ".join(outcome.deleted)))
         if outcome.restored:
@@ -395,6 +531,8 @@ class Reconciler:
                 continue
             if c["type"] == VALIDATED and c["status"] == "False":
                 posts.append(("Warning", "InvalidSpec", c["message"]))
+            elif c["type"] == READY and c["reason"] == NAME_CONFLICT:
+                posts.append(("Warning", NAME_CONFLICT, c["message"]))
             elif c["type"] in AVAILABLE.values() and c["status"] == "False" and (
                 c["reason"] in STUCK_REASONS
             ):

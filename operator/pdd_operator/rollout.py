@@ -7,7 +7,12 @@ Policy (docs/operator.md):
   at most `rollout.maxUnavailable` indices of the role may be unavailable at a time, and a role
   of several replicas always keeps at least one pod (the effective budget is replicas - 1);
   outdated pods that are not Ready go first and cost nothing, since they serve nothing;
-- a pod whose hash matches but which drifted (a manual edit) is re-applied in place.
+- a pod whose hash matches but which drifted (a manual edit) is re-applied in place;
+- a pod that ended (phase Failed or Succeeded: evicted, its node shut down, the process exited
+  under restartPolicy Never) never serves again: it is deleted (uid precondition) and recreated
+  by the next pass. It is unavailable already, so this spends no rollout budget;
+- a pod with one of our names that is not ours (no controller reference to this PDDeployment or
+  to an earlier one of the same name) is never touched: its index is reported as a conflict.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pdd_operator.builders import Obj, is_subset
 
 SEVERITY = ("Unschedulable", "CrashLooping", "ImagePullFailed", "ContainerCreateFailed",
             "PodFailed", "PodPending", "NotReady")
+ENDED_PHASES = ("Failed", "Succeeded")
 _IMAGE_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 _CREATE_REASONS = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 
@@ -37,6 +43,12 @@ class PodInfo:
     owner_uid: str | None
     problem_reason: str | None = None
     problem: str | None = None
+    phase: str = "Pending"
+    owner_ref: tuple[str, str] | None = None  # (kind, name) of the controller
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED_PHASES and not self.terminating
 
 
 def _index(pod: Obj) -> int | None:
@@ -47,11 +59,27 @@ def _index(pod: Obj) -> int | None:
         return None
 
 
-def _controller_uid(pod: Obj) -> str | None:
+def _controller(pod: Obj) -> Obj | None:
     for ref in pod.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller"):
-            return str(ref.get("uid"))
+            return dict(ref)
     return None
+
+
+def _controller_uid(pod: Obj) -> str | None:
+    ref = _controller(pod)
+    return str(ref.get("uid")) if ref is not None else None
+
+
+def foreign(obj: Obj, owner_uid: str, owner_name: str, owner_kind: str) -> bool:
+    """Not ours to change: its controller is neither this PDDeployment nor an earlier one of
+    the same name (whose objects garbage collection is about to remove)."""
+    ref = _controller(obj)
+    if ref is None:
+        return True
+    if ref.get("uid") == owner_uid:
+        return False
+    return not (ref.get("kind") == owner_kind and ref.get("name") == owner_name)
 
 
 def _condition(pod: Obj, ctype: str) -> Obj | None:
@@ -90,8 +118,9 @@ def diagnose(pod: Obj) -> tuple[str | None, str | None]:
             return "ContainerCreateFailed", (
                 f"{name}: {wreason}: {waiting.get('message', '')}".rstrip()
             )
-    if phase == "Failed":
-        return "PodFailed", f"{name} Failed: {status.get('reason', '')} {status.get('message', '')}"
+    if phase in ENDED_PHASES:
+        why = " ".join(x for x in (status.get("reason"), status.get("message")) if x)
+        return "PodFailed", f"{name} {phase}" + (f": {why}" if why else "")
     if phase == "Pending":
         return "PodPending", f"{name} is Pending"
     ready = _condition(pod, "Ready")
@@ -106,6 +135,7 @@ def pod_info(pod: Obj) -> PodInfo:
     ready = bool(ready_c and ready_c.get("status") == "True")
     terminating = meta.get("deletionTimestamp") is not None
     reason, problem = (None, None) if ready or terminating else diagnose(pod)
+    ref = _controller(pod)
     return PodInfo(
         name=meta.get("name", ""),
         index=_index(pod),
@@ -116,6 +146,8 @@ def pod_info(pod: Obj) -> PodInfo:
         owner_uid=_controller_uid(pod),
         problem_reason=reason,
         problem=problem,
+        phase=str((pod.get("status") or {}).get("phase") or "Pending"),
+        owner_ref=(str(ref.get("kind")), str(ref.get("name"))) if ref is not None else None,
     )
 
 
@@ -123,7 +155,7 @@ def pod_info(pod: Obj) -> PodInfo:
 class Delete:
     name: str
     uid: str
-    reason: str  # ScaleDown | Replace | Orphan
+    reason: str  # ScaleDown | Replace | Ended
 
 
 @dataclass
@@ -139,6 +171,7 @@ class RolePlan:
     outdated: int = 0
     excess: int = 0
     waiting_on: list[PodInfo] = field(default_factory=list)  # indices < replicas not serving
+    conflicts: list[str] = field(default_factory=list)  # our pod names held by someone else
 
     @property
     def settled(self) -> bool:
@@ -150,14 +183,19 @@ def effective_max_unavailable(replicas: int, max_unavailable: int) -> int:
 
 
 def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
-              max_unavailable: int) -> RolePlan:
+              max_unavailable: int, owner_name: str | None = None) -> RolePlan:
     n = len(desired)
     plan = RolePlan()
     by_index: dict[int, tuple[PodInfo, Obj]] = {}
+    conflicted: set[int] = set()
     for pod in observed:
         info = pod_info(pod)
         want = desired.get(info.index) if info.index is not None else None
         if want is not None and info.name == want["metadata"]["name"]:
+            if owner_name is not None and _is_foreign(info, owner_uid, owner_name):
+                plan.conflicts.append(info.name)
+                conflicted.add(info.index)  # type: ignore[arg-type]
+                continue
             by_index[info.index] = (info, pod)  # type: ignore[index]
         elif info.owner_uid == owner_uid:
             if not info.terminating:
@@ -167,8 +205,12 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
 
     unavailable = 0
     outdated: list[PodInfo] = []
+    ended: list[PodInfo] = []
     for i in range(n):
         want = desired[i]
+        if i in conflicted:
+            unavailable += 1
+            continue
         if i not in by_index:
             plan.create.append(want)
             unavailable += 1
@@ -184,6 +226,9 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
         want_hash = want["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH]
         if info.terminating:
             continue
+        if info.ended:
+            ended.append(info)
+            continue
         if info.hash != want_hash or info.owner_uid != owner_uid:
             outdated.append(info)
         else:
@@ -191,6 +236,7 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
             if drifted(want, pod):
                 plan.restore.append(want)
     plan.outdated = len(outdated)
+    plan.delete += [Delete(info.name, info.uid, "Ended") for info in ended]
 
     budget = effective_max_unavailable(n, max_unavailable) - unavailable
     for info in sorted(outdated, key=lambda p: (p.ready, p.index)):
@@ -200,6 +246,12 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
             plan.delete.append(Delete(info.name, info.uid, "Replace"))
             budget -= 1
     return plan
+
+
+def _is_foreign(info: PodInfo, owner_uid: str, owner_name: str) -> bool:
+    if info.owner_uid == owner_uid:
+        return False
+    return info.owner_ref is None or info.owner_ref != ("PDDeployment", owner_name)
 
 
 _DRIFT: dict[tuple[int, str, str], tuple[Obj, bool]] = {}

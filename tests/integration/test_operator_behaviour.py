@@ -272,3 +272,29 @@ def test_delete_garbage_collects_everything(kube: Kubectl, operator: Operator,
         return [f"{o['kind']}/{o['metadata']['name']}" for o in out]
 
     wait_for("owned objects garbage-collected", lambda: leftovers() == [] or None, timeout=90)
+
+
+def test_kubectl_scale_changes_decode_pods(kube: Kubectl, operator: Operator,
+                                           op_namespace: str) -> None:
+    ns, name = op_namespace, "kscale"
+    kube.apply(make(name), "-n", ns)
+    wait_ready(kube, ns, name, operator)
+    kube("scale", f"pdd/{name}", "-n", ns, "--replicas=3")
+    obj = wait_ready(kube, ns, name, operator)
+    assert obj["spec"]["decode"]["replicas"] == 3
+    assert [p["metadata"]["name"] for p in pods_of(kube, ns, name, "decode")] == [
+        f"{name}-decode-{i}" for i in range(3)]
+    assert len(pods_of(kube, ns, name, "prefill")) == 1, "scale drives decode only"
+    scale = kube.json("get", "--raw",
+                      f"/apis/serving.pdd.dev/v1alpha1/namespaces/{ns}/pddeployments/{name}/scale")
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    sel = scale["status"]["selector"]
+    assert f"app.kubernetes.io/instance={name}" in sel
+    assert "app.kubernetes.io/component=decode" in sel
+    listed = kube.json("get", "pods", "-n", ns, "-l", sel)["items"]
+    assert sorted(p["metadata"]["name"] for p in listed) == [
+        f"{name}-decode-{i}" for i in range(3)]
+    kube("scale", f"pdd/{name}", "-n", ns, "--replicas=1")
+    wait_for("decode scaled back to 1", lambda: [
+        p["metadata"]["name"] for p in pods_of(kube, ns, name, "decode")] == [f"{name}-decode-0"])
+    delete_and_wait(kube, ns, name)

@@ -85,7 +85,10 @@ def test_apply_k_creates_the_operator(kube: Kubectl, applied: None) -> None:
     ("create", "pods", True), ("delete", "pods", True), ("patch", "services", True),
     ("create", "configmaps", True), ("create", "deployments.apps", True),
     ("patch", "pddeployments.serving.pdd.dev/status", True), ("create", "events", True),
-    ("delete", "pddeployments.serving.pdd.dev", False), ("get", "secrets", False),
+    ("delete", "pddeployments.serving.pdd.dev", False),
+    # grant-key Secrets: created once, listed as metadata only, never changed or deleted
+    ("create", "secrets", True), ("patch", "secrets", False), ("update", "secrets", False),
+    ("delete", "secrets", False), ("create", "networkpolicies.networking.k8s.io", True),
     ("create", "clusterroles.rbac.authorization.k8s.io", False), ("delete", "nodes", False),
     ("update", "pddeployments.serving.pdd.dev", False),
 ])

@@ -374,3 +374,94 @@ def test_priority_gate_lets_pods_pass_first() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["pod", "service", "status", "event"]
+
+
+# ----------------------------------------------------------------------------- issue 12/14
+
+
+def test_rollout_replaces_ended_pods_at_once(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 3)
+    obs = [observed(p) for p in pods.values()]
+    for i, phase in ((0, "Failed"), (1, "Succeeded")):
+        obs[i]["status"] = {"phase": phase, "reason": "Evicted", "message": "node low on memory"}
+    rp = plan_role(pods, obs, "uid-1", 1, "demo")
+    assert sorted((d.name, d.uid, d.reason) for d in rp.delete) == [
+        ("demo-decode-0", "pod-demo-decode-0", "Ended"),
+        ("demo-decode-1", "pod-demo-decode-1", "Ended")]
+    assert not rp.settled and rp.ready == 1
+    assert pod_info(obs[0]).problem == "demo-decode-0 Failed: Evicted node low on memory"
+    # once deleted (terminating), it is not deleted again, and afterwards recreated
+    obs[0]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert "demo-decode-0" not in [d.name for d in plan_role(pods, obs, "uid-1", 1).delete]
+    rp = plan_role(pods, obs[1:], "uid-1", 1, "demo")
+    assert [p["metadata"]["name"] for p in rp.create] == ["demo-decode-0"]
+
+
+def test_rollout_leaves_a_pod_with_our_name_but_not_ours_alone(doc: dict[str, Any]) -> None:
+    pods = role_pods(doc, 2)
+    theirs = observed(pods[0], hash_="old")
+    theirs["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                              "name": "x", "uid": "rs", "controller": True}]
+    orphan = observed(pods[1])
+    orphan["metadata"]["ownerReferences"] = []
+    rp = plan_role(pods, [theirs, orphan], "uid-1", 1, "demo")
+    assert rp.delete == [] and rp.create == [] and rp.restore == []
+    assert rp.conflicts == ["demo-decode-0", "demo-decode-1"]
+    # a pod of an earlier PDDeployment of the same name is ours to replace
+    one = role_pods(doc, 1)
+    earlier = observed(one[0])
+    earlier["metadata"]["ownerReferences"][0]["uid"] = "old-owner"
+    rp = plan_role(one, [earlier], "uid-1", 1, "demo")
+    assert rp.conflicts == [] and [d.reason for d in rp.delete] == ["Replace"]
+
+
+def test_grant_key_mounted_in_prefill_decode_and_router(doc: dict[str, Any]) -> None:
+    from pdd_operator.builders import build_grant_secret, grant_secret_name
+
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    pod_specs = [desired.pods[r][0]["spec"] for r in ("prefill", "decode")]
+    pod_specs.append(desired.router_deployment["spec"]["template"]["spec"])
+    for ps in pod_specs:
+        vols = {v["name"]: v for v in ps["volumes"]}
+        mounts = [m for m in ps["containers"][0]["volumeMounts"]
+                  if m["mountPath"] == keys.GRANT_MOUNT_DIR]
+        assert len(mounts) == 1 and mounts[0]["readOnly"] is True
+        assert vols[mounts[0]["name"]]["secret"]["secretName"] == "demo-grant-key"
+        env = {e["name"]: e.get("value") for e in ps["containers"][0]["env"]}
+        assert env[keys.ENV_GRANT_KEY_FILE] == "/etc/pdd-grant/grant.key"
+    secret = build_grant_secret(OWNER, b"k" * 32)
+    assert secret["metadata"]["name"] == grant_secret_name("demo") == "demo-grant-key"
+    assert secret["type"] == "Opaque" and secret["immutable"] is True
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    import base64
+    assert base64.b64decode(secret["data"]["grant.key"]) == b"k" * 32
+
+
+def test_network_policies_isolate_dataplane_and_open_router(doc: dict[str, Any]) -> None:
+    desired = build(OWNER, spec_of(doc))
+    by_name = {p["metadata"]["name"]: p for p in desired.network_policies}
+    assert set(by_name) == {"demo-dataplane", "demo-router"}
+    assert all(p in desired.owned_non_pods() for p in by_name.values())
+    dp = by_name["demo-dataplane"]["spec"]
+    sel = dp["podSelector"]
+    assert sel["matchLabels"] == {keys.LABEL_NAME: "pdd", keys.LABEL_INSTANCE: "demo"}
+    assert sel["matchExpressions"] == [{"key": keys.LABEL_COMPONENT, "operator": "In",
+                                        "values": ["prefill", "decode"]}]
+    assert dp["policyTypes"] == ["Ingress"]
+    [rule] = dp["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": sel["matchLabels"]}}]
+    assert rule["ports"] == [{"protocol": "TCP"}], "any TCP port: UCX picks its ports"
+    # every pod of this instance (router included) matches the `from`, the pods match the target
+    for role in ("prefill", "decode"):
+        lbls = desired.pods[role][0]["metadata"]["labels"]
+        assert is_subset(sel["matchLabels"], lbls) and lbls[keys.LABEL_COMPONENT] in (
+            "prefill", "decode")
+    assert desired.router_deployment is not None
+    router_lbls = desired.router_deployment["spec"]["template"]["metadata"]["labels"]
+    assert is_subset(rule["from"][0]["podSelector"]["matchLabels"], router_lbls)
+    rt = by_name["demo-router"]["spec"]
+    assert is_subset(rt["podSelector"]["matchLabels"], router_lbls)
+    assert rt["ingress"] == [{"ports": [{"protocol": "TCP", "port": keys.HTTP_PORT}]}]
+    doc["spec"]["networkPolicy"] = {"enabled": False}
+    assert build(OWNER, spec_of(doc)).network_policies == []

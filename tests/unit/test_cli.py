@@ -145,7 +145,10 @@ def test_crd_schema_is_structural_and_explains() -> None:
     assert prefill["properties"]["decodeContextParallelSize"]["default"] == 1
     assert spec["properties"]["blockSize"]["default"] == 64
     assert crd["spec"]["names"]["shortNames"] == ["pdd"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.decode.replicas",
+        "statusReplicasPath": ".status.decode.replicas",
+        "labelSelectorPath": ".status.decode.selector"}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
     assert cols == ["P-TP", "P-DCP", "D-TP", "D-DCP", "Case", "Ready", "Age"]
     messages = [r["messageExpression"] for r in spec["x-kubernetes-validations"]]

@@ -178,3 +178,36 @@ def test_peering_pause_follows_kopf_rules() -> None:
     assert paused({"me": me, "c": {"priority": 10, "lifetime": 60, "lastseen": fresh}}, 10, now)
     assert not paused({"me": me, "d": {"priority": 5, "lifetime": 60, "lastseen": fresh}}, 10,
                       now)
+
+
+def test_object_errors_and_conflicts_make_ready_false_and_stalled(doc: dict[str, Any]) -> None:
+    from pdd_operator.conditions import ObjectError, with_errors
+
+    base = status_for(doc, {"prefill": ["ready"], "decode": ["ready", "ready"]})
+    assert conds(base)["Ready"]["status"] == "True" and "Stalled" not in conds(base)
+    quota = ObjectError("Pod ns1/demo-decode-1", 403,
+                        'pods "demo-decode-1" is forbidden: exceeded quota: gpus')
+    st = conds(with_errors(base, errors=[quota], conflicts=[], generation=1, previous=base,
+                           now=T1))
+    assert st["Ready"]["status"] == "False" and st["Ready"]["reason"] == "ReconcileError"
+    assert "exceeded quota: gpus" in st["Ready"]["message"]
+    assert "Pod ns1/demo-decode-1" in st["Ready"]["message"]
+    assert st["Stalled"]["status"] == "True" and st["Stalled"]["reason"] == "ReconcileError"
+    transient = ObjectError("Pod ns1/demo-decode-1", 503, "etcdserver: leader changed")
+    st = conds(with_errors(base, errors=[transient], conflicts=[], generation=1, previous=base,
+                           now=T1))
+    assert st["Ready"]["reason"] == "ReconcileError" and "Stalled" not in st
+    st = conds(with_errors(base, errors=[transient], conflicts=["Service ns1/demo"],
+                           generation=1, previous=base, now=T1))
+    assert st["Ready"]["reason"] == "NameConflict" and st["Stalled"]["reason"] == "NameConflict"
+    assert st["Ready"]["message"].startswith("Service ns1/demo exists and is not controlled")
+    assert with_errors(base, errors=[], conflicts=[], generation=1, previous=base,
+                       now=T1) is base
+
+
+def test_invalid_spec_is_stalled(doc: dict[str, Any]) -> None:
+    st = compute_status(generation=2, problems=["spec.x: bad"], plan=None,
+                        routing_published=False, roles={}, wanted={}, max_unavailable=1,
+                        router=RouterState(enabled=False), previous=None, now=T0)
+    assert conds(st)["Stalled"]["status"] == "True"
+    assert conds(st)["Stalled"]["reason"] == "InvalidSpec"
