@@ -92,6 +92,63 @@ class EnvVar(_Strict):
     )
 
 
+# Fields of a pod and of its main container that the operator sets and a template may not
+# override (a CEL rule and rules.py refuse them with a message); declared in the otherwise
+# free-form overlay schema so CEL can see them.
+OWNED_POD_FIELDS = ("hostname", "subdomain", "restartPolicy")
+OWNED_CONTAINER_FIELDS = ("image", "command", "ports")
+OWNED_LABEL_PREFIXES = ("app.kubernetes.io/", f"{API_GROUP}/")
+MAX_TEMPLATE_CONTAINERS = 16
+POD_SPEC_OVERLAY: JsonDict = {
+    "x-kubernetes-preserve-unknown-fields": True,
+    "properties": {
+        **{f: {"type": "string"} for f in OWNED_POD_FIELDS},
+        "containers": {
+            "type": "array",
+            "maxItems": MAX_TEMPLATE_CONTAINERS,
+            "items": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "maxLength": 63},
+                    "image": {"type": "string"},
+                    "command": {"type": "array", "items": {"type": "string"}},
+                    "ports": {"type": "array", "items": {
+                        "type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                },
+            },
+        },
+    },
+}
+_BOUNDED_MAP: JsonDict = {"maxProperties": 64}
+
+
+class TemplateMetadata(_Strict):
+    labels: dict[str, str] | None = Field(
+        default=None, description="Extra pod labels (app.kubernetes.io/* and "
+        "serving.pdd.dev/* are the operator's).", json_schema_extra=_BOUNDED_MAP)
+    annotations: dict[str, str] | None = Field(
+        default=None, description="Extra pod annotations (serving.pdd.dev/* are the "
+        "operator's).", json_schema_extra=_BOUNDED_MAP)
+
+
+class PodTemplate(_Strict):
+    metadata: TemplateMetadata | None = Field(
+        default=None, description="Labels and annotations added to the pods.")
+    spec: dict[str, Any] | None = Field(
+        default=None,
+        description="A PodSpec overlay merged over the pod the operator builds: lists are "
+        "appended (volumes, imagePullSecrets, tolerations, initContainers, ...), objects "
+        "merged key by key (securityContext, ...), other values replace. A container named "
+        "like the operator's (`sidecar`, `router`) is merged into it the same way (add "
+        "volumeMounts, env, securityContext); any other container is added. hostname, "
+        "subdomain, restartPolicy and the main container's image, command and ports are the "
+        "operator's.",
+        json_schema_extra=POD_SPEC_OVERLAY,
+    )
+
+
 class RoleSpec(_Strict):
     replicas: int = Field(default=1, description="Instances of this role; each is one Pod.")
     tensorParallelSize: int = Field(
@@ -130,6 +187,12 @@ class RoleSpec(_Strict):
     priorityClassName: str | None = Field(
         default=None, description="PriorityClass of the role's pods."
     )
+    template: PodTemplate | None = Field(
+        default=None,
+        description="Pod template overlay: labels, annotations and PodSpec fields (volumes, "
+        "volumeMounts, imagePullSecrets, serviceAccountName, ...) merged over the pods the "
+        "operator builds. The fields above stay as shorthands.",
+    )
 
 
 class RouterSpec(_Strict):
@@ -141,6 +204,9 @@ class RouterSpec(_Strict):
     replicas: int = Field(default=1, description="Router pods.")
     resources: ResourceRequirements | None = Field(
         default=None, description="Router container resources."
+    )
+    template: PodTemplate | None = Field(
+        default=None, description="Pod template overlay of the router pods (as for the roles)."
     )
 
 

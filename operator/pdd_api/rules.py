@@ -9,7 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdd_api.models import GPU_RESOURCE, ROLES, PDDeploymentSpec
+from pdd_api.models import (
+    API_GROUP,
+    GPU_RESOURCE,
+    OWNED_CONTAINER_FIELDS,
+    OWNED_POD_FIELDS,
+    ROLES,
+    PDDeploymentSpec,
+)
 
 MAX_TP = 64
 MAX_REPLICAS = 64
@@ -242,6 +249,80 @@ class NonEmptyRule:
         )
 
 
+TEMPLATE_ROLES = (*ROLES, "router")
+MAIN_CONTAINER = {"prefill": "sidecar", "decode": "sidecar", "router": "router"}
+_LABEL_PREFIXES = ("app.kubernetes.io/", f"{API_GROUP}/")
+
+
+def _template_part(spec: Mapping[str, Any], role: str, part: str) -> Mapping[str, Any] | None:
+    node = lookup(spec, f"{role}.template.{part}")
+    return node if isinstance(node, Mapping) else None
+
+
+@dataclass(frozen=True)
+class TemplateOwnedRule:
+    """A template adds to the pods; it cannot change what makes them the operator's (the DNS
+    name the side channel is found by, the restart policy, the sidecar's image, command and
+    ports, the labels the Services, the router and status select by)."""
+
+    role: str
+    part: str  # "pod" | "container" | "metadata"
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.template.{'metadata' if self.part == 'metadata' else 'spec'}"
+
+    @property
+    def message(self) -> str:
+        main = MAIN_CONTAINER[self.role]
+        if self.part == "pod":
+            return (f"spec.{self.field}: {', '.join(OWNED_POD_FIELDS)} are set by the operator "
+                    "and cannot be overridden")
+        if self.part == "container":
+            return (f"spec.{self.field}.containers[{main}]: "
+                    f"{', '.join(OWNED_CONTAINER_FIELDS)} are set by the operator and cannot be "
+                    "overridden")
+        return (f"spec.{self.field}: labels app.kubernetes.io/* and {API_GROUP}/* and "
+                f"annotations {API_GROUP}/* are set by the operator")
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        node = _template_part(spec, self.role, "metadata" if self.part == "metadata"
+                              else "spec")
+        if node is None:
+            return None
+        if self.part == "pod":
+            bad = any(f in node for f in OWNED_POD_FIELDS)
+        elif self.part == "container":
+            containers = node.get("containers")
+            bad = isinstance(containers, list) and any(
+                isinstance(c, Mapping) and c.get("name") == MAIN_CONTAINER[self.role]
+                and any(f in c for f in OWNED_CONTAINER_FIELDS) for c in containers)
+        else:
+            labels, annotations = node.get("labels"), node.get("annotations")
+            bad = (isinstance(labels, Mapping) and any(
+                str(k).startswith(_LABEL_PREFIXES) for k in labels)) or (
+                isinstance(annotations, Mapping) and any(
+                    str(k).startswith(f"{API_GROUP}/") for k in annotations))
+        return self.message if bad else None
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        guard = _cel_guard(self.field)
+        if self.part == "pod":
+            rule = " && ".join(f"!has({f}.{o})" for o in OWNED_POD_FIELDS)
+        elif self.part == "container":
+            owned = " && ".join(f"!has(c.{o})" for o in OWNED_CONTAINER_FIELDS)
+            rule = (f"!has({f}.containers) || {f}.containers.all(c, "
+                    f"c.name != '{MAIN_CONTAINER[self.role]}' || ({owned}))")
+        else:
+            lp = " && ".join(f"!k.startsWith('{p}')" for p in _LABEL_PREFIXES)
+            rule = (f"(!has({f}.labels) || {f}.labels.all(k, {lp})) && "
+                    f"(!has({f}.annotations) || {f}.annotations.all(k, "
+                    f"!k.startsWith('{API_GROUP}/')))")
+        return _cel(self.field, f"{guard}({rule})", f"'{self.message}'",
+                    reason="FieldValueForbidden")
+
+
 def _rules() -> tuple[Rule, ...]:
     rules: list[Rule] = [NonEmptyRule("model.name"), NonEmptyRule("image"), BlockSizeRule()]
     for role in ROLES:
@@ -258,6 +339,8 @@ def _rules() -> tuple[Rule, ...]:
         RangeRule("router.replicas", 1, 16),
         RangeRule("rollout.maxUnavailable", 1, MAX_REPLICAS),
     ]
+    rules += [TemplateOwnedRule(role, part) for role in TEMPLATE_ROLES
+              for part in ("pod", "container", "metadata")]
     return tuple(rules)
 
 

@@ -8,6 +8,7 @@ these dicts with what the cluster holds and acts on the difference, never on rem
 from __future__ import annotations
 
 import base64
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from pdd_api.models import (
     GPU_RESOURCE,
     KIND,
     PDDeploymentSpec,
+    PodTemplate,
     ResourceRequirements,
     RoleSpec,
 )
@@ -32,6 +34,10 @@ SIDECAR_SERVE = ["python", "-m", "pdd_sidecar", "serve"]
 SIDECAR_ROUTER = ["python", "-m", "pdd_sidecar", "router"]
 ROUTING_VOLUME = "routing"
 GRANT_VOLUME = "grant-key"
+SHM_VOLUME = "dshm"
+# PodSecurity `restricted` by default; a template may relax it (e.g. a root-only image).
+POD_SECURITY: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY: Obj = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 # Model loading can take minutes: the startup probe gives it 20 min before liveness applies.
 STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 120
 
@@ -288,6 +294,48 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int) -> list[Obj]:
     return env
 
 
+def _merge(ours: Any, theirs: Any) -> Any:
+    """The overlay rule: lists append, objects merge key by key, anything else replaces."""
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return ours + copy.deepcopy(theirs)
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = dict(ours)
+        for k, v in theirs.items():
+            out[k] = _merge(out[k], v) if k in out else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(theirs)
+
+
+def apply_template(meta: Obj, pod_spec: Obj, template: PodTemplate | None) -> None:
+    """Merge a user's pod template over a built pod (in place). The owned fields are refused
+    by validation; the operator's labels, annotations and contract env still win here, so a
+    template can never change what the operator selects or what the sidecar is told."""
+    if template is None:
+        return
+    if template.metadata is not None:
+        meta["labels"] = {**(template.metadata.labels or {}), **meta.get("labels", {})}
+        if template.metadata.annotations:
+            meta["annotations"] = {**template.metadata.annotations,
+                                   **meta.get("annotations", {})}
+    main = pod_spec["containers"][0]
+    for key, value in (template.spec or {}).items():
+        if key == "containers" and isinstance(value, list):
+            for c in value:
+                if isinstance(c, dict) and c.get("name") == main["name"]:
+                    env = [e for e in c.get("env") or [] if isinstance(e, dict)
+                           and e.get("name") not in CONTRACT_ENV]
+                    rest = {k: v for k, v in c.items() if k not in ("name", "env")}
+                    merged = _merge(main, rest)
+                    merged["env"] = main.get("env", []) + copy.deepcopy(env)
+                    pod_spec["containers"][0] = main = merged
+                else:
+                    pod_spec["containers"].append(copy.deepcopy(c))
+        elif key in pod_spec:
+            pod_spec[key] = _merge(pod_spec[key], value)
+        else:
+            pod_spec[key] = copy.deepcopy(value)
+
+
 def _probe(path: str, period: int, failures: int) -> Obj:
     return {
         "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
@@ -315,7 +363,9 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "volumeMounts": [
             {"name": ROUTING_VOLUME, "mountPath": keys.ROUTING_MOUNT_DIR, "readOnly": True},
             _grant_mount(),
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
         ],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         "startupProbe": _probe("/healthz", STARTUP_PERIOD_S, STARTUP_FAILURES),
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", 5, 3),
@@ -329,10 +379,13 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
+        "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [container],
         "volumes": [
             {"name": ROUTING_VOLUME, "configMap": {"name": configmap_name(owner.name)}},
             _grant_volume(owner),
+            # torch and NCCL/UCX use shared memory; the container runtime's default is 64 MiB.
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
         ],
     }
     if r.nodeSelector:
@@ -343,15 +396,19 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         pod_spec["affinity"] = r.affinity
     if r.priorityClassName:
         pod_spec["priorityClassName"] = r.priorityClassName
+    meta = _meta(owner, pod_name(owner.name, role, index), labels(owner, role, index))
+    apply_template(meta, pod_spec, r.template)
     pod: Obj = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(owner, pod_name(owner.name, role, index), labels(owner, role, index)),
+        "metadata": meta,
         "spec": pod_spec,
     }
     # Everything a running sidecar cannot pick up live: its own pod spec and the routing plan
     # (the ConfigMap volume updates in place, but a sidecar reads the plan once at start).
-    pod["metadata"]["annotations"] = {keys.ANNOTATION_SPEC_HASH: content_hash(pod, plan.to_json())}
+    pod["metadata"]["annotations"] = {**meta.get("annotations", {}),
+                                      keys.ANNOTATION_SPEC_HASH: content_hash(pod,
+                                                                              plan.to_json())}
     return pod
 
 
@@ -378,6 +435,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         "env": env,
         "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}],
         "volumeMounts": [_grant_mount()],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", 5, 3),
     }
@@ -386,6 +444,15 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
             k: _quantities(v)
             for k, v in spec.router.resources.model_dump(exclude_none=True).items()
         }
+    tmeta: Obj = {"labels": dict(rlabels)}
+    tspec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY),
+        "containers": [container],
+        "volumes": [_grant_volume(owner)],
+    }
+    apply_template(tmeta, tspec, spec.router.template)
     deployment: Obj = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -393,15 +460,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": rlabels},
-            "template": {
-                "metadata": {"labels": dict(rlabels)},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "containers": [container],
-                    "volumes": [_grant_volume(owner)],
-                },
-            },
+            "template": {"metadata": tmeta, "spec": tspec},
         },
     }
     service: Obj = {

@@ -120,23 +120,33 @@ def test_quota_refusal_reaches_status_and_clears(kube: Kubectl, operator: Operat
     delete_and_wait(kube, ns, name)
 
 
-def test_podsecurity_restricted_refusal_reaches_status(kube: Kubectl, operator: Operator,
-                                                       op_namespace: str) -> None:
-    ns, name = op_namespace, "psa"
+def test_podsecurity_restricted_namespace(kube: Kubectl, operator: Operator,
+                                         op_namespace: str) -> None:
+    """The default pods meet `restricted`; a template that breaks it is refused by the API
+    server, and that refusal reaches status."""
+    ns, name, bad = op_namespace, "psa", "psabad"
     label = "pod-security.kubernetes.io/enforce"
     kube("label", "namespace", ns, f"{label}=restricted", "--overwrite")
     try:
         kube.apply(make(name), "-n", ns)
+        wait_ready(kube, ns, name, operator)
+        assert len(pods_of(kube, ns, name)) == 2
+        kube.apply(make(bad, decode={"replicas": 1, "tensorParallelSize": 1, "template": {
+            "spec": {"containers": [{"name": "sidecar",
+                                     "securityContext": {"privileged": True}}]}}}), "-n", ns)
         obj = wait_for("Ready=False ReconcileError + Stalled",
-                       lambda: stalled_for_current_generation(kube, ns, name,
+                       lambda: stalled_for_current_generation(kube, ns, bad,
                                                               "ReconcileError"), timeout=60)
         msg = conditions(obj)["Ready"]["message"]
         assert 'violates PodSecurity "restricted' in msg, msg
-        assert f"Pod {ns}/{name}-" in msg, msg
+        assert f"Pod {ns}/{bad}-decode-0" in msg, msg
+        assert "privileged" in msg, msg
         assert argo_health(obj) in (None, "Degraded")
+        assert [p["metadata"]["name"] for p in pods_of(kube, ns, bad)] == [f"{bad}-prefill-0"]
     finally:
         kube("label", "namespace", ns, f"{label}-")
     delete_and_wait(kube, ns, name)
+    delete_and_wait(kube, ns, bad)
 
 
 def test_objects_with_our_names_are_never_taken_over(kube: Kubectl, operator: Operator,

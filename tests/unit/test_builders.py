@@ -465,3 +465,106 @@ def test_network_policies_isolate_dataplane_and_open_router(doc: dict[str, Any])
     assert rt["ingress"] == [{"ports": [{"protocol": "TCP", "port": keys.HTTP_PORT}]}]
     doc["spec"]["networkPolicy"] = {"enabled": False}
     assert build(OWNER, spec_of(doc)).network_policies == []
+
+
+def test_pods_default_to_restricted_security_and_shm(doc: dict[str, Any]) -> None:
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    specs = [desired.pods[r][0]["spec"] for r in ("prefill", "decode")]
+    specs.append(desired.router_deployment["spec"]["template"]["spec"])
+    for ps in specs:
+        assert ps["securityContext"] == {"runAsNonRoot": True,
+                                         "seccompProfile": {"type": "RuntimeDefault"}}
+        c = ps["containers"][0]["securityContext"]
+        assert c == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        kinds = {k for v in ps["volumes"] for k in v if k != "name"}
+        assert kinds <= {"configMap", "secret", "emptyDir"}, "volume types restricted allows"
+    for ps in specs[:2]:
+        shm = [v for v in ps["volumes"] if v.get("emptyDir") == {"medium": "Memory"}]
+        assert len(shm) == 1
+        assert {"name": shm[0]["name"], "mountPath": "/dev/shm"} in ps["containers"][0][
+            "volumeMounts"]
+
+
+def test_template_overlay_merges_over_the_built_pod(doc: dict[str, Any]) -> None:
+    base = build(OWNER, spec_of(doc)).pods["decode"][0]
+    doc["spec"]["decode"]["template"] = {
+        "metadata": {"labels": {"team": "a"}, "annotations": {"example.com/x": "1"}},
+        "spec": {
+            "serviceAccountName": "model-reader",
+            "imagePullSecrets": [{"name": "regcred"}],
+            "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": "ds-v2"}}],
+            "securityContext": {"fsGroup": 10001},
+            "containers": [
+                {"name": "sidecar", "volumeMounts": [{"name": "model", "mountPath": "/models",
+                                                      "readOnly": True}],
+                 "env": [{"name": "HF_HOME", "value": "/models/.hf"},
+                         {"name": "PDD_ROLE", "value": "prefill"}]},
+                {"name": "log-shipper", "image": "busybox"},
+            ],
+        },
+    }
+    doc["spec"]["decode"]["nodeSelector"] = {"gpu": "h200"}
+    pod = build(OWNER, spec_of(doc)).pods["decode"][0]
+    meta, ps = pod["metadata"], pod["spec"]
+    assert meta["labels"]["team"] == "a" and meta["annotations"]["example.com/x"] == "1"
+    assert meta["labels"][keys.LABEL_COMPONENT] == "decode"
+    assert keys.ANNOTATION_SPEC_HASH in meta["annotations"]
+    assert meta["annotations"][keys.ANNOTATION_SPEC_HASH] != base["metadata"]["annotations"][
+        keys.ANNOTATION_SPEC_HASH]
+    assert ps["serviceAccountName"] == "model-reader"
+    assert ps["imagePullSecrets"] == [{"name": "regcred"}]
+    assert ps["nodeSelector"] == {"gpu": "h200"}, "shorthands still apply"
+    assert [v["name"] for v in ps["volumes"]] == [v["name"] for v in base["spec"]["volumes"]] + [
+        "model"]
+    assert ps["securityContext"] == {**base["spec"]["securityContext"], "fsGroup": 10001}
+    main, extra = ps["containers"]
+    assert extra == {"name": "log-shipper", "image": "busybox"}
+    assert main["image"] == base["spec"]["containers"][0]["image"]
+    assert main["volumeMounts"][-1]["mountPath"] == "/models"
+    env = env_of(pod)
+    assert env["HF_HOME"] == "/models/.hf" and env["PDD_ROLE"] == "decode"
+    assert sum(1 for e in main["env"] if e["name"] == "PDD_ROLE") == 1
+    assert main["securityContext"] == base["spec"]["containers"][0]["securityContext"]
+
+
+def test_router_template_and_owned_fields_refused(doc: dict[str, Any]) -> None:
+    from pdd_api.validation import validate_spec
+
+    doc["spec"]["router"] = {"template": {"spec": {"serviceAccountName": "edge"}}}
+    dep = build(OWNER, spec_of(doc)).router_deployment
+    assert dep is not None and dep["spec"]["template"]["spec"]["serviceAccountName"] == "edge"
+    bad = copy.deepcopy(doc["spec"])
+    bad["prefill"]["template"] = {"spec": {"hostname": "x", "containers": [
+        {"name": "sidecar", "image": "evil"}]}, "metadata": {"labels": {
+            "app.kubernetes.io/instance": "other"}}}
+    bad["router"] = {"template": {"spec": {"containers": [{"name": "router",
+                                                            "command": ["sh"]}]}}}
+    problems = validate_spec(bad)
+    assert ("spec.prefill.template.spec: hostname, subdomain, restartPolicy are set by the "
+            "operator and cannot be overridden") in problems
+    assert ("spec.prefill.template.spec.containers[sidecar]: image, command, ports are set by "
+            "the operator and cannot be overridden") in problems
+    assert any(p.startswith("spec.prefill.template.metadata: labels") for p in problems)
+    assert any(p.startswith("spec.router.template.spec.containers[router]") for p in problems)
+    ok = copy.deepcopy(doc["spec"])
+    ok["prefill"]["template"] = {"spec": {"containers": [{"name": "other", "image": "x"}]}}
+    assert validate_spec(ok) == []
+
+
+def test_pvc_sample_validates_and_mounts_the_model() -> None:
+    from pdd_api.validation import validate_document
+
+    doc = example(ROOT / "manifests/samples/model-on-pvc.yaml")
+    assert validate_document(doc) == []
+    desired = build(OWNER, spec_of(doc))
+    for role in ("prefill", "decode"):
+        pod = desired.pods[role][0]
+        assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "deepseek-checkpoints"
+                   for v in pod["spec"]["volumes"])
+        mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert "/models" in mounts
+        assert env_of(pod)[keys.ENV_MODEL_SOURCE].startswith("/models/")
+    for path in ("hpa-decode.yaml", "keda-decode.yaml"):
+        target = example(ROOT / "manifests/samples" / path)["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("PDDeployment", doc["metadata"]["name"])
