@@ -204,7 +204,7 @@ if HAS_TRITON:
 def measure_ceilings(device: torch.device, small: bool) -> dict[str, float]:
     """HBM read (bytes/s: the best of a Triton read kernel and torch's sum), device copy
     (bytes read + written per second) and bf16 matmul FLOP/s, on random data."""
-    n = (64 << 20) if small else (2 << 30)  # bf16 elements: 128 MiB / 4 GiB
+    n = (8 << 20) if small else (2 << 30)  # bf16 elements: 16 MiB / 4 GiB
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     reps = 5 if small else 20
     t_sum = time_fn(lambda: x.sum(dtype=torch.float32), device, reps)
@@ -218,7 +218,7 @@ def measure_ceilings(device: torch.device, small: bool) -> dict[str, float]:
     half = x[: n // 2]
     dst = torch.empty_like(half)
     t_copy = time_fn(lambda: dst.copy_(half), device, reps)
-    m = 1024 if small else 8192
+    m = 512 if small else 8192
     a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     t_mm = time_fn(lambda: a @ b, device, reps)
@@ -248,30 +248,61 @@ class Model:
     def __init__(self, cfg: ModelConfig, w: RankWeights, device: torch.device) -> None:
         self.cfg, self.w, self.device = cfg, w, device
         self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, device)
+        self._pre_c: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.pre
+        self._post_c: Callable[..., torch.Tensor] = self.post
 
     def decode(
-        self, kv: torch.Tensor, batch: Batch, record: list[torch.Tensor] | None = None
+        self,
+        kv: torch.Tensor,
+        batch: Batch,
+        record: list[torch.Tensor] | None = None,
+        compiled: bool = False,
     ) -> torch.Tensor:
         """fp32 logits ``[B, V]``; writes each token's latent into ``kv`` first. ``record``
-        collects each MoE layer's expert ids (untimed runs only)."""
+        collects each MoE layer's expert ids (untimed runs only). ``compiled``: the parts
+        before and after attention go through ``torch.compile`` (fused elementwise work);
+        the cache write and the paged kernel stay outside it."""
         cfg, w = self.cfg, self.w
         bs = kv.shape[2]
         cos, sin = self.rotary.cos_sin(batch.positions)
         blk = batch.tables.gather(1, (batch.positions // bs)[:, None].to(torch.int64))[:, 0]
         off = batch.positions % bs
+        pre, post = (self._pre_c, self._post_c) if compiled else (self.pre, self.post)
         x = F.embedding(batch.tokens, w.embed)
         for i, lw in enumerate(w.layers):
-            a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-            q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
-            kv[blk, i, off] = project_latent(a, lw.attn, cfg, cos, sin).to(kv.dtype)
-            q = absorb_q(q_nope, q_pe, lw.attn)
+            q, latent = pre(x, lw, cos, sin)
+            kv[blk, i, off] = latent
             o, _ = md.paged_mla_decode(
                 q, kv, i, batch.tables, batch.seq_lens, cfg.kv_lora_rank, cfg.softmax_scale
             )
-            o = torch.einsum("bhc,hvc->bhv", o.to(x.dtype), lw.attn.w_uv)
-            x = x + F.linear(o.flatten(1), lw.attn.o_proj)
-            x = x + self._mlp(rms_norm(x, lw.post_norm, cfg.rms_norm_eps), lw, record)
+            if record is not None and lw.moe is not None:
+                x_mid = x + self._attn_out(o, x.dtype, lw)
+                m = rms_norm(x_mid, lw.post_norm, cfg.rms_norm_eps)
+                record.append(route(m, lw.moe.router, cfg)[1])
+            x = post(x, o, lw)
         return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+
+    def pre(
+        self, x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed query ``[B, H, L]`` and the cache entry ``[B, L]`` of each new token."""
+        a = rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps)
+        q_nope, q_pe = project_q(a, lw.attn, self.cfg, cos, sin)
+        latent = project_latent(a, lw.attn, self.cfg, cos, sin).to(x.dtype)
+        return absorb_q(q_nope, q_pe, lw.attn), latent
+
+    def _attn_out(self, o: torch.Tensor, dtype: torch.dtype, lw: LayerWeights) -> torch.Tensor:
+        o = torch.einsum("bhc,hvc->bhv", o.to(dtype), lw.attn.w_uv)
+        return F.linear(o.flatten(1), lw.attn.o_proj)
+
+    def post(self, x: torch.Tensor, o: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """Attention output projection, residual, then the MLP or MoE and its residual."""
+        x = x + self._attn_out(o, x.dtype, lw)
+        return x + self._mlp(rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps), lw, None)
+
+    def compile(self) -> None:
+        self._pre_c = torch.compile(self.pre, dynamic=False)
+        self._post_c = torch.compile(self.post, dynamic=False)
 
     def prefill(self, kv: torch.Tensor, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """One prompt from position 0 (fused attention, latents written to ``kv``); fp32
@@ -381,7 +412,7 @@ def make_batch(
     )
 
 
-def graph_of(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], None]:
+def graph_of(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
@@ -431,6 +462,38 @@ def bench_decode(
     }
 
 
+def bench_compiled(
+    model: Model,
+    kv: torch.Tensor,
+    b: int,
+    ctx: int,
+    ceil: dict[str, float],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The decode step with the work around attention through ``torch.compile`` (fusing the
+    small elementwise kernels), replayed from a CUDA graph; compile time reported apart."""
+    cfg, dev = model.cfg, model.device
+    batch = make_batch(b, ctx, kv.shape[2], kv.shape[0], cfg, dev, seed=b * 7919 + ctx)
+    t0 = time.perf_counter()
+    model.decode(kv, batch, compiled=True)
+    sync(dev)
+    compile_s = time.perf_counter() - t0
+    replay = graph_of(lambda: model.decode(kv, batch, compiled=True), dev)
+    t = time_fn(replay, dev, args.reps * 3)
+    record: list[torch.Tensor] = []
+    model.decode(kv, batch, record)
+    used = [int(torch.unique(ids).numel()) for ids in record]
+    roof = sum(step_bytes(cfg, model.w, used, b, b * (ctx + 1)).values()) / ceil["hbm_read_Bps"]
+    return {
+        "batch": b,
+        "context": ctx,
+        "compiled_graph_ms": t * 1e3,
+        "roofline_ms": roof * 1e3,
+        "of_roofline": roof / t,
+        "compile_s": compile_s,
+    }
+
+
 def bench_attention(
     kv: torch.Tensor,
     cfg: ModelConfig,
@@ -440,23 +503,28 @@ def bench_attention(
     args: argparse.Namespace,
     **kernel: int,
 ) -> dict[str, Any]:
-    """The decode kernel alone over ``b`` sequences of ``ctx`` tokens, rotating over layers so
-    consecutive calls read different memory (not the L2)."""
+    """The decode kernel alone over ``b`` sequences of ``ctx`` tokens: one call per layer, so
+    consecutive calls read different memory (not the L2), replayed from a CUDA graph so launch
+    gaps do not count."""
     dev = kv.device
     batch = make_batch(b, ctx - 1, kv.shape[2], kv.shape[0], cfg, dev, seed=ctx + b)
     g = torch.Generator(device=dev).manual_seed(ctx)
     q = torch.randn(b, cfg.num_attention_heads, cfg.latent_dim, device=dev, generator=g)
     q = q.to(kv.dtype)
-    layer = [0]
+    layers = kv.shape[1]
 
-    def fn() -> object:
-        layer[0] = (layer[0] + 1) % kv.shape[1]
-        args_ = (q, kv, layer[0], batch.tables, batch.seq_lens, cfg.kv_lora_rank, 0.07)
+    def call(layer: int) -> object:
+        args_ = (q, kv, layer, batch.tables, batch.seq_lens, cfg.kv_lora_rank, 0.07)
         if dev.type == "cuda" and md.HAS_TRITON:
             return md.paged_mla_decode_triton(*args_, **kernel)  # type: ignore[arg-type]
         return md.paged_mla_decode_ref(*args_)
 
-    t = time_fn(fn, dev, args.reps * 3, warmup=3)
+    def every_layer() -> None:
+        for i in range(layers):
+            call(i)
+
+    run = graph_of(every_layer, dev) if dev.type == "cuda" else every_layer
+    t = time_fn(run, dev, args.reps, warmup=2) / layers
     nbytes = b * ctx * cfg.latent_dim * kv.element_size()
     return {
         "batch": b,
@@ -466,6 +534,61 @@ def bench_attention(
         "GBps": nbytes / t / 1e9,
         "of_hbm_read": nbytes / t / ceil["hbm_read_Bps"],
     }
+
+
+def bench_moe(
+    model: Model, t: int, ceil: dict[str, float], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Routed experts alone for ``t`` tokens (every MoE layer once, graph-replayed): the GEMV
+    kernels and the grouped GEMMs, against the bytes of the experts the tokens chose."""
+    from pdd_sidecar.model.kernels.moe_grouped import HAS_TRITON as MOE_TRITON
+    from pdd_sidecar.model.kernels.moe_grouped import grouped_experts, loop_experts
+
+    cfg, dev = model.cfg, model.device
+    layers = [lw.moe for lw in model.w.layers if lw.moe is not None]
+    g = torch.Generator(device=dev).manual_seed(t)
+    x = torch.randn(t, cfg.hidden_size, device=dev, generator=g).to(layers[0].w_gate.dtype)
+    routes = [route(x, mw.router, cfg) for mw in layers]
+    used = statistics.mean(int(torch.unique(ids).numel()) for _, ids in routes)
+    per_expert = _nbytes(layers[0].w_gate[0], layers[0].w_up[0], layers[0].w_down[0])
+    nbytes = used * per_expert
+    row: dict[str, Any] = {"tokens": t, "experts_used_mean": used, "bytes": nbytes}
+    Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MoEWeights], torch.Tensor]
+    modes: dict[str, Fn] = {"loop": loop_experts}
+    if dev.type == "cuda":
+        modes = {"grouped_mm": lambda x, wt, ids, mw: grouped_experts(x, wt, ids, mw, False)}
+        if MOE_TRITON:
+            modes["gemv"] = lambda x, wt, ids, mw: grouped_experts(x, wt, ids, mw, True)
+    for name, fn in modes.items():
+
+        def every_layer(fn: Fn = fn) -> None:
+            for mw, (wt, ids) in zip(layers, routes, strict=True):
+                fn(x, wt, ids, mw)
+
+        run = graph_of(every_layer, dev) if dev.type == "cuda" else every_layer
+        sec = time_fn(run, dev, args.reps, warmup=2) / len(layers)
+        row[f"{name}_us"] = sec * 1e6
+        row[f"{name}_of_hbm"] = nbytes / sec / ceil["hbm_read_Bps"]
+    return row
+
+
+def breakdown(fn: Callable[[], object], device: torch.device) -> str:
+    """GPU time per kernel of one eager call (the profiler's table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    avg = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "device_time_total"):
+        try:
+            return str(avg.table(sort_by=key, row_limit=18, max_name_column_width=60))
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return str(avg.table(row_limit=18))
 
 
 def bench_prefill(
@@ -534,6 +657,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--tune", action="store_true", help="sweep the decode kernel's tunables")
     p.add_argument("--engine", action="store_true", help="also time RankEngine at batch 1")
+    p.add_argument("--moe-tokens", type=_ints, default=None, help="default 1,4,16,64,256")
+    p.add_argument(
+        "--breakdown", type=_ints, default=None, help="B,ctx: per-kernel GPU time of one step"
+    )
+    p.add_argument(
+        "--compile",
+        type=_ints,
+        default=None,
+        help="B,ctx,B,ctx,...: also time those decode steps with torch.compile around attention",
+    )
+    p.add_argument("--breakdown-prefill", type=int, default=None, help="tokens: per-kernel time")
+    p.add_argument("--only", default="", help="comma list of sections: attn,moe,prefill,decode")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
@@ -573,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(b, c) for b in batches for c in contexts]
         fits = [(b, c) for b, c in cases if b * -(-(c + 1) // bs) <= budget_blocks]
         need = [b * -(-(c + 1) // bs) for b, c in fits]
-        need += [-(-c // bs) for c in attn_ctx + prefills]
+        attn_batch = 2 if small else 16
+        need += [-(-c // bs) for c in attn_ctx + prefills] + [attn_batch * -(-attn_ctx[0] // bs)]
         num_blocks = max(need)
         kv = torch.empty(
             num_blocks, cfg.num_hidden_layers, bs, cfg.latent_dim, device=dev, dtype=dtype
@@ -584,42 +720,97 @@ def main(argv: list[str] | None = None) -> int:
               f"{_nbytes(kv) / 1e9:.1f} GB ({num_blocks} blocks of {bs})", flush=True)  # fmt: skip
 
         if args.tune and dev.type == "cuda":
-            result["tune"] = tune(kv, cfg, ceil, args)
+            result["tune"] = tune(model, kv, ceil, args)
 
-        rows_a = [bench_attention(kv, cfg, 1, c, ceil, args) for c in attn_ctx]
-        rows_a.append(bench_attention(kv, cfg, 16 if not small else 2, attn_ctx[0], ceil, args))
-        result["attention"] = rows_a
-        print("\ndecode attention alone (paged kernel, bf16)")
-        print(f"{'batch':>6} {'context':>8} {'ms':>8} {'GB/s':>8} {'of HBM read':>12}")
-        for r in rows_a:
-            print(f"{r['batch']:>6} {r['context']:>8} {r['ms']:>8.3f} {r['GBps']:>8.0f} "
-                  f"{r['of_hbm_read']:>11.0%}", flush=True)  # fmt: skip
+        only = set(filter(None, args.only.split(",")))
 
-        rows_p = [bench_prefill(model, kv, t, ceil, args) for t in prefills]
-        result["prefill"] = rows_p
-        print("\nprefill (one prompt)")
-        print(f"{'tokens':>7} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'of matmul':>10}")
-        for r in rows_p:
-            print(f"{r['tokens']:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
-                  f"{r['TFLOPS']:>8.0f} {r['of_matmul']:>9.0%}", flush=True)  # fmt: skip
+        def want(section: str) -> bool:
+            return not only or section in only
 
-        print("\ndecode step (all sequences at the same context)")
-        print(f"{'batch':>6} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'roof ms':>8} "
-              f"{'of roof':>8} {'experts':>8} {'tok/s':>9}")  # fmt: skip
-        rows_d = []
-        for b, c in cases:
-            if (b, c) not in fits:
-                rows_d.append({"batch": b, "context": c, "skipped": "KV over the budget"})
-                print(f"{b:>6} {c:>8}  skipped: KV {b * (c + 1) * per_tok / bs / 1e9:.0f} GB "
-                      f"over the {args.kv_gib:.0f} GiB budget", flush=True)  # fmt: skip
-                continue
-            r = bench_decode(model, kv, b, c, ceil, args)
-            rows_d.append(r)
-            print(f"{b:>6} {c:>8} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
-                  f"{r['roofline_ms']:>8.2f} {r['of_roofline']:>7.0%} "
-                  f"{r['experts_used_mean']:>8.1f} {r['tokens_per_s']:>9.0f}",
-                  flush=True)  # fmt: skip
-        result["decode"] = rows_d
+        if args.breakdown:
+            b_, c_ = args.breakdown
+            print(f"\nbreakdown: one eager decode step, batch {b_}, context {c_}")
+            bb = make_batch(b_, c_, kv.shape[2], kv.shape[0], cfg, dev, seed=1)
+            print(breakdown(lambda: model.decode(kv, bb), dev), flush=True)
+        if args.breakdown_prefill:
+            t_ = args.breakdown_prefill
+            print(f"\nbreakdown: one prefill of {t_} tokens")
+            toks = torch.randint(0, cfg.vocab_size, (t_,), device=dev)
+            tab = torch.arange(-(-t_ // bs), device=dev, dtype=torch.int32)
+            print(breakdown(lambda: model.prefill(kv, toks, tab), dev), flush=True)
+
+        if want("moe"):
+            moe_tokens = args.moe_tokens or ([1, 4] if small else [1, 4, 16, 64, 256])
+            rows_m = [bench_moe(model, t, ceil, args) for t in moe_tokens]
+            result["moe"] = rows_m
+            print("\nrouted experts alone (per MoE layer)")
+            names = [k[:-3] for k in rows_m[0] if k.endswith("_us")]
+            print(f"{'tokens':>7} {'experts':>8} {'MB':>7}"
+                  + "".join(f" {n + ' us':>14} {'of HBM':>7}" for n in names))  # fmt: skip
+            for r in rows_m:
+                print(f"{r['tokens']:>7} {r['experts_used_mean']:>8.1f} {r['bytes'] / 1e6:>7.1f}"
+                      + "".join(f" {r[n + '_us']:>14.1f} {r[n + '_of_hbm']:>6.0%}" for n in names),
+                      flush=True)  # fmt: skip
+
+        if want("attn"):
+            rows_a = [bench_attention(kv, cfg, 1, c, ceil, args) for c in attn_ctx]
+            rows_a.append(bench_attention(kv, cfg, attn_batch, attn_ctx[0], ceil, args))
+            result["attention"] = rows_a
+            print("\ndecode attention alone (paged kernel, bf16)")
+            print(f"{'batch':>6} {'context':>8} {'ms':>8} {'GB/s':>8} {'of HBM read':>12}")
+            for r in rows_a:
+                print(f"{r['batch']:>6} {r['context']:>8} {r['ms']:>8.3f} {r['GBps']:>8.0f} "
+                      f"{r['of_hbm_read']:>11.0%}", flush=True)  # fmt: skip
+
+        if want("prefill"):
+            rows_p = [bench_prefill(model, kv, t, ceil, args) for t in prefills]
+            result["prefill"] = rows_p
+            print("\nprefill (one prompt)")
+            print(f"{'tokens':>7} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'of matmul':>10}")
+            for r in rows_p:
+                print(f"{r['tokens']:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
+                      f"{r['TFLOPS']:>8.0f} {r['of_matmul']:>9.0%}", flush=True)  # fmt: skip
+
+        if want("decode"):
+            print("\ndecode step (all sequences at the same context)")
+            print(f"{'batch':>6} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'roof ms':>8} "
+                  f"{'of roof':>8} {'experts':>8} {'tok/s':>9}")  # fmt: skip
+            rows_d = []
+            for b, c in cases:
+                if (b, c) not in fits:
+                    rows_d.append({"batch": b, "context": c, "skipped": "KV over the budget"})
+                    print(f"{b:>6} {c:>8}  skipped: KV {b * (c + 1) * per_tok / bs / 1e9:.0f} GB "
+                          f"over the {args.kv_gib:.0f} GiB budget", flush=True)  # fmt: skip
+                    continue
+                r = bench_decode(model, kv, b, c, ceil, args)
+                rows_d.append(r)
+                print(f"{b:>6} {c:>8} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
+                      f"{r['roofline_ms']:>8.2f} {r['of_roofline']:>7.0%} "
+                      f"{r['experts_used_mean']:>8.1f} {r['tokens_per_s']:>9.0f}",
+                      flush=True)  # fmt: skip
+            result["decode"] = rows_d
+
+        if args.compile and dev.type == "cuda":
+            dyn = torch._dynamo.config
+            for name in ("cache_size_limit", "recompile_limit"):
+                if hasattr(dyn, name):
+                    setattr(dyn, name, 64)
+            model.compile()
+            print("\ndecode step, torch.compile around the paged kernel, CUDA graph")
+            rows_c = []
+            pairs = list(zip(args.compile[::2], args.compile[1::2], strict=True))
+            for b, c in pairs:
+                try:
+                    r = bench_compiled(model, kv, b, c, ceil, args)
+                except Exception as e:  # compile support differs between torch builds
+                    print(f"{b:>6} {c:>8}  {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    rows_c.append({"batch": b, "context": c, "error": str(e)[:500]})
+                    continue
+                rows_c.append(r)
+                print(f"{b:>6} {c:>8} graph {r['compiled_graph_ms']:.2f} ms, roofline "
+                      f"{r['roofline_ms']:.2f} ms: {r['of_roofline']:.0%} "
+                      f"(compile {r['compile_s']:.0f} s)", flush=True)  # fmt: skip
+            result["compiled"] = rows_c
 
         if args.engine:
             result["engine"] = bench_engine_path(model, dtype, min(contexts), args)
@@ -640,12 +831,15 @@ def _tensors(w: RankWeights) -> list[torch.Tensor]:
 
 
 def tune(
-    kv: torch.Tensor, cfg: ModelConfig, ceil: dict[str, float], args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """Decode-kernel tunables at batch 1 / 32k and batch 64 / 4k: block of tokens, warps,
-    pipeline stages, and split count against the default heuristic."""
-    rows = []
-    print("\ntune: decode kernel (bf16)")
+    model: Model, kv: torch.Tensor, ceil: dict[str, float], args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
+    """Sweeps of the decode kernel's tunables (block of tokens, warps, pipeline stages, split
+    count against the heuristic) and of the expert GEMV's tiles."""
+    from pdd_sidecar.model.kernels import moe_grouped as mg
+
+    cfg = model.cfg
+    rows: list[dict[str, Any]] = []
+    print("\ntune: decode kernel (bf16); regs/spills of the split kernel")
     variants = [
         {"block_n": 16, "num_warps": 4, "num_stages": 2},
         {"block_n": 32, "num_warps": 4, "num_stages": 2},
@@ -653,24 +847,43 @@ def tune(
         {"block_n": 64, "num_warps": 4, "num_stages": 2},
         {"block_n": 32, "num_warps": 8, "num_stages": 2},
         {"block_n": 64, "num_warps": 8, "num_stages": 2},
-        {"block_n": 16, "num_warps": 4, "num_stages": 4},
     ]
-    for b, c in ((1, 32768), (64, 4096)):
+    sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
+    hg = -(-cfg.num_attention_heads // 16)
+    for b, c in ((1, 1024), (1, 32768), (16, 32768), (64, 4096)):
+        auto = md.num_splits_for(b, hg, -(-c // kv.shape[2]) * kv.shape[2], sms)
         for v in variants:
-            for splits in (None, "x2"):
-                kw: dict[str, Any] = dict(v)
-                if splits:
-                    hg = -(-cfg.num_attention_heads // 16)
-                    sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
-                    kw["num_splits"] = 2 * md.num_splits_for(b, hg, c, sms)
+            for splits in (auto, max(1, auto // 2), min(md.MAX_SPLITS, 2 * auto)):
+                kw: dict[str, Any] = dict(v, num_splits=splits)
                 try:
                     r = bench_attention(kv, cfg, b, c, ceil, args, **kw)
                 except Exception as e:  # a variant that does not compile (shared memory)
                     print(f"  {b:>3} {c:>6} {kw}: {type(e).__name__}: {str(e)[:80]}")
                     continue
+                h = md.LAST_LAUNCH.get("split")
+                regs = (getattr(h, "n_regs", "?"), getattr(h, "n_spills", "?"))
+                r["regs_spills"] = regs
                 rows.append(r)
-                print(f"  {b:>3} {c:>6} {kw}: {r['ms']:.3f} ms {r['of_hbm_read']:.0%}", flush=True)
-    return rows
+                print(f"  {b:>3} {c:>6} {kw}: {r['ms'] * 1e3:.1f} us {r['of_hbm_read']:.0%} "
+                      f"regs/spills {regs}", flush=True)  # fmt: skip
+    moe_rows: list[dict[str, Any]] = []
+    print("\ntune: expert GEMV (block_n, block_k, warps)")
+    saved = (mg.GEMV_BLOCK_N, mg.GEMV_BLOCK_K, mg.GEMV_WARPS)
+    saved_few = mg.GEMV_FEW_TILES
+    for t in (1, 16):
+        for bn, bk, nw in ((32, 256, 4), (16, 256, 4), (64, 256, 4), (32, 512, 4), (32, 256, 8),
+                           (64, 512, 8), (16, 512, 4)):  # fmt: skip
+            mg.GEMV_BLOCK_N, mg.GEMV_BLOCK_K, mg.GEMV_WARPS = bn, bk, nw
+            mg.GEMV_FEW_TILES = (bn, bk, nw)
+            r = bench_moe(model, t, ceil, args)
+            r["tiles"] = (bn, bk, nw)
+            moe_rows.append(r)
+            print(f"  tokens {t:>3} {(bn, bk, nw)}: {r['gemv_us']:.1f} us "
+                  f"{r['gemv_of_hbm']:.0%} (grouped_mm {r['grouped_mm_us']:.1f} us)",
+                  flush=True)  # fmt: skip
+    mg.GEMV_BLOCK_N, mg.GEMV_BLOCK_K, mg.GEMV_WARPS = saved
+    mg.GEMV_FEW_TILES = saved_few
+    return {"attention": rows, "moe": moe_rows}
 
 
 if __name__ == "__main__":

@@ -142,17 +142,18 @@ def _moe_weights(e: int, hidden: int, inter: int, dtype: torch.dtype) -> MoEWeig
     )
 
 
+@pytest.mark.parametrize("gemv", [True, False, None])
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-def test_grouped_moe_matches_loop(tokens: int) -> None:
+def test_grouped_moe_matches_loop(tokens: int, gemv: bool | None) -> None:
     e, k, hidden, inter = 16, 6, 256, 128
     w = _moe_weights(e, hidden, inter, torch.bfloat16)
     x = torch.randn(tokens, hidden, device=DEV).to(torch.bfloat16)
     assert can_group(x, w), "torch._grouped_mm should serve bf16 on this GPU"
     weights = torch.rand(tokens, k, device=DEV)
     ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tokens)])
-    grouped_experts(x, weights, ids, w)
+    grouped_experts(x, weights, ids, w, gemv)
     with no_host_sync():
-        got = grouped_experts(x, weights, ids, w)
+        got = grouped_experts(x, weights, ids, w, gemv)
     want = loop_experts(x.float(), weights, ids, _as_float(w))
     assert got.dtype == torch.bfloat16
     assert rel_err(got, want) < 1e-2

@@ -121,13 +121,14 @@ def paged_mla_decode(
 # --- Triton -----------------------------------------------------------------------------------
 
 _SM_COUNT: dict[int, int] = {}
+LAST_LAUNCH: dict[str, Any] = {}  # the last compiled split kernel (registers, spills: bench)
 
 # Tunables; the bench sweeps them on the device (bench/engine.py --tune).
 BLOCK_N = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
+MAX_SPLITS = 256
 
 
 def _sm_count(device: torch.device) -> int:
@@ -138,10 +139,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def num_splits_for(batch: int, head_groups: int, capacity: int, sms: int) -> int:
-    """Splits per sequence from shapes alone: enough programs for two waves over the SMs, each
-    split at least ``MIN_SPLIT_TOKENS`` of the table's capacity."""
+    """Splits per sequence from shapes alone (never from ``seq_lens``' values): about two
+    programs per SM, each split at least ``MIN_SPLIT_TOKENS`` of the table's capacity, less for
+    short tables, where a few long splits would leave the step waiting on a handful of programs
+    walking their tokens one tile at a time."""
     want = -(-2 * sms // max(1, batch * head_groups))
-    most = max(1, -(-capacity // MIN_SPLIT_TOKENS))
+    least = min(MIN_SPLIT_TOKENS, max(64, capacity // 16))
+    most = max(1, -(-capacity // least))
     return max(1, min(want, most, MAX_SPLITS))
 
 
@@ -176,6 +180,7 @@ def paged_mla_decode_triton(
     hg = -(-h // block_h)
     bs = kv_cache.shape[2]
     max_blocks = block_tables.shape[1]
+    bn = block_n or BLOCK_N
     if num_splits is None:
         num_splits = num_splits_for(b, hg, max_blocks * bs, _sm_count(q.device))
     out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
@@ -190,7 +195,7 @@ def paged_mla_decode_triton(
         so = (out.stride(0), out.stride(1), 0)
         sl = (lse.stride(0), lse.stride(1), 0)
     kernel: Any = _mla_decode_split
-    kernel[(b, num_splits, hg)](
+    LAST_LAUNCH["split"] = kernel[(b, num_splits, hg)](
         q,
         kv_cache[:, layer],  # the layer's base address: no layer index inside the kernel
         block_tables,
@@ -211,14 +216,15 @@ def paged_mla_decode_triton(
         sl[2],
         max_blocks,
         h,
+        num_splits,
         BS=bs,
         C=c,
         R=r,
         C_P2=_p2(c),
         R_P2=_p2(r),
         BLOCK_H=block_h,
-        BLOCK_N=block_n or BLOCK_N,
-        NUM_SPLITS=num_splits,
+        BLOCK_N=bn,
+        TILE_IN_BLOCK=bs % bn == 0,
         IEEE=kv_cache.dtype == torch.float32,
         num_warps=num_warps or NUM_WARPS,
         num_stages=num_stages or NUM_STAGES,
@@ -238,9 +244,9 @@ def paged_mla_decode_triton(
             out.stride(0),
             out.stride(1),
             lse.stride(0),
+            num_splits,
             C=c,
             C_P2=_p2(c),
-            NUM_SPLITS=num_splits,
             S_P2=_p2(num_splits, 2),
             num_warps=4,
         )
@@ -271,6 +277,7 @@ if HAS_TRITON:
         stride_ls,
         max_blocks,
         num_heads,
+        num_splits,
         BS: tl.constexpr,
         C: tl.constexpr,
         R: tl.constexpr,
@@ -278,7 +285,7 @@ if HAS_TRITON:
         R_P2: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        TILE_IN_BLOCK: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -292,7 +299,7 @@ if HAS_TRITON:
         mask_r = offs_r < R
 
         seq_len = tl.minimum(tl.load(SL + b).to(tl.int32), max_blocks * BS)
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = s * per_split
         end = tl.minimum(start + per_split, seq_len)
 
@@ -306,11 +313,20 @@ if HAS_TRITON:
         l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, C_P2], dtype=tl.float32)
         bt_row = BT + b.to(tl.int64) * stride_btb
+        # A tile inside one block needs one block id, fetched an iteration ahead so the KV
+        # loads do not wait on the table load.
+        blk_next = tl.load(bt_row + start // BS, mask=start < end, other=0).to(tl.int64)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
-            row = KV + blk * stride_kvb + (offs_n % BS) * stride_kvt
+            if TILE_IN_BLOCK:
+                blk = blk_next
+                nxt = n0 + BLOCK_N
+                blk_next = tl.load(bt_row + nxt // BS, mask=nxt < end, other=0).to(tl.int64)
+                row = KV + blk * stride_kvb + (offs_n % BS) * stride_kvt
+            else:
+                blk_t = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+                row = KV + blk_t * stride_kvb + (offs_n % BS) * stride_kvt
             k_c = tl.load(
                 row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
             )
@@ -361,38 +377,31 @@ if HAS_TRITON:
         stride_ob,
         stride_oh,
         stride_sb,
+        num_splits,
         C: tl.constexpr,
         C_P2: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
         S_P2: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_P2)
-        mask_s = offs_s < NUM_SPLITS
+        mask_s = offs_s < num_splits
         offs_c = tl.arange(0, C_P2)
         mask_c = offs_c < C
-        lses = tl.load(
-            L_PART + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
-            mask=mask_s,
-            other=float("-inf"),
-        )
+        base_l = L_PART + b.to(tl.int64) * stride_lb + h * stride_lh
+        lses = tl.load(base_l + offs_s, mask=mask_s, other=float("-inf"))
         m = tl.max(lses, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(lses - m_safe)
-        total = tl.sum(w, 0)
-        parts = tl.load(
-            O_PART
-            + b.to(tl.int64) * stride_pb
-            + h * stride_ph
-            + offs_s[:, None] * stride_ps
-            + offs_c[None, :],
-            mask=mask_s[:, None] & mask_c[None, :],
-            other=0.0,
-        )
+        total = tl.sum(tl.exp(lses - m_safe), 0)
+        base_o = O_PART + b.to(tl.int64) * stride_pb + h * stride_ph
+        acc = tl.zeros([C_P2], dtype=tl.float32)
+        for s in range(num_splits):
+            w = tl.exp(tl.load(base_l + s) - m_safe)
+            acc += w * tl.load(base_o + s * stride_ps + offs_c, mask=mask_c, other=0.0)
         t_safe = tl.where(total > 0, total, 1.0)
-        out = tl.sum(parts * w[:, None], 0) / t_safe
-        tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c, out, mask=mask_c)
+        tl.store(
+            OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c, acc / t_safe, mask=mask_c
+        )
         lse = tl.where(total > 0, m_safe + tl.log(t_safe), float("-inf"))
         tl.store(LSE + b.to(tl.int64) * stride_sb + h, lse)
 

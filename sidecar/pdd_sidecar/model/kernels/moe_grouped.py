@@ -11,10 +11,27 @@ depend on atomics' ordering.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from pdd_sidecar.model.weights import MoEWeights
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # machines without a GPU may have no Triton: the grouped GEMMs serve
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+# Up to this many (token, expert) pairs the per-pair GEMV kernels run instead of the grouped
+# GEMMs: with a few rows per expert the GEMM tiles are mostly padding, while a GEMV reads each
+# chosen expert's rows once at close to the memory rate. Decided from shapes only (graph-safe).
+GEMV_MAX_PAIRS = 128
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 32, 256, 4  # bench/engine.py --tune sweeps these
+GEMV_FEW_PAIRS, GEMV_FEW_TILES = 16, (16, 512, 4)  # batch-1 decode (6 pairs): measured best
 
 _AVAILABLE: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -66,11 +83,21 @@ def sort_by_expert(
 
 
 def grouped_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: MoEWeights
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w: MoEWeights,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token, ``[T, hidden]`` in
-    ``x``'s dtype (shared experts not included)."""
+    ``x``'s dtype (shared experts not included). ``gemv`` forces either kernel family (tests,
+    bench); by default the GEMV kernels take up to ``GEMV_MAX_PAIRS`` pairs."""
     t, k = ids.shape
+    if gemv is None:
+        gemv = HAS_TRITON and t * k <= GEMV_MAX_PAIRS
+    if gemv:
+        y = gemv_experts(x, ids, w)
+        return (y.view(t, k, -1).float() * weights.view(t, k, 1).float()).sum(1).to(x.dtype)
     order, rows, offs = sort_by_expert(ids, w.w_gate.shape[0])
     xs = x.index_select(0, rows)
     g = torch._grouped_mm(xs, w.w_gate.transpose(-2, -1), offs=offs)
@@ -93,3 +120,94 @@ def loop_experts(
         y = F.linear(h, w.w_down[e]) * weights[rows, slot, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return out
+
+
+def gemv_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w: MoEWeights,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Each (token, expert) pair's expert output ``[T*k, hidden]`` (unweighted), two Triton
+    kernels: gate and up fused with SiLU, then down."""
+    t, k = ids.shape
+    e, inter, hidden = w.w_gate.shape
+    pairs = t * k
+    few = pairs <= GEMV_FEW_PAIRS  # narrower, longer tiles: more programs for few pairs
+    block_n = block_n or (GEMV_FEW_TILES[0] if few else GEMV_BLOCK_N)
+    block_k = block_k or (GEMV_FEW_TILES[1] if few else GEMV_BLOCK_K)
+    num_warps = num_warps or (GEMV_FEW_TILES[2] if few else GEMV_WARPS)
+    flat = ids.reshape(-1).contiguous()
+    x = x.contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    gate_up: Any = _gemv_gate_up
+    gate_up[(pairs, triton.cdiv(inter, block_n))](
+        x, w.w_gate, w.w_up, flat, h,
+        hidden, inter, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
+        w.w_up.stride(0), w.w_up.stride(1), h.stride(0),
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    down: Any = _gemv_down
+    down[(pairs, triton.cdiv(hidden, block_n))](
+        h, w.w_down, flat, y,
+        inter, hidden, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), y.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return y
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gemv_gate_up(
+        X, WG, WU, IDS, H,
+        K, N, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ht,
+        TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        s = tl.program_id(0)
+        nb = tl.program_id(1)
+        tok = s // TOPK
+        e = tl.load(IDS + s).to(tl.int64)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        g_rows = WG + e * stride_ge + offs_n[:, None] * stride_gn
+        u_rows = WU + e * stride_ue + offs_n[:, None] * stride_un
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xv = tl.load(X + tok * stride_xt + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            m2 = mask_n[:, None] & mask_k[None, :]
+            wg = tl.load(g_rows + offs_k[None, :], mask=m2, other=0.0)
+            wu = tl.load(u_rows + offs_k[None, :], mask=m2, other=0.0)
+            acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], 1)
+            acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+        g = acc_g.to(H.dtype.element_ty).to(tl.float32)  # the reference rounds g and u first
+        u = acc_u.to(H.dtype.element_ty).to(tl.float32)
+        hv = g / (1.0 + tl.exp(-g)) * u
+        tl.store(H + s * stride_ht + offs_n, hv.to(H.dtype.element_ty), mask=mask_n)
+
+    @triton.jit
+    def _gemv_down(
+        H, WD, IDS, Y,
+        K, N, stride_ht, stride_de, stride_dn, stride_yt,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        s = tl.program_id(0)
+        nb = tl.program_id(1)
+        e = tl.load(IDS + s).to(tl.int64)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rows = WD + e * stride_de + offs_n[:, None] * stride_dn
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            hv = tl.load(H + s * stride_ht + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            wd = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc += tl.sum(wd.to(tl.float32) * hv[None, :], 1)
+        tl.store(Y + s * stride_yt + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
