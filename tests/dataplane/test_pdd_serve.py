@@ -249,3 +249,32 @@ def test_a_dead_child_stops_the_stack_with_an_error(
     assert f"{victim} killed by SIGKILL" in err, err
     assert str(tmp_path / "logs0" / f"{victim}.log") in err, err
     _assert_nothing_left(pids, pgids)
+
+
+def test_a_child_refusing_to_start_is_reported(tmp_path: Path) -> None:
+    """Settings the command does not set pass through to the instances; one they refuse stops
+    the start-up with the instance's own message and nothing left running."""
+    env = {**os.environ, "PDD_LEASE_SECONDS": "soon"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdd_cli.main", "serve", "--port", "0", "--log-dir",
+         str(tmp_path)], env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc
+    assert "exited with code 2" in proc.stderr, proc.stderr
+    assert "PDD_LEASE_SECONDS: must be a number, got 'soon'" in proc.stderr, proc.stderr
+    assert "ready at" not in proc.stdout
+    assert _with_env(b"PDD_LEASE_SECONDS=soon") == []
+
+
+def _with_env(item: bytes) -> list[int]:
+    """Live processes whose environment holds `item` (what this test's stack inherited)."""
+    out = []
+    for pid in _all_pids():
+        st = _proc_stat(pid)
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if st is not None and st[2] != "Z" and item in env:
+            out.append(pid)
+    return out
