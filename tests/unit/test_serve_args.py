@@ -136,7 +136,9 @@ def test_plan_and_env_are_what_the_instances_accept(
     dec = InstanceSettings.from_env(instance_env(cfg, "decode", PORTS, str(f), None, "/k"))
     assert dec.prefill_urls == ["http://127.0.0.1:11000"]
     assert (dec.http_port, dec.side_channel_port, dec.dist_port) == (14000, 15000, 16000)
-    r = RouterSettings.from_env(router_env(cfg, PORTS))
+    renv = router_env(cfg, PORTS, "/run/grant.key")
+    assert (renv["PDD_GRANT_KEY_FILE"], renv["PDD_BLOCK_SIZE"]) == ("/run/grant.key", "32")
+    r = RouterSettings.from_env(renv)
     assert (r.port, r.prefill, r.decode) == (8000, ["http://127.0.0.1:11000"],
                                              ["http://127.0.0.1:14000"])
 

@@ -248,7 +248,8 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
     return env
 
 
-def router_env(cfg: StackConfig, ports: Ports) -> dict[str, str]:
+def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict[str, str]:
+    """What the operator gives the router Deployment, with local URLs."""
     host = connect_host(cfg.host)
     env = {
         E.PDD_HTTP_PORT: str(ports.router),
@@ -258,7 +259,9 @@ def router_env(cfg: StackConfig, ports: Ports) -> dict[str, str]:
         E.PDD_ROUTER_HEALTH_INTERVAL_S: "0.5",
         E.PDD_MODEL_NAME: model_name(cfg.model),
         E.PDD_MODEL_SOURCE: cfg.model,
+        E.PDD_BLOCK_SIZE: str(cfg.block_size),
         E.PDD_LOG_LEVEL: cfg.log_level,
+        keys.ENV_GRANT_KEY_FILE: grant_key_file,
     }
     env.update(cfg.extra_env)
     return env
@@ -450,7 +453,7 @@ class LocalStack:
                                str(key_file)),
                   f"http://{host}:{ports.decode_http}", self.log_dir / "decode.log"),
             Child("router", [sys.executable, "-m", "pdd_sidecar", "router"],
-                  router_env(cfg, ports), self.url, self.log_dir / "router.log"),
+                  router_env(cfg, ports, str(key_file)), self.url, self.log_dir / "router.log"),
         ]
         for c in self.children:
             self._spawn(c)
