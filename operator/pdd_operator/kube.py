@@ -389,7 +389,7 @@ class Kube:
         out = await self.request("GET", path_of(kind, namespace), params=params,
                                  accept=_PARTIAL_LIST if kind in METADATA_ONLY
                                  else "application/json")
-        items: list[Obj] = out.get("items", [])
+        items: list[Obj] = out.get("items") or []  # metadata-only lists say null when empty
         api_version = _api_version(kind)
         for item in items:
             _as_kind(item, kind, api_version)
