@@ -109,16 +109,15 @@ class MetricsWatch:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                      max_tokens: int) -> tuple[float, list[float]] | None:
-    """(start, token arrival times) of one streamed completion; None when it failed."""
+                      max_tokens: int) -> tuple[float, list[float]] | str:
+    """(start, token arrival times) of one streamed completion, or why it failed."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     start = time.perf_counter()
     times: list[float] = []
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
-            await resp.read()
-            return None
+            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -128,11 +127,11 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                 break
             msg = json.loads(data)
             if "error" in msg:
-                return None
+                return f"stream error: {str(msg['error'])[:200]}"
             for choice in msg.get("choices", ()):
                 n = len(choice.get("token_ids") or ())
                 times.extend([time.perf_counter()] * n)
-    return (start, times) if len(times) == max_tokens else None
+    return (start, times) if len(times) == max_tokens else f"{len(times)} tokens"
 
 
 async def run_level(stack: LocalStack, dcp: int, concurrency: int, n_requests: int,
@@ -144,7 +143,7 @@ async def run_level(stack: LocalStack, dcp: int, concurrency: int, n_requests: i
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch.run(stop))
         queue = list(range(n_requests))
-        results: list[tuple[float, list[float]] | None] = []
+        results: list[tuple[float, list[float]] | str] = []
 
         async def client() -> None:
             while queue:
@@ -158,7 +157,12 @@ async def run_level(stack: LocalStack, dcp: int, concurrency: int, n_requests: i
         seconds = time.perf_counter() - t0
         stop.set()
         batch_sum, batch_count = await watcher
-    ok = [r for r in results if r is not None]
+    ok = [r for r in results if not isinstance(r, str)]
+    failures = [r for r in results if isinstance(r, str)]
+    if failures:
+        kinds = {f.split(":")[0] for f in failures}
+        print(f"  {len(failures)} failed ({', '.join(sorted(kinds))}), e.g. {failures[0]}",
+              file=sys.stderr, flush=True)
     tokens = sum(len(t) for _, t in ok)
     ttft = [t[0] - s for s, t in ok]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in ok if len(t) > 1]
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         found = check_config(cfg)
         if found:
             p.error("; ".join(found))
-        stack = LocalStack(cfg, out=sys.stderr)
+        stack = LocalStack(cfg)
         try:
             t0 = time.perf_counter()
             stack.start()

@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from pdd_api import keys
 from pdd_api.routing import plan_for_spec
@@ -392,10 +392,8 @@ class Child:
 class LocalStack:
     """One prefill instance, one decode instance and a router; `with` stops them all."""
 
-    def __init__(self, cfg: StackConfig, log_dir: str | Path | None = None,
-                 out: TextIO | None = None) -> None:
+    def __init__(self, cfg: StackConfig, log_dir: str | Path | None = None) -> None:
         self.cfg = cfg
-        self.out = out if out is not None else sys.stdout
         self.own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdd-serve-"))
         self.run_dir: Path | None = None  # routing plan and grant key, removed on stop
@@ -433,14 +431,18 @@ class LocalStack:
         self.run_dir = Path(tempfile.mkdtemp(prefix="pdd-serve-run-"))
         routing_file = self.run_dir / "routing.json"
         routing_file.write_text(routing_plan_json(cfg))
-        # The deployment's transfer-grant key (a Secret in a cluster): both instances share it.
+        # The deployment's transfer-grant key (a Secret in a cluster), shared by the stack.
         key_file = self.run_dir / "grant.key"
         key_file.touch(mode=0o600)
         key_file.write_text(secrets.token_hex(32))
         self.ports = ports = pick_ports(cfg)
         p_gpus = d_gpus = None
         if cfg.device == "cuda":
-            p_gpus, d_gpus = gpu_lists(cfg.prefill_tp, cfg.decode_tp, visible_gpus(os.environ))
+            try:
+                p_gpus, d_gpus = gpu_lists(cfg.prefill_tp, cfg.decode_tp,
+                                           visible_gpus(os.environ))
+            except ValueError as exc:
+                raise StackError(f"--device cuda: {exc}") from None
         host = connect_host(cfg.host)
         serve_argv = [sys.executable, "-m", "pdd_sidecar", "serve"]
         self.children = [
