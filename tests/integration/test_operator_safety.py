@@ -132,15 +132,14 @@ def test_podsecurity_restricted_namespace(kube: Kubectl, operator: Operator,
         wait_ready(kube, ns, name, operator)
         assert len(pods_of(kube, ns, name)) == 2
         kube.apply(make(bad, decode={"replicas": 1, "tensorParallelSize": 1, "template": {
-            "spec": {"containers": [{"name": "sidecar",
-                                     "securityContext": {"privileged": True}}]}}}), "-n", ns)
+            "spec": {"securityContext": {"runAsNonRoot": False}}}}), "-n", ns)
         obj = wait_for("Ready=False ReconcileError + Stalled",
                        lambda: stalled_for_current_generation(kube, ns, bad,
                                                               "ReconcileError"), timeout=60)
         msg = conditions(obj)["Ready"]["message"]
         assert 'violates PodSecurity "restricted' in msg, msg
         assert f"Pod {ns}/{bad}-decode-0" in msg, msg
-        assert "privileged" in msg, msg
+        assert "runAsNonRoot" in msg, msg
         assert argo_health(obj) in (None, "Degraded")
         assert [p["metadata"]["name"] for p in pods_of(kube, ns, bad)] == [f"{bad}-prefill-0"]
     finally:
