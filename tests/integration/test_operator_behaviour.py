@@ -285,8 +285,10 @@ def test_kubectl_scale_changes_decode_pods(kube: Kubectl, operator: Operator,
     assert [p["metadata"]["name"] for p in pods_of(kube, ns, name, "decode")] == [
         f"{name}-decode-{i}" for i in range(3)]
     assert len(pods_of(kube, ns, name, "prefill")) == 1, "scale drives decode only"
-    scale = kube.json("get", "--raw",
-                      f"/apis/serving.pdd.dev/v1alpha1/namespaces/{ns}/pddeployments/{name}/scale")
+    import json
+
+    scale = json.loads(kube("get", "--raw", f"/apis/serving.pdd.dev/v1alpha1/namespaces/{ns}/"
+                            f"pddeployments/{name}/scale").stdout)
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
     sel = scale["status"]["selector"]
     assert f"app.kubernetes.io/instance={name}" in sel
