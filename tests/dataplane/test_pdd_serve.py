@@ -278,3 +278,20 @@ def _with_env(item: bytes) -> list[int]:
         if st is not None and st[2] != "Z" and item in env:
             out.append(pid)
     return out
+
+
+def test_sigterm_during_start_up_stops_all(serves: list[Serve], tmp_path: Path) -> None:
+    s = Serve(["--prefill-tp", "2", "--decode-tp", "2"], tmp_path / "logs")
+    serves.append(s)
+    deadline = time.monotonic() + 60
+    while len({r for r in s.tree().values() if r}) < 3:  # every child spawned, none ready yet
+        assert time.monotonic() < deadline, s.tree()
+        assert s.process.poll() is None, s.stderr()
+        time.sleep(0.05)
+    pids, pgids, _ = _snapshot(s)
+    s.process.send_signal(signal.SIGTERM)
+    assert s.process.wait(timeout=60) == 0, s.stderr()
+    out = s.rest()
+    assert not any(READY.match(line) for line in out), out
+    assert out[-2:] == ["pdd serve: SIGTERM received, stopping", "pdd serve: stopped"], out
+    _assert_nothing_left(pids, pgids)
