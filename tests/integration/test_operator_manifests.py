@@ -70,6 +70,7 @@ def applied(kube: Kubectl) -> Iterator[None]:
     kube("delete", "namespace", "pdd-system", "--wait=false", check=False)
     kube("delete", "clusterrolebinding,clusterrole", "pdd-operator", "--ignore-not-found",
          check=False)
+    kube("delete", "clusterrole", "pdd-edit", "pdd-view", "--ignore-not-found", check=False)
     install_crd(kube)  # leave the committed CRD, with its kubectl apply history gone
 
 
@@ -96,6 +97,32 @@ def test_rbac_is_least_privilege(kube: Kubectl, applied: None, verb: str, resour
                                  allowed: bool) -> None:
     out = kube("auth", "can-i", verb, resource, "-n", "default", f"--as={SA}", check=False)
     assert out.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, out.stderr)
+
+
+@pytest.mark.parametrize("role,verb,resource,allowed", [
+    ("edit", "create", "pddeployments.serving.pdd.dev", True),
+    ("edit", "update", "pddeployments.serving.pdd.dev --subresource=scale", True),
+    ("edit", "patch", "pddeployments.serving.pdd.dev --subresource=status", False),
+    ("view", "list", "pddeployments.serving.pdd.dev", True),
+    ("view", "create", "pddeployments.serving.pdd.dev", False),
+])
+def test_users_get_pddeployments_through_edit_and_view(kube: Kubectl, applied: None, role: str,
+                                                       verb: str, resource: str,
+                                                       allowed: bool) -> None:
+    ns = "default"
+    user = f"pdd-{role}-user"
+    kube("create", "rolebinding", user, f"--clusterrole={role}", f"--user={user}", "-n", ns,
+         check=False)
+    try:
+        def answer() -> bool:
+            out = kube("auth", "can-i", verb, *resource.split(), "-n", ns, f"--as={user}",
+                       check=False)
+            return out.stdout.strip() == ("yes" if allowed else "no")
+
+        # the aggregation controller fills edit/view from pdd-edit/pdd-view shortly after apply
+        wait_for(f"{role} may {'' if allowed else 'not '}{verb} {resource}", answer, timeout=30)
+    finally:
+        kube("delete", "rolebinding", user, "-n", ns, "--ignore-not-found", check=False)
 
 
 def sa_kubeconfig(cluster: Cluster, kube: Kubectl, path: Path) -> Path:
