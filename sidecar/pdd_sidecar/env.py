@@ -24,6 +24,7 @@ PDD_BLOCK_SIZE = keys.ENV_BLOCK_SIZE
 PDD_ROUTING_FILE = keys.ENV_ROUTING_FILE
 PDD_SIDE_CHANNEL_PORT = keys.ENV_SIDE_CHANNEL_PORT
 POD_IP = keys.ENV_POD_IP
+PDD_GRANT_KEY_FILE = keys.ENV_GRANT_KEY_FILE  # the deployment's transfer-grant key (a Secret)
 
 # --- runtime knobs of prefill/decode instances ---
 PDD_HTTP_PORT = keys.ENV_HTTP_PORT  # instance API (/v1/prefill, /v1/decode, /healthz, ...)
@@ -48,6 +49,8 @@ PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
 PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"  # prefill tokens in one forward pass
 PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (rounded down to whole blocks)
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
+# Tests only: each KV pull sleeps before it claims its blocks: "S" seconds, or "A:B" (uniform).
+PDD_FAULT_PULL_DELAY_S = "PDD_FAULT_PULL_DELAY_S"
 PDD_PREFILL_URLS = keys.ENV_PREFILL_URLS  # comma list of http://host:port of prefill instances
 PDD_DECODE_URLS = keys.ENV_DECODE_URLS  # comma list of http://host:port of decode instances
 PDD_PREFILL_SERVICE = keys.ENV_PREFILL_SERVICE  # headless Service DNS name[:port] of prefill pods
@@ -61,6 +64,7 @@ PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
 PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
+PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
 # Longest prompt + completion the router accepts; unset: the checkpoint's max_position_embeddings.
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"
 
@@ -86,6 +90,25 @@ def _int(env: Mapping[str, str], key: str, default: int | None, minimum: int = 0
         raise ConfigError(f"{key}: must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _range(env: Mapping[str, str], key: str) -> tuple[float, float]:
+    raw = env.get(key, "") or "0"
+    try:
+        lo, _, hi = raw.partition(":")
+        span = (float(lo), float(hi or lo))
+    except ValueError:
+        raise ConfigError(f"{key}: must be seconds or LOW:HIGH, got {raw!r}") from None
+    if not 0 <= span[0] <= span[1]:
+        raise ConfigError(f"{key}: must be 0 <= LOW <= HIGH, got {raw!r}")
+    return span
+
+
+def _required(env: Mapping[str, str], key: str, what: str) -> str:
+    value = env.get(key, "")
+    if not value:
+        raise ConfigError(f"{key}: required, not set ({what})")
     return value
 
 
@@ -144,6 +167,8 @@ class InstanceSettings:
     max_step_tokens: int = 2048
     chunk_tokens: int = 512
     max_model_len: int = 0
+    grant_key_file: str = ""
+    fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InstanceSettings:
@@ -198,6 +223,9 @@ class InstanceSettings:
             max_step_tokens=_int(env, PDD_MAX_STEP_TOKENS, 2048, 1),
             chunk_tokens=_int(env, PDD_CHUNK_TOKENS, 512, 1),
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
+            grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
+                                     "shared by the deployment's prefill and decode pods"),
+            fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
         )
 
 
@@ -215,6 +243,7 @@ class RouterSettings:
     model_source: str = "builtin"
     max_model_len: int = 0  # 0: from the checkpoint
     max_body_bytes: int = 8 << 20
+    max_concurrency: int = 1024
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -232,6 +261,7 @@ class RouterSettings:
             model_source=env.get(PDD_MODEL_SOURCE, "") or "builtin",
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
             max_body_bytes=_int(env, PDD_ROUTER_MAX_BODY_BYTES, 8 << 20, 1024),
+            max_concurrency=_int(env, PDD_ROUTER_MAX_CONCURRENCY, 1024, 1),
         )
         if not (settings.prefill or settings.prefill_service):
             raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")

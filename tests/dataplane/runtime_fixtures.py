@@ -135,6 +135,9 @@ class LocalCluster:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[Proc] = []
+        self.key_file = workdir / "grant.key"
+        self.key_file.write_bytes(os.urandom(32).hex().encode())
+        self.key = self.key_file.read_bytes()
 
     def plan_file(self, plan_json: str, name: str = "routing.json") -> str:
         path = self.workdir / name
@@ -160,12 +163,13 @@ class LocalCluster:
             "PDD_LOG_LEVEL": "WARNING",
             "PDD_HANDSHAKE_TIMEOUT_S": "5",
             "PDD_TRANSFER_TIMEOUT_S": "20",
+            "PDD_GRANT_KEY_FILE": str(self.key_file),
         }
         env.update({k: str(v) for k, v in extra.items()})
         process = _context().Process(target=_serve_entry, args=(env,), daemon=False)
         process.start()
-        proc = Proc(f"{role}-{replica} tp{tp}/dcp{dcp}", f"http://127.0.0.1:{http_port}",
-                    process, env)
+        proc = Proc(f"{role}-{replica} tp{tp}/dcp{dcp}",
+                    f"http://127.0.0.1:{env['PDD_HTTP_PORT']}", process, env)
         self.procs.append(proc)
         return proc
 

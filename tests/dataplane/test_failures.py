@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -62,51 +61,59 @@ def _reference(n: int, max_tokens: int) -> list[int]:
     return generate("builtin", _prompt(n), max_tokens, block_size=BLOCK)
 
 
-def _fake_params(port: int, tp: int, dcp: int, num_tokens: int) -> dict[str, Any]:
-    return {"host": "127.0.0.1", "side_channel_port": port, "instance_id": "gone", "tp": tp,
-            "dcp": dcp, "block_size": BLOCK, "block_ids": list(range(8)),
-            "num_tokens": num_tokens}
-
-
-def test_unreachable_or_silent_prefill_fails_the_decode_naming_the_peer(
+def test_forged_or_foreign_grants_are_refused_and_a_dead_prefill_is_named(
     cluster: LocalCluster,
 ) -> None:
     routing = cluster.plan_file(_plan((2, 2), (2, 2)))
-    decode = cluster.instance("decode", 2, 2, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
-                              PDD_HANDSHAKE_TIMEOUT_S=1)
-    decode.wait_ready()
-    # Nothing listens on these ports.
-    dead = free_ports(2)
-    status, body = http("POST", f"{decode.url}/v1/decode", {
-        "request_id": "r-dead", "first_token": 1, "max_new_tokens": 4,
-        "kv_transfer_params": _fake_params(dead, 2, 2, 40)})
-    assert status == 502, body
-    assert f"127.0.0.1:{dead}" in error_text(body) and "unreachable" in error_text(body)
-    # A side channel that accepts and never answers: bounded by the handshake timeout.
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(16)
-    port = silent.getsockname()[1]
-    try:
-        status, body = http("POST", f"{decode.url}/v1/decode", {
-            "request_id": "r-silent", "first_token": 1, "max_new_tokens": 4,
-            "kv_transfer_params": _fake_params(port, 2, 2, 40)}, timeout=60)
-    finally:
-        silent.close()
-    assert status == 502, body
-    assert f"127.0.0.1:{port}" in error_text(body)
-    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
-    # ... and it still serves a healthy prefill.
     prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
-    router = cluster.router([prefill], [decode])
+    decode = cluster.instance("decode", 2, 2, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
+                              PDD_HANDSHAKE_TIMEOUT_S=1, PDD_PREFILL_URLS=prefill.url)
     prefill.wait_ready()
+    decode.wait_ready()
+    status, pre = http("POST", f"{prefill.url}/v1/prefill",
+                       {"request_id": "r-forge", "prompt_ids": _prompt(40)})
+    assert status == 200, pre
+    grant = pre["kv_transfer_params"]
+    from pdd_sidecar.kv.grants import sign
+
+    dead = free_ports(2)
+    forged = [
+        ({k: v for k, v in grant.items() if k != "signature"}, "not signed"),
+        ({**grant, "block_ids": [0, 1, 2]}, "signature does not match"),
+        ({**grant, "host": "10.1.2.3"}, "signature does not match"),
+        (sign({**grant, "side_channel_port": dead}, b"another deployment's key!"),
+         "signature does not match"),
+        (sign({**grant, "instance_id": "elsewhere"}, cluster.key),
+         "not a prefill peer of this decode"),
+        (sign({**grant, "expires_at": 1.0}, cluster.key), "expired"),
+    ]
+    for params, message in forged:
+        status, body = http("POST", f"{decode.url}/v1/decode", {
+            "request_id": "r-forge", "first_token": 1, "max_new_tokens": 4,
+            "kv_transfer_params": params})
+        assert status in (403, 410), body
+        assert message in error_text(body), (message, body)
+    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
+    # The genuine grant, after its prefill died: the claim names the prefill.
+    prefill.kill()
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "r-forge", "first_token": pre["first_token"], "max_new_tokens": 4,
+        "kv_transfer_params": grant}, timeout=60)
+    assert status == 502, body
+    assert prefill.url in error_text(body) and "unreachable" in error_text(body)
+    assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
+    status, text = http("GET", f"{decode.url}/metrics")
+    assert 'pdd_kv_transfer_failures_total{reason="transfer"} 1.0' in text
+    # ... and it still serves a healthy prefill where the dead one was.
+    fresh = cluster.instance("prefill", 2, 2, routing, BLOCK,
+                             PDD_HTTP_PORT=prefill.env["PDD_HTTP_PORT"])
+    router = cluster.router([fresh], [decode])
+    fresh.wait_ready()
     router.wait_ready()
     status, body = http("POST", f"{router.url}/v1/completions",
                         {"prompt": _prompt(40), "max_tokens": 6, "temperature": 0})
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == _reference(40, 6)
-    status, text = http("GET", f"{decode.url}/metrics")
-    assert 'pdd_kv_transfer_failures_total{reason="transfer"} 2.0' in text
 
 
 def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
@@ -117,7 +124,8 @@ def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
     gate = tmp_path / "gate"
     prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
     decode = cluster.instance("decode", 2, 1, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
-                              PDD_FAULT_READ_GATE=gate, PDD_TRANSFER_TIMEOUT_S=15)
+                              PDD_FAULT_READ_GATE=gate, PDD_TRANSFER_TIMEOUT_S=15,
+                              PDD_PREFILL_URLS=prefill.url)
     prefill.wait_ready()
     decode.wait_ready()
     status, pre = http("POST", f"{prefill.url}/v1/prefill",
@@ -149,7 +157,9 @@ def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
     # The decode instance keeps serving, from a new prefill instance.
     os.remove(gate)
-    fresh = cluster.instance("prefill", 2, 2, routing, BLOCK, replica=1)
+    # Restarted where the decode looks for its peer (same address, a new instance).
+    fresh = cluster.instance("prefill", 2, 2, routing, BLOCK, replica=1,
+                             PDD_HTTP_PORT=prefill.env["PDD_HTTP_PORT"])
     fresh.wait_ready()
     status, pre = http("POST", f"{fresh.url}/v1/prefill",
                        {"request_id": "r-after", "prompt_ids": _prompt(30)})
@@ -207,8 +217,12 @@ def _base_env(routing: Path, **extra: Any) -> dict[str, str]:
            "PDD_BLOCK_SIZE": str(BLOCK), "PDD_ROUTING_FILE": str(routing),
            "PDD_SIDE_CHANNEL_PORT": str(free_ports(2)), "PDD_HTTP_PORT": str(free_ports(1)),
            "POD_IP": "127.0.0.1", "PDD_BIND_HOST": "127.0.0.1"}
+    key = routing.parent / "grant.key"
+    if not key.exists():
+        key.write_bytes(os.urandom(32).hex().encode())
+    env["PDD_GRANT_KEY_FILE"] = str(key)
     env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return {k: v for k, v in env.items() if v != ""}
 
 
 def test_malformed_or_mismatched_routing_file_refuses_to_start(tmp_path: Path) -> None:
@@ -233,6 +247,12 @@ def test_malformed_or_mismatched_routing_file_refuses_to_start(tmp_path: Path) -
         assert "refusing to start" in done.stderr
     done = _serve(_base_env(tmp_path / "missing.json"))
     assert done.returncode == 2 and "missing.json: cannot read" in done.stderr
+    routing.write_text(json.dumps(good))
+    done = _serve(_base_env(routing, PDD_GRANT_KEY_FILE=""))
+    assert done.returncode == 2 and "PDD_GRANT_KEY_FILE: required" in done.stderr
+    (tmp_path / "short.key").write_bytes(b"tiny")
+    done = _serve(_base_env(routing, PDD_GRANT_KEY_FILE=tmp_path / "short.key"))
+    assert done.returncode == 2 and "has 4 bytes; at least 16" in done.stderr
 
 
 def test_metadata_mismatch_is_refused_naming_both_values(cluster: LocalCluster) -> None:
@@ -267,5 +287,6 @@ def test_metadata_mismatch_is_refused_naming_both_values(cluster: LocalCluster) 
     assert "dtype: local 'bfloat16' != decode 0 rank" in error_text(body), body
     assert "'float32'" in error_text(body)
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
-    status, released = http("POST", f"{prefill.url}/v1/release", {"request_id": "r-mismatch"})
+    status, released = http("POST", f"{prefill.url}/v1/release",
+                            {"kv_transfer_params": pre["kv_transfer_params"]})
     assert status == 200 and released == {"released": True}

@@ -103,7 +103,11 @@ class FakeInstance:
         self.prefills.append(body)
         s = self.script
         if s.prefill_delay_s:
-            await asyncio.sleep(s.prefill_delay_s)
+            try:
+                await asyncio.sleep(s.prefill_delay_s)
+            except asyncio.CancelledError:
+                self.cancelled.append(body["request_id"])  # the router hung up on it
+                raise
         if s.prefill_status != 200:
             return self._error(s.prefill_status, s.prefill_error or "refused")
         answer: dict[str, Any] = {"request_id": body["request_id"], "first_token": s.first,
@@ -603,14 +607,17 @@ def test_client_gone_while_waiting_cancels_decode_and_releases(stack: Stack,
     assert _wait(lambda: fake.cancelled == [rid] and fake.releases == [rid])
 
 
-def test_client_gone_during_the_prefill_releases(stack: Stack, fake: FakeInstance) -> None:
+def test_client_gone_during_the_prefill_hangs_up_on_it(stack: Stack,
+                                                       fake: FakeInstance) -> None:
+    """The router has no grant yet, so nothing to release: it drops the prefill's connection,
+    and the prefill cancels the request itself."""
     fake.script.prefill_delay_s = 2.0
     with pytest.raises(OSError):
         _post(f"{stack.routers['builtin']}/v1/completions",
               {"prompt": [1], "max_tokens": 4}, timeout=0.5)
     assert _wait(lambda: len(fake.prefills) == 1)
-    assert _wait(lambda: fake.releases == [fake.prefills[0]["request_id"]])
-    assert fake.decodes == []
+    assert _wait(lambda: fake.cancelled == [fake.prefills[0]["request_id"]])
+    assert fake.decodes == [] and fake.releases == []
 
 
 # ---------------------------------------------------------------- the real stack

@@ -34,7 +34,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, P
         prefill = cluster.instance("prefill", 2, 1, routing, BLOCK)
         # decode-0 must handshake its prefill peer before it reports ready.
         d0 = cluster.instance("decode", 1, 1, routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
-        d1 = cluster.instance("decode", 1, 1, routing, BLOCK, replica=1)
+        d1 = cluster.instance("decode", 1, 1, routing, BLOCK, replica=1,
+                              PDD_PREFILL_URLS=prefill.url)
         prefill_port = prefill.url.rsplit(":", 1)[1]
         # Prefill replicas from DNS: "localhost" may also resolve to ::1, where nothing
         # listens; the router must skip that replica as unhealthy.
@@ -244,7 +245,10 @@ def test_sigterm_drains_held_kv_before_exiting(tmp_path: Path) -> None:
         status, refused = http("POST", f"{prefill.url}/v1/prefill",
                                {"request_id": "late", "prompt_ids": [1, 2]})
         assert status == 503 and "draining" in error_text(refused)
-        status, released = http("POST", f"{prefill.url}/v1/release", {"request_id": "held"})
+        status, refused = http("POST", f"{prefill.url}/v1/release", {"request_id": "held"})
+        assert status == 403 and "kv_transfer_params" in error_text(refused)  # needs the grant
+        status, released = http("POST", f"{prefill.url}/v1/release",
+                                {"kv_transfer_params": pre["kv_transfer_params"]})
         assert status == 200 and released == {"released": True}
         prefill.process.join(60)
         assert prefill.process.exitcode == 0

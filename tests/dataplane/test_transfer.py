@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -188,17 +190,24 @@ def test_side_channel_handshake_refuses_a_mismatch_naming_both_values(
     payload = publication(role="prefill", rank=0, tp=1, dcp=1, instance_id="i0",
                           agent_name=pranks[0].agent.name, metadata=pranks[0].agent.metadata(),
                           region=pranks[0].agent.region, compat=mine)
-    server = SideChannelServer("127.0.0.1", 0, payload)
+    key = b"k" * 32
+    server = SideChannelServer("127.0.0.1", 0, payload, key)
     try:
-        info = handshake("127.0.0.1", server.port, mine, "decode rank 0", timeout_s=5)
+        info = handshake("127.0.0.1", server.port, mine, "decode rank 0", 5, key)
         assert info.agent_name == "p0" and info.region == pranks[0].agent.region
         other = CompatRecord("builtin:seed=0", "bfloat16", BLOCK, "layout-a", 1, "abc")
         with pytest.raises(CompatError, match="dtype: local 'float32' != .*'bfloat16'"):
-            handshake("127.0.0.1", server.port, other, "decode rank 0", timeout_s=5)
+            handshake("127.0.0.1", server.port, other, "decode rank 0", 5, key)
+        # Another deployment's key gets no metadata, and neither does a plain GET.
+        with pytest.raises(CompatError, match="key proof does not match"):
+            handshake("127.0.0.1", server.port, mine, "decode rank 0", 5, b"x" * 32)
+        with pytest.raises(urllib.error.HTTPError) as got:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metadata", timeout=5)
+        assert got.value.code == 404
     finally:
         server.close()
     with pytest.raises(PeerUnreachable, match=f"127.0.0.1:{server.port}"):
-        handshake("127.0.0.1", server.port, mine, "decode rank 0", timeout_s=2)
+        handshake("127.0.0.1", server.port, mine, "decode rank 0", 2, key)
 
 
 def test_check_compatible_lists_every_difference() -> None:

@@ -10,6 +10,7 @@ holds for decodes.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import queue
@@ -55,6 +56,7 @@ class InstanceDriver:
         self._inbox: queue.Queue[tuple[str, Any, Future[Any] | None]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
+        self._epochs = itertools.count(1)
         self.fatal: str | None = None
         for rank in range(s.tp):
             metrics.blocks_total.labels(rank=str(rank)).set(s.num_blocks)
@@ -79,6 +81,10 @@ class InstanceDriver:
 
     def release(self, request_id: str) -> Future[bool]:
         return self._post("release", request_id)
+
+    def claim(self, request_id: str, epoch: int, hold_s: float) -> Future[str | None]:
+        """A decode is about to READ a held request: pin it, or say why it cannot be read."""
+        return self._post("claim", (request_id, epoch, hold_s))
 
     def call(self, cmd: dict[str, Any]) -> Future[list[Any]]:
         """A command every rank runs between two steps (handshakes, stats)."""
@@ -158,6 +164,9 @@ class InstanceDriver:
                 fut.set_exception(RequestError(str(exc), 409, "conflict"))
         elif kind == "release":
             fut.set_result(self._release(payload))
+        elif kind == "claim":
+            rid, epoch, hold_s = payload
+            fut.set_result(self.leases.claim(rid, epoch, time.monotonic(), hold_s))
         elif kind == "call":
             if payload.get("op") == "shutdown":
                 fut.set_result(self.worker.run_as_leader(payload))
@@ -169,8 +178,8 @@ class InstanceDriver:
             "op": "step",
             "chunks": [(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
             + [([d.token], d.position, d.seq.blocks) for d in plan.decode],
-            "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks}
-                      for s in plan.pulls],
+            "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks,
+                       "claim_url": s.extra["claim_url"]} for s in plan.pulls],
             "poll": poll,
         }
         if poll:
@@ -234,7 +243,9 @@ class InstanceDriver:
             seq.finish_reason = "length"
         keep = seq.finish_reason is None
         if keep:
-            self.leases.hold(seq.id, seq.blocks, time.monotonic())
+            held = self.leases.hold(seq.id, seq.blocks, time.monotonic(), next(self._epochs))
+            seq.extra["epoch"] = held.epoch
+            seq.extra["expires_at"] = time.time() + self.settings.lease_seconds
         self.scheduler.finish_prefill(seq, keep_blocks=keep)
 
     def _expire_leases(self) -> None:
@@ -246,9 +257,10 @@ class InstanceDriver:
 
     def _release(self, request_id: str) -> bool:
         """The router gave up on a request: its blocks go now."""
-        held = self.leases.release(request_id)
-        if held is not None:
-            self.cache.free(held.blocks)
+        if request_id in self.leases:
+            held = self.leases.release(request_id, time.monotonic())
+            if held is not None:
+                self.cache.free(held.blocks)
             return True
         self.scheduler.cancel(request_id)
         return False

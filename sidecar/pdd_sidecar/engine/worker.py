@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import queue
+import random
 import threading
 import time
 import traceback
@@ -25,12 +26,16 @@ from typing import Any
 
 from pdd_api.plan import RoutingPlan
 from pdd_sidecar.env import InstanceSettings
+from pdd_sidecar.kv.claims import CLAIM_MARGIN_S, ClaimRefused, claim
 from pdd_sidecar.kv.compat import CompatError, CompatRecord, cache_layout, plan_digest
+from pdd_sidecar.kv.grants import GRANT_MARGIN_S, load_key
 from pdd_sidecar.kv.lease import notif_message, parse_notif
 from pdd_sidecar.kv.side_channel import PeerInfo, SideChannelServer, handshake, publication
 from pdd_sidecar.kv.transfer import KVTransferAgent, ReadStats, TransferError, plan_read_specs
 
 log = logging.getLogger(__name__)
+
+PULL_THREADS = 8
 
 
 class RequestError(RuntimeError):
@@ -202,6 +207,7 @@ class RankWorker:
         )
         self.agent_name = f"{s.role}-{s.replica}-r{rank}-{instance_id}"
         self.agent = KVTransferAgent(self.agent_name, self.cache.kv)
+        self.key = load_key(s.grant_key_file)
         self.side = SideChannelServer(
             s.bind_host,
             s.side_channel_port + rank,
@@ -210,6 +216,7 @@ class RankWorker:
                 agent_name=self.agent_name, metadata=self.agent.metadata(),
                 region=self.agent.region, compat=self.compat,
             ),
+            self.key,
         )
         self.peer_instances: dict[str, str] = {}  # side-channel key -> instance id
         self.who = f"{s.role} {s.replica} rank {rank}"
@@ -218,8 +225,10 @@ class RankWorker:
         self._pulls: queue.Queue[dict[str, Any]] = queue.Queue()
         self._pulled: list[tuple[str, dict[str, Any] | None, dict[str, Any]]] = []
         self._pulled_lock = threading.Lock()
-        if s.role == "decode":
-            threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True).start()
+        if s.role == "decode":  # a few, so one slow hand-off does not hold up the others
+            for i in range(PULL_THREADS):
+                threading.Thread(target=self._pull_loop, name=f"kv-pull-{i}",
+                                 daemon=True).start()
 
     # -- command dispatch
 
@@ -292,8 +301,18 @@ class RankWorker:
             if src.plan_digest and src.plan_digest != self.compat.plan_digest:
                 raise CompatError(f"{src.label}: plan digest {src.plan_digest} != local "
                                   f"{self.compat.plan_digest} (routing files differ)")
+            if s.fault_pull_delay_s[1]:
+                time.sleep(random.uniform(*s.fault_pull_delay_s))
             peers = self._connect(src.host, src.side_channel_port, src.instance_id,
                                   src.tp, src.dcp)
+            # Claimed last, right before the READ: the prefill pins the blocks for the read's
+            # whole time bound, or refuses if they were released or given to another request.
+            expires = float(job["source"]["expires_at"])
+            if time.time() > expires - GRANT_MARGIN_S:
+                raise ClaimRefused(f"the grant of request {job['id']!r} expired before its KV "
+                                   f"could be read; no READ was started")
+            claim(job["claim_url"], job["source"], s.transfer_timeout_s + CLAIM_MARGIN_S,
+                  s.handshake_timeout_s)
             specs = plan_read_specs(self.plan.reads_of(self.rank), src.num_tokens,
                                     s.block_size, src.dcp, s.dcp, src.block_ids, job["blocks"])
             stats = self.agent.read(
@@ -303,6 +322,8 @@ class RankWorker:
             )
         except CompatError as exc:
             return {"error": str(exc), "status": 409, "kind": "incompatible"}, {}
+        except ClaimRefused as exc:
+            return {"error": f"{self.who}: {exc}", "status": 410, "kind": "grant_refused"}, {}
         except TransferError as exc:
             self._drop_instance(src.host, src.side_channel_port)
             return {"error": f"{self.who}: {exc}", "status": 502, "kind": "transfer"}, {}
@@ -343,7 +364,7 @@ class RankWorker:
                          known, instance_id)
                 self._drop(key)
             info: PeerInfo = handshake(host, base_port + p, self.compat, self.who,
-                                       s.handshake_timeout_s)
+                                       s.handshake_timeout_s, self.key)
             if info.role != "prefill" or info.rank != p:
                 raise CompatError(f"peer {key}: expected prefill rank {p}, "
                                   f"found {info.role} rank {info.rank}")

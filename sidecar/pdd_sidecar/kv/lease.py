@@ -3,6 +3,11 @@
 A prefill instance keeps a request's blocks until every rank has received the notifications the
 plan promises it (`expectedNotifications`); if the decode instance dies or the router gives up,
 the lease returns the blocks after `lease_seconds`. Time is passed in, so the table is pure.
+
+Each holding carries the epoch of its allocation. A decode claims the blocks (naming the epoch
+of its grant) right before it READs them; a claim pins them for the READ's time bound, so
+neither the lease nor a release frees blocks a READ may still be copying, and a claim whose
+epoch is no longer held is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class Held:
     blocks: list[int]
     deadline: float
     pending: dict[int, int] = field(default_factory=dict)  # rank -> notifications still due
+    epoch: int = 0
+    pinned_until: float = 0.0
 
 
 class LeaseTable:
@@ -54,12 +61,25 @@ class LeaseTable:
     def held_blocks(self) -> int:
         return sum(len(h.blocks) for h in self._held.values())
 
-    def hold(self, request_id: str, blocks: list[int], now: float) -> None:
+    def hold(self, request_id: str, blocks: list[int], now: float, epoch: int = 0) -> Held:
         if request_id in self._held:
             raise ValueError(f"request {request_id} already holds blocks")
-        self._held[request_id] = Held(
-            request_id, list(blocks), now + self.lease_seconds, dict(self.expected)
-        )
+        held = Held(request_id, list(blocks), now + self.lease_seconds, dict(self.expected),
+                    epoch)
+        self._held[request_id] = held
+        return held
+
+    def claim(self, request_id: str, epoch: int, now: float, hold_s: float) -> str | None:
+        """Pin a holding for a READ; the reason it cannot be read, or None."""
+        held = self._held.get(request_id)
+        if held is None or held.epoch != epoch:
+            return (f"the blocks of request {request_id!r} (epoch {epoch}) were released or "
+                    f"reused")
+        if held.deadline <= now:
+            return f"the lease of request {request_id!r} ran out"
+        held.pinned_until = max(held.pinned_until, now + hold_s)
+        held.deadline = max(held.deadline, held.pinned_until)
+        return None
 
     def notified(self, request_id: str, rank: int) -> Held | None:
         """Count one notification; return the request once nothing more is due."""
@@ -73,8 +93,15 @@ class LeaseTable:
         self.released_total += 1
         return self._held.pop(request_id)
 
-    def release(self, request_id: str) -> Held | None:
-        return self._held.pop(request_id, None)
+    def release(self, request_id: str, now: float = 0.0) -> Held | None:
+        """Free now, unless a claimed READ may still be running: then at the end of its pin."""
+        held = self._held.get(request_id)
+        if held is None:
+            return None
+        if held.pinned_until > now:
+            held.deadline = held.pinned_until
+            return None
+        return self._held.pop(request_id)
 
     def expire(self, now: float) -> list[Held]:
         gone = [h for h in self._held.values() if h.deadline <= now]

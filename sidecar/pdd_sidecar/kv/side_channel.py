@@ -1,8 +1,10 @@
 """Per-rank side channel: HTTP on PDD_SIDE_CHANNEL_PORT + rank, publishing NIXL agent metadata.
 
-A reader POSTs its compatibility record to /handshake; the publisher answers 409 naming the
-differing fields (and both values) or 200 with its agent metadata, KV region and record. The
-reader checks the record again on its side, so neither side trusts the other's check alone.
+A reader POSTs its compatibility record to /handshake with a proof that it holds the
+deployment's grant key; the publisher answers 401 without one, 409 naming the differing fields
+(and both values), or 200 with its agent metadata, KV region and record. The reader checks the
+record again on its side, so neither side trusts the other's check alone. The metadata is never
+served to a caller without the key.
 It is a plain threaded http.server: it serves bytes fixed at start-up, so it never touches the
 NIXL agent or the model and cannot disturb the rank's main loop.
 """
@@ -20,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from pdd_sidecar.kv.compat import CompatError, CompatRecord, check_compatible
+from pdd_sidecar.kv.grants import GrantError, check_handshake, handshake_auth
 from pdd_sidecar.kv.transfer import RegionInfo, TransferError
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ def publication(
 class SideChannelServer:
     """Serves one rank's publication until closed."""
 
-    def __init__(self, host: str, port: int, payload: dict[str, Any]) -> None:
+    def __init__(self, host: str, port: int, payload: dict[str, Any], key: bytes) -> None:
         body = json.dumps(payload).encode()
         compat = CompatRecord.from_dict(payload["compat"])
         label = f"{payload['role']} rank {payload['rank']}"
@@ -88,9 +91,7 @@ class SideChannelServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                if self.path in ("/metadata", "/"):
-                    self._send(200, body)
-                elif self.path == "/healthz":
+                if self.path == "/healthz":
                     self._send(200, b'{"status":"ok"}')
                 else:
                     self._send(404, b'{"error":"not found"}')
@@ -103,7 +104,12 @@ class SideChannelServer:
                     length = int(self.headers.get("Content-Length", "0"))
                     request = json.loads(self.rfile.read(length) or b"{}")
                     who = str(request.get("peer", "peer"))
+                    check_handshake(key, request)
                     check_compatible(compat, CompatRecord.from_dict(request["compat"]), who)
+                except GrantError as exc:
+                    log.warning("refused handshake: %s", exc)
+                    self._send(401, json.dumps({"error": f"{label}: {exc}"}).encode())
+                    return
                 except CompatError as exc:
                     log.warning("refused handshake: %s", exc)
                     msg = f"{label} refuses the hand-off: {exc}"
@@ -128,13 +134,14 @@ class SideChannelServer:
 
 
 def handshake(
-    host: str, port: int, local: CompatRecord, who: str, timeout_s: float
+    host: str, port: int, local: CompatRecord, who: str, timeout_s: float, grant_key: bytes
 ) -> PeerInfo:
     """Exchange compatibility records with one remote rank and return its NIXL metadata."""
     key = f"{host}:{port}"
     request = urllib.request.Request(
         f"http://{key}/handshake",
-        data=json.dumps({"peer": who, "compat": local.to_dict()}).encode(),
+        data=json.dumps({"peer": who, "compat": local.to_dict(),
+                         **handshake_auth(grant_key, who, local.to_dict())}).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
@@ -147,7 +154,7 @@ def handshake(
             detail = json.loads(detail)["error"]
         except (ValueError, KeyError, TypeError):
             pass
-        if exc.code == 409:
+        if exc.code in (401, 409):
             raise CompatError(detail) from None
         raise PeerUnreachable(f"peer {key}: side channel answered {exc.code}: {detail}") from None
     except (OSError, ValueError) as exc:

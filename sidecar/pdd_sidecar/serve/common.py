@@ -43,6 +43,8 @@ class InstanceState:
         self.peers_ready = self.settings.role == "prefill"
         self.not_ready_reason = "starting: waiting for every rank's side channel"
         self.peer_status: dict[str, str] = {}
+        self.prefill_peers: dict[str, str] = {}  # instance id -> HTTP URL (decode)
+        self.peer_errors: dict[str, RequestError] = {}  # instance id -> why it was refused
         self.draining = False
 
     @property

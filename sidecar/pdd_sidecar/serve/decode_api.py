@@ -23,7 +23,8 @@ from aiohttp import web
 
 from pdd_sidecar.engine.driver import on_loop
 from pdd_sidecar.engine.scheduler import Sequence
-from pdd_sidecar.engine.worker import Source
+from pdd_sidecar.engine.worker import RequestError, Source
+from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantError, GrantExpired, verify
 from pdd_sidecar.serve.common import (
     STATE,
     InstanceState,
@@ -42,9 +43,32 @@ from pdd_sidecar.serve.common import (
 from pdd_sidecar.serve.discovery import replicas
 
 
+def _grant(state: InstanceState, params: Any) -> str:
+    """Check the grant and find the prefill peer that issued it; its HTTP URL (for the claim).
+
+    The decode reads only from prefill instances it discovered itself, never from a host a
+    request names."""
+    try:
+        verify(params, state.worker.key, margin_s=GRANT_MARGIN_S)
+    except GrantExpired as exc:
+        raise RequestError(str(exc), 410, "gone") from None
+    except GrantError as exc:
+        raise RequestError(str(exc), 403, "forbidden") from None
+    url = state.prefill_peers.get(str(params["instance_id"]))
+    refused = state.peer_errors.get(str(params["instance_id"]))
+    if url is None and refused is not None:
+        raise refused  # a configured peer that failed its handshake: say why
+    if url is None:
+        raise RequestError(
+            f"kv_transfer_params: instance {params['instance_id']} is not a prefill peer of "
+            f"this decode (known: {sorted(state.prefill_peers.values())})", 403, "forbidden")
+    return url
+
+
 def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
     params = body.get("kv_transfer_params")
     src = Source.parse(params)
+    claim_url = _grant(state, params)
     first = token_ids(state, [body.get("first_token")], "first_token")[0]
     max_new = int_field(body, "max_new_tokens", 16, 0)
     assert max_new is not None
@@ -57,6 +81,7 @@ def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
                    src.num_tokens + max_new, source=src, first_token=first,
                    **sequence_options(state, body))
     seq.extra["source"] = params
+    seq.extra["claim_url"] = claim_url
     return seq
 
 
@@ -90,6 +115,11 @@ async def decode(request: web.Request) -> web.StreamResponse:
     try:
         state.require_serving("decode")
         body = await read_json(request)
+        params = body.get("kv_transfer_params")
+        watch = request.app[PEERS]
+        if (isinstance(params, dict) and watch.session is not None
+                and params.get("instance_id") not in state.prefill_peers):
+            await watch.round()  # a prefill that restarted since the last round
         seq = _sequence(state, body)
         if body.get("stream"):
             response = await _stream(request, state, seq)
@@ -151,27 +181,29 @@ async def _stream(request: web.Request, state: InstanceState,
     return response
 
 
-async def watch_prefill_peers(state: InstanceState) -> None:
-    """Ready only once every configured prefill instance answered the handshake on all ranks.
+class PeerWatch:
+    """The decode's view of its prefill peers: handshaken on every rank, by instance id."""
 
-    A peer that later dies does not make this instance unready (the router routes around it);
-    an incompatible peer keeps it unready with the reason, since every request to it would fail.
-    """
-    s = state.settings
-    done: set[str] = set()
-    while not state.ranks_ready:
-        await asyncio.sleep(0.2)
-    timeout = aiohttp.ClientTimeout(total=s.handshake_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        while True:
+    def __init__(self, state: InstanceState) -> None:
+        self.state = state
+        self.done: set[str] = set()
+        self.lock = asyncio.Lock()
+        self.session: aiohttp.ClientSession | None = None
+
+    async def round(self) -> list[str]:
+        """Probe every configured prefill once; returns the problems of those never reached."""
+        state = self.state
+        s = state.settings
+        assert self.session is not None
+        async with self.lock:
             urls = await replicas(s.prefill_urls, s.prefill_service)
             problems = []
             for url in urls:
-                if url in done:
-                    continue
                 try:
-                    async with session.get(f"{url}/v1/info") as resp:
+                    async with self.session.get(f"{url}/v1/info") as resp:
                         info = await resp.json()
+                    if url in self.done and state.prefill_peers.get(info["instance_id"]) == url:
+                        continue
                     results = await state.call({
                         "op": "handshake", "host": info["host"],
                         "side_channel_port": info["side_channel_port"],
@@ -179,13 +211,19 @@ async def watch_prefill_peers(state: InstanceState) -> None:
                     })
                     err = first_error(results)
                     if err:
+                        state.peer_errors[str(info["instance_id"])] = err
                         raise err
-                    done.add(url)
+                    state.peer_errors.pop(str(info["instance_id"]), None)
+                    for old in [i for i, u in state.prefill_peers.items() if u == url]:
+                        del state.prefill_peers[old]
+                    state.prefill_peers[info["instance_id"]] = url
+                    self.done.add(url)
                     state.peer_status[url] = "ok"
                 except Exception as exc:
                     msg = str(exc) or type(exc).__name__
                     state.peer_status[url] = msg
-                    problems.append(f"{url}: {msg}")
+                    if url not in self.done:
+                        problems.append(f"{url}: {msg}")
             state.peers_ready = bool(urls) and not problems if (
                 s.prefill_urls or s.prefill_service) else True
             if state.peers_ready:
@@ -195,8 +233,32 @@ async def watch_prefill_peers(state: InstanceState) -> None:
                     "prefill peers have not answered the handshake: " + "; ".join(problems)
                     if problems else "no prefill peers found"
                 )
-            await asyncio.sleep(1.0 if not state.peers_ready else 5.0)
+            return problems
+
+
+PEERS = web.AppKey("peers", PeerWatch)
+
+
+async def watch_prefill_peers(state: InstanceState, watch: PeerWatch) -> None:
+    """Ready only once every configured prefill instance answered the handshake on all ranks.
+
+    A peer that later dies does not make this instance unready (the router routes around it);
+    an incompatible peer keeps it unready with the reason, since every request to it would fail.
+    A grant from an instance not seen yet (a restarted prefill) triggers a round at once.
+    """
+    while not state.ranks_ready:
+        await asyncio.sleep(0.2)
+    timeout = aiohttp.ClientTimeout(total=state.settings.handshake_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        watch.session = session
+        try:
+            while True:
+                await watch.round()
+                await asyncio.sleep(1.0 if not state.peers_ready else 5.0)
+        finally:
+            watch.session = None
 
 
 def add_routes(app: web.Application) -> None:
+    app[PEERS] = PeerWatch(app[STATE])
     app.router.add_post("/v1/decode", decode)

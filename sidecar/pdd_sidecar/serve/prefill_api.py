@@ -5,20 +5,27 @@ they are.
 "ignore_eos"}` answers the first token (chosen by the request's sampling), `finish_reason` (set
 when that token already ends the completion, and then nothing is held), and the
 `kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every prefill
-rank has its notifications or the lease runs out. `POST /v1/release {"request_id"}` frees a
-request the router gave up on without waiting for the lease.
+rank has its notifications or the lease runs out. The parameters are a grant signed with the
+deployment's key. `POST /v1/release {"kv_transfer_params"}` frees a request the router gave up
+on without waiting for the lease; `POST /v1/claim {"kv_transfer_params", "hold_s"}` is a decode
+rank pinning the blocks right before its READ (410 once they were released or reused).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
 from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.worker import RequestError
+from pdd_sidecar.kv.grants import GrantError, sign, verify
 from pdd_sidecar.serve.common import (
     STATE,
+    InstanceState,
     bad,
     error_response,
     finished,
@@ -29,6 +36,8 @@ from pdd_sidecar.serve.common import (
     sequence_options,
     token_ids,
 )
+
+MAX_HOLD_S = 600.0
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -60,7 +69,8 @@ async def prefill(request: web.Request) -> web.Response:
             "request_id": rid,
             "first_token": seq.output[0],
             "finish_reason": seq.finish_reason,
-            "kv_transfer_params": {
+            "kv_transfer_params": sign({
+                "request_id": rid,
                 "host": s.pod_ip,
                 "side_channel_port": s.side_channel_port,
                 "instance_id": state.worker.instance_id,
@@ -70,8 +80,10 @@ async def prefill(request: web.Request) -> web.Response:
                 "block_ids": seq.blocks,
                 "num_tokens": len(prompt),
                 "plan_digest": state.worker.compat.plan_digest,
+                "epoch": seq.extra["epoch"],
+                "expires_at": seq.extra["expires_at"],
                 "lease_seconds": s.lease_seconds,
-            } if held else None,
+            }, state.worker.key) if held else None,
         })
     except Exception as exc:
         return error_response(exc)
@@ -81,20 +93,53 @@ async def prefill(request: web.Request) -> web.Response:
             time.monotonic() - start)
 
 
+def _own_grant(state: InstanceState, body: dict[str, Any]) -> dict[str, Any]:
+    """A grant this instance signed; anything else is refused (403)."""
+    grant = body.get("kv_transfer_params")
+    try:
+        verify(grant, state.worker.key, margin_s=-1e9)  # expiry is the lease table's business
+    except GrantError as exc:
+        raise RequestError(str(exc), 403, "forbidden") from None
+    assert isinstance(grant, dict)
+    if grant["instance_id"] != state.worker.instance_id:
+        raise RequestError(f"kv_transfer_params: granted by instance {grant['instance_id']}, "
+                           f"not this one ({state.worker.instance_id})", 403, "forbidden")
+    return grant
+
+
 async def release(request: web.Request) -> web.Response:
+    """Takes the grant itself: only who was handed the blocks can give them back early."""
     state = request.app[STATE]
     try:
         body = await read_json(request)
-        rid = body.get("request_id")
-        if not isinstance(rid, str) or not rid:
-            raise bad("request_id: must be a non-empty string")
-        released = await state.call_release(rid)
+        grant = _own_grant(state, body)
+        released = await state.call_release(str(grant["request_id"]))
     except Exception as exc:
         return error_response(exc)
     state.metrics.requests.labels(role="prefill", endpoint="release", outcome="ok").inc()
     return web.json_response({"released": bool(released)})
 
 
+async def claim(request: web.Request) -> web.Response:
+    """A decode rank is about to READ: pin the blocks, or 410 when their epoch is gone."""
+    state = request.app[STATE]
+    try:
+        body = await read_json(request)
+        grant = _own_grant(state, body)
+        hold_s = body.get("hold_s")
+        if isinstance(hold_s, bool) or not isinstance(hold_s, int | float) or not (
+                0 < hold_s <= MAX_HOLD_S):
+            raise bad(f"hold_s: must be a number in (0, {MAX_HOLD_S:.0f}], got {hold_s!r}")
+        refused = await asyncio.wrap_future(
+            state.driver.claim(str(grant["request_id"]), int(grant["epoch"]), float(hold_s)))
+        if refused:
+            raise RequestError(refused, 410, "gone")
+    except Exception as exc:
+        return error_response(exc)
+    return web.json_response({"claimed": True})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/prefill", prefill)
     app.router.add_post("/v1/release", release)
+    app.router.add_post("/v1/claim", claim)

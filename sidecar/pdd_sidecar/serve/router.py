@@ -454,6 +454,8 @@ class Router:
         self.decode = Pool("decode", settings.decode, settings.decode_service)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
+        self.probe_session: aiohttp.ClientSession | None = None  # probes never queue behind work
+        self.in_flight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task[None]] = set()
 
@@ -462,14 +464,15 @@ class Router:
         return self.prefill.pick() is not None and self.decode.pick() is not None
 
     async def refresh(self) -> None:
-        assert self.session is not None
+        assert self.probe_session is not None
         for pool in (self.prefill, self.decode):
             pool.urls = await replicas(pool.static, pool.service)
 
             async def probe(url: str, pool: Pool = pool) -> None:
                 try:
                     timeout = aiohttp.ClientTimeout(total=2)
-                    async with self.session.get(f"{url}/readyz", timeout=timeout) as resp:  # type: ignore[union-attr]
+                    async with self.probe_session.get(  # type: ignore[union-attr]
+                            f"{url}/readyz", timeout=timeout) as resp:
                         ok = resp.status == 200
                 except (TimeoutError, aiohttp.ClientError, OSError):
                     ok = False
@@ -525,16 +528,22 @@ class Router:
                     self.prefill.mark(url, False)
                 last = exc
 
-    async def release(self, prefill_url: str, rid: str) -> None:
+    async def release(self, prefill_url: str, rid: str, grant: Any) -> None:
+        """Give held blocks back early; the grant proves they were handed to this request.
+        Without one (the client left during the prefill) the prefill cancels the request
+        itself when the connection drops, and its lease covers the rest."""
+        if not isinstance(grant, dict):
+            return
         try:
-            await self._post("prefill", prefill_url, "/v1/release", {"request_id": rid})
+            await self._post("prefill", prefill_url, "/v1/release",
+                             {"request_id": rid, "kv_transfer_params": grant})
         except ApiError as exc:
             log.info("release of %s on %s failed (the lease will free it): %s", rid,
                      prefill_url, exc)
 
-    def release_soon(self, prefill_url: str, rid: str) -> None:
+    def release_soon(self, prefill_url: str, rid: str, grant: Any = None) -> None:
         """Release on its own task: the caller may be a handler being cancelled."""
-        task = asyncio.get_running_loop().create_task(self.release(prefill_url, rid))
+        task = asyncio.get_running_loop().create_task(self.release(prefill_url, rid, grant))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -582,7 +591,7 @@ class Router:
                 self.release_soon(trip.prefill, rid)
             raise
         if not _is_int(pre.get("first_token")):
-            self.release_soon(prefill_url, rid)
+            self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
             raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
         first = int(pre["first_token"])
         # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
@@ -635,7 +644,7 @@ class Router:
                 else:
                     resp.close()
             if held:
-                self.release_soon(prefill_url, rid)
+                self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
 
     async def generate(self, rid: str, req: GenRequest, trip: Trip,
                        emit: Emit | None) -> Output:
@@ -833,7 +842,15 @@ async def metrics(request: web.Request) -> web.Response:
 async def openai_errors(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                         ) -> web.StreamResponse:
-    """aiohttp's own refusals (404, 405, 413) in the same error format as the rest."""
+    """aiohttp's own refusals (404, 405, 413) in the same error format as the rest, and the
+    bound on requests in flight (429 beyond it, before any work is done)."""
+    router = request.app[ROUTER]
+    if request.method == "POST" and router.in_flight >= router.settings.max_concurrency:
+        router.metrics.requests.labels(outcome="overloaded").inc()
+        return ApiError(429, f"the router has {router.in_flight} requests in flight (limit "
+                        f"{router.settings.max_concurrency})", headers={"Retry-After": "1"}
+                        ).response()
+    router.in_flight += 1
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -843,6 +860,8 @@ async def openai_errors(request: web.Request,
                         if exc.status != 413 else
                         f"request body larger than "
                         f"{request.app[ROUTER].settings.max_body_bytes} bytes").response()
+    finally:
+        router.in_flight -= 1
 
 
 def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.Application:
@@ -863,12 +882,15 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         router.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s or None),
             read_bufsize=1 << 22,
+            connector=aiohttp.TCPConnector(limit=2 * settings.max_concurrency),
         )
+        router.probe_session = aiohttp.ClientSession()
         await router.refresh()
         task = asyncio.create_task(router.health_loop())
         yield
         task.cancel()
         await router.session.close()
+        await router.probe_session.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app

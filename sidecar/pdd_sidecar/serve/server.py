@@ -23,8 +23,11 @@ from aiohttp import web
 from pdd_sidecar.engine.driver import InstanceDriver
 from pdd_sidecar.engine.worker import RankWorker
 from pdd_sidecar.env import ConfigError, InstanceSettings
+from pdd_sidecar.kv.grants import GrantError, load_key
 from pdd_sidecar.kv.side_channel import handshake
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
+from pdd_sidecar.model.config import ConfigError as ModelConfigError
+from pdd_sidecar.model.config import load_config
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve import decode_api, prefill_api
 from pdd_sidecar.serve.common import STATE, InstanceState
@@ -85,6 +88,7 @@ async def _check_own_ranks(state: InstanceState) -> None:
                 await loop.run_in_executor(
                     None, handshake, host, s.side_channel_port + r,
                     state.worker.compat, f"{s.role} {s.replica} rank 0", s.handshake_timeout_s,
+                    state.worker.key,
                 )
             state.ranks_ready = True
             if state.peers_ready:
@@ -114,7 +118,8 @@ def build_app(state: InstanceState) -> web.Application:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
         tasks = [asyncio.create_task(_check_own_ranks(state))]
         if state.settings.role == "decode":
-            tasks.append(asyncio.create_task(decode_api.watch_prefill_peers(state)))
+            tasks.append(asyncio.create_task(
+                decode_api.watch_prefill_peers(state, app[decode_api.PEERS])))
         yield
         for t in tasks:
             t.cancel()
@@ -184,7 +189,9 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         plan, plan_text = load_routing_file(
             settings.routing_file, settings.role, settings.tp, settings.dcp, settings.block_size
         )
-    except ConfigError as exc:
+        load_key(settings.grant_key_file)
+        load_config(settings.model_source)  # an unsupported checkpoint is refused by name
+    except (ConfigError, GrantError, ModelConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     _setup_logging(settings, 0)
