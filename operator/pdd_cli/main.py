@@ -20,6 +20,7 @@ from pdd_api.validation import (
     parse_spec,
     validate_document,
 )
+from pdd_cli.diagram import render_diagram, sides_title
 
 EXIT_OK, EXIT_INVALID, EXIT_UNUSABLE = 0, 1, 2
 
@@ -120,6 +121,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_for(doc)
         if args.output == "json":
             print(plan.to_json())
+        elif args.output == "diagram":
+            if i:
+                print()
+            print(render_diagram(plan, f"{doc['metadata']['name']}: " + sides_title(plan)))
         else:
             if i:
                 print()
@@ -144,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_validate)
     p = sub.add_parser("plan", help="show which decode rank reads which prefill ranks")
     p.add_argument("-f", "--file", required=True, help="YAML file ('-' for stdin)")
-    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.add_argument("-o", "--output", choices=["text", "json", "diagram"], default="text")
     p.add_argument("--tokens", type=int, help="prompt length for per-rank bytes")
     p.add_argument("--bytes-per-token", type=int, help="KV bytes per token (all layers)")
     p.set_defaults(func=cmd_plan)
