@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 import aiohttp  # noqa: E402
 
+from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
 _SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqs-at-dcp1", type=int, default=8,
                    help="sequences the decode's per-rank KV holds at dcp = 1 (default 8)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="keep each stack's logs in DIR/dcpN (default: a temporary folder, "
+                   "removed)")
     args = p.parse_args(argv)
     levels = args.concurrency or ([1, 4, 16, 32] if args.quick else [1, 4, 16, 64, 256])
     per_level = args.requests_per_level or (2.0 if args.quick else 4.0)
@@ -244,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     prefill_blocks = 2 * top * -(-(prompt_len) // args.block_size) + 64
     prompts = [[(17 * i + 31 * j + 7) % 256 for j in range(prompt_len)] for i in range(64)]
     if args.model != "builtin":
-        prompts = [[(17 * i + 31 * j + 7) % 1000 + 100 for j in range(prompt_len)]
-                   for i in range(64)]
+        vocab = load_config(args.model).vocab_size
+        span = min(1000, vocab // 2)
+        prompts = [[(17 * i + 31 * j + 7) % span + min(100, vocab - span)
+                    for j in range(prompt_len)] for i in range(64)]
     print(f"serving: P tp{args.prefill_tp}/dcp{args.prefill_dcp} -> D tp{n}/dcp{{1,{n}}}, "
           f"model {args.model}, {args.device}, prompt {prompt_len} + {args.max_tokens} tokens, "
           f"block {args.block_size}, decode KV {decode_blocks} blocks per rank "
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         found = check_config(cfg)
         if found:
             p.error("; ".join(found))
-        stack = LocalStack(cfg)
+        log_dir = Path(args.log_dir) / f"dcp{dcp}" if args.log_dir else None
+        stack = LocalStack(cfg, log_dir)
         try:
             t0 = time.perf_counter()
             stack.start()
@@ -283,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {r.concurrency: r for r in results if r.decode_dcp == 1}
     shard = {r.concurrency: r for r in results if r.decode_dcp == n}
     admitted = shard[top].max_running / max(1, base[top].max_running)
-    speed = shard[top].tokens_per_s / base[top].tokens_per_s
+    speed = shard[top].tokens_per_s / base[top].tokens_per_s if base[top].tokens_per_s else 0.0
     print(f"\nat concurrency {top}: admitted dcp{n}/dcp1 = {shard[top].max_running}/"
           f"{base[top].max_running} = {admitted:.2f} (target {n}); output tokens/s "
           f"dcp{n}/dcp1 = {speed:.2f}; TPOT p50 {shard[top].tpot_p50_ms:.2f} vs "
