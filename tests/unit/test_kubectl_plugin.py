@@ -1,0 +1,148 @@
+"""`kubectl pdd`: the pure parts (which routing ConfigMap is live, the plan and status reports)
+on objects the operator's own builders produce, and the installed entry point."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdd_api.validation import parse_spec
+from pdd_cli import kubectl_plugin as kp
+from pdd_cli.diagram import render_diagram
+from pdd_operator import builders
+
+from .conftest import ROOT
+
+EXAMPLE = ROOT / "manifests/examples/p-tp4-dcp4-to-d-tp4-dcp1.yaml"
+
+
+def _objects(name: str = "demo", uid: str = "uid-1") -> tuple[dict[str, Any], Any]:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"] = {"name": name, "namespace": "ns1", "uid": uid, "generation": 3}
+    doc["spec"]["decode"]["replicas"] = 2
+    desired = builders.build(builders.Owner(name, "ns1", uid), parse_spec(doc["spec"]))
+    return doc, desired
+
+
+def _running(pod: dict[str, Any], ip: str) -> dict[str, Any]:
+    pod = copy.deepcopy(pod)
+    pod["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    pod["spec"]["nodeName"] = "fake-1"
+    pod["status"] = {"phase": "Running", "podIP": ip,
+                     "conditions": [{"type": "Ready", "status": "True"}]}
+    return pod
+
+
+def test_entry_point_is_declared_and_loads() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, func = scripts["kubectl-pdd"].split(":")
+    assert getattr(importlib.import_module(module), func) is kp.main
+
+
+def test_routing_volume_name_matches_the_operator() -> None:
+    _, desired = _objects()
+    pod = desired.pods["decode"][0]
+    assert kp.routing_volume_configmap(pod) == desired.configmap["metadata"]["name"]
+    assert kp.ROUTING_VOLUME == builders.ROUTING_VOLUME
+
+
+def test_mounted_configmap_wins_and_foreign_ones_are_ignored() -> None:
+    doc, desired = _objects()
+    live = desired.configmap
+    old = copy.deepcopy(live)
+    old["metadata"]["name"] = "demo-routing-old"
+    old["metadata"]["creationTimestamp"] = "2030-01-01T00:00:00Z"  # newer, but nobody mounts it
+    foreign = copy.deepcopy(live)
+    foreign["metadata"]["name"] = "demo-routing-x"
+    foreign["metadata"]["ownerReferences"] = [{"uid": "someone-else"}]
+    pods = [_running(desired.pods["prefill"][0], "10.0.0.1")]
+    assert kp.pick_routing_configmap(doc, [old, foreign, live], pods) is live
+    # No pods yet: the newest owned one, never the foreign one.
+    assert kp.pick_routing_configmap(doc, [old, foreign, live], []) is old
+    with pytest.raises(kp.PluginError, match="no routing ConfigMap owned by it"):
+        kp.pick_routing_configmap(doc, [foreign], pods)
+
+
+def test_plan_report_lists_every_rank_with_its_pods_and_ports() -> None:
+    doc, desired = _objects()
+    plan = desired.plan
+    ips = {("prefill", 0): "10.0.0.1", ("decode", 0): "10.0.1.1", ("decode", 1): "10.0.1.2"}
+    pods = [_running(desired.pods[role][i], ip) for (role, i), ip in ips.items()]
+    out = kp.plan_report(doc, desired.configmap, pods)
+    assert render_diagram(plan).split("\n", 1)[1] in out
+    base = doc["spec"]["kvTransfer"]["sideChannelPort"] if "kvTransfer" in doc["spec"] else 5600
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln[:1] in "PD" and ln[1:2].isdigit()}
+    assert len(rows) == plan.prefill.tensor_parallel_size + plan.decode.tensor_parallel_size
+    for rank in range(plan.prefill.tensor_parallel_size):
+        assert f"demo-prefill-0 10.0.0.1:{base + rank}" in rows[f"P{rank}"]
+    for d in plan.decode_ranks:
+        row = rows[f"D{d.rank}"]
+        assert f"demo-decode-0 10.0.1.1:{base + d.rank}, demo-decode-1 10.0.1.2:" in row
+        for r in d.reads:
+            assert f"P{r.prefill_rank} [" in row
+
+
+def test_plan_report_refuses_a_configmap_that_is_no_plan() -> None:
+    doc, desired = _objects()
+    cm = copy.deepcopy(desired.configmap)
+    cm["data"]["routing.json"] = '{"version": 1}'
+    with pytest.raises(ValueError, match="malformed routing plan"):
+        kp.plan_report(doc, cm, [])
+
+
+def test_status_report_shows_roles_pods_conditions_and_latest_events() -> None:
+    doc, desired = _objects()
+    doc["status"] = {
+        "observedGeneration": 2, "routingCase": desired.plan.case,
+        "routingSummary": desired.plan.summary(),
+        "prefill": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
+        "conditions": [{"type": "Ready", "status": "False", "reason": "DecodeUnavailable",
+                        "message": "0/2 decode pods ready"}],
+    }
+    pods = [_running(desired.pods["prefill"][0], "10.0.0.1")]
+    events = [{"type": "Normal", "reason": f"Step{i}", "message": f"m{i}",
+               "lastTimestamp": f"2026-01-01T00:00:{i:02d}Z",
+               "involvedObject": {"kind": "PDDeployment", "name": "demo"}} for i in range(15)]
+    out = kp.status_report(doc, pods, events, limit=4)
+    assert "generation 3, observed 2  (operator has not caught up)" in out
+    assert desired.plan.summary() in out
+    assert "DecodeUnavailable" in out and "0/2 decode pods ready" in out
+    assert "demo-prefill-0" in out and "10.0.0.1" in out and "fake-1" in out
+    shown = [f"Step{i}" for i in range(15) if f"Step{i} " in out]
+    assert shown == ["Step11", "Step12", "Step13", "Step14"]
+    decode_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["decode"])
+    assert decode_row.split()[3:] == [str(doc["spec"]["decode"]["replicas"]), "0", "0", "0"]
+
+
+def test_validate_is_pdd_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kp.main(["validate", "-f", str(EXAMPLE)]) == 0
+    assert "1 document(s) valid" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["blockSize"] = 60
+    bad.write_text(yaml.safe_dump(doc))
+    assert kp.main(["validate", "-f", str(bad)]) == 1
+    assert "spec.blockSize" in capsys.readouterr().err
+
+
+def test_unreachable_cluster_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "kubeconfig"
+    cfg.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": "x"}}],
+    }))
+    import urllib3
+
+    urllib3.disable_warnings()
+    assert kp.main(["--kubeconfig", str(cfg), "status", "demo"]) == 1
+    assert "cannot reach the API server" in capsys.readouterr().err
