@@ -311,5 +311,65 @@ def test_late_reads_of_released_blocks_are_errors_never_wrong_tokens(
         else:
             assert status in (410, 429), body
             assert error_text(body), body
-    assert outcomes.get(200, 0) >= 1 and outcomes.get(410, 0) >= 1, (outcomes, [error_text(b) for _, b in answers][:5])
+    assert outcomes.get(200, 0) >= 1 and outcomes.get(410, 0) >= 1, outcomes
     _all_blocks_back(prefill.url, decode.url, within_s=30)
+
+
+def _vllm_proxy(prefill: str, decode: str, request: dict[str, Any]) -> tuple[int, Any]:
+    """vLLM's documented proxy flow: prefill with max_tokens 1 and do_remote_decode, then the
+    original request to the decode with the returned kv_transfer_params, one X-Request-Id."""
+    rid = f"proxy-{time.monotonic_ns()}"
+    leg = {**request, "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+           "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                  "remote_engine_id": None, "remote_block_ids": None,
+                                  "remote_host": None, "remote_port": None}}
+    leg.pop("stream_options", None)
+
+    def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json",
+                                                             "X-Request-Id": rid})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                raw = resp.read().decode()
+                if body.get("stream"):
+                    return resp.status, [json.loads(line[6:]) for line in raw.splitlines()
+                                         if line.startswith("data: {")]
+                return resp.status, json.loads(raw)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, pre = post(prefill, leg)
+    if status != 200:
+        return status, pre
+    params = pre["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == rid
+    assert {"remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+            "tp_size"} <= params.keys()
+    return post(decode, {**request, "kv_transfer_params": params})
+
+
+def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (2, 2), (2, 1))
+    prefill, decode = stack["prefill"].url, stack["decode"].url
+    prompt = _prompt(37, 9)
+    status, body = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_tokens": 7,
+                                                 "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == _reference(prompt, 7)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 7, "total_tokens": 44}
+    status, events = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_tokens": 7,
+                                                   "temperature": 0, "stream": True})
+    assert status == 200, events
+    streamed = [t for e in events for t in e["choices"][0]["token_ids"]]
+    assert streamed == _reference(prompt, 7)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # A plain request without the P/D parameters, and stop strings, are refused clearly.
+    for url, request, field in ((prefill, {"prompt": prompt}, "kv_transfer_params"),
+                                (decode, {"prompt": prompt}, "kv_transfer_params")):
+        status, answer = http("POST", f"{url}/v1/completions", request)
+        assert status == 400 and field in error_text(answer), answer
+    status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, "stop": ["x"]})
+    assert status == 400 and "stop" in error_text(answer)
+    _all_blocks_back(prefill, decode)

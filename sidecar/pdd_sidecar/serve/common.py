@@ -8,12 +8,12 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from aiohttp import web
 
-from pdd_sidecar.engine.driver import InstanceDriver
+from pdd_sidecar.engine.driver import InstanceDriver, on_loop
 from pdd_sidecar.engine.sampling import SamplingError, SamplingParams
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
@@ -113,10 +113,16 @@ def error_response(exc: BaseException) -> web.Response:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; whatever a client sends instead is its error (4xx): too big,
+    not UTF-8, not JSON, an integer past Python's 4,300 digits, nesting past the recursion limit."""
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("request body must be JSON", 400, "invalid_request") from None
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise RequestError(f"request body too large: {exc.text}", 413, "too_large") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        detail = str(exc)[:200] if not isinstance(exc, RecursionError) else "nested too deep"
+        raise RequestError(f"request body must be JSON: {detail}", 400,
+                           "invalid_request") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", 400, "invalid_request")
     return body
@@ -193,6 +199,30 @@ async def finished(request: web.Request, state: InstanceState, seq: Sequence) ->
         if not cancelled and client_gone(request):
             cancelled = True
             state.driver.cancel(seq.id)
+
+
+async def sequence_tokens(request: web.Request, state: InstanceState,
+                          seq: Sequence) -> AsyncGenerator[int, None]:
+    """Submit ``seq`` and yield its tokens as the engine chooses them; leaving early (a client
+    gone, a failed write) cancels the sequence. Check ``sequence_error`` once it ends."""
+    tokens: asyncio.Queue[int] = asyncio.Queue()
+    seq.on_token = on_loop(asyncio.get_running_loop(), tokens.put_nowait)
+    done = asyncio.ensure_future(finished(request, state, seq))
+    try:
+        while True:
+            getter = asyncio.ensure_future(tokens.get())
+            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                break
+            yield getter.result()
+        done.result()  # a refusal at submission (429, 400) raises here
+        while not tokens.empty():
+            yield tokens.get_nowait()
+    finally:
+        if not done.done():
+            state.driver.cancel(seq.id)
+            await done
 
 
 def sequence_error(seq: Sequence) -> RequestError | None:

@@ -21,7 +21,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdd_sidecar.engine.driver import on_loop
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RequestError, Source
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantError, GrantExpired, verify
@@ -29,7 +28,6 @@ from pdd_sidecar.serve.common import (
     STATE,
     InstanceState,
     bad,
-    client_gone,
     error_response,
     finished,
     first_error,
@@ -38,6 +36,7 @@ from pdd_sidecar.serve.common import (
     request_id,
     sequence_error,
     sequence_options,
+    sequence_tokens,
     token_ids,
 )
 from pdd_sidecar.serve.discovery import replicas
@@ -85,6 +84,18 @@ def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
     return seq
 
 
+async def decode_sequence(request: web.Request, state: InstanceState,
+                          body: dict[str, Any]) -> Sequence:
+    """The sequence of a decode request body (RequestError on refusal)."""
+    state.require_serving("decode")
+    params = body.get("kv_transfer_params")
+    watch = request.app[PEERS]
+    if (isinstance(params, dict) and watch.session is not None
+            and params.get("instance_id") not in state.prefill_peers):
+        await watch.round()  # a prefill that restarted since the last round
+    return _sequence(state, body)
+
+
 def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
     m = state.metrics
     ranks = []
@@ -113,14 +124,8 @@ async def decode(request: web.Request) -> web.StreamResponse:
     start = time.monotonic()
     outcome = "error"
     try:
-        state.require_serving("decode")
         body = await read_json(request)
-        params = body.get("kv_transfer_params")
-        watch = request.app[PEERS]
-        if (isinstance(params, dict) and watch.session is not None
-                and params.get("instance_id") not in state.prefill_peers):
-            await watch.round()  # a prefill that restarted since the last round
-        seq = _sequence(state, body)
+        seq = await decode_sequence(request, state, body)
         if body.get("stream"):
             response = await _stream(request, state, seq)
             outcome = "ok"
@@ -141,43 +146,28 @@ async def decode(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, state: InstanceState,
                   seq: Sequence) -> web.StreamResponse:
-    tokens: asyncio.Queue[int] = asyncio.Queue()
-    seq.on_token = on_loop(asyncio.get_running_loop(), tokens.put_nowait)
-    done = asyncio.ensure_future(finished(request, state, seq))
-    response: web.StreamResponse | None = None
-    while True:
-        getter = asyncio.ensure_future(tokens.get())
-        await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-        if not getter.done():
-            getter.cancel()
-            break
-        if response is None:
-            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-            await response.prepare(request)
-        try:
-            await response.write(json.dumps({"token": getter.result()}).encode() + b"\n")
-        except (ConnectionError, RuntimeError):
-            state.driver.cancel(seq.id)
-    await done
+    tokens = sequence_tokens(request, state, seq)
+    first = await anext(tokens, None)
     err = sequence_error(seq)
-    if response is None:
+    if first is None and err:
+        raise err  # nothing sent yet: a plain HTTP error
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        if first is not None:
+            await response.write(json.dumps({"token": first}).encode() + b"\n")
+            async for token in tokens:
+                await response.write(json.dumps({"token": token}).encode() + b"\n")
+        err = sequence_error(seq)
         if err:
-            raise err
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
-    lines = [json.dumps({"token": tokens.get_nowait()}) for _ in range(tokens.qsize())]
-    if err:
-        final: dict[str, Any] = {"error": {"message": str(err), "type": err.kind,
-                                           "code": err.status}, "status": err.status}
-    else:
-        final = {"done": True, **_summary(state, seq)}
-    lines.append(json.dumps(final))
-    if not client_gone(request):
-        try:
-            await response.write(("\n".join(lines) + "\n").encode())
-            await response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
+            final: dict[str, Any] = {"error": {"message": str(err), "type": err.kind,
+                                               "code": err.status}, "status": err.status}
+        else:
+            final = {"done": True, **_summary(state, seq)}
+        await response.write(json.dumps(final).encode() + b"\n")
+        await response.write_eof()
+    except (ConnectionError, RuntimeError):
+        await tokens.aclose()  # the client is gone: cancels the sequence
     return response
 
 

@@ -40,51 +40,57 @@ from pdd_sidecar.serve.common import (
 MAX_HOLD_S = 600.0
 
 
+async def run_prefill(request: web.Request, state: InstanceState,
+                      body: dict[str, Any]) -> dict[str, Any]:
+    """The instance API answer for a prefill request body (RequestError on refusal)."""
+    state.require_serving("prefill")
+    rid = request_id(body, lambda: uuid.uuid4().hex)
+    prompt = token_ids(state, body.get("prompt_ids"), "prompt_ids")
+    max_tokens = int_field(body, "max_tokens", None, 1)
+    total = len(prompt) + (max_tokens or 1)
+    if total > state.max_model_len:
+        raise bad(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
+                  f"({max_tokens or 1}) = {total} exceeds the maximum model length "
+                  f"{state.max_model_len}")
+    seq = Sequence(rid, prompt, max_tokens or 1 << 30, len(prompt),
+                   **sequence_options(state, body))
+    await finished(request, state, seq)
+    err = sequence_error(seq)
+    if err:
+        raise err
+    s = state.settings
+    held = seq.finish_reason is None
+    return {
+        "request_id": rid,
+        "first_token": seq.output[0],
+        "finish_reason": seq.finish_reason,
+        "kv_transfer_params": sign({
+            "request_id": rid,
+            "host": s.pod_ip,
+            "side_channel_port": s.side_channel_port,
+            "instance_id": state.worker.instance_id,
+            "tp": s.tp,
+            "dcp": s.dcp,
+            "block_size": s.block_size,
+            "block_ids": seq.blocks,
+            "num_tokens": len(prompt),
+            "plan_digest": state.worker.compat.plan_digest,
+            "epoch": seq.extra["epoch"],
+            "expires_at": seq.extra["expires_at"],
+            "lease_seconds": s.lease_seconds,
+        }, state.worker.key) if held else None,
+    }
+
+
 async def prefill(request: web.Request) -> web.Response:
     state = request.app[STATE]
     m = state.metrics
     start = time.monotonic()
     outcome = "error"
     try:
-        state.require_serving("prefill")
-        body = await read_json(request)
-        rid = request_id(body, lambda: uuid.uuid4().hex)
-        prompt = token_ids(state, body.get("prompt_ids"), "prompt_ids")
-        max_tokens = int_field(body, "max_tokens", None, 1)
-        total = len(prompt) + (max_tokens or 1)
-        if total > state.max_model_len:
-            raise bad(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
-                      f"({max_tokens or 1}) = {total} exceeds the maximum model length "
-                      f"{state.max_model_len}")
-        seq = Sequence(rid, prompt, max_tokens or 1 << 30, len(prompt),
-                       **sequence_options(state, body))
-        await finished(request, state, seq)
-        err = sequence_error(seq)
-        if err:
-            raise err
-        s = state.settings
-        held = seq.finish_reason is None
+        answer = await run_prefill(request, state, await read_json(request))
         outcome = "ok"
-        return web.json_response({
-            "request_id": rid,
-            "first_token": seq.output[0],
-            "finish_reason": seq.finish_reason,
-            "kv_transfer_params": sign({
-                "request_id": rid,
-                "host": s.pod_ip,
-                "side_channel_port": s.side_channel_port,
-                "instance_id": state.worker.instance_id,
-                "tp": s.tp,
-                "dcp": s.dcp,
-                "block_size": s.block_size,
-                "block_ids": seq.blocks,
-                "num_tokens": len(prompt),
-                "plan_digest": state.worker.compat.plan_digest,
-                "epoch": seq.extra["epoch"],
-                "expires_at": seq.extra["expires_at"],
-                "lease_seconds": s.lease_seconds,
-            }, state.worker.key) if held else None,
-        })
+        return web.json_response(answer)
     except Exception as exc:
         return error_response(exc)
     finally:

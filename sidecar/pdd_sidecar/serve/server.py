@@ -29,7 +29,7 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from pdd_sidecar.model.config import ConfigError as ModelConfigError
 from pdd_sidecar.model.config import load_config
 from pdd_sidecar.routing_file import load_routing_file
-from pdd_sidecar.serve import decode_api, prefill_api
+from pdd_sidecar.serve import decode_api, prefill_api, vllm_api
 from pdd_sidecar.serve.common import STATE, InstanceState
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ def build_app(state: InstanceState) -> web.Application:
     app.router.add_get("/v1/info", info)
     app.router.add_get("/v1/stats", stats)
     (prefill_api if state.settings.role == "prefill" else decode_api).add_routes(app)
+    vllm_api.add_routes(app)
 
     async def background(app: web.Application) -> Any:
         def on_term() -> None:
