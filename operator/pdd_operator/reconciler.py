@@ -78,6 +78,10 @@ class PassErrors(Exception):
     """Some objects could not be written; status says which. Raised after the status write so
     the pass is retried with backoff."""
 
+    def __init__(self, errors: list[ObjectError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{e.ref}: {e.message}" for e in errors))
+
 
 def _ref(obj: Obj) -> str:
     return f"{obj['kind']} {obj['metadata']['name']}"
@@ -309,7 +313,7 @@ class Reconciler:
         await self._write_status(body, status)
         outcome.status = status
         if outcome.errors:
-            raise PassErrors("; ".join(f"{e.ref}: {e.message}" for e in outcome.errors))
+            raise PassErrors(outcome.errors)
         return outcome
 
     def _desired_for(self, owner: Owner, generation: int, raw_spec: Any) -> tuple[

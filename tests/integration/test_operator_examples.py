@@ -75,8 +75,11 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
         pods = pods_of(kube, ns, name, role)
         assert [p["metadata"]["name"] for p in pods] == [
             f"{name}-{role}-{i}" for i in range(rs["replicas"])]
-        assert status[role] == {"replicas": rs["replicas"], "readyReplicas": rs["replicas"],
-                                "updatedReplicas": rs["replicas"]}
+        assert status[role] == {
+            "replicas": rs["replicas"], "readyReplicas": rs["replicas"],
+            "updatedReplicas": rs["replicas"],
+            "selector": f"app.kubernetes.io/name=pdd,app.kubernetes.io/instance={name},"
+                        f"app.kubernetes.io/component={role}"}
         for i, pod in enumerate(pods):
             assert pod["status"]["phase"] == "Running"
             node = nodes[pod["spec"]["nodeName"]]
@@ -105,6 +108,7 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
                 "PDD_HTTP_PORT": "8000",
                 "PDD_MODEL_NAME": spec["model"]["name"],
                 "PDD_DTYPE": "bfloat16",
+                "PDD_GRANT_KEY_FILE": "/etc/pdd-grant/grant.key",
                 "POD_IP": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}},
                 "PDD_POD_NAME": {"fieldRef": {"apiVersion": "v1",
                                               "fieldPath": "metadata.name"}},
@@ -113,8 +117,14 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
             }
             mounts = {m["name"]: m for m in c["volumeMounts"]}
             assert mounts["routing"]["mountPath"] == "/etc/pdd"
+            assert mounts["grant-key"]["mountPath"] == "/etc/pdd-grant"
+            assert mounts["grant-key"]["readOnly"] is True
+            assert mounts["dshm"]["mountPath"] == "/dev/shm"
             vols = {v["name"]: v for v in pod["spec"]["volumes"]}
             assert vols["routing"]["configMap"]["name"] == f"{name}-routing"
+            assert vols["grant-key"]["secret"]["secretName"] == f"{name}-grant-key"
+            assert vols["dshm"]["emptyDir"] == {"medium": "Memory"}
+            assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
             assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
             assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         svc = kube.json("get", "service", f"{name}-{role}", "-n", ns)

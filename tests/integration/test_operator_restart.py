@@ -25,8 +25,9 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
 )
 
 from pdd_api import keys
-from pdd_operator.kube import ApiError, Kube
-from pdd_operator.reconciler import Reconciler
+from pdd_operator.conditions import ObjectError
+from pdd_operator.kube import Kube
+from pdd_operator.reconciler import PassErrors, Reconciler
 
 pytestmark = pytest.mark.integration
 HASH = keys.ANNOTATION_SPEC_HASH
@@ -140,7 +141,7 @@ def test_conflict_between_read_and_write_is_retried(cluster: Cluster, kube: Kube
     one = {"replicas": 1, "tensorParallelSize": 1, "decodeContextParallelSize": 1}
     kube.apply(doc(name, prefill=one, decode=one), "-n", ns)
 
-    async def scenario() -> tuple[ApiError | None, str]:
+    async def scenario() -> tuple[ObjectError | None, str]:
         base = Kube.from_environment(kubeconfig=str(cluster.kubeconfig))
         rec = Reconciler(base)
         try:
@@ -154,11 +155,11 @@ def test_conflict_between_read_and_write_is_retried(cluster: Cluster, kube: Kube
             racer = RacingKube(base, f"{name}-prefill-0")
             rec.kube = racer
             rec.observe_pdd(pdd(kube, ns, name))
-            error: ApiError | None = None
+            error: ObjectError | None = None
             try:
                 await rec.run(ns, name)
-            except ApiError as exc:
-                error = exc
+            except PassErrors as exc:  # the pass went on, wrote status, then failed
+                error = exc.errors[0]
             assert racer.raced
             # Level-based retries from fresh reads until the pods carry the new spec.
             rec.kube = base
@@ -177,7 +178,8 @@ def test_conflict_between_read_and_write_is_retried(cluster: Cluster, kube: Kube
 
     error, images = asyncio.run(scenario())
     assert error is not None and error.status == 409, error
-    assert "precondition" in str(error).lower() or "uid" in str(error).lower(), error
+    assert error.ref == f"Pod {ns}/{name}-prefill-0", error
+    assert "precondition" in error.message.lower() or "uid" in error.message.lower(), error
     assert images == "pdd:0.2.0"
     names = sorted(p["metadata"]["name"] for p in pods_of(kube, ns, name))
     assert names == [f"{name}-decode-0", f"{name}-prefill-0"]
