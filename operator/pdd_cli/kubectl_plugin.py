@@ -60,11 +60,9 @@ def pick_routing_configmap(pdd: Obj, configmaps: Sequence[Obj], pods: Sequence[O
         raise PluginError(f"{_meta(pdd).get('name')}: no routing ConfigMap owned by it yet "
                           "(is the operator running? see `kubectl pdd status`)")
     by_name = {_meta(c)["name"]: c for c in owned}
-    mounted = sorted(
-        ((str(_meta(p).get("creationTimestamp", "")), routing_volume_configmap(p)) for p in pods),
-        reverse=True,
-    )
-    for _, name in mounted:
+    for pod in sorted(pods, key=lambda p: str(_meta(p).get("creationTimestamp") or ""),
+                      reverse=True):
+        name = routing_volume_configmap(pod)
         if name in by_name:
             return by_name[name]
     return max(owned, key=lambda c: (str(_meta(c).get("creationTimestamp", "")),
