@@ -68,3 +68,14 @@ def test_lua_stuck_reasons_match_the_operator() -> None:
 def test_argocd_cm_patch_embeds_the_same_lua() -> None:
     patch = yaml.safe_load((ARGO / "argocd-cm-patch.yaml").read_text())
     assert patch["data"]["resource.customizations.health.serving.pdd.dev_PDDeployment"] == LUA
+
+
+def test_stalled_is_degraded_with_the_api_message() -> None:
+    obj = yaml.safe_load((ARGO / "testdata/degraded-stalled-quota.yaml").read_text())
+    got = health(obj)
+    assert got["status"] == "Degraded"
+    assert "exceeded quota: gpus" in got["message"]
+    for c in obj["status"]["conditions"]:
+        if c["type"] == "Stalled":
+            c["status"] = "False"
+    assert health(obj)["status"] == "Progressing"
