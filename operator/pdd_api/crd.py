@@ -19,6 +19,7 @@ from pdd_api.models import (
     PDDeploymentStatus,
 )
 from pdd_api.rules import RULES
+from pdd_api.validation import MAX_NAME_LENGTH, NAME_PATTERN
 
 _SCALARS = {int: "integer", str: "string", bool: "boolean", float: "number"}
 
@@ -90,6 +91,19 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
+def name_rule() -> dict[str, str]:
+    """metadata.name leaves room for `-prefill-<i>` in a DNS label: checked by the API server
+    itself, so no webhook is needed for it (same words as `pdd validate`)."""
+    name = "self.metadata.name"
+    return {
+        "rule": f"{name}.size() <= {MAX_NAME_LENGTH} && {name}.matches('{NAME_PATTERN}')",
+        "messageExpression": (
+            "\"metadata.name: must be a lowercase DNS label (a-z, 0-9, '-') of at most "
+            f"{MAX_NAME_LENGTH} characters, got '%s'\".format([{name}])"),
+        "reason": "FieldValueInvalid",
+    }
+
+
 def _ready_column(name: str, ctype: str) -> dict[str, Any]:
     return {
         "name": name,
@@ -153,6 +167,7 @@ def crd() -> dict[str, Any]:
                                 "status": status,
                             },
                             "required": ["spec"],
+                            "x-kubernetes-validations": [name_rule()],
                         }
                     },
                 }

@@ -15,10 +15,13 @@ from pydantic import ValidationError
 
 from pdd_api.models import API_GROUP, API_VERSION, KIND, PDDeploymentSpec
 from pdd_api.rules import check_rules
+from pdd_api.structural import describe as _describe
+from pdd_api.structural import normalize
 
 API_VERSION_FULL = f"{API_GROUP}/{API_VERSION}"
 MAX_NAME_LENGTH = 47  # leaves room for "-prefill-<i>" within a 63-character DNS label
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"  # also the CRD's CEL rule (crd.name_rule)
+_DNS_LABEL = re.compile(NAME_PATTERN)
 
 
 class InvalidSpecError(ValueError):
@@ -29,10 +32,6 @@ class InvalidSpecError(ValueError):
 
 class UnusableInputError(ValueError):
     """Input that is not YAML or not a set of objects at all (exit 2, not 1)."""
-
-
-def _describe(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
 
 
 def _structural(spec: Any, prefix: str) -> list[str]:
@@ -91,9 +90,12 @@ def _dedupe(problems: list[str]) -> list[str]:
 
 
 def validate_spec(spec: Any, prefix: str = "spec") -> list[str]:
+    """Problems of a spec as the API server sees it: explicit nulls dropped (defaults apply),
+    integral floats read as integers where no CEL rule reads them (structural.py)."""
     if not isinstance(spec, Mapping):
         return [f"{prefix}: must be an object, got {_describe(spec)}"]
-    return _dedupe(_structural(spec, prefix) + check_rules(spec))
+    spec, schema_problems = normalize(spec, prefix)
+    return _dedupe(_structural(spec, prefix) + schema_problems + check_rules(spec))
 
 
 def validate_name(name: Any) -> list[str]:
@@ -132,7 +134,7 @@ def parse_spec(spec: Any) -> PDDeploymentSpec:
     problems = validate_spec(spec)
     if problems:
         raise InvalidSpecError(problems)
-    return PDDeploymentSpec.model_validate(spec)
+    return PDDeploymentSpec.model_validate(normalize(spec)[0])
 
 
 def load_documents(text: str) -> list[Any]:

@@ -136,3 +136,19 @@ def test_valid_is_accepted_and_printer_columns_show(
             value = value[key]
         index = header.split().index(column["name"].upper())
         assert cells[index] == str(value), (column["name"], header, row)
+
+
+def test_name_length_is_checked_by_cel_with_pdd_validate_words(
+    cluster: Cluster, crd: dict[str, Any], namespace: str
+) -> None:
+    from pdd_api.validation import validate_name
+
+    obj = copy.deepcopy(load_example())
+    long = "n" * 48
+    obj["metadata"]["name"] = long
+    proc = dry_run(cluster, namespace, obj)
+    assert proc.returncode != 0, f"a 48-character name was accepted:\n{proc.stdout}"
+    [words] = validate_name(long)
+    assert words in proc.stderr, proc.stderr
+    obj["metadata"]["name"] = "n" * 47
+    assert dry_run(cluster, namespace, obj).returncode == 0
