@@ -77,9 +77,16 @@ class Rule(Protocol):
     @property
     def field(self) -> str: ...  # dotted path under spec
 
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]: ...  # integers the CEL rule evaluates
+
     def check(self, spec: Mapping[str, Any]) -> str | None: ...
 
     def cel(self) -> dict[str, str]: ...
+
+
+def _path(dotted: str, *more: str) -> tuple[str, ...]:
+    return (*dotted.split("."), *more)
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,10 @@ class RangeRule:
     field: str
     lo: int
     hi: int
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field),)
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         v = _int(spec, self.field)
@@ -115,6 +126,10 @@ class DcpRule:
     def field(self) -> str:
         return f"{self.role}.decodeContextParallelSize"
 
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(f"{self.role}.tensorParallelSize"))
+
     def check(self, spec: Mapping[str, Any]) -> str | None:
         dcp, tp = _int(spec, self.field), _int(spec, f"{self.role}.tensorParallelSize")
         if dcp is None or tp is None or tp < 1 or dcp in (1, tp):
@@ -140,6 +155,10 @@ class DcpDivideRule:
 
     field: str = "decode.decodeContextParallelSize"
     other: str = "prefill.decodeContextParallelSize"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(self.other))
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         d, p = _int(spec, self.field), _int(spec, self.other)
@@ -168,6 +187,10 @@ class DcpDivideRule:
 @dataclass(frozen=True)
 class BlockSizeRule:
     field: str = "blockSize"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field),)
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         v = _int(spec, self.field)
@@ -203,6 +226,10 @@ class GpuRule:
     def field(self) -> str:
         return f"{self.role}.resources.{self.kind}"
 
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field, GPU_RESOURCE), _path(f"{self.role}.tensorParallelSize"))
+
     def check(self, spec: Mapping[str, Any]) -> str | None:
         amounts = lookup(spec, self.field)
         tp = _int(spec, f"{self.role}.tensorParallelSize")
@@ -233,6 +260,7 @@ class GpuRule:
 @dataclass(frozen=True)
 class NonEmptyRule:
     field: str
+    reads: tuple[tuple[str, ...], ...] = ()
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         v = lookup(spec, self.field)
@@ -267,6 +295,7 @@ class TemplateOwnedRule:
 
     role: str
     part: str  # "pod" | "container" | "metadata"
+    reads: tuple[tuple[str, ...], ...] = ()
 
     @property
     def field(self) -> str:
