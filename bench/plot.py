@@ -1,0 +1,138 @@
+"""Draw the benchmarks' JSON as PNG plots for docs/ (next to the tables they show).
+
+    python bench/plot.py serving docs/serving_cpu.json docs/serving_cpu.png
+    python bench/plot.py engine docs/gpu_engine_h200.json docs/gpu_engine_h200.png
+
+Inputs are what `bench/serving.py --json` and `bench/engine.py --json` write. Tables show exact
+figures; the plots show the shape (where dcp = N's admitted batch pays, how far a step is from
+its roofline) at a glance. Needs matplotlib (`pip install -e .[bench]`). The `*_series`
+functions are pure and shared with the tests that keep the JSON and the tables in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Series = dict[str, list[tuple[float, float]]]
+
+
+def serving_series(data: dict[str, Any]) -> dict[str, Series]:
+    """Per metric, per decode layout: (concurrency, value) points in concurrency order."""
+    out: dict[str, Series] = {}
+    metrics = {"output tokens/s": "tokens_per_s", "TPOT p50 (ms)": "tpot_p50_ms",
+               "TTFT p50 (ms)": "ttft_p50_ms", "admitted sequences": "max_running"}
+    for title, key in metrics.items():
+        series: Series = {}
+        for lv in sorted(data["levels"], key=lambda r: (r["decode_dcp"], r["concurrency"])):
+            series.setdefault(f"decode dcp {lv['decode_dcp']}", []).append(
+                (float(lv["concurrency"]), float(lv[key])))
+        out[title] = series
+    return out
+
+
+def engine_series(data: dict[str, Any]) -> dict[str, Series]:
+    """Decode step time (CUDA graph vs roofline) and tokens/s per batch over context; paged
+    attention GB/s over context; MoE time over tokens. Skipped layouts (KV over budget) drop."""
+    decode = [d for d in data["decode"] if "graph_ms" in d]
+    out: dict[str, Series] = {"decode step (ms)": {}, "decode tokens/s": {}}
+    for d in sorted(decode, key=lambda r: (r["batch"], r["context"])):
+        step = out["decode step (ms)"]
+        step.setdefault(f"batch {d['batch']} graph", []).append((d["context"], d["graph_ms"]))
+        step.setdefault(f"batch {d['batch']} roofline", []).append(
+            (d["context"], d["roofline_ms"]))
+        out["decode tokens/s"].setdefault(f"batch {d['batch']}", []).append(
+            (d["context"], d["tokens_per_s"]))
+    att: Series = {}
+    for a in sorted(data.get("attention", []), key=lambda r: (r["batch"], r["context"])):
+        att.setdefault(f"batch {a['batch']}", []).append((a["context"], a["GBps"]))
+    out["paged MLA attention (GB/s)"] = att
+    moe: Series = {"grouped_mm": [], "per-expert GEMV": []}
+    for m in sorted(data.get("moe", []), key=lambda r: r["tokens"]):
+        moe["grouped_mm"].append((m["tokens"], m["grouped_mm_us"]))
+        moe["per-expert GEMV"].append((m["tokens"], m["gemv_us"]))
+    out["MoE layer (µs)"] = moe
+    return out
+
+
+def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: Path,
+          hlines: dict[str, tuple[float, str]] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(panels)
+    cols = 2 if n > 2 else n
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, (name, series) in zip(axes.flat, panels.items(), strict=False):
+        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        colors: dict[str, str] = {}
+        for label, points in series.items():
+            xs, ys = zip(*points, strict=True) if points else ((), ())
+            # A measured line and its roofline share a colour; the roofline is dashed.
+            group = label.removesuffix(" roofline").removesuffix(" graph")
+            color = colors.setdefault(group, palette[len(colors) % len(palette)])
+            style = "--" if label.endswith("roofline") else "-"
+            ax.plot(xs, ys, style, color=color, marker="o", markersize=4, label=label)
+        if hlines and name in hlines:
+            value, text = hlines[name]
+            ax.axhline(value, color="grey", linestyle=":", label=text)
+        ax.set_title(name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabels.get(name, ""))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    # No Software/date metadata: the same JSON gives the same file.
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_serving(data: dict[str, Any], out: Path) -> None:
+    cfg = data.get("config", {})
+    title = (f"bench/serving.py: P tp{cfg.get('prefill_tp', '?')}/dcp{cfg.get('prefill_dcp', '?')}"
+             f" -> D tp{cfg.get('decode_tp', '?')}, {cfg.get('model', '?')} on "
+             f"{cfg.get('device', '?')}, prompt {cfg.get('prompt_tokens', '?')} + "
+             f"{cfg.get('max_tokens', '?')} tokens, same KV blocks per rank")
+    panels = serving_series(data)
+    _draw(panels, title, dict.fromkeys(panels, "concurrent streams"), out)
+
+
+def plot_engine(data: dict[str, Any], out: Path) -> None:
+    ceilings = data.get("ceilings", {})
+    title = (f"bench/engine.py: {data.get('config', '?')} on {data.get('device', '?')} "
+             f"(torch {data.get('torch', '?')}, Triton {data.get('triton', '?')})")
+    panels = engine_series(data)
+    xlabels = {"decode step (ms)": "context (tokens)", "decode tokens/s": "context (tokens)",
+               "paged MLA attention (GB/s)": "context (tokens)",
+               "MoE layer (µs)": "tokens in the batch"}
+    hlines = {}
+    if "hbm_read_Bps" in ceilings:
+        hlines["paged MLA attention (GB/s)"] = (ceilings["hbm_read_Bps"] / 1e9,
+                                                "HBM read, same run")
+    _draw(panels, title, xlabels, out, hlines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=["serving", "engine"])
+    ap.add_argument("json", type=Path)
+    ap.add_argument("png", type=Path)
+    args = ap.parse_args(argv)
+    data = json.loads(args.json.read_text())
+    (plot_serving if args.kind == "serving" else plot_engine)(data, args.png)
+    print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

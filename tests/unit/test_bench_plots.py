@@ -1,0 +1,97 @@
+"""The plots in docs/ draw the JSON beside them, and that JSON holds the figures of the tables
+next to the plots (a table edited without its JSON, or the reverse, fails here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from .conftest import ROOT
+
+DOCS = ROOT / "docs"
+
+
+def plot_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "bench" / "plot.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load(name: str) -> Any:
+    return json.loads((DOCS / name).read_text())
+
+
+def serving_table() -> list[list[str]]:
+    text = (DOCS / "serving.md").read_text()
+    rows = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 12 and all(re.fullmatch(r"[\d.]+", f) for f in fields):
+            rows.append(fields)
+    return rows
+
+
+def test_serving_json_holds_the_table() -> None:
+    levels = load("serving_cpu.json")["levels"]
+    rows = serving_table()
+    assert len(rows) == len(levels) >= 4
+    for fields, lv in zip(rows, levels, strict=True):
+        assert fields == [
+            str(lv["decode_dcp"]), str(lv["concurrency"]), str(lv["requests"]),
+            str(lv["errors"]), f"{lv['tokens_per_s']:.1f}", f"{lv['ttft_p50_ms']:.1f}",
+            f"{lv['tpot_p50_ms']:.2f}", f"{lv['tpot_p90_ms']:.2f}", str(lv["max_running"]),
+            str(lv["max_waiting"]), str(lv["min_blocks_free"]), f"{lv['mean_batch']:.2f}"]
+
+
+def close(shown: str, value: float, digits: int) -> bool:
+    """`shown` is `value` to within one unit of its last digit (the tables were rounded twice,
+    e.g. 37.8497 shown as 37.9)."""
+    return abs(float(shown) - value) <= 10**-digits + 1e-9
+
+
+def test_engine_json_holds_the_decode_table() -> None:
+    decode = {(d["batch"], d["context"]): d for d in load("gpu_engine_h200.json")["decode"]}
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+)% \| "
+                      r"(\d+) \|$", (DOCS / "gpu.md").read_text(), re.M)
+    measured = {k: d for k, d in decode.items() if "graph_ms" in d}
+    assert len(rows) == len(measured) >= 8
+    for b, c, eager, graph, roof, of_roof, tps in rows:
+        d = measured[(int(b), int(c))]
+        assert close(eager, d["eager_ms"], 1) and close(graph, d["graph_ms"], 2)
+        assert close(roof, d["roofline_ms"], 2)
+        assert int(of_roof) == round(100 * d["of_roofline"])
+        assert int(tps) == round(d["tokens_per_s"])
+
+
+def test_series_are_the_json_points() -> None:
+    plot = plot_module()
+    data = load("serving_cpu.json")
+    series = plot.serving_series(data)
+    for lv in data["levels"]:
+        line = series["output tokens/s"][f"decode dcp {lv['decode_dcp']}"]
+        assert (lv["concurrency"], lv["tokens_per_s"]) in line
+        assert (lv["concurrency"], lv["max_running"]) in series["admitted sequences"][
+            f"decode dcp {lv['decode_dcp']}"]
+    engine = load("gpu_engine_h200.json")
+    es = plot.engine_series(engine)
+    points = sum(len(v) for v in es["decode tokens/s"].values())
+    assert points == sum(1 for d in engine["decode"] if "graph_ms" in d)
+    for d in engine["decode"]:
+        if "graph_ms" in d:
+            graph = es["decode step (ms)"][f"batch {d['batch']} graph"]
+            assert (d["context"], d["graph_ms"]) in graph
+    assert len(es["MoE layer (µs)"]["grouped_mm"]) == len(engine["moe"])
+
+
+@pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
+                                          ("gpu_engine_h200.png", "gpu.md")])
+def test_plots_are_committed_and_shown_next_to_their_tables(png: str, doc: str) -> None:
+    assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({png})" in (DOCS / doc).read_text()
