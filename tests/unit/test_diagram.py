@@ -91,3 +91,9 @@ def test_drawing_agrees_with_the_plan(tp_p: int, dcp_p: int, tp_d: int, dcp_d: i
         assert line.count("[") == len(d.reads)
     if "-" in columns:
         assert any(ln.strip().startswith("'-'") for ln in lines)
+
+
+def test_docs_show_the_current_drawing() -> None:
+    text = (ROOT / "docs" / "kubectl.md").read_text()
+    shown = text.split("```\n", 2)[1].split("```", 1)[0]
+    assert shown == PR_PICTURE.replace("pr: ", "demo: ", 1)
