@@ -264,7 +264,8 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
-def role_env(spec: PDDeploymentSpec, role: Role, index: int) -> list[Obj]:
+def role_env(spec: PDDeploymentSpec, role: Role, index: int,
+             prefill_service: str = "") -> list[Obj]:
     r = getattr(spec, role)
     env = [
         _env(keys.ENV_ROLE, role),
@@ -281,6 +282,8 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int) -> list[Obj]:
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))
+    if role == "decode" and prefill_service:  # a decode reads only from peers it discovers
+        env.append(_env(keys.ENV_PREFILL_SERVICE, prefill_service))
     env += [
         _field_env(keys.ENV_POD_IP, "status.podIP"),
         _field_env(keys.ENV_POD_NAME, "metadata.name"),
@@ -353,7 +356,7 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "name": keys.CONTAINER_NAME,
         "image": spec.image,
         "command": [*SIDECAR_SERVE, *(r.extraArgs or [])],
-        "env": role_env(spec, role, index),
+        "env": role_env(spec, role, index, service_dns(owner, "prefill")),
         "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}]
         + [
             {"name": f"side-{rank}", "containerPort": side + rank, "protocol": "TCP"}

@@ -214,8 +214,12 @@ class PeerWatch:
                     state.peer_status[url] = msg
                     if url not in self.done:
                         problems.append(f"{url}: {msg}")
-            state.peers_ready = bool(urls) and not problems if (
-                s.prefill_urls or s.prefill_service) else True
+            if s.prefill_urls:  # a fixed set: every one must answer
+                state.peers_ready = bool(urls) and not problems
+            elif s.prefill_service:  # a Service's pods come and go: one serving peer will do
+                state.peers_ready = bool(state.prefill_peers) and len(problems) < len(urls)
+            else:
+                state.peers_ready = True
             if state.peers_ready:
                 state.not_ready_reason = ""
             else:
