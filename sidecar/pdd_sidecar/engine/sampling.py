@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 _MASK63 = (1 << 63) - 1
+_TINY = torch.finfo(torch.float32).tiny
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -29,7 +30,11 @@ def _number(raw: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SamplingError(f"sampling.{key}: must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise SamplingError(f"sampling.{key}: out of range, got an integer of "
+                            f"{int(value).bit_length()} bits") from None
 
 
 def _integer(raw: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -50,7 +55,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Also below float32's smallest normal: such a temperature is 0 or a denormal on the
+        logits' device, and the distribution it asks for is the greedy one anyway."""
+        return self.temperature < _TINY or self.top_k == 1
 
     @classmethod
     def parse(cls, raw: Any) -> SamplingParams:
@@ -84,7 +91,10 @@ def _generator(seed: int, index: int, device: torch.device) -> torch.Generator:
 
 def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """``logits [V]`` scaled by temperature with everything outside top-k / top-p at -inf."""
-    x = logits.float() / p.temperature
+    # From the row's maximum down: a temperature as small as 5e-324 then gives 0 and -inf, never
+    # inf - inf = nan (which multinomial refuses, and that would stop the engine loop).
+    x = logits.float()
+    x = (x - x.max()) / p.temperature
     if 0 < p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -70,8 +70,8 @@ def verify(params: Any, key: bytes, now: float | None = None, margin_s: float = 
     if not isinstance(params, Mapping):
         raise GrantError("kv_transfer_params: must be an object")
     got = params.get(SIGNATURE)
-    if not isinstance(got, str):
-        raise GrantError("kv_transfer_params: not signed (no signature)")
+    if not isinstance(got, str) or not got.isascii():  # compare_digest takes ASCII only
+        raise GrantError("kv_transfer_params: not signed (no hex signature)")
     if not hmac.compare_digest(got, _mac(key, b"grant:" + _canonical(params))):
         raise GrantError("kv_transfer_params: signature does not match (not issued by a "
                          "prefill of this deployment, or altered)")
@@ -95,7 +95,8 @@ def handshake_auth(key: bytes, peer: str, compat: Mapping[str, Any],
 
 def check_handshake(key: bytes, request: Mapping[str, Any], now: float | None = None) -> None:
     ts, auth = request.get("ts"), request.get("auth")
-    if not isinstance(auth, str) or isinstance(ts, bool) or not isinstance(ts, int | float):
+    if (not isinstance(auth, str) or not auth.isascii() or isinstance(ts, bool)
+            or not isinstance(ts, int | float)):
         raise GrantError("handshake not authenticated (no key proof)")
     body = json.dumps({"peer": request.get("peer"), "compat": request.get("compat"), "ts": ts},
                       sort_keys=True).encode()

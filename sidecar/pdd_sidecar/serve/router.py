@@ -127,25 +127,32 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(float(v)))
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))  # ints: no float()
 
 
 def _check_strings(value: Any, path: str, top: str) -> None:
-    """JSON may carry lone surrogates (`"\\ud800"`), which no tokenizer can encode."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad(f"{path}: contains an unpaired surrogate, not valid Unicode text",
-                      top) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(k, path, top)
-            _check_strings(v, f"{path}.{k}", top)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_strings(v, f"{path}[{i}]", top)
+    """JSON may carry lone surrogates (`"\\ud800"`), which no tokenizer can encode.
+
+    A loop, not recursion: a body nested as deep as the JSON parser allows must not reach
+    Python's recursion limit here."""
+    todo: list[tuple[Any, str]] = [(value, path)]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                where = path if len(path) <= 80 else path[:80] + "..."
+                raise bad(f"{where}: contains an unpaired surrogate, not valid Unicode text",
+                          top) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((k, path))
+                todo.append((v, f"{path}.{k}"))
+        elif isinstance(value, list):
+            todo.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
 
 
 def _opt_int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None = None,
@@ -681,6 +688,8 @@ async def _read_body(request: web.Request) -> Any:
         raise ApiError(413, f"request body larger than {limit} bytes", None) from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         raise bad("request body must be JSON", None) from None
+    except RecursionError:
+        raise bad("request body must be JSON: nested too deep", None) from None
 
 
 def _usage(req: GenRequest, out: Output) -> dict[str, int]:
