@@ -93,7 +93,7 @@ def test_plan_shows_the_live_routing_rank_by_rank(
     assert sorted(rows) == ["D0", "D1", "P0", "P1", "P2", "P3"]
     port = deployed["spec"]["kvTransfer"]["sideChannelPort"]
     for p in pods:
-        role, tag = p["metadata"]["labels"]["app.kubernetes.io/component"], None
+        role = p["metadata"]["labels"]["app.kubernetes.io/component"]
         tag = "P" if role == "prefill" else "D"
         tp = deployed["spec"][role]["tensorParallelSize"]
         for rank in range(tp):
