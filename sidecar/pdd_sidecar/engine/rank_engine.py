@@ -56,11 +56,12 @@ def allocate_request(cache: PagedKVCache, num_tokens: int, dcp: int) -> list[int
 class CachedViews:
     """The continuing chunks of a step, as their attention needs them."""
 
-    items: list[tuple[int, torch.Tensor, int, torch.Tensor | None]] = field(
+    items: list[tuple[int, torch.Tensor | None, int, torch.Tensor | None]] = field(
         default_factory=list)
     decode: list[int] = field(default_factory=list)  # indices into items of decode tokens
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -136,27 +137,35 @@ class RankEngine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
 
-    def _table(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+    def _check_table(self, block_ids: Sequence[int], num_tokens: int) -> None:
         need = kvc.num_table_blocks(num_tokens, self.cache.block_size, self.dcp)
         if len(block_ids) < need:
             raise ValueError(
                 f"block table has {len(block_ids)} blocks, {num_tokens} tokens need {need} "
                 f"(block_size {self.cache.block_size}, dcp {self.dcp})"
             )
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.cache.device)
 
-    def _slots(
-        self, positions: torch.Tensor, table: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Which of ``positions`` this rank stores, and where (block id, offset)."""
-        bs = self.cache.block_size
-        pos = positions.to(self.cache.device)
-        chunk = pos // bs
-        if self.dcp > 1:
-            mine = torch.nonzero(chunk % self.dcp == self.rank).flatten()
-        else:
-            mine = torch.arange(pos.shape[0], device=pos.device)
-        return mine, table[chunk[mine] // self.dcp], pos[mine] % bs
+    def _slots(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, ...]:
+        """Positions of every token of the step, and which of them this rank stores where
+        (row, block id, offset): worked out on the host, then one copy each to the device,
+        so a step costs no per-sequence device work or synchronisation."""
+        bs, dcp, rank = self.cache.block_size, self.dcp, self.rank
+        positions, mine, blk, off = [], [], [], []
+        row = 0
+        for c in chunks:
+            n = len(c.tokens)
+            self._check_table(c.block_ids, c.start + n)
+            pos = torch.arange(c.start, c.start + n)
+            chunk = pos // bs
+            keep = (chunk % dcp == rank) if dcp > 1 else torch.ones(n, dtype=torch.bool)
+            table = torch.tensor(list(c.block_ids), dtype=torch.long)
+            positions.append(pos)
+            mine.append(torch.arange(row, row + n)[keep])
+            blk.append(table[chunk[keep] // dcp])
+            off.append(pos[keep] % bs)
+            row += n
+        dev = self.cache.device
+        return tuple(torch.cat(t).to(dev) for t in (positions, mine, blk, off))
 
     def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         cfg, w, comm, dev = self.cfg, self.model.weights, self.comm, self.model.device
@@ -164,19 +173,16 @@ class RankEngine:
         self._check_tokens(all_tokens)
         if any(len(c.tokens) == 0 for c in chunks):
             raise ValueError("a chunk with no tokens")
-        tables = [self._table(c.block_ids, c.start + len(c.tokens)) for c in chunks]
         bounds = [0]
         for c in chunks:
             bounds.append(bounds[-1] + len(c.tokens))
-        positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
-        slot_parts = [self._slots(positions[a:b], t)
-                      for a, b, t in zip(bounds[:-1], bounds[1:], tables, strict=True)]
-        mine = torch.cat([m + a for (m, _, _), a in zip(slot_parts, bounds[:-1], strict=True)])
-        blk = torch.cat([b for _, b, _ in slot_parts])
-        off = torch.cat([o for _, _, o in slot_parts])
+        positions, mine, blk, off = self._slots(chunks)
         fresh = [i for i, c in enumerate(chunks) if c.start == 0]
         cached = [i for i, c in enumerate(chunks) if c.start > 0]
-        views = self._cached_views(chunks, tables, cached)
+        views = self._cached_views(chunks, cached)
+        rows = None
+        if cached:
+            rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in cached]).to(dev)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
         lead = self.rank == 0  # adds the biases of row-sharded projections exactly once
@@ -191,8 +197,7 @@ class RankEngine:
                 a_, b_ = bounds[s], bounds[s + 1]
                 o[a_:b_] = prefill_attention(q_nope[a_:b_], q_pe[a_:b_], latent[a_:b_],
                                              lw.attn, cfg)
-            if cached:
-                rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in cached]).to(dev)
+            if rows is not None:
                 q = absorb_q(q_nope[rows], q_pe[rows], lw.attn)
                 o[rows] = unabsorb_v(self._cached_attention(q, i, views).to(x.dtype), lw.attn)
             o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
@@ -207,35 +212,38 @@ class RankEngine:
             x = x + (comm.all_reduce(y) if lw.mlp_sharded else y)
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
 
-    def _cached_views(self, chunks: Sequence[SeqChunk], tables: Sequence[torch.Tensor],
-                      cached: Sequence[int]) -> CachedViews:
+    def _cached_views(self, chunks: Sequence[SeqChunk], cached: Sequence[int]) -> CachedViews:
         """Per chunk that continues a cached sequence: its query count, table, the local tokens
         to read, and a visibility mask (None when every local token is visible to every query,
-        as for a decode token). Decode tokens also go into one padded block-table batch for the
-        paged decode kernel, built once per step."""
+        as for a decode token). Decode tokens go into one padded block-table batch for the
+        paged decode kernel, built on the host and copied once per step."""
         bs, dev = self.cache.block_size, self.cache.device
         views = CachedViews()
+        decode_tables: list[Sequence[int]] = []
+        decode_lens: list[int] = []
         for s in cached:
             c = chunks[s]
             end = c.start + len(c.tokens)
             n_local = kvc.local_token_count(end, bs, self.dcp, self.rank)
-            mask = None
             if len(c.tokens) > 1:
                 kpos = kvc.local_positions(n_local, bs, self.dcp, self.rank, dev)
                 qpos = torch.arange(c.start, end, device=dev)
-                mask = kpos[None, :] <= qpos[:, None]
-            else:
-                views.decode.append(len(views.items))
-            views.items.append((len(c.tokens), tables[s], n_local, mask))
+                table = torch.tensor(list(c.block_ids), dtype=torch.long, device=dev)
+                views.items.append((len(c.tokens), table, n_local, kpos[None, :] <= qpos[:, None]))
+                continue
+            views.decode.append(len(views.items))
+            views.items.append((1, None, n_local, None))
+            decode_tables.append(c.block_ids)
+            decode_lens.append(n_local)
         if views.decode:
-            width = max(views.items[i][1].shape[0] for i in views.decode)
-            views.block_tables = torch.zeros(len(views.decode), width, dtype=torch.int32,
-                                             device=dev)
-            for row, i in enumerate(views.decode):
-                table = views.items[i][1]
-                views.block_tables[row, : table.shape[0]] = table
-            views.seq_lens = torch.tensor([views.items[i][2] for i in views.decode],
-                                          dtype=torch.int32, device=dev)
+            width = max(len(t) for t in decode_tables)
+            padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
+            views.block_tables = torch.tensor(padded, dtype=torch.int32).to(dev)
+            views.seq_lens = torch.tensor(decode_lens, dtype=torch.int32).to(dev)
+            starts = [0]
+            for n_q, *_ in views.items:
+                starts.append(starts[-1] + n_q)
+            views.decode_rows = torch.tensor([starts[i] for i in views.decode]).to(dev)
         return views
 
     def _cached_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
@@ -253,13 +261,14 @@ class RankEngine:
                           device=q.device)
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         if views.decode:
-            rows = torch.tensor([starts[i] for i in views.decode], device=q.device)
-            assert views.block_tables is not None and views.seq_lens is not None
+            rows = views.decode_rows
+            assert rows is not None and views.block_tables is not None
+            assert views.seq_lens is not None
             out[rows], lse[rows] = paged_mla_decode(
                 q[rows], self.cache.kv, layer, views.block_tables, views.seq_lens,
                 cfg.kv_lora_rank, cfg.softmax_scale)
         for i, (n_q, table, n_local, mask) in enumerate(views.items):
-            if mask is None:
+            if mask is None or table is None:
                 continue
             kv = self.cache.read(layer, table, n_local)
             a = starts[i]
