@@ -182,10 +182,14 @@ class Cluster:
     def __init__(self, kubeconfig: str | None, context: str | None) -> None:
         from kubernetes import client, config
 
+        cfg = client.Configuration()
         try:
-            self.api = config.new_client_from_config(config_file=kubeconfig, context=context)
+            config.load_kube_config(config_file=kubeconfig, context=context,
+                                    client_configuration=cfg)
         except config.ConfigException as exc:
             raise PluginError(f"cannot load kubeconfig: {exc}") from None
+        cfg.retries = 1  # a person is waiting: an unreachable API server is an error, fast
+        self.api = client.ApiClient(cfg)
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
@@ -251,14 +255,16 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kubectl pdd", description=__doc__.splitlines()[0])
     ap.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     ap.add_argument("--context", help="kubeconfig context (default: the current one)")
+    ap.add_argument("-n", "--namespace", help="default: the context's namespace")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="the live routing of a PDDeployment, rank by rank")
     p.add_argument("name")
-    p.add_argument("-n", "--namespace")
+    # Either side of the subcommand, as kubectl itself accepts `-n`.
+    p.add_argument("-n", "--namespace", default=argparse.SUPPRESS)
     p.add_argument("-o", "--output", choices=["diagram", "json"], default="diagram")
     s = sub.add_parser("status", help="roles, pods, conditions and recent events")
     s.add_argument("name")
-    s.add_argument("-n", "--namespace")
+    s.add_argument("-n", "--namespace", default=argparse.SUPPRESS)
     s.add_argument("--events", type=int, default=10, help="how many recent events to show")
     v = sub.add_parser("validate", help="same as `pdd validate` (no cluster needed)")
     v.add_argument("-f", "--file", required=True, help="YAML file ('-' for stdin)")

@@ -146,3 +146,10 @@ def test_unreachable_cluster_is_a_clear_error(
     urllib3.disable_warnings()
     assert kp.main(["--kubeconfig", str(cfg), "status", "demo"]) == 1
     assert "cannot reach the API server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["-n", "ns1", "plan", "x"], ["plan", "x", "-n", "ns1"],
+                                  ["--namespace", "other", "status", "x", "-n", "ns1"]])
+def test_namespace_flag_on_either_side_of_the_subcommand(argv: list[str]) -> None:
+    assert kp.parser().parse_args(argv).namespace == "ns1"
+    assert kp.parser().parse_args(["plan", "x"]).namespace is None
