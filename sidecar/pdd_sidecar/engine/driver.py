@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -275,10 +276,41 @@ class InstanceDriver:
         m.held_requests.set(len(self.leases))
 
 
+class _LoopDelivery:
+    """Calls from the driver thread queued for one asyncio loop and run there in batches: a
+    step that produces a token for each of 200 sequences wakes the loop once, not 200 times."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    def put(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        with self.lock:
+            self.pending.append((fn, args))
+            first = len(self.pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for fn, args in items:
+            fn(*args)
+
+
+_DELIVERY: weakref.WeakKeyDictionary[Any, _LoopDelivery] = weakref.WeakKeyDictionary()
+_DELIVERY_LOCK = threading.Lock()
+
+
 def on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
     """A callback for the driver thread that runs ``fn`` on an asyncio loop instead."""
+    with _DELIVERY_LOCK:
+        delivery = _DELIVERY.get(loop)
+        if delivery is None:
+            delivery = _DELIVERY[loop] = _LoopDelivery(loop)
 
     def call(*args: Any) -> None:
-        loop.call_soon_threadsafe(fn, *args)
+        delivery.put(fn, args)
 
     return call

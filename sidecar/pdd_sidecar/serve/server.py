@@ -196,6 +196,8 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     _setup_logging(settings, 0)
+    # The driver thread runs the steps; HTTP threads must hand it the GIL back quickly.
+    sys.setswitchinterval(0.0005)
     instance_id = uuid.uuid4().hex[:12]
     children = []
     if settings.tp > 1:
