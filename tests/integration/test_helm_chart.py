@@ -240,3 +240,17 @@ def test_namespaced_install_runs_the_operator_with_its_rbac(
         op.stop()
     run_helm(helm, "uninstall", "pdd", "-n", ns, kubeconfig=cfg)
     assert kube("get", "deployment", "pdd-operator", "-n", ns, check=False).returncode != 0
+
+
+def test_service_monitor_selects_the_operator_metrics_service(helm: Path) -> None:
+    objs = render(helm, "metrics.serviceMonitor.enabled=true",
+                  "metrics.serviceMonitor.labels.release=prom", namespace="mon")
+    mon = objs[("ServiceMonitor", "mon", "pdd-operator")]
+    assert mon["metadata"]["labels"]["release"] == "prom"
+    services = [o for (kind, ns, _), o in objs.items() if kind == "Service"
+                and ns in mon["spec"]["namespaceSelector"]["matchNames"]
+                and mon["spec"]["selector"]["matchLabels"].items()
+                <= o["metadata"].get("labels", {}).items()]
+    assert [s["metadata"]["name"] for s in services] == ["pdd-operator-metrics"]
+    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {
+        p["name"] for p in services[0]["spec"]["ports"]}
