@@ -100,7 +100,7 @@ def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: P
 def plot_serving(data: dict[str, Any], out: Path) -> None:
     cfg = data.get("config", {})
     title = (f"bench/serving.py: P tp{cfg.get('prefill_tp', '?')}/dcp{cfg.get('prefill_dcp', '?')}"
-             f" -> D tp{cfg.get('decode_tp', '?')}, {cfg.get('model', '?')} on "
+             f" -> D tp{cfg.get('decode_tp', '?')}, {Path(str(cfg.get('model', '?'))).name} on "
              f"{cfg.get('device', '?')}, prompt {cfg.get('prompt_tokens', '?')} + "
              f"{cfg.get('max_tokens', '?')} tokens, same KV blocks per rank")
     panels = serving_series(data)

@@ -28,19 +28,27 @@ def load(name: str) -> Any:
     return json.loads((DOCS / name).read_text())
 
 
-def serving_table() -> list[list[str]]:
-    text = (DOCS / "serving.md").read_text()
-    rows = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) == 12 and all(re.fullmatch(r"[\d.]+", f) for f in fields):
-            rows.append(fields)
-    return rows
+def serving_tables() -> dict[str, list[list[str]]]:
+    """The rows of each bench/serving.py output block in docs/serving.md, by its first line."""
+    tables: dict[str, list[list[str]]] = {}
+    for block in (DOCS / "serving.md").read_text().split("```")[1::2]:
+        lines = block.strip("\n").splitlines()
+        if not lines or not lines[0].startswith("serving: "):
+            continue
+        tables[lines[0]] = [ln.split() for ln in lines[2:] if len(ln.split()) == 12
+                            and all(re.fullmatch(r"[\d.]+", f) for f in ln.split())]
+    return tables
 
 
-def test_serving_json_holds_the_table() -> None:
-    levels = load("serving_cpu.json")["levels"]
-    rows = serving_table()
+@pytest.mark.parametrize("name", ["serving_cpu.json", "serving_h200.json"])
+def test_serving_json_holds_its_table(name: str) -> None:
+    data = load(name)
+    cfg = data["config"]
+    heading = (f"serving: P tp{cfg['prefill_tp']}/dcp{cfg['prefill_dcp']} -> "
+               f"D tp{cfg['decode_tp']}/dcp{{1,{cfg['decode_tp']}}}, model {cfg['model']}, "
+               f"{cfg['device']}, prompt {cfg['prompt_tokens']} + {cfg['max_tokens']} tokens")
+    (rows,) = [t for first, t in serving_tables().items() if first.startswith(heading)]
+    levels = data["levels"]
     assert len(rows) == len(levels) >= 4
     for fields, lv in zip(rows, levels, strict=True):
         assert fields == [
@@ -91,6 +99,7 @@ def test_series_are_the_json_points() -> None:
 
 
 @pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
+                                          ("serving_h200.png", "serving.md"),
                                           ("gpu_engine_h200.png", "gpu.md")])
 def test_plots_are_committed_and_shown_next_to_their_tables(png: str, doc: str) -> None:
     assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
