@@ -34,7 +34,7 @@ from localcluster import Cluster
 from test_crd import crd, namespace  # noqa: F401  (fixtures)
 
 from pdd_api.models import API_GROUP, API_VERSION, KIND, PLURAL
-from pdd_api.structural import json_integer
+from pdd_api.structural import INT64_MAX, INT64_MIN, json_integer
 from pdd_api.validation import parse_spec
 from pdd_operator.webhook import admission_problems
 
@@ -366,10 +366,11 @@ class ApiServer:
 
 
 def same_meaning(mine: Any, stored: Any) -> bool:
-    """Equal, except for two number encodings: the API server keeps a near-integral float
+    """Equal, except for three number encodings: the API server keeps a near-integral float
     (2.000000001) that its schema calls an integer, where pdd reads the integer it stands for;
-    and it writes any integral float back as an integer (2.0 -> 2; Go's JSON encoding), which
-    shows inside the free-form overlay, where pdd keeps what was written."""
+    it writes any integral float back as an integer (2.0 -> 2; Go's JSON encoding); and it
+    holds an integer beyond 64 bits as the nearest float. The last two show only inside the
+    free-form overlay, where pdd keeps what was written."""
     if isinstance(mine, dict) and isinstance(stored, dict):
         return mine.keys() == stored.keys() and all(same_meaning(v, stored[k])
                                                     for k, v in mine.items())
@@ -379,6 +380,8 @@ def same_meaning(mine: Any, stored: Any) -> bool:
         return mine == round(stored)
     if isinstance(mine, float) and isinstance(stored, int) and not isinstance(stored, bool):
         return mine == stored
+    if isinstance(mine, int) and not isinstance(mine, bool) and not INT64_MIN <= mine <= INT64_MAX:
+        return isinstance(stored, int | float) and float(mine) == float(stored)
     return type(mine) is type(stored) and mine == stored  # type: ignore[no-any-return]
 
 
