@@ -147,25 +147,28 @@ class RankEngine:
 
     def _slots(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, ...]:
         """Positions of every token of the step, and which of them this rank stores where
-        (row, block id, offset): worked out on the host, then one copy each to the device,
-        so a step costs no per-sequence device work or synchronisation."""
+        (row, block id, offset): plain integer arithmetic on the host, then one copy each to
+        the device, so a step costs no per-sequence device work or synchronisation."""
         bs, dcp, rank = self.cache.block_size, self.dcp, self.rank
-        positions, mine, blk, off = [], [], [], []
+        positions: list[int] = []
+        mine: list[int] = []
+        blk: list[int] = []
+        off: list[int] = []
         row = 0
         for c in chunks:
-            n = len(c.tokens)
-            self._check_table(c.block_ids, c.start + n)
-            pos = torch.arange(c.start, c.start + n)
-            chunk = pos // bs
-            keep = (chunk % dcp == rank) if dcp > 1 else torch.ones(n, dtype=torch.bool)
-            table = torch.tensor(list(c.block_ids), dtype=torch.long)
-            positions.append(pos)
-            mine.append(torch.arange(row, row + n)[keep])
-            blk.append(table[chunk[keep] // dcp])
-            off.append(pos[keep] % bs)
-            row += n
+            self._check_table(c.block_ids, c.start + len(c.tokens))
+            table = c.block_ids
+            for p in range(c.start, c.start + len(c.tokens)):
+                g = p // bs
+                positions.append(p)
+                if dcp == 1 or g % dcp == rank:
+                    mine.append(row)
+                    blk.append(table[g // dcp])
+                    off.append(p % bs)
+                row += 1
         dev = self.cache.device
-        return tuple(torch.cat(t).to(dev) for t in (positions, mine, blk, off))
+        return tuple(torch.tensor(t, dtype=torch.long).to(dev)
+                     for t in (positions, mine, blk, off))
 
     def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         cfg, w, comm, dev = self.cfg, self.model.weights, self.comm, self.model.device
