@@ -45,10 +45,12 @@ test: venv lint
 	@if ls tests/integration/test_*.py >/dev/null 2>&1; then $(MAKE) test-integration; fi
 	@if ls tests/e2e/test_*.py >/dev/null 2>&1; then $(MAKE) test-e2e; fi
 
-# kustomize cannot reach outside manifests/, so the base keeps a copy (a test checks it).
+# kustomize cannot reach outside manifests/, nor Helm outside its chart, so each keeps a copy
+# (tests check them).
 crd: venv
 	$(VENV)/bin/pdd crd > crds/serving.pdd.dev_pddeployments.yaml
 	cp crds/serving.pdd.dev_pddeployments.yaml manifests/base/crd.yaml
+	cp crds/serving.pdd.dev_pddeployments.yaml charts/pdd/crds/
 
 demo: venv cluster-build sysdeps
 	$(VPY) hack/demo.py
