@@ -79,6 +79,14 @@ class RouterMetrics:
         self.request_seconds = Histogram(
             "pdd_router_request_seconds", "Completions latency", buckets=_SECONDS, registry=r
         )
+        self.ttft_seconds = Histogram(
+            "pdd_router_ttft_seconds", "Time to the first token of a completion",
+            buckets=_SECONDS, registry=r,
+        )
+        self.tpot_seconds = Histogram(
+            "pdd_router_tpot_seconds", "Time per output token after the first (per request)",
+            buckets=_SECONDS, registry=r,
+        )
         self.healthy = Gauge(
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
             ["role", "replica"], registry=r,

@@ -658,10 +658,17 @@ class Router:
         """Run one request; `emit(token_ids, text, finish_reason)` sees each step."""
         out = Output(req, self.model)
         upstream = self.tokens(rid, req, trip)
+        start = time.monotonic()
+        first_at: float | None = None
+        count = 0
         try:
             async for token in upstream:
                 if out.finish is not None:
                     break  # the instance goes on past this side's stop (pre-v2 instances do)
+                count += 1
+                if first_at is None:
+                    first_at = time.monotonic()
+                    self.metrics.ttft_seconds.observe(first_at - start)
                 text = out.add(token)
                 if emit is not None:
                     await emit([token], text, out.finish)
@@ -674,6 +681,8 @@ class Router:
                         await emit([], text, out.finish)
         finally:
             await upstream.aclose()
+            if first_at is not None and count > 1:
+                self.metrics.tpot_seconds.observe((time.monotonic() - first_at) / (count - 1))
         return out
 
 
