@@ -47,6 +47,7 @@ CONTRACT_ENV = frozenset(
         keys.ENV_BLOCK_SIZE, keys.ENV_ROUTING_FILE, keys.ENV_SIDE_CHANNEL_PORT, keys.ENV_POD_IP,
         keys.ENV_HTTP_PORT, keys.ENV_MODEL_NAME, keys.ENV_MODEL_SOURCE, keys.ENV_DTYPE,
         keys.ENV_POD_NAME, keys.ENV_NAMESPACE, keys.ENV_GRANT_KEY_FILE,
+        keys.ENV_PREFILL_SERVICE,
     }
 )
 
@@ -416,12 +417,15 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
 
 
 def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
-    """The user-facing endpoint; it learns the replicas from env, so a scale rolls it."""
+    """The user-facing endpoint; it learns the replicas from env, so a scale rolls it. With a
+    model source it reads the checkpoint's tokenizer and limits from there (the router's
+    template mounts it, as the roles' do)."""
     rlabels = selector(owner, keys.COMPONENT_ROUTER)
     env = [
         _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
         _env(keys.ENV_MODEL_NAME, spec.model.name),
         _env(keys.ENV_BLOCK_SIZE, spec.blockSize),
+        *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
         _env(keys.ENV_PREFILL_URLS,
              ",".join(pod_url(owner, "prefill", i) for i in range(spec.prefill.replicas))),
         _env(keys.ENV_DECODE_URLS,

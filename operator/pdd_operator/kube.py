@@ -196,6 +196,9 @@ class Kube:
         self.fault = FaultInjector()
         self.writes = 0
         self.gate = PriorityGate(concurrency)
+        # (namespace, name, uid, type, reason) -> (Event name, count): repeats aggregate.
+        self._events: dict[tuple[str, str, str, str, str], tuple[str, int]] = {}
+        self._event_locks: dict[tuple[str, str, str, str, str], asyncio.Lock] = {}
 
     @classmethod
     def from_environment(cls, concurrency: int = 64, kubeconfig: str | None = None) -> Kube:
@@ -443,16 +446,43 @@ class Kube:
 
     async def post_event(self, involved: Mapping[str, Any], event_type: str, reason: str,
                          message: str) -> None:
-        """Events are best-effort: a lost one must never fail a reconcile."""
+        """Events are best-effort: a lost one must never fail a reconcile. One Event per
+        object, type and reason: a repeat bumps its count and lastTimestamp and takes the new
+        message (`kubectl describe` shows `(x3 over 5m)`), as the kubelet's correlator does,
+        instead of a new object each time."""
+        meta = involved["metadata"]
+        key = (meta["namespace"], meta["name"], str(meta.get("uid")), event_type, reason)
+        lock = self._event_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                await self._post_event(key, involved, event_type, reason, message[:1024])
+            except ApiError as exc:
+                log.warning("could not post event %s/%s: %s", reason, meta["name"], exc)
+
+    async def _post_event(self, key: tuple[str, str, str, str, str],
+                          involved: Mapping[str, Any], event_type: str, reason: str,
+                          message: str) -> None:
         meta = involved["metadata"]
         ts = now_rfc3339()
+        seen = self._events.get(key)
+        if seen is not None:
+            name, count = seen
+            try:
+                await self.request(
+                    "PATCH", path_of("Event", meta["namespace"], name),
+                    body={"count": count + 1, "lastTimestamp": ts, "message": message},
+                    content_type="application/merge-patch+json", retries=2,
+                    priority=PRIORITY_EVENT)
+                self._events[key] = (name, count + 1)
+                return
+            except ApiError as exc:
+                if exc.status != 404:  # gone (events expire): post a new one
+                    raise
+        name = f"{meta['name']}.{uuid.uuid4().hex[:16]}"
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {
-                "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-                "namespace": meta["namespace"],
-            },
+            "metadata": {"name": name, "namespace": meta["namespace"]},
             "involvedObject": {
                 "apiVersion": involved.get("apiVersion", f"{API_GROUP}/{API_VERSION}"),
                 "kind": involved.get("kind", KIND),
@@ -463,15 +493,16 @@ class Kube:
             },
             "type": event_type,
             "reason": reason,
-            "message": message[:1024],
+            "message": message,
             "firstTimestamp": ts,
             "lastTimestamp": ts,
             "count": 1,
             "source": {"component": keys.FIELD_MANAGER},
             "reportingComponent": keys.FIELD_MANAGER,
         }
-        try:
-            await self.request("POST", path_of("Event", meta["namespace"]), body=event,
-                               retries=2, priority=PRIORITY_EVENT)
-        except ApiError as exc:
-            log.warning("could not post event %s/%s: %s", reason, meta["name"], exc)
+        await self.request("POST", path_of("Event", meta["namespace"]), body=event,
+                           retries=2, priority=PRIORITY_EVENT)
+        if len(self._events) > 20_000:
+            self._events.clear()
+            self._event_locks = {key: self._event_locks[key]}
+        self._events[key] = (name, 1)

@@ -46,8 +46,9 @@ def load_example(path: Path) -> dict[str, Any]:
 
 
 def strip_cel(crd: dict[str, Any]) -> dict[str, Any]:
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    spec.pop("x-kubernetes-validations", None)
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root.pop("x-kubernetes-validations", None)  # the name rule
+    root["properties"]["spec"].pop("x-kubernetes-validations", None)
     return crd
 
 

@@ -97,7 +97,9 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
             tp = str(rs["tensorParallelSize"])
             assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
             assert c["resources"]["requests"]["nvidia.com/gpu"] == tp
+            extra = {"PDD_PREFILL_SERVICE": f"{name}-prefill.{ns}.svc"} if role == "decode" else {}
             assert env_of(pod) == {
+                **extra,
                 "PDD_ROLE": role,
                 "PDD_REPLICA": str(i),
                 "PDD_TP_SIZE": tp,

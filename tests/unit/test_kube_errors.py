@@ -5,6 +5,7 @@ proxies answer HTML), never a JSONDecodeError."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -62,3 +63,44 @@ def test_json_error_keeps_the_api_message() -> None:
     assert isinstance(exc, ApiError)
     assert exc.reason == "Forbidden"
     assert str(exc) == "HTTP 403 POST /api/v1/namespaces/x/pods: exceeded quota: q"
+
+
+class _Recording(Kube):
+    """Answers every request from memory and records it."""
+
+    def __init__(self) -> None:
+        super().__init__("http://unused", False)
+        self.calls: list[tuple[str, str, Any]] = []
+        self.gone: set[str] = set()
+
+    async def request(self, method: str, path: str, **kw: Any) -> Any:  # type: ignore[override]
+        self.calls.append((method, path, kw.get("body")))
+        if method == "PATCH" and path.rsplit("/", 1)[1] in self.gone:
+            raise ApiError(404, {"message": "not found"}, method, path)
+        return {}
+
+
+def test_repeated_events_aggregate_per_object_and_reason() -> None:
+    kube = _Recording()
+    pdd = {"kind": "PDDeployment", "metadata": {"name": "a", "namespace": "ns", "uid": "u1"}}
+
+    async def scenario() -> None:
+        await kube.post_event(pdd, "Warning", "ReconcileFailed", "quota 1")
+        await kube.post_event(pdd, "Warning", "ReconcileFailed", "quota 2")
+        await kube.post_event(pdd, "Warning", "ReconcileFailed", "quota 3")
+        await kube.post_event(pdd, "Normal", "Created", "Created Pod a-decode-0")
+        await asyncio.gather(*(kube.post_event(pdd, "Normal", "Deleted", f"x{i}")
+                               for i in range(5)))
+
+    asyncio.run(scenario())
+    posts = [c for c in kube.calls if c[0] == "POST"]
+    patches = [c for c in kube.calls if c[0] == "PATCH"]
+    assert [p[2]["reason"] for p in posts] == ["ReconcileFailed", "Created", "Deleted"]
+    failed = posts[0][2]["metadata"]["name"]
+    assert [(p[1].rsplit("/", 1)[1], p[2]["count"], p[2]["message"]) for p in patches[:2]] == [
+        (failed, 2, "quota 2"), (failed, 3, "quota 3")]
+    assert [p[2]["count"] for p in patches[2:]] == [2, 3, 4, 5], "concurrent repeats too"
+    # an expired Event (404 on the patch) is posted again
+    kube.gone.add(failed)
+    asyncio.run(kube.post_event(pdd, "Warning", "ReconcileFailed", "quota 4"))
+    assert kube.calls[-1][0] == "POST" and kube.calls[-1][2]["count"] == 1
