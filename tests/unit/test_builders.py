@@ -568,3 +568,18 @@ def test_pvc_sample_validates_and_mounts_the_model() -> None:
     for path in ("hpa-decode.yaml", "keda-decode.yaml"):
         target = example(ROOT / "manifests/samples" / path)["spec"]["scaleTargetRef"]
         assert (target["kind"], target["name"]) == ("PDDeployment", doc["metadata"]["name"])
+
+
+def test_router_reads_the_model_source_and_decodes_find_their_prefill_peers(
+        doc: dict[str, Any]) -> None:
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    assert "PDD_MODEL_SOURCE" not in env_of(desired.router_deployment["spec"]["template"])
+    doc["spec"]["model"]["source"] = "/models/v2-lite"
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    router_env = env_of(desired.router_deployment["spec"]["template"])
+    assert router_env["PDD_MODEL_SOURCE"] == "/models/v2-lite"
+    decode, prefill = desired.pods["decode"][0], desired.pods["prefill"][0]
+    assert env_of(decode)["PDD_PREFILL_SERVICE"] == router_env["PDD_PREFILL_SERVICE"]
+    assert "PDD_PREFILL_SERVICE" not in env_of(prefill)
