@@ -86,6 +86,7 @@ def test_apply_k_creates_the_operator(kube: Kubectl, applied: None) -> None:
     ("create", "pods", True), ("delete", "pods", True), ("patch", "services", True),
     ("create", "configmaps", True), ("create", "deployments.apps", True),
     ("patch", "pddeployments.serving.pdd.dev/status", True), ("create", "events", True),
+    ("patch", "events", True), ("delete", "events", False),
     ("delete", "pddeployments.serving.pdd.dev", False),
     # grant-key Secrets: created once, listed as metadata only, never changed or deleted
     ("create", "secrets", True), ("patch", "secrets", False), ("update", "secrets", False),
@@ -158,6 +159,8 @@ def test_operator_works_with_only_its_rbac(cluster: Cluster, kube: Kubectl, appl
         assert vwc["webhooks"][0]["clientConfig"]["caBundle"] == tls["data"]["ca.crt"]
         assert base64.b64decode(tls["data"]["tls.crt"]).startswith(b"-----BEGIN CERTIFICATE")
         assert kube.maybe("get", "kopfpeering", "pdd-operator", "-n", ns) is not None
+        assert kube.maybe("get", "secret", f"{doc['metadata']['name']}-grant-key", "-n", ns)
+        assert "Forbidden" not in op.log(tail=400), op.log()
     finally:
         teardown_namespace(kube, ns, op)
         kube("delete", "secret", secret, "-n", "pdd-system", "--ignore-not-found", check=False)
