@@ -65,6 +65,10 @@ PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
 PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
 PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
+# How the router talks to its upstreams: pdd (/v1/prefill, /v1/decode) or vllm (vLLM's P/D
+# proxy flow on /v1/completions, which pdd instances and vLLM servers both speak)
+PDD_ROUTER_UPSTREAM_PROTOCOL = "PDD_ROUTER_UPSTREAM_PROTOCOL"
+UPSTREAM_PROTOCOLS = ("pdd", "vllm")
 # Longest prompt + completion the router accepts; unset: the checkpoint's max_position_embeddings.
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"
 
@@ -90,6 +94,13 @@ def _int(env: Mapping[str, str], key: str, default: int | None, minimum: int = 0
         raise ConfigError(f"{key}: must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _choice(env: Mapping[str, str], key: str, choices: tuple[str, ...]) -> str:
+    value = env.get(key, "") or choices[0]
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
@@ -244,6 +255,7 @@ class RouterSettings:
     max_model_len: int = 0  # 0: from the checkpoint
     max_body_bytes: int = 8 << 20
     max_concurrency: int = 1024
+    upstream_protocol: str = "pdd"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -262,6 +274,7 @@ class RouterSettings:
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
             max_body_bytes=_int(env, PDD_ROUTER_MAX_BODY_BYTES, 8 << 20, 1024),
             max_concurrency=_int(env, PDD_ROUTER_MAX_CONCURRENCY, 1024, 1),
+            upstream_protocol=_choice(env, PDD_ROUTER_UPSTREAM_PROTOCOL, UPSTREAM_PROTOCOLS),
         )
         if not (settings.prefill or settings.prefill_service):
             raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")

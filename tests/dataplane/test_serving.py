@@ -373,3 +373,30 @@ def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalClus
     status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, "stop": ["x"]})
     assert status == 400 and "stop" in error_text(answer)
     _all_blocks_back(prefill, decode)
+
+
+def test_the_router_speaks_vllms_protocol_to_its_upstreams(cluster: LocalCluster) -> None:
+    routing = cluster.plan_file(_plan((2, 2), (2, 2)))
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
+    decode = cluster.instance("decode", 2, 2, routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
+    router = cluster.router([prefill], [decode], PDD_ROUTER_UPSTREAM_PROTOCOL="vllm")
+    for proc in (prefill, decode, router):
+        proc.wait_ready()
+    for n, max_tokens in ((33, 9), (5, 1)):
+        prompt = _prompt(n, max_tokens)
+        status, body = _complete(router.url, {"prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == _reference(prompt, max_tokens)
+        assert body["choices"][0]["finish_reason"] == "length"
+    req = urllib.request.Request(
+        f"{router.url}/v1/completions", method="POST",
+        data=json.dumps({"prompt": _prompt(20), "max_tokens": 6, "temperature": 0,
+                         "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    assert [t for e in events for t in e["choices"][0].get("token_ids") or []] == _reference(
+        _prompt(20), 6)
+    _all_blocks_back(prefill.url, decode.url)

@@ -498,11 +498,11 @@ class Router:
                 log.warning("health probe round failed: %s", exc)
             await asyncio.sleep(self.settings.health_interval_s)
 
-    async def _post(self, role: str, url: str, path: str,
-                    body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, role: str, url: str, path: str, body: dict[str, Any],
+                    headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         assert self.session is not None
         try:
-            async with self.session.post(f"{url}{path}", json=body) as resp:
+            async with self.session.post(f"{url}{path}", json=body, headers=headers) as resp:
                 try:
                     data = await resp.json(content_type=None)
                 except (json.JSONDecodeError, UnicodeDecodeError):
@@ -539,6 +539,8 @@ class Router:
         """Give held blocks back early; the grant proves they were handed to this request.
         Without one (the client left during the prefill) the prefill cancels the request
         itself when the connection drops, and its lease covers the rest."""
+        if isinstance(grant, dict) and isinstance(grant.get("pdd_grant"), dict):
+            grant = grant["pdd_grant"]  # vLLM's names around pdd's own grant
         if not isinstance(grant, dict):
             return
         try:
@@ -581,12 +583,92 @@ class Router:
             raise _upstream_error("decode", url, resp.status, data, resp.headers)
         return resp
 
+    async def _tokens_vllm(self, rid: str, req: GenRequest,
+                           trip: Trip) -> AsyncGenerator[int, None]:
+        """vLLM's proxy flow to the upstreams (`PDD_ROUTER_UPSTREAM_PROTOCOL=vllm`): the
+        prefill gets the request with max_tokens 1 and do_remote_decode, the decode gets the
+        original request with the returned kv_transfer_params, one X-Request-Id for both; the
+        completion is what the decode streams."""
+        assert self.session is not None
+        common = {"prompt": req.prompt_ids, **{k: v for k, v in req.sampling.items()
+                                               if v is not None},
+                  "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+                  "return_token_ids": True}
+        headers = {"X-Request-Id": rid}
+        url = self.prefill.pick()
+        if url is None:
+            raise ApiError(503, "no ready prefill replica", type_="server_error")
+        trip.prefill = url
+        pre = await self._post("prefill", url, "/v1/completions", {
+            **common, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}}, headers)
+        params = pre.get("kv_transfer_params")
+        try:
+            choice = pre["choices"][0]
+            first = [int(t) for t in choice["token_ids"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            self.release_soon(url, rid, params)
+            raise ApiError(502, f"prefill {url}: answer without choices[0].token_ids") from None
+        if req.max_tokens == 1 or not isinstance(params, dict):
+            self.release_soon(url, rid, params)
+            trip.finish = choice.get("finish_reason") or "length"
+            for t in first:
+                yield t
+            return
+        decode = self.decode.pick()
+        if decode is None:
+            self.release_soon(url, rid, params)
+            raise ApiError(503, "no ready decode replica", type_="server_error")
+        trip.decode = decode
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                        sock_read=self.settings.request_timeout_s or None)
+        complete = False
+        try:
+            async with self.session.post(
+                    f"{decode}/v1/completions", headers=headers, timeout=timeout,
+                    json={**common, "max_tokens": req.max_tokens, "stream": True,
+                          "kv_transfer_params": params}) as resp:
+                if resp.status != 200:
+                    data = await resp.json(content_type=None)
+                    raise _upstream_error("decode", decode, resp.status, data, resp.headers)
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line.strip() == b"data: [DONE]":
+                        complete = True
+                        return
+                    msg = json.loads(line[6:])
+                    if "error" in msg:
+                        raise _upstream_error("decode", decode, 502, msg)
+                    choice = msg["choices"][0]
+                    for t in choice.get("token_ids") or []:
+                        yield int(t)
+                    if choice.get("finish_reason"):
+                        trip.finish = choice["finish_reason"]
+            raise ApiError(502, f"decode {decode}: stream ended without [DONE]")
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError,
+                TypeError) as exc:
+            raise ApiError(502, f"decode {decode}: {type(exc).__name__}: {exc}") from None
+        finally:
+            if not complete:
+                self.release_soon(url, rid, params)
+
     async def tokens(self, rid: str, req: GenRequest, trip: Trip) -> AsyncGenerator[int, None]:
         """The completion's tokens as the replicas choose them.
 
         Closing this generator early (a stop string, a client gone) closes the decode stream,
         which cancels the sequence there, and releases the prefill's blocks.
         """
+        if self.settings.upstream_protocol == "vllm":
+            inner = self._tokens_vllm(rid, req, trip)
+            try:
+                async for token in inner:
+                    yield token
+            finally:
+                await inner.aclose()
+            return
         prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
                         "max_tokens": req.max_tokens, "sampling": req.sampling,
                         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
