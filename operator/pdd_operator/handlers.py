@@ -28,7 +28,7 @@ from pdd_operator.webhook import (
     HANDLER_ID,
     admission_problems,
     ensure_tls,
-    webhook_configuration,
+    ensure_webhook_configuration,
     write_tls,
 )
 
@@ -106,7 +106,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
             addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
             certfile=str(certfile), pkeyfile=str(keyfile), cadata=bundle.ca_pem,
         )
-        await kube.apply(webhook_configuration(cfg, bundle.ca_pem))
+        await ensure_webhook_configuration(kube, cfg, bundle.ca_pem)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
     log.info("pdd-operator started: namespaces=%s priority=%s",

@@ -17,9 +17,10 @@ from typing import Any
 
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_api.validation import validate_document
+from pdd_operator.builders import is_subset
 from pdd_operator.certs import TlsBundle, make_bundle
 from pdd_operator.config import Config
-from pdd_operator.kube import ApiError, Kube
+from pdd_operator.kube import ApiError, Kube, path_of
 
 log = logging.getLogger("pdd_operator.webhook")
 HANDLER_ID = "validate"
@@ -71,6 +72,29 @@ def webhook_configuration(cfg: Config, ca_pem: bytes) -> dict[str, Any]:
                      "labels": {"app.kubernetes.io/name": "pdd-operator"}},
         "webhooks": [hook],
     }
+
+
+async def ensure_webhook_configuration(kube: Kube, cfg: Config, ca_pem: bytes) -> None:
+    """Fill in the webhook configuration the manifests ship (empty, so nothing calls a webhook
+    before an operator serves it): the operator's RBAC allows get and patch of that one object
+    and no create. A local run without the manifests (URL mode) creates its own."""
+    desired = webhook_configuration(cfg, ca_pem)
+    name = cfg.webhook_config_name
+    path = path_of("ValidatingWebhookConfiguration", None, name)
+    have = await kube.get("ValidatingWebhookConfiguration", None, name)
+    if have is None:
+        try:
+            await kube.create(desired)
+            return
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            have = await kube.get("ValidatingWebhookConfiguration", None, name)
+    if have is not None and is_subset(desired["webhooks"], have.get("webhooks") or []):
+        return
+    # JSON merge patch replaces the list: exactly our one webhook, whatever was there.
+    await kube.request("PATCH", path, body={"webhooks": desired["webhooks"]},
+                       content_type="application/merge-patch+json")
 
 
 async def ensure_tls(kube: Kube, cfg: Config) -> TlsBundle:

@@ -55,6 +55,9 @@ def test_base_renders_with_crd_in_sync() -> None:
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["livenessProbe"] and c["readinessProbe"]
     assert c["command"] == ["python", "-m", "pdd_operator"]
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    assert vwc["metadata"]["name"] == "pdd-operator.serving.pdd.dev"
+    assert vwc["webhooks"] == [], "nothing calls a webhook before an operator serves it"
     for d in docs:
         if d["kind"] in ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"):
             assert d["metadata"]["namespace"] == "pdd-system", d["metadata"]
@@ -71,6 +74,8 @@ def applied(kube: Kubectl) -> Iterator[None]:
     kube("delete", "clusterrolebinding,clusterrole", "pdd-operator", "--ignore-not-found",
          check=False)
     kube("delete", "clusterrole", "pdd-edit", "pdd-view", "--ignore-not-found", check=False)
+    kube("delete", "validatingwebhookconfiguration", "pdd-operator.serving.pdd.dev",
+         "--ignore-not-found", check=False)
     install_crd(kube)  # leave the committed CRD, with its kubectl apply history gone
 
 
@@ -93,6 +98,10 @@ def test_apply_k_creates_the_operator(kube: Kubectl, applied: None) -> None:
     ("delete", "secrets", False), ("create", "networkpolicies.networking.k8s.io", True),
     ("create", "clusterroles.rbac.authorization.k8s.io", False), ("delete", "nodes", False),
     ("update", "pddeployments.serving.pdd.dev", False),
+    # the shipped webhook configuration, and only it: no create, no other configuration
+    ("patch", "validatingwebhookconfigurations/pdd-operator.serving.pdd.dev", True),
+    ("patch", "validatingwebhookconfigurations/someone-elses", False),
+    ("create", "validatingwebhookconfigurations", False),
 ])
 def test_rbac_is_least_privilege(kube: Kubectl, applied: None, verb: str, resource: str,
                                  allowed: bool) -> None:
@@ -147,6 +156,9 @@ def test_operator_works_with_only_its_rbac(cluster: Cluster, kube: Kubectl, appl
     op = Operator(cluster, ns, tmp_path, env={"KUBECONFIG": str(cfg),
                                               "PDD_TLS_SECRET": f"pdd-system/{secret}"},
                   standalone=False)
+    op.webhook_config = "pdd-operator.serving.pdd.dev"  # the shipped one: all its RBAC allows
+    shipped = kube.json("get", "validatingwebhookconfiguration", op.webhook_config)
+    assert not shipped.get("webhooks"), "shipped empty"
     try:
         op.start()
         doc = next(d for d in yaml.safe_load_all(
