@@ -400,3 +400,23 @@ def test_the_router_speaks_vllms_protocol_to_its_upstreams(cluster: LocalCluster
     assert [t for e in events for t in e["choices"][0].get("token_ids") or []] == _reference(
         _prompt(20), 6)
     _all_blocks_back(prefill.url, decode.url)
+
+
+def test_the_router_pairs_a_prefill_only_with_decodes_of_its_routing_plan(
+        cluster: LocalCluster) -> None:
+    routing = cluster.plan_file(_plan((1, 1), (1, 1)))
+    other = cluster.plan_file(_plan((2, 2), (1, 1)), "other.json")
+    prefill = cluster.instance("prefill", 1, 1, routing, BLOCK)
+    same = cluster.instance("decode", 1, 1, routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
+    stale = cluster.instance("decode", 1, 1, other, BLOCK, replica=1)  # another plan
+    router = cluster.router([prefill], [same, stale])
+    for proc in (prefill, same, stale, router):
+        proc.wait_ready()
+    for i in range(6):
+        prompt = _prompt(10 + i, i)
+        status, body = _complete(router.url, {"prompt": prompt, "max_tokens": 3,
+                                              "temperature": 0})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == _reference(prompt, 3)
+        assert body["pdd"]["decode"] == same.url
+    assert not [v for _, v in _metric(stale.url, "pdd_requests_total") if v]

@@ -87,10 +87,15 @@ class Pool:
         self.service = service
         self.urls: list[str] = list(urls)
         self.healthy: dict[str, bool] = {}
+        self.plans: dict[str, str] = {}  # replica -> digest of the routing plan it runs
         self._counter = itertools.count()
 
-    def pick(self, exclude: set[str] = frozenset()) -> str | None:  # type: ignore[assignment]
-        ok = [u for u in self.urls if self.healthy.get(u) and u not in exclude]
+    def pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+             plan: str | None = None) -> str | None:
+        """Round robin among the ready replicas; with ``plan``, only among those running that
+        routing plan (a prefill and a decode of different plans cannot hand KV over)."""
+        ok = [u for u in self.urls if self.healthy.get(u) and u not in exclude
+              and (plan is None or self.plans.get(u, plan) == plan)]
         if not ok:
             return None
         return ok[next(self._counter) % len(ok)]
@@ -481,7 +486,10 @@ class Router:
                     async with self.probe_session.get(  # type: ignore[union-attr]
                             f"{url}/readyz", timeout=timeout) as resp:
                         ok = resp.status == 200
-                except (TimeoutError, aiohttp.ClientError, OSError):
+                        body = await resp.json(content_type=None) if ok else None
+                    if isinstance(body, dict) and isinstance(body.get("plan_digest"), str):
+                        pool.plans[url] = body["plan_digest"]
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                     ok = False
                 if ok != pool.healthy.get(url):
                     log.info("%s replica %s is %s", pool.role, url, "ready" if ok else "not ready")
@@ -559,9 +567,25 @@ class Router:
     async def _open_decode(self, rid: str, first: int, pre: dict[str, Any], req: GenRequest,
                            trip: Trip) -> aiohttp.ClientResponse:
         assert self.session is not None
-        url = self.decode.pick()
-        if url is None:
-            raise ApiError(503, "no ready decode replica", type_="server_error")
+        plan = self.prefill.plans.get(trip.prefill or "")
+        tried: set[str] = set()
+        while True:
+            url = self.decode.pick(tried, plan)
+            if url is None:
+                raise ApiError(503, "no ready decode replica"
+                               + (f" running routing plan {plan}" if plan else ""),
+                               type_="server_error")
+            tried.add(url)
+            try:
+                return await self._open_decode_on(url, rid, first, pre, req, trip)
+            except ApiError as exc:
+                if exc.status != 409:  # an incompatible decode: another one may fit
+                    raise
+                log.warning("decode replica refused the hand-off, trying another: %s", exc)
+
+    async def _open_decode_on(self, url: str, rid: str, first: int, pre: dict[str, Any],
+                              req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
+        assert self.session is not None
         trip.decode = url
         body = {"request_id": rid, "first_token": first, "max_new_tokens": req.max_tokens - 1,
                 "kv_transfer_params": pre.get("kv_transfer_params"), "sampling": req.sampling,
@@ -617,7 +641,7 @@ class Router:
             for t in first:
                 yield t
             return
-        decode = self.decode.pick()
+        decode = self.decode.pick(plan=self.prefill.plans.get(url))
         if decode is None:
             self.release_soon(url, rid, params)
             raise ApiError(503, "no ready decode replica", type_="server_error")

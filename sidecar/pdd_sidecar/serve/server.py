@@ -43,7 +43,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = {"ready": state.ready, "peers": state.peer_status}
+    body = {"ready": state.ready, "peers": state.peer_status,
+            "plan_digest": state.worker.compat.plan_digest}
     if not state.ready:
         body["reason"] = state.not_ready_reason
         return web.json_response(body, status=503)
