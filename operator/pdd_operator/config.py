@@ -31,6 +31,7 @@ class Config:
     standalone: bool = False
     peering_lifetime: int = 60  # seconds a silent peer is still taken as alive
     concurrency: int = 64
+    cert_validity_seconds: float = 365 * 86400.0  # webhook certificate; renewed at 2/3
 
     @classmethod
     def from_env(cls) -> Config:
@@ -50,6 +51,8 @@ class Config:
         cfg.standalone = os.environ.get("PDD_STANDALONE", "") in ("1", "true")
         cfg.peering_lifetime = _env_int("PDD_PEERING_LIFETIME", cfg.peering_lifetime)
         cfg.concurrency = _env_int("PDD_CONCURRENCY", cfg.concurrency)
+        cfg.cert_validity_seconds = float(os.environ.get("PDD_WEBHOOK_CERT_VALIDITY_SECONDS")
+                                          or cfg.cert_validity_seconds)
         return cfg
 
 

@@ -29,6 +29,7 @@ from pdd_operator.webhook import (
     admission_problems,
     ensure_tls,
     ensure_webhook_configuration,
+    rotate_forever,
     write_tls,
 )
 
@@ -102,11 +103,16 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     if cfg.webhook_port:
         bundle = await ensure_tls(kube, cfg)
         certfile, keyfile = write_tls(bundle)
+        # kopf re-reads the files every few seconds and restarts its server when they change:
+        # that is how a renewed certificate (rotate_forever) takes effect.
         settings.admission.server = kopf.WebhookServer(
             addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
             certfile=str(certfile), pkeyfile=str(keyfile), cadata=bundle.ca_pem,
+            file_check_interval=min(60.0, max(1.0, cfg.cert_validity_seconds / 30)),
         )
         await ensure_webhook_configuration(kube, cfg, bundle.ca_pem)
+        STATE.tasks.append(loop.create_task(
+            rotate_forever(kube, cfg, bundle, certfile.parent)))
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
     log.info("pdd-operator started: namespaces=%s priority=%s",

@@ -8,7 +8,9 @@ admitted, so an invalid object that slipped in without the webhook can still be 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import datetime
 import logging
 import tempfile
 from collections.abc import Mapping
@@ -18,7 +20,7 @@ from typing import Any
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_api.validation import validate_document
 from pdd_operator.builders import is_subset
-from pdd_operator.certs import TlsBundle, make_bundle
+from pdd_operator.certs import TlsBundle, make_bundle, renew_at
 from pdd_operator.config import Config
 from pdd_operator.kube import ApiError, Kube, path_of
 
@@ -97,19 +99,30 @@ async def ensure_webhook_configuration(kube: Kube, cfg: Config, ca_pem: bytes) -
                        content_type="application/merge-patch+json")
 
 
-async def ensure_tls(kube: Kube, cfg: Config) -> TlsBundle:
+def _validity(cfg: Config) -> datetime.timedelta:
+    return datetime.timedelta(seconds=cfg.cert_validity_seconds)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+async def ensure_tls(kube: Kube, cfg: Config, renew: bool = False) -> TlsBundle:
     """One certificate for all replicas when a Secret is configured (the caBundle must match
-    whichever replica the Service picks), else a fresh one for this process."""
+    whichever replica the Service picks), else a fresh one for this process. `renew`: the
+    Secret's certificate is replaced unless another replica already renewed it."""
     if not cfg.tls_secret:
-        return make_bundle(webhook_hosts(cfg))
+        return make_bundle(webhook_hosts(cfg), validity=_validity(cfg))
     ns, name = cfg.tls_secret.split("/", 1)
     for _ in range(3):
         found = await kube.get("Secret", ns, name)
         data = (found or {}).get("data") or {}
         if all(k in data for k in ("ca.crt", "tls.crt", "tls.key")):
-            return TlsBundle(*(base64.b64decode(data[k]) for k in ("ca.crt", "tls.crt",
-                                                                    "tls.key")))
-        bundle = make_bundle(webhook_hosts(cfg))
+            stored = TlsBundle(*(base64.b64decode(data[k]) for k in ("ca.crt", "tls.crt",
+                                                                      "tls.key")))
+            if not renew or renew_at(stored.cert_pem) > _now():
+                return stored
+        bundle = make_bundle(webhook_hosts(cfg), validity=_validity(cfg))
         secret = {
             "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
             "metadata": {"name": name, "namespace": ns},
@@ -129,5 +142,29 @@ async def ensure_tls(kube: Kube, cfg: Config) -> TlsBundle:
     raise RuntimeError(f"could not create or read the TLS secret {cfg.tls_secret}")
 
 
-def write_tls(bundle: TlsBundle) -> tuple[Path, Path]:
-    return bundle.write(Path(tempfile.mkdtemp(prefix="pdd-webhook-")))
+def write_tls(bundle: TlsBundle, directory: Path | None = None) -> tuple[Path, Path]:
+    return bundle.write(directory or Path(tempfile.mkdtemp(prefix="pdd-webhook-")))
+
+
+async def rotate_forever(kube: Kube, cfg: Config, bundle: TlsBundle, directory: Path) -> None:
+    """Renew the webhook certificate at two thirds of its life. The new files replace the
+    old in place (kopf's server reloads when they change); the caBundle carries the new CA
+    and the previous one until the next renewal, so a replica still serving the previous
+    certificate (it adopts the new one from the shared Secret at its own renewal time) is
+    trusted meanwhile."""
+    current = bundle
+    while True:
+        wait = (renew_at(current.cert_pem) - _now()).total_seconds()
+        await asyncio.sleep(max(1.0, wait))
+        try:
+            fresh = await ensure_tls(kube, cfg, renew=True)
+            if fresh.cert_pem == current.cert_pem:
+                continue
+            await ensure_webhook_configuration(kube, cfg, fresh.ca_pem + current.ca_pem)
+            write_tls(fresh, directory)
+            log.info("webhook certificate renewed; next renewal at %s",
+                     renew_at(fresh.cert_pem).isoformat())
+            current = fresh
+        except Exception as exc:  # noqa: BLE001 - a third of the life is left to retry
+            log.warning("webhook certificate renewal failed, retrying: %s", exc)
+            await asyncio.sleep(min(30.0, max(1.0, cfg.cert_validity_seconds / 30)))

@@ -151,3 +151,74 @@ def test_invalid_spec_that_reached_the_operator(cluster: Cluster, kube: Kubectl,
         assert conditions(obj)["Validated"]["status"] == "True"
     finally:
         teardown_namespace(kube, ns, op)
+
+
+def test_webhook_certificate_is_renewed_at_two_thirds_of_its_life(
+        cluster: Cluster, kube: Kubectl, no_cel: None, tmp_path: Path) -> None:
+    import base64
+    import socket
+    import ssl
+    import time
+
+    from cryptography import x509
+
+    ns = make_namespace(kube, "oprot")
+    life = 30.0
+    op = Operator(cluster, ns, tmp_path, env={"PDD_WEBHOOK_CERT_VALIDITY_SECONDS": str(life)})
+
+    def served() -> bytes:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        with socket.create_connection(("127.0.0.1", op.webhook_port), timeout=5) as s:
+            with ctx.wrap_socket(s) as tls:
+                der = tls.getpeercert(binary_form=True)
+                assert der is not None
+                return der
+
+    def ca_bundle() -> bytes:
+        vwc = kube.json("get", "validatingwebhookconfiguration", op.webhook_config)
+        return base64.b64decode(vwc["webhooks"][0]["clientConfig"]["caBundle"])
+
+    try:
+        op.start()
+        first = served()
+        started = time.monotonic()
+        cert = x509.load_der_x509_certificate(first)
+        life_s = (cert.not_valid_after_utc - cert.not_valid_before_utc).total_seconds()
+        assert life_s < 2 * life, "the configured validity is used"
+        new = wait_for("a renewed certificate served", lambda: (d := served()) != first and d,
+                       timeout=3 * life)
+        took = time.monotonic() - started
+        # renewed at two thirds of its life (not at the start, not after it expired)
+        assert life_s / 3 < took + 3 < life_s, (took, life_s)
+        print(f"\nFIGURE webhook certificate ({life_s:.0f} s life) renewed after {took:.1f} s")
+        # the API server trusts the new one: the caBundle holds its CA, and admission works
+        renewed = x509.load_der_x509_certificate(new)
+        bundle = ca_bundle()
+        cas = x509.load_pem_x509_certificates(bundle)
+        assert any(ca.subject == renewed.issuer and ca.public_key().public_bytes(
+            *_spki()) == _issuer_key(renewed, cas) for ca in cas)
+        doc = INVALID["replicas-zero"]
+        out = kube.apply(doc, "-n", ns, check=False)
+        assert 'admission webhook "validate.pddeployments.serving.pdd.dev" denied' in out.stderr, (
+            out.stderr)
+    finally:
+        teardown_namespace(kube, ns, op)
+
+
+def _spki() -> tuple[Any, Any]:
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+
+
+def _issuer_key(cert: Any, cas: list[Any]) -> bytes:
+    """The public key (PEM) of the CA in `cas` that signed `cert`, or b''."""
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+        except Exception:  # noqa: BLE001 - not this one
+            continue
+        return bytes(ca.public_key().public_bytes(*_spki()))
+    return b""

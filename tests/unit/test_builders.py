@@ -583,3 +583,20 @@ def test_router_reads_the_model_source_and_decodes_find_their_prefill_peers(
     decode, prefill = desired.pods["decode"][0], desired.pods["prefill"][0]
     assert env_of(decode)["PDD_PREFILL_SERVICE"] == router_env["PDD_PREFILL_SERVICE"]
     assert "PDD_PREFILL_SERVICE" not in env_of(prefill)
+
+
+def test_webhook_certificate_renews_at_two_thirds() -> None:
+    import datetime
+
+    from cryptography import x509
+
+    from pdd_operator.certs import make_bundle, renew_at
+
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    for life in (datetime.timedelta(seconds=30), datetime.timedelta(days=365)):
+        b = make_bundle(["127.0.0.1"], now=now, validity=life)
+        cert = x509.load_pem_x509_certificate(b.cert_pem)
+        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+        assert end == now + life and start < now
+        assert renew_at(b.cert_pem) == start + (end - start) * 2 / 3
+        assert now < renew_at(b.cert_pem) < end
