@@ -100,25 +100,35 @@ def _all_blocks_back(*urls: str, within_s: float = 10.0) -> None:
 
 @pytest.mark.parametrize("p,d", [((2, 2), (2, 2)), ((1, 1), (2, 2)), ((2, 2), (2, 1))])
 def test_concurrent_requests_get_exactly_the_tokens_each_gets_alone(
-        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
-    stack = _stack(cluster, p, d)
+        tmp_path: Path, p: tuple[int, int], d: tuple[int, int]) -> None:
+    """Through `pdd serve` (its library: the same processes, ports and plan)."""
+    from pdd_sidecar.serve.local_stack import LocalStack, StackConfig
+
+    cfg = StackConfig(prefill_tp=p[0], prefill_dcp=p[1], decode_tp=d[0], decode_dcp=d[1],
+                      port=0, block_size=BLOCK, log_level="WARNING")
+    with LocalStack(cfg, tmp_path / "logs") as served:
+        served.start(timeout_s=300)
+        _batch_equals_alone(served.url, served.prefill_url, served.decode_url)
+
+
+def _batch_equals_alone(router: str, prefill: str, decode: str) -> None:
     lengths = [3 + (i * 11) % 45 for i in range(32)]
     prompts = [_prompt(n, i) for i, n in enumerate(lengths)]
     max_tokens = [4 + i % 9 for i in range(32)]
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         answers = list(pool.map(
-            lambda i: _complete(stack["router"].url, {"prompt": prompts[i], "temperature": 0,
-                                                      "max_tokens": max_tokens[i]}),
+            lambda i: _complete(router, {"prompt": prompts[i], "temperature": 0,
+                                         "max_tokens": max_tokens[i]}),
             range(32)))
     for i, (status, body) in enumerate(answers):
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == _reference(prompts[i], max_tokens[i]), i
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == max_tokens[i]
-    buckets = dict(_metric(stack["decode"].url, "pdd_batch_size_bucket"))
+    buckets = dict(_metric(decode, "pdd_batch_size_bucket"))
     steps = buckets['{le="+Inf"}']
     assert steps > buckets['{le="1.0"}'], "every decode step ran one sequence"
-    _all_blocks_back(stack["prefill"].url, stack["decode"].url)
+    _all_blocks_back(prefill, decode)
 
 
 def test_admission_reserves_blocks_and_dcp_multiplies_what_fits() -> None:
