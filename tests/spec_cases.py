@@ -30,6 +30,12 @@ def gpu(role: str, kind: str, tp: int, value: Any) -> dict[str, Any]:
     return spec
 
 
+# engine vllm: the router runs a pdd image of its own (spec.image is then a vLLM image).
+VLLM: dict[str, Any] = {**BASE, "engine": "vllm", "image": "vllm/vllm-openai:v0.33.0",
+                        "router": {"image": "pdd:0.1.0"}}
+VLLM_ROUTER_IMAGE = ("spec.router.image: required with engine vllm (spec.image is then a vLLM "
+                     "image; the router needs a pdd image)")
+
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("P TP4/DCP2", with_("prefill.decodeContextParallelSize", 2),
      "spec.prefill.decodeContextParallelSize: must be 1 or equal to tensorParallelSize (4), got 2"),
@@ -103,6 +109,20 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.decode.extraArgs: must be a list, got '--foo'"),
     ("nodeSelector value", with_("prefill.nodeSelector", {"gpu": 1}),
      "spec.prefill.nodeSelector.gpu: must be a string, got 1"),
+    ("engine", with_("engine", "sglang"),
+     "spec.engine: must be one of 'pdd' or 'vllm', got 'sglang'"),
+    ("vllm P TP2 -> D TP3", {**VLLM, "prefill": {"tensorParallelSize": 2},
+                             "decode": {"tensorParallelSize": 3}},
+     "spec.decode.tensorParallelSize: with engine vllm, must divide or be a multiple of "
+     "spec.prefill.tensorParallelSize (2), got 3"),
+    ("vllm P TP6/DCP6 -> D TP4/DCP1", {**VLLM, "prefill": {"tensorParallelSize": 6,
+                                                           "decodeContextParallelSize": 6},
+                                       "decode": {"tensorParallelSize": 4}},
+     "spec.decode.tensorParallelSize: with engine vllm, must divide or be a multiple of "
+     "spec.prefill.tensorParallelSize (6), got 4"),
+    ("vllm router image missing", {**VLLM, "router": {}}, VLLM_ROUTER_IMAGE),
+    ("vllm router image empty", {**VLLM, "router": {"image": "", "enabled": True}},
+     VLLM_ROUTER_IMAGE),
 ]
 
 
@@ -122,4 +142,13 @@ VALID_EDGES = [
     with_("decode.env", [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]),
     with_("router.enabled", False),
     with_("kvTransfer.sideChannelPort", 1024),
+    # pdd's own sidecars serve TP sizes that do not divide; vLLM's NIXL routing does not.
+    {**BASE, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 3}},
+    with_("engine", "pdd"),
+    VLLM,
+    {**VLLM, "prefill": {"tensorParallelSize": 4, "decodeContextParallelSize": 4},
+     "decode": {"tensorParallelSize": 2, "decodeContextParallelSize": 2}},
+    {**VLLM, "prefill": {"tensorParallelSize": 2, "decodeContextParallelSize": 2},
+     "decode": {"tensorParallelSize": 8, "decodeContextParallelSize": 1}},
+    {**VLLM, "router": {"enabled": False}},
 ]

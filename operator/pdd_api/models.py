@@ -202,6 +202,11 @@ class RouterSpec(_Strict):
         "(the user-facing /v1/completions endpoint).",
     )
     replicas: int = Field(default=1, description="Router pods.")
+    image: str | None = Field(
+        default=None,
+        description="Router image; absent: spec.image. Required with engine vllm, where "
+        "spec.image is a vLLM image and the router is pdd's.",
+    )
     resources: ResourceRequirements | None = Field(
         default=None, description="Router container resources."
     )
@@ -229,7 +234,15 @@ class NetworkPolicySpec(_Strict):
 
 class PDDeploymentSpec(_Strict):
     model: ModelSpec = Field(description="What the sidecars serve.")
-    image: str = Field(description="Sidecar image (runs the prefill, decode and router roles).")
+    image: str = Field(description="Sidecar image (runs the prefill, decode and router roles). "
+                       "With engine vllm: a vLLM image, run by the prefill and decode pods.")
+    engine: Literal["pdd", "vllm"] = Field(
+        default="pdd",
+        description="What serves prefill and decode: pdd's sidecars, or vLLM itself (`vllm "
+        "serve` with NixlConnector, pdd's router in front speaking vLLM's P/D protocol). "
+        "vllm adds vLLM's rules: the two TP sizes divide one another, and the router needs "
+        "router.image (a pdd image).",
+    )
     blockSize: int = Field(
         default=64,
         description="Tokens per KV block on both sides; DCP interleaves at block granularity.",

@@ -184,6 +184,76 @@ class DcpDivideRule:
         )
 
 
+def _vllm(spec: Mapping[str, Any]) -> bool:
+    return lookup(spec, "engine") == "vllm"
+
+
+_CEL_NOT_VLLM = "!has(self.engine) || self.engine != 'vllm' || "
+
+
+@dataclass(frozen=True)
+class VllmTpDivideRule:
+    """vLLM's NIXL routing maps ranks by the TP ratio and has no answer for, say, P TP2 ->
+    D TP3, which pdd's own sidecars do serve. (vLLM's other rule, dcp divides tp, follows
+    from DcpRule.)"""
+
+    field: str = "decode.tensorParallelSize"
+    other: str = "prefill.tensorParallelSize"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(self.other))
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        d, p = _int(spec, self.field), _int(spec, self.other)
+        if (not _vllm(spec) or d is None or p is None or d < 1 or p < 1
+                or d % p == 0 or p % d == 0):
+            return None
+        return (
+            f"spec.{self.field}: with engine vllm, must divide or be a multiple of "
+            f"spec.{self.other} ({p}), got {d}"
+        )
+
+    def cel(self) -> dict[str, str]:
+        d, p = f"self.{self.field}", f"self.{self.other}"
+        return _cel(
+            self.field,
+            f"{_CEL_NOT_VLLM}{_cel_guard(self.field)}{_cel_guard(self.other)}"
+            f"{d} < 1 || {p} < 1 || {d} % {p} == 0 || {p} % {d} == 0",
+            _fmt(
+                f"spec.{self.field}: with engine vllm, must divide or be a multiple of "
+                f"spec.{self.other} (%d), got %d",
+                p,
+                d,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class VllmRouterImageRule:
+    """With engine vllm, spec.image is a vLLM image, which has no pdd router in it."""
+
+    field: str = "router.image"
+    reads: tuple[tuple[str, ...], ...] = ()
+    message: str = ("spec.router.image: required with engine vllm (spec.image is then a vLLM "
+                    "image; the router needs a pdd image)")
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        if not _vllm(spec) or lookup(spec, "router.enabled") is not True:
+            return None
+        image = lookup(spec, self.field)
+        return self.message if image is None or image == "" else None
+
+    def cel(self) -> dict[str, str]:
+        r = "self.router"
+        return _cel(
+            self.field,
+            f"{_CEL_NOT_VLLM}(has({r}) && ((has({r}.enabled) && !{r}.enabled) || "
+            f"(has({r}.image) && {r}.image.size() > 0)))",
+            f"'{self.message}'", reason="FieldValueRequired",
+        )
+
+
 @dataclass(frozen=True)
 class BlockSizeRule:
     field: str = "blockSize"
@@ -364,6 +434,8 @@ def _rules() -> tuple[Rule, ...]:
         ]
     rules += [
         DcpDivideRule(),
+        VllmTpDivideRule(),
+        VllmRouterImageRule(),
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),
         RangeRule("rollout.maxUnavailable", 1, MAX_REPLICAS),
