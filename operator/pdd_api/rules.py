@@ -449,4 +449,5 @@ RULES: tuple[Rule, ...] = _rules()
 
 
 def check_rules(spec: Mapping[str, Any]) -> list[str]:
-    return [m for m in (r.check(spec) for r in RULES) if m is not None]
+    """Trimmed as the API server trims a messageExpression (`got ''` ends in `got`)."""
+    return [m.strip() for m in (r.check(spec) for r in RULES) if m is not None]
