@@ -54,3 +54,8 @@ GRANT_KEY_SECRET_SUFFIX = "-grant-key"
 GRANT_KEY_FILE_NAME = "grant.key"
 GRANT_MOUNT_DIR = "/etc/pdd-grant"
 GRANT_KEY_FILE = f"{GRANT_MOUNT_DIR}/{GRANT_KEY_FILE_NAME}"
+
+# Versioned routing (issue 14 item 1): which routing plan a pod was started with. The router
+# pairs a prefill and a decode only when these match.
+LABEL_PLAN_HASH = f"{API_GROUP}/plan-hash"
+ENV_PLAN_HASH = "PDD_PLAN_HASH"

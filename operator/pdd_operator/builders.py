@@ -48,7 +48,7 @@ CONTRACT_ENV = frozenset(
         keys.ENV_BLOCK_SIZE, keys.ENV_ROUTING_FILE, keys.ENV_SIDE_CHANNEL_PORT, keys.ENV_POD_IP,
         keys.ENV_HTTP_PORT, keys.ENV_MODEL_NAME, keys.ENV_MODEL_SOURCE, keys.ENV_DTYPE,
         keys.ENV_POD_NAME, keys.ENV_NAMESPACE, keys.ENV_GRANT_KEY_FILE,
-        keys.ENV_PREFILL_SERVICE,
+        keys.ENV_PREFILL_SERVICE, keys.ENV_PLAN_HASH,
     }
 )
 
@@ -87,6 +87,11 @@ class Desired:
         objs = [self.configmap, *self.services]
         objs += [o for o in (self.router_deployment, self.router_service) if o is not None]
         return objs + self.network_policies
+
+
+def plan_hash(plan: RoutingPlan) -> str:
+    """Names a routing plan: pods started with different plans must not be paired."""
+    return content_hash(plan.to_json(), length=10)
 
 
 def plan_of(spec: PDDeploymentSpec) -> RoutingPlan:
@@ -358,7 +363,8 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "name": keys.CONTAINER_NAME,
         "image": spec.image,
         "command": [*SIDECAR_SERVE, *(r.extraArgs or [])],
-        "env": role_env(spec, role, index, service_dns(owner, "prefill")),
+        "env": [*role_env(spec, role, index, service_dns(owner, "prefill")),
+                _env(keys.ENV_PLAN_HASH, plan_hash(plan))],
         "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}]
         + [
             {"name": f"side-{rank}", "containerPort": side + rank, "protocol": "TCP"}
@@ -404,6 +410,7 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
     if r.priorityClassName:
         pod_spec["priorityClassName"] = r.priorityClassName
     meta = _meta(owner, pod_name(owner.name, role, index), labels(owner, role, index))
+    meta["labels"][keys.LABEL_PLAN_HASH] = plan_hash(plan)
     apply_template(meta, pod_spec, r.template)
     pod: Obj = {
         "apiVersion": "v1",

@@ -26,6 +26,8 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     wait_ready,
 )
 
+from pdd_operator.hashing import content_hash
+
 pytestmark = pytest.mark.integration
 
 
@@ -98,6 +100,9 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
             assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
             assert c["resources"]["requests"]["nvidia.com/gpu"] == tp
             extra = {"PDD_PREFILL_SERVICE": f"{name}-prefill.{ns}.svc"} if role == "decode" else {}
+            plan_hash = content_hash(cm["data"]["routing.json"], length=10)
+            assert labels["serving.pdd.dev/plan-hash"] == plan_hash
+            extra["PDD_PLAN_HASH"] = plan_hash
             assert env_of(pod) == {
                 **extra,
                 "PDD_ROLE": role,

@@ -600,3 +600,25 @@ def test_webhook_certificate_renews_at_two_thirds() -> None:
         assert end == now + life and start < now
         assert renew_at(b.cert_pem) == start + (end - start) * 2 / 3
         assert now < renew_at(b.cert_pem) < end
+
+
+def test_pods_carry_their_plan_hash(doc: dict[str, Any]) -> None:
+    from pdd_operator.builders import plan_hash
+
+    def hashes(d: dict[str, Any]) -> set[str]:
+        desired = build(OWNER, spec_of(d))
+        out = set()
+        for role in ("prefill", "decode"):
+            for pod in desired.pods[role].values():
+                label = pod["metadata"]["labels"][keys.LABEL_PLAN_HASH]
+                assert env_of(pod)[keys.ENV_PLAN_HASH] == label
+                out.add(label)
+        assert out == {plan_hash(desired.plan)}, "both roles, every replica: one plan"
+        return out
+
+    first = hashes(doc)
+    doc["spec"]["decode"]["replicas"] = 3
+    doc["spec"]["image"] = "other:1"
+    assert hashes(doc) == first, "a scale or an image change keeps the plan"
+    doc["spec"]["decode"].update({"decodeContextParallelSize": 1})
+    assert hashes(doc) != first
