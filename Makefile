@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PYTEST := $(VPY) -m pytest
 export PYTHONUNBUFFERED := 1
 
-.PHONY: sysdeps venv test test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
+.PHONY: sysdeps venv test test-vllm test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
 
 # The venv is rebuilt when pyproject.toml changes; the stamp lives inside the ignored .venv.
 $(VENV)/.stamp: pyproject.toml
@@ -44,6 +44,18 @@ test: venv lint
 	@if ls tests/dataplane/test_*.py >/dev/null 2>&1; then $(MAKE) test-dataplane; fi
 	@if ls tests/integration/test_*.py >/dev/null 2>&1; then $(MAKE) test-integration; fi
 	@if ls tests/e2e/test_*.py >/dev/null 2>&1; then $(MAKE) test-e2e; fi
+
+# Optional tier, not part of `make test`: vLLM's own CLI parser and NIXL rank mapping read what
+# the operator renders for engine vllm. A venv of its own: vllm pins torch (several GB).
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm==0.33.0
+$(VLLM_VENV)/.stamp:
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_SPEC)' 'pytest>=8'
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.stamp
+	PDD_TEST_VLLM=1 PYTHONPATH=operator $(VLLM_VENV)/bin/python -m pytest tests/vllm_tier -q -p no:cacheprovider
 
 # kustomize cannot reach outside manifests/, nor Helm outside its chart, so each keeps a copy
 # (tests check them).
