@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_cases import VLLM, VLLM_ROUTER_IMAGE
+from spec_cases import INVALID, VLLM, VLLM_ROUTER_IMAGE
 
 from pdd_api import keys
 from pdd_api.rules import check_rules
@@ -209,3 +209,15 @@ def test_sample_is_valid_and_renders_vllm_pods() -> None:
     desired = build(Owner(doc["metadata"]["name"], "ns", "u"), spec)
     assert all(main_container(p)["command"][:2] == builders_vllm.VLLM_SERVE
                for pods in desired.pods.values() for p in pods.values())
+
+
+@pytest.mark.parametrize(("name", "spec", "message"),
+                         [c for c in INVALID if c[1].get("engine") == "vllm"],
+                         ids=[c[0] for c in INVALID if c[1].get("engine") == "vllm"])
+def test_webhook_refuses_vllm_cases_with_pdd_validate_words(name: str, spec: dict[str, Any],
+                                                           message: str) -> None:
+    from pdd_operator.webhook import admission_problems
+
+    doc = {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+           "metadata": {"name": "demo"}, "spec": spec}
+    assert admission_problems(doc, None) == [message]
