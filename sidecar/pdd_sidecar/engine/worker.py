@@ -141,9 +141,18 @@ class Source:
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(f"kv_transfer_params: malformed: {exc!r}", 400,
                                "invalid_request") from None
-        if src.num_tokens < 1 or not 0 < src.side_channel_port < 65536 or src.tp < 1:
-            raise RequestError("kv_transfer_params: num_tokens, tp and side_channel_port must be "
-                               "positive", 400, "invalid_request")
+        if (src.num_tokens < 1 or not 0 < src.side_channel_port < 65536 or src.tp < 1
+                or src.dcp < 1 or src.block_size < 1):
+            raise RequestError("kv_transfer_params: num_tokens, tp, dcp, block_size and "
+                               "side_channel_port must be positive", 400, "invalid_request")
+        # Even a grant that verifies is checked for shape: the plan indexes these ids.
+        chunks = -(-src.num_tokens // src.block_size)
+        per_rank = -(-chunks // src.dcp)
+        if len(src.block_ids) < per_rank or any(b < 0 for b in src.block_ids):
+            raise RequestError(f"kv_transfer_params: {src.num_tokens} tokens in blocks of "
+                               f"{src.block_size} over dcp {src.dcp} need {per_rank} block ids "
+                               f">= 0 per rank, got {len(src.block_ids)}", 400,
+                               "invalid_request")
         return src
 
     @property

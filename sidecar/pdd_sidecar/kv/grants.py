@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,6 +79,12 @@ def verify(params: Any, key: bytes, now: float | None = None, margin_s: float = 
     expires = params["expires_at"]
     if isinstance(expires, bool) or not isinstance(expires, int | float):
         raise GrantError("kv_transfer_params: expires_at must be a number")
+    try:
+        expires = float(expires)
+    except OverflowError:
+        expires = math.nan
+    if not math.isfinite(expires):  # nan would never expire
+        raise GrantError("kv_transfer_params: expires_at must be a finite time")
     now = time.time() if now is None else now
     if now > expires - margin_s:
         raise GrantExpired(f"kv_transfer_params: the grant for request {params['request_id']!r} "

@@ -91,7 +91,8 @@ async def decode_sequence(request: web.Request, state: InstanceState,
     params = body.get("kv_transfer_params")
     watch = request.app[PEERS]
     if (isinstance(params, dict) and watch.session is not None
-            and params.get("instance_id") not in state.prefill_peers):
+            and isinstance(params.get("instance_id"), str)  # a list is no dict key: 500
+            and params["instance_id"] not in state.prefill_peers):
         await watch.round()  # a prefill that restarted since the last round
     return _sequence(state, body)
 

@@ -136,8 +136,11 @@ async def claim(request: web.Request) -> web.Response:
         if isinstance(hold_s, bool) or not isinstance(hold_s, int | float) or not (
                 0 < hold_s <= MAX_HOLD_S):
             raise bad(f"hold_s: must be a number in (0, {MAX_HOLD_S:.0f}], got {hold_s!r}")
+        epoch = grant["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise bad(f"kv_transfer_params.epoch: must be an integer, got {type(epoch).__name__}")
         refused = await asyncio.wrap_future(
-            state.driver.claim(str(grant["request_id"]), int(grant["epoch"]), float(hold_s)))
+            state.driver.claim(str(grant["request_id"]), epoch, float(hold_s)))
         if refused:
             raise RequestError(refused, 410, "gone")
     except Exception as exc:
