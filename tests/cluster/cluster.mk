@@ -19,9 +19,35 @@ KWOK_LDFLAGS := -s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$(KWOK_VERSION) \
 	-X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$(KUBE_VERSION)
 ETCD_LDFLAGS := -s -w
 
-.PHONY: cluster-build cluster-up cluster-down cluster-status
+# NODE=real adds a real node (kubelet, containerd, runc, CNI, kube-proxy) next to the fake
+# ones: `make cluster-up NODE=real`. Opt-in: it installs Debian packages and changes the host's
+# network (bridge, iptables), so the default tiers never need it.
+NODE ?=
+CLUSTER_REAL := $(filter real,$(NODE))
+ifneq ($(NODE),)
+ifeq ($(CLUSTER_REAL),)
+$(error NODE=$(NODE) is not known: leave it out (fake nodes only) or say NODE=real)
+endif
+endif
+
+.PHONY: cluster-build cluster-up cluster-down cluster-status cluster-build-node cluster-node-deps
 
 cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd
+
+# The real node's binaries: kubelet and kube-proxy (one multi-call binary `node`, same module
+# and version as `kube`) and `pause`, the static program in the node's only local image.
+cluster-build-node: cluster-build $(CLUSTER_BIN)/node $(CLUSTER_BIN)/pause
+
+# containerd, runc, the CNI plugins, iptables and conntrack from Debian. Idempotent: installs
+# only what is missing. containerd is not started as a service (the cluster starts its own).
+CLUSTER_NODE_PKGS := containerd runc containernetworking-plugins iptables conntrack
+cluster-node-deps:
+	@missing=$$(for p in $(CLUSTER_NODE_PKGS); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
 
 # The versions above only feed ldflags; go.mod pins what is built. Refuse to build if they differ.
 cluster-check-pins = grep -Eq '^(require)?\s*$(1) $(2)( |$$)' $(3) || \
@@ -33,6 +59,17 @@ $(CLUSTER_BIN)/kube: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_D
 	@$(call cluster-check-pins,k8s.io/kubernetes,$(KUBE_VERSION),$(CLUSTER_DIR)/go.mod)
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KUBE_LDFLAGS)' -o $(CURDIR)/$@.tmp ./cmd/kube
+	@mv $@.tmp $@
+
+$(CLUSTER_BIN)/node: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum $(CLUSTER_DIR)/cmd/node/main.go
+	@$(call cluster-check-pins,k8s.io/kubernetes,$(KUBE_VERSION),$(CLUSTER_DIR)/go.mod)
+	@mkdir -p $(@D)
+	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KUBE_LDFLAGS)' -o $(CURDIR)/$@.tmp ./cmd/node
+	@mv $@.tmp $@
+
+$(CLUSTER_BIN)/pause: $(CLUSTER_DIR)/cmd/pause/main.go
+	@mkdir -p $(@D)
+	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '-s -w' -o $(CURDIR)/$@.tmp ./cmd/pause
 	@mv $@.tmp $@
 
 $(CLUSTER_BIN)/kwok: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum
@@ -49,8 +86,9 @@ $(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/etcd/go.mod $(CLUS
 
 # The venv brings `cryptography` for the certificates; the binaries come from cluster-build.
 # A second cluster-up while one runs reports it and reuses it.
-cluster-up: venv cluster-build
-	$(VPY) $(CLUSTER_DIR)/localcluster.py up --nodes $(CLUSTER_NODES) --gpus $(CLUSTER_GPUS)
+cluster-up: venv cluster-build $(if $(CLUSTER_REAL),cluster-build-node cluster-node-deps)
+	$(VPY) $(CLUSTER_DIR)/localcluster.py up --nodes $(CLUSTER_NODES) --gpus $(CLUSTER_GPUS) \
+		$(if $(CLUSTER_REAL),--real-node)
 
 # Needs no venv: stopping must work even when the venv is broken.
 cluster-down:

@@ -78,9 +78,13 @@ class _Pki:
         return self.dir / f"{name}.key"
 
 
-def _write_pki(pki_dir: Path) -> _Pki:
+def _write_pki(
+    pki_dir: Path, service_cidr: str = SERVICE_CIDR, node: tuple[str, str] | None = None
+) -> _Pki:
     """Make a CA, the API server's serving cert, one client cert per identity and the
-    service-account signing key. EC keys keep this well under a second."""
+    service-account signing key. EC keys keep this well under a second. ``node`` (name, IP)
+    adds the real node's identities: the kubelet's client and serving certs, kube-proxy's,
+    and the API server's client cert for kubelets (logs, exec)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec, rsa
@@ -137,7 +141,7 @@ def _write_pki(pki_dir: Path) -> _Pki:
     pki.crt("ca").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     save_key("ca", ca_key)
 
-    def issue(name: str, subject: x509.Name, *, server: bool) -> None:
+    def issue(name: str, subject: x509.Name, *, server: bool, ips: Sequence[str] = ()) -> None:
         key = ec.generate_private_key(ec.SECP256R1())
         usage = [ExtendedKeyUsageOID.SERVER_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
         builder = (
@@ -151,8 +155,15 @@ def _write_pki(pki_dir: Path) -> _Pki:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
         )
-        if server:
-            service_ip = next(ipaddress.ip_network(SERVICE_CIDR).hosts())
+        if server and ips:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.IPv4Address(ip)) for ip in ips]
+                ),
+                critical=False,
+            )
+        elif server:
+            service_ip = next(ipaddress.IPv4Network(service_cidr).hosts())
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(
                     [
@@ -178,6 +189,16 @@ def _write_pki(pki_dir: Path) -> _Pki:
     # The aggregation layer's identity; also lets controller-manager and scheduler find the
     # request-header CA they look for at start (they log errors every second without it).
     issue("front-proxy-client", name_of("front-proxy-client"), server=False)
+    if node is not None:
+        node_name, node_ip = node
+        issue("kubelet", name_of(f"system:node:{node_name}", "system:nodes"), server=False)
+        issue("kubelet-serving", name_of(node_name), server=True, ips=[node_ip, "127.0.0.1"])
+        issue("kube-proxy", name_of("system:kube-proxy"), server=False)
+        issue(
+            "apiserver-kubelet-client",
+            name_of("kube-apiserver-kubelet-client", "system:masters"),
+            server=False,
+        )
 
     # Service-account tokens are signed with RSA, the algorithm every client verifies.
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -291,6 +312,16 @@ class Cluster:
     # "cli" (a person ran `make cluster-up`: never stopped by tests) or "fixture" (stopped
     # when the last test session using it ends).
     started_by: str = "cli"
+    # The real node's facts ({"node_bin": ..., "ip": ...}) when it has one (`up --real-node`).
+    real_node: dict[str, Any] | None = None
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        if self.real_node is None:
+            return COMPONENTS
+        import realnode
+
+        return COMPONENTS + realnode.COMPONENTS
 
     def __fspath__(self) -> str:
         return str(self.kubeconfig)
@@ -330,11 +361,11 @@ class Cluster:
         path = self.state_dir / f"{name}.log"
         return _tail(path, lines)
 
-    def log_tails(self, lines: int = 40, names: Sequence[str] = COMPONENTS) -> str:
+    def log_tails(self, lines: int = 40, names: Sequence[str] | None = None) -> str:
         return "\n".join(
             f"----- {self.state_dir / (n + '.log')} (last {lines} lines) -----\n"
             f"{self.log_tail(n, lines)}"
-            for n in names
+            for n in (names if names is not None else self.components)
         )
 
     def rss_kib(self) -> dict[str, int]:
@@ -347,6 +378,7 @@ class Cluster:
             "ports": self.ports,
             "nodes": self.nodes,
             "started_by": self.started_by,
+            "real_node": self.real_node,
             "processes": {n: vars(p) for n, p in self.processes.items()},
         }
 
@@ -364,6 +396,7 @@ class Cluster:
             processes={n: Process(**p) for n, p in data["processes"].items()},
             nodes=data.get("nodes", []),
             started_by=data.get("started_by", "cli"),
+            real_node=data.get("real_node"),
         )
 
     def save(self) -> None:
@@ -487,7 +520,7 @@ def _lock(state_dir: Path) -> Iterator[None]:
 
 def healthy(cluster: Cluster) -> str | None:
     """None when every component is alive and answering, else what is wrong."""
-    for name in COMPONENTS:
+    for name in cluster.components:
         proc = cluster.processes.get(name)
         if proc is None or not proc.alive():
             return f"{name} is not running"
@@ -571,14 +604,21 @@ def up(
     timeout: float = 120,
     log: Any = print,
     user: int | None = None,
+    real_node: bool = False,
 ) -> tuple[Cluster, bool]:
     """Start the control plane, or return the running one. The flag says whether this call
     started it. ``user`` (a pid) registers a test session as a user of the cluster, which
-    marks a cluster it starts as the fixture's; see :func:`release`."""
+    marks a cluster it starts as the fixture's; see :func:`release`. ``real_node`` adds
+    the real node (``realnode.py``); a running cluster without one is not reused for it."""
     with _lock(state_dir):
         existing = Cluster.load(state_dir)
         if existing is not None:
             problem = healthy(existing)
+            if problem is None and real_node and existing.real_node is None:
+                raise ClusterError(
+                    f"the local cluster in {state_dir} runs without a real node; stop it "
+                    "first (`make cluster-down`) or give this one its own PDD_CLUSTER_DIR"
+                )
             if problem is None:
                 if user is not None:
                     _add_user(existing, user)
@@ -587,7 +627,7 @@ def up(
             _stop(existing, log=log)
         if state_dir.exists():
             shutil.rmtree(state_dir)
-        cluster = _up(state_dir, bin_dir, nodes, gpus, timeout, log)
+        cluster = _up(state_dir, bin_dir, nodes, gpus, timeout, log, real_node)
         if user is not None:
             cluster.started_by = "fixture"
             cluster.save()
@@ -628,7 +668,15 @@ def release(state_dir: Path, user: int, log: Any = print) -> bool:
         return True
 
 
-def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, log: Any) -> Cluster:
+def _up(
+    state_dir: Path,
+    bin_dir: Path,
+    nodes: int,
+    gpus: int,
+    timeout: float,
+    log: Any,
+    real_node: bool = False,
+) -> Cluster:
     t0 = time.monotonic()
     deadline = t0 + timeout
     bins = {
@@ -636,13 +684,32 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
         "etcd": _binary(bin_dir, "etcd"),
         "kwok": _binary(bin_dir, "kwok"),
     }
+    service_cidr = SERVICE_CIDR
+    node: tuple[str, str] | None = None
+    if real_node:
+        import realnode
+
+        bins["node"] = _binary(bin_dir, "node")
+        bins["pause"] = _binary(bin_dir, "pause")
+        try:
+            realnode.check_host()
+            node = (realnode.NODE_NAME, realnode.node_ip())
+        except realnode.RealNodeError as e:
+            raise ClusterError(str(e)) from e
+        service_cidr = realnode.SERVICE_CIDR
     state_dir.mkdir(parents=True)
-    pki = _write_pki(state_dir / "pki")
+    pki = _write_pki(state_dir / "pki", service_cidr, node)
     names = ["etcd-client", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok"]
+    if real_node:
+        names += ["kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics"]
     ports = dict(zip(names, _free_ports(len(names)), strict=True))
     server = f"https://127.0.0.1:{ports['apiserver']}"
     kubeconfig = state_dir / "kubeconfig"
     cluster = Cluster(state_dir=state_dir, kubeconfig=kubeconfig, server=server, ports=ports)
+    if node is not None:
+        cluster.real_node = {"node_bin": bins["node"], "ip": node[1], "name": node[0]}
+        for identity in ("kubelet", "kube-proxy"):
+            _write_kubeconfig(state_dir / f"{identity}.kubeconfig", server, pki, identity)
     for identity in ("admin", "controller-manager", "scheduler"):
         _write_kubeconfig(state_dir / f"{identity}.kubeconfig", server, pki, identity)
     shutil.copyfile(state_dir / "admin.kubeconfig", kubeconfig)
@@ -696,7 +763,7 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
                 f"--service-account-key-file={p / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki.key('sa')}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={service_cidr}",
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
@@ -707,6 +774,16 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 f"--proxy-client-cert-file={pki.crt('front-proxy-client')}",
                 f"--proxy-client-key-file={pki.key('front-proxy-client')}",
+                *(
+                    [
+                        # Reach kubelets (logs, exec) at the node's IP, not its name.
+                        "--kubelet-preferred-address-types=InternalIP",
+                        f"--kubelet-client-certificate={pki.crt('apiserver-kubelet-client')}",
+                        f"--kubelet-client-key={pki.key('apiserver-kubelet-client')}",
+                    ]
+                    if node is not None
+                    else []
+                ),
                 "--profiling=false",
                 "--v=1",
             ],
@@ -736,7 +813,7 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
                 f"--root-ca-file={pki.crt('ca')}",
                 f"--cluster-signing-cert-file={pki.crt('ca')}",
                 f"--cluster-signing-key-file={pki.key('ca')}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={service_cidr}",
                 "--leader-elect=false",
                 "--profiling=false",
                 "--v=1",
@@ -833,6 +910,8 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
             everything,
         )
         log(f"{nodes} nodes x {gpus} nvidia.com/gpu Ready ({time.monotonic() - t0:.1f}s)")
+        if node is not None:
+            _up_real_node(cluster, bins, pki, api, gpus, deadline + 120, start, log, t0)
         return cluster
     except BaseException:
         # Leave nothing running; keep the logs so the caller can show them.
@@ -840,9 +919,118 @@ def _up(state_dir: Path, bin_dir: Path, nodes: int, gpus: int, timeout: float, l
         raise
 
 
+def _up_real_node(
+    cluster: Cluster,
+    bins: dict[str, str],
+    pki: _Pki,
+    api: _Api,
+    gpus: int,
+    deadline: float,
+    start: Any,
+    log: Any,
+    t0: float,
+) -> None:
+    """containerd (with the local image), the kubelet, kube-proxy; then the node's GPUs.
+    Called inside ``_up``'s cleanup guard, so a failure here stops everything."""
+    import realnode
+
+    state_dir, ports = cluster.state_dir, cluster.ports
+    assert cluster.real_node is not None
+    ip = cluster.real_node["ip"]
+    try:
+        realnode.claim_host(
+            state_dir,
+            lambda owner: (c := Cluster.load(owner)) is not None and healthy(c) is None,
+            log,
+        )
+        realnode.host_setup()
+    except realnode.RealNodeError as e:
+        raise ClusterError(str(e)) from e
+    containerd = start(
+        "containerd",
+        ["containerd", f"--config={realnode.containerd_config(state_dir)}", "--log-level=warn"],
+    )
+    _wait(
+        "containerd",
+        lambda: realnode.ctr("version", timeout=10).returncode == 0,
+        deadline,
+        [containerd],
+    )
+    tar = realnode.image_tar(Path(bins["pause"]), state_dir / "pause-image.tar")
+    imported = realnode.import_image(tar)
+    log(
+        f"containerd ready, image {realnode.IMAGE} "
+        f"{'imported' if imported else 'already there'} ({time.monotonic() - t0:.1f}s)"
+    )
+    kubelet_config = realnode.kubelet_config(
+        state_dir, pki.dir, ip, ports["kubelet"], ports["kubelet-healthz"]
+    )
+    kubelet = start(
+        "kubelet", realnode.kubelet_argv(bins["node"], state_dir, kubelet_config, ip, gpus)
+    )
+    proxy_config = realnode.kube_proxy_config(
+        state_dir,
+        state_dir / "kube-proxy.kubeconfig",
+        ports["kube-proxy-healthz"],
+        ports["kube-proxy-metrics"],
+    )
+    proxy = start("kube-proxy", [bins["node"], "proxy", f"--config={proxy_config}", "--v=1"])
+    everything = list(cluster.processes.values())
+    path = f"/api/v1/nodes/{realnode.NODE_NAME}"
+
+    def node_ready() -> bool:
+        status, body = api.request("GET", path)
+        if status != 200:
+            return False
+        conditions = body.get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    _wait(f"real node {realnode.NODE_NAME} Ready", node_ready, deadline, everything)
+    cluster.nodes.append(realnode.NODE_NAME)
+    cluster.save()
+    log(f"real node {realnode.NODE_NAME} Ready at {ip} ({time.monotonic() - t0:.1f}s)")
+    if gpus:
+        status, body = _json_patch(api, path + "/status", realnode.gpu_patch(gpus))
+        if status != 200:
+            raise ClusterError(f"advertising nvidia.com/gpu on {path} failed ({status}): {body}")
+
+        def gpus_allocatable() -> bool:
+            status, body = api.request("GET", path)
+            alloc = body.get("status", {}).get("allocatable", {}) if status == 200 else {}
+            return bool(alloc.get("nvidia.com/gpu") == str(gpus))
+
+        _wait("nvidia.com/gpu allocatable on the real node", gpus_allocatable, deadline, everything)
+    _wait(
+        "kube-proxy /healthz",
+        lambda: _http_ok(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"),
+        deadline,
+        [kubelet, proxy, containerd],
+    )
+    log(f"real node: {gpus} nvidia.com/gpu, kube-proxy healthy ({time.monotonic() - t0:.1f}s)")
+
+
+def _json_patch(api: _Api, path: str, patch: Any) -> tuple[int, Any]:
+    data = json.dumps(patch).encode()
+    req = urllib.request.Request(api.server + path, data=data, method="PATCH")
+    req.add_header("Content-Type", "application/json-patch+json")
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=api.ctx)
+    )
+    try:
+        with opener.open(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
 def _stop(cluster: Cluster, log: Any = print, keep_logs: bool = False) -> None:
     """SIGTERM each component (reverse start order), then SIGKILL what is left; each one was
-    started in its own session, so its whole process group goes."""
+    started in its own session, so its whole process group goes. The real node goes first,
+    while the API server can still see its pods go."""
+    if cluster.real_node is not None:
+        import realnode
+
+        realnode.stop(cluster.processes, log, cluster.real_node.get("node_bin"))
     procs = [cluster.processes[n] for n in reversed(COMPONENTS) if n in cluster.processes]
     for p in procs:
         if p.alive():
@@ -908,6 +1096,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up.add_argument("--nodes", type=int, default=int(os.environ.get("CLUSTER_NODES", 4)))
     p_up.add_argument("--gpus", type=int, default=int(os.environ.get("CLUSTER_GPUS", 8)))
     p_up.add_argument("--timeout", type=float, default=120)
+    p_up.add_argument(
+        "--real-node",
+        action="store_true",
+        default=os.environ.get("NODE") == "real",
+        help="also start a real node: kubelet, containerd, runc, CNI, kube-proxy (root)",
+    )
     sub.add_parser("down", help="stop every component and remove the state")
     sub.add_parser("status", help="say whether the control plane runs and is healthy")
     args = parser.parse_args(argv)
@@ -920,7 +1114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.monotonic()
         try:
             cluster, started = up(
-                state_dir, args.bin_dir.resolve(), args.nodes, args.gpus, args.timeout, log
+                state_dir,
+                args.bin_dir.resolve(),
+                args.nodes,
+                args.gpus,
+                args.timeout,
+                log,
+                real_node=args.real_node,
             )
         except ClusterError as e:
             log(f"cluster-up FAILED: {e}")
@@ -943,15 +1143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             log("no local cluster was running")
         return 0
-    cluster, problem = status(state_dir)
-    if cluster is None:
+    recorded, problem = status(state_dir)
+    if recorded is None:
         log(problem or "")
         return 1
-    rss = cluster.rss_kib()
+    rss = recorded.rss_kib()
     print(
         json.dumps(
             {
-                **cluster.to_json(),
+                **recorded.to_json(),
                 "healthy": problem is None,
                 "problem": problem,
                 "rss_kib": rss,
@@ -964,4 +1164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # realnode.py imports this module by name: let it find this one, not load a second copy.
+    sys.modules.setdefault("localcluster", sys.modules[__name__])
     sys.exit(main())
