@@ -89,9 +89,12 @@ class Desired:
         return objs + self.network_policies
 
 
+PLAN_HASH_LENGTH = 10
+
+
 def plan_hash(plan: RoutingPlan) -> str:
     """Names a routing plan: pods started with different plans must not be paired."""
-    return content_hash(plan.to_json(), length=10)
+    return content_hash(plan.to_json(), length=PLAN_HASH_LENGTH)
 
 
 def plan_of(spec: PDDeploymentSpec) -> RoutingPlan:
@@ -130,8 +133,17 @@ def _meta(owner: Owner, name: str, lbls: dict[str, str]) -> Obj:
     }
 
 
-def configmap_name(name: str) -> str:
-    return f"{name}-routing"
+def configmap_name(name: str, plan_hash: str | None = None) -> str:
+    """Immutable and named by its plan: a running pod's plan never changes under it, and the
+    pods of a new plan mount a new ConfigMap. Without a hash: v1alpha1's `<name>-routing`
+    (deleted once no pod mounts it), also the prefix of every routing ConfigMap's name."""
+    return f"{name}-routing-{plan_hash}" if plan_hash else f"{name}-routing"
+
+
+def is_routing_configmap(owner_name: str, cm_name: str) -> bool:
+    return cm_name == configmap_name(owner_name) or (
+        cm_name.startswith(f"{owner_name}-routing-")
+        and len(cm_name) == len(owner_name) + len("-routing-") + PLAN_HASH_LENGTH)
 
 
 def grant_secret_name(name: str) -> str:
@@ -164,7 +176,9 @@ def build_configmap(owner: Owner, plan: RoutingPlan) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(owner, configmap_name(owner.name), labels(owner)),
+        "metadata": _meta(owner, configmap_name(owner.name, plan_hash(plan)),
+                          {**labels(owner), keys.LABEL_PLAN_HASH: plan_hash(plan)}),
+        "immutable": True,
         "data": {keys.ROUTING_CONFIGMAP_KEY: plan.to_json()},
     }
 
@@ -393,7 +407,8 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [container],
         "volumes": [
-            {"name": ROUTING_VOLUME, "configMap": {"name": configmap_name(owner.name)}},
+            {"name": ROUTING_VOLUME,
+             "configMap": {"name": configmap_name(owner.name, plan_hash(plan))}},
             _grant_volume(owner),
             # torch and NCCL/UCX use shared memory; the container runtime's default is 64 MiB.
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},

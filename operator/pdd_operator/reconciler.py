@@ -22,12 +22,14 @@ from pdd_api.models import KIND, PDDeploymentSpec
 from pdd_api.validation import validate_name, validate_spec
 from pdd_operator import metrics
 from pdd_operator.builders import (
+    ROUTING_VOLUME,
     Desired,
     Obj,
     Owner,
     build,
     build_grant_secret,
     grant_secret_name,
+    is_routing_configmap,
     network_policy_names,
     selector,
 )
@@ -290,6 +292,7 @@ class Reconciler:
                              self._apply_others(owner, desired, outcome),
                              self._guard(_full_ref("Secret", ns, grant_secret_name(name)),
                                          self._ensure_grant_key(owner, outcome), outcome))
+        await self._prune_routing(owner, desired, outcome)
 
         cm = self.store.get("ConfigMap", ns, desired.configmap["metadata"]["name"])
         published = cm is not None and cm.get("data") == desired.configmap["data"]
@@ -389,6 +392,27 @@ class Reconciler:
             if have is not None and _owned_by(have, owner.uid):
                 await self._guard(_full_ref(kind, owner.namespace, name),
                                   self._delete(kind, have, outcome.deleted), outcome)
+
+    async def _prune_routing(self, owner: Owner, desired: Desired, outcome: Outcome) -> None:
+        """Routing ConfigMaps of earlier plans (and v1alpha1's `<name>-routing`) go once no pod
+        of this PDDeployment mounts them: a pod keeps the plan it started with until replaced."""
+        ns, name = owner.namespace, owner.name
+        current = desired.configmap["metadata"]["name"]
+        used = {
+            v["configMap"].get("name")
+            for p in self.store.of_instance("Pod", ns, name)
+            for v in (p.get("spec") or {}).get("volumes") or []
+            if v.get("name") == ROUTING_VOLUME and isinstance(v.get("configMap"), dict)
+        }
+        for cm in self.store.of_instance("ConfigMap", ns, name):
+            meta = cm["metadata"]
+            cm_name = meta["name"]
+            if (cm_name == current or cm_name in used or meta.get("deletionTimestamp")
+                    or not is_routing_configmap(name, cm_name)
+                    or not _owned_by(cm, owner.uid)):
+                continue
+            await self._guard(_full_ref("ConfigMap", ns, cm_name),
+                              self._delete("ConfigMap", cm, outcome.deleted), outcome)
 
     async def _ensure_grant_key(self, owner: Owner, outcome: Outcome) -> None:
         """The transfer-grant key: created once with 32 random bytes, never rewritten (the

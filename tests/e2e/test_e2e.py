@@ -63,9 +63,15 @@ class Deployment:
         return self.stack.get("pod", f"{self.name}-{role}-{index}", self.namespace)
 
     def routing(self) -> dict[str, Any]:
-        cm = self.stack.get("configmap", f"{self.name}-routing", self.namespace)
-        assert cm is not None
-        return dict(json.loads(cm["data"]["routing.json"]))
+        """The plan decode-0 runs with: the routing ConfigMap its pod mounts (named by plan
+        hash, `<name>-routing-<hash>`); {} while there is no such pod (mid-roll)."""
+        pod = self.pod("decode", 0)
+        if pod is None:
+            return {}
+        name = next(v["configMap"]["name"] for v in pod["spec"]["volumes"]
+                    if v["name"] == "routing")
+        cm = self.stack.get("configmap", name, self.namespace)
+        return dict(json.loads(cm["data"]["routing.json"])) if cm is not None else {}
 
     def wait_ready(self) -> None:
         self.stack.wait_ready(self.name, self.namespace, timeout=600)

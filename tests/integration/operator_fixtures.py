@@ -356,3 +356,21 @@ def events_of(k: Kubectl, ns: str, name: str) -> list[dict[str, Any]]:
 def env_of(pod: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom"))
             for e in pod["spec"]["containers"][0]["env"]}
+
+
+def routing_cm(k: Kubectl, ns: str, name: str) -> dict[str, Any]:
+    """The routing ConfigMap of the current plan (`<name>-routing-<plan hash>`), found by the
+    hash its PDDeployment's spec gives."""
+    from pdd_api.validation import parse_spec
+    from pdd_operator.builders import configmap_name, plan_hash, plan_of
+
+    spec = parse_spec(pdd(k, ns, name)["spec"])
+    return k.json("get", "configmap",  # type: ignore[no-any-return]
+                  configmap_name(name, plan_hash(plan_of(spec))), "-n", ns)
+
+
+def routing_cm_name(spec: dict[str, Any], name: str) -> str:
+    from pdd_api.validation import parse_spec
+    from pdd_operator.builders import configmap_name, plan_hash, plan_of
+
+    return configmap_name(name, plan_hash(plan_of(parse_spec(spec))))

@@ -28,6 +28,7 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     op_namespace,
     pdd,
     pods_of,
+    routing_cm,
     teardown_namespace,
     wait_for,
     wait_ready,
@@ -118,7 +119,7 @@ def test_invalid_spec_that_reached_the_operator(cluster: Cluster, kube: Kubectl,
         wait_ready(kube, ns, name, op)
         before = {p["metadata"]["name"]: (p["metadata"]["uid"], p["metadata"]["resourceVersion"])
                   for p in pods_of(kube, ns, name)}
-        cm_before = kube.json("get", "configmap", f"{name}-routing", "-n", ns)["data"]
+        cm_before = routing_cm(kube, ns, name)["data"]
         kube("patch", "pddeployment", name, "-n", ns, "--type=merge", "-p",
              json.dumps({"spec": {"decode": {"decodeContextParallelSize": 3}}}))
         message = ("spec.decode.decodeContextParallelSize: must be 1 or equal to "
@@ -143,7 +144,9 @@ def test_invalid_spec_that_reached_the_operator(cluster: Cluster, kube: Kubectl,
         after = {p["metadata"]["name"]: (p["metadata"]["uid"], p["metadata"]["resourceVersion"])
                  for p in pods_of(kube, ns, name)}
         assert after == before
-        assert kube.json("get", "configmap", f"{name}-routing", "-n", ns)["data"] == cm_before
+        cms = kube.json("get", "configmaps", "-n", ns, "-l",
+                        f"app.kubernetes.io/instance={name}")["items"]
+        assert [c["data"] for c in cms] == [cm_before], "no new plan published"
         # Fixing the spec resumes normal service.
         kube("patch", "pddeployment", name, "-n", ns, "--type=merge", "-p",
              json.dumps({"spec": {"decode": {"decodeContextParallelSize": 4}}}))

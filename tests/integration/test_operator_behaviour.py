@@ -22,6 +22,7 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     operator,
     pdd,
     pods_of,
+    routing_cm,
     wait_for,
     wait_ready,
 )
@@ -194,16 +195,20 @@ def test_manual_edits_of_owned_objects_are_restored(kube: Kubectl, operator: Ope
     ns, name = op_namespace, "edits"
     kube.apply(make(name), "-n", ns)
     wait_ready(kube, ns, name, operator)
-    cm_name = f"{name}-routing"
-    plan = kube.json("get", "configmap", cm_name, "-n", ns)["data"]["routing.json"]
-    kube("patch", "configmap", cm_name, "-n", ns, "--type=merge",
-         "-p", '{"data":{"routing.json":"{}"}}')
+    cm = routing_cm(kube, ns, name)
+    cm_name, plan = cm["metadata"]["name"], cm["data"]["routing.json"]
+    assert cm["immutable"] is True
+    edit = kube("patch", "configmap", cm_name, "-n", ns, "--type=merge",
+                "-p", '{"data":{"routing.json":"{}"}}', check=False)
+    assert edit.returncode != 0 and "immutable" in edit.stderr, edit.stderr
+    kube("delete", "configmap", cm_name, "-n", ns)
     kube("patch", "service", f"{name}-decode", "-n", ns, "--type=merge",
          "-p", '{"spec":{"publishNotReadyAddresses":false}}')
     kube("scale", "deployment", name, "-n", ns, "--replicas=3")
     kube("label", "pod", f"{name}-decode-0", "-n", ns, "app.kubernetes.io/managed-by-")
-    wait_for("routing.json restored", lambda: kube.json(
-        "get", "configmap", cm_name, "-n", ns)["data"]["routing.json"] == plan)
+    wait_for("routing ConfigMap recreated", lambda: (
+        (c := kube.maybe("get", "configmap", cm_name, "-n", ns)) is not None
+        and c["data"]["routing.json"] == plan))
     wait_for("service restored", lambda: kube.json(
         "get", "service", f"{name}-decode", "-n", ns)["spec"]["publishNotReadyAddresses"])
     wait_for("router replicas restored", lambda: kube.json(
@@ -299,4 +304,41 @@ def test_kubectl_scale_changes_decode_pods(kube: Kubectl, operator: Operator,
     kube("scale", f"pdd/{name}", "-n", ns, "--replicas=1")
     wait_for("decode scaled back to 1", lambda: [
         p["metadata"]["name"] for p in pods_of(kube, ns, name, "decode")] == [f"{name}-decode-0"])
+    delete_and_wait(kube, ns, name)
+
+
+def test_plan_change_publishes_a_new_routing_configmap_and_prunes_the_old(
+        kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    ns, name = op_namespace, "plans"
+    kube.apply(make(name), "-n", ns)
+    obj = wait_ready(kube, ns, name, operator)
+    old = routing_cm(kube, ns, name)
+    # v1alpha1's unhashed ConfigMap, as an older operator left it: pruned, no pod mounts it
+    kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": f"{name}-routing", "namespace": ns,
+        "labels": {"app.kubernetes.io/name": "pdd", "app.kubernetes.io/instance": name,
+                   "app.kubernetes.io/managed-by": "pdd-operator"},
+        "ownerReferences": [{"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+                             "name": name, "uid": obj["metadata"]["uid"],
+                             "controller": True}]},
+        "data": {"routing.json": "{}"}})
+    patch_spec(kube, ns, name, {"decode": {"tensorParallelSize": 2,
+                                           "decodeContextParallelSize": 2}})
+    wait_ready(kube, ns, name, operator)
+    new = routing_cm(kube, ns, name)
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    assert new["metadata"]["labels"][keys.LABEL_PLAN_HASH] in new["metadata"]["name"]
+    for p in pods_of(kube, ns, name):
+        vols = {v["name"]: v for v in p["spec"]["volumes"]}
+        assert vols["routing"]["configMap"]["name"] == new["metadata"]["name"]
+        assert p["metadata"]["labels"][keys.LABEL_PLAN_HASH] == new["metadata"]["labels"][
+            keys.LABEL_PLAN_HASH]
+
+    def routing_cms() -> list[str]:
+        items = kube.json("get", "configmaps", "-n", ns, "-l",
+                          f"app.kubernetes.io/instance={name}")["items"]
+        return sorted(c["metadata"]["name"] for c in items)
+
+    wait_for("old and legacy routing ConfigMaps pruned",
+             lambda: routing_cms() == [new["metadata"]["name"]], timeout=60)
     delete_and_wait(kube, ns, name)

@@ -22,6 +22,7 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     op_namespace,
     operator,
     pods_of,
+    routing_cm,
     wait_for,
     wait_ready,
 )
@@ -68,7 +69,7 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
     assert all(c["status"] == "True" for c in conds.values()), conds
     assert conds["RoutingReady"]["message"] == f"{plan['case']}: {summary}"
 
-    cm = kube.json("get", "configmap", f"{name}-routing", "-n", ns)
+    cm = routing_cm(kube, ns, name)
     assert cm["data"] == {"routing.json": pdd_plan_json(path)}
 
     nodes = {n["metadata"]["name"]: n for n in kube.json("get", "nodes")["items"]}
@@ -128,7 +129,7 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
             assert mounts["grant-key"]["readOnly"] is True
             assert mounts["dshm"]["mountPath"] == "/dev/shm"
             vols = {v["name"]: v for v in pod["spec"]["volumes"]}
-            assert vols["routing"]["configMap"]["name"] == f"{name}-routing"
+            assert vols["routing"]["configMap"]["name"] == cm["metadata"]["name"]
             assert vols["grant-key"]["secret"]["secretName"] == f"{name}-grant-key"
             assert vols["dshm"]["emptyDir"] == {"medium": "Memory"}
             assert pod["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -19,6 +19,7 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     make_namespace,
     pdd,
     pods_of,
+    routing_cm_name,
     teardown_namespace,
     wait_for,
     wait_ready,
@@ -79,7 +80,8 @@ def test_restart_mid_reconcile_converges_without_duplicates(
         op.start()
         obj = wait_ready(kube, ns, name, op)
         assert owned(kube, ns, name) == sorted([
-            "ConfigMap/crash-routing", "Deployment/crash", "Pod/crash-decode-0",
+            f"ConfigMap/{routing_cm_name(pdd(kube, ns, name)['spec'], name)}",
+            "Deployment/crash", "Pod/crash-decode-0",
             "Pod/crash-decode-1", "Pod/crash-prefill-0", "Pod/crash-prefill-1",
             "Service/crash", "Service/crash-decode", "Service/crash-prefill"])
         after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods_of(kube, ns, name)}

@@ -22,6 +22,7 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     operator,
     pdd,
     pods_of,
+    routing_cm_name,
     wait_for,
     wait_ready,
 )
@@ -151,9 +152,10 @@ def test_podsecurity_restricted_namespace(kube: Kubectl, operator: Operator,
 def test_objects_with_our_names_are_never_taken_over(kube: Kubectl, operator: Operator,
                                                      op_namespace: str) -> None:
     ns, name = op_namespace, "conf"
+    cm_name = routing_cm_name(make(name)["spec"], name)
     theirs = [
         {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": f"{name}-routing", "namespace": ns}, "data": {"mine": "yes"}},
+         "metadata": {"name": cm_name, "namespace": ns}, "data": {"mine": "yes"}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
          "spec": {"ports": [{"port": 9999}], "selector": {"app": "theirs"}}},
         {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -166,7 +168,7 @@ def test_objects_with_our_names_are_never_taken_over(kube: Kubectl, operator: Op
                    lambda: stalled_for_current_generation(kube, ns, name, "NameConflict"),
                    timeout=60)
     msg = conditions(obj)["Ready"]["message"]
-    for ref in (f"ConfigMap {ns}/{name}-routing", f"Service {ns}/{name}",
+    for ref in (f"ConfigMap {ns}/{cm_name}", f"Service {ns}/{name}",
                 f"Secret {ns}/{name}-grant-key"):
         assert ref in msg, msg
     assert "is not controlled by this PDDeployment" in msg

@@ -47,7 +47,12 @@ def test_routing_configmap_is_pdd_plan_json(path: Path) -> None:
                           "-o", "json"], capture_output=True, text=True, check=True)
     desired = build(OWNER, spec_of(example(path)))
     assert desired.configmap["data"][keys.ROUTING_CONFIGMAP_KEY] == out.stdout.strip()
-    assert desired.configmap["metadata"]["name"] == "demo-routing"
+    from pdd_operator.builders import plan_hash
+
+    h = plan_hash(desired.plan)
+    assert desired.configmap["metadata"]["name"] == f"demo-routing-{h}"
+    assert desired.configmap["immutable"] is True
+    assert desired.configmap["metadata"]["labels"][keys.LABEL_PLAN_HASH] == h
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -81,7 +86,8 @@ def test_pods_per_role_and_replica_with_contract_env(path: Path) -> None:
             assert c["command"] == ["python", "-m", "pdd_sidecar", "serve"]
             assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
             assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-            assert pod["spec"]["volumes"][0]["configMap"]["name"] == "demo-routing"
+            assert pod["spec"]["volumes"][0]["configMap"]["name"] == (
+                desired.configmap["metadata"]["name"])
             assert pod["spec"]["subdomain"] == f"demo-{role}"
             assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
             assert pod["metadata"]["ownerReferences"][0]["controller"] is True
