@@ -72,6 +72,7 @@ def _leaves() -> list[Leaf]:
         Leaf(("model", "source"), "str"),
         Leaf(("model", "dtype"), "enum", ("bfloat16", "float32", "float16", "")),
         Leaf(("image",), "str"), Leaf(("blockSize",), "int"),
+        Leaf(("engine",), "enum", ("pdd", "vllm", "vLLM", "")), Leaf(("router", "image"), "str"),
         Leaf(("kvTransfer",), "obj"), Leaf(("kvTransfer", "backend"), "enum", ("UCX", "ucx")),
         Leaf(("kvTransfer", "sideChannelPort"), "int"),
         Leaf(("router",), "obj"), Leaf(("router", "enabled"), "bool"),
@@ -246,6 +247,9 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
         spec["rollout"] = {"maxUnavailable": 2}
     if r.random() < 0.1:
         spec["networkPolicy"] = {"enabled": False}
+    if r.random() < 0.15:
+        spec["engine"] = "vllm"
+        spec.setdefault("router", {})["image"] = "pdd:0.1.0"
     return spec
 
 
