@@ -90,6 +90,12 @@ cluster-up: venv cluster-build $(if $(CLUSTER_REAL),cluster-build-node cluster-n
 	$(VPY) $(CLUSTER_DIR)/localcluster.py up --nodes $(CLUSTER_NODES) --gpus $(CLUSTER_GPUS) \
 		$(if $(CLUSTER_REAL),--real-node)
 
+# The real node's tests (marker realnode; never part of `make test`). They reuse a running
+# `make cluster-up NODE=real` or start and stop their own cluster in .cache/cluster/realnode-test.
+.PHONY: test-realnode
+test-realnode: venv cluster-build-node cluster-node-deps
+	$(PYTEST) tests/integration -q -m realnode
+
 # Needs no venv: stopping must work even when the venv is broken.
 cluster-down:
 	$(PY) $(CLUSTER_DIR)/localcluster.py down

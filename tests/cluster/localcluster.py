@@ -1048,6 +1048,7 @@ def _stop(cluster: Cluster, log: Any = print, keep_logs: bool = False) -> None:
     while any(p.alive() for p in procs) and time.monotonic() < deadline + 5:
         _reap()
         time.sleep(0.1)
+    _reap()  # the last ones are zombies until then when `up` ran in this process
     if keep_logs:
         (cluster.state_dir / "state.json").unlink(missing_ok=True)
     elif cluster.state_dir.exists():

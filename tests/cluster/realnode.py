@@ -389,6 +389,7 @@ def stop(processes: dict[str, Any] | None, log: Any, node_bin: str | None = None
     _run(["ip", "link", "del", BRIDGE], check=False)
     _sweep_iptables(log)
     _sweep_cgroups()
+    _reap()
     if not node_mounts():
         shutil.rmtree(RUN_DIR, ignore_errors=True)  # sockets and state of the stopped node
 
