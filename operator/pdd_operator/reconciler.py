@@ -19,7 +19,7 @@ from typing import Any
 
 from pdd_api import keys
 from pdd_api.models import KIND, PDDeploymentSpec
-from pdd_api.validation import validate_name, validate_spec
+from pdd_api.validation import parse_spec, validate_name, validate_spec
 from pdd_operator import metrics
 from pdd_operator.builders import (
     ROUTING_VOLUME,
@@ -332,7 +332,7 @@ class Reconciler:
             result: tuple[list[str], PDDeploymentSpec | None, Desired | None] = (
                 problems, None, None)
         else:
-            spec = PDDeploymentSpec.model_validate(raw_spec)
+            spec = parse_spec(raw_spec)  # read as the API server reads it (nulls, 2.0)
             result = ([], spec, build(owner, spec))
         self._built[key] = ((owner.uid, generation), result)
         return result
