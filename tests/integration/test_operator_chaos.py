@@ -239,11 +239,21 @@ def schedule(chaos: Chaos, names: list[str]) -> Iterator[Callable[[], None]]:
         yield partial(chaos.apply, name, example(name))
 
 
-def kill_points(rng: random.Random, kills: int, operations: int) -> dict[int, list[float]]:
-    """After which operation each kill lands, and how long after it."""
-    points: dict[int, list[float]] = {}
+@dataclass(frozen=True, order=True)
+class KillPoint:
+    """`delay` seconds after an operation, or after the operator (restarted just before) is up:
+    start-up takes seconds here, so without the latter most kills would hit start-up."""
+
+    delay: float
+    after_startup: bool
+
+
+def kill_points(rng: random.Random, kills: int, operations: int) -> dict[int, list[KillPoint]]:
+    """After which operation each kill lands, and when."""
+    points: dict[int, list[KillPoint]] = {}
     for _ in range(kills):
-        points.setdefault(rng.randrange(operations), []).append(rng.uniform(0, MAX_KILL_DELAY))
+        points.setdefault(rng.randrange(operations), []).append(
+            KillPoint(rng.uniform(0, MAX_KILL_DELAY), rng.random() < 0.75))
     return points
 
 
@@ -408,8 +418,12 @@ def test_sigkill_at_random_points_converges_to_exactly_the_desired_objects(
         for step, action in enumerate(schedule(chaos, names)):
             action()
             mark = time.monotonic()
-            for delay in sorted(points.get(step, [])):
-                time.sleep(max(0.0, mark + delay - time.monotonic()))
+            for point in sorted(points.get(step, [])):
+                if point.after_startup:
+                    wait_for("the restarted operator up", lambda: live_endpoint(op)
+                             or not op.alive(), timeout=90, interval=0.1)
+                    mark = time.monotonic()
+                time.sleep(max(0.0, mark + point.delay - time.monotonic()))
                 figures["kills_after_startup"] += live_endpoint(op)
                 assert op.alive(), f"the operator died on its own:\n{op.log()}"
                 op.stop(kill=True)
