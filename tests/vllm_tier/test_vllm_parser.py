@@ -22,7 +22,15 @@ MAX_TP = 16
 
 
 def serve_parser() -> Any:
-    """The parser `vllm serve` parses with (vllm.entrypoints.cli.main builds it this way)."""
+    """The parser `vllm serve` parses with (vllm.entrypoints.cli.main builds it this way).
+    Argument defaults ask the platform for its device type; with no GPU here the platform is
+    vLLM's CPU one, as `vllm bench` does on such machines."""
+    from vllm import platforms
+
+    if platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms.current_platform = CpuPlatform()
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
