@@ -463,6 +463,15 @@ def test_sigkill_at_random_points_converges_to_exactly_the_desired_objects(
         again = divergences(kube, ns, chaos.ever, chaos.deleted_uids)
         assert not again, "diverged again after converging:\n" + "\n".join(again)
         assert figures["kills"] == KILLS
+
+        # The verdict can fail: with the operator dead, a deleted pod and a new generation show.
+        op.stop(kill=True)
+        victim = sorted(chaos.live)[0]
+        pod = f"{victim}-decode-0"
+        kube("delete", "pod", pod, "-n", ns, "--wait=false")
+        chaos.roll(victim)
+        seen = "\n".join(divergences(kube, ns, chaos.ever, chaos.deleted_uids))
+        assert f"Pod/{pod}" in seen and f"{victim}: status.observedGeneration" in seen, seen
         assert chaos.counts.get("apply", 0) >= DEPLOYMENTS
     finally:
         print(f"\nchaos figures: {json.dumps(figures)}")
