@@ -477,6 +477,8 @@ class Router:
 
     async def refresh(self) -> None:
         assert self.probe_session is not None
+        # vLLM servers answer readiness on /health (pdd instances serve it too).
+        path = "/health" if self.settings.upstream_protocol == "vllm" else "/readyz"
         for pool in (self.prefill, self.decode):
             pool.urls = await replicas(pool.static, pool.service)
 
@@ -484,7 +486,7 @@ class Router:
                 try:
                     timeout = aiohttp.ClientTimeout(total=2)
                     async with self.probe_session.get(  # type: ignore[union-attr]
-                            f"{url}/readyz", timeout=timeout) as resp:
+                            f"{url}{path}", timeout=timeout) as resp:
                         ok = resp.status == 200
                         body = await resp.json(content_type=None) if ok else None
                     if isinstance(body, dict) and isinstance(body.get("plan_digest"), str):

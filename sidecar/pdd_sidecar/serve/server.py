@@ -105,6 +105,7 @@ def build_app(state: InstanceState) -> web.Application:
     app[STATE] = state
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/health", readyz)  # vLLM's name, for proxies written to its flow
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/info", info)
     app.router.add_get("/v1/stats", stats)
