@@ -18,7 +18,8 @@ pytestmark = pytest.mark.dataplane
 SIDES = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 4), (8, 8), (8, 1)]
 
 BASE = {"PDD_ROLE": "prefill", "PDD_TP_SIZE": "4", "PDD_DCP_SIZE": "4", "PDD_BLOCK_SIZE": "64",
-        "PDD_ROUTING_FILE": "/etc/pdd/routing.json"}
+        "PDD_ROUTING_FILE": "/etc/pdd/routing.json",
+        "PDD_GRANT_KEY_FILE": "/etc/pdd-grant/grant.key"}
 
 
 @pytest.mark.parametrize(("p", "d"), list(itertools.product(SIDES, SIDES)))
@@ -58,8 +59,11 @@ def test_instance_settings_defaults_and_refusals() -> None:
     ):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             InstanceSettings.from_env({**BASE, key: value})
-    with pytest.raises(ConfigError, match="PDD_ROUTING_FILE: required"):
-        InstanceSettings.from_env({k: v for k, v in BASE.items() if k != "PDD_ROUTING_FILE"})
+    for required in ("PDD_ROUTING_FILE", "PDD_GRANT_KEY_FILE"):
+        with pytest.raises(ConfigError, match=f"{required}: required"):
+            InstanceSettings.from_env({k: v for k, v in BASE.items() if k != required})
+    with pytest.raises(ConfigError, match="PDD_FAULT_PULL_DELAY_S: must be seconds"):
+        InstanceSettings.from_env({**BASE, "PDD_FAULT_PULL_DELAY_S": "soon"})
 
 
 def test_router_settings_need_replicas_from_somewhere() -> None:
