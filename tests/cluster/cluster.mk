@@ -24,7 +24,7 @@ ETCD_LDFLAGS := -s -w
 # network (bridge, iptables), so the default tiers never need it.
 NODE ?=
 CLUSTER_REAL := $(filter real,$(NODE))
-ifneq ($(NODE),)
+ifeq ($(origin NODE),command line)
 ifeq ($(CLUSTER_REAL),)
 $(error NODE=$(NODE) is not known: leave it out (fake nodes only) or say NODE=real)
 endif
@@ -35,8 +35,10 @@ endif
 cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd
 
 # The real node's binaries: kubelet and kube-proxy (one multi-call binary `node`, same module
-# and version as `kube`) and `pause`, the static program in the node's only local image.
-cluster-build-node: cluster-build $(CLUSTER_BIN)/node $(CLUSTER_BIN)/pause
+# and version as `kube`), `pause`, the static program in the node's only local image, and
+# CoreDNS (its own module, like etcd: it pins newer shared dependencies).
+COREDNS_VERSION := v1.12.2
+cluster-build-node: cluster-build $(CLUSTER_BIN)/node $(CLUSTER_BIN)/pause $(CLUSTER_BIN)/coredns
 
 # containerd, runc, the CNI plugins, iptables and conntrack from Debian. Idempotent: installs
 # only what is missing. containerd is not started as a service (the cluster starts its own).
@@ -70,6 +72,12 @@ $(CLUSTER_BIN)/node: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_D
 $(CLUSTER_BIN)/pause: $(CLUSTER_DIR)/cmd/pause/main.go
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '-s -w' -o $(CURDIR)/$@.tmp ./cmd/pause
+	@mv $@.tmp $@
+
+$(CLUSTER_BIN)/coredns: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/coredns/go.mod $(CLUSTER_DIR)/coredns/go.sum $(CLUSTER_DIR)/coredns/main.go
+	@$(call cluster-check-pins,github.com/coredns/coredns,$(COREDNS_VERSION),$(CLUSTER_DIR)/coredns/go.mod)
+	@mkdir -p $(@D)
+	cd $(CLUSTER_DIR)/coredns && $(CLUSTER_GO) -ldflags '-s -w' -o $(CURDIR)/$@.tmp .
 	@mv $@.tmp $@
 
 $(CLUSTER_BIN)/kwok: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum

@@ -691,6 +691,7 @@ def _up(
 
         bins["node"] = _binary(bin_dir, "node")
         bins["pause"] = _binary(bin_dir, "pause")
+        bins["coredns"] = _binary(bin_dir, "coredns")
         try:
             realnode.check_host()
             node = (realnode.NODE_NAME, realnode.node_ip())
@@ -702,6 +703,7 @@ def _up(
     names = ["etcd-client", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok"]
     if real_node:
         names += ["kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics"]
+        names += ["coredns-health", "coredns-ready"]
     ports = dict(zip(names, _free_ports(len(names)), strict=True))
     server = f"https://127.0.0.1:{ports['apiserver']}"
     kubeconfig = state_dir / "kubeconfig"
@@ -962,6 +964,18 @@ def _up_real_node(
         f"containerd ready, image {realnode.IMAGE} "
         f"{'imported' if imported else 'already there'} ({time.monotonic() - t0:.1f}s)"
     )
+    for collection, obj in realnode.dns_objects(ip):
+        status, body = api.request("POST", collection, obj)
+        if status not in (200, 201):
+            raise ClusterError(f"creating {collection}/{obj['metadata']['name']}: {status} {body}")
+    corefile = realnode.corefile(
+        state_dir,
+        ip,
+        state_dir / "admin.kubeconfig",
+        ports["coredns-health"],
+        ports["coredns-ready"],
+    )
+    coredns = start("coredns", [bins["coredns"], "-conf", str(corefile)])
     kubelet_config = realnode.kubelet_config(
         state_dir, pki.dir, ip, ports["kubelet"], ports["kubelet-healthz"]
     )
@@ -1004,7 +1018,13 @@ def _up_real_node(
         "kube-proxy /healthz",
         lambda: _http_ok(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"),
         deadline,
-        [kubelet, proxy, containerd],
+        [kubelet, proxy, containerd, coredns],
+    )
+    _wait(
+        "CoreDNS /ready",
+        lambda: _http_ok(f"http://127.0.0.1:{ports['coredns-ready']}/ready"),
+        deadline,
+        [kubelet, proxy, containerd, coredns],
     )
     log(f"real node: {gpus} nvidia.com/gpu, kube-proxy healthy ({time.monotonic() - t0:.1f}s)")
 

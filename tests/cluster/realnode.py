@@ -45,7 +45,9 @@ HOST_MARK = RUN_DIR / "owner"
 CONTAINERD_SOCK = RUN_DIR / "containerd" / "containerd.sock"
 CNI_BIN = Path("/usr/lib/cni")  # Debian's; containerd's default /opt/cni/bin is left alone
 # Start order; stop goes the other way (kubelet first, so it does not restart what is removed).
-COMPONENTS = ("containerd", "kubelet", "kube-proxy")
+COMPONENTS = ("containerd", "coredns", "kubelet", "kube-proxy")
+# The cluster DNS Service (the kubelet's clusterDNS); its endpoint is CoreDNS on the node IP.
+DNS_SERVICE_IP = "10.112.0.10"
 # What `leftovers` and the iptables sweep treat as this node's: chains made by the kubelet,
 # kube-proxy and the CNI plugins (there is no other Kubernetes node or CNI user on the host).
 CHAIN_PREFIXES = ("KUBE-", "CNI-")
@@ -211,6 +213,65 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     return path
 
 
+def corefile(state_dir: Path, ip: str, kubeconfig: Path, health: int, ready: int) -> Path:
+    """CoreDNS as a process on the host, answering on the node IP (pods reach it through the
+    kube-dns Service). It reads the API with the admin identity: a local test cluster's DNS,
+    not a hardened one."""
+    path = state_dir / "Corefile"
+    path.write_text(
+        f""".:53 {{
+    bind {ip}
+    errors
+    health 127.0.0.1:{health}
+    ready 127.0.0.1:{ready}
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig} pdd-local
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+    cache 5
+    forward . /etc/resolv.conf
+}}
+"""
+    )
+    return path
+
+
+def dns_objects(ip: str) -> list[tuple[str, dict[str, Any]]]:
+    """(API collection path, object) for the kube-dns Service and its hand-made EndpointSlice
+    (no selector: the endpoint is a host process, not a pod)."""
+    ports = [
+        {"name": "dns", "port": 53, "protocol": "UDP"},
+        {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+    ]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+        "spec": {"clusterIP": DNS_SERVICE_IP, "ports": [dict(p, targetPort=53) for p in ports]},
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kube-dns-host",
+            "namespace": "kube-system",
+            "labels": {
+                "kubernetes.io/service-name": "kube-dns",
+                "endpointslice.kubernetes.io/managed-by": "localcluster.pdd.dev",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
+        "ports": ports,
+    }
+    return [
+        ("/api/v1/namespaces/kube-system/services", service),
+        ("/apis/discovery.k8s.io/v1/namespaces/kube-system/endpointslices", endpoints),
+    ]
+
+
 def kubelet_config(state_dir: Path, pki_dir: Path, ip: str, port: int, healthz_port: int) -> Path:
     """KubeletConfiguration for these VMs: cgroup v1 with the cgroupfs driver, swap allowed,
     client certificates only (anonymous off; AlwaysAllow for holders of the cluster CA's
@@ -238,6 +299,7 @@ def kubelet_config(state_dir: Path, pki_dir: Path, ip: str, port: int, healthz_p
         "failSwapOn": False,
         "containerRuntimeEndpoint": f"unix://{CONTAINERD_SOCK}",
         "clusterDomain": "cluster.local",
+        "clusterDNS": [DNS_SERVICE_IP],
         "resolvConf": "/etc/resolv.conf",
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
@@ -378,6 +440,7 @@ def stop(processes: dict[str, Any] | None, log: Any, node_bin: str | None = None
         if res.returncode != 0:
             log(f"cri-cleanup: {res.stdout.strip()} {res.stderr.strip()[-2000:]}")
     _term(procs.get("kube-proxy"), log)
+    _term(procs.get("coredns"), log)
     if node_bin:
         # It also tries the ipvs mode's ipsets and fails without the ipset tool (not
         # installed, ipvs not used); the sweep below reports any chain it really left.

@@ -11,6 +11,7 @@ without the cluster code's help, that nothing of the node is left on the host.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -216,32 +217,50 @@ def test_service_reaches_a_pod_through_kube_proxy(real: _Run, namespace: str) ->
             return None
 
     assert _wait("the Service from the host", from_host).strip() == "served from server"
-    # And from another pod, by the Service's DNS-free address (pod -> ClusterIP -> pod).
-    cluster.kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=_pod("client", ["/pause", "get", f"http://{ip}/"], restart="Never"),
-    )
+    # From other pods: by the ClusterIP, and by name through the cluster DNS (CoreDNS behind
+    # the kube-dns Service; the short name needs the pod's search path).
+    for pod, url in (("client-ip", f"http://{ip}/"), ("client-dns", "http://server/")):
+        cluster.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=_pod(pod, ["/pause", "get", url], restart="Never"),
+        )
+    for pod in ("client-ip", "client-dns"):
 
-    def finished() -> dict[str, Any] | None:
-        obj = _phase(cluster, namespace, "client")
-        return obj if obj["status"].get("phase") in ("Succeeded", "Failed") else None
+        def finished(pod: str = pod) -> dict[str, Any] | None:
+            obj = _phase(cluster, namespace, pod)
+            return obj if obj["status"].get("phase") in ("Succeeded", "Failed") else None
 
-    done = _wait("client pod to finish", finished)
-    logs = cluster.kubectl("logs", "-n", namespace, "client").stdout
-    assert done["status"]["phase"] == "Succeeded", logs
-    assert logs.strip() == "served from server"
+        done = _wait(f"pod {pod} to finish", finished)
+        logs = cluster.kubectl("logs", "-n", namespace, pod).stdout
+        assert done["status"]["phase"] == "Succeeded", (pod, logs)
+        assert logs.strip() == "served from server", pod
 
 
 def _host_leftovers(state_dir: Path, pids: list[int], veths: set[str]) -> list[str]:
     """What the node could leave, looked up directly on the host."""
     found = []
-    for pid in pids:
-        if Path(f"/proc/{pid}").exists():
-            found.append(f"process {pid}")
+    # The components are this process's children (``up`` ran here): reap them, and give an
+    # exiting one a moment, before calling it left behind.
+    deadline = time.monotonic() + 10
+    while True:
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in alive:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        found.append(f"process {pid} ({stat[stat.rindex(')') + 2]}): {cmd[:160]}")
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
