@@ -155,6 +155,11 @@ class InstanceDriver:
         if kind == "submit":
             seq: Sequence = payload
             seq.on_done = lambda s, f=fut: f.set_result(s)  # type: ignore[misc]
+            if seq.id in self.leases:  # a second hold of one id would stop this loop
+                fut.set_exception(RequestError(
+                    f"request_id {seq.id!r} still holds KV blocks on this instance (its grant "
+                    "is outstanding)", 409, "conflict"))
+                return
             try:
                 self.scheduler.submit(seq)
             except QueueFull as exc:

@@ -295,7 +295,12 @@ class RankWorker:
     def _pull_loop(self) -> None:
         while True:
             job = self._pulls.get()
-            error, stats = self._pull(job)
+            try:
+                error, stats = self._pull(job)
+            except Exception as exc:  # this thread serves every later pull: it must outlive one
+                log.error("%s: pull failed: %s", self.who, traceback.format_exc())
+                error, stats = {"error": f"{self.who}: hand-off failed: {exc}", "status": 500,
+                                "kind": "transfer"}, {}
             with self._pulled_lock:
                 self._pulled.append((job["id"], error, stats))
 

@@ -180,6 +180,10 @@ def request_id(body: dict[str, Any], make: Callable[[], str]) -> str:
         return make()
     if not isinstance(rid, str) or len(rid) > 256:
         raise bad("request_id: must be a string of at most 256 characters")
+    try:
+        rid.encode("utf-8")  # it travels in NIXL notifications as UTF-8
+    except UnicodeEncodeError:
+        raise bad("request_id: contains an unpaired surrogate, not valid Unicode text") from None
     return rid
 
 

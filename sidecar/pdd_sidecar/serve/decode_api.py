@@ -94,7 +94,17 @@ async def decode_sequence(request: web.Request, state: InstanceState,
             and isinstance(params.get("instance_id"), str)  # a list is no dict key: 500
             and params["instance_id"] not in state.prefill_peers):
         await watch.round()  # a prefill that restarted since the last round
-    return _sequence(state, body)
+    seq = _sequence(state, body)
+    src = seq.source
+    where = watch.endpoints.get(src.instance_id) if src is not None else None
+    if src is not None and where is not None and where != (src.host, src.side_channel_port):
+        # A grant verifies only if a prefill of this deployment signed it; even so the READ
+        # goes where discovery found that instance, never to a host the request names.
+        raise RequestError(
+            f"kv_transfer_params: names {src.host}:{src.side_channel_port} for prefill instance "
+            f"{src.instance_id}, which this decode found at {where[0]}:{where[1]}", 403,
+            "forbidden")
+    return seq
 
 
 def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
@@ -180,6 +190,7 @@ class PeerWatch:
         self.done: set[str] = set()
         self.lock = asyncio.Lock()
         self.session: aiohttp.ClientSession | None = None
+        self.endpoints: dict[str, tuple[str, int]] = {}  # instance id -> side channel
 
     async def round(self) -> list[str]:
         """Probe every configured prefill once; returns the problems of those never reached."""
@@ -208,6 +219,8 @@ class PeerWatch:
                     for old in [i for i, u in state.prefill_peers.items() if u == url]:
                         del state.prefill_peers[old]
                     state.prefill_peers[info["instance_id"]] = url
+                    self.endpoints[info["instance_id"]] = (info["host"],
+                                                            info["side_channel_port"])
                     self.done.add(url)
                     state.peer_status[url] = "ok"
                 except Exception as exc:
