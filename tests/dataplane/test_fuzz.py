@@ -324,7 +324,13 @@ def test_hostile_bodies_get_4xx_and_leave_the_stack_whole(cluster: LocalCluster)
              (completions, {"prompt": [7] * 1100, "max_tokens": 2, "temperature": 0}),
              (completions, {"prompt": [7] * 1000, "max_tokens": 100, "temperature": 0}),
              (completions, {"prompt": [7] * 8192, "max_tokens": 1}),
-             (completions, {"prompt": [1], "max_tokens": 10**30})]
+             (completions, {"prompt": [1], "max_tokens": 10**30}),
+             # One request id twice while the first holds its blocks (stopped the engine loop).
+             (targets[2], {"request_id": "twice", "prompt_ids": [1, 2, 3], "max_tokens": 4}),
+             (targets[2], {"request_id": "twice", "prompt_ids": [1, 2, 3], "max_tokens": 4}),
+             # A request id UTF-8 cannot carry in a notification (killed the pull threads).
+             (targets[5], {"request_id": "\udfff", "first_token": 1, "max_new_tokens": 2,
+                           "kv_transfer_params": grants[0]})]
 
     def build(i: int) -> tuple[Target, bytes, str]:
         """Case i, from its own generator: the same whatever order the threads take, and only
