@@ -4,7 +4,6 @@ OpenAI's shape, and waiting for a sequence while watching the client."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
