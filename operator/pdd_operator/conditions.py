@@ -215,7 +215,8 @@ def compute_status(
 
 def with_errors(status: dict[str, Any], *, errors: Sequence[ObjectError],
                 conflicts: Sequence[str], generation: int,
-                previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+                previous: Mapping[str, Any] | None, now: str,
+                role_refs: Mapping[str, set[str]] | None = None) -> dict[str, Any]:
     """A pass that could not write some objects still reports: Ready=False with the API's own
     words (reason NameConflict when one of our names is held by an object we do not control,
     else ReconcileError), and Stalled=True unless every error is one that retries may fix."""
@@ -231,6 +232,14 @@ def with_errors(status: dict[str, Any], *, errors: Sequence[ObjectError],
     reason = NAME_CONFLICT if conflicts else RECONCILE_ERROR
     out = dict(status)
     conds = [c for c in status.get("conditions") or [] if c["type"] not in (READY, STALLED)]
+    # A role short of pods because the API refused them says so, not "being created".
+    for role, refs in (role_refs or {}).items():
+        mine = [e for e in errors if e.ref in refs]
+        for i, c in enumerate(conds):
+            if mine and c["type"] == AVAILABLE[role] and c["status"] == "False":
+                msg = "; ".join(f"{e.ref}: {e.message}" for e in mine[:MAX_PROBLEMS])
+                conds[i] = condition(c["type"], False, RECONCILE_ERROR, msg, generation,
+                                     prev.get(c["type"]), now)
     conds.append(condition(READY, False, reason, message, generation, prev.get(READY), now))
     if conflicts or any(not e.transient for e in errors):
         stalled_reason = NAME_CONFLICT if conflicts else RECONCILE_ERROR

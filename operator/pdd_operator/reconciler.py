@@ -311,7 +311,10 @@ class Reconciler:
             _full_ref("Pod", ns, n) for r in ("prefill", "decode") for n in roles[r].conflicts]
         status = with_errors(status, errors=outcome.errors, conflicts=conflicts,
                              generation=generation, previous=body.get("status"),
-                             now=now_rfc3339())
+                             now=now_rfc3339(), role_refs={
+                                 r: {_full_ref("Pod", ns, p["metadata"]["name"])
+                                     for p in desired.pods[r].values()}
+                                 for r in ("prefill", "decode")})
         self._events(body, outcome)
         await self._write_status(body, status)
         outcome.status = status

@@ -106,6 +106,8 @@ def test_quota_refusal_reaches_status_and_clears(kube: Kubectl, operator: Operat
         assert f"Pod {ns}/{name}-prefill-0" in ready["message"], ready
         assert "exceeded quota: gpus" in ready["message"], ready
         assert conditions(obj)["Stalled"]["message"] == ready["message"]
+        prefill = conditions(obj)["PrefillAvailable"]
+        assert prefill["reason"] == "ReconcileError" and "exceeded quota" in prefill["message"]
         health = argo_health(obj)
         assert health in (None, "Degraded"), health
         # the rest of the pass went on: decode pod (1 GPU, within quota) and the router exist

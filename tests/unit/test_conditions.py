@@ -203,6 +203,20 @@ def test_object_errors_and_conflicts_make_ready_false_and_stalled(doc: dict[str,
     assert st["Ready"]["message"].startswith("Service ns1/demo exists and is not controlled")
     assert with_errors(base, errors=[], conflicts=[], generation=1, previous=base,
                        now=T1) is base
+    # a role short of a pod the API refused names the refusal, not "being created"
+    starting = status_for(doc, {"prefill": ["ready"], "decode": ["ready", ""]})
+    assert conds(starting)["DecodeAvailable"]["status"] == "True", "1 of 2 is the floor"
+    one = copy.deepcopy(doc)
+    one["spec"]["decode"]["replicas"] = 1
+    missing = status_for(one, {"prefill": ["ready"], "decode": [""]})
+    assert conds(missing)["DecodeAvailable"]["reason"] == "PodsStarting"
+    refs = {"prefill": {"Pod ns1/demo-prefill-0"}, "decode": {"Pod ns1/demo-decode-0"}}
+    refused = ObjectError("Pod ns1/demo-decode-0", 403, "exceeded quota: gpus")
+    st = conds(with_errors(missing, errors=[refused], conflicts=[], generation=1,
+                           previous=missing, now=T1, role_refs=refs))
+    assert st["DecodeAvailable"]["reason"] == "ReconcileError"
+    assert st["DecodeAvailable"]["message"] == "Pod ns1/demo-decode-0: exceeded quota: gpus"
+    assert st["PrefillAvailable"]["status"] == "True"
 
 
 def test_invalid_spec_is_stalled(doc: dict[str, Any]) -> None:
