@@ -48,6 +48,7 @@ CNI_BIN = Path("/usr/lib/cni")  # Debian's; containerd's default /opt/cni/bin is
 COMPONENTS = ("containerd", "coredns", "kubelet", "kube-proxy")
 # The cluster DNS Service (the kubelet's clusterDNS); its endpoint is CoreDNS on the node IP.
 DNS_SERVICE_IP = "10.112.0.10"
+TAINT = "pdd.dev/node=real:NoSchedule"
 # What `leftovers` and the iptables sweep treat as this node's: chains made by the kubelet,
 # kube-proxy and the CNI plugins (there is no other Kubernetes node or CNI user on the host).
 CHAIN_PREFIXES = ("KUBE-", "CNI-")
@@ -359,6 +360,9 @@ def kubelet_argv(node_bin: str, state_dir: Path, config: Path, ip: str, gpus: in
         f"--hostname-override={NODE_NAME}",
         f"--node-ip={ip}",
         f"--node-labels=pdd.dev/node=real,nvidia.com/gpu.present={'true' if gpus else 'false'}",
+        # Tainted: pods of the fake-node tests, which use images this node does not have,
+        # must not land here; pods meant for it tolerate the taint.
+        f"--register-with-taints={TAINT}",
         "--v=1",
     ]
 

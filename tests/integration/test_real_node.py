@@ -104,6 +104,7 @@ def _pod(name: str, command: list[str], *, gpus: int = 0, restart: str = "Always
         "metadata": {"name": name, "labels": {"app": name}},
         "spec": {
             "nodeSelector": {"pdd.dev/node": "real"},
+            "tolerations": [{"key": "pdd.dev/node", "value": "real", "effect": "NoSchedule"}],
             "restartPolicy": restart,
             "terminationGracePeriodSeconds": 2,
             "containers": [
@@ -154,6 +155,8 @@ def test_node_registers_ready_with_gpus_and_containerd(real: _Run) -> None:
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(GPUS)
     addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
     assert not ipaddress.ip_address(addresses["InternalIP"]).is_loopback, addresses
+    taints = [(t["key"], t.get("value"), t["effect"]) for t in node["spec"].get("taints", [])]
+    assert ("pdd.dev/node", "real", "NoSchedule") in taints
 
 
 def test_gpu_pod_runs_in_a_container_with_logs_and_exec(real: _Run, namespace: str) -> None:
