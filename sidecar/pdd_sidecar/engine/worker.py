@@ -347,7 +347,9 @@ class RankWorker:
                     "kind": "transfer"}, {}
         for p in self.plan.decode_ranks[self.rank].notifies:
             try:
-                self.agent.notify(peers[p], notif_message(job["id"]))
+                # The prefill holds the blocks under the grant's id; a caller may name the
+                # decode's request otherwise (its lease would keep them until it ran out).
+                self.agent.notify(peers[p], notif_message(str(job["source"]["request_id"])))
             except TransferError as exc:
                 log.warning("%s: %s (the prefill lease will free the blocks)", self.who, exc)
         return None, {"bytes": stats.bytes, "descriptors": stats.descriptors,
