@@ -420,3 +420,29 @@ def test_a_vanishing_temperature_samples_the_greedy_token(temperature: float) ->
     params = [SamplingParams(temperature, top_p, top_k, seed=7)
               for top_p, top_k in ((1.0, 0), (0.9, 0), (1.0, 40))]
     assert sample(logits, params, [0, 1, 2]) == logits.argmax(-1).tolist()
+
+
+def test_a_decode_named_unlike_its_grant_still_frees_the_prefill_blocks_at_once(
+        cluster: LocalCluster) -> None:
+    """The prefill holds blocks under the grant's request id; a caller that names the decode
+    request otherwise must not leave them held until the lease (60 s) runs out."""
+    routing = cluster.plan_file(_plan((2, 2), (2, 1)))
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
+    decode = cluster.instance("decode", 2, 1, routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
+    for proc in (prefill, decode):
+        proc.wait_ready()
+    prompt = [(i * 37 + 11) % VOCAB for i in range(40)]
+    status, pre = http("POST", f"{prefill.url}/v1/prefill", {
+        "request_id": "asked-as-p", "prompt_ids": prompt, "max_tokens": 5, "ignore_eos": True,
+        "sampling": {"temperature": 0}})
+    assert status == 200 and pre["kv_transfer_params"], pre
+    assert not _stats_all_free(prefill.url)[0]
+    status, out = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "asked-as-d", "first_token": pre["first_token"], "max_new_tokens": 4,
+        "kv_transfer_params": pre["kv_transfer_params"], "ignore_eos": True,
+        "sampling": {"temperature": 0}})
+    assert status == 200, out
+    deadline = time.monotonic() + 5
+    while not (free := _stats_all_free(prefill.url))[0]:
+        assert time.monotonic() < deadline, f"prefill still holds the read blocks: {free[1]}"
+        time.sleep(0.1)
