@@ -12,6 +12,10 @@ runs undisturbed and the namespace must hold exactly the desired objects: for ea
 PDDeployment the kinds and names `builders.build` yields plus the grant-key Secret, pods with the
 desired spec hash, nothing of a deleted PDDeployment left (kube-controller-manager's garbage
 collector), no duplicate pods, status for the current generation with consistent conditions.
+It stays so a resync period later, and three more kills of the converged operator replace no
+pod. Knobs: PDD_CHAOS_KILLS, _SEED, _DEPLOYMENTS, _OPERATIONS, _MAX_DELAY, _CONVERGE_TIMEOUT;
+the figures (kills, divergences right after the chaos and at the end, seconds to converge) are
+printed (`-s`) and written to chaos.json in the test's tmp_path.
 
 The pods land on fake nodes of this module's own (tainted, so no other test's pods go there), so
 the GPUs the examples ask for never run out and other tests keep the shared nodes' GPUs.
@@ -60,7 +64,8 @@ SEED = int(os.environ.get("PDD_CHAOS_SEED", "1206"))
 DEPLOYMENTS = int(os.environ.get("PDD_CHAOS_DEPLOYMENTS", "20"))
 OPERATIONS = int(os.environ.get("PDD_CHAOS_OPERATIONS", str(3 * DEPLOYMENTS)))
 CONVERGE_TIMEOUT = float(os.environ.get("PDD_CHAOS_CONVERGE_TIMEOUT", "180"))
-MAX_KILL_DELAY = 2.5  # seconds after an operation: a pass takes about that long on 2 cores
+# Seconds after an operation (or start-up) a kill may wait: a pass takes about that long here.
+MAX_KILL_DELAY = float(os.environ.get("PDD_CHAOS_MAX_DELAY", "2.5"))
 NODES, NODE_GPUS = 4, 128
 TAINT_KEY = "serving.pdd.dev/chaos"
 MERGE = "application/merge-patch+json"
@@ -401,6 +406,11 @@ def assess_status(body: dict[str, Any], gen: int, spec: PDDeploymentSpec) -> lis
     return out
 
 
+def pod_uids(k: Kubectl, ns: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in k.json("get", "pods", "-n", ns)["items"]}
+
+
 # ----------------------------------------------------------------------------- the test
 
 
@@ -463,6 +473,17 @@ def test_sigkill_at_random_points_converges_to_exactly_the_desired_objects(
         again = divergences(kube, ns, chaos.ever, chaos.deleted_uids)
         assert not again, "diverged again after converging:\n" + "\n".join(again)
         assert figures["kills"] == KILLS
+
+        # Killing a converged operator replaces nothing: the same pods after restarts.
+        uids = pod_uids(kube, ns)
+        for _ in range(3):
+            op.stop(kill=True)
+            op.start()
+            time.sleep(chaos.rng.uniform(0, MAX_KILL_DELAY))
+        time.sleep(op.resync)
+        again = divergences(kube, ns, chaos.ever, chaos.deleted_uids)
+        assert not again, "diverged after idle restarts:\n" + "\n".join(again)
+        assert pod_uids(kube, ns) == uids, "pods were replaced after idle restarts"
 
         # The verdict can fail: with the operator dead, a deleted pod and a new generation show.
         op.stop(kill=True)
