@@ -215,7 +215,10 @@ def test_namespaced_install_runs_the_operator_with_its_rbac(
     assert can_i(kube, ns, "patch", "pddeployments.serving.pdd.dev", ns, "--subresource=status")
     assert not can_i(kube, ns, "create", "pods", "default")
     assert not can_i(kube, ns, "list", "pddeployments.serving.pdd.dev", None, "--all-namespaces")
-    assert can_i(kube, ns, "patch", "validatingwebhookconfigurations", None)
+    webhook = f"validatingwebhookconfigurations/pdd-operator.{ns}.serving.pdd.dev"
+    assert can_i(kube, ns, "patch", webhook, None)  # the chart's own configuration only
+    assert not can_i(kube, ns, "patch", "validatingwebhookconfigurations/other", None)
+    assert not can_i(kube, ns, "create", "validatingwebhookconfigurations", None)
 
     # The operator itself, as that ServiceAccount: the chart's RBAC is enough to reconcile.
     token = kube("create", "token", "pdd-operator", "-n", ns, "--duration=1h").stdout.strip()

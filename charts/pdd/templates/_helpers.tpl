@@ -31,6 +31,19 @@ app.kubernetes.io/name: {{ .Values.operatorName }}
 {{- end -}}
 {{- end -}}
 
+{{/* The configuration's name as the operator will use it (its default in cluster mode). */}}
+{{- define "pdd.webhookConfigNameResolved" -}}
+{{- include "pdd.webhookConfigName" . | default "pdd-operator.serving.pdd.dev" -}}
+{{- end -}}
+
+{{/* The operator fills in the chart's webhook configuration and may touch no other. */}}
+{{- define "pdd.webhookRule" -}}
+- apiGroups: [admissionregistration.k8s.io]
+  resources: [validatingwebhookconfigurations]
+  resourceNames: [{{ include "pdd.webhookConfigNameResolved" . }}]   # shipped here; no create
+  verbs: [get, patch]
+{{- end -}}
+
 {{/* Namespaced rules: what the operator does to a PDDeployment's namespace. */}}
 {{- define "pdd.namespacedRules" -}}
 - apiGroups: [serving.pdd.dev]
@@ -56,5 +69,5 @@ app.kubernetes.io/name: {{ .Values.operatorName }}
   verbs: [get, list, watch, create]         # the grant key: created once, read as metadata only
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, patch]                    # patch: a repeated event bumps its count
 {{- end -}}
