@@ -145,6 +145,10 @@ class Source:
                 or src.dcp < 1 or src.block_size < 1):
             raise RequestError("kv_transfer_params: num_tokens, tp, dcp, block_size and "
                                "side_channel_port must be positive", 400, "invalid_request")
+        epoch = params.get("epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise RequestError(f"kv_transfer_params: epoch must be an integer, got "
+                               f"{type(epoch).__name__}", 400, "invalid_request")
         # Even a grant that verifies is checked for shape: the plan indexes these ids.
         chunks = -(-src.num_tokens // src.block_size)
         per_rank = -(-chunks // src.dcp)
