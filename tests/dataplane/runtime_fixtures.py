@@ -186,7 +186,7 @@ class LocalCluster:
         env.update({k: str(v) for k, v in extra.items()})
         process = _context().Process(target=_router_entry, args=(env,), daemon=False)
         process.start()
-        proc = Proc("router", f"http://127.0.0.1:{port}", process, env)
+        proc = Proc("router", f"http://127.0.0.1:{env['PDD_HTTP_PORT']}", process, env)
         self.procs.append(proc)
         return proc
 

@@ -208,12 +208,17 @@ class InstanceDriver:
                 if held is not None:
                     self.cache.free(held.blocks)
         seqs = [c.seq for c in plan.prefill] + [d.seq for d in plan.decode]
+        if not failed:
+            try:
+                self._sample(plan)
+            except Exception as exc:  # rank 0 alone: fail this step's sequences, not the loop
+                log.error("sampling failed: %s", traceback.format_exc())
+                failed = {"error": f"sampling failed: {type(exc).__name__}: {exc}",
+                          "status": 500, "kind": "internal_error"}
         if failed:
             for seq in seqs:
                 seq.error = failed
                 self.scheduler.cancel(seq.id)
-            return
-        self._sample(plan)
 
     def _sample(self, plan: StepPlan) -> None:
         logits = self.worker.logits

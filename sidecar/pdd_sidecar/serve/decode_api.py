@@ -84,6 +84,14 @@ def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
     return seq
 
 
+def _signed(state: InstanceState, params: dict[str, Any]) -> bool:
+    try:
+        verify(params, state.worker.key, margin_s=-1e9)
+    except GrantError:
+        return False
+    return True
+
+
 async def decode_sequence(request: web.Request, state: InstanceState,
                           body: dict[str, Any]) -> Sequence:
     """The sequence of a decode request body (RequestError on refusal)."""
@@ -92,7 +100,8 @@ async def decode_sequence(request: web.Request, state: InstanceState,
     watch = request.app[PEERS]
     if (isinstance(params, dict) and watch.session is not None
             and isinstance(params.get("instance_id"), str)  # a list is no dict key: 500
-            and params["instance_id"] not in state.prefill_peers):
+            and params["instance_id"] not in state.prefill_peers
+            and _signed(state, params)):  # only a genuine grant may cost a probe round
         await watch.round()  # a prefill that restarted since the last round
     seq = _sequence(state, body)
     src = seq.source
