@@ -202,3 +202,15 @@ def error_text(body: Any) -> str:
     if isinstance(err, dict):
         return str(err.get("message", err))
     return str(err)
+
+
+def plan_json(p: tuple[int, int], d: tuple[int, int], block_size: int) -> str:
+    """The routing plan (contract JSON) of prefill ``(tp, dcp)`` to decode ``(tp, dcp)``."""
+    from pdd_api.plan import SidePlan
+    from pdd_api.routing import plan_routing
+
+    return plan_routing(
+        SidePlan(tensor_parallel_size=p[0], decode_context_parallel_size=p[1]),
+        SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
+        block_size,
+    ).to_json()

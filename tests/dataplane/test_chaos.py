@@ -26,10 +26,7 @@ from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-from runtime_fixtures import LocalCluster, Proc, http
-
-from pdd_api.plan import SidePlan
-from pdd_api.routing import plan_routing
+from runtime_fixtures import LocalCluster, Proc, http, plan_json
 
 pytestmark = pytest.mark.dataplane
 
@@ -46,11 +43,7 @@ MAX_TOKENS = [6, 9, 4, 12, 7, 10]
 
 
 def _plan() -> str:
-    return plan_routing(
-        SidePlan(tensor_parallel_size=PREFILL[0], decode_context_parallel_size=PREFILL[1]),
-        SidePlan(tensor_parallel_size=DECODE[0], decode_context_parallel_size=DECODE[1]),
-        BLOCK,
-    ).to_json()
+    return plan_json(PREFILL, DECODE, BLOCK)
 
 
 def _children(pid: int) -> list[int]:

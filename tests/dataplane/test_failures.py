@@ -18,10 +18,7 @@ from typing import Any
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
 import torch  # noqa: F401  (the tier needs it; never skip)
-from runtime_fixtures import LocalCluster, error_text, free_ports, http  # noqa: E402
-
-from pdd_api.plan import SidePlan  # noqa: E402
-from pdd_api.routing import plan_routing  # noqa: E402
+from runtime_fixtures import LocalCluster, error_text, free_ports, http, plan_json  # noqa: E402
 
 pytestmark = pytest.mark.dataplane
 
@@ -31,11 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
-    return plan_routing(
-        SidePlan(tensor_parallel_size=p[0], decode_context_parallel_size=p[1]),
-        SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
-        BLOCK,
-    ).to_json()
+    return plan_json(p, d, BLOCK)
 
 
 def _prompt(n: int) -> list[int]:

@@ -23,10 +23,8 @@ from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-from runtime_fixtures import LocalCluster, Proc, http
+from runtime_fixtures import LocalCluster, Proc, http, plan_json
 
-from pdd_api.plan import SidePlan
-from pdd_api.routing import plan_routing
 from pdd_sidecar.kv.grants import GRANT_FIELDS, sign
 
 pytestmark = pytest.mark.dataplane
@@ -231,11 +229,7 @@ def _error_shaped(text: str) -> bool:
 
 
 def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
-    return plan_routing(
-        SidePlan(tensor_parallel_size=p[0], decode_context_parallel_size=p[1]),
-        SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
-        BLOCK,
-    ).to_json()
+    return plan_json(p, d, BLOCK)
 
 
 @pytest.fixture

@@ -19,10 +19,7 @@ from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-from runtime_fixtures import LocalCluster, Proc, error_text, http
-
-from pdd_api.plan import SidePlan
-from pdd_api.routing import plan_routing
+from runtime_fixtures import LocalCluster, Proc, error_text, http, plan_json
 
 pytestmark = pytest.mark.dataplane
 
@@ -30,11 +27,7 @@ BLOCK = 16
 
 
 def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
-    return plan_routing(
-        SidePlan(tensor_parallel_size=p[0], decode_context_parallel_size=p[1]),
-        SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
-        BLOCK,
-    ).to_json()
+    return plan_json(p, d, BLOCK)
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:
