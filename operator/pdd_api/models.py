@@ -59,12 +59,14 @@ class ResourceRequirements(_Strict):
     limits: dict[str, int | str] | None = Field(
         default=None,
         description="Resource limits of the sidecar container (Kubernetes quantities). "
-        "nvidia.com/gpu, when set, must equal tensorParallelSize."
+        "nvidia.com/gpu, when set, must equal gpusPerPod (tensorParallelSize when that is "
+        "absent)."
     )
     requests: dict[str, int | str] | None = Field(
         default=None,
         description="Resource requests of the sidecar container (Kubernetes quantities). "
-        "nvidia.com/gpu, when set, must equal tensorParallelSize."
+        "nvidia.com/gpu, when set, must equal gpusPerPod (tensorParallelSize when that is "
+        "absent)."
     )
 
 
@@ -150,7 +152,8 @@ class PodTemplate(_Strict):
 
 
 class RoleSpec(_Strict):
-    replicas: int = Field(default=1, description="Instances of this role; each is one Pod.")
+    replicas: int = Field(default=1, description="Instances of this role; each is one Pod "
+                          "(one LeaderWorkerSet group with gpusPerPod).")
     tensorParallelSize: int = Field(
         default=1, description="TP ranks per instance (one process and one GPU per rank)."
     )
@@ -159,10 +162,18 @@ class RoleSpec(_Strict):
         description="DCP size: 1 keeps the latent KV replicated on every rank, "
         "tensorParallelSize shards it by block across the ranks.",
     )
+    gpusPerPod: int | None = Field(
+        default=None,
+        description="GPUs (and TP ranks) of one pod. Absent: tensorParallelSize, one pod per "
+        "instance. Smaller (a divisor of tensorParallelSize): each instance is a "
+        "LeaderWorkerSet group of tensorParallelSize / gpusPerPod pods, pod k holding ranks "
+        "k*gpusPerPod .. (k+1)*gpusPerPod-1 (docs/lws.md); the cluster needs the "
+        "LeaderWorkerSet controller.",
+    )
     resources: ResourceRequirements | None = Field(
         default=None,
         description="Container resources. Without an nvidia.com/gpu entry the operator asks "
-        "for tensorParallelSize GPUs.",
+        "for gpusPerPod GPUs per pod (tensorParallelSize when gpusPerPod is absent).",
     )
     nodeSelector: dict[str, str] | None = Field(
         default=None, description="Node labels the role's pods must match."
@@ -230,6 +241,16 @@ class NetworkPolicySpec(_Strict):
         "channel, NIXL) only from pods of this PDDeployment; the router accepts client traffic "
         "on its HTTP port from anywhere. Needs a network plugin that enforces NetworkPolicy.",
     )
+
+
+def gpus_per_pod(role: RoleSpec) -> int:
+    """GPUs and ranks of one pod of the role (its whole TP unless gpusPerPod cuts it)."""
+    return role.gpusPerPod if role.gpusPerPod is not None else role.tensorParallelSize
+
+
+def pods_per_instance(role: RoleSpec) -> int:
+    """1 for a one-pod instance; the LeaderWorkerSet group size otherwise."""
+    return max(1, role.tensorParallelSize // gpus_per_pod(role))
 
 
 class PDDeploymentSpec(_Strict):

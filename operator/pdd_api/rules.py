@@ -287,7 +287,8 @@ class BlockSizeRule:
 
 @dataclass(frozen=True)
 class GpuRule:
-    """One GPU per TP rank: a GPU count that differs from TP strands GPUs or starves ranks."""
+    """One GPU per TP rank: a GPU count that differs from the ranks of a pod (gpusPerPod, else
+    tensorParallelSize) strands GPUs or starves ranks."""
 
     role: str
     kind: str  # limits | requests
@@ -298,32 +299,92 @@ class GpuRule:
 
     @property
     def reads(self) -> tuple[tuple[str, ...], ...]:
-        return (_path(self.field, GPU_RESOURCE), _path(f"{self.role}.tensorParallelSize"))
+        return (_path(self.field, GPU_RESOURCE), _path(f"{self.role}.tensorParallelSize"),
+                _path(f"{self.role}.gpusPerPod"))
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         amounts = lookup(spec, self.field)
         tp = _int(spec, f"{self.role}.tensorParallelSize")
         if not isinstance(amounts, Mapping) or GPU_RESOURCE not in amounts or tp is None:
             return None
+        per_pod = _int(spec, f"{self.role}.gpusPerPod")
+        want, name = (tp, "tensorParallelSize") if per_pod is None else (per_pod, "gpusPerPod")
         v = amounts[GPU_RESOURCE]
-        if str(v) == str(tp):
+        if str(v) == str(want):
             return None
-        return (
-            f"spec.{self.field}[{GPU_RESOURCE}]: must equal tensorParallelSize ({tp}), got {v}"
-        )
+        return f"spec.{self.field}[{GPU_RESOURCE}]: must equal {name} ({want}), got {v}"
 
     def cel(self) -> dict[str, str]:
         m, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
+        g = f"self.{self.role}.gpusPerPod"
         v = f"{m}['{GPU_RESOURCE}']"
         return _cel(
             self.field,
             f"{_cel_guard(self.field)}!has({t}) || !('{GPU_RESOURCE}' in {m}) || "
-            f"string({v}) == string({t})",
-            _fmt(
-                f"spec.{self.field}[{GPU_RESOURCE}]: must equal tensorParallelSize (%d), got %s",
-                t,
-                v,
-            ),
+            f"string({v}) == (has({g}) ? string({g}) : string({t}))",
+            _fmt(f"spec.{self.field}[{GPU_RESOURCE}]: must equal %s (%d), got %s",
+                 f"has({g}) ? 'gpusPerPod' : 'tensorParallelSize'", f"has({g}) ? {g} : {t}", v),
+        )
+
+
+@dataclass(frozen=True)
+class GpusPerPodRule:
+    """An instance is cut into equal pods (a LeaderWorkerSet group): pod k holds ranks
+    k*g .. k*g+g-1, so g must divide the instance's TP."""
+
+    role: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.gpusPerPod"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(f"{self.role}.tensorParallelSize"))
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        g, tp = _int(spec, self.field), _int(spec, f"{self.role}.tensorParallelSize")
+        if g is None or tp is None or g < 1 or tp < 1 or tp % g == 0:
+            return None
+        return f"spec.{self.field}: must divide tensorParallelSize ({tp}), got {g}"
+
+    def cel(self) -> dict[str, str]:
+        g, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}!has({t}) || {g} < 1 || {t} < 1 || {t} % {g} == 0",
+            _fmt(f"spec.{self.field}: must divide tensorParallelSize (%d), got %d", t, g),
+        )
+
+
+@dataclass(frozen=True)
+class VllmOnePodRule:
+    """pdd renders vLLM instances as one pod each: vLLM spans nodes with its own launcher
+    (Ray or its multi-node flags), which the vLLM builder does not drive."""
+
+    role: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.gpusPerPod"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(f"{self.role}.tensorParallelSize"))
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        g, tp = _int(spec, self.field), _int(spec, f"{self.role}.tensorParallelSize")
+        if not _vllm(spec) or g is None or tp is None or g == tp:
+            return None
+        return f"spec.{self.field}: with engine vllm, must equal tensorParallelSize ({tp}), got {g}"
+
+    def cel(self) -> dict[str, str]:
+        g, t = f"self.{self.field}", f"self.{self.role}.tensorParallelSize"
+        return _cel(
+            self.field,
+            f"{_CEL_NOT_VLLM}{_cel_guard(self.field)}!has({t}) || {g} == {t}",
+            _fmt(f"spec.{self.field}: with engine vllm, must equal tensorParallelSize (%d), "
+                 "got %d", t, g),
         )
 
 
@@ -429,6 +490,9 @@ def _rules() -> tuple[Rule, ...]:
             RangeRule(f"{role}.replicas", 1, MAX_REPLICAS),
             RangeRule(f"{role}.tensorParallelSize", 1, MAX_TP),
             DcpRule(role),
+            RangeRule(f"{role}.gpusPerPod", 1, MAX_TP),
+            GpusPerPodRule(role),
+            VllmOnePodRule(role),
             GpuRule(role, "limits"),
             GpuRule(role, "requests"),
         ]

@@ -84,7 +84,8 @@ def _leaves() -> list[Leaf]:
     for r in ROLES:
         out += [
             Leaf((r,), "obj"), Leaf((r, "replicas"), "int"), Leaf((r, "tensorParallelSize"), "int"),
-            Leaf((r, "decodeContextParallelSize"), "int"), Leaf((r, "resources"), "obj"),
+            Leaf((r, "decodeContextParallelSize"), "int"), Leaf((r, "gpusPerPod"), "int"),
+            Leaf((r, "resources"), "obj"),
             Leaf((r, "resources", "limits"), "map_q"), Leaf((r, "resources", "requests"), "map_q"),
             Leaf((r, "resources", "limits", "nvidia.com/gpu"), "quantity"),
             Leaf((r, "resources", "requests", "nvidia.com/gpu"), "quantity"),
@@ -217,8 +218,12 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
             node["decodeContextParallelSize"] = dcp
         if r.random() < 0.3:
             node["replicas"] = r.randint(1, 4)
+        per_pod = tp
+        if r.random() < 0.2:
+            per_pod = r.choice([g for g in (1, 2, 4, 8) if tp % g == 0])
+            node["gpusPerPod"] = per_pod
         if r.random() < 0.3:
-            node["resources"] = {"limits": {"nvidia.com/gpu": r.choice([tp, str(tp)]),
+            node["resources"] = {"limits": {"nvidia.com/gpu": r.choice([per_pod, str(per_pod)]),
                                             "memory": "64Gi"}}
         if r.random() < 0.2:
             node["nodeSelector"] = {"pool": "gpu"}
@@ -247,7 +252,8 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
         spec["rollout"] = {"maxUnavailable": 2}
     if r.random() < 0.1:
         spec["networkPolicy"] = {"enabled": False}
-    if r.random() < 0.15:
+    if r.random() < 0.15 and all(spec[role].get("gpusPerPod", tp) == tp
+                                 for role, tp in (("prefill", p_tp), ("decode", d_tp))):
         spec["engine"] = "vllm"
         spec.setdefault("router", {})["image"] = "pdd:0.1.0"
     return spec
