@@ -49,6 +49,9 @@ PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
 PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"  # prefill tokens in one forward pass
 PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (rounded down to whole blocks)
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
+# 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
+# 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
+PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
 # Tests only: each KV pull sleeps before it claims its blocks: "S" seconds, or "A:B" (uniform).
 PDD_FAULT_PULL_DELAY_S = "PDD_FAULT_PULL_DELAY_S"
 PDD_PREFILL_URLS = keys.ENV_PREFILL_URLS  # comma list of http://host:port of prefill instances

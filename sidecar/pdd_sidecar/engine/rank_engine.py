@@ -7,16 +7,28 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pdd_sidecar.engine.comm import Comm
+from pdd_sidecar.engine.cuda_graphs import (
+    DECODE_MODES,
+    DEFAULT_BUCKETS,
+    StaticDecode,
+    check_buckets,
+    default_decode_mode,
+    stage,
+    table_width,
+)
 from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.mla_decode import paged_mla_decode
 from pdd_sidecar.model.mla import (
     absorb_q,
@@ -29,6 +41,8 @@ from pdd_sidecar.model.mla import (
 )
 from pdd_sidecar.model.moe import dense_mlp, moe
 from pdd_sidecar.model.rank_model import RankModel
+
+log = logging.getLogger(__name__)
 
 
 def new_cache(
@@ -76,7 +90,24 @@ class SeqChunk:
 
 
 class RankEngine:
-    def __init__(self, model: RankModel, cache: PagedKVCache, comm: Comm, dcp: int = 1) -> None:
+    """``decode_mode``: ``"eager"`` runs every step as given; ``"padded"`` runs decode-only
+    steps padded to a bucket through static buffers, eagerly (the CPU twin of graphs);
+    ``"graph"`` (CUDA) captures that padded step once per bucket and replays it. None: graphs on
+    CUDA unless ``PDD_CUDA_GRAPHS=0``, eager elsewhere. ``max_table_blocks`` bounds the block
+    table of a graphed sequence (default: what ``max_position_embeddings`` needs, at most the
+    cache's blocks); steps beyond it, beyond the largest bucket, or with prompt chunks run
+    eagerly."""
+
+    def __init__(
+        self,
+        model: RankModel,
+        cache: PagedKVCache,
+        comm: Comm,
+        dcp: int = 1,
+        decode_mode: str | None = None,
+        graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_table_blocks: int | None = None,
+    ) -> None:
         cfg = model.config
         if comm.world_size != model.tp or comm.rank != model.rank:
             raise ValueError(
@@ -94,6 +125,23 @@ class RankEngine:
         self.dcp = dcp
         self.rank = model.rank
         self.tp = model.tp
+        mode = default_decode_mode(cache.device) if decode_mode is None else decode_mode
+        if mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+        if mode == "graph" and cache.device.type != "cuda":
+            raise ValueError(f"decode_mode 'graph' needs a CUDA cache, got {cache.device}")
+        self.decode_mode = mode
+        self.buckets = check_buckets(graph_buckets)
+        if max_table_blocks is not None and max_table_blocks < 1:
+            raise ValueError(f"max_table_blocks must be >= 1, got {max_table_blocks}")
+        self.table_width = max_table_blocks or table_width(
+            cache.num_blocks, cfg.max_position_embeddings, cache.block_size, dcp)
+        self._static: dict[int, StaticDecode] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._no_graph: set[tuple[int, bool]] = set()  # capture failed: padded eager instead
+        self._pool: Any = None
+        self.graph_captures = 0  # graphs captured so far (one per bucket and logits flag)
+        self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
 
     # --- public API ----------------------------------------------------------------------
 
@@ -103,6 +151,8 @@ class RankEngine:
         each chunk's last token (None without ``want_logits``: only rank 0 samples)."""
         if not chunks:
             raise ValueError("empty step")
+        if self.decode_mode != "eager" and self._paddable(chunks):
+            return self._decode_padded(chunks, want_logits)
         hidden = self._forward(chunks)
         if not want_logits:
             return None
@@ -280,6 +330,101 @@ class RankEngine:
         if self.dcp == 1:
             return out
         return dcp_merge(out, lse, self.comm)
+
+    # --- decode steps padded to a bucket (engine/cuda_graphs.py) ---------------------------
+
+    def _paddable(self, chunks: Sequence[SeqChunk]) -> bool:
+        return (
+            len(chunks) <= self.buckets[-1]
+            and all(len(c.tokens) == 1 and c.start > 0 for c in chunks)
+            and max(len(c.block_ids) for c in chunks) <= self.table_width
+        )
+
+    def _decode_padded(
+        self, chunks: Sequence[SeqChunk], want_logits: bool
+    ) -> torch.Tensor | None:
+        self._check_tokens([c.tokens[0] for c in chunks])
+        for c in chunks:
+            self._check_table(c.block_ids, c.start + 1)
+        n = len(chunks)
+        bucket = next(b for b in self.buckets if b >= n)
+        buf = self._static.get(bucket)
+        if buf is None:
+            buf = StaticDecode.empty(bucket, self.table_width, self.cache.device)
+            self._static[bucket] = buf
+        stage(buf, chunks, self.cache.block_size, self.dcp, self.rank)
+        self.padded_steps += 1
+        key = (bucket, want_logits)
+        if self.decode_mode == "graph" and key not in self._no_graph:
+            if key not in self._graphs:
+                try:
+                    self._graphs[key] = self._capture(buf, want_logits)
+                except RuntimeError:
+                    log.warning("CUDA graph capture of decode bucket %d failed; that bucket "
+                                "runs eagerly", bucket, exc_info=True)
+                    self._no_graph.add(key)
+            if key in self._graphs:
+                graph, logits = self._graphs[key]
+                graph.replay()
+                return None if logits is None else logits[:n].clone()
+        logits = self._decode_static(buf, want_logits)
+        return None if logits is None else logits[:n]
+
+    def _capture(
+        self, buf: StaticDecode, want_logits: bool
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """Warm up on a side stream (kernel compilation, library handles, NCCL), then capture.
+        Both runs write the same latents to the same slots; the capture itself executes
+        nothing."""
+        dev = self.cache.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._decode_static(buf, want_logits)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the KV pull threads may use CUDA while this thread captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._decode_static(buf, want_logits)
+        self.graph_captures += 1
+        return graph, out
+
+    def _decode_static(self, buf: StaticDecode, want_logits: bool) -> torch.Tensor | None:
+        """``_forward`` for one new token per row, reading only ``buf``'s tensors: no host
+        values, no data-dependent shapes, so it can be captured."""
+        cfg, w, comm = self.cfg, self.model.weights, self.comm
+        cos, sin = self.model.rotary.cos_sin(buf.positions)
+        lead = self.rank == 0
+        x = F.embedding(buf.tokens, w.embed)
+        for i, lw in enumerate(w.layers):
+            a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
+            latent = project_latent(a, lw.attn, cfg, cos, sin)
+            write_latents(self.cache.kv, i, buf.write_blocks, buf.write_offsets,
+                          buf.write_mask, latent)
+            q = absorb_q(q_nope, q_pe, lw.attn)
+            if self.dcp > 1:
+                q = comm.all_gather(q, dim=1)
+            out, lse = paged_mla_decode(q, self.cache.kv, i, buf.tables, buf.seq_lens,
+                                        cfg.kv_lora_rank, cfg.softmax_scale)
+            if self.dcp > 1:
+                out = dcp_merge(out, lse, comm)
+            o = unabsorb_v(out.to(x.dtype), lw.attn)
+            o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
+            x = x + (comm.all_reduce(o) if self.tp > 1 else o)
+            m = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
+            add_bias = lead or not lw.mlp_sharded
+            if lw.moe is not None:
+                y = moe(m, lw.moe, cfg, add_bias)
+            else:
+                assert lw.mlp is not None
+                y = dense_mlp(m, lw.mlp, add_bias)
+            x = x + (comm.all_reduce(y) if lw.mlp_sharded else y)
+        if not want_logits:
+            return None
+        return self._logits(rms_norm(x, w.norm, cfg.rms_norm_eps))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()

@@ -1,0 +1,141 @@
+"""Decode steps at bucketed batch sizes: static inputs, padding, and one CUDA graph per bucket.
+
+A decode-only step (every chunk one token of a cached sequence) of ``n`` sequences is padded to
+the smallest bucket ``B >= n``. Its inputs go into per-bucket static device buffers; the step is
+captured once per bucket and replayed afterwards, so a step costs one graph launch instead of
+thousands of kernel launches. Prefill chunks, mixed steps, batches above the largest bucket and
+tables longer than the width bound run eagerly, as does everything on the CPU.
+
+Padded rows feed token 0 at position 0 with a KV length of 0: the paged decode kernel gives them
+output 0 and LSE ``-inf`` (weight 0 in the DCP merge), and their latents are not written (the
+store is masked, so they never touch another sequence's KV and allocate nothing). Rows a DCP rank
+does not hold are masked the same way. The only cost of padding is the padded rows' compute.
+
+The padded step also runs eagerly (``decode_mode="padded"``): that is the CPU twin of the graph
+path, which the dataplane tests check against the unpadded batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdd_sidecar.env import PDD_CUDA_GRAPHS
+from pdd_sidecar.kv import cache as kvc
+
+if TYPE_CHECKING:
+    from pdd_sidecar.engine.rank_engine import SeqChunk
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_MODES = ("eager", "padded", "graph")
+
+
+def graphs_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``PDD_CUDA_GRAPHS``: ``1`` (default) or ``0``; anything else is a configuration error
+    that names the variable."""
+    env = os.environ if env is None else env
+    raw = (env.get(PDD_CUDA_GRAPHS, "") or "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PDD_CUDA_GRAPHS}: must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def default_decode_mode(device: torch.device, env: Mapping[str, str] | None = None) -> str:
+    return "graph" if device.type == "cuda" and graphs_enabled(env) else "eager"
+
+
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(sorted(set(int(b) for b in buckets)))
+    if not out or out[0] < 1:
+        raise ValueError(f"graph buckets must be positive batch sizes, got {list(buckets)}")
+    return out
+
+
+def table_width(num_blocks: int, max_positions: int, block_size: int, dcp: int) -> int:
+    """The bound on blocks per sequence the static tables are wide: what the longest sequence the
+    model takes needs, but no more than the cache has. Longer tables fall back to eager."""
+    need = kvc.num_table_blocks(max(1, max_positions), block_size, dcp)
+    return max(1, min(num_blocks, need))
+
+
+@dataclass
+class StaticDecode:
+    """One bucket's inputs, all on the device; the captured graph reads them in place."""
+
+    tokens: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    write_blocks: torch.Tensor  # [B] int64: the block id of the new token's slot on this rank
+    write_offsets: torch.Tensor  # [B] int64
+    write_mask: torch.Tensor  # [B] int32: 1 where this rank stores the new token's latent
+    tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens this rank holds, the new one included
+    logits: torch.Tensor | None = None  # [B, V] fp32, the graph's output (rank 0 only)
+    graph: torch.cuda.CUDAGraph | None = None
+    width_used: int = 0  # table columns the last step filled (later columns may be stale)
+
+    @classmethod
+    def empty(cls, batch: int, width: int, device: torch.device) -> StaticDecode:
+        def z(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(z(batch), z(batch), z(batch), z(batch), z(batch, dtype=torch.int32),
+                   z(batch, width, dtype=torch.int32), z(batch, dtype=torch.int32))
+
+
+def stage(
+    buf: StaticDecode,
+    chunks: Sequence[SeqChunk],
+    block_size: int,
+    dcp: int,
+    rank: int,
+) -> None:
+    """Fill ``buf`` for ``chunks`` (decode tokens, checked by the caller): host arithmetic, one
+    host tensor, a few copies. Rows past ``len(chunks)`` get the padding described above."""
+    n, batch = len(chunks), buf.tokens.shape[0]
+    width = max(len(c.block_ids) for c in chunks)
+    pad = batch - n
+    tok, pos, blk, off, mask, lens = [], [], [], [], [], []
+    rows: list[list[int]] = []
+    for c in chunks:
+        p = c.start
+        g = p // block_size
+        tok.append(int(c.tokens[0]))
+        pos.append(p)
+        mine = dcp == 1 or g % dcp == rank
+        blk.append(int(c.block_ids[g // dcp]) if mine else 0)
+        off.append(p % block_size)
+        mask.append(1 if mine else 0)
+        lens.append(kvc.local_token_count(p + 1, block_size, dcp, rank))
+        ids = list(c.block_ids)
+        rows.append(ids + [0] * (width - len(ids)))
+    zeros = [0] * pad
+    head = torch.tensor([tok + zeros, pos + zeros, blk + zeros, off + zeros, mask + zeros,
+                         lens + zeros], dtype=torch.int64)
+    dev = buf.tokens.device
+    head = head.to(dev, non_blocking=True)
+    buf.tokens.copy_(head[0])
+    buf.positions.copy_(head[1])
+    buf.write_blocks.copy_(head[2])
+    buf.write_offsets.copy_(head[3])
+    buf.write_mask.copy_(head[4])
+    buf.seq_lens.copy_(head[5])
+    # Only the columns this step needs: a row never reads past its length, and padded rows have
+    # length 0, so columns and rows beyond are never read and may hold an earlier step's ids.
+    buf.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True))
+    buf.width_used = width
+
+
+__all__ = [
+    "DECODE_MODES",
+    "DEFAULT_BUCKETS",
+    "StaticDecode",
+    "check_buckets",
+    "default_decode_mode",
+    "graphs_enabled",
+    "stage",
+    "table_width",
+]

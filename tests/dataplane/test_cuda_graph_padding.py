@@ -1,0 +1,166 @@
+"""The decode path of CUDA graphs, run eagerly on the CPU (``decode_mode="padded"``): a batch
+padded to its bucket through the static buffers gives the tokens of the unpadded batch and its
+logits (bit for bit where no row is padded, to rounding otherwise), and the padded rows touch no
+sequence's KV and allocate nothing, also with TP and DCP ranks. On the GPU,
+tests/gpu/test_cuda_graphs.py checks graph replay against this path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd_sidecar.engine import cuda_graphs
+from pdd_sidecar.engine.comm import Comm, run_threads
+from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, new_cache
+from pdd_sidecar.model.rank_model import load_rank_model
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 4
+NUM_BLOCKS = 160
+BUCKETS = (1, 2, 4, 8)
+SENTINEL = 7.25  # what every cache slot holds before any sequence writes it
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 29 + salt * 13 + 3) % 256 for i in range(n)]
+
+
+def _tables(dcp: int) -> list[list[int]]:
+    """Non-contiguous tables; sequence 0 owns block 0, where an unmasked padded row (position
+    0, block id 0, offset 0) would write."""
+    order = [0] + [b for b in range(NUM_BLOCKS - 1, 0, -1) if b % 3]
+    per = 8 // dcp + 1
+    return [order[i * per:(i + 1) * per] for i in range(9)]
+
+
+def _run(rank: int, comm: Comm, tp: int, dcp: int, dtype: str, mode: str,
+         schedule: list[list[int]]) -> tuple[list[list[torch.Tensor]], torch.Tensor, int, int]:
+    """Prefill nine prompts, then decode steps over the sequences ``schedule`` names (the batch
+    changes from step to step); returns the per-step logits, the cache, free blocks, and
+    how many steps ran padded."""
+    model = load_rank_model("builtin", rank, tp, dtype, "cpu")
+    cache = new_cache(model, NUM_BLOCKS, BLOCK)
+    cache.kv.fill_(SENTINEL)
+    eng = RankEngine(model, cache, comm, dcp, decode_mode=mode, graph_buckets=BUCKETS)
+    tables = _tables(dcp)
+    free0 = cache.num_free
+    prompts = [_prompt(3 + 2 * i, i) for i in range(9)]
+    nxt: list[int] = []
+    pos: list[int] = []
+    for i, p in enumerate(prompts):
+        logits = eng.step([SeqChunk(p, 0, tables[i])])
+        nxt.append(int(torch.argmax(logits[0])) if logits is not None else 0)
+        pos.append(len(p))
+    steps: list[list[torch.Tensor]] = []
+    for seqs in schedule:
+        chunks = [SeqChunk([nxt[s]], pos[s], tables[s]) for s in seqs]
+        logits = eng.step(chunks)  # every rank samples the same greedy tokens
+        assert logits is not None and logits.shape[0] == len(seqs)
+        steps.append([row.clone() for row in logits])
+        for s, t in zip(seqs, torch.argmax(logits, dim=-1).tolist(), strict=True):
+            nxt[s] = t
+            pos[s] += 1
+    assert cache.num_free == free0  # nothing allocated
+    return steps, cache.kv.clone(), cache.num_free, eng.padded_steps
+
+
+# Batches of 1..9 sequences: 3 pads to 4, 5 to 8, 9 is above the largest bucket (eager).
+SCHEDULE = [[0], [0, 1, 2], [4, 2, 0], [1, 3, 5, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 6],
+            [2, 3, 4, 5, 6], [7], [0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def _both(tp: int, dcp: int, dtype: str, schedule: list[list[int]]) -> tuple[tuple, tuple]:
+    def go(mode: str) -> tuple:
+        res = run_threads(tp, lambda r, c: _run(r, c, tp, dcp, dtype, mode, schedule))
+        return res[0][0], [r[1] for r in res], res[0][3]
+
+    return go("eager"), go("padded")
+
+
+# CPU BLAS rounds a row differently at some row counts (3 rows vs 4), so a padded batch matches
+# the unpadded one to fp32 rounding, and bit for bit where no row is padded.
+TOL = {"float32": 1e-5, "bfloat16": 0.05}
+
+
+@pytest.mark.parametrize("tp,dcp,dtype", [(1, 1, "float32"), (1, 1, "bfloat16"),
+                                          (2, 1, "float32"), (2, 2, "float32")])
+def test_padded_equals_unpadded(tp: int, dcp: int, dtype: str) -> None:
+    (ref_logits, ref_kv, ref_padded), (got_logits, got_kv, got_padded) = _both(
+        tp, dcp, dtype, SCHEDULE)
+    assert ref_padded == 0
+    assert got_padded == len(SCHEDULE) - 1  # every step but the one above the largest bucket
+    tol = TOL[dtype]
+    for step, (a, b) in enumerate(zip(ref_logits, got_logits, strict=True)):
+        assert [int(x.argmax()) for x in a] == [int(x.argmax()) for x in b], step
+        for row, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert float((x - y).abs().max()) <= tol, (step, row)
+    for r, (a, b) in enumerate(zip(ref_kv, got_kv, strict=True)):
+        # the same slots written (padded rows wrote none), holding the same latents
+        assert torch.equal(a == SENTINEL, b == SENTINEL), f"rank {r}: other slots written"
+        assert (a == SENTINEL).any()
+        assert float((a.float() - b.float()).abs().max()) <= tol, f"rank {r}"
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_full_buckets_are_bit_identical(tp: int, dcp: int) -> None:
+    """Batches that fill their bucket exactly (no padded row) run the same products on the
+    same rows as the eager step: every logit and latent is equal bit for bit."""
+    schedule = [[0], [0, 1], [3, 2, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7], [8], [5, 8]]
+    (ref_logits, ref_kv, _), (got_logits, got_kv, padded) = _both(tp, dcp, "float32", schedule)
+    assert padded == len(schedule)
+    for a, b in zip(ref_logits, got_logits, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref_kv, got_kv, strict=True))
+
+
+def test_unmasked_padding_would_be_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above sees a leak: padded rows that did write (mask all ones) land on
+    sequence 0's first slot and change its later logits and the cache."""
+    real_stage = cuda_graphs.stage
+
+    def leaky(buf, chunks, block_size, dcp, rank):  # type: ignore[no-untyped-def]
+        real_stage(buf, chunks, block_size, dcp, rank)
+        buf.write_mask.fill_(1)
+
+    monkeypatch.setattr("pdd_sidecar.engine.rank_engine.stage", leaky)
+    (ref_logits, ref_kv, _), (got_logits, got_kv, _) = _both(1, 1, "float32", SCHEDULE)
+    assert float((ref_kv[0] - got_kv[0]).abs().max()) > 100 * TOL["float32"]
+    worst = max(float((x - y).abs().max()) for a, b in zip(ref_logits, got_logits, strict=True)
+                for x, y in zip(a, b, strict=True))
+    assert worst > 100 * TOL["float32"]
+
+
+def test_decode_mode_and_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_rank_model("builtin", 0, 1, "float32", "cpu")
+    cache = new_cache(model, 8, BLOCK)
+    from pdd_sidecar.engine.comm import SingleComm
+
+    with pytest.raises(ValueError, match="decode_mode"):
+        RankEngine(model, cache, SingleComm(), decode_mode="fast")
+    with pytest.raises(ValueError, match="needs a CUDA cache"):
+        RankEngine(model, cache, SingleComm(), decode_mode="graph")
+    with pytest.raises(ValueError, match="graph buckets"):
+        RankEngine(model, cache, SingleComm(), decode_mode="padded", graph_buckets=[0, 4])
+    monkeypatch.setenv("PDD_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="PDD_CUDA_GRAPHS: must be 0 or 1, got 'yes'"):
+        cuda_graphs.graphs_enabled()
+    monkeypatch.setenv("PDD_CUDA_GRAPHS", "0")
+    assert cuda_graphs.default_decode_mode(torch.device("cuda")) == "eager"
+    monkeypatch.delenv("PDD_CUDA_GRAPHS")
+    assert cuda_graphs.default_decode_mode(torch.device("cuda")) == "graph"
+    assert cuda_graphs.default_decode_mode(torch.device("cpu")) == "eager"
+    assert RankEngine(model, cache, SingleComm()).decode_mode == "eager"
+
+
+def test_table_wider_than_the_bound_runs_eagerly() -> None:
+    from pdd_sidecar.engine.comm import SingleComm
+
+    model = load_rank_model("builtin", 0, 1, "float32", "cpu")
+    cache = new_cache(model, 16, BLOCK)
+    eng = RankEngine(model, cache, SingleComm(), decode_mode="padded", max_table_blocks=2)
+    eng.step([SeqChunk(_prompt(5, 1), 0, [3, 4, 5])])
+    eng.step([SeqChunk([1], 5, [3, 4, 5])])  # three blocks > the bound of two
+    assert eng.padded_steps == 0
+    eng.step([SeqChunk([1], 5, [3, 4])])
+    assert eng.padded_steps == 1
