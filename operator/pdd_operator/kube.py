@@ -50,6 +50,7 @@ KINDS: dict[str, Kind] = {
     "Node": Kind("/api/v1", "nodes", namespaced=False),
     "Deployment": Kind("/apis/apps/v1", "deployments"),
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "LeaderWorkerSet": Kind("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     KIND: Kind(f"/apis/{API_GROUP}/{API_VERSION}", PLURAL),
     "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings", namespaced=False),
     "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),

@@ -20,7 +20,7 @@ from typing import Any
 from pdd_api import keys
 from pdd_api.models import KIND, PDDeploymentSpec
 from pdd_api.validation import parse_spec, validate_name, validate_spec
-from pdd_operator import metrics
+from pdd_operator import builders_lws, metrics
 from pdd_operator.builders import (
     ROUTING_VOLUME,
     Desired,
@@ -52,6 +52,7 @@ log = logging.getLogger("pdd_operator")
 Key = tuple[str, str]
 CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Deployment", "Secret", "NetworkPolicy")
 MANAGED_SELECTOR = f"{keys.LABEL_MANAGED_BY}={keys.MANAGED_BY}"
+LWS_DISCOVERY_PERIOD = 30.0  # seconds between checks for the LeaderWorkerSet CRD
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Reconciler:
         self.on_pass: Callable[[Key, Outcome], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.paused = False  # kopf peering: another replica leads (set by the handlers)
+        self.lws_served = False  # the LeaderWorkerSet CRD is installed (multi-node instances)
         self._built: dict[Key, tuple[tuple[str, int], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
 
@@ -160,19 +162,38 @@ class Reconciler:
         await asyncio.gather(*(
             self.kube.watch(kind, ns, MANAGED_SELECTOR, handler(kind))
             for ns in (namespaces or [None])  # type: ignore[list-item]
-            for kind in CHILD_KINDS))
+            for kind in CHILD_KINDS), self._watch_lws(namespaces, handler))
+
+    def _child_kinds(self) -> tuple[str, ...]:
+        return CHILD_KINDS + ((builders_lws.LWS_KIND,) if self.lws_served else ())
+
+    async def _watch_lws(self, namespaces: list[str] | None,
+                         handler: Callable[[str], Callable[[str, Obj], None]]) -> None:
+        """LeaderWorkerSets are watched once their CRD is served (installed before or after
+        the operator started); a cluster without it runs every one-pod role as before."""
+        kind = builders_lws.LWS_KIND
+        while not self.lws_served:
+            try:
+                self.lws_served = await self.kube.serves(kind)
+            except ApiError as exc:
+                log.warning("cannot tell whether %s is served: %s", kind, exc)
+            if not self.lws_served:
+                await asyncio.sleep(LWS_DISCOVERY_PERIOD)
+        await asyncio.gather(*(self.kube.watch(kind, ns, MANAGED_SELECTOR, handler(kind))
+                               for ns in (namespaces or [None])))  # type: ignore[list-item]
 
     async def seed(self, namespaces: list[str] | None) -> None:
         """Fill the store before any pass runs, so a restarted operator sees what exists."""
+        self.lws_served = await self.kube.serves(builders_lws.LWS_KIND)
         for ns in namespaces or [None]:  # type: ignore[list-item]
-            for kind in CHILD_KINDS:
+            for kind in self._child_kinds():
                 for obj in await self.kube.list_objects(kind, ns, MANAGED_SELECTOR):
                     self.store.upsert(kind, obj)
 
     async def resync(self, namespace: str, name: str) -> None:
         """Authoritative re-read of one PDDeployment's objects (the periodic pass)."""
         selector = f"{MANAGED_SELECTOR},{keys.LABEL_INSTANCE}={name}"
-        for kind in CHILD_KINDS:
+        for kind in self._child_kinds():
             objs, rv = await self.kube.list_rv(kind, namespace, selector)
             self.store.replace_instance(kind, namespace, name, objs, rv)
 
@@ -181,7 +202,7 @@ class Reconciler:
         PDDeployment (a LIST per PDDeployment would cost 4 requests each)."""
         for ns in sorted({ns for ns, _ in self.pdds}):
             names = [n for n_ns, n in self.pdds if n_ns == ns]
-            for kind in CHILD_KINDS:
+            for kind in self._child_kinds():
                 objs, rv = await self.kube.list_rv(kind, ns, MANAGED_SELECTOR)
                 grouped: dict[str, list[Obj]] = {n: [] for n in names}
                 for o in objs:
@@ -247,7 +268,7 @@ class Reconciler:
             finally:
                 metrics.LATENCY.observe(time.perf_counter() - start)
             metrics.RECONCILES.labels("ok").inc()
-            for kind in CHILD_KINDS:
+            for kind in self._child_kinds():
                 metrics.MANAGED.labels(kind).set(self.store.count(kind))
             if outcome is not None and self.on_pass is not None:
                 await self.on_pass(key, outcome)
@@ -282,9 +303,11 @@ class Reconciler:
             observed = [
                 p for p in self.store.of_instance("Pod", ns, name)
                 if (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT) == role
+                and not builders_lws.is_lws_pod(p)
             ]
             roles[role] = plan_role(desired.pods[role], observed, owner.uid,
                                     spec.rollout.maxUnavailable, owner.name)
+        self._lws_plans(owner, desired, roles)
         # One wave of writes: a pod created before its ConfigMap just waits for the volume
         # (the kubelet retries the mount), so nothing here needs ordering; latency is one
         # round trip instead of three.
@@ -292,6 +315,7 @@ class Reconciler:
                              self._apply_others(owner, desired, outcome),
                              self._guard(_full_ref("Secret", ns, grant_secret_name(name)),
                                          self._ensure_grant_key(owner, outcome), outcome))
+        await self._apply_lws(owner, desired, outcome)
         await self._prune_routing(owner, desired, outcome)
 
         cm = self.store.get("ConfigMap", ns, desired.configmap["metadata"]["name"])
@@ -314,13 +338,73 @@ class Reconciler:
                              now=now_rfc3339(), role_refs={
                                  r: {_full_ref("Pod", ns, p["metadata"]["name"])
                                      for p in desired.pods[r].values()}
+                                 | self._lws_refs(ns, desired, r)
                                  for r in ("prefill", "decode")})
+        status = builders_lws.mark_missing_crd(status)
         self._events(body, outcome)
         await self._write_status(body, status)
         outcome.status = status
         if outcome.errors:
             raise PassErrors(outcome.errors)
         return outcome
+
+    def _lws_plans(self, owner: Owner, desired: Desired, roles: dict[str, RolePlan]) -> None:
+        """A role that spans pods counts LWS groups (builders_lws.role_plan); the pods its
+        plan_role saw are leftovers of one-pod instances, deleted as before."""
+        ns = owner.namespace
+        pods = self.store.of_instance("Pod", ns, owner.name)
+        for want in builders_lws.lws_objects(desired):
+            role = want["metadata"]["labels"][keys.LABEL_COMPONENT]
+            have = self.store.get(builders_lws.LWS_KIND, ns, want["metadata"]["name"])
+            plan = builders_lws.role_plan(want, have, builders_lws.lws_pods_of(
+                pods, owner.name, role))
+            plan.delete, plan.excess = roles[role].delete, plan.excess + roles[role].excess
+            roles[role] = plan
+
+    def _lws_refs(self, ns: str, desired: Desired, role: str) -> set[str]:
+        return {_full_ref(o["kind"], ns, o["metadata"]["name"])
+                for o in builders_lws.lws_objects(desired)
+                if o["metadata"]["labels"][keys.LABEL_COMPONENT] == role}
+
+    async def _apply_lws(self, owner: Owner, desired: Desired, outcome: Outcome) -> None:
+        """After the role Services: LWS creates a Service of its own name (the role's) when
+        none exists, and one it created would not be ours. An LWS of a role that no longer spans
+        pods is deleted (its pods with it)."""
+        ns, kind = owner.namespace, builders_lws.LWS_KIND
+        wanted = builders_lws.lws_objects(desired)
+
+        async def one(obj: Obj) -> None:
+            name = obj["metadata"]["name"]
+            svc = self.store.get("Service", ns, name)
+            if svc is None or self._foreign(svc, owner):
+                return  # the Service is written (or refused) first; the next pass goes on
+            have = self.store.get(kind, ns, name)
+            if have is not None and self._foreign(have, owner):
+                outcome.conflicts.append(_full_ref(kind, ns, name))
+                return
+            if not needs_apply(obj, have):
+                return
+            if have is None and await self._held_by_another(kind, owner, name, outcome):
+                return
+            try:
+                await self._apply(obj)
+            except ApiError as exc:
+                if exc.status == 404:  # no such resource: the CRD is not installed
+                    raise ApiError(404, {"message": builders_lws.missing_crd_message()}
+                                   ) from None
+                raise
+            metrics.ACTIONS.labels(kind, "apply").inc()
+            (outcome.created if have is None else outcome.restored).append(_ref(obj))
+
+        await asyncio.gather(*(self._guard(_full_ref(kind, ns, o["metadata"]["name"]),
+                                           one(o), outcome) for o in wanted))
+        names = {o["metadata"]["name"] for o in wanted}
+        for have in self.store.of_instance(kind, ns, owner.name):
+            meta = have["metadata"]
+            if (meta["name"] not in names and not meta.get("deletionTimestamp")
+                    and _owned_by(have, owner.uid)):
+                await self._guard(_full_ref(kind, ns, meta["name"]),
+                                  self._delete(kind, have, outcome.deleted), outcome)
 
     def _desired_for(self, owner: Owner, generation: int, raw_spec: Any) -> tuple[
             list[str], PDDeploymentSpec | None, Desired | None]:
@@ -336,7 +420,7 @@ class Reconciler:
                 problems, None, None)
         else:
             spec = parse_spec(raw_spec)  # read as the API server reads it (nulls, 2.0)
-            result = ([], spec, build(owner, spec))
+            result = ([], spec, builders_lws.apply_lws(owner, spec, build(owner, spec)))
         self._built[key] = ((owner.uid, generation), result)
         return result
 
