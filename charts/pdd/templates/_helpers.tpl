@@ -64,6 +64,9 @@ app.kubernetes.io/name: {{ .Values.operatorName }}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]   # roles whose TP spans pods (docs/lws.md)
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, list, watch, create]         # the grant key: created once, read as metadata only
