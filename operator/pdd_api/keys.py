@@ -59,3 +59,8 @@ GRANT_KEY_FILE = f"{GRANT_MOUNT_DIR}/{GRANT_KEY_FILE_NAME}"
 # pairs a prefill and a decode only when these match.
 LABEL_PLAN_HASH = f"{API_GROUP}/plan-hash"
 ENV_PLAN_HASH = "PDD_PLAN_HASH"
+
+# Plan-changing rolls: the one extra pod per role that carries the new plan while the old
+# generation still serves (`<name>-<role>-surge`). The router lists it with the replicas.
+LABEL_SURGE = f"{API_GROUP}/surge"
+SURGE_SUFFIX = "surge"

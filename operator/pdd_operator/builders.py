@@ -82,6 +82,7 @@ class Desired:
     router_service: Obj | None = None
     network_policies: list[Obj] = field(default_factory=list)
     extra: list[Obj] = field(default_factory=list)
+    surge_pods: dict[Role, Obj] = field(default_factory=dict)  # only created during a plan roll
 
     def owned_non_pods(self) -> list[Obj]:
         objs = [self.configmap, *self.services]
@@ -163,9 +164,15 @@ def pod_name(name: str, role: str, index: int) -> str:
     return f"{name}-{role}-{index}"
 
 
-def pod_url(owner: Owner, role: str, index: int) -> str:
-    host = f"{pod_name(owner.name, role, index)}.{service_dns(owner, role)}"
-    return f"http://{host}:{keys.HTTP_PORT}"
+def surge_pod_name(name: str, role: str) -> str:
+    return f"{name}-{role}-{keys.SURGE_SUFFIX}"
+
+
+def pod_url(owner: Owner, role: str, index: int | None) -> str:
+    """Per-pod DNS of replica `index`, or of the role's surge pod (None)."""
+    pod = surge_pod_name(owner.name, role) if index is None else pod_name(owner.name, role,
+                                                                           index)
+    return f"http://{pod}.{service_dns(owner, role)}:{keys.HTTP_PORT}"
 
 
 def service_dns(owner: Owner, role: str) -> str:
@@ -370,8 +377,11 @@ def _probe(path: str, period: int, failures: int) -> Obj:
 
 
 def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Role,
-              index: int) -> Obj:
+              index: int, surge: bool = False) -> Obj:
+    """Replica `index` of the role; with `surge`, the role's surge pod (named
+    `<name>-<role>-surge`, no replica label, PDD_REPLICA = index = the role's replicas)."""
     r: RoleSpec = getattr(spec, role)
+    name = surge_pod_name(owner.name, role) if surge else pod_name(owner.name, role, index)
     side = spec.kvTransfer.sideChannelPort
     container: Obj = {
         "name": keys.CONTAINER_NAME,
@@ -398,7 +408,7 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
     if r.imagePullPolicy:
         container["imagePullPolicy"] = r.imagePullPolicy
     pod_spec: Obj = {
-        "hostname": pod_name(owner.name, role, index),
+        "hostname": name,
         "subdomain": service_name(owner.name, role),
         "restartPolicy": "Always",
         "automountServiceAccountToken": False,
@@ -424,8 +434,10 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         pod_spec["affinity"] = r.affinity
     if r.priorityClassName:
         pod_spec["priorityClassName"] = r.priorityClassName
-    meta = _meta(owner, pod_name(owner.name, role, index), labels(owner, role, index))
+    meta = _meta(owner, name, labels(owner, role, None if surge else index))
     meta["labels"][keys.LABEL_PLAN_HASH] = plan_hash(plan)
+    if surge:
+        meta["labels"][keys.LABEL_SURGE] = "true"
     apply_template(meta, pod_spec, r.template)
     pod: Obj = {
         "apiVersion": "v1",
@@ -441,6 +453,14 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
     return pod
 
 
+def _role_urls(owner: Owner, role: str, replicas: int) -> str:
+    """The replicas and the role's surge pod: the router must reach the new plan's pair during
+    a plan-changing roll without being rolled itself (it probes a surge pod that does not
+    exist as not ready)."""
+    return ",".join([*(pod_url(owner, role, i) for i in range(replicas)),
+                     pod_url(owner, role, None)])
+
+
 def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
     """The user-facing endpoint; it learns the replicas from env, so a scale rolls it. With a
     model source it reads the checkpoint's tokenizer and limits from there (the router's
@@ -451,10 +471,8 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         _env(keys.ENV_MODEL_NAME, spec.model.name),
         _env(keys.ENV_BLOCK_SIZE, spec.blockSize),
         *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
-        _env(keys.ENV_PREFILL_URLS,
-             ",".join(pod_url(owner, "prefill", i) for i in range(spec.prefill.replicas))),
-        _env(keys.ENV_DECODE_URLS,
-             ",".join(pod_url(owner, "decode", i) for i in range(spec.decode.replicas))),
+        _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", spec.prefill.replicas)),
+        _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", spec.decode.replicas)),
         _env(keys.ENV_PREFILL_SERVICE, service_dns(owner, "prefill")),
         _env(keys.ENV_DECODE_SERVICE, service_dns(owner, "decode")),
         _env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE),
@@ -526,6 +544,9 @@ def build(owner: Owner, spec: PDDeploymentSpec) -> Desired:
         services=[build_service(owner, role, getattr(spec, role), side)
                   for role in ("prefill", "decode")],
         pods=pods,
+        surge_pods={role: build_pod(owner, spec, plan, role, getattr(spec, role).replicas,
+                                    surge=True)
+                    for role in ("prefill", "decode")},
     )
     if spec.router.enabled:
         desired.router_deployment, desired.router_service = build_router(owner, spec)

@@ -139,7 +139,10 @@ def compute_status(
     router: RouterState,
     previous: Mapping[str, Any] | None,
     now: str,
+    roll_note: str = "",
 ) -> dict[str, Any]:
+    """`roll_note`: a routing-plan roll is still under way (old or surge pods remain), so the
+    deployment is not Ready even where every replica is."""
     prev = _previous(previous)
 
     def cond(ctype: str, ok: bool | None, reason: str, message: str) -> dict[str, Any]:
@@ -179,13 +182,13 @@ def compute_status(
     settled = all(roles[r].settled and roles[r].ready == wanted[r] for r in roles)
     router_ok = not router.enabled or (router.ready >= router.replicas and router.updated)
     router_msg = f"router {router.ready}/{router.replicas} ready" if router.enabled else ""
-    if settled and routing_published and router_ok:
+    if settled and routing_published and router_ok and not roll_note:
         ready = cond(READY, True, "Ready", "; ".join(
             x for x in (f"prefill {wanted['prefill']}/{wanted['prefill']} ready",
                         f"decode {wanted['decode']}/{wanted['decode']} ready", router_msg,
                         summary) if x))
     else:
-        if any(roles[r].outdated for r in roles):
+        if any(roles[r].outdated for r in roles) or roll_note:
             reason = "Rolling"
         elif not role_ok["prefill"]:
             reason = "PrefillUnavailable"
@@ -201,6 +204,8 @@ def compute_status(
                  if not (roles[r].settled and roles[r].ready == wanted[r])]
         if router.enabled and not router_ok:
             parts.append(router_msg + ("" if router.updated else " (updating)"))
+        if roll_note:
+            parts.append(roll_note)
         ready = cond(READY, False, reason, "; ".join(parts) or "waiting for the routing plan")
     conds.append(ready)
     return {

@@ -268,12 +268,12 @@ class Kube:
                 await asyncio.sleep(1)
 
     async def _watch_once(self, kind: str, namespace: str | None, selector: str,
-                          rv: int | None, handle: Callable[[str, Obj], None]) -> int | None:
+                          rv: str | None, handle: Callable[[str, Obj], None]) -> str | None:
         assert self._watch_session is not None
         params = {"watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": "300",
                   "labelSelector": selector}
         if rv is not None:
-            params["resourceVersion"] = str(rv)
+            params["resourceVersion"] = rv
         headers = {"Accept": _PARTIAL if kind in METADATA_ONLY else "application/json"}
         token = self._auth() if self._auth else None
         if token:
@@ -296,8 +296,8 @@ class Kube:
                         raise _WatchExpired()
                     raise ApiError(int(obj.get("code") or 0), obj)
                 raw = (obj.get("metadata") or {}).get("resourceVersion")
-                if raw and str(raw).isdigit():
-                    rv = int(raw)
+                if raw:
+                    rv = str(raw)  # opaque: passed back as it came
                 if etype == "BOOKMARK":
                     continue
                 handle(str(etype), _as_kind(obj, kind, api_version))
@@ -387,7 +387,7 @@ class Kube:
         return (await self.list_rv(kind, namespace, selector))[0]
 
     async def list_rv(self, kind: str, namespace: str | None = None,
-                      selector: str | None = None) -> tuple[list[Obj], int | None]:
+                      selector: str | None = None) -> tuple[list[Obj], str | None]:
         """Items and the list's resourceVersion (the snapshot they describe)."""
         params = {"labelSelector": selector} if selector else None
         out = await self.request("GET", path_of(kind, namespace), params=params,
@@ -398,7 +398,7 @@ class Kube:
         for item in items:
             _as_kind(item, kind, api_version)
         raw_rv = (out.get("metadata") or {}).get("resourceVersion")
-        return items, int(raw_rv) if raw_rv and str(raw_rv).isdigit() else None
+        return items, str(raw_rv) if raw_rv else None
 
     async def create(self, obj: Obj) -> Obj:
         meta = obj["metadata"]

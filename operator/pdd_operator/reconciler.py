@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd_api import keys
-from pdd_api.models import KIND, PDDeploymentSpec
+from pdd_api.models import GPU_RESOURCE, KIND, PDDeploymentSpec
 from pdd_api.validation import parse_spec, validate_name, validate_spec
 from pdd_operator import builders_lws, metrics
 from pdd_operator.builders import (
@@ -45,7 +45,19 @@ from pdd_operator.conditions import (
     with_errors,
 )
 from pdd_operator.kube import ApiError, Kube, now_rfc3339
-from pdd_operator.rollout import Delete, RolePlan, foreign, needs_apply, plan_role
+from pdd_operator.rollout import (
+    Delete,
+    PodInfo,
+    RolePlan,
+    Roll,
+    coordinate,
+    foreign,
+    needs_apply,
+    plan_role,
+    pod_info,
+    roll_starting,
+    surge_fits,
+)
 from pdd_operator.store import Store
 
 log = logging.getLogger("pdd_operator")
@@ -75,6 +87,7 @@ class Outcome:
     errors: list[ObjectError] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     status: dict[str, Any] | None = None
+    roll: Roll | None = None
 
 
 class PassErrors(Exception):
@@ -135,9 +148,12 @@ class Reconciler:
             self._locks.pop(key, None)
         else:
             current = self.pdds.get(key)
-            if current is None or current["metadata"].get("uid") != meta.get("uid") or _rv(
+            # resourceVersions are opaque: only the generation (an integer by contract) says
+            # that an event is older than what we hold; within one generation the last
+            # arrival wins (at worst a status read one event late, rewritten by the next pass).
+            if current is None or current["metadata"].get("uid") != meta.get("uid") or _gen(
                 body
-            ) >= _rv(current):
+            ) >= _gen(current):
                 self.pdds[key] = body
         metrics.DEPLOYMENTS.set(len(self.pdds))
         return key
@@ -194,8 +210,9 @@ class Reconciler:
         """Authoritative re-read of one PDDeployment's objects (the periodic pass)."""
         selector = f"{MANAGED_SELECTOR},{keys.LABEL_INSTANCE}={name}"
         for kind in self._child_kinds():
-            objs, rv = await self.kube.list_rv(kind, namespace, selector)
-            self.store.replace_instance(kind, namespace, name, objs, rv)
+            since = self.store.mark()
+            objs = await self.kube.list_objects(kind, namespace, selector)
+            self.store.replace_instance(kind, namespace, name, objs, since)
 
     async def resync_all(self) -> None:
         """The periodic pass: one LIST per kind and namespace, then a pass for every
@@ -203,14 +220,15 @@ class Reconciler:
         for ns in sorted({ns for ns, _ in self.pdds}):
             names = [n for n_ns, n in self.pdds if n_ns == ns]
             for kind in self._child_kinds():
-                objs, rv = await self.kube.list_rv(kind, ns, MANAGED_SELECTOR)
+                since = self.store.mark()
+                objs = await self.kube.list_objects(kind, ns, MANAGED_SELECTOR)
                 grouped: dict[str, list[Obj]] = {n: [] for n in names}
                 for o in objs:
                     inst = (o["metadata"].get("labels") or {}).get(keys.LABEL_INSTANCE)
                     if inst in grouped:
                         grouped[inst].append(o)
                 for n, items in grouped.items():
-                    self.store.replace_instance(kind, ns, n, items, rv)
+                    self.store.replace_instance(kind, ns, n, items, since)
             for n in names:
                 self.kick(ns, n)
 
@@ -299,19 +317,25 @@ class Reconciler:
 
         assert spec is not None and desired is not None
         roles: dict[str, RolePlan] = {}
+        infos: dict[str, list[PodInfo]] = {}
         for role in ("prefill", "decode"):
             observed = [
                 p for p in self.store.of_instance("Pod", ns, name)
                 if (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT) == role
                 and not builders_lws.is_lws_pod(p)
             ]
-            roles[role] = plan_role(desired.pods[role], observed, owner.uid,
-                                    spec.rollout.maxUnavailable, owner.name)
+            surge = [p for p in observed if _is_surge(p)]
+            roles[role] = plan_role(desired.pods[role], [p for p in observed if p not in surge],
+                                    owner.uid, spec.rollout.maxUnavailable, owner.name)
+            infos[role] = [pod_info(p) for p in observed if not self._foreign(p, owner)]
+        roll = await self._coordinate(owner, spec, desired, roles, infos, outcome)
+        surge_plan = RolePlan(create=roll.create, delete=roll.delete)
         self._lws_plans(owner, desired, roles)
         # One wave of writes: a pod created before its ConfigMap just waits for the volume
         # (the kubelet retries the mount), so nothing here needs ordering; latency is one
         # round trip instead of three.
         await asyncio.gather(*(self._act_on_pods(owner, roles[r], outcome) for r in roles),
+                             self._act_on_pods(owner, surge_plan, outcome),
                              self._apply_others(owner, desired, outcome),
                              self._guard(_full_ref("Secret", ns, grant_secret_name(name)),
                                          self._ensure_grant_key(owner, outcome), outcome))
@@ -326,7 +350,7 @@ class Reconciler:
             roles=roles, wanted={"prefill": spec.prefill.replicas, "decode": spec.decode.replicas},
             max_unavailable=spec.rollout.maxUnavailable,
             router=router_state(spec.router.enabled, desired.router_deployment, router_obs),
-            previous=body.get("status"), now=now_rfc3339(),
+            previous=body.get("status"), now=now_rfc3339(), roll_note=_roll_note(roll, infos),
         )
         for role in ("prefill", "decode"):
             status[role]["selector"] = ",".join(
@@ -347,6 +371,51 @@ class Reconciler:
         if outcome.errors:
             raise PassErrors(outcome.errors)
         return outcome
+
+    async def _coordinate(self, owner: Owner, spec: PDDeploymentSpec, desired: Desired,
+                          roles: dict[str, RolePlan], infos: dict[str, list[PodInfo]],
+                          outcome: Outcome) -> Roll:
+        """A routing-plan change rolls both roles together (rollout.coordinate); free GPUs
+        are counted once, when the roll starts."""
+        if builders_lws.lws_roles(desired):
+            # A role of LeaderWorkerSets rolls group by group (its own controller): no surge
+            # pods, each role's own budget.
+            return Roll(allowed={r: list(rp.delete) for r, rp in roles.items()})
+        current = desired.configmap["metadata"]["labels"][keys.LABEL_PLAN_HASH]
+        room: bool | None = None
+        why = ""
+        if roll_starting(current, infos):
+            room, why = await self._surge_room(list(desired.surge_pods.values()))
+        surge: dict[str, Obj] = {str(r): p for r, p in desired.surge_pods.items()}
+        roll = coordinate(current, {"prefill": spec.prefill.replicas,
+                                    "decode": spec.decode.replicas},
+                          roles, infos, surge, room)
+        for role, rp in roles.items():
+            rp.delete = roll.allowed[role]
+        if room is not None or why:
+            body = self.pdds.get((owner.namespace, owner.name))
+            if body is not None:
+                self._post(body, [("Normal", "PlanRoll", (
+                    f"routing plan {current}: one surge pod per role, then the replicas"
+                    if roll.mode == "Surge" else
+                    f"routing plan {current}: replacing role by role, prefill first ({why})"
+                ))])
+        outcome.roll = roll
+        return roll
+
+    async def _surge_room(self, wanted: list[Obj]) -> tuple[bool | None, str]:
+        """Whether one more pod of each role fits in free GPUs now, and why not. Needs to
+        list nodes and every namespace's pods; without that right (namespaced mode without
+        the gpu-capacity component) the room is unknown and the roll goes role by role."""
+        try:
+            nodes = await self.kube.list_objects("Node")
+            pods = await self.kube.list_objects("Pod")
+        except ApiError as exc:
+            if exc.status not in (401, 403):
+                raise
+            return None, f"free GPUs unknown: {_api_message(exc)}"
+        fits = surge_fits(wanted, nodes, pods, GPU_RESOURCE)
+        return fits, "" if fits else "no room for a surge pod per role in free GPUs"
 
     def _lws_plans(self, owner: Owner, desired: Desired, roles: dict[str, RolePlan]) -> None:
         """A role that spans pods counts LWS groups (builders_lws.role_plan); the pods its
@@ -426,7 +495,7 @@ class Reconciler:
 
     async def _apply(self, obj: Obj) -> Obj:
         out = await self.kube.apply(obj)
-        self.store.upsert(obj["kind"], out)
+        self.store.upsert(obj["kind"], out, written=True)
         return out
 
     async def _guard(self, ref: str, action: Awaitable[Any], outcome: Outcome) -> None:
@@ -521,14 +590,14 @@ class Reconciler:
                     if have is None:
                         raise
                 else:
-                    self.store.upsert("Secret", _metadata(out))
+                    self.store.upsert("Secret", _metadata(out), written=True)
                     metrics.ACTIONS.labels("Secret", "create").inc()
                     outcome.created.append(f"Secret {name}")
                     return
         if self._foreign(have, owner):
             outcome.conflicts.append(ref)
         elif (have.get("metadata", {}).get("labels") or {}).get(keys.LABEL_MANAGED_BY):
-            self.store.upsert("Secret", _metadata(have))
+            self.store.upsert("Secret", _metadata(have), written=True)
 
     async def _delete(self, kind: str, obj: Obj, into: list[str]) -> None:
         meta = obj["metadata"]
@@ -539,7 +608,7 @@ class Reconciler:
                 # Replaced since we read it (uid precondition): re-read and decide again.
                 fresh = await self.kube.get(kind, meta["namespace"], meta["name"])
                 if fresh is not None:
-                    self.store.upsert(kind, fresh)
+                    self.store.upsert(kind, fresh, written=True)
                 else:
                     self.store.remove(kind, obj)
                 raise
@@ -548,7 +617,7 @@ class Reconciler:
         if out is not None and out.get("kind") == kind and out.get("metadata", {}).get(
             "deletionTimestamp"
         ):
-            self.store.upsert(kind, out)
+            self.store.upsert(kind, out, written=True)
         else:
             self.store.remove(kind, out if out and out.get("kind") == kind else obj)
         into.append(f"{kind} {meta['name']}")
@@ -568,7 +637,7 @@ class Reconciler:
                 if await self._held_by_another("Pod", owner, name, outcome):
                     return
                 out = await self.kube.apply(pod)
-            self.store.upsert("Pod", out)
+            self.store.upsert("Pod", out, written=True)
             metrics.ACTIONS.labels("Pod", "create").inc()
             outcome.created.append(_ref(pod))
 
@@ -659,11 +728,27 @@ class Reconciler:
         self._post(body, posts)
 
 
-def _rv(obj: Obj) -> int:
+def _gen(obj: Obj) -> int:
     try:
-        return int(obj["metadata"].get("resourceVersion") or 0)
-    except ValueError:
+        return int(obj["metadata"].get("generation") or 0)
+    except (TypeError, ValueError):
         return 0
+
+
+def _roll_note(roll: Roll, infos: dict[str, list[PodInfo]]) -> str:
+    surge = sorted(i.name for r in infos.values() for i in r if i.surge)
+    if not roll.active and not surge:
+        return ""
+    parts = [f"routing plan roll ({roll.mode or 'finishing'})"]
+    if surge:
+        parts.append("surge pods " + ", ".join(surge))
+    if roll.held:
+        parts.append("old pods kept serving for now: " + ", ".join(roll.held))
+    return ": ".join(parts[:1]) + ("; " + "; ".join(parts[1:]) if parts[1:] else "")
+
+
+def _is_surge(pod: Obj) -> bool:
+    return (pod["metadata"].get("labels") or {}).get(keys.LABEL_SURGE) == "true"
 
 
 def _owned_by(obj: Obj, uid: str) -> bool:

@@ -17,6 +17,7 @@ Policy (docs/operator.md):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ class PodInfo:
     problem: str | None = None
     phase: str = "Pending"
     owner_ref: tuple[str, str] | None = None  # (kind, name) of the controller
+    plan: str | None = None  # serving.pdd.dev/plan-hash: the routing plan it started with
+    surge: bool = False
 
     @property
     def ended(self) -> bool:
@@ -148,6 +151,8 @@ def pod_info(pod: Obj) -> PodInfo:
         problem=problem,
         phase=str((pod.get("status") or {}).get("phase") or "Pending"),
         owner_ref=(str(ref.get("kind")), str(ref.get("name"))) if ref is not None else None,
+        plan=(meta.get("labels") or {}).get(keys.LABEL_PLAN_HASH),
+        surge=(meta.get("labels") or {}).get(keys.LABEL_SURGE) == "true",
     )
 
 
@@ -155,7 +160,7 @@ def pod_info(pod: Obj) -> PodInfo:
 class Delete:
     name: str
     uid: str
-    reason: str  # ScaleDown | Replace | Ended
+    reason: str  # ScaleDown | Replace | Ended | Surge
 
 
 @dataclass
@@ -274,3 +279,207 @@ def drifted(want: Obj, have: Obj) -> bool:
 
 def needs_apply(want: Obj, have: Any) -> bool:
     return have is None or drifted(want, have)
+
+
+# ------------------------------------------------------------------ plan-changing rolls
+#
+# Pods of different routing plans cannot be paired (the router pairs a prefill and a decode of
+# one plan hash), so a change of the plan is rolled across both roles at once:
+# - with room for one more pod of each role (free GPUs on nodes the pods may use), a surge pod
+#   per role (`<name>-<role>-surge`) starts on the new plan while the old generation serves;
+#   once a new pair is Ready, the replicas are replaced within maxUnavailable, and the surge
+#   pods go once the replicas hold a Ready pair of their own;
+# - without room, the replicas are replaced role by role: prefill first (keeping one old
+#   Ready prefill while the role has several replicas and no new pair is Ready), decode once
+#   a new prefill is Ready (keeping one old Ready decode while old prefills exist).
+# Old prefills go before the last old decode: a prefill that is draining still hands the KV
+# of its last requests to a decode of its own plan.
+
+_ALL = 1 << 30
+
+
+@dataclass
+class Roll:
+    """What a plan-changing roll adds to the role plans: surge pods, and the replacements of
+    old Ready pods held back for now (by role)."""
+
+    mode: str = ""  # "" (no plan roll) | Surge | RoleByRole
+    create: list[Obj] = field(default_factory=list)
+    delete: list[Delete] = field(default_factory=list)
+    allowed: dict[str, list[Delete]] = field(default_factory=dict)
+    held: list[str] = field(default_factory=list)
+    new_pair: bool = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.mode)
+
+
+def _old(info: PodInfo, current: str) -> bool:
+    return info.plan != current and not info.surge
+
+
+def roll_starting(current: str, observed: dict[str, list[PodInfo]]) -> bool:
+    """A pass that must decide between surge and role by role: old pods serve and no pod of
+    the new plan exists yet (the decision is never taken again in the same roll, so GPUs
+    that free up as old pods go do not switch it)."""
+    pods = [i for infos in observed.values() for i in infos]
+    return any(_old(i, current) and not i.terminating for i in pods) and not any(
+        i.plan == current or i.surge for i in pods)
+
+
+def coordinate(current: str, replicas: dict[str, int], roles: dict[str, RolePlan],
+               observed: dict[str, list[PodInfo]], surge_desired: Mapping[str, Obj],
+               room: bool | None) -> Roll:
+    """The plan-changing roll for this pass. `observed`: our pods of each role (replicas and
+    surge pods, terminating ones included); `room`: whether a surge pod of each role fits in
+    free GPUs (None: unknown, treated as no room), only consulted when `roll_starting`."""
+    roll = Roll(allowed={r: list(rp.delete) for r, rp in roles.items()})
+    if set(roles) != {"prefill", "decode"}:
+        return roll
+    live = {r: [i for i in observed[r] if not i.terminating] for r in roles}
+    old_any = {r: [i for i in observed[r] if _old(i, current)] for r in roles}
+    old_ready = {r: sum(1 for i in live[r] if _old(i, current) and i.ready) for r in roles}
+    new_ready = {r: sum(1 for i in live[r] if i.plan == current and i.ready) for r in roles}
+    index_new_ready = {r: sum(1 for i in live[r] if i.plan == current and i.ready
+                              and not i.surge) for r in roles}
+    surges = {r: [i for i in observed[r] if i.surge] for r in roles}
+    rolling = any(not i.terminating for r in roles for i in old_any[r])
+    live_surge = any(not i.terminating for r in roles for i in surges[r])
+    if not rolling and not live_surge:
+        return roll
+    pair = all(new_ready.values())
+    index_pair = all(index_new_ready.values())
+    surging = live_surge or (rolling and room is True and roll_starting(current, observed))
+    roll.mode = "Surge" if surging else "RoleByRole"
+    roll.new_pair = pair
+
+    for r in roles:
+        want = surge_desired[r]
+        want_hash = want["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH]
+        if index_pair or not surging:
+            roll.delete += [Delete(i.name, i.uid, "Surge") for i in surges[r]
+                            if not i.terminating]
+            continue
+        for i in surges[r]:
+            if i.terminating:
+                continue
+            if i.ended:
+                roll.delete.append(Delete(i.name, i.uid, "Ended"))
+            elif i.hash != want_hash or i.name != want["metadata"]["name"]:
+                roll.delete.append(Delete(i.name, i.uid, "Replace"))
+        if not surges[r]:
+            roll.create.append(want)
+
+    if surging and not pair:
+        keep = {"prefill": _ALL, "decode": _ALL}
+    else:
+        keep_p = 1 if not pair and replicas["prefill"] >= 2 else 0
+        if not surging and new_ready["prefill"] == 0 and old_any["prefill"]:
+            keep_d = _ALL  # role by role: decode waits for a new prefill
+        elif old_any["prefill"] and (pair or replicas["decode"] >= 2):
+            keep_d = 1
+        else:
+            keep_d = 0
+        keep = {"prefill": keep_p, "decode": keep_d}
+    for r, rp in roles.items():
+        by_name = {i.name: i for i in observed[r]}
+        budget = max(0, old_ready[r] - keep[r])
+        allowed = []
+        for d in rp.delete:
+            info = by_name.get(d.name)
+            if d.reason == "Replace" and info is not None and info.ready and _old(info,
+                                                                                   current):
+                if budget <= 0:
+                    roll.held.append(d.name)
+                    continue
+                budget -= 1
+            allowed.append(d)
+        roll.allowed[r] = allowed
+    return roll
+
+
+# ------------------------------------------------------------------ room for a surge
+
+
+def _quantity(raw: Any) -> float:
+    text = str(raw)
+    if text.endswith("m"):
+        return float(text[:-1]) / 1000
+    return float(text)
+
+
+def pod_gpus(pod: Obj, resource: str) -> float:
+    """What the scheduler counts for `resource`: the containers' requests (limits where no
+    request is given), or the largest init container's when that is more."""
+    def one(c: Obj) -> float:
+        res = c.get("resources") or {}
+        raw = (res.get("requests") or {}).get(resource, (res.get("limits") or {}).get(resource))
+        return _quantity(raw) if raw is not None else 0.0
+
+    spec = pod.get("spec") or {}
+    main = sum(one(c) for c in spec.get("containers") or [])
+    init = max((one(c) for c in spec.get("initContainers") or []), default=0.0)
+    return max(main, init)
+
+
+def _tolerates(tolerations: list[Obj], taint: Obj) -> bool:
+    for t in tolerations:
+        if t.get("effect") and t.get("effect") != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists":
+            if not t.get("key") or t.get("key") == taint.get("key"):
+                return True
+        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (
+                taint.get("value") or ""):
+            return True
+    return False
+
+
+def node_fits(node: Obj, pod: Obj) -> bool:
+    """The node is schedulable, Ready, carries the pod's nodeSelector and has no taint the pod
+    does not tolerate (affinity is not evaluated: a surge pod it keeps out waits Pending)."""
+    spec, meta = node.get("spec") or {}, node.get("metadata") or {}
+    if spec.get("unschedulable"):
+        return False
+    ready = next((c for c in (node.get("status") or {}).get("conditions") or []
+                  if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "True":
+        return False
+    pspec = pod.get("spec") or {}
+    labels = meta.get("labels") or {}
+    if any(labels.get(k) != v for k, v in (pspec.get("nodeSelector") or {}).items()):
+        return False
+    tolerations = pspec.get("tolerations") or []
+    return all(_tolerates(tolerations, t) for t in spec.get("taints") or []
+               if t.get("effect") in ("NoSchedule", "NoExecute"))
+
+
+def free_by_node(nodes: list[Obj], pods: list[Obj], resource: str) -> dict[str, float]:
+    """Allocatable `resource` per node minus what the pods bound to it request (pods that
+    ended hold nothing)."""
+    free = {}
+    for n in nodes:
+        alloc = ((n.get("status") or {}).get("allocatable") or {}).get(resource)
+        if alloc is not None:
+            free[n["metadata"]["name"]] = _quantity(alloc)
+    for p in pods:
+        node = (p.get("spec") or {}).get("nodeName")
+        if node in free and (p.get("status") or {}).get("phase") not in ENDED_PHASES:
+            free[node] -= pod_gpus(p, resource)
+    return free
+
+
+def surge_fits(wanted: list[Obj], nodes: list[Obj], pods: list[Obj], resource: str) -> bool:
+    """Whether every wanted pod finds a node with enough free `resource` (largest first, each
+    on the first node that takes it)."""
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    free = free_by_node(nodes, pods, resource)
+    for pod in sorted(wanted, key=lambda p: -pod_gpus(p, resource)):
+        need = pod_gpus(pod, resource)
+        spot = next((name for name, left in free.items()
+                     if left >= need and node_fits(by_name[name], pod)), None)
+        if spot is None:
+            return False
+        free[spot] -= need
+    return True

@@ -4,11 +4,24 @@ Reconciles read from here instead of listing the API on every pass; a periodic r
 PDDeployment lists the real state and replaces its slice, so a missed event costs at most one
 resync period. Write responses are stored at once so that a second reconcile right after a
 delete sees the pod terminating and does not spend the rollout budget twice.
+
+resourceVersions are opaque strings (the API promises nothing about their order), so what is
+newer is decided without comparing them:
+- a watch delivers one object's versions in order; a write response may overtake the watch
+  events before it. After our own write, watch events of that object are taken as older until
+  the watch delivers the version we wrote (same resourceVersion, compared for equality only),
+  or for `floor_seconds` at most (a watch that re-listed may skip it);
+- a deleted object's uid is remembered: a late event of it never brings it back, and a late
+  event of an earlier incarnation never replaces the one we just created;
+- a LIST is authoritative for what did not change in the store while it was in flight
+  (a local sequence number, taken before the request, tells).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from pdd_api import keys
@@ -17,57 +30,96 @@ Obj = dict[str, Any]
 Key = tuple[str, str]  # namespace, name
 
 
-def _rv(obj: Obj) -> int | None:
-    raw = obj.get("metadata", {}).get("resourceVersion")
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        return None
-
-
 def instance_of(obj: Obj) -> str | None:
     return (obj.get("metadata", {}).get("labels") or {}).get(keys.LABEL_INSTANCE)
 
 
-class Store:
-    def __init__(self) -> None:
-        self._objs: dict[str, dict[Key, Obj]] = defaultdict(dict)
-        self._gone: dict[str, dict[Key, int]] = defaultdict(dict)
-        self._by_instance: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+def _uid(obj: Obj | None) -> str | None:
+    raw = (obj or {}).get("metadata", {}).get("uid")
+    return str(raw) if raw else None
 
-    def upsert(self, kind: str, obj: Obj) -> bool:
-        """Keep the newest version; False when `obj` is older than what is known."""
+
+def _rv(obj: Obj | None) -> str | None:
+    raw = (obj or {}).get("metadata", {}).get("resourceVersion")
+    return str(raw) if raw is not None and raw != "" else None
+
+
+@dataclass
+class _Floor:
+    uid: str | None
+    rv: str | None
+    until: float
+
+
+class Store:
+    def __init__(self, floor_seconds: float = 10.0) -> None:
+        self.floor_seconds = floor_seconds
+        self._objs: dict[str, dict[Key, Obj]] = defaultdict(dict)
+        self._seq_of: dict[str, dict[Key, int]] = defaultdict(dict)
+        self._floors: dict[str, dict[Key, _Floor]] = defaultdict(dict)
+        self._gone: dict[str, dict[Key, set[str]]] = defaultdict(dict)
+        self._by_instance: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+        self._seq = 0
+
+    def mark(self) -> int:
+        """Taken before a LIST request: see `replace_instance`."""
+        return self._seq
+
+    def _bump(self, kind: str, key: Key) -> None:
+        self._seq += 1
+        self._seq_of[kind][key] = self._seq
+
+    def upsert(self, kind: str, obj: Obj, *, written: bool = False) -> bool:
+        """Keep the newest version; False when `obj` is older than what is known. `written`:
+        the API server's answer to our own write (or a fresh read), newer than any watch event
+        still in flight for it."""
         meta = obj.get("metadata", {})
         key = (meta.get("namespace", ""), meta.get("name", ""))
-        rv = _rv(obj)
+        uid, rv = _uid(obj), _rv(obj)
+        if uid is not None and uid in self._gone[kind].get(key, ()):
+            return False
         current = self._objs[kind].get(key)
-        if rv is not None:
-            cur_rv = _rv(current) if current is not None else None
-            if cur_rv is not None and rv < cur_rv:
+        floor = self._floors[kind].get(key)
+        if not written and floor is not None:
+            if time.monotonic() >= floor.until:
+                floor = None
+                self._floors[kind].pop(key, None)
+            elif uid != floor.uid:
+                if _uid(current) == floor.uid:
+                    return False  # an earlier incarnation's late event
+            elif rv is not None and rv == floor.rv:
+                self._floors[kind].pop(key, None)  # the watch caught up with our write
+            else:
                 return False
-            gone_rv = self._gone[kind].get(key)
-            if gone_rv is not None and rv <= gone_rv:
-                return False
+        if written:
+            self._floors[kind][key] = _Floor(uid, rv, time.monotonic() + self.floor_seconds)
+        self._set(kind, key, obj)
+        return True
+
+    def _set(self, kind: str, key: Key, obj: Obj) -> None:
         self._unindex(kind, key)
         self._objs[kind][key] = obj
+        self._bump(kind, key)
         inst = instance_of(obj)
         if inst is not None:
             self._by_instance[(kind, key[0], inst)].add(key[1])
-        return True
 
     def remove(self, kind: str, obj: Obj) -> None:
         meta = obj.get("metadata", {})
         key = (meta.get("namespace", ""), meta.get("name", ""))
-        rv = _rv(obj)
+        uid = _uid(obj)
+        if uid is not None:
+            gone = self._gone[kind].setdefault(key, set())
+            gone.add(uid)
+            if len(gone) > 16:
+                gone.discard(next(iter(gone)))
         current = self._objs[kind].get(key)
-        if current is not None and rv is not None:
-            cur_rv = _rv(current)
-            if cur_rv is not None and cur_rv > rv:
-                return  # a newer object of the same name exists already
+        if current is not None and uid is not None and _uid(current) not in (None, uid):
+            return  # a newer object of the same name exists already
         self._unindex(kind, key)
         self._objs[kind].pop(key, None)
-        if rv is not None:
-            self._gone[kind][key] = rv
+        self._floors[kind].pop(key, None)
+        self._bump(kind, key)
 
     def _unindex(self, kind: str, key: Key) -> None:
         old = self._objs[kind].get(key)
@@ -84,19 +136,27 @@ class Store:
         return [self._objs[kind][(namespace, n)] for n in names]
 
     def replace_instance(self, kind: str, namespace: str, instance: str,
-                         objs: list[Obj], list_rv: int | None = None) -> None:
-        """Authoritative state from a LIST at `list_rv`: anything not listed and not newer than
-        the list is gone."""
+                         objs: list[Obj], since: int | None = None) -> None:
+        """Authoritative state from a LIST whose request started at `mark()` = `since`:
+        anything not listed and not changed in the store since then is gone; a listed object
+        replaces ours unless ours changed since then (a newer event or write)."""
+        def changed(name: str) -> bool:
+            return since is not None and self._seq_of[kind].get((namespace, name), 0) > since
+
         listed = {o["metadata"]["name"] for o in objs}
         for name in list(self._by_instance.get((kind, namespace, instance), ())):
-            cached = self._objs[kind].get((namespace, name))
-            newer = (cached is not None and list_rv is not None
-                     and (_rv(cached) or 0) > list_rv)
-            if name not in listed and not newer:
+            if name not in listed and not changed(name):
                 self._unindex(kind, (namespace, name))
                 self._objs[kind].pop((namespace, name), None)
+                self._floors[kind].pop((namespace, name), None)
         for o in objs:
-            self.upsert(kind, o)
+            key = (namespace, o["metadata"]["name"])
+            if changed(key[1]):
+                continue
+            if _uid(o) is not None and _uid(o) in self._gone[kind].get(key, ()):
+                continue
+            self._floors[kind].pop(key, None)
+            self._set(kind, key, o)
 
     def count(self, kind: str) -> int:
         return len(self._objs[kind])

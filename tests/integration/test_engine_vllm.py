@@ -124,4 +124,4 @@ def test_operator_runs_vllm_pods_behind_the_router(kube: Kubectl, operator: Oper
     assert rc["image"] == spec["router"]["image"]
     renv = {e["name"]: e.get("value") for e in rc["env"]}
     assert renv["PDD_ROUTER_UPSTREAM_PROTOCOL"] == "vllm"
-    assert renv["PDD_DECODE_URLS"].count("http://") == spec["decode"]["replicas"]
+    assert renv["PDD_DECODE_URLS"].count("http://") == spec["decode"]["replicas"] + 1  # surge

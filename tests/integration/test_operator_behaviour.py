@@ -85,7 +85,7 @@ def test_scale_up_then_down_removes_highest_indices(kube: Kubectl, operator: Ope
     assert uids(pods)[f"{name}-decode-0"] == first[f"{name}-decode-0"], "scale-up kept pod 0"
     assert obj["status"]["decode"]["readyReplicas"] == 3
     router = kube.json("get", "deployment", name, "-n", ns)
-    assert env_of(router["spec"]["template"])["PDD_DECODE_URLS"].count("http://") == 3
+    assert env_of(router["spec"]["template"])["PDD_DECODE_URLS"].count("http://") == 3 + 1
 
     patch_spec(kube, ns, name, {"decode": {"replicas": 1}})
     wait_ready(kube, ns, name, operator)

@@ -143,12 +143,10 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
 
     router = kube.json("get", "deployment", name, "-n", ns)
     renv = env_of(router["spec"]["template"])
-    assert renv["PDD_PREFILL_URLS"] == ",".join(
-        f"http://{name}-prefill-{i}.{name}-prefill.{ns}.svc:8000"
-        for i in range(spec["prefill"]["replicas"]))
-    assert renv["PDD_DECODE_URLS"] == ",".join(
-        f"http://{name}-decode-{i}.{name}-decode.{ns}.svc:8000"
-        for i in range(spec["decode"]["replicas"]))
+    for role in ("prefill", "decode"):  # the replicas, then the role's surge pod
+        assert renv[f"PDD_{role.upper()}_URLS"] == ",".join(
+            f"http://{name}-{role}-{i}.{name}-{role}.{ns}.svc:8000"
+            for i in [*range(spec[role]["replicas"]), "surge"])
     rsvc = kube.json("get", "service", name, "-n", ns)
     assert rsvc["spec"]["selector"]["app.kubernetes.io/component"] == "router"
 

@@ -106,10 +106,14 @@ def test_headless_services_and_router(doc: dict[str, Any]) -> None:
     dep = desired.router_deployment
     assert dep is not None and dep["metadata"]["name"] == "demo"
     env = env_of(dep["spec"]["template"])
+    # The replicas, then the role's surge pod (it exists only during a plan-changing roll).
     assert env[keys.ENV_DECODE_URLS] == (
         "http://demo-decode-0.demo-decode.ns1.svc:8000,"
-        "http://demo-decode-1.demo-decode.ns1.svc:8000")
-    assert env[keys.ENV_PREFILL_URLS] == "http://demo-prefill-0.demo-prefill.ns1.svc:8000"
+        "http://demo-decode-1.demo-decode.ns1.svc:8000,"
+        "http://demo-decode-surge.demo-decode.ns1.svc:8000")
+    assert env[keys.ENV_PREFILL_URLS] == (
+        "http://demo-prefill-0.demo-prefill.ns1.svc:8000,"
+        "http://demo-prefill-surge.demo-prefill.ns1.svc:8000")
     assert env[keys.ENV_PREFILL_SERVICE] == "demo-prefill.ns1.svc"
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["python", "-m", "pdd_sidecar", "router"]

@@ -91,17 +91,27 @@ class Pool:
         self._counter = itertools.count()
 
     def pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
-             plan: str | None = None) -> str | None:
+             plan: str | None = None, plans: set[str] | None = None) -> str | None:
         """Round robin among the ready replicas; with ``plan``, only among those running that
-        routing plan (a prefill and a decode of different plans cannot hand KV over)."""
+        routing plan (a prefill and a decode of different plans cannot hand KV over); with
+        ``plans``, only among those running one of them."""
         ok = [u for u in self.urls if self.healthy.get(u) and u not in exclude
-              and (plan is None or self.plans.get(u, plan) == plan)]
+              and (plan is None or self.plans.get(u, plan) == plan)
+              and (plans is None or u not in self.plans or self.plans[u] in plans)]
         if not ok:
             return None
         return ok[next(self._counter) % len(ok)]
 
     def mark(self, url: str, healthy: bool) -> None:
         self.healthy[url] = healthy
+
+    def ready_plans(self) -> set[str] | None:
+        """The routing plans some ready replica runs; None when a ready replica does not say
+        (then nothing can be excluded)."""
+        ready = [u for u in self.urls if self.healthy.get(u)]
+        if any(u not in self.plans for u in ready):
+            return None
+        return {self.plans[u] for u in ready}
 
 
 # ---------------------------------------------------------------- request validation
@@ -458,6 +468,10 @@ def _upstream_error(role: str, url: str, status: int, data: Any,
     return ApiError(status, message, None, type_, None, out_headers)
 
 
+class _Unreachable(ApiError):
+    """No connection: the replica never saw the request, so another may take it."""
+
+
 class Router:
     def __init__(self, settings: RouterSettings, model: ModelText) -> None:
         self.settings = settings
@@ -530,9 +544,12 @@ class Router:
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
-            url = self.prefill.pick(tried)
+            # Only a prefill whose plan some ready decode runs: during a plan-changing roll the
+            # new plan's prefill may be ready before its decode.
+            url = self.prefill.pick(tried, plans=self.decode.ready_plans())
             if url is None:
-                raise last or ApiError(503, "no ready prefill replica", type_="server_error")
+                raise last or ApiError(503, "no ready prefill replica with a ready decode of "
+                                       "its routing plan", type_="server_error")
             tried.add(url)
             trip.prefill = url
             try:
@@ -581,8 +598,12 @@ class Router:
             try:
                 return await self._open_decode_on(url, rid, first, pre, req, trip)
             except ApiError as exc:
-                if exc.status != 409:  # an incompatible decode: another one may fit
+                # Another decode may take what this one did not start: an incompatible one
+                # (409), one not ready or draining before its exit (503), one not reachable.
+                if exc.status not in (409, 503) and not isinstance(exc, _Unreachable):
                     raise
+                if exc.status != 409:
+                    self.decode.mark(url, False)  # until the next probe says ready
                 log.warning("decode replica refused the hand-off, trying another: %s", exc)
 
     async def _open_decode_on(self, url: str, rid: str, first: int, pre: dict[str, Any],
@@ -597,6 +618,9 @@ class Router:
                                         sock_read=self.settings.request_timeout_s or None)
         try:
             resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
+        except aiohttp.ClientConnectorError as exc:  # the request never reached it
+            raise _Unreachable(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}"
+                               ) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ApiError(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}") from None
         if resp.status != 200:
@@ -621,7 +645,7 @@ class Router:
                   "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                   "return_token_ids": True}
         headers = {"X-Request-Id": rid}
-        url = self.prefill.pick()
+        url = self.prefill.pick(plans=self.decode.ready_plans())
         if url is None:
             raise ApiError(503, "no ready prefill replica", type_="server_error")
         trip.prefill = url
