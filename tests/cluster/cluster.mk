@@ -6,6 +6,7 @@ CLUSTER_BIN := .cache/cluster/bin
 KUBE_VERSION := v1.33.13
 KWOK_VERSION := v0.7.0
 ETCD_VERSION := v3.6.16
+LWS_VERSION := v0.7.0
 CLUSTER_NODES ?= 4
 CLUSTER_GPUS ?= 8
 # Static binaries, no local paths or debug info: smaller and faster to link. No VCS stamp:
@@ -18,6 +19,7 @@ KUBE_LDFLAGS := -s -w $(foreach p,$(KUBE_VERSION_PKGS),-X $(p).gitVersion=$(KUBE
 KWOK_LDFLAGS := -s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$(KWOK_VERSION) \
 	-X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$(KUBE_VERSION)
 ETCD_LDFLAGS := -s -w
+LWS_LDFLAGS := -s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$(LWS_VERSION)
 
 # NODE=real adds a real node (kubelet, containerd, runc, CNI, kube-proxy) next to the fake
 # ones: `make cluster-up NODE=real`. Opt-in: it installs Debian packages and changes the host's
@@ -32,7 +34,7 @@ endif
 
 .PHONY: cluster-build cluster-up cluster-down cluster-status cluster-build-node cluster-node-deps
 
-cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd
+cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd $(CLUSTER_BIN)/lws
 
 # The real node's binaries: kubelet and kube-proxy (one multi-call binary `node`, same module
 # and version as `kube`), `pause`, the static program in the node's only local image, and
@@ -92,11 +94,22 @@ $(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/etcd/go.mod $(CLUS
 	cd $(CLUSTER_DIR)/etcd && $(CLUSTER_GO) -ldflags '$(ETCD_LDFLAGS)' -o $(CURDIR)/$@.tmp .
 	@mv $@.tmp $@
 
+# The LeaderWorkerSet controller (multi-node instances, docs/lws.md): its own module, like etcd
+# (LWS pins its own controller-runtime and client-go). Its CRD, 1.2 MB of YAML in the module,
+# is copied next to the binary for `localcluster.py` (started only when asked: CLUSTER_LWS=1).
+$(CLUSTER_BIN)/lws: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/lws/go.mod $(CLUSTER_DIR)/lws/go.sum
+	@$(call cluster-check-pins,sigs.k8s.io/lws,$(LWS_VERSION),$(CLUSTER_DIR)/lws/go.mod)
+	@mkdir -p $(@D)
+	cd $(CLUSTER_DIR)/lws && $(CLUSTER_GO) -ldflags '$(LWS_LDFLAGS)' -o $(CURDIR)/$@.tmp sigs.k8s.io/lws/cmd
+	cp "$$(cd $(CLUSTER_DIR)/lws && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" $@-crd.yaml.tmp
+	@chmod 644 $@-crd.yaml.tmp && mv $@-crd.yaml.tmp $@-crd.yaml
+	@mv $@.tmp $@
+
 # The venv brings `cryptography` for the certificates; the binaries come from cluster-build.
 # A second cluster-up while one runs reports it and reuses it.
 cluster-up: venv cluster-build $(if $(CLUSTER_REAL),cluster-build-node cluster-node-deps)
 	$(VPY) $(CLUSTER_DIR)/localcluster.py up --nodes $(CLUSTER_NODES) --gpus $(CLUSTER_GPUS) \
-		$(if $(CLUSTER_REAL),--real-node)
+		$(if $(CLUSTER_REAL),--real-node) $(if $(filter 1,$(CLUSTER_LWS)),--lws)
 
 # The real node's tests (marker realnode; never part of `make test`). They reuse a running
 # `make cluster-up NODE=real` or start and stop their own cluster in .cache/cluster/realnode-test.

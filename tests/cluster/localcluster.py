@@ -51,6 +51,11 @@ SERVICE_CIDR = "10.96.0.0/16"
 FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Start order; ``down`` stops in reverse so nothing logs errors about a vanished dependency.
 COMPONENTS = ("etcd", "apiserver", "controller-manager", "scheduler", "kwok")
+# Opt-in (`up --lws`, CLUSTER_LWS=1, or ensure_lws): the LeaderWorkerSet controller.
+LWS_COMPONENTS = ("lws",)
+LWS_CRD_FILE = "lws-crd.yaml"  # copied next to the binary from the module by cluster.mk
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_WEBHOOK_CONFIG = "pdd-local-lws"
 
 
 class ClusterError(RuntimeError):
@@ -314,14 +319,17 @@ class Cluster:
     started_by: str = "cli"
     # The real node's facts ({"node_bin": ..., "ip": ...}) when it has one (`up --real-node`).
     real_node: dict[str, Any] | None = None
+    # The LeaderWorkerSet controller's facts ({"webhook_port": ...}) once it runs.
+    lws: dict[str, Any] | None = None
 
     @property
     def components(self) -> tuple[str, ...]:
+        extra = LWS_COMPONENTS if self.lws is not None else ()
         if self.real_node is None:
-            return COMPONENTS
+            return COMPONENTS + extra
         import realnode
 
-        return COMPONENTS + realnode.COMPONENTS
+        return COMPONENTS + realnode.COMPONENTS + extra
 
     def __fspath__(self) -> str:
         return str(self.kubeconfig)
@@ -379,6 +387,7 @@ class Cluster:
             "nodes": self.nodes,
             "started_by": self.started_by,
             "real_node": self.real_node,
+            "lws": self.lws,
             "processes": {n: vars(p) for n, p in self.processes.items()},
         }
 
@@ -397,6 +406,7 @@ class Cluster:
             nodes=data.get("nodes", []),
             started_by=data.get("started_by", "cli"),
             real_node=data.get("real_node"),
+            lws=data.get("lws"),
         )
 
     def save(self) -> None:
@@ -518,9 +528,11 @@ def _lock(state_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def healthy(cluster: Cluster) -> str | None:
-    """None when every component is alive and answering, else what is wrong."""
+def healthy(cluster: Cluster, skip: Sequence[str] = ()) -> str | None:
+    """None when every component (but ``skip``) is alive and answering, else what is wrong."""
     for name in cluster.components:
+        if name in skip:
+            continue
         proc = cluster.processes.get(name)
         if proc is None or not proc.alive():
             return f"{name} is not running"
@@ -605,11 +617,30 @@ def up(
     log: Any = print,
     user: int | None = None,
     real_node: bool = False,
+    lws: bool = False,
 ) -> tuple[Cluster, bool]:
     """Start the control plane, or return the running one. The flag says whether this call
     started it. ``user`` (a pid) registers a test session as a user of the cluster, which
     marks a cluster it starts as the fixture's; see :func:`release`. ``real_node`` adds
-    the real node (``realnode.py``); a running cluster without one is not reused for it."""
+    the real node (``realnode.py``); a running cluster without one is not reused for it.
+    ``lws`` adds the LeaderWorkerSet controller (to a running cluster too: :func:`ensure_lws`)."""
+    cluster, started = _up_locked(state_dir, bin_dir, nodes, gpus, timeout, log, user,
+                                  real_node)
+    if lws:
+        cluster = ensure_lws(state_dir, bin_dir, timeout, log)
+    return cluster, started
+
+
+def _up_locked(
+    state_dir: Path,
+    bin_dir: Path,
+    nodes: int,
+    gpus: int,
+    timeout: float,
+    log: Any,
+    user: int | None,
+    real_node: bool,
+) -> tuple[Cluster, bool]:
     with _lock(state_dir):
         existing = Cluster.load(state_dir)
         if existing is not None:
@@ -633,6 +664,196 @@ def up(
             cluster.save()
             _add_user(cluster, user)
         return cluster, True
+
+
+# --------------------------------------------------------------------------- LeaderWorkerSet
+
+
+def _issue_local_serving_cert(pki: _Pki, name: str) -> None:
+    """A serving certificate for 127.0.0.1 signed by the cluster's CA, so the API server
+    (which trusts that CA for webhooks through caBundle) reaches a webhook on 127.0.0.1."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(pki.crt("ca").read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.key("ca").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pki.crt(name).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pki.key(name).write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    pki.key(name).chmod(0o600)
+
+
+def _lws_webhooks(port: int, ca_pem: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """LWS's own webhook configurations (config/webhook in its module: defaulting and
+    validation of LeaderWorkerSets; the pod webhook that sets each group's labels and the
+    LWS_* env), pointed at the controller on 127.0.0.1. The pod webhooks see only pods of a
+    LeaderWorkerSet, as upstream's patch selects them, so a stopped controller never blocks
+    other pods."""
+    ca = base64.b64encode(ca_pem).decode()
+    only_lws_pods = {
+        "matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]
+    }
+
+    def hook(name: str, path: str, group: str, resource: str, ops: list[str],
+             selector: dict[str, Any] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": name,
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca},
+            "failurePolicy": "Fail",
+            "sideEffects": "None",
+            "timeoutSeconds": 10,
+            "rules": [{"apiGroups": [group], "apiVersions": ["v1"], "operations": ops,
+                       "resources": [resource]}],
+        }
+        if selector is not None:
+            out["objectSelector"] = selector
+        return out
+
+    group = "leaderworkerset.x-k8s.io"
+    mutating = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": LWS_WEBHOOK_CONFIG},
+        "webhooks": [
+            hook("mleaderworkerset.kb.io", "/mutate-leaderworkerset-x-k8s-io-v1-leaderworkerset",
+                 group, "leaderworkersets", ["CREATE", "UPDATE"]),
+            hook("mpod.kb.io", "/mutate--v1-pod", "", "pods", ["CREATE", "UPDATE"],
+                 only_lws_pods),
+        ],
+    }
+    validating = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": LWS_WEBHOOK_CONFIG},
+        "webhooks": [
+            hook("vleaderworkerset.kb.io",
+                 "/validate-leaderworkerset-x-k8s-io-v1-leaderworkerset",
+                 group, "leaderworkersets", ["CREATE", "UPDATE"]),
+            hook("vpod.kb.io", "/validate--v1-pod", "", "pods", ["CREATE", "UPDATE"],
+                 only_lws_pods),
+        ],
+    }
+    return [
+        ("/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", mutating),
+        ("/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", validating),
+    ]
+
+
+def ensure_lws(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    bin_dir: Path = DEFAULT_BIN_DIR,
+    timeout: float = 120,
+    log: Any = print,
+) -> Cluster:
+    """Start the LeaderWorkerSet controller on the running cluster unless it runs already:
+    its CRD (server-side apply: 1.2 MB is too large for client-side apply's annotation), a
+    serving certificate from the cluster's CA, the controller (admin identity, no leader
+    election, no metrics, its own certificate management off) and, once its webhook server
+    answers, its webhook configurations. ``down`` stops it with the rest."""
+    with _lock(state_dir):
+        cluster = Cluster.load(state_dir)
+        if cluster is None or healthy(cluster, skip=LWS_COMPONENTS) is not None:
+            raise ClusterError(f"no healthy local cluster in {state_dir} to add LeaderWorkerSet to")
+        proc = cluster.processes.get("lws")
+        if cluster.lws is not None and proc is not None and proc.alive():
+            return cluster
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        binary = _binary(bin_dir, "lws")
+        crd = bin_dir / LWS_CRD_FILE
+        if not crd.is_file():
+            raise ClusterError(f"{crd} is missing: build it with `make cluster-build`")
+        pki = _Pki(state_dir / "pki")
+        api = _Api(cluster.server, pki)
+        # A dead controller's webhooks would refuse every LWS write: gone until it serves.
+        for collection, obj in _lws_webhooks(0, b""):
+            api.request("DELETE", f"{collection}/{obj['metadata']['name']}")
+        applied = cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd),
+                                  check=False, timeout=120)
+        if applied.returncode != 0:
+            raise ClusterError(f"applying the LeaderWorkerSet CRD failed:\n{applied.stderr}")
+
+        def established() -> bool:
+            _, body = api.request(
+                "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{LWS_CRD}")
+            conditions = ((body or {}).get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True"
+                       for c in conditions)
+
+        _wait(f"CRD {LWS_CRD} Established", established, deadline)
+        cert_dir = state_dir / "lws-certs"
+        cert_dir.mkdir(exist_ok=True)
+        _issue_local_serving_cert(pki, "lws-webhook")
+        shutil.copyfile(pki.crt("lws-webhook"), cert_dir / "tls.crt")
+        shutil.copyfile(pki.key("lws-webhook"), cert_dir / "tls.key")
+        webhook_port, health_port = _free_ports(2)
+        config = state_dir / "lws-config.yaml"
+        config.write_text(json.dumps({
+            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+            "metrics": {"bindAddress": "0"},
+        }, indent=2) + "\n")
+        proc = _start("lws", [binary, f"--config={config}",
+                              f"--kubeconfig={state_dir / 'admin.kubeconfig'}",
+                              "--zap-log-level=info"], state_dir)
+        cluster.processes["lws"] = proc
+        cluster.lws = {"webhook_port": webhook_port, "health_port": health_port}
+        cluster.save()
+        ca_ctx = _ssl_context(pki.crt("ca"), None)
+        try:
+            _wait("LeaderWorkerSet controller /healthz",
+                  lambda: _http_ok(f"http://127.0.0.1:{health_port}/healthz"), deadline, [proc])
+            # Any HTTP answer over TLS verified against the CA: the webhook server is up.
+            _wait("LeaderWorkerSet webhook server",
+                  lambda: _http(f"https://127.0.0.1:{webhook_port}/mutate--v1-pod", ctx=ca_ctx,
+                                method="POST", body={}, timeout=2)[0] > 0,
+                  deadline, [proc])
+            for collection, obj in _lws_webhooks(webhook_port, pki.crt("ca").read_bytes()):
+                status, body = api.request("POST", collection, obj)
+                if status not in (200, 201):
+                    raise ClusterError(f"registering {obj['kind']} failed ({status}): {body}")
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            cluster.processes.pop("lws", None)
+            cluster.lws = None
+            cluster.save()
+            raise
+        log(f"LeaderWorkerSet controller ready ({time.monotonic() - t0:.1f}s)")
+        return cluster
 
 
 def _add_user(cluster: Cluster, pid: int) -> None:
@@ -1051,7 +1272,8 @@ def _stop(cluster: Cluster, log: Any = print, keep_logs: bool = False) -> None:
         import realnode
 
         realnode.stop(cluster.processes, log, cluster.real_node.get("node_bin"))
-    procs = [cluster.processes[n] for n in reversed(COMPONENTS) if n in cluster.processes]
+    procs = [cluster.processes[n] for n in (*LWS_COMPONENTS, *reversed(COMPONENTS))
+             if n in cluster.processes]
     for p in procs:
         if p.alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -1123,6 +1345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get("NODE") == "real",
         help="also start a real node: kubelet, containerd, runc, CNI, kube-proxy (root)",
     )
+    p_up.add_argument(
+        "--lws",
+        action="store_true",
+        default=os.environ.get("CLUSTER_LWS") == "1",
+        help="also run the LeaderWorkerSet controller (multi-node instances, docs/lws.md)",
+    )
     sub.add_parser("down", help="stop every component and remove the state")
     sub.add_parser("status", help="say whether the control plane runs and is healthy")
     args = parser.parse_args(argv)
@@ -1142,6 +1370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.timeout,
                 log,
                 real_node=args.real_node,
+                lws=args.lws,
             )
         except ClusterError as e:
             log(f"cluster-up FAILED: {e}")
