@@ -59,6 +59,12 @@ PDD_DECODE_URLS = keys.ENV_DECODE_URLS  # comma list of http://host:port of deco
 PDD_PREFILL_SERVICE = keys.ENV_PREFILL_SERVICE  # headless Service DNS name[:port] of prefill pods
 PDD_DECODE_SERVICE = keys.ENV_DECODE_SERVICE
 PDD_LOG_LEVEL = "PDD_LOG_LEVEL"
+# --- an instance whose ranks span the pods of one LeaderWorkerSet group (docs/dataplane.md) ---
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"  # set by LWS: the leader pod's DNS name (rendezvous)
+LWS_GROUP_SIZE = "LWS_GROUP_SIZE"  # set by LWS: pods in the group (absent or 1: one pod)
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"  # set by LWS: 0 on the leader, 1.. on the workers
+# Optional cross-check: must equal PDD_TP_SIZE / LWS_GROUP_SIZE (the role's GPUs per pod).
+PDD_RANKS_PER_POD = "PDD_RANKS_PER_POD"
 # Fault injection for tests only: after its first per-peer read, decode rank r creates
 # <path>.reached.<r> and waits (within the transfer timeout) until <path> exists.
 PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
@@ -183,6 +189,32 @@ class InstanceSettings:
     max_model_len: int = 0
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
+    group_size: int = 1  # pods holding this instance's ranks
+    worker_index: int = 0  # this pod's place in the group; 0 holds rank 0 and serves HTTP
+    leader_address: str = ""  # where rank 0's pod is reached (the rendezvous)
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.tp // self.group_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this pod runs: pod k holds k*g .. k*g+g-1."""
+        first = self.worker_index * self.ranks_per_pod
+        return range(first, first + self.ranks_per_pod)
+
+    @property
+    def spans_pods(self) -> bool:
+        return self.group_size > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.worker_index == 0
+
+    @property
+    def rendezvous_host(self) -> str:
+        host = self.leader_address if self.spans_pods else "127.0.0.1"
+        return f"[{host}]" if ":" in host else host
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InstanceSettings:
@@ -206,6 +238,7 @@ class InstanceSettings:
         if device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"{PDD_DEVICE}: must be auto, cpu or cuda, got {device!r}")
         side = _int(env, PDD_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT, 1)
+        group_size, worker_index, leader = _group(env, tp)
         return cls(
             role=role,
             replica=_int(env, PDD_REPLICA, 0),
@@ -240,7 +273,33 @@ class InstanceSettings:
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
+            group_size=group_size,
+            worker_index=worker_index,
+            leader_address=leader,
         )
+
+
+def _group(env: Mapping[str, str], tp: int) -> tuple[int, int, str]:
+    """(group size, worker index, leader address) from LeaderWorkerSet's env; one pod without."""
+    size = _int(env, LWS_GROUP_SIZE, 1, 1)
+    per_pod = env.get(PDD_RANKS_PER_POD, "")
+    if size == 1:
+        if per_pod and _int(env, PDD_RANKS_PER_POD, None, 1) != tp:
+            raise ConfigError(f"{PDD_RANKS_PER_POD}: {per_pod} ranks per pod need "
+                              f"{LWS_GROUP_SIZE} = {PDD_TP_SIZE} / {PDD_RANKS_PER_POD} pods, "
+                              f"but the instance is one pod ({LWS_GROUP_SIZE} unset or 1)")
+        return 1, 0, ""
+    if tp % size:
+        raise ConfigError(f"{LWS_GROUP_SIZE}: {PDD_TP_SIZE} ({tp}) must be a multiple of the "
+                          f"group size, got {size}")
+    if per_pod and _int(env, PDD_RANKS_PER_POD, None, 1) != tp // size:
+        raise ConfigError(f"{PDD_RANKS_PER_POD}: must be {PDD_TP_SIZE} / {LWS_GROUP_SIZE} = "
+                          f"{tp // size}, got {per_pod}")
+    index = _int(env, LWS_WORKER_INDEX, None, 0)
+    if index >= size:
+        raise ConfigError(f"{LWS_WORKER_INDEX}: must be < {LWS_GROUP_SIZE} ({size}), got {index}")
+    leader = _required(env, LWS_LEADER_ADDRESS, "the group's leader pod, where its ranks meet")
+    return size, index, leader
 
 
 @dataclass(frozen=True)

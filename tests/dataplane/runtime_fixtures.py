@@ -173,6 +173,23 @@ class LocalCluster:
         self.procs.append(proc)
         return proc
 
+    def group(self, role: str, tp: int, dcp: int, routing_file: str, block_size: int,
+              ranks_per_pod: int, replica: int = 0, **extra: Any) -> list[Proc]:
+        """One instance whose ranks span ``tp // ranks_per_pod`` emulated pods of a
+        LeaderWorkerSet group: one process per pod with LWS's env, its own HTTP port and its own
+        side-channel base (plus the global rank, as in a pod), the leader first. Only the leader
+        serves the instance API."""
+        pods = tp // ranks_per_pod
+        common = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": str(pods),
+                  "PDD_RANKS_PER_POD": str(ranks_per_pod), "PDD_DIST_PORT": str(free_ports(1))}
+        procs = []
+        for k in range(pods):
+            env = {**common, "LWS_WORKER_INDEX": str(k), **extra}
+            proc = self.instance(role, tp, dcp, routing_file, block_size, replica, **env)
+            proc.name += f" pod {k}"
+            procs.append(proc)
+        return procs
+
     def router(self, prefill: list[Proc], decode: list[Proc], **extra: Any) -> Proc:
         port = free_ports(1)
         env = {

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 Future = concurrent.futures.Future
 
+# An idle instance whose ranks span pods runs an empty command this often: a rank gone on another
+# pod breaks it, and the leader exits (one pod watches its own rank processes instead).
+HEARTBEAT_S = 1.0
+
 
 class InstanceDriver:
     def __init__(self, worker: RankWorker, metrics: InstanceMetrics) -> None:
@@ -57,6 +61,8 @@ class InstanceDriver:
         self._inbox: queue.Queue[tuple[str, Any, Future[Any] | None]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
+        self._last_collective = time.monotonic()
+        self._heartbeat_s = HEARTBEAT_S if s.spans_pods else 0.0
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
         for rank in range(s.tp):
@@ -111,6 +117,10 @@ class InstanceDriver:
                     self._run_step(plan, poll)
                 self._expire_leases()
                 self._update_gauges()
+                if (self._heartbeat_s
+                        and time.monotonic() - self._last_collective >= self._heartbeat_s):
+                    self.worker.run_as_leader({"op": "stats"})
+                    self._last_collective = time.monotonic()
         except SystemExit:
             return
         except Exception:
@@ -191,6 +201,7 @@ class InstanceDriver:
         if poll:
             self._last_poll = time.monotonic()
         results = self.worker.run_as_leader(cmd)
+        self._last_collective = time.monotonic()
         failed = next((r for r in results if r.get("error")), None)
         if cmd["chunks"]:
             self.metrics.batch_size.observe(len(cmd["chunks"]))

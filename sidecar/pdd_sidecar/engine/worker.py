@@ -9,6 +9,10 @@ tokens to feed, so nothing else has to agree.
 Each rank owns its KV cache, one NIXL agent with the cache registered, a side channel on
 PDD_SIDE_CHANNEL_PORT + rank and, on a decode, a pull thread: KV READs run there, beside the
 forward passes, so a request waiting for its KV never stalls the running batch.
+
+The ranks of one instance may span the pods of a LeaderWorkerSet group: they meet at the leader
+pod, and at that rendezvous every rank learns every rank's side-channel endpoint and rank 0's
+instance id, so the leader can tell decodes where each of its ranks is read from.
 """
 
 from __future__ import annotations
@@ -121,6 +125,14 @@ class Source:
     block_ids: list[int]
     num_tokens: int
     plan_digest: str
+    rank_endpoints: list[tuple[str, int]] | None = None  # an instance spanning pods names each
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The side channel of each prefill rank."""
+        if self.rank_endpoints is not None:
+            return self.rank_endpoints
+        return [(self.host, self.side_channel_port + p) for p in range(self.tp)]
 
     @classmethod
     def parse(cls, params: Any) -> Source:
@@ -138,6 +150,8 @@ class Source:
                 num_tokens=_int(params["num_tokens"]),
                 plan_digest=str(params.get("plan_digest", "")),
             )
+            if params.get("rank_endpoints") is not None:
+                src.rank_endpoints = parse_endpoints(params["rank_endpoints"], src.tp)
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(f"kv_transfer_params: malformed: {exc!r}", 400,
                                "invalid_request") from None
@@ -170,6 +184,19 @@ def _int(value: Any) -> int:
     return value
 
 
+def parse_endpoints(value: Any, tp: int) -> list[tuple[str, int]]:
+    """``[[host, port], ...]``, one per rank, as a prefill's info and grants list them."""
+    if not isinstance(value, list) or len(value) != tp:
+        raise ValueError(f"rank_endpoints: must list {tp} [host, port] pairs, got {value!r}")
+    out = []
+    for item in value:
+        if (not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[0], str)
+                or not item[0] or not 0 < _int(item[1]) < 65536):
+            raise ValueError(f"rank_endpoints: {item!r} is no [host, port] pair")
+        out.append((item[0], int(item[1])))
+    return out
+
+
 class RankWorker:
     """Everything one rank owns, and the execution of one command on it."""
 
@@ -185,23 +212,24 @@ class RankWorker:
         self.rank = rank
         self.settings = settings
         self.plan = plan
-        self.instance_id = instance_id
         s = settings
+        local = rank - s.local_ranks.start  # this rank's GPU in its pod
         # Resolved here, after the fork: asking CUDA in the parent first would break the children.
         cuda = s.device == "cuda" or (
-            s.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= s.tp
+            s.device == "auto" and torch.cuda.is_available()
+            and torch.cuda.device_count() >= s.ranks_per_pod
         )
         if not cuda:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tp))
-        device = f"cuda:{rank}" if cuda else "cpu"
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.ranks_per_pod))
+        device = f"cuda:{local}" if cuda else "cpu"
         if cuda:
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(local)
         if s.tp > 1:
             import torch.distributed as dist
 
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
-                init_method=f"tcp://127.0.0.1:{s.dist_port}",
+                init_method=f"tcp://{s.rendezvous_host}:{s.dist_port}",
                 rank=rank,
                 world_size=s.tp,
                 timeout=datetime.timedelta(minutes=10),
@@ -210,6 +238,14 @@ class RankWorker:
         else:
             comm = SingleComm()
         self.lockstep = Lockstep(rank, s.tp)
+        # Rank 0's id names the instance on every pod; each rank's side channel is where its pod
+        # is reached (the leader lists them for decodes). Ports follow the global rank, as in
+        # one pod, so every pod of a group declares the same ports.
+        side_port = s.side_channel_port + rank
+        met = self.lockstep.all_gather((instance_id, s.pod_ip, side_port))
+        instance_id = str(met[0][0])
+        self.instance_id = instance_id
+        self.endpoints: list[tuple[str, int]] = [(str(h), int(p)) for _, h, p in met]
         self.model = load_rank_model(
             s.model_source, rank, s.tp, s.dtype, device, s.model_seed
         )
@@ -223,7 +259,7 @@ class RankWorker:
         self.key = load_key(s.grant_key_file)
         self.side = SideChannelServer(
             s.bind_host,
-            s.side_channel_port + rank,
+            side_port,
             publication(
                 role=s.role, rank=rank, tp=s.tp, dcp=s.dcp, instance_id=instance_id,
                 agent_name=self.agent_name, metadata=self.agent.metadata(),
@@ -321,8 +357,7 @@ class RankWorker:
                                   f"{self.compat.plan_digest} (routing files differ)")
             if s.fault_pull_delay_s[1]:
                 time.sleep(random.uniform(*s.fault_pull_delay_s))
-            peers = self._connect(src.host, src.side_channel_port, src.instance_id,
-                                  src.tp, src.dcp)
+            peers = self._connect(src.endpoints, src.instance_id, src.tp, src.dcp)
             # Claimed last, right before the READ: the prefill pins the blocks for the read's
             # whole time bound, or refuses if they were released or given to another request.
             expires = float(job["source"]["expires_at"])
@@ -343,7 +378,7 @@ class RankWorker:
         except ClaimRefused as exc:
             return {"error": f"{self.who}: {exc}", "status": 410, "kind": "grant_refused"}, {}
         except TransferError as exc:
-            self._drop_instance(src.host, src.side_channel_port)
+            self._drop_instance(src.endpoints)
             return {"error": f"{self.who}: {exc}", "status": 502, "kind": "transfer"}, {}
         except Exception as exc:
             log.error("%s: hand-off failed: %s", self.who, traceback.format_exc())
@@ -363,18 +398,24 @@ class RankWorker:
         mine = self.plan.decode_ranks[self.rank]
         return sorted({r.prefill_rank for r in mine.reads} | set(mine.notifies))
 
-    def _connect(self, host: str, base_port: int, instance_id: str | None,
+    def _connect(self, endpoints: list[tuple[str, int]], instance_id: str | None,
                  tp: int, dcp: int) -> dict[int, Any]:
         with self._connect_lock:
-            return self._connect_locked(host, base_port, instance_id, tp, dcp)
+            return self._connect_locked(endpoints, instance_id, tp, dcp)
 
-    def _connect_locked(self, host: str, base_port: int, instance_id: str | None,
+    def _connect_locked(self, endpoints: list[tuple[str, int]], instance_id: str | None,
                         tp: int, dcp: int) -> dict[int, Any]:
-        """Handshake with the prefill ranks this rank reads from or notifies."""
+        """Handshake with the prefill ranks this rank reads from or notifies, each at the
+        side channel of the pod that holds it."""
         s = self.settings
         peers = {}
+        if len(endpoints) != self.plan.prefill.tensor_parallel_size:
+            raise CompatError(f"prefill instance {instance_id} lists {len(endpoints)} rank "
+                              f"endpoints, the routing plan says tp "
+                              f"{self.plan.prefill.tensor_parallel_size}")
         for p in self._needed_prefill_ranks():
-            key = f"{host}:{base_port + p}"
+            host, port = endpoints[p]
+            key = f"{host}:{port}"
             known = self.peer_instances.get(key)
             if known is not None and (instance_id is None or known == instance_id):
                 peers[p] = self.agent.peers[key]
@@ -383,7 +424,7 @@ class RankWorker:
                 log.info("%s: %s restarted (%s -> %s); handshaking again", self.who, key,
                          known, instance_id)
                 self._drop(key)
-            info: PeerInfo = handshake(host, base_port + p, self.compat, self.who,
+            info: PeerInfo = handshake(host, port, self.compat, self.who,
                                        s.handshake_timeout_s, self.key)
             if info.role != "prefill" or info.rank != p:
                 raise CompatError(f"peer {key}: expected prefill rank {p}, "
@@ -421,17 +462,24 @@ class RankWorker:
         self.peer_instances.pop(key, None)
         self.agent.disconnect(key)
 
-    def _drop_instance(self, host: str, base_port: int) -> None:
+    def _drop_instance(self, endpoints: list[tuple[str, int]]) -> None:
         with self._connect_lock:
-            for p in range(self.plan.prefill.tensor_parallel_size):
-                self._drop(f"{host}:{base_port + p}")
+            for host, port in endpoints:
+                self._drop(f"{host}:{port}")
 
     def _handshake(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Readiness probe of one prefill instance: every rank handshakes its peers."""
         error = None
         try:
-            self._connect(cmd["host"], int(cmd["side_channel_port"]), cmd.get("instance_id"),
-                          int(cmd["tp"]), int(cmd["dcp"]))
+            tp = int(cmd["tp"])
+            endpoints = cmd.get("rank_endpoints")
+            if endpoints is None:
+                endpoints = [[cmd["host"], int(cmd["side_channel_port"]) + p] for p in range(tp)]
+            self._connect(parse_endpoints(endpoints, tp), cmd.get("instance_id"), tp,
+                          int(cmd["dcp"]))
+        except (KeyError, TypeError, ValueError) as exc:  # every rank must reach the gather
+            error = {"error": f"prefill info: malformed: {exc!r}", "status": 502,
+                     "kind": "peer_unreachable"}
         except CompatError as exc:
             error = {"error": str(exc), "status": 409, "kind": "incompatible"}
         except TransferError as exc:

@@ -23,6 +23,9 @@ GRANT_FIELDS = (
     "request_id", "instance_id", "host", "side_channel_port", "tp", "dcp", "block_size",
     "block_ids", "num_tokens", "plan_digest", "epoch", "expires_at",
 )
+# Signed when present: an instance spanning pods lists each rank's side channel. Presence is part
+# of the signed text, so neither adding nor stripping the field keeps a signature valid.
+OPTIONAL_GRANT_FIELDS = ("rank_endpoints",)
 SIGNATURE = "signature"
 MIN_KEY_BYTES = 16
 HANDSHAKE_SKEW_S = 300.0
@@ -57,6 +60,7 @@ def _canonical(params: Mapping[str, Any]) -> bytes:
         fields = {k: params[k] for k in GRANT_FIELDS}
     except KeyError as exc:
         raise GrantError(f"kv_transfer_params: missing {exc.args[0]!r}") from None
+    fields.update({k: params[k] for k in OPTIONAL_GRANT_FIELDS if k in params})
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 

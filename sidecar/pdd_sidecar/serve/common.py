@@ -81,6 +81,8 @@ class InstanceState:
             "block_size": s.block_size,
             "host": s.pod_ip,
             "side_channel_port": s.side_channel_port,
+            "rank_endpoints": [list(e) for e in self.worker.endpoints],
+            "pods": s.group_size,
             "instance_id": self.worker.instance_id,
             "compat": self.worker.compat.to_dict(),
             "max_model_len": self.max_model_len,

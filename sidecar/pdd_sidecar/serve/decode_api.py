@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine.scheduler import Sequence
-from pdd_sidecar.engine.worker import RequestError, Source
+from pdd_sidecar.engine.worker import RequestError, Source, parse_endpoints
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantError, GrantExpired, verify
 from pdd_sidecar.serve.common import (
     STATE,
@@ -106,14 +106,27 @@ async def decode_sequence(request: web.Request, state: InstanceState,
     seq = _sequence(state, body)
     src = seq.source
     where = watch.endpoints.get(src.instance_id) if src is not None else None
-    if src is not None and where is not None and where != (src.host, src.side_channel_port):
+    if src is not None and where is not None and where != src.endpoints:
         # A grant verifies only if a prefill of this deployment signed it; even so the READ
-        # goes where discovery found that instance, never to a host the request names.
+        # goes where discovery found that instance's ranks, never to a host the request names.
         raise RequestError(
-            f"kv_transfer_params: names {src.host}:{src.side_channel_port} for prefill instance "
-            f"{src.instance_id}, which this decode found at {where[0]}:{where[1]}", 403,
+            f"kv_transfer_params: names {_where(src.endpoints)} for the ranks of prefill "
+            f"instance {src.instance_id}, which this decode found at {_where(where)}", 403,
             "forbidden")
     return seq
+
+
+def _where(endpoints: list[tuple[str, int]]) -> str:
+    return ", ".join(f"{h}:{p}" for h, p in endpoints)
+
+
+def info_endpoints(info: dict[str, Any]) -> list[tuple[str, int]]:
+    """Each rank's side channel from a prefill's /v1/info (one pod: consecutive ports)."""
+    tp = int(info["tp"])
+    listed = info.get("rank_endpoints")
+    if listed is None:
+        return [(str(info["host"]), int(info["side_channel_port"]) + p) for p in range(tp)]
+    return parse_endpoints(listed, tp)
 
 
 def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
@@ -199,7 +212,7 @@ class PeerWatch:
         self.done: set[str] = set()
         self.lock = asyncio.Lock()
         self.session: aiohttp.ClientSession | None = None
-        self.endpoints: dict[str, tuple[str, int]] = {}  # instance id -> side channel
+        self.endpoints: dict[str, list[tuple[str, int]]] = {}  # instance id -> its ranks
 
     async def round(self) -> list[str]:
         """Probe every configured prefill once; returns the problems of those never reached."""
@@ -215,9 +228,9 @@ class PeerWatch:
                         info = await resp.json()
                     if url in self.done and state.prefill_peers.get(info["instance_id"]) == url:
                         continue
+                    endpoints = info_endpoints(info)
                     results = await state.call({
-                        "op": "handshake", "host": info["host"],
-                        "side_channel_port": info["side_channel_port"],
+                        "op": "handshake", "rank_endpoints": [list(e) for e in endpoints],
                         "instance_id": info["instance_id"], "tp": info["tp"], "dcp": info["dcp"],
                     })
                     err = first_error(results)
@@ -228,8 +241,7 @@ class PeerWatch:
                     for old in [i for i, u in state.prefill_peers.items() if u == url]:
                         del state.prefill_peers[old]
                     state.prefill_peers[info["instance_id"]] = url
-                    self.endpoints[info["instance_id"]] = (info["host"],
-                                                            info["side_channel_port"])
+                    self.endpoints[info["instance_id"]] = endpoints
                     self.done.add(url)
                     state.peer_status[url] = "ok"
                 except Exception as exc:

@@ -60,6 +60,8 @@ async def run_prefill(request: web.Request, state: InstanceState,
         raise err
     s = state.settings
     held = seq.finish_reason is None
+    # An instance spanning pods says where each rank is read from (signed with the rest).
+    where = {"rank_endpoints": [list(e) for e in state.worker.endpoints]} if s.spans_pods else {}
     return {
         "request_id": rid,
         "first_token": seq.output[0],
@@ -78,6 +80,7 @@ async def run_prefill(request: web.Request, state: InstanceState,
             "epoch": seq.extra["epoch"],
             "expires_at": seq.extra["expires_at"],
             "lease_seconds": s.lease_seconds,
+            **where,
         }, state.worker.key) if held else None,
     }
 

@@ -2,11 +2,18 @@
 
 Common endpoints live here (/healthz, /readyz, /metrics, /v1/info, /v1/stats); the role's own
 endpoints come from prefill_server or decode_server.
+
+An instance may span the pods of a LeaderWorkerSet group (LWS_GROUP_SIZE > 1): pod k runs ranks
+k*g .. k*g+g-1. The leader (pod 0) is rank 0 and serves the API; a worker pod runs its ranks as
+children and serves only probes, and exits non-zero as soon as one of its ranks is gone (a rank
+whose leader or peer went away exits too, its collectives broken), so the group's restart policy
+recreates the whole group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -78,16 +85,17 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def _check_own_ranks(state: InstanceState) -> None:
-    """Ready needs every rank's side channel to answer a handshake with our own record."""
+    """Ready needs every rank's side channel, on every pod, to answer a handshake with our own
+    record."""
     s = state.settings
-    host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "::", "") else s.bind_host
+    local_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "::", "") else s.bind_host
     loop = asyncio.get_running_loop()
     while True:
         try:
             await state.call({"op": "stats"})
-            for r in range(s.tp):
+            for r, (host, port) in enumerate(state.worker.endpoints):
                 await loop.run_in_executor(
-                    None, handshake, host, s.side_channel_port + r,
+                    None, handshake, local_host if r in s.local_ranks else host, port,
                     state.worker.compat, f"{s.role} {s.replica} rank 0", s.handshake_timeout_s,
                     state.worker.key,
                 )
@@ -172,7 +180,7 @@ def _child(rank: int, settings: InstanceSettings, plan_text: str, instance_id: s
     os._exit(0)
 
 
-def _watch_children(children: list[Any]) -> None:
+def _watch_children(children: list[Any], interval_s: float = 0.5) -> None:
     while True:
         for p in children:
             if not p.is_alive():
@@ -182,7 +190,75 @@ def _watch_children(children: list[Any]) -> None:
                     if q.is_alive():
                         q.kill()
                 os._exit(1)
-        time.sleep(0.5)
+        time.sleep(interval_s)
+
+
+def _start_ranks(settings: InstanceSettings, ranks: range, plan_text: str,
+                 instance_id: str) -> list[Any]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    children = []
+    for rank in ranks:
+        p = ctx.Process(target=_child, args=(rank, settings, plan_text, instance_id),
+                        name=f"rank{rank}", daemon=True)
+        p.start()
+        children.append(p)
+    return children
+
+
+def _serve_worker_pod(settings: InstanceSettings, plan_text: str) -> int:
+    """A worker pod of a group: its ranks follow rank 0 on the leader; HTTP answers probes only.
+
+    SIGTERM does not stop the ranks at once: the leader drains its requests first, and those
+    need every rank; the ranks end when the leader goes, or after the drain bound."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    s = settings
+    children = _start_ranks(s, s.local_ranks, plan_text, "worker")
+    threading.Thread(target=_watch_children, args=(children, 0.2), daemon=True).start()
+
+    class Probe(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass
+
+        def do_GET(self) -> None:
+            body: dict[str, Any]
+            if self.path not in ("/healthz", "/readyz", "/health"):
+                code, body = 404, {"error": "not found"}
+            else:
+                gone = [p.name for p in children if not p.is_alive()]
+                code = 503 if gone else 200
+                body = {"status": "broken" if gone else "ok", "pod": s.worker_index,
+                        "ranks": list(s.local_ranks), "gone": gone}
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer((s.bind_host, s.http_port), Probe)
+    httpd.daemon_threads = True
+
+    def on_term(signum: int, frame: Any) -> None:
+        def stop() -> None:
+            deadline = time.monotonic() + s.drain_s + 5
+            while time.monotonic() < deadline and any(p.is_alive() for p in children):
+                time.sleep(0.2)
+            for p in children:
+                if p.is_alive():
+                    p.kill()
+            os._exit(0)
+
+        threading.Thread(target=stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    log.info("%s instance worker pod %d of %d: ranks %d..%d, probes on %s:%d",
+             s.role, s.worker_index, s.group_size, s.local_ranks.start, s.local_ranks.stop - 1,
+             s.bind_host, s.http_port)
+    httpd.serve_forever()
+    return 0
 
 
 def serve(env: Mapping[str, str] | None = None) -> int:
@@ -197,20 +273,16 @@ def serve(env: Mapping[str, str] | None = None) -> int:
     except (ConfigError, GrantError, ModelConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
+    if not settings.is_leader:
+        _setup_logging(settings, settings.local_ranks.start)
+        return _serve_worker_pod(settings, plan_text)
     _setup_logging(settings, 0)
     # The driver thread runs the steps; HTTP threads must hand it the GIL back quickly.
     sys.setswitchinterval(0.0005)
     instance_id = uuid.uuid4().hex[:12]
     children = []
-    if settings.tp > 1:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("fork")
-        for rank in range(1, settings.tp):
-            p = ctx.Process(target=_child, args=(rank, settings, plan_text, instance_id),
-                            name=f"rank{rank}", daemon=True)
-            p.start()
-            children.append(p)
+    if settings.ranks_per_pod > 1:
+        children = _start_ranks(settings, settings.local_ranks[1:], plan_text, instance_id)
         threading.Thread(target=_watch_children, args=(children,), daemon=True).start()
     try:
         worker = RankWorker(0, settings, plan, plan_text, instance_id)
@@ -223,10 +295,10 @@ def serve(env: Mapping[str, str] | None = None) -> int:
     driver = InstanceDriver(worker, metrics_)
     driver.start()
     state = InstanceState(worker, driver, metrics_)
-    log.info("%s instance %s: tp=%d dcp=%d, HTTP on %s:%d, side channels %d..%d",
-             settings.role, instance_id, settings.tp, settings.dcp, settings.bind_host,
-             settings.http_port, settings.side_channel_port,
-             settings.side_channel_port + settings.tp - 1)
+    log.info("%s instance %s: tp=%d dcp=%d over %d pod(s), HTTP on %s:%d, side channels %s",
+             settings.role, instance_id, settings.tp, settings.dcp, settings.group_size,
+             settings.bind_host, settings.http_port,
+             ", ".join(f"{h}:{p}" for h, p in worker.endpoints))
     web.run_app(build_app(state), host=settings.bind_host, port=settings.http_port,
                 print=None, handle_signals=False, access_log=None)
     return 0
