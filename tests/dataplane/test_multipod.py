@@ -4,7 +4,8 @@ Each pod is its own process tree with LWS's env (LWS_LEADER_ADDRESS, LWS_GROUP_S
 LWS_WORKER_INDEX) and its own HTTP and side-channel ports; the ranks meet at the leader. Through
 the router, completions must equal the single-process reference and every decode rank must
 receive exactly the plan's minimum bytes, read from the pod that holds each prefill rank. A rank
-that dies on a worker pod must take the whole group down, leaving no process behind.
+that dies on a worker pod, or the leader, must take the whole group down, leaving no process
+behind.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ Side = tuple[int, int, int | None]  # tp, dcp, ranks per pod (None: one pod)
 CASES: list[tuple[Side, Side]] = [
     ((4, 4, 2), (2, 2, None)),  # prefill on two pods, sharded -> sharded
     ((2, 1, None), (4, 4, 2)),  # decode on two pods, replicated -> sharded
-    ((2, 2, 1), (2, 2, 1)),  # both sides span pods, one rank each
+    ((2, 2, 1), (2, 1, 1)),  # both sides span pods, one rank each; sharded -> replicated
 ]
-IDS = ["P44x2-D22", "P21-D44x2", "P22x1-D22x1"]
+IDS = ["P44x2-D22", "P21-D44x2", "P22x1-D21x1"]
 
 
 def _start(cluster: LocalCluster, role: str, side: Side, routing: str,
@@ -98,6 +99,7 @@ def test_ranks_across_pods_serve_the_reference_with_minimum_bytes(
     model = builtin_config()
     bytes_per_token = model.num_hidden_layers * model.latent_dim * 4  # float32
     problems = []
+    moved = minimum = 0
     for n in PROMPT_LENGTHS:
         status, body = http("POST", f"{router.url}/v1/completions",
                             {"prompt": _prompt(n), "max_tokens": MAX_TOKENS, "temperature": 0})
@@ -107,8 +109,10 @@ def test_ranks_across_pods_serve_the_reference_with_minimum_bytes(
             problems.append(f"prompt {n}: tokens {got} != reference {references[n]}")
         per_rank = [r["bytes"] for r in body["pdd"]["transfer"]["ranks"]]
         need = bytes_per_decode_rank(plan, n, bytes_per_token)
+        moved, minimum = moved + sum(per_rank), minimum + sum(need)
         if per_rank != need:
             problems.append(f"prompt {n}: bytes per decode rank {per_rank} != minimum {need}")
+    print(f"\n{case}: bytes moved {moved} / minimum {minimum}")
     assert not problems, "\n".join(problems)
     # Every prefill rank, on every pod, got its notifications: nothing was freed by the lease.
     status, stats = http("GET", f"{prefill[0].url}/v1/stats")
@@ -180,8 +184,9 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_rank_killed_on_a_worker_pod_takes_the_whole_group_down(
-        cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("victim", ["worker-rank", "leader"])
+def test_a_rank_or_the_leader_killed_takes_the_whole_group_down(
+        victim: str, cluster: LocalCluster) -> None:
     plan = plan_routing(SidePlan(tensor_parallel_size=4, decode_context_parallel_size=4),
                         SidePlan(tensor_parallel_size=4, decode_context_parallel_size=4), BLOCK)
     pods = cluster.group("prefill", 4, 4, cluster.plan_file(plan.to_json()), BLOCK, 1)
@@ -192,9 +197,12 @@ def test_a_rank_killed_on_a_worker_pod_takes_the_whole_group_down(
         assert status == 200 and body["ranks"] == [pods.index(p)], body
     sessions = {p.name: p.process.pid for p in pods}
     assert all(_session(sid) for sid in sessions.values())
-    victim = _children(pods[2].process.pid)
-    assert len(victim) == 1, victim  # pod 2's one rank process
-    os.kill(victim[0], signal.SIGKILL)
+    if victim == "leader":
+        pods[0].kill()  # rank 0 and its pod
+    else:
+        ranks = _children(pods[2].process.pid)
+        assert len(ranks) == 1, ranks  # pod 2's one rank process
+        os.kill(ranks[0], signal.SIGKILL)
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(p.alive() for p in pods):
@@ -202,7 +210,7 @@ def test_a_rank_killed_on_a_worker_pod_takes_the_whole_group_down(
     alive = [p.name for p in pods if p.alive()]
     assert not alive, f"still running 60 s after a rank was killed: {alive}"
     assert all(p.process.exitcode not in (0, None) for p in pods), [
-        (p.name, p.process.exitcode) for p in pods]
+        (p.name, p.process.exitcode) for p in pods]  # non-zero: the group's restart policy acts
     with pytest.raises(OSError):
         http("GET", f"{pods[0].url}/readyz", timeout=2)
     deadline = time.monotonic() + 10
