@@ -4,17 +4,20 @@ one-pod builder, and its status is read back in groups (docs/lws.md)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from pdd_api import keys
-from pdd_api.validation import parse_spec
+from pdd_api.validation import parse_spec, validate_document
 from pdd_operator import builders_lws as bl
 from pdd_operator.builders import Owner, build
 from pdd_operator.conditions import role_condition
 
 OWNER = Owner("v3", "ns1", "uid-1")
+EXAMPLE = Path(__file__).resolve().parents[2] / "manifests/examples/multinode/deepseek-v3-2x8.yaml"
 SPEC: dict[str, Any] = {
     "model": {"name": "deepseek-ai/DeepSeek-V3"},
     "image": "pdd:0.1.0",
@@ -197,3 +200,22 @@ def test_missing_crd_names_the_crd_in_reason_and_message() -> None:
     assert reasons == {"Ready": bl.MISSING_CRD_REASON, "Stalled": bl.MISSING_CRD_REASON,
                        "PrefillAvailable": "ReconcileError"}
     assert "leaderworkersets.leaderworkerset.x-k8s.io" in bl.missing_crd_message()
+
+
+def test_deepseek_v3_example_is_two_lws_of_two_8_gpu_pods_per_instance() -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    assert validate_document(doc) == []
+    d = desired(doc["spec"])
+    assert d.pods == {"prefill": {}, "decode": {}}
+    groups = {o["metadata"]["labels"][keys.LABEL_COMPONENT]: o for o in bl.lws_objects(d)}
+    assert sorted(groups) == ["decode", "prefill"]
+    for lws in groups.values():
+        tmpl = lws["spec"]["leaderWorkerTemplate"]
+        assert tmpl["size"] == 2
+        for part in ("leaderTemplate", "workerTemplate"):
+            main = tmpl[part]["spec"]["containers"][0]
+            assert main["resources"]["limits"] == {"nvidia.com/gpu": "8", "memory": "400Gi"}
+            assert env(tmpl[part])[keys.ENV_TP_SIZE] == "16"
+            assert {"name": "models", "mountPath": "/models", "readOnly": True} in main[
+                "volumeMounts"]
+    assert d.plan.case == "sharded-to-sharded"
