@@ -462,6 +462,46 @@ def bench_decode(
     }
 
 
+def engine_over(model: Model, kv: torch.Tensor, mode: str) -> Any:
+    """A ``RankEngine`` (the serving path) over the bench's weights and KV tensor."""
+    from pdd_sidecar.engine.comm import SingleComm
+    from pdd_sidecar.engine.rank_engine import RankEngine
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.model.rank_model import RankModel
+
+    cfg, dev = model.cfg, model.device
+    cache = PagedKVCache(1, cfg.num_hidden_layers, kv.shape[2], cfg.latent_dim, kv.dtype, dev)
+    cache.kv, cache.num_blocks = kv, kv.shape[0]  # the engine reads and writes; allocates none
+    rm = RankModel(cfg, model.w, model.rotary, 0, 1, kv.dtype, dev)
+    return RankEngine(rm, cache, SingleComm(), decode_mode=mode)
+
+
+def bench_engine_decode(
+    model: Model, kv: torch.Tensor, b: int, ctx: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """One decode step of ``b`` sequences through ``RankEngine.step``, host work included:
+    eager, and replayed from the engine's CUDA graph of the batch's bucket."""
+    cfg, dev = model.cfg, model.device
+    batch = make_batch(b, ctx, kv.shape[2], kv.shape[0], cfg, dev, seed=b * 7919 + ctx)
+    from pdd_sidecar.engine.rank_engine import SeqChunk
+
+    tables = batch.tables.tolist()
+    toks = batch.tokens.tolist()
+    chunks = [SeqChunk([toks[i]], ctx, tables[i]) for i in range(b)]
+    out: dict[str, float] = {}
+    modes = ["eager"] + (["graph"] if dev.type == "cuda" and not args.no_graphs else [])
+    for mode in modes:
+        eng = engine_over(model, kv, mode)
+        t0 = time.perf_counter()
+        eng.step(chunks)  # the graph's capture
+        sync(dev)
+        if mode == "graph":
+            out["engine_capture_s"] = time.perf_counter() - t0
+        out[f"engine_{mode}_ms"] = time_fn(lambda e=eng: e.step(chunks), dev, args.reps) * 1e3
+        del eng
+    return out
+
+
 def bench_compiled(
     model: Model,
     kv: torch.Tensor,
@@ -657,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--tune", action="store_true", help="sweep the decode kernel's tunables")
     p.add_argument("--engine", action="store_true", help="also time RankEngine at batch 1")
+    p.add_argument("--no-engine", action="store_true",
+                   help="skip the decode rows through RankEngine.step (eager and graph)")
     p.add_argument("--moe-tokens", type=_ints, default=None, help="default 1,4,16,64,256")
     p.add_argument(
         "--breakdown", type=_ints, default=None, help="B,ctx: per-kernel GPU time of one step"
@@ -773,8 +815,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if want("decode"):
             print("\ndecode step (all sequences at the same context)")
+            print("(loop: the model's functions in a static per-layer loop; engine: "
+                  "RankEngine.step, host work included, eager and from its bucket's CUDA graph)")
             print(f"{'batch':>6} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'roof ms':>8} "
-                  f"{'of roof':>8} {'experts':>8} {'tok/s':>9}")  # fmt: skip
+                  f"{'of roof':>8} {'experts':>8} {'tok/s':>9} {'eng eager':>10} "
+                  f"{'eng graph':>10} {'of roof':>7}")  # fmt: skip
             rows_d = []
             for b, c in cases:
                 if (b, c) not in fits:
@@ -783,10 +828,21 @@ def main(argv: list[str] | None = None) -> int:
                           f"over the {args.kv_gib:.0f} GiB budget", flush=True)  # fmt: skip
                     continue
                 r = bench_decode(model, kv, b, c, ceil, args)
+                if not args.no_engine:
+                    try:
+                        r.update(bench_engine_decode(model, kv, b, c, args))
+                    except Exception as e:  # the loop's figures stand without the engine's
+                        r["engine_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                eng_ms = r.get("engine_graph_ms", r.get("engine_eager_ms", float("nan")))
+                r["engine_of_roofline"] = r["roofline_ms"] / eng_ms
                 rows_d.append(r)
                 print(f"{b:>6} {c:>8} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
                       f"{r['roofline_ms']:>8.2f} {r['of_roofline']:>7.0%} "
-                      f"{r['experts_used_mean']:>8.1f} {r['tokens_per_s']:>9.0f}",
+                      f"{r['experts_used_mean']:>8.1f} {r['tokens_per_s']:>9.0f} "
+                      f"{r.get('engine_eager_ms', float('nan')):>10.2f} "
+                      f"{r.get('engine_graph_ms', float('nan')):>10.2f} "
+                      f"{r['engine_of_roofline']:>7.0%}"
+                      + (f"  {r['engine_error']}" if "engine_error" in r else ""),
                       flush=True)  # fmt: skip
             result["decode"] = rows_d
 

@@ -4,10 +4,14 @@
 For each configuration one prefill instance, one decode instance (rank r of either side on
 ``cuda:r``, NCCL for the TP/DCP collectives, NIXL over UCX with the KV cache registered as VRAM)
 and a router are started as local processes; four prompts (shorter than one block to several
-blocks) are completed with 16 greedy tokens each and compared with the single-GPU reference
-(``pdd_sidecar.generate.generate``: tp1, dcp1, same dtype, on ``cuda:0``). Every decode rank must
-receive exactly the plan's minimum bytes. Configurations that need more GPUs than the machine has
-are listed as NOT RUN with the reason.
+blocks) are completed with 16 greedy tokens each. PASS/FAIL is about the KV path alone: the
+tokens must equal those of a single instance of the decode side's layout and dtype (no P/D split,
+the same ranks and collectives, so the same reduction order), and every decode rank must receive
+exactly the plan's minimum bytes. Separately, each row is compared with the single-GPU reference
+(tp1/dcp1, same dtype): matched tokens, first divergence, and the reference's top-1 minus top-2
+logit margin at that step (a small margin means the difference is rounding in another reduction
+order, not the hand-off). Configurations that need more GPUs than the machine has are listed as
+NOT RUN with the reason.
 
 Not collected by pytest (``tests/gpu/conftest.py``); CI has no GPU. Run by hand:
 
@@ -60,13 +64,24 @@ X2 = [((2, 1), (2, 1)), ((2, 1), (2, 2)), ((2, 2), (2, 1)), ((2, 2), (2, 2)),
 class Row:
     config: str
     dtype: str
-    status: str  # PASS | FAIL | ERROR | NOT RUN
-    tokens: str = "-"
+    status: str  # PASS | FAIL | ERROR | NOT RUN (against the decode layout's single instance)
+    tokens: str = "-"  # matched / total against the decode layout's single instance
     divergence: str = "-"  # per prompt length: first step that differs, '-' when none
     bytes: str = "-"
     seconds: str = "-"
     reference: bool = False  # one of the seven reference configurations
     detail: str = ""
+    tp1_tokens: str = "-"  # matched / total against the single-GPU tp1 reference
+    tp1_divergence: str = "-"  # per prompt: first step that differs from tp1, '-' when none
+    tp1_margin: str = "-"  # tp1's smallest top-1 minus top-2 logit gap at those first steps
+
+
+@dataclass
+class Reference:
+    """Greedy tokens per prompt length of one single-instance run; logits only for tp1."""
+
+    tokens: dict[int, list[int]]
+    margins: dict[int, list[float]] | None = None  # per prompt: top1 - top2 per generated token
 
 
 def parse_config(text: str) -> Config:
@@ -101,11 +116,37 @@ def gpus_needed(cfg: Config) -> int:
 
 
 def references(dtype: str, device: str) -> dict[int, list[int]]:
+    """The single-device tp1 reference's tokens (see ``tp1_reference`` for its margins)."""
+    return tp1_reference(dtype, device).tokens
+
+
+def tp1_reference(dtype: str, device: str) -> Reference:
+    import torch
+
+    from pdd_sidecar.engine.generate import generate_result
+
+    tokens: dict[int, list[int]] = {}
+    margins: dict[int, list[float]] = {}
+    for n in PROMPT_LENGTHS:
+        res = generate_result("builtin", _prompt(n), MAX_TOKENS, block_size=BLOCK, dtype=dtype,
+                              device=device, keep_logits=True)
+        assert res.prompt_logits is not None
+        rows = [res.prompt_logits[-1], *res.step_logits]
+        tokens[n] = res.token_ids
+        margins[n] = [float(t[0] - t[1]) for t in (torch.topk(r.float(), 2).values
+                                                    for r in rows)]
+    return Reference(tokens, margins)
+
+
+def layout_reference(tp: int, dcp: int, dtype: str, device: str) -> Reference:
+    """One instance of this layout, its ranks as processes over NCCL (gloo on the CPU) like a
+    serving instance's, prefill and decode in the same instance."""
     from pdd_sidecar.engine.generate import generate
 
-    return {n: generate("builtin", _prompt(n), MAX_TOKENS, block_size=BLOCK, dtype=dtype,
-                        device=device)
-            for n in PROMPT_LENGTHS}
+    launcher = "procs" if tp > 1 else "inproc"
+    return Reference({n: generate("builtin", _prompt(n), MAX_TOKENS, tp=tp, dcp=dcp,
+                                  block_size=BLOCK, dtype=dtype, device=device, launcher=launcher)
+                      for n in PROMPT_LENGTHS})
 
 
 def first_divergence(got: list[int], want: list[int]) -> int | None:
@@ -116,7 +157,9 @@ def first_divergence(got: list[int], want: list[int]) -> int | None:
 
 
 def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
-               workdir: Path, ready_timeout: float) -> Row:
+               workdir: Path, ready_timeout: float, tp1: Reference | None = None) -> Row:
+    """``refs``: the tokens the row must produce (its decode layout's single instance);
+    ``tp1``: the single-GPU reference it is measured against, apart from PASS/FAIL."""
     import torch
 
     from pdd_sidecar.model.config import builtin_config
@@ -142,8 +185,10 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
         router = cluster.router([prefill], [decode])
         for p in (prefill, decode, router):
             p.wait_ready(timeout=ready_timeout)
-        matched = moved = minimum = 0
+        matched = moved = minimum = tp1_matched = 0
         div: list[str] = []
+        tp1_div: list[str] = []
+        tp1_gaps: list[float] = []
         problems: list[str] = []
         for n in PROMPT_LENGTHS:
             status, body = http("POST", f"{router.url}/v1/completions",
@@ -152,6 +197,7 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
             if status != 200:
                 problems.append(f"prompt {n}: HTTP {status}: {body}")
                 div.append("err")
+                tp1_div.append("err")
                 continue
             got = body["choices"][0]["token_ids"]
             want = refs[n]
@@ -159,7 +205,13 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
             step = first_divergence(got, want)
             div.append("-" if step is None else str(step))
             if step is not None:
-                problems.append(f"prompt {n}: tokens {got} != reference {want}")
+                problems.append(f"prompt {n}: tokens {got} != single instance {want}")
+            if tp1 is not None:
+                tp1_matched += sum(a == b for a, b in zip(got, tp1.tokens[n], strict=False))
+                at = first_divergence(got, tp1.tokens[n])
+                tp1_div.append("-" if at is None else str(at))
+                if at is not None and tp1.margins is not None and at < len(tp1.margins[n]):
+                    tp1_gaps.append(tp1.margins[n][at])
             per_rank = [r["bytes"] for r in body["pdd"]["transfer"]["ranks"]]
             need = bytes_per_decode_rank(plan, n, bytes_per_token)
             moved += sum(per_rank)
@@ -177,6 +229,10 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
             problems.append(f"prefill freed by lease, not notification: {stats}")
         row.tokens = f"{matched}/{len(PROMPT_LENGTHS) * MAX_TOKENS}"
         row.divergence = " ".join(div)
+        if tp1 is not None:
+            row.tp1_tokens = f"{tp1_matched}/{len(PROMPT_LENGTHS) * MAX_TOKENS}"
+            row.tp1_divergence = " ".join(tp1_div)
+            row.tp1_margin = f"{min(tp1_gaps):.4f}" if tp1_gaps else "-"
         row.bytes = f"{moved}/{minimum}"
         row.status = "PASS" if not problems else "FAIL"
         row.detail = "\n".join(problems)
@@ -200,12 +256,13 @@ def _metric_sum(text: str, name: str) -> float | None:
 
 
 HEADER = ("Configuration", "dtype", "Status", "Tokens matched", "First divergence",
-          "Bytes moved / minimum", "s")
+          "Bytes moved / minimum", "s", "vs tp1", "tp1 divergence", "tp1 margin")
 
 
 def table(rows: list[Row]) -> str:
     cells = [HEADER] + [(r.config + (" *" if r.reference else ""), r.dtype, r.status, r.tokens,
-                         r.divergence, r.bytes, r.seconds) for r in rows]
+                         r.divergence, r.bytes, r.seconds, r.tp1_tokens, r.tp1_divergence,
+                         r.tp1_margin) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                      for row in cells)
@@ -243,16 +300,33 @@ def main(argv: list[str] | None = None) -> int:
           f"dtypes {','.join(dtypes)}", flush=True)
 
     # The single-device reference per dtype, and how it compares with the CPU float32 one.
-    refs = {d: references(d, a.device) for d in dtypes}
+    tp1 = {d: tp1_reference(d, a.device) for d in dtypes}
     cpu_ref = references("float32", "cpu")
     notes = []
     for d in dtypes:
-        same = sum(x == y for n in PROMPT_LENGTHS for x, y in zip(refs[d][n], cpu_ref[n],
+        same = sum(x == y for n in PROMPT_LENGTHS for x, y in zip(tp1[d].tokens[n], cpu_ref[n],
                                                                  strict=False))
         notes.append(f"reference {a.device} tp1 {d} vs CPU float32 tp1: {same}/"
                      f"{len(PROMPT_LENGTHS) * MAX_TOKENS} tokens equal")
     for line in notes:
         print(line, flush=True)
+    # PASS/FAIL yardsticks: one single instance per decode layout and dtype that will run.
+    layouts: dict[tuple[int, int, str], Reference] = {}
+    for d in dtypes:
+        for cfg in configs:
+            key = (cfg[1][0], cfg[1][1], d)
+            if gpus_needed(cfg) <= gpus and key not in layouts:
+                tl = time.monotonic()
+                layouts[key] = (tp1[d] if key[:2] == (1, 1)
+                                else layout_reference(key[0], key[1], d, a.device))
+                same = sum(x == y for n in PROMPT_LENGTHS
+                           for x, y in zip(layouts[key].tokens[n], tp1[d].tokens[n],
+                                           strict=False))
+                line = (f"single instance tp{key[0]}/dcp{key[1]} {d}: {same}/"
+                        f"{len(PROMPT_LENGTHS) * MAX_TOKENS} tokens equal to tp1 "
+                        f"({time.monotonic() - tl:.0f}s)")
+                notes.append(line)
+                print(line, flush=True)
 
     rf._context()  # start the forkserver once, before any worker thread uses it
     rows: dict[tuple[Config, str], Row] = {}
@@ -277,12 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             return Row(_label(cfg), d, "NOT RUN", reference=cfg in REFERENCE_SWEEP,
                        detail=f"skipped after {errors[0]} configurations ended in ERROR")
         name = f"{cfg[0][0]}x{cfg[0][1]}-{cfg[1][0]}x{cfg[1][1]}-{d}"
-        row = run_config(cfg, d, a.device, refs[d], workroot / name, a.ready_timeout_s)
+        want = layouts[(cfg[1][0], cfg[1][1], d)].tokens
+        row = run_config(cfg, d, a.device, want, workroot / name, a.ready_timeout_s, tp1[d])
         if row.status == "ERROR":  # a start-up race (a port taken meanwhile): one more try
             print(f"{row.config} {d}: ERROR, trying once more: {row.detail}", flush=True)
             first = row.detail.strip().splitlines()[0]
-            row = run_config(cfg, d, a.device, refs[d], workroot / f"{name}-2",
-                             a.ready_timeout_s)
+            row = run_config(cfg, d, a.device, want, workroot / f"{name}-2",
+                             a.ready_timeout_s, tp1[d])
             row.detail = (row.detail + "\n" if row.detail else "") + f"(retried after: {first})"
             if row.status == "ERROR":
                 errors[0] += 1
@@ -300,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"GPU data-plane sweep ({where}; router -> prefill -> NIXL/UCX "
              f"{'VRAM' if a.device == 'cuda' else 'DRAM'} -> decode; blockSize {BLOCK}, "
              f"{len(PROMPT_LENGTHS)} prompts of {','.join(map(str, PROMPT_LENGTHS))} tokens x "
-             f"{MAX_TOKENS} greedy tokens; * = reference configuration)")
+             f"{MAX_TOKENS} greedy tokens; * = reference configuration; Status and Tokens "
+             f"matched: against a single instance of the decode layout; vs tp1: against the "
+             f"single-GPU reference, with its top1-top2 logit margin at the first differing "
+             f"step)")
     text = "\n".join([title, *notes, table(ordered)])
     not_run = [r for r in ordered if r.status == "NOT RUN"]
     if not_run:

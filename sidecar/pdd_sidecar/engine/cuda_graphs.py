@@ -76,6 +76,7 @@ class StaticDecode:
     logits: torch.Tensor | None = None  # [B, V] fp32, the graph's output (rank 0 only)
     graph: torch.cuda.CUDAGraph | None = None
     width_used: int = 0  # table columns the last step filled (later columns may be stale)
+    num_splits: int | None = None  # the decode kernel's, fixed per bucket (None: its default)
 
     @classmethod
     def empty(cls, batch: int, width: int, device: torch.device) -> StaticDecode:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdd_sidecar.engine.comm import Comm
+from pdd_sidecar.engine.comm import Comm, SingleComm, TorchDistComm
 from pdd_sidecar.engine.cuda_graphs import (
     DECODE_MODES,
     DEFAULT_BUCKETS,
@@ -29,7 +29,7 @@ from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.kernels.kv_write import write_latents
-from pdd_sidecar.model.kernels.mla_decode import paged_mla_decode
+from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
 from pdd_sidecar.model.mla import (
     absorb_q,
     latent_attention,
@@ -39,7 +39,7 @@ from pdd_sidecar.model.mla import (
     rms_norm,
     unabsorb_v,
 )
-from pdd_sidecar.model.moe import dense_mlp, moe
+from pdd_sidecar.model.moe import dense_mlp, expert_path, moe
 from pdd_sidecar.model.rank_model import RankModel
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,14 @@ class SeqChunk:
     block_ids: Sequence[int]
 
 
+def comm_capturable(comm: Comm) -> bool:
+    """Whether the step's collectives can live in a CUDA graph: one rank, or NCCL. Thread
+    ranks exchange tensors through Python, which a graph would not replay."""
+    if isinstance(comm, SingleComm) or comm.world_size == 1:
+        return True
+    return isinstance(comm, TorchDistComm) and not comm._gloo
+
+
 class RankEngine:
     """``decode_mode``: ``"eager"`` runs every step as given; ``"padded"`` runs decode-only
     steps padded to a bucket through static buffers, eagerly (the CPU twin of graphs);
@@ -125,11 +133,19 @@ class RankEngine:
         self.dcp = dcp
         self.rank = model.rank
         self.tp = model.tp
-        mode = default_decode_mode(cache.device) if decode_mode is None else decode_mode
+        capturable = comm_capturable(comm)
+        mode = decode_mode
+        if mode is None:
+            mode = default_decode_mode(cache.device)
+            if mode == "graph" and not capturable:
+                mode = "eager"
         if mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
         if mode == "graph" and cache.device.type != "cuda":
             raise ValueError(f"decode_mode 'graph' needs a CUDA cache, got {cache.device}")
+        if mode == "graph" and not capturable:
+            raise ValueError(f"decode_mode 'graph' needs NCCL collectives or one rank, not "
+                             f"{type(comm).__name__}")
         self.decode_mode = mode
         self.buckets = check_buckets(graph_buckets)
         if max_table_blocks is not None and max_table_blocks < 1:
@@ -351,10 +367,16 @@ class RankEngine:
         buf = self._static.get(bucket)
         if buf is None:
             buf = StaticDecode.empty(bucket, self.table_width, self.cache.device)
+            buf.num_splits = self._splits(bucket)
             self._static[bucket] = buf
         stage(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_steps += 1
         key = (bucket, want_logits)
+        if self.decode_mode == "graph" and key not in self._no_graph and not self._capturable(
+                bucket):
+            log.warning("decode bucket %d runs eagerly: its experts take the per-expert loop "
+                        "(dtype without grouped GEMMs at this batch)", bucket)
+            self._no_graph.add(key)
         if self.decode_mode == "graph" and key not in self._no_graph:
             if key not in self._graphs:
                 try:
@@ -369,6 +391,26 @@ class RankEngine:
                 return None if logits is None else logits[:n].clone()
         logits = self._decode_static(buf, want_logits)
         return None if logits is None else logits[:n]
+
+    def _capturable(self, bucket: int) -> bool:
+        """Whether every MoE layer's experts run without a host sync at this batch size."""
+        probe = torch.empty(bucket, self.cfg.hidden_size, dtype=self.model.dtype,
+                            device=self.cache.device)
+        return all(expert_path(probe, lw.moe, self.cfg.num_experts_per_tok) != "loop"
+                   for lw in self.model.weights.layers if lw.moe is not None)
+
+    def _splits(self, bucket: int) -> int | None:
+        """The decode kernel's split count for a bucket, from the model's longest context
+        rather than the table width (which follows the cache size), so two instances of one
+        layout round the same step alike."""
+        dev = self.cache.device
+        if dev.type != "cuda":
+            return None
+        heads = self.cfg.num_attention_heads // self.tp * self.dcp
+        groups = -(-heads // (16 if heads <= 16 else 32))
+        bs = self.cache.block_size
+        cap = kvc.num_table_blocks(max(1, self.cfg.max_position_embeddings), bs, self.dcp) * bs
+        return num_splits_for(bucket, groups, cap, sm_count(dev))
 
     def _capture(
         self, buf: StaticDecode, want_logits: bool
@@ -408,7 +450,7 @@ class RankEngine:
             if self.dcp > 1:
                 q = comm.all_gather(q, dim=1)
             out, lse = paged_mla_decode(q, self.cache.kv, i, buf.tables, buf.seq_lens,
-                                        cfg.kv_lora_rank, cfg.softmax_scale)
+                                        cfg.kv_lora_rank, cfg.softmax_scale, buf.num_splits)
             if self.dcp > 1:
                 out = dcp_merge(out, lse, comm)
             o = unabsorb_v(out.to(x.dtype), lw.attn)

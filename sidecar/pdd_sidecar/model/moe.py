@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pdd_sidecar.model.config import ModelConfig
+from pdd_sidecar.model.kernels import moe_grouped as mg
 from pdd_sidecar.model.kernels.moe_grouped import can_group, grouped_experts, loop_experts
 from pdd_sidecar.model.weights import MLPWeights, MoEWeights
 
@@ -69,11 +70,24 @@ def _route_noaux_tc(
     return weights * cfg.routed_scaling_factor, ids
 
 
+def expert_path(x: torch.Tensor, w: MoEWeights, top_k: int) -> str:
+    """``"gemv"`` or ``"grouped"`` (CUDA, no host sync, graph-capturable) or ``"loop"`` (the
+    reference; it syncs). From shapes and dtypes only: up to ``GEMV_MAX_PAIRS`` (token, expert)
+    pairs the Triton GEMVs serve any dtype, above that the grouped GEMMs where they exist."""
+    if not x.is_cuda or x.dtype != w.w_gate.dtype:
+        return "loop"
+    if mg.HAS_TRITON and x.shape[0] * top_k <= mg.GEMV_MAX_PAIRS:
+        return "gemv"
+    return "grouped" if can_group(x, w) else "loop"
+
+
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool = True) -> torch.Tensor:
     weights, ids = route(x, w.router, cfg, w.score_bias)
-    # CUDA: grouped GEMMs with no host sync; elsewhere the per-expert loop (the reference).
-    experts = grouped_experts if can_group(x, w) else loop_experts
-    out = experts(x, weights, ids, w)
+    path = expert_path(x, w, cfg.num_experts_per_tok)
+    if path == "loop":
+        out = loop_experts(x, weights, ids, w)
+    else:
+        out = grouped_experts(x, weights, ids, w, gemv=path == "gemv")
     if w.shared is not None:
         out = out + dense_mlp(x, w.shared, add_bias)
     return out

@@ -108,12 +108,15 @@ def paged_mla_decode(
     seq_lens: torch.Tensor,
     kv_lora_rank: int,
     scale: float,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, kv_lora_rank] fp32, lse [B, H] fp32, natural log)``: the Triton kernel on
-    CUDA, the torch reference elsewhere."""
+    CUDA, the torch reference elsewhere. ``num_splits`` (Triton only) fixes the split count,
+    which otherwise follows the table's width: callers whose runs must round alike whatever
+    their tables' widths (graphs of instances with different cache sizes) pass one."""
     if q.is_cuda and HAS_TRITON:
         return paged_mla_decode_triton(
-            q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale
+            q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale, num_splits
         )
     return paged_mla_decode_ref(q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale)
 
@@ -131,7 +134,7 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -182,7 +185,7 @@ def paged_mla_decode_triton(
     max_blocks = block_tables.shape[1]
     bn = block_n or BLOCK_N
     if num_splits is None:
-        num_splits = num_splits_for(b, hg, max_blocks * bs, _sm_count(q.device))
+        num_splits = num_splits_for(b, hg, max_blocks * bs, sm_count(q.device))
     out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
     if num_splits > 1:
@@ -244,7 +247,11 @@ def paged_mla_decode_triton(
             out.stride(0),
             out.stride(1),
             lse.stride(0),
+            seq_lens,
+            max_blocks,
             num_splits,
+            BS=bs,
+            BLOCK_N=bn,
             C=c,
             C_P2=_p2(c),
             S_P2=_p2(num_splits, 2),
@@ -358,9 +365,15 @@ if HAS_TRITON:
         out = acc / l_safe[:, None]
         lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         o_ptr = O_PART + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + s * stride_os
-        tl.store(o_ptr + offs_c[None, :], out, mask=mask_h[:, None] & mask_c[None, :])
+        # A split past the sequence's end stores nothing (the reduce skips it): with the split
+        # count fixed by a graph's bucket, most splits of a short sequence are empty. Split 0
+        # always stores, so a length of 0 still yields output 0 and LSE -inf.
+        live_h = mask_h & ((offs_h * 0 + start < end) | (s == 0))
+        tl.store(o_ptr + offs_c[None, :], out, mask=live_h[:, None] & mask_c[None, :])
         tl.store(
-            LSE + b.to(tl.int64) * stride_lb + offs_h * stride_lh + s * stride_ls, lse, mask=mask_h
+            LSE + b.to(tl.int64) * stride_lb + offs_h * stride_lh + s * stride_ls,
+            lse,
+            mask=live_h,
         )
 
     @triton.jit
@@ -377,15 +390,23 @@ if HAS_TRITON:
         stride_ob,
         stride_oh,
         stride_sb,
+        SL,
+        max_blocks,
         num_splits,
+        BS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         C: tl.constexpr,
         C_P2: tl.constexpr,
         S_P2: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        # the splits that stored: as the split kernel cuts the sequence
+        seq_len = tl.minimum(tl.load(SL + b).to(tl.int32), max_blocks * BS)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        n_live = tl.maximum(tl.cdiv(seq_len, tl.maximum(per_split, 1)), 1)
         offs_s = tl.arange(0, S_P2)
-        mask_s = offs_s < num_splits
+        mask_s = offs_s < n_live
         offs_c = tl.arange(0, C_P2)
         mask_c = offs_c < C
         base_l = L_PART + b.to(tl.int64) * stride_lb + h * stride_lh
@@ -395,7 +416,7 @@ if HAS_TRITON:
         total = tl.sum(tl.exp(lses - m_safe), 0)
         base_o = O_PART + b.to(tl.int64) * stride_pb + h * stride_ph
         acc = tl.zeros([C_P2], dtype=tl.float32)
-        for s in range(num_splits):
+        for s in range(n_live):
             w = tl.exp(tl.load(base_l + s) - m_safe)
             acc += w * tl.load(base_o + s * stride_ps + offs_c, mask=mask_c, other=0.0)
         t_safe = tl.where(total > 0, total, 1.0)
@@ -410,6 +431,7 @@ __all__ = [
     "HAS_TRITON",
     "gather_latents",
     "num_splits_for",
+    "sm_count",
     "paged_mla_decode",
     "paged_mla_decode_ref",
     "paged_mla_decode_triton",

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the engine in one bounded command, for machines with GPUs and
+# no package registry: installs wheels brought along in .whl/ and .whl_tf/ (only what the
+# machine's Python lacks), then runs the stages named in STAGES, each under its own time limit,
+# and leaves every log and JSON in $OUT (at most eight files, flat).
+#
+#   OUT=/tmp/out STAGES=tests,engine bash bench/gpu_all.sh        # one GPU is enough
+#   OUT=/tmp/out STAGES=sweep,serving bash bench/gpu_all.sh       # two GPUs, NIXL
+#
+# Stages:
+#   tests    tests/gpu: kernels against their references, CUDA-graph decode against eager,
+#            the transformers oracle in fp32 (skipped where transformers is not importable)
+#   engine   bench/engine.py: decode per step (loop and RankEngine, eager and graphs) against
+#            the same-run roofline, attention alone, prefill, routed experts
+#   sweep    tests/gpu/sweep.py on the two-GPU configurations (DTYPES, default bfloat16)
+#   serving  bench/gpu_serving.sh: decode dcp 1 against dcp 2 (CONCURRENCY, default 16,64,256)
+# Time limits (s): TESTS_S 200, ENGINE_S 330, SWEEP_S 300, SERVING_S 280.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a folder for the results}
+mkdir -p "$OUT"
+STAGES=${STAGES:-tests,engine}
+PY=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/env.txt"; }
+has() { $PY -c "import $1" 2>/dev/null; }
+
+wheels=()
+if compgen -G ".whl/*.whl" >/dev/null && ! { has nixl && has pydantic; }; then
+    wheels+=(.whl/*.whl)
+fi
+if compgen -G ".whl_tf/*.whl" >/dev/null && ! has transformers; then
+    wheels+=(.whl_tf/*.whl)
+fi
+if [ ${#wheels[@]} -gt 0 ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${wheels[@]}" 2>&1 | tail -5 | tee -a "$OUT/env.txt"
+    export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/sidecar
+else
+    export PYTHONPATH=$PWD/operator:$PWD/sidecar
+fi
+say "installed ${#wheels[@]} wheels: ${wheels[*]:-none}"
+{
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem \
+        --format=csv 2>&1 || true
+    $PY - <<'EOF' 2>&1
+import importlib
+import os
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+      "cpus", os.cpu_count())
+for m in ("triton", "transformers", "huggingface_hub", "tokenizers", "safetensors", "regex",
+          "tqdm", "filelock", "packaging", "requests", "yaml", "numpy", "nixl", "pydantic",
+          "aiohttp", "prometheus_client", "jinja2"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m} {getattr(mod, '__version__', '?')} ({os.path.dirname(mod.__file__ or '')})")
+    except Exception as exc:  # noqa: BLE001
+        print(f"{m} MISSING: {type(exc).__name__}: {exc}")
+EOF
+} | tee -a "$OUT/env.txt"
+
+rc=0
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+if want tests; then
+    say "stage tests"
+    timeout -k 10 "${TESTS_S:-200}" $PY -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || rc=1
+    say "tests done"
+fi
+if want engine; then
+    say "stage engine"
+    timeout -k 10 "${ENGINE_S:-330}" $PY bench/engine.py --device cuda --json "$OUT/engine.json" \
+        ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" || rc=1
+    say "engine done"
+fi
+if want sweep; then
+    say "stage sweep"
+    timeout -k 10 "${SWEEP_S:-300}" $PY tests/gpu/sweep.py --device cuda --configs x2 \
+        --dtype "${DTYPES:-bfloat16}" --jobs 2 --budget-s $(( ${SWEEP_S:-300} - 90 )) \
+        --out /tmp/sweep-out 2>&1 | tee "$OUT/sweep.log" || rc=1
+    cp /tmp/sweep-out/sweep.json "$OUT/sweep.json" 2>/dev/null || true
+    say "sweep done"
+fi
+if want serving; then
+    say "stage serving"
+    mkdir -p /tmp/serving-out
+    OUT=/tmp/serving-out CONCURRENCY=${CONCURRENCY:-16,64,256} \
+        BENCH_TIMEOUT=${SERVING_S:-280} bash bench/gpu_serving.sh >/dev/null 2>&1 || rc=1
+    cp /tmp/serving-out/serving.log /tmp/serving-out/serving.json "$OUT/" 2>/dev/null || true
+    tar -czf "$OUT/serving-extra.tar.gz" -C /tmp/serving-out . 2>/dev/null || true
+    say "serving done"
+fi
+say "all done, exit $rc"
+exit $rc
