@@ -21,6 +21,11 @@ KWOK_LDFLAGS := -s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$(KWOK_VERSION) \
 ETCD_LDFLAGS := -s -w
 LWS_LDFLAGS := -s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$(LWS_VERSION)
 
+# CLUSTER_LWS=1 (the default of `make cluster-up`) also runs the LeaderWorkerSet controller
+# (multi-node instances, docs/lws.md): about 3 s more and 60 MiB. CLUSTER_LWS=0 leaves it out;
+# test sessions start it only for the tests that need it (localcluster.ensure_lws).
+CLUSTER_LWS ?= 1
+
 # NODE=real adds a real node (kubelet, containerd, runc, CNI, kube-proxy) next to the fake
 # ones: `make cluster-up NODE=real`. Opt-in: it installs Debian packages and changes the host's
 # network (bridge, iptables), so the default tiers never need it.
@@ -96,7 +101,7 @@ $(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/etcd/go.mod $(CLUS
 
 # The LeaderWorkerSet controller (multi-node instances, docs/lws.md): its own module, like etcd
 # (LWS pins its own controller-runtime and client-go). Its CRD, 1.2 MB of YAML in the module,
-# is copied next to the binary for `localcluster.py` (started only when asked: CLUSTER_LWS=1).
+# is copied next to the binary for `localcluster.py` (started by cluster-up unless CLUSTER_LWS=0).
 $(CLUSTER_BIN)/lws: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/lws/go.mod $(CLUSTER_DIR)/lws/go.sum
 	@$(call cluster-check-pins,sigs.k8s.io/lws,$(LWS_VERSION),$(CLUSTER_DIR)/lws/go.mod)
 	@mkdir -p $(@D)
