@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # pdd images: `--target operator` (kopf operator, no torch) and `--target sidecar` (default: the
 # prefill/decode sidecars and the router, with torch + NIXL). Both run as a non-root user from a
-# virtual environment built in a separate stage, so no compiler or pip cache ships.
+# root-owned virtual environment; no compiler or pip cache ships.
 #
 # The entry points are the commands the operator writes into pods and the manifests name:
 #   python -m pdd_operator            (operator)
@@ -15,44 +15,59 @@
 # registry (--build-arg PYTHON_IMAGE=python:3.11.11-slim-bookworm@sha256:...).
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
-# ---------------------------------------------------------------- build stages
-FROM ${PYTHON_IMAGE} AS build-base
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/pdd
-ENV PATH=/opt/pdd/bin:$PATH
-WORKDIR /src
-# Metadata first: dependency layers are reused while only the source changes.
-COPY pyproject.toml README.md ./
-COPY operator/ operator/
-COPY sidecar/ sidecar/
-
-FROM build-base AS build-operator
-RUN pip install '.[operator]'
-
-FROM build-base AS build-sidecar
-RUN pip install '.[sidecar]'
-
 # ---------------------------------------------------------------- runtime base
+# One stage per target, installed in place as root, the user switched last: no stage holds a
+# second copy of the virtual environment (torch and the CUDA libraries are gigabytes), the
+# environment stays root-owned, and no compiler ships (every dependency installs as a wheel).
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --gid 10001 pdd \
     && useradd --uid 10001 --gid 10001 --home-dir /home/pdd --create-home \
-       --shell /usr/sbin/nologin pdd
+       --shell /usr/sbin/nologin pdd \
+    && python -m venv /opt/pdd
 ENV PATH=/opt/pdd/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     LANG=C.UTF-8 \
     OMP_NUM_THREADS=1
 WORKDIR /home/pdd
-USER 10001:10001
+
+# ---------------------------------------------------------------- how each target installs
+# 1. the dependencies, from the metadata alone (empty source roots), so their layer is reused
+#    while only the source changes; 2. the package itself, without dependencies.
+# pip's cache is a build cache mount, never a layer. The build arguments serve builds from a
+# wheel folder bind-mounted at build time instead of the index (PIP_FIND_LINKS, PIP_NO_INDEX):
+# hack/image.py (make image) builds that way.
 
 # ---------------------------------------------------------------- operator
 FROM runtime AS operator
-COPY --from=build-operator --chown=0:0 /opt/pdd /opt/pdd
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+COPY pyproject.toml README.md /tmp/pdd-src/
+RUN --mount=type=cache,id=pdd-pip,target=/root/.cache/pip \
+    mkdir /tmp/pdd-src/operator /tmp/pdd-src/sidecar \
+    && PIP_DISABLE_PIP_VERSION_CHECK=1 pip install '/tmp/pdd-src[operator]'
+COPY operator/ /tmp/pdd-src/operator/
+COPY sidecar/ /tmp/pdd-src/sidecar/
+RUN --mount=type=cache,id=pdd-pip,target=/root/.cache/pip \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 pip install --no-deps --force-reinstall /tmp/pdd-src \
+    && rm -rf /tmp/pdd-src
+USER 10001:10001
 EXPOSE 8080 8081 9443
 CMD ["python", "-m", "pdd_operator"]
 
 # ---------------------------------------------------------------- sidecar (default target)
 FROM runtime AS sidecar
-COPY --from=build-sidecar --chown=0:0 /opt/pdd /opt/pdd
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+COPY pyproject.toml README.md /tmp/pdd-src/
+RUN --mount=type=cache,id=pdd-pip,target=/root/.cache/pip \
+    mkdir /tmp/pdd-src/operator /tmp/pdd-src/sidecar \
+    && PIP_DISABLE_PIP_VERSION_CHECK=1 pip install '/tmp/pdd-src[sidecar]'
+COPY operator/ /tmp/pdd-src/operator/
+COPY sidecar/ /tmp/pdd-src/sidecar/
+RUN --mount=type=cache,id=pdd-pip,target=/root/.cache/pip \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 pip install --no-deps --force-reinstall /tmp/pdd-src \
+    && rm -rf /tmp/pdd-src
+USER 10001:10001
 EXPOSE 8000 5600
 CMD ["python", "-m", "pdd_sidecar", "serve"]

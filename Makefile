@@ -70,5 +70,29 @@ demo: venv cluster-build sysdeps
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
+# The images (Dockerfile targets sidecar and operator) built with buildah against a Debian
+# bookworm base made with debootstrap (no Docker engine or registry needed), then imported into
+# the real node's containerd when `make cluster-up NODE=real` runs. Caches in .cache/image.
+# Needs root; docs/e2e.md has the figures.
+.PHONY: image image-deps
+IMAGE_PKGS := buildah debootstrap
+image-deps:
+	@missing=$$(for p in $(IMAGE_PKGS); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+image: image-deps
+	$(PY) hack/image.py
+
+# The images on the real node: entry points, a P TP1 -> D TP1 PDDeployment through the router
+# Service, logs/exec, a liveness restart (marker realnode; never part of `make test`). Reuses a
+# running `make cluster-up NODE=real`, else starts and stops its own.
+.PHONY: test-realnode-e2e
+test-realnode-e2e: venv cluster-build-node cluster-node-deps image
+	$(PYTEST) tests/e2e -q -m realnode
+
 -include tests/cluster/cluster.mk
 cluster-build:

@@ -1,9 +1,10 @@
 """Every command the Dockerfile, the manifests and the operator's pod builders name exists in
 the installed package.
 
-There is no Docker engine here, so the image is never built in CI; what can rot silently is a
-renamed module or subcommand that the image's CMD, a manifest's ``command`` or the pods the
-operator writes still name. These tests resolve each such command against the installed
+The image is built only by ``make image`` (buildah, root, minutes; tests/e2e/test_realnode.py
+runs its entry points on the real node), never in the default tiers; what can rot silently in
+between is a renamed module or subcommand that the image's CMD, a manifest's ``command`` or
+the pods the operator writes still name. These tests resolve each such command against the installed
 package (the same one the local pod runner executes) and check that the runtime ENV of the
 image is what the pod runner gives its pods.
 """
@@ -208,7 +209,12 @@ def test_dockerfile_stages_run_as_non_root_from_a_pinned_base() -> None:
         )
     users = [rest for _, w, rest in instructions if w == "USER"]
     assert users and all(not u.startswith(("0", "root")) for u in users)
-    assert len(froms) >= 3, "expected separate build and runtime stages"
+    assert len(froms) >= 3, "expected a runtime base and the operator and sidecar targets"
+    for target in ("operator", "sidecar"):
+        words = [w for stage, w, _ in instructions if stage == target]
+        assert "USER" in words, f"{target} never leaves root"
+        last_user = len(words) - 1 - words[::-1].index("USER")
+        assert "RUN" not in words[last_user:], f"{target} runs a step after its USER"
 
 
 def test_image_env_is_what_the_pod_runner_gives_pods() -> None:
@@ -228,3 +234,33 @@ def test_image_env_is_what_the_pod_runner_gives_pods() -> None:
     path = env.pop("PATH", "")
     assert path.split(":")[0] == "/opt/pdd/bin", "the package's interpreter must come first"
     assert env == podrunner.IMAGE_ENV
+
+
+def _pip_installs() -> list[tuple[str, str]]:
+    return [(stage, rest) for stage, word, rest in _dockerfile_instructions()
+            if word == "RUN" and re.search(r"\bpip install\b", rest)]  # fmt: skip
+
+
+def test_pip_cache_is_a_build_mount_never_a_layer() -> None:
+    """A rebuild downloads nothing (the cache mount), and no layer carries pip's cache."""
+    installs = _pip_installs()
+    assert installs, "no pip install in the Dockerfile"
+    for stage, rest in installs:
+        mounted = re.search(r"--mount=type=cache,[^ ]*target=/root/\.cache/pip", rest)
+        assert mounted or "--no-cache-dir" in rest, f"{stage}: {rest}"
+    env = " ".join(rest for _, w, rest in _dockerfile_instructions() if w == "ENV")
+    assert "PIP_NO_CACHE_DIR" not in env, "PIP_NO_CACHE_DIR would switch the cache mount off"
+
+
+def test_dependencies_install_before_the_source_is_copied() -> None:
+    """Each build stage installs the dependencies before it copies the source, then the
+    package alone, so a source change rebuilds one small layer and not torch's."""
+    instructions = _dockerfile_instructions()
+    for target in ("operator", "sidecar"):
+        steps = [(w, rest) for stage, w, rest in instructions if stage == target]
+        copies = [i for i, (w, rest) in enumerate(steps) if w == "COPY" and "sidecar/" in rest]
+        installs = [i for i, (w, rest) in enumerate(steps)
+                    if w == "RUN" and "pip install" in rest]  # fmt: skip
+        assert copies and len(installs) == 2, (target, steps)
+        assert installs[0] < copies[0] < installs[1], (target, steps)
+        assert "--no-deps" in steps[installs[1]][1], steps[installs[1]]
