@@ -179,6 +179,32 @@ def test_deleting_the_pddeployment_collects_the_lws_and_its_pods(
     wait_for("its pods gone", lambda: lws_pods(kube, ns, f"{NAME}-prefill") == [], timeout=90)
 
 
+def test_a_role_switches_between_one_pod_and_an_lws_both_ways(
+        lws: Cluster, kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    ns, name = op_namespace, "sw"
+    doc = copy.deepcopy(DOC)
+    doc["metadata"]["name"] = name
+    doc["spec"]["prefill"] = {"replicas": 1, "tensorParallelSize": 2,
+                              "decodeContextParallelSize": 2}
+    kube.apply(doc, "-n", ns)
+    wait_ready(kube, ns, name, operator, timeout=120)
+    assert lws_pods(kube, ns, f"{name}-prefill") == []
+    kube("patch", "pddeployment", name, "-n", ns, "--type=merge",
+         "-p", '{"spec": {"prefill": {"gpusPerPod": 1}}}')
+    wait_ready(kube, ns, name, operator, timeout=150)
+    assert running(lws_pods(kube, ns, f"{name}-prefill"), 2) is not None
+    kube("patch", "pddeployment", name, "-n", ns, "--type=json",
+         "-p", '[{"op": "remove", "path": "/spec/prefill/gpusPerPod"}]')
+    obj = wait_ready(kube, ns, name, operator, timeout=150)
+    wait_for("the LWS gone", lambda: kube("get", "leaderworkerset", f"{name}-prefill", "-n", ns,
+                                          check=False).returncode != 0, timeout=60)
+    pod = kube.json("get", "pod", f"{name}-prefill-0", "-n", ns)
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "PDDeployment"
+    assert pod["metadata"]["labels"]["serving.pdd.dev/replica"] == "0"
+    assert obj["status"]["prefill"]["readyReplicas"] == 1
+    kube("delete", "pddeployment", name, "-n", ns, "--timeout=60s")
+
+
 def test_cel_and_pdd_validate_refuse_a_gpus_per_pod_that_does_not_divide_tp(
         lws: Cluster, kube: Kubectl, op_namespace: str, tmp_path: Path) -> None:
     bad = copy.deepcopy(DOC)
