@@ -372,8 +372,8 @@ class RankEngine:
         stage(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_steps += 1
         key = (bucket, want_logits)
-        if self.decode_mode == "graph" and key not in self._no_graph and not self._capturable(
-                bucket):
+        if (self.decode_mode == "graph" and key not in self._graphs
+                and key not in self._no_graph and not self._capturable(bucket)):
             log.warning("decode bucket %d runs eagerly: its experts take the per-expert loop "
                         "(dtype without grouped GEMMs at this batch)", bucket)
             self._no_graph.add(key)
