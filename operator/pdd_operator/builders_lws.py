@@ -23,7 +23,7 @@ from pdd_operator.builders import (
     service_name,
 )
 from pdd_operator.hashing import content_hash
-from pdd_operator.rollout import RolePlan, effective_max_unavailable, pod_info
+from pdd_operator.rollout import PodInfo, RolePlan, effective_max_unavailable, pod_info
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_VERSION = "v1"
@@ -180,6 +180,12 @@ def role_plan(want: Obj, have: Obj | None, pods: list[Obj]) -> RolePlan:
     that keep a group from serving give the condition its message."""
     plan = RolePlan()
     replicas = int(want["spec"]["replicas"])
+    if have is None:
+        plan.waiting_on = [PodInfo(
+            name=want["metadata"]["name"], index=None, uid="", hash=None, ready=False,
+            terminating=False, owner_uid=None, problem_reason="PodPending",
+            problem=f"LeaderWorkerSet {want['metadata']['name']} is being created")]
+        return plan
     digest = want["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH]
     infos = {id(p): pod_info(p) for p in pods}
     leaders = [p for p in pods if _label(p, LWS_LABEL_WORKER_INDEX) == "0"
@@ -194,8 +200,14 @@ def role_plan(want: Obj, have: Obj | None, pods: list[Obj]) -> RolePlan:
     plan.ready = min(status_ready, ready_leaders, replicas)
     plan.waiting_on = sorted((i for i in infos.values() if not i.ready and not i.terminating),
                              key=lambda i: i.name)
-    missing = replicas - len({_group_index(p) for p in wanted})
-    plan.create = [want] * max(0, missing)
+    # Groups LWS has not created yet. Never in `plan.create`: the reconciler creates what is
+    # there, and LWS creates groups, not the operator.
+    present = {_group_index(p) for p in wanted}
+    plan.waiting_on += [
+        PodInfo(name=f"{want['metadata']['name']}-{i}", index=i, uid="", hash=None, ready=False,
+                terminating=False, owner_uid=None, problem_reason="PodPending",
+                problem=f"group {i} ({want['metadata']['name']}-{i}) is not created yet")
+        for i in range(replicas) if i not in present]
     return plan
 
 

@@ -173,10 +173,16 @@ def test_role_plan_is_not_settled_while_a_leader_runs_an_older_template() -> Non
 def test_role_plan_before_the_lws_exists_and_with_a_stale_status() -> None:
     [want] = bl.lws_objects(desired())
     plan = bl.role_plan(want, None, [])
-    assert (plan.replicas, plan.ready, len(plan.create)) == (0, 0, 2)
+    assert (plan.replicas, plan.ready, plan.create) == (0, 0, [])  # LWS creates, not us
     ok, reason, message = role_condition("prefill", plan, 2, 1)
-    assert not ok and reason == "PodsStarting" and "2 being created" in message
+    assert not ok and reason == "PodsStarting"
+    assert "LeaderWorkerSet v3-prefill is being created" in message
     digest = want["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH]
+    plan = bl.role_plan(want, {**want, "status": {}}, [lws_pod(0, 0, digest, "starting")])
+    assert plan.create == []
+    ok, reason, message = role_condition("prefill", plan, 2, 1)
+    assert not ok and reason == "PodsStarting" and "group 1 (v3-prefill-1) is not created yet" \
+        in message
     # readyReplicas says 2, only one leader is Ready now: the pods win.
     have = {**want, "status": {"replicas": 2, "readyReplicas": 2}}
     pods = [lws_pod(0, 0, digest), lws_pod(1, 0, digest, "starting")]
