@@ -14,7 +14,7 @@
 #            the same-run roofline, attention alone, prefill, routed experts
 #   sweep    tests/gpu/sweep.py on the two-GPU configurations (DTYPES, default bfloat16)
 #   serving  bench/gpu_serving.sh: decode dcp 1 against dcp 2 (CONCURRENCY, default 16,64,256)
-# Time limits (s): TESTS_S 200, ENGINE_S 330, SWEEP_S 300, SERVING_S 280.
+# Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the results}
@@ -67,12 +67,12 @@ want() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 if want tests; then
     say "stage tests"
-    timeout -k 10 "${TESTS_S:-200}" $PY -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || rc=1
+    timeout -k 10 "${TESTS_S:-240}" $PY -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || rc=1
     say "tests done"
 fi
 if want engine; then
     say "stage engine"
-    timeout -k 10 "${ENGINE_S:-330}" $PY bench/engine.py --device cuda --json "$OUT/engine.json" \
+    timeout -k 10 "${ENGINE_S:-300}" $PY bench/engine.py --device cuda --json "$OUT/engine.json" \
         ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" || rc=1
     say "engine done"
 fi
