@@ -205,6 +205,31 @@ def test_a_role_switches_between_one_pod_and_an_lws_both_ways(
     kube("delete", "pddeployment", name, "-n", ns, "--timeout=60s")
 
 
+def test_a_routing_plan_change_rolls_the_lws_and_the_one_pod_role(
+        lws: Cluster, kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    """blockSize changes the plan: the LWS groups roll through LWS, the decode pod through the
+    operator, and the PDDeployment is Ready on the new plan (no surge pod for an LWS role)."""
+    ns, name = op_namespace, "pc"
+    doc = copy.deepcopy(DOC)
+    doc["metadata"]["name"] = name
+    kube.apply(doc, "-n", ns)
+    wait_ready(kube, ns, name, operator, timeout=120)
+    kube("patch", "pddeployment", name, "-n", ns, "--type=merge",
+         "-p", '{"spec": {"blockSize": 128}}')
+    wait_ready(kube, ns, name, operator, timeout=150)
+    plan = kube.json("get", "leaderworkerset", f"{name}-prefill", "-n", ns)["metadata"][
+        "labels"]["serving.pdd.dev/plan-hash"]
+    pods = wait_for("groups and the decode pod on the new plan", lambda: running(
+        [p for p in lws_pods(kube, ns, f"{name}-prefill")
+         if p["metadata"]["labels"]["serving.pdd.dev/plan-hash"] == plan], 2), timeout=60)
+    assert env_of(pods[0])["PDD_BLOCK_SIZE"] == "128"
+    decode = kube.json("get", "pod", f"{name}-decode-0", "-n", ns)
+    assert decode["metadata"]["labels"]["serving.pdd.dev/plan-hash"] == plan
+    assert kube("get", "pod", f"{name}-prefill-surge", "-n", ns, check=False).returncode != 0
+    assert "Traceback" not in operator.log(10_000), operator.log(200)
+    kube("delete", "pddeployment", name, "-n", ns, "--timeout=60s")
+
+
 def test_cel_and_pdd_validate_refuse_a_gpus_per_pod_that_does_not_divide_tp(
         lws: Cluster, kube: Kubectl, op_namespace: str, tmp_path: Path) -> None:
     bad = copy.deepcopy(DOC)
