@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the engine in one bounded command, for machines with GPUs and
 # no package registry: installs wheels brought along in .whl/ and .whl_tf/ (only what the
 # machine's Python lacks), then runs the stages named in STAGES, each under its own time limit,
-# and leaves every log and JSON in $OUT (at most eight files, flat).
+# and leaves the logs and JSON in $OUT (at most eight files, flat; the rest in extra.tar.gz).
 #
 #   OUT=/tmp/out STAGES=tests,engine bash bench/gpu_all.sh        # one GPU is enough
 #   OUT=/tmp/out STAGES=sweep,serving bash bench/gpu_all.sh       # two GPUs, NIXL
@@ -81,7 +81,7 @@ if want sweep; then
     timeout -k 10 "${SWEEP_S:-300}" $PY tests/gpu/sweep.py --device cuda --configs x2 \
         --dtype "${DTYPES:-bfloat16}" --jobs 2 --budget-s $(( ${SWEEP_S:-300} - 90 )) \
         --out /tmp/sweep-out 2>&1 | tee "$OUT/sweep.log" || rc=1
-    cp /tmp/sweep-out/sweep.json "$OUT/sweep.json" 2>/dev/null || true
+    mkdir -p /tmp/gpu-all-extra && cp /tmp/sweep-out/sweep.* /tmp/gpu-all-extra/ 2>/dev/null
     say "sweep done"
 fi
 if want serving; then
@@ -89,9 +89,12 @@ if want serving; then
     mkdir -p /tmp/serving-out
     OUT=/tmp/serving-out CONCURRENCY=${CONCURRENCY:-16,64,256} \
         BENCH_TIMEOUT=${SERVING_S:-280} bash bench/gpu_serving.sh >/dev/null 2>&1 || rc=1
-    cp /tmp/serving-out/serving.log /tmp/serving-out/serving.json "$OUT/" 2>/dev/null || true
-    tar -czf "$OUT/serving-extra.tar.gz" -C /tmp/serving-out . 2>/dev/null || true
+    cp /tmp/serving-out/serving.log /tmp/serving-out/serving.json "$OUT/" 2>/dev/null
+    mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serving-out /tmp/gpu-all-extra/serving
     say "serving done"
+fi
+if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files
+    tar -czf "$OUT/extra.tar.gz" -C /tmp/gpu-all-extra . 2>/dev/null
 fi
 say "all done, exit $rc"
 exit $rc
