@@ -110,7 +110,7 @@ def test_graph_replay_matches_eager(kind: str, dtype: torch.dtype) -> None:
         # a greedy pick may only differ where the eager margin is within the rounding seen
         assert not (differ & (margin > 2 * diff)).any(), f"step {i}"
         flips += int(differ.sum())
-    tol = 1e-3 if dtype == torch.float32 else 0.25
+    tol = 1e-3 if dtype == torch.float32 else 0.5  # bf16: the CPU layout tests' bound
     print(f"{kind} {dtype}: max |graph - eager| logit {worst:.2e}, near-tie flips {flips}, "
           f"replay bit-identical to the padded step in {bitwise}/{len(schedule)} steps")
     assert worst <= tol
