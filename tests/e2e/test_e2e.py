@@ -3,8 +3,9 @@ with the injected routing -> pod runner -> sidecars -> NIXL hand-off -> completi
 router Service, compared token for token with the single-process reference.
 
 The reference deployment (P TP2/DCP2 -> D TP4/DCP4) is deployed once and then taken through
-the lifecycle tests in file order (delete a decode pod, change decode DCP, scale decode), each of
-which starts by waiting for the deployment to be Ready, so each checks its own claim.
+the lifecycle tests in file order (delete a decode pod, change decode DCP under traffic, scale
+decode), each of which starts by waiting for the deployment to be Ready, so each checks its own
+claim.
 """
 
 from __future__ import annotations
@@ -217,37 +218,59 @@ def test_delete_decode_pod_under_traffic(reference_deployment: Deployment) -> No
     assert all(r.tokens == dep.reference() for r in later)
 
 
-def test_change_decode_dcp_4_to_1_restarts_sidecars_with_new_plan(
-    reference_deployment: Deployment,
-) -> None:
+def test_change_decode_dcp_4_to_1_under_traffic(reference_deployment: Deployment) -> None:
+    """A routing-plan change rolls both roles: a surge pair on the new plan (the stack has
+    GPUs to spare), then the replicas. Requests keep flowing throughout: none fails and every
+    completion equals the reference, on the old plan and on the new."""
     dep = reference_deployment
     dep.wait_ready()
     before = dep.routing()
     assert before["decode"]["decodeContextParallelSize"] == 4
     old_uid = dep.pod("decode", 0)["metadata"]["uid"]  # type: ignore[index]
-    dep.patch({"decode": {"decodeContextParallelSize": 1}})
+    surge_seen: set[str] = set()
 
     def new_plan_running() -> bool:
+        surge_seen.update(r for r in ("prefill", "decode")
+                          if dep.stack.get("pod", f"{dep.name}-{r}-surge", dep.namespace))
         plan = dep.routing()
         pod = dep.pod("decode", 0)
         if pod is None or pod["metadata"]["uid"] == old_uid or not pod_ready(pod):
             return False
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         return (
-            plan["decode"]["decodeContextParallelSize"] == 1
+            plan.get("decode", {}).get("decodeContextParallelSize") == 1
             and env.get("PDD_DCP_SIZE") == "1"
             and dep.stack.is_ready(dep.name, dep.namespace)
         )
 
-    dep.stack.wait("decode restarted with DCP 1", new_plan_running, 600,
-                   progress=lambda: dep.stack.progress_line(dep.name, dep.namespace))  # fmt: skip
-    dep.wait_ready()
+    with Traffic(dep) as traffic:
+        dep.stack.wait("3 requests before the change", lambda: len(traffic.requests) >= 3, 300)
+        t_patch = time.monotonic()
+        dep.patch({"decode": {"decodeContextParallelSize": 1}})
+        dep.stack.wait("the roll to DCP 1 done", new_plan_running, 900,
+                       progress=lambda: dep.stack.progress_line(dep.name, dep.namespace))
+        dep.wait_ready()
+        t_done = time.monotonic()
+        dep.stack.wait("3 requests after the roll", lambda: len(traffic.after(t_done)) >= 3,
+                       300)
+    during = traffic.after(t_patch)
+    failed = [r for r in traffic.requests if not r.ok]
+    print(f"plan-changing roll under traffic: {len(traffic.requests)} requests "
+          f"({len(during)} from the change on, {len(traffic.after(t_done))} after it), "
+          f"{len(failed)} failed; roll took {t_done - t_patch:.0f}s")
+    if failed:
+        print("failed requests (seconds after the change):",
+              [(round(r.started - t_patch, 1), r.error) for r in failed])
+        print(dep.stack.diagnostics(400))
+    assert not failed, [r.error for r in failed]
+    assert all(r.tokens == dep.reference() for r in traffic.requests)
+    assert surge_seen == {"prefill", "decode"}, "the roll surged a new pair first"
     after = dep.routing()
-    assert after != before
     assert (before["case"], after["case"]) == ("sharded-to-sharded", "sharded-to-replicated")
-    result = dep.complete()
-    assert result["choices"][0]["token_ids"] == dep.reference()
-    # Replicated decode KV: every decode rank now receives every chunk, so the same bytes.
+    # Requests after the roll ran on the new plan: replicated decode KV, so every decode rank
+    # received the same bytes.
+    result = traffic.after(t_done)[-1].result
+    assert result is not None
     per_rank = [r["bytes"] for r in result["pdd"]["transfer"]["ranks"]]
     assert len(set(per_rank)) == 1 and per_rank[0] > 0, per_rank
 

@@ -45,6 +45,7 @@ class InstanceState:
         self.prefill_peers: dict[str, str] = {}  # instance id -> HTTP URL (decode)
         self.peer_errors: dict[str, RequestError] = {}  # instance id -> why it was refused
         self.draining = False
+        self.in_flight = 0  # POST requests being answered (server.py counts them)
 
     @property
     def ready(self) -> bool:
@@ -60,7 +61,11 @@ class InstanceState:
         self.not_ready_reason = "draining: shutting down"
         log.info("draining before exit (at most %.0fs)", limit_s)
         deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline and not self.driver.idle():
+        # Idle twice in a row: a request accepted just before the drain may be between its
+        # handler and the engine (a decode pulling KV), or its answer still being written.
+        quiet = 0
+        while time.monotonic() < deadline and quiet < 2:
+            quiet = quiet + 1 if self.driver.idle() and self.in_flight == 0 else 0
             time.sleep(0.1)
         logging.shutdown()
         os._exit(0)

@@ -468,6 +468,11 @@ def _upstream_error(role: str, url: str, status: int, data: Any,
     return ApiError(status, message, None, type_, None, out_headers)
 
 
+# A replica's address that no longer answers (a pod just deleted) costs this much before the
+# request goes to another replica.
+CONNECT_TIMEOUT_S = 5.0
+
+
 class _Unreachable(ApiError):
     """No connection: the replica never saw the request, so another may take it."""
 
@@ -526,7 +531,10 @@ class Router:
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         assert self.session is not None
         try:
-            async with self.session.post(f"{url}{path}", json=body, headers=headers) as resp:
+            timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s or None,
+                                            sock_connect=CONNECT_TIMEOUT_S)
+            async with self.session.post(f"{url}{path}", json=body, headers=headers,
+                                         timeout=timeout) as resp:
                 try:
                     data = await resp.json(content_type=None)
                 except (json.JSONDecodeError, UnicodeDecodeError):
@@ -614,11 +622,12 @@ class Router:
                 "kv_transfer_params": pre.get("kv_transfer_params"), "sampling": req.sampling,
                 "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                 "stream": True}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.request_timeout_s or None)
         try:
             resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
-        except aiohttp.ClientConnectorError as exc:  # the request never reached it
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # The request never reached it.
             raise _Unreachable(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}"
                                ) from None
         except (TimeoutError, aiohttp.ClientError) as exc:

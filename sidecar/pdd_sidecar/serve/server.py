@@ -109,7 +109,18 @@ async def _check_own_ranks(state: InstanceState) -> None:
 
 
 def build_app(state: InstanceState) -> web.Application:
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    @web.middleware
+    async def count_in_flight(request: web.Request, handler: Any) -> web.StreamResponse:
+        """A draining instance exits only once no request is being answered (common.py)."""
+        if request.method != "POST":
+            return await handler(request)  # type: ignore[no-any-return]
+        state.in_flight += 1
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        finally:
+            state.in_flight -= 1
+
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[count_in_flight])
     app[STATE] = state
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
