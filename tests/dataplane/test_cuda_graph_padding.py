@@ -144,7 +144,7 @@ def test_decode_mode_and_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None
         RankEngine(model, cache, SingleComm(), decode_mode="padded", graph_buckets=[0, 4])
     monkeypatch.setenv("PDD_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="PDD_CUDA_GRAPHS: must be 0 or 1, got 'yes'"):
-        cuda_graphs.graphs_enabled()
+        RankEngine(model, cache, SingleComm())
     monkeypatch.setenv("PDD_CUDA_GRAPHS", "0")
     assert cuda_graphs.default_decode_mode(torch.device("cuda")) == "eager"
     monkeypatch.delenv("PDD_CUDA_GRAPHS")

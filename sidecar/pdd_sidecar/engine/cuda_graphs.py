@@ -45,7 +45,9 @@ def graphs_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def default_decode_mode(device: torch.device, env: Mapping[str, str] | None = None) -> str:
-    return "graph" if device.type == "cuda" and graphs_enabled(env) else "eager"
+    """The setting is checked on every device, so a typo fails on the CPU too."""
+    enabled = graphs_enabled(env)
+    return "graph" if device.type == "cuda" and enabled else "eager"
 
 
 def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
