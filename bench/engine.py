@@ -12,8 +12,10 @@ on the device, so no checkpoint is needed. Measured, each against a yardstick fr
 - the paged decode attention kernel alone at long contexts against that read rate.
 
 The decode step is a per-layer loop over the model's functions (the paged decode kernel, the
-grouped-GEMM MoE, the dense projections) with static shapes, so it can be graph-captured. Where the
-engine's own path imports, batch-1 decode and prefill are also timed through ``RankEngine``.
+grouped-GEMM MoE, the dense projections) with static shapes, so it can be graph-captured. Every
+decode row is also timed through the serving engine, ``RankEngine.step`` (host work included),
+eager and replayed from the engine's CUDA graph of the batch's bucket; ``--engine`` adds batch-1
+prefill and decode through ``RankEngine.prefill``/``decode_step``.
 
     python bench/engine.py --device cuda --json /tmp/engine.json
     python bench/engine.py --device cpu --small        # smoke run, seconds
