@@ -222,6 +222,16 @@ def lws_pods_of(pods: list[Obj], owner_name: str, role: str) -> list[Obj]:
     return [p for p in pods if _label(p, LWS_LABEL_NAME) == name]
 
 
+def leaders_only(status: Obj, desired: Desired) -> Obj:
+    """The scale subresource's selector (an HPA counts and averages over it) names one pod per
+    instance, as for one-pod roles: the group leaders, as LWS's own hpaPodSelector does."""
+    for role in lws_roles(desired):
+        node = status.get(role)
+        if isinstance(node, dict) and node.get("selector"):
+            node["selector"] += f",{LWS_LABEL_WORKER_INDEX}=0"
+    return status
+
+
 MISSING_CRD_REASON = "LeaderWorkerSetCRDMissing"
 
 

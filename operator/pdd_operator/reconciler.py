@@ -355,6 +355,7 @@ class Reconciler:
         for role in ("prefill", "decode"):
             status[role]["selector"] = ",".join(
                 f"{k}={v}" for k, v in selector(owner, role).items())
+        builders_lws.leaders_only(status, desired)
         conflicts = outcome.conflicts + [
             _full_ref("Pod", ns, n) for r in ("prefill", "decode") for n in roles[r].conflicts]
         status = with_errors(status, errors=outcome.errors, conflicts=conflicts,

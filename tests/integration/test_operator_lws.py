@@ -138,6 +138,9 @@ def test_spanning_role_runs_as_one_lws_group_with_lws_env(
     status = obj["status"]
     assert {k: status["prefill"][k] for k in ("replicas", "readyReplicas", "updatedReplicas")} \
         == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    # The scale selector names one pod per instance (the leaders), as for one-pod roles.
+    selected = kube.json("get", "pods", "-n", ns, "-l", status["prefill"]["selector"])["items"]
+    assert [p["metadata"]["name"] for p in selected] == [f"{NAME}-prefill-0"]
     conds = conditions(obj)
     assert conds["PrefillAvailable"]["status"] == "True", conds
     assert conds["PrefillAvailable"]["reason"] == "AllReplicasReady", conds

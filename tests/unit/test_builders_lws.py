@@ -225,3 +225,12 @@ def test_deepseek_v3_example_is_two_lws_of_two_8_gpu_pods_per_instance() -> None
             assert {"name": "models", "mountPath": "/models", "readOnly": True} in main[
                 "volumeMounts"]
     assert d.plan.case == "sharded-to-sharded"
+
+
+def test_scale_selector_of_an_lws_role_names_the_leaders() -> None:
+    d = desired()
+    sel = "app.kubernetes.io/name=pdd,app.kubernetes.io/instance=v3,app.kubernetes.io/component="
+    status = {"prefill": {"selector": sel + "prefill"}, "decode": {"selector": sel + "decode"}}
+    out = bl.leaders_only(status, d)
+    assert out["prefill"]["selector"] == sel + f"prefill,{bl.LWS_LABEL_WORKER_INDEX}=0"
+    assert out["decode"]["selector"] == sel + "decode"
