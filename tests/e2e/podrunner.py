@@ -20,10 +20,13 @@ kubelet. For every pod the scheduler binds to them it runs exactly what the pod 
 * **readiness**: ``readinessProbe`` / ``livenessProbe`` / ``startupProbe`` (httpGet,
   tcpSocket, exec) against the pod IP; their results, not the runner's guess, set the pod's
   ``Ready`` condition and ``containerStatuses[].ready``.
-* **services**: the runner writes ``<svc>.<ns>.svc[.cluster.local]`` and, for headless
-  Services, ``<hostname>.<svc>.<ns>.svc[...]`` into a marked block of /etc/hosts from the
-  EndpointSlices kube-controller-manager maintains (ready endpoints only, as CoreDNS does),
-  and proxies each ClusterIP:port to the ready endpoints (kube-proxy's userspace mode).
+* **services**: the runner writes ``<svc>.<ns>[.svc[.cluster.local]]`` and, for headless
+  Services, ``<hostname>.<svc>.<ns>[...]`` into a marked block of /etc/hosts from the
+  EndpointSlices kube-controller-manager maintains (ready endpoints only, as CoreDNS does,
+  unless the Service publishes not-ready addresses), and proxies each ClusterIP:port to the
+  ready endpoints (kube-proxy's userspace mode). The forms without ``.svc`` are what a pod's
+  ``svc.cluster.local`` search domain resolves (LeaderWorkerSet's ``LWS_LEADER_ADDRESS`` is
+  ``<leader>.<svc>.<ns>``).
 
 Why not kwok's nodes: kwok's pod stage sets ``Ready=True`` the moment a pod is bound, with no
 probe, and gives pod IPs that nothing on this machine answers on. A second writer of the same
@@ -487,8 +490,8 @@ class PodWorker(threading.Thread):
         hostname = spec.get("hostname") or self.pod_name
         names = [hostname]
         if spec.get("subdomain"):
-            fqdn = f"{hostname}.{spec['subdomain']}.{self.ns_name}.svc"
-            names = [f"{fqdn}.{CLUSTER_DOMAIN}", fqdn, hostname]
+            short = f"{hostname}.{spec['subdomain']}.{self.ns_name}"
+            names = [f"{short}.svc.{CLUSTER_DOMAIN}", f"{short}.svc", short, hostname]
         lines = [
             "# Kubernetes-managed hosts file (pdd pod runner).",
             "127.0.0.1\tlocalhost",
@@ -1280,7 +1283,8 @@ class Runner:
                         continue
                     for addr in ep.get("addresses", []):
                         eps.append((addr, ep.get("hostname"), ports))
-            fqdns = [f"{name}.{ns}.svc", f"{name}.{ns}.svc.{CLUSTER_DOMAIN}"]
+            # The last form is what the search domain svc.cluster.local completes.
+            fqdns = [f"{name}.{ns}.svc", f"{name}.{ns}.svc.{CLUSTER_DOMAIN}", f"{name}.{ns}"]
             cluster_ip = spec.get("clusterIP")
             if cluster_ip and cluster_ip != "None":
                 records.extend((cluster_ip, f) for f in fqdns)
