@@ -644,7 +644,9 @@ def _up_locked(
     with _lock(state_dir):
         existing = Cluster.load(state_dir)
         if existing is not None:
-            problem = healthy(existing)
+            # A stopped LWS controller is restarted by ensure_lws, not a reason to replace a
+            # control plane other sessions may be using.
+            problem = healthy(existing, skip=LWS_COMPONENTS)
             if problem is None and real_node and existing.real_node is None:
                 raise ClusterError(
                     f"the local cluster in {state_dir} runs without a real node; stop it "
