@@ -29,6 +29,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                     help="NAMESPACE/NAME of the webhook Service (in-cluster mode)")
     ap.add_argument("--webhook-config-name", default=None)
     ap.add_argument("--tls-secret", default=None, help="NAMESPACE/NAME shared by replicas")
+    ap.add_argument("--webhook-cert-dir", default=None,
+                    help="serve tls.crt/tls.key from DIR, managed outside the operator "
+                         "(cert-manager): no caBundle patch, no renewal")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="API requests in flight at most (default 64)")
     ap.add_argument("--peering", default=None, help="kopf peering name")
@@ -45,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.namespaces = list(args.namespace)
     for attr in ("resync_seconds", "metrics_port", "liveness_port", "webhook_port",
                  "webhook_host", "webhook_service", "webhook_config_name", "tls_secret",
-                 "priority", "concurrency"):
+                 "priority", "concurrency", "webhook_cert_dir"):
         value = getattr(args, attr)
         if value is not None:
             setattr(cfg, attr, value)

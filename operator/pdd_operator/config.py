@@ -32,6 +32,10 @@ class Config:
     peering_lifetime: int = 60  # seconds a silent peer is still taken as alive
     concurrency: int = 64
     cert_validity_seconds: float = 365 * 86400.0  # webhook certificate; renewed at 2/3
+    # A directory holding tls.crt, tls.key (and ca.crt) managed outside the operator, e.g. a
+    # cert-manager Certificate's Secret with cainjector filling the caBundle: the operator
+    # then serves those files and neither patches the webhook configuration nor renews.
+    webhook_cert_dir: str | None = None
 
     @classmethod
     def from_env(cls) -> Config:
@@ -53,6 +57,7 @@ class Config:
         cfg.concurrency = _env_int("PDD_CONCURRENCY", cfg.concurrency)
         cfg.cert_validity_seconds = float(os.environ.get("PDD_WEBHOOK_CERT_VALIDITY_SECONDS")
                                           or cfg.cert_validity_seconds)
+        cfg.webhook_cert_dir = os.environ.get("PDD_WEBHOOK_CERT_DIR") or None
         return cfg
 
 

@@ -27,10 +27,9 @@ from pdd_operator.reconciler import Reconciler
 from pdd_operator.webhook import (
     HANDLER_ID,
     admission_problems,
-    ensure_tls,
     ensure_webhook_configuration,
+    prepare_tls,
     rotate_forever,
-    write_tls,
 )
 
 log = logging.getLogger("pdd_operator")
@@ -101,18 +100,22 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.tasks.append(loop.create_task(periodic_loop(rec)))
     STATE.tasks.append(loop.create_task(rec.watch_children(cfg.namespaces or None)))
     if cfg.webhook_port:
-        bundle = await ensure_tls(kube, cfg)
-        certfile, keyfile = write_tls(bundle)
+        tls = await prepare_tls(kube, cfg)
         # kopf re-reads the files every few seconds and restarts its server when they change:
-        # that is how a renewed certificate (rotate_forever) takes effect.
+        # that is how a renewed certificate (rotate_forever, or cert-manager's) takes effect.
         settings.admission.server = kopf.WebhookServer(
             addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
-            certfile=str(certfile), pkeyfile=str(keyfile), cadata=bundle.ca_pem,
+            certfile=str(tls.certfile), pkeyfile=str(tls.keyfile), cadata=tls.ca_pem,
             file_check_interval=min(60.0, max(1.0, cfg.cert_validity_seconds / 30)),
         )
-        await ensure_webhook_configuration(kube, cfg, bundle.ca_pem)
-        STATE.tasks.append(loop.create_task(
-            rotate_forever(kube, cfg, bundle, certfile.parent)))
+        if tls.bundle is not None:
+            await ensure_webhook_configuration(kube, cfg, tls.bundle.ca_pem)
+            STATE.tasks.append(loop.create_task(
+                rotate_forever(kube, cfg, tls.bundle, tls.certfile.parent)))
+        else:
+            log.info("webhook certificate from %s, managed outside the operator: the webhook "
+                     "configuration and its caBundle are left to it (cert-manager cainjector)",
+                     cfg.webhook_cert_dir)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
     log.info("pdd-operator started: namespaces=%s priority=%s",

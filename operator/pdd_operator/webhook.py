@@ -14,6 +14,7 @@ import datetime
 import logging
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,32 @@ async def ensure_tls(kube: Kube, cfg: Config, renew: bool = False) -> TlsBundle:
             if exc.status != 409:
                 raise
     raise RuntimeError(f"could not create or read the TLS secret {cfg.tls_secret}")
+
+
+@dataclass(frozen=True)
+class WebhookTls:
+    """What the webhook server serves. `bundle` is None when the certificate is managed
+    outside the operator (cert-manager): nothing to patch, nothing to renew here."""
+
+    certfile: Path
+    keyfile: Path
+    ca_pem: bytes | None
+    bundle: TlsBundle | None
+
+
+async def prepare_tls(kube: Kube, cfg: Config) -> WebhookTls:
+    if cfg.webhook_cert_dir:
+        directory = Path(cfg.webhook_cert_dir)
+        certfile, keyfile, cafile = (directory / n for n in ("tls.crt", "tls.key", "ca.crt"))
+        missing = [str(f) for f in (certfile, keyfile) if not f.is_file()]
+        if missing:
+            raise RuntimeError(f"webhook certificate directory {directory} (--webhook-cert-dir)"
+                               f" lacks {', '.join(missing)}: mount the Certificate's Secret")
+        return WebhookTls(certfile, keyfile,
+                          cafile.read_bytes() if cafile.is_file() else None, None)
+    bundle = await ensure_tls(kube, cfg)
+    certfile, keyfile = write_tls(bundle)
+    return WebhookTls(certfile, keyfile, bundle.ca_pem, bundle)
 
 
 def write_tls(bundle: TlsBundle, directory: Path | None = None) -> tuple[Path, Path]:
