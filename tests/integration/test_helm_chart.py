@@ -160,8 +160,8 @@ def test_namespaced_mode_uses_roles_in_the_watched_namespaces(helm: Path) -> Non
         assert binding["roleRef"]["name"] == "pdd-operator-workloads"
         # Every namespaced rule of the cluster-wide role, and no cluster-scoped resource.
         namespaced = [r for r in wide if not set(r["resources"]) & {
-            "namespaces", "customresourcedefinitions", "validatingwebhookconfigurations",
-            "clusterkopfpeerings", "kopfpeerings"}]
+            "namespaces", "nodes", "customresourcedefinitions",
+            "validatingwebhookconfigurations", "clusterkopfpeerings", "kopfpeerings"}]
         assert all(r in role["rules"] for r in namespaced)
     assert ("Role", "ops", "pdd-operator-workloads") not in objs
     dep = objs[("Deployment", "ops", "pdd-operator")]
