@@ -142,6 +142,9 @@ def test_decode_mode_and_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None
         RankEngine(model, cache, SingleComm(), decode_mode="graph")
     with pytest.raises(ValueError, match="graph buckets"):
         RankEngine(model, cache, SingleComm(), decode_mode="padded", graph_buckets=[0, 4])
+    from pdd_sidecar import env
+
+    assert cuda_graphs.PDD_CUDA_GRAPHS == env.PDD_CUDA_GRAPHS
     monkeypatch.setenv("PDD_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="PDD_CUDA_GRAPHS: must be 0 or 1, got 'yes'"):
         RankEngine(model, cache, SingleComm())

@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdd_sidecar.env import PDD_CUDA_GRAPHS
 from pdd_sidecar.kv import cache as kvc
 
 if TYPE_CHECKING:
     from pdd_sidecar.engine.rank_engine import SeqChunk
 
+# Listed in env.py with every other variable; named here too so the engine (and what imports it
+# on GPU machines: the benches, generate) needs nothing of the operator's packages.
+PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_MODES = ("eager", "padded", "graph")
 
