@@ -14,12 +14,18 @@ from pdd_api.models import (
     API_VERSION,
     KIND,
     PLURAL,
+    ROLES,
     SHORT_NAME,
     PDDeploymentSpec,
     PDDeploymentStatus,
 )
 from pdd_api.rules import RULES
-from pdd_api.validation import MAX_NAME_LENGTH, NAME_PATTERN
+from pdd_api.validation import (
+    MAX_NAME_LENGTH,
+    MAX_NAME_LENGTH_LWS,
+    NAME_PATTERN,
+    lws_name_message,
+)
 
 _SCALARS = {int: "integer", str: "string", bool: "boolean", float: "number"}
 
@@ -104,6 +110,21 @@ def name_rule() -> dict[str, str]:
     }
 
 
+def name_lws_rule() -> dict[str, str]:
+    """The tighter name limit of a spec whose roles span pods (validation.spans_pods)."""
+    name = "self.metadata.name"
+    spans = " || ".join(
+        f"(has(self.spec.{r}) && has(self.spec.{r}.gpusPerPod) && "
+        f"has(self.spec.{r}.tensorParallelSize) && "
+        f"self.spec.{r}.gpusPerPod < self.spec.{r}.tensorParallelSize)" for r in ROLES)
+    head, _, _ = lws_name_message("%s").rpartition("'%s'")
+    return {
+        "rule": f"!has(self.spec) || {name}.size() <= {MAX_NAME_LENGTH_LWS} || !({spans})",
+        "messageExpression": f"\"{head}'%s'\".format([{name}])",
+        "reason": "FieldValueInvalid",
+    }
+
+
 def _ready_column(name: str, ctype: str) -> dict[str, Any]:
     return {
         "name": name,
@@ -167,7 +188,7 @@ def crd() -> dict[str, Any]:
                                 "status": status,
                             },
                             "required": ["spec"],
-                            "x-kubernetes-validations": [name_rule()],
+                            "x-kubernetes-validations": [name_rule(), name_lws_rule()],
                         }
                     },
                 }

@@ -13,13 +13,17 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from pdd_api.models import API_GROUP, API_VERSION, KIND, PDDeploymentSpec
-from pdd_api.rules import check_rules
+from pdd_api.models import API_GROUP, API_VERSION, KIND, ROLES, PDDeploymentSpec
+from pdd_api.rules import check_rules, lookup
 from pdd_api.structural import describe as _describe
 from pdd_api.structural import normalize
 
 API_VERSION_FULL = f"{API_GROUP}/{API_VERSION}"
 MAX_NAME_LENGTH = 47  # leaves room for "-prefill-<i>" within a 63-character DNS label
+# A role that spans pods (docs/lws.md): its LeaderWorkerSet's worker StatefulSet
+# `<name>-prefill-<i>` labels its pods `controller-revision-hash: <statefulset>-<10-char hash>`,
+# a label value of at most 63 characters (crd.name_lws_rule).
+MAX_NAME_LENGTH_LWS = 41
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"  # also the CRD's CEL rule (crd.name_rule)
 _DNS_LABEL = re.compile(NAME_PATTERN)
 
@@ -98,7 +102,25 @@ def validate_spec(spec: Any, prefix: str = "spec") -> list[str]:
     return _dedupe(_structural(spec, prefix) + schema_problems + check_rules(spec))
 
 
-def validate_name(name: Any) -> list[str]:
+def spans_pods(spec: Any) -> bool:
+    """Whether a role of the spec runs as a LeaderWorkerSet (gpusPerPod below its TP)."""
+    if not isinstance(spec, Mapping):
+        return False
+    for role in ROLES:
+        g, tp = lookup(spec, f"{role}.gpusPerPod"), lookup(spec, f"{role}.tensorParallelSize")
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (g, tp)) and g < tp:
+            return True
+    return False
+
+
+def lws_name_message(name: str) -> str:
+    return (f"metadata.name: must be at most {MAX_NAME_LENGTH_LWS} characters when a role spans "
+            "pods (gpusPerPod below tensorParallelSize: LeaderWorkerSet pods carry it in "
+            f"63-character labels), got '{name}'")
+
+
+def validate_name(name: Any, spec: Any = None) -> list[str]:
+    """The name alone, and with `spec` the tighter limit of a spec whose roles span pods."""
     if not isinstance(name, str) or not name:
         return ["metadata.name: required"]
     if len(name) > MAX_NAME_LENGTH or not _DNS_LABEL.match(name):
@@ -106,6 +128,8 @@ def validate_name(name: Any) -> list[str]:
             f"metadata.name: must be a lowercase DNS label (a-z, 0-9, '-') of at most "
             f"{MAX_NAME_LENGTH} characters, got {name!r}"
         ]
+    if len(name) > MAX_NAME_LENGTH_LWS and spans_pods(spec):
+        return [lws_name_message(name)]
     return []
 
 
@@ -121,7 +145,8 @@ def validate_document(doc: Any) -> list[str]:
     if doc.get("kind") != KIND:
         problems.append(f"kind: must be {KIND}, got {_describe(doc.get('kind'))}")
     meta = doc.get("metadata")
-    problems += validate_name(meta.get("name") if isinstance(meta, Mapping) else None)
+    problems += validate_name(meta.get("name") if isinstance(meta, Mapping) else None,
+                              doc.get("spec"))
     if "spec" not in doc:
         problems.append("spec: required")
     else:

@@ -484,7 +484,7 @@ class Reconciler:
         cached = self._built.get(key)
         if cached is not None and cached[0] == (owner.uid, generation):
             return cached[1]
-        problems = validate_name(owner.name) + validate_spec(raw_spec)
+        problems = validate_name(owner.name, raw_spec) + validate_spec(raw_spec)
         if problems:
             result: tuple[list[str], PDDeploymentSpec | None, Desired | None] = (
                 problems, None, None)

@@ -248,6 +248,23 @@ def test_cel_and_pdd_validate_refuse_a_gpus_per_pod_that_does_not_divide_tp(
     server = kube("apply", "--dry-run=server", "-n", op_namespace, "-f", str(path), check=False)
     assert server.returncode != 0 and message in server.stderr, server.stderr
 
+    # A name that fits one-pod instances but not an LWS's pod labels (42 characters).
+    long = copy.deepcopy(DOC)
+    long["metadata"]["name"] = "m" * 42
+    message = (f"metadata.name: must be at most 41 characters when a role spans pods (gpusPerPod "
+               "below tensorParallelSize: LeaderWorkerSet pods carry it in 63-character "
+               f"labels), got '{'m' * 42}'")
+    path.write_text(yaml.safe_dump(long))
+    cli = subprocess.run([str(pdd_cli), "validate", "-f", str(path)], capture_output=True,
+                         text=True, check=False)
+    assert cli.returncode == 1 and message in cli.stderr, cli.stderr
+    server = kube("apply", "--dry-run=server", "-n", op_namespace, "-f", str(path), check=False)
+    assert server.returncode != 0 and message in server.stderr, server.stderr
+    long["spec"]["prefill"].pop("gpusPerPod")
+    path.write_text(yaml.safe_dump(long))
+    assert kube("apply", "--dry-run=server", "-n", op_namespace, "-f", str(path),
+                check=False).returncode == 0
+
 
 def test_without_the_lws_crd_ready_is_false_naming_it(
         lws: Cluster, cluster: Cluster, kube: Kubectl, tmp_path: Path) -> None:

@@ -9,7 +9,13 @@ import pytest
 from spec_cases import BASE, INVALID, VALID_EDGES, with_
 
 from pdd_api.rules import RULES, default_of
-from pdd_api.validation import InvalidSpecError, parse_spec, validate_document, validate_spec
+from pdd_api.validation import (
+    InvalidSpecError,
+    parse_spec,
+    validate_document,
+    validate_name,
+    validate_spec,
+)
 
 
 @pytest.mark.parametrize(("spec", "message"), [(s, m) for _, s, m in INVALID],
@@ -76,3 +82,23 @@ def test_every_rule_has_a_cel_twin_with_the_same_message_prefix() -> None:
         cel = rule.cel()
         assert cel["messageExpression"].startswith(f"'spec.{rule.field}")
         assert cel["fieldPath"] == f".{rule.field}"
+
+
+@pytest.mark.parametrize(("name", "role", "per_pod", "ok"), [
+    ("a" * 41, "prefill", 2, True), ("a" * 42, "prefill", 2, False),
+    ("a" * 42, "decode", 1, False), ("a" * 47, "prefill", 4, True),  # 4 = TP: one pod
+    ("a" * 47, "prefill", None, True)])
+def test_a_spec_whose_roles_span_pods_limits_the_name_to_41(name: str, role: str,
+                                                            per_pod: int | None,
+                                                            ok: bool) -> None:
+    doc = {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+           "metadata": {"name": name}, "spec": copy.deepcopy(BASE)}
+    if per_pod is not None:
+        doc["spec"][role]["gpusPerPod"] = per_pod
+    want = [] if ok else [
+        "metadata.name: must be at most 41 characters when a role spans pods (gpusPerPod "
+        "below tensorParallelSize: LeaderWorkerSet pods carry it in 63-character labels), "
+        f"got '{name}'"]
+    assert validate_document(doc) == want
+    assert validate_name(name, doc["spec"]) == want
+    assert validate_name(name) == []
