@@ -304,6 +304,7 @@ def test_pool(lws: Cluster, kube: Kubectl) -> Iterator[list[str]]:
     for n in names:
         body = _node_body(n, 8)
         body["metadata"]["labels"][TEST_POOL] = "true"
+        body["metadata"]["labels"]["type"] = "kwok-lws-test"  # not counted as the cluster's
         body["spec"] = {"taints": [{"key": TEST_POOL, "value": "true", "effect": "NoSchedule"}]}
         kube.apply(body)
     yield names
