@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import urllib.error
 import urllib.request
@@ -226,6 +227,15 @@ def test_side_channel_handshake_refuses_a_mismatch_naming_both_values(
         with pytest.raises(urllib.error.HTTPError) as got:
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metadata", timeout=5)
         assert got.value.code == 404
+        # A body that is not a JSON object gets a 400 naming what was wrong, never a dropped
+        # connection.
+        for body in (b"[1, 2]", b'"text"', b"3", b"{not json"):
+            req = urllib.request.Request(f"http://127.0.0.1:{server.port}/handshake", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as got:
+                urllib.request.urlopen(req, timeout=5)
+            assert got.value.code == 400, body
+            assert "bad handshake" in json.loads(got.value.read())["error"], body
     finally:
         server.close()
     with pytest.raises(PeerUnreachable, match=f"127.0.0.1:{server.port}"):

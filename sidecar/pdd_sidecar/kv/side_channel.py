@@ -103,6 +103,9 @@ class SideChannelServer:
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
                     request = json.loads(self.rfile.read(length) or b"{}")
+                    if not isinstance(request, dict):
+                        raise TypeError(f"the body must be a JSON object, got "
+                                        f"{type(request).__name__}")
                     who = str(request.get("peer", "peer"))
                     check_handshake(key, request)
                     check_compatible(compat, CompatRecord.from_dict(request["compat"]), who)
