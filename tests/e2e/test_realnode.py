@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,8 +43,9 @@ OWN_STATE_DIR = REPO_ROOT / ".cache" / "cluster" / "realnode-e2e"
 WORK_DIR = REPO_ROOT / ".cache" / "realnode-e2e"
 GPUS = 8
 NAME = "p-tp1-to-d-tp1"
-# Two 64-token blocks and a partial third: the decode reads every block the prefill wrote.
-PROMPT = harness.prompt_ids("The quick brown fox jumps over the lazy dog. " * 3)
+# 270 byte-tokens, the e2e tier's prompt: five 64-token blocks, the last one partial, so every
+# rank of a DCP-4 decode holds KV.
+PROMPT = harness.prompt_ids("The quick brown fox jumps over the lazy dog. " * 6)
 MAX_TOKENS = 8
 ON_REAL_NODE: dict[str, Any] = {
     "nodeSelector": {"pdd.dev/node": "real"},
@@ -221,12 +223,13 @@ class Deployment:
     operator: Operator
     namespace: str
     doc: dict[str, Any]
+    name: str = NAME
 
     def why(self) -> str:
         return f"{self.node.describe(self.namespace)}\n--- operator\n{self.operator.tail()}"
 
     def service_url(self) -> str:
-        svc = self.node.get("service", NAME, self.namespace)
+        svc = self.node.get("service", self.name, self.namespace)
         assert svc is not None, "no router Service"
         return f"http://{svc['spec']['clusterIP']}:{harness.ROUTER_PORT}"
 
@@ -238,16 +241,20 @@ class Deployment:
             return False
 
     def is_ready(self) -> bool:
-        obj = self.node.get("pddeployment", NAME, self.namespace) or {}
+        obj = self.node.get("pddeployment", self.name, self.namespace) or {}
         status, gen = obj.get("status") or {}, obj.get("metadata", {}).get("generation")
         ready = {c["type"]: c for c in status.get("conditions", [])}.get("Ready", {})
         return status.get("observedGeneration") == gen and ready.get("status") == "True"
 
     def wait_ready(self, timeout: float = 600) -> None:
-        wait_for(f"PDDeployment {NAME} Ready", self.is_ready, timeout, self.why)
+        wait_for(f"PDDeployment {self.name} Ready", self.is_ready, timeout, self.why)
         wait_for("the router Service's /readyz from the host", self.router_ready, 120, self.why)
 
-    def complete(self) -> list[int]:
+    def complete(self, timeout: float = 120) -> list[int]:
+        return list(self.complete_result(timeout)["choices"][0]["token_ids"])
+
+    def complete_result(self, timeout: float = 120) -> dict[str, Any]:
+        """One request through the router Service's ClusterIP, from the host (kube-proxy)."""
         body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
         req = urllib.request.Request(
             self.service_url() + "/v1/completions",
@@ -255,19 +262,18 @@ class Deployment:
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                result = json.loads(resp.read())
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return dict(json.loads(resp.read()))
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
             raise AssertionError(f"router answered {e.code}: {detail}\n{self.why()}") from e
-        return list(result["choices"][0]["token_ids"])
 
     def reference(self) -> list[int]:
         return harness.reference(PROMPT, MAX_TOKENS, harness.spec_dtype(self.doc))
 
     def pods(self) -> list[dict[str, Any]]:
         out = self.node.kubectl(
-            "get", "pods", "-n", self.namespace, "-l", f"app.kubernetes.io/instance={NAME}",
+            "get", "pods", "-n", self.namespace, "-l", f"app.kubernetes.io/instance={self.name}",
             "-o", "json",
         )  # fmt: skip
         return list(json.loads(out)["items"])
@@ -452,3 +458,85 @@ def test_liveness_probe_restarts_a_hung_router(deployment: Deployment) -> None:
     deployment.wait_ready(timeout=300)
     assert deployment.complete() == deployment.reference()
 
+
+
+def test_delete_decode_pod_under_traffic(deployment: Deployment) -> None:
+    """Requests run back to back while the decode pod is deleted: the operator makes a new
+    one, the kubelet runs it, and every request sent once the deployment is Ready again
+    completes with the reference tokens."""
+    dep = deployment
+    dep.wait_ready()
+    old = dep.pod("decode")
+    reference = dep.reference()
+    results: list[tuple[float, list[int] | str]] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                results.append((t, dep.complete(timeout=60)))
+            except Exception as e:  # noqa: BLE001 - every failure kind is recorded
+                results.append((t, f"{type(e).__name__}: {str(e)[:200]}"))
+                stop.wait(0.5)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    try:
+        wait_for("a request before the deletion", lambda: results, 120, dep.why)
+        dep.node.kubectl("delete", "pod", old["metadata"]["name"], "-n", dep.namespace,
+                         "--wait=false")  # fmt: skip
+
+        def replaced() -> bool:
+            pods = [p for p in dep.pods()
+                    if p["metadata"]["labels"].get("app.kubernetes.io/component") == "decode"]
+            return any(p["metadata"]["uid"] != old["metadata"]["uid"] for p in pods)
+
+        wait_for("a new decode pod", replaced, 120, dep.why)
+        dep.wait_ready(timeout=600)
+        t_back = time.monotonic()
+        wait_for("3 requests after recovery",
+                 lambda: sum(t >= t_back for t, _ in results) >= 3, 300, dep.why)  # fmt: skip
+    finally:
+        stop.set()
+        thread.join(120)
+    later = [r for t, r in results if t >= t_back]
+    assert all(r == reference for r in later), later
+
+
+@pytest.mark.parametrize(
+    ("example", "case"),
+    [
+        ("p-tp2-dcp2-to-d-tp4-dcp4", "sharded-to-sharded"),
+        ("p-tp4-dcp4-to-d-tp4-dcp1", "sharded-to-replicated"),
+        ("p-tp2-dcp1-to-d-tp4-dcp4", "replicated-to-sharded"),
+    ],
+    ids=["p-tp2-dcp2-to-d-tp4-dcp4", "p-tp4-dcp4-to-d-tp4-dcp1", "p-tp2-dcp1-to-d-tp4-dcp4"],
+)
+def test_reference_configuration_on_the_real_node(
+    node: Node, operator: Operator, example: str, case: str
+) -> None:
+    """The e2e tier's three reference configurations (sharded->sharded, sharded->replicated,
+    replicated->sharded), unchanged but for the placement on the real node."""
+    _, doc = harness.example(example)
+    for role in ("prefill", "decode"):
+        doc["spec"][role].update(ON_REAL_NODE)
+    doc["spec"].setdefault("router", {})["template"] = {"spec": dict(ON_REAL_NODE)}
+    ns = f"rn-{uuid.uuid4().hex[:6]}"
+    node.kubectl("create", "namespace", ns)
+    dep = Deployment(node, operator, ns, doc, doc["metadata"]["name"])
+    try:
+        t0 = time.monotonic()
+        node.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+        dep.wait_ready()
+        node.figures[f"{example} apply to Ready s"] = time.monotonic() - t0
+        status = (node.get("pddeployment", dep.name, ns) or {})["status"]
+        result = dep.complete_result()
+        assert result["choices"][0]["token_ids"] == dep.reference()
+        ranks = result["pdd"]["transfer"]["ranks"]
+        assert len(ranks) == doc["spec"]["decode"]["tensorParallelSize"], ranks
+        assert all(r["bytes"] > 0 for r in ranks), ranks
+        assert status["routingCase"] == case, status
+    finally:
+        # Wait, so the next configuration does not share the CPU with this one's exit.
+        node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
