@@ -149,6 +149,29 @@ def test_spanning_role_runs_as_one_lws_group_with_lws_env(
     assert table[1].split()[:7] == [NAME, "4", "4", "2", "2", "sharded-to-sharded", "True"]
 
 
+def test_a_deleted_worker_pod_recreates_its_whole_group(
+        lws: Cluster, kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    """RecreateGroupOnPodRestart: the ranks of an instance share collectives, so LWS replaces
+    the leader too when a worker goes; the PDDeployment is Ready again on the new group."""
+    ns = op_namespace
+    before = {p["metadata"]["name"]: p["metadata"]["uid"]
+              for p in lws_pods(kube, ns, f"{NAME}-prefill")}
+    assert sorted(before) == [f"{NAME}-prefill-0", f"{NAME}-prefill-0-1"]
+    kube("delete", "pod", f"{NAME}-prefill-0-1", "-n", ns, "--wait=false")
+    pods = wait_for("a new leader and worker Running", lambda: (
+        (live := running(lws_pods(kube, ns, f"{NAME}-prefill"), 2)) is not None
+        and all(p["metadata"]["uid"] != before[p["metadata"]["name"]] for p in live)
+        and live), timeout=90)
+    assert [p["metadata"]["name"] for p in pods] == sorted(before)
+    events = kube.json("get", "events", "-n", ns, "--field-selector",
+                       f"involvedObject.kind=LeaderWorkerSet,involvedObject.name={NAME}-prefill"
+                       )["items"]
+    assert any(e["reason"] == "RecreateGroupOnPodRestart" for e in events), [
+        e["reason"] for e in events]
+    obj = wait_ready(kube, ns, NAME, operator, timeout=90)
+    assert obj["status"]["prefill"]["readyReplicas"] == 1
+
+
 def test_groups_scale_and_roll_with_the_spec(lws: Cluster, kube: Kubectl, operator: Operator,
                                             op_namespace: str) -> None:
     ns = op_namespace
