@@ -240,6 +240,27 @@ def test_seeded_sampling_reproducible_and_stop_ids_end_with_stop(cluster: LocalC
     _all_blocks_back(stack["prefill"].url, stack["decode"].url)
 
 
+def test_a_request_no_decode_can_hold_is_refused_before_any_prefill(
+        cluster: LocalCluster) -> None:
+    """8 blocks of 16 tokens on each of 2 DCP ranks hold 256 tokens of one sequence: 250
+    prompt tokens + 8 is refused with a 400 naming max_tokens, and the prefill never ran it;
+    + 7 fits exactly and is served."""
+    stack = _stack(cluster, (1, 1), (2, 2), PDD_NUM_BLOCKS=8)
+    router, prefill = stack["router"].url, stack["prefill"].url
+    # Ready means the router's probe saw the decode ready, and with it its capacity.
+    status, body = _complete(router, {"prompt": _prompt(250), "max_tokens": 8})
+    assert status == 400, body
+    assert body["error"]["param"] == "max_tokens", body
+    assert "hold at most 256 tokens" in error_text(body) and "needs 257" in error_text(body)
+    assert not [v for labels, v in _metric(prefill, "pdd_requests_total")
+                if 'endpoint="prefill"' in labels and v], "the prefill ran it"
+    status, body = _complete(router, {"prompt": _prompt(250), "max_tokens": 7,
+                                      "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == _reference(_prompt(250), 7)
+    _all_blocks_back(prefill, stack["decode"].url)
+
+
 def test_a_client_that_disconnects_frees_its_blocks_on_both_sides(
         cluster: LocalCluster) -> None:
     stack = _stack(cluster, (2, 2), (2, 2))

@@ -88,6 +88,7 @@ class Pool:
         self.urls: list[str] = list(urls)
         self.healthy: dict[str, bool] = {}
         self.plans: dict[str, str] = {}  # replica -> digest of the routing plan it runs
+        self.capacity: dict[str, int] = {}  # replica -> KV tokens one sequence can hold there
         self._counter = itertools.count()
 
     def pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
@@ -104,6 +105,14 @@ class Pool:
 
     def mark(self, url: str, healthy: bool) -> None:
         self.healthy[url] = healthy
+
+    def largest_capacity(self) -> int | None:
+        """The most KV tokens one sequence can hold on any ready replica; None when a ready
+        replica does not say (or none is ready), so nothing is refused on a guess."""
+        ready = [u for u in self.urls if self.healthy.get(u)]
+        if not ready or any(u not in self.capacity for u in ready):
+            return None
+        return max(self.capacity[u] for u in ready)
 
     def ready_plans(self) -> set[str] | None:
         """The routing plans some ready replica runs; None when a ready replica does not say
@@ -494,6 +503,23 @@ class Router:
     def ready(self) -> bool:
         return self.prefill.pick() is not None and self.decode.pick() is not None
 
+    def check_capacity(self, req: GenRequest, key: str) -> None:
+        """Refuse (400) what no instance could ever hold, before a prefill spends work on it:
+        the prefill holds the prompt, the decode the prompt and every generated token but the
+        last (which is never fed back)."""
+        prompt = len(req.prompt_ids)
+        prefill = self.prefill.largest_capacity()
+        if prefill is not None and prompt > prefill:
+            raise bad(f"prompt: the prompt is {prompt} tokens; the prefill instances hold at "
+                      f"most {prefill} tokens of KV per sequence",
+                      "prompt" if req.kind == "completion" else "messages")
+        decode = self.decode.largest_capacity()
+        need = prompt + req.max_tokens - 1
+        if decode is not None and need > decode:
+            raise bad(f"{key}: the decode instances hold at most {decode} tokens of KV per "
+                      f"sequence; this request needs {need} ({prompt} in the prompt, "
+                      f"{req.max_tokens} - 1 for the completion)", key)
+
     async def refresh(self) -> None:
         assert self.probe_session is not None
         # vLLM servers answer readiness on /health (pdd instances serve it too).
@@ -510,6 +536,8 @@ class Router:
                         body = await resp.json(content_type=None) if ok else None
                     if isinstance(body, dict) and isinstance(body.get("plan_digest"), str):
                         pool.plans[url] = body["plan_digest"]
+                    if isinstance(body, dict) and type(body.get("kv_capacity_tokens")) is int:
+                        pool.capacity[url] = body["kv_capacity_tokens"]
                 except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                     ok = False
                 if ok != pool.healthy.get(url):
@@ -858,6 +886,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         # and the streams of other requests should not wait for it.
         req = await asyncio.to_thread(parse_request, kind, body, router.model,
                                       router.settings.model_name)
+        router.check_capacity(req, "max_completion_tokens" if kind == "chat"
+                              and body.get("max_completion_tokens") is not None
+                              else "max_tokens")
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         trip = Trip()

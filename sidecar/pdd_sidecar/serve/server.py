@@ -50,8 +50,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    sched = state.driver.scheduler
     body = {"ready": state.ready, "peers": state.peer_status,
-            "plan_digest": state.worker.compat.plan_digest}
+            "plan_digest": state.worker.compat.plan_digest,
+            # What one sequence can hold at most (every block of every DCP rank), so a router
+            # refuses a request no instance could ever hold before any prefill runs it.
+            "kv_capacity_tokens": sched.allocator.num_blocks * sched.block_size * sched.dcp}
     if not state.ready:
         body["reason"] = state.not_ready_reason
         return web.json_response(body, status=503)
