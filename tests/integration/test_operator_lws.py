@@ -312,6 +312,10 @@ def test_without_the_lws_crd_ready_is_false_naming_it(
         wait_for("the decode pod", lambda: kube("get", "pod", f"{NAME}-decode-0", "-n", ns,
                                                 check=False).returncode == 0)
         assert "Traceback" not in op.log(10_000)
+        # The CRD appears (the proxy stops hiding it): the operator finds it and goes on.
+        proxy.hidden = set()
+        wait_ready(kube, ns, NAME, op, timeout=150)
+        assert running(lws_pods(kube, ns, f"{NAME}-prefill"), 2) is not None
     finally:
         teardown_namespace(kube, ns, op)
         proxy.stop()
