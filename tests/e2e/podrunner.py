@@ -12,7 +12,8 @@ kubelet. For every pod the scheduler binds to them it runs exactly what the pod 
 * **files**: ConfigMap, Secret, emptyDir, downward-API and projected (service-account token)
   volumes are materialised under the pod's directory and bind-mounted at their ``mountPath``
   in a private mount namespace, so paths in the spec (``/etc/pdd/routing.json``) are the real
-  paths the process opens. ConfigMap volumes are refreshed when the ConfigMap changes.
+  paths the process opens. ConfigMap volumes are refreshed when the ConfigMap changes. Like the
+  kubelet, the runner gives each pod its own /etc/hosts and /etc/resolv.conf.
 * **process**: ``command`` + ``args`` with ``$(VAR)`` expansion, the pod's env (downward API,
   ConfigMap/Secret keys) on top of the image environment below, one process group per
   container, restarts per ``restartPolicy`` with back-off, SIGTERM then SIGKILL after the
@@ -454,6 +455,7 @@ class PodWorker(threading.Thread):
         self.volume_dirs: dict[str, Path] = {}
         self.configmap_versions: dict[str, str] = {}
         self.hosts_file: Path | None = None
+        self.dns_mounts: list[tuple[Path, str, bool]] = []
         self.phase = "Pending"
         self.failed_reason = ""
         self._last_status: str = ""
@@ -471,10 +473,19 @@ class PodWorker(threading.Thread):
             self._fill_volume(vol, vdir)
         self.hosts_file = self.root / "etc-hosts"
         self.write_hosts(self.runner.hosts.current or [])
+        # Names resolve from /etc/hosts alone. The host's nameserver is out of a pod's reach,
+        # so a lookup that missed there (c10d's reverse lookups of peers) waited 10 s for the
+        # resolver's timeouts; nothing answers on the pod's own 127.0.0.1:53, so it fails at once.
+        resolv = self.root / "etc-resolv.conf"
+        resolv.write_text("# pdd pod runner: names come from /etc/hosts\nnameserver 127.0.0.1\n")
+        self.dns_mounts = [
+            (self.hosts_file, "/etc/hosts", False),
+            (resolv, "/etc/resolv.conf", False),
+        ]
         for c in self.containers:
             # The kubelet's per-pod /etc/hosts: the pod's own name resolves to its IP (torch's
             # Gloo and c10d look it up); the runner's service records follow.
-            mounts: list[tuple[Path, str, bool]] = [(self.hosts_file, "/etc/hosts", False)]
+            mounts: list[tuple[Path, str, bool]] = list(self.dns_mounts)
             for vm in c.spec.get("volumeMounts", []):
                 src = self.volume_dirs.get(vm["name"])
                 if src is None:
@@ -505,9 +516,11 @@ class PodWorker(threading.Thread):
             f.seek(0)
             if f.read() == text:
                 return
-            f.seek(0)
-            f.truncate()
+        # Written over, then cut: a lookup at that moment never finds the file empty.
+        with open(self.hosts_file, "r+") as f:
             f.write(text)
+            f.flush()
+            f.truncate()
 
     def _fill_volume(self, vol: dict[str, Any], vdir: Path) -> None:
         api = self.runner.core
@@ -888,7 +901,7 @@ class PodWorker(threading.Thread):
         self._publish()
         init = [Container(s) for s in self.pod["spec"].get("initContainers", [])]
         for ic in init:
-            self.mounts.setdefault(ic.name, [(self.hosts_file, "/etc/hosts", False)])
+            self.mounts.setdefault(ic.name, list(self.dns_mounts))
             for vm in ic.spec.get("volumeMounts", []):
                 self.mounts[ic.name].append(
                     (self.volume_dirs[vm["name"]], vm["mountPath"], bool(vm.get("readOnly")))
