@@ -383,14 +383,13 @@ class Reconciler:
             # pods, each role's own budget.
             return Roll(allowed={r: list(rp.delete) for r, rp in roles.items()})
         current = desired.configmap["metadata"]["labels"][keys.LABEL_PLAN_HASH]
+        replicas = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
         room: bool | None = None
         why = ""
-        if roll_starting(current, infos):
+        if roll_starting(current, infos, replicas):
             room, why = await self._surge_room(list(desired.surge_pods.values()))
         surge: dict[str, Obj] = {str(r): p for r, p in desired.surge_pods.items()}
-        roll = coordinate(current, {"prefill": spec.prefill.replicas,
-                                    "decode": spec.decode.replicas},
-                          roles, infos, surge, room)
+        roll = coordinate(current, replicas, roles, infos, surge, room)
         for role, rp in roles.items():
             rp.delete = roll.allowed[role]
         if room is not None or why:

@@ -319,13 +319,17 @@ def _old(info: PodInfo, current: str) -> bool:
     return info.plan != current and not info.surge
 
 
-def roll_starting(current: str, observed: dict[str, list[PodInfo]]) -> bool:
-    """A pass that must decide between surge and role by role: old pods serve and no pod of
-    the new plan exists yet (the decision is never taken again in the same roll, so GPUs
-    that free up as old pods go do not switch it)."""
+def roll_starting(current: str, observed: dict[str, list[PodInfo]],
+                  replicas: Mapping[str, int]) -> bool:
+    """A pass that must decide between surge and role by role: every replica is an old pod
+    still serving (none missing, none going) and no pod of the new plan exists. The decision
+    is never taken again in the same roll, so GPUs that free up as old pods go do not switch
+    it half way."""
     pods = [i for infos in observed.values() for i in infos]
-    return any(_old(i, current) and not i.terminating for i in pods) and not any(
-        i.plan == current or i.surge for i in pods)
+    if any(i.plan == current or i.surge or i.terminating for i in pods):
+        return False
+    return all(sum(1 for i in observed.get(r, []) if _old(i, current)) >= n > 0
+               for r, n in replicas.items())
 
 
 def coordinate(current: str, replicas: dict[str, int], roles: dict[str, RolePlan],
@@ -350,7 +354,8 @@ def coordinate(current: str, replicas: dict[str, int], roles: dict[str, RolePlan
         return roll
     pair = all(new_ready.values())
     index_pair = all(index_new_ready.values())
-    surging = live_surge or (rolling and room is True and roll_starting(current, observed))
+    surging = live_surge or (rolling and room is True
+                             and roll_starting(current, observed, replicas))
     roll.mode = "Surge" if surging else "RoleByRole"
     roll.new_pair = pair
 

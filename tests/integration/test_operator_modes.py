@@ -174,3 +174,62 @@ def test_operator_serves_a_mounted_certificate_and_leaves_the_webhook_alone(
              lambda: "lacks" in bad.log(200), timeout=60)
     assert str(empty / "tls.crt") in bad.log(200)
     bad.stop()
+
+
+def test_operator_runs_with_only_the_namespaced_overlays_rbac(
+        cluster: Cluster, kube: Kubectl, tmp_path: Path) -> None:
+    """The overlay's Role (bound in a test namespace) and its cluster-scoped rules, for a
+    ServiceAccount of the test's own: the operator serves a PDDeployment and rolls a plan change
+    with them alone. It cannot count free GPUs (no cluster-wide pod or node list), so the roll
+    goes role by role and says why."""
+    ns = make_namespace(kube, "nsrbac")
+    objs = render("manifests/overlays/namespaced")
+    sa, cluster_role = "pdd-op", f"pdd-test-cluster-{ns}"
+    role_rules = objs[("Role", "pdd-workloads", "pdd-operator-workloads")]["rules"]
+    cluster_rules = objs[("ClusterRole", "", "pdd-operator-cluster")]["rules"]
+    subject = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+    kube.apply([
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": "workloads", "namespace": ns}, "rules": role_rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": "workloads", "namespace": ns}, "subjects": subject,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                     "name": "workloads"}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": cluster_role}, "rules": cluster_rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": cluster_role}, "subjects": subject,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": cluster_role}},
+    ])
+    token = kube("create", "token", sa, "-n", ns).stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    cl = admin["clusters"][0]
+    cfg = tmp_path / "sa.kubeconfig"
+    cfg.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa", "clusters": [cl],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": cl["name"], "user": "sa"}}]}))
+    op = Operator(cluster, ns, tmp_path / "logs", webhook=False,
+                  env={"KUBECONFIG": str(cfg)}, standalone=False)
+    try:
+        op.start()
+        kube.apply({"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+                    "metadata": {"name": "nsrbac"},
+                    "spec": {**SPEC, "decode": {**SPEC["decode"], "replicas": 2},
+                             "prefill": {**SPEC["prefill"], "replicas": 2}}}, "-n", ns)
+        wait_ready(kube, ns, "nsrbac", op)
+        assert kube.maybe("get", "kopfpeering", "pdd-operator", "-n", ns) is not None
+        kube("patch", "pddeployment", "nsrbac", "-n", ns, "--type=merge", "-p",
+             '{"spec": {"blockSize": 32}}')
+        wait_ready(kube, ns, "nsrbac", op, timeout=120)
+        pods = pods_of(kube, ns, "nsrbac")
+        assert len({p["metadata"]["labels"]["serving.pdd.dev/plan-hash"] for p in pods}) == 1
+        msgs = [e["message"] for e in kube.json("get", "events", "-n", ns)["items"]
+                if e["reason"] == "PlanRoll"]
+        assert any("role by role" in m and "free GPUs unknown" in m for m in msgs), msgs
+    finally:
+        teardown_namespace(kube, ns, op)
+        kube("delete", "clusterrolebinding,clusterrole", cluster_role, "--ignore-not-found",
+             check=False)

@@ -100,7 +100,7 @@ class World:
                 if p["metadata"].get("deletionTimestamp") and pod_info(p).plan not in decodes]
 
 
-def operator_pass(world: World, spec_doc: dict[str, Any], room: bool) -> str:
+def operator_pass(world: World, spec_doc: dict[str, Any], room: Any) -> str:
     spec = parse_spec(spec_doc)
     desired = build(OWNER, spec)
     current = plan_hash(desired.plan)
@@ -111,7 +111,9 @@ def operator_pass(world: World, spec_doc: dict[str, Any], room: bool) -> str:
         roles[r] = plan_role(desired.pods[r], index, OWNER.uid, spec.rollout.maxUnavailable,
                              OWNER.name)
         infos[r] = [pod_info(p) for p in pods]
-    starting = roll_starting(current, infos)
+    starting = roll_starting(current, infos, {r: getattr(spec, r).replicas for r in ROLES})
+    if starting and callable(room):
+        room = room()  # free GPUs are counted only when a roll starts
     roll = coordinate(current, {r: getattr(spec, r).replicas for r in ROLES}, roles, infos,
                       dict(desired.surge_pods), room if starting else None)
     for r in ROLES:
@@ -136,7 +138,7 @@ def converge(world: World, spec_doc: dict[str, Any], room: bool) -> None:
     raise AssertionError("no convergence:\n" + "\n".join(world.log[-40:]))
 
 
-def roll(seed: int, room: bool, replicas: dict[str, int]) -> tuple[World, list[str]]:
+def roll(seed: int, room: Any, replicas: dict[str, int]) -> tuple[World, list[str]]:
     old = copy.deepcopy(SPEC)
     for r, n in replicas.items():
         old[r]["replicas"] = n
@@ -193,6 +195,20 @@ def test_without_room_roles_go_one_after_the_other(seed: int) -> None:
     new_prefill_ready = next(i for i, e in enumerate(log)
                              if e.startswith("ready demo-prefill"))
     assert new_prefill_ready < first_decode_delete, log
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_room_that_frees_up_mid_roll_does_not_switch_to_surge(seed: int) -> None:
+    """GPUs freed by the first old pods going must not start a surge half way through."""
+    asked: list[bool] = []
+
+    def room() -> bool:
+        asked.append(True)
+        return len(asked) > 1  # no room when the roll starts, room ever after
+
+    world, modes = roll(seed, room, {"prefill": 2, "decode": 2})
+    assert not any("surge" in e for e in world.log), world.log
+    assert set(modes) - {""} == {"RoleByRole"}
 
 
 def test_single_replicas_without_room_still_converge() -> None:
