@@ -3,7 +3,15 @@ ready decode runs its routing plan, since KV cannot be handed across plans."""
 
 from __future__ import annotations
 
-from pdd_sidecar.serve.router import Pool
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pdd_sidecar.serve.router import GenRequest, Pool, Router, Trip
 
 
 def _pool(role: str, plans: dict[str, str | None]) -> Pool:
@@ -33,3 +41,63 @@ def test_replicas_that_do_not_report_a_plan_exclude_nothing() -> None:
     decode = _pool("decode", {"d1": None})
     assert decode.ready_plans() is None
     assert {prefill.pick(plans=decode.ready_plans()) for _ in range(4)} == {"p1", "p2"}
+
+
+def _router_with(decodes: list[str]) -> Any:
+    router = Router.__new__(Router)
+    router.settings = SimpleNamespace(request_timeout_s=10.0)  # type: ignore[assignment]
+    router.prefill = _pool("prefill", {"p": "plan"})
+    router.decode = _pool("decode", dict.fromkeys(decodes, "plan"))
+    return router
+
+
+def _request() -> GenRequest:
+    return GenRequest(kind="completion", prompt_ids=[1, 2], max_tokens=4, sampling={},
+                      stop=[], stop_token_ids=[], ignore_eos=False, stream=False,
+                      include_usage=False)
+
+
+def test_a_decode_that_drops_the_connection_or_drains_is_retried_on_another() -> None:
+    """A draining decode answers 503 and then exits, resetting connections it never
+    answered: neither took the request, so another decode of the plan gets it."""
+
+    async def run() -> tuple[str | None, list[str]]:
+        async def reset(request: web.Request) -> web.StreamResponse:
+            assert request.transport is not None
+            request.transport.abort()  # RST, as a process that exits
+            return web.Response()
+
+        async def draining(request: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": "not ready: draining"}},
+                                     status=503)
+
+        async def serving(request: web.Request) -> web.Response:
+            return web.Response(text='{"token": 7}\n', content_type="application/x-ndjson")
+
+        servers, urls = [], []
+        for handler in (reset, draining, serving):
+            app = web.Application()
+            app.router.add_post("/v1/decode", handler)
+            server = TestServer(app)
+            await server.start_server()
+            servers.append(server)
+            urls.append(str(server.make_url("")).rstrip("/"))
+        router = _router_with(urls)
+        tried: list[str] = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                router.session = session
+                for _ in range(3):  # round robin: every order of the three
+                    trip = Trip(prefill="p")
+                    resp = await router._open_decode("r", 1, {}, _request(), trip)
+                    resp.release()
+                    tried.append(str(trip.decode))
+                    for u in urls:
+                        router.decode.mark(u, True)
+        finally:
+            for server in servers:
+                await server.close()
+        return urls[2], tried
+
+    serving_url, used = asyncio.run(run())
+    assert used == [serving_url] * 3

@@ -654,8 +654,10 @@ class Router:
                                         sock_read=self.settings.request_timeout_s or None)
         try:
             resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            # The request never reached it.
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
+                aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+            # No answer began: the connection failed, or the replica went away with it (a
+            # draining decode exits once it answers nothing; it never took this request).
             raise _Unreachable(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}"
                                ) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
