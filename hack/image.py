@@ -7,14 +7,16 @@
 
 The public base (python:3.11.x-slim-bookworm) cannot be pulled here, so the base is made from
 the same Debian release and Python minor. Everything cached lives under ``.cache/image``: the
-base root file system (made once), and buildah's TMPDIR, which holds the Dockerfile's
-``--mount=type=cache`` pip cache, so a rebuild downloads nothing. buildah's layer cache
-(``--layers``) makes a rebuild with unchanged sources take seconds.
+base root file system (made once), the wheels the images install (downloaded once per set of
+requirements, mounted into the build, which then needs no index), buildah's TMPDIR and the OCI
+layout the import goes through. buildah's layer cache (``--layers``) and the dependencies-first
+Dockerfile make a rebuild after a source change take seconds.
 
 Images: ``pdd:<tag>`` (sidecar, the examples' ``spec.image``) and ``pdd-operator:<tag>``.
 Imported as ``docker.io/library/pdd:<tag>``, the name a pod's ``image: pdd:<tag>`` means, so
-pods run it with the default pull policy (IfNotPresent) or ``Never``. An image containerd
-already holds (same config digest) is not imported again.
+pods run it with the default pull policy (IfNotPresent) or ``Never``. The import sends only the
+blobs containerd lacks (see ``import_image``); an image containerd already holds (same config
+digest) is not imported at all.
 
 Needs root and the Debian packages buildah and debootstrap (``make image-deps``).
 """
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 from pathlib import Path
@@ -301,38 +305,146 @@ def in_containerd(name: str, config_id: str) -> bool:
     return False
 
 
+# The import sends containerd only the blobs it lacks. buildah pushes into a persistent OCI
+# layout (.cache/image/oci) and skips any blob whose file is already there, checking no more
+# than that the file exists and its size; so each layer containerd holds is left there as a
+# sparse file of the right size, and a push after a source change writes (and the import
+# sends) only the new top layers: no 6 GB stream, no 6 GB on disk twice.
+SPARSE_MIN = 1 << 20
+OCI_REF = "org.opencontainers.image.ref.name"
+
+
+def oci_dir() -> Path:
+    return CACHE / "oci"
+
+
+def _blob(digest: str) -> Path:
+    return oci_dir() / "blobs" / "sha256" / digest.removeprefix("sha256:")
+
+
+def _is_sparse(path: Path) -> bool:
+    st = path.stat()
+    return st.st_blocks * 512 < st.st_size // 2
+
+
+def _make_sparse(path: Path, size: int) -> None:
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def containerd_layers() -> dict[str, int]:
+    """Digest -> size of every blob containerd holds that its images' manifests name."""
+    present = {
+        line.strip() for line in realnode.ctr("content", "ls", "--quiet").stdout.splitlines()
+    }
+    sizes: dict[str, int] = {}
+    for line in realnode.ctr("images", "ls").stdout.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) < 3 or cols[2] not in present:
+            continue
+        try:
+            manifest = json.loads(realnode.ctr("content", "get", cols[2]).stdout)
+        except (subprocess.CalledProcessError, ValueError):
+            continue
+        for desc in [manifest.get("config", {}), *manifest.get("layers", [])]:
+            if desc.get("digest") in present:
+                sizes[desc["digest"]] = int(desc["size"])
+    return sizes
+
+
+def _prepare_layout(have: dict[str, int]) -> None:
+    blobs = oci_dir() / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    if not (oci_dir() / "oci-layout").exists():
+        (oci_dir() / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        (oci_dir() / "index.json").write_text('{"schemaVersion": 2, "manifests": []}')
+    for blob in blobs.iterdir():  # a stand-in for what containerd lost: let the push rewrite it
+        if f"sha256:{blob.name}" not in have and _is_sparse(blob):
+            blob.unlink()
+    for digest, size in have.items():
+        if size >= SPARSE_MIN and not _blob(digest).exists():
+            _make_sparse(_blob(digest), size)
+
+
 def import_image(name: str) -> float | None:
-    """Stream the image as a docker-archive into the node's containerd (no file on disk);
-    seconds taken, or None when containerd already had it."""
+    """Import the image into the node's containerd, sending only the blobs it lacks (after a
+    source change: the top layers). Seconds taken, or None when containerd already had it."""
     config_id = image_id(name)
     if config_id is None:
         raise ImageError(f"{name} is not in buildah's store: build it first (make image)")
+    ensure_pause_image()
     if in_containerd(name, config_id):
         say(f"{containerd_name(name)} already in the real node's containerd")
         return None
     t0 = time.monotonic()
-    push = subprocess.Popen(
-        ["buildah", "push", "--quiet", name,
-         f"docker-archive:/dev/stdout:{containerd_name(name)}"],
-        stdout=subprocess.PIPE,
+    ref = containerd_name(name)
+    have = containerd_layers()
+    _prepare_layout(have)
+    run(["buildah", "push", "--quiet", "--disable-compression", name, f"oci:{oci_dir()}:{ref}"],
+        capture=True)  # fmt: skip
+    index = json.loads((oci_dir() / "index.json").read_text())
+    descs = [d for d in index["manifests"] if d.get("annotations", {}).get(OCI_REF) == ref]
+    if not descs:
+        raise ImageError(f"{ref} is not in {oci_dir()}/index.json after the push")
+    desc = dict(descs[-1])
+    manifest = json.loads(_blob(desc["digest"]).read_text())
+    # ctr names an imported image after this annotation (a full reference).
+    desc["annotations"] = {"io.containerd.image.name": ref, OCI_REF: ref.rsplit(":", 1)[1]}
+    layers = [layer["digest"] for layer in manifest["layers"]]
+    send = [desc["digest"], manifest["config"]["digest"], *(d for d in layers if d not in have)]
+    for digest in send:
+        if _is_sparse(_blob(digest)):
+            raise ImageError(f"{digest} is a stand-in in {oci_dir()}: remove that folder")
+    index_bytes = json.dumps({"schemaVersion": 2, "manifests": [desc]}).encode()
+    ctr = subprocess.Popen(
+        ["ctr", "--address", str(realnode.CONTAINERD_SOCK), "--namespace", "k8s.io",
+         "images", "import", "-"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
+    assert ctr.stdin is not None and ctr.stdout is not None
     try:
-        run(
-            ["ctr", "--address", str(realnode.CONTAINERD_SOCK), "--namespace", "k8s.io",
-             "images", "import", "-"],
-            stdin=push.stdout, capture=True,
-        )  # fmt: skip
+        with tarfile.open(fileobj=ctr.stdin, mode="w|") as tar:
+            _add_bytes(tar, "oci-layout", (oci_dir() / "oci-layout").read_bytes())
+            _add_bytes(tar, "index.json", index_bytes)
+            for digest in send:
+                tar.add(_blob(digest), arcname=f"blobs/sha256/{digest.removeprefix('sha256:')}")
+        ctr.stdin.close()
+        out = ctr.stdout.read().decode(errors="replace")
     finally:
-        assert push.stdout is not None
-        push.stdout.close()
-        push.wait()
-    if push.returncode != 0:
-        raise ImageError(f"buildah push {name} exited {push.returncode}")
+        ctr.wait()
+    if ctr.returncode != 0:
+        raise ImageError(f"ctr images import exited {ctr.returncode}: {out[-2000:]}")
     if not in_containerd(name, config_id):
-        raise ImageError(f"{containerd_name(name)} is not in containerd after the import")
+        raise ImageError(f"{ref} is not in containerd after the import: {out[-2000:]}")
+    sent = sum(_blob(d).stat().st_size for d in send) / 1e6
+    for digest in layers:
+        size = _blob(digest).stat().st_size
+        if size >= SPARSE_MIN and not _is_sparse(_blob(digest)):
+            _make_sparse(_blob(digest), size)
     took = time.monotonic() - t0
-    say(f"{containerd_name(name)} imported into the real node's containerd in {took:.0f}s")
+    say(f"{ref} imported into the real node's containerd in {took:.0f}s "
+        f"({len(send)} of {len(layers) + 2} blobs sent, {sent:.1f} MB)")  # fmt: skip
     return took
+
+
+def ensure_pause_image() -> None:
+    """The node's sandbox image, imported again if the kubelet removed it: its eviction
+    manager deletes unused images when the disk runs short (seen here while 6 GB imports and
+    other builds filled it), and then no pod starts ("failed to get sandbox image")."""
+    names = {line.split()[0] for line in realnode.ctr("images", "ls").stdout.splitlines()[1:]}
+    if realnode.IMAGE in names:
+        return
+    pause = REPO_ROOT / ".cache" / "cluster" / "bin" / "pause"
+    tar = realnode.image_tar(pause, CACHE / "pause-image.tar")
+    realnode.import_image(tar)
+    say(f"{realnode.IMAGE} was gone from containerd; imported it again")
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), 0o644
+    tar.addfile(info, io.BytesIO(data))
 
 
 # --------------------------------------------------------------------------- main

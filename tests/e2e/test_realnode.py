@@ -400,6 +400,46 @@ def test_image_entry_points_run_in_containers(
     assert logs["runtime"].split()[0] == "10001", logs["runtime"]  # the image's USER
 
 
+@pytest.mark.parametrize(
+    ("example", "case"),
+    [
+        ("p-tp2-dcp2-to-d-tp4-dcp4", "sharded-to-sharded"),
+        ("p-tp4-dcp4-to-d-tp4-dcp1", "sharded-to-replicated"),
+        ("p-tp2-dcp1-to-d-tp4-dcp4", "replicated-to-sharded"),
+    ],
+    ids=["p-tp2-dcp2-to-d-tp4-dcp4", "p-tp4-dcp4-to-d-tp4-dcp1", "p-tp2-dcp1-to-d-tp4-dcp4"],
+)
+def test_reference_configuration_on_the_real_node(
+    node: Node, operator: Operator, example: str, case: str
+) -> None:
+    """The e2e tier's three reference configurations (sharded->sharded, sharded->replicated,
+    replicated->sharded), unchanged but for the placement on the real node. Before the tests
+    of the module's P TP1 -> D TP1 deployment: a TP4 -> TP4 pair and that one together ask
+    for more than the node's 8 GPUs."""
+    _, doc = harness.example(example)
+    for role in ("prefill", "decode"):
+        doc["spec"][role].update(ON_REAL_NODE)
+    doc["spec"].setdefault("router", {})["template"] = {"spec": dict(ON_REAL_NODE)}
+    ns = f"rn-{uuid.uuid4().hex[:6]}"
+    node.kubectl("create", "namespace", ns)
+    dep = Deployment(node, operator, ns, doc, doc["metadata"]["name"])
+    try:
+        t0 = time.monotonic()
+        node.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+        dep.wait_ready()
+        node.figures[f"{example} apply to Ready s"] = time.monotonic() - t0
+        status = (node.get("pddeployment", dep.name, ns) or {})["status"]
+        result = dep.complete_result()
+        assert result["choices"][0]["token_ids"] == dep.reference()
+        ranks = result["pdd"]["transfer"]["ranks"]
+        assert len(ranks) == doc["spec"]["decode"]["tensorParallelSize"], ranks
+        assert all(r["bytes"] > 0 for r in ranks), ranks
+        assert status["routingCase"] == case, status
+    finally:
+        # Wait, so the next configuration does not share the CPU with this one's exit.
+        node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
+
+
 def test_reference_tp1_completion_equals_reference(deployment: Deployment) -> None:
     pods = deployment.pods()
     components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
@@ -502,41 +542,3 @@ def test_delete_decode_pod_under_traffic(deployment: Deployment) -> None:
         thread.join(120)
     later = [r for t, r in results if t >= t_back]
     assert all(r == reference for r in later), later
-
-
-@pytest.mark.parametrize(
-    ("example", "case"),
-    [
-        ("p-tp2-dcp2-to-d-tp4-dcp4", "sharded-to-sharded"),
-        ("p-tp4-dcp4-to-d-tp4-dcp1", "sharded-to-replicated"),
-        ("p-tp2-dcp1-to-d-tp4-dcp4", "replicated-to-sharded"),
-    ],
-    ids=["p-tp2-dcp2-to-d-tp4-dcp4", "p-tp4-dcp4-to-d-tp4-dcp1", "p-tp2-dcp1-to-d-tp4-dcp4"],
-)
-def test_reference_configuration_on_the_real_node(
-    node: Node, operator: Operator, example: str, case: str
-) -> None:
-    """The e2e tier's three reference configurations (sharded->sharded, sharded->replicated,
-    replicated->sharded), unchanged but for the placement on the real node."""
-    _, doc = harness.example(example)
-    for role in ("prefill", "decode"):
-        doc["spec"][role].update(ON_REAL_NODE)
-    doc["spec"].setdefault("router", {})["template"] = {"spec": dict(ON_REAL_NODE)}
-    ns = f"rn-{uuid.uuid4().hex[:6]}"
-    node.kubectl("create", "namespace", ns)
-    dep = Deployment(node, operator, ns, doc, doc["metadata"]["name"])
-    try:
-        t0 = time.monotonic()
-        node.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
-        dep.wait_ready()
-        node.figures[f"{example} apply to Ready s"] = time.monotonic() - t0
-        status = (node.get("pddeployment", dep.name, ns) or {})["status"]
-        result = dep.complete_result()
-        assert result["choices"][0]["token_ids"] == dep.reference()
-        ranks = result["pdd"]["transfer"]["ranks"]
-        assert len(ranks) == doc["spec"]["decode"]["tensorParallelSize"], ranks
-        assert all(r["bytes"] > 0 for r in ranks), ranks
-        assert status["routingCase"] == case, status
-    finally:
-        # Wait, so the next configuration does not share the CPU with this one's exit.
-        node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
