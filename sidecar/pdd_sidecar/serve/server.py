@@ -180,6 +180,9 @@ def _child(rank: int, settings: InstanceSettings, plan_text: str, instance_id: s
     from pdd_api.plan import RoutingPlan
 
     parent = os.getppid()
+    # A SIGTERM to the whole process group (some runtimes and init shims send one) must not
+    # stop a rank while rank 0 drains the requests that need it: ranks end with rank 0.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _setup_logging(settings, rank)
     try:
