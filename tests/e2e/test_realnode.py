@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -500,6 +500,41 @@ def test_liveness_probe_restarts_a_hung_router(deployment: Deployment) -> None:
 
 
 
+@dataclass
+class Traffic:
+    """Requests one after another through the router Service until stopped; each is
+    recorded with its start time and its result, or the error."""
+
+    dep: Deployment
+    results: list[tuple[float, dict[str, Any] | str]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> Traffic:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(120)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            try:
+                self.results.append((t, self.dep.complete_result(timeout=60)))
+            except Exception as e:  # noqa: BLE001 - every failure kind is recorded
+                self.results.append((t, f"{type(e).__name__}: {str(e)[:200]}"))
+                self.stop.wait(0.5)
+
+    def after(self, t0: float) -> list[dict[str, Any] | str]:
+        return [r for t, r in list(self.results) if t >= t0]
+
+
+def _tokens(result: dict[str, Any] | str) -> list[int] | str:
+    return result if isinstance(result, str) else list(result["choices"][0]["token_ids"])
+
+
 def test_delete_decode_pod_under_traffic(deployment: Deployment) -> None:
     """Requests run back to back while the decode pod is deleted: the operator makes a new
     one, the kubelet runs it, and every request sent once the deployment is Ready again
@@ -508,22 +543,8 @@ def test_delete_decode_pod_under_traffic(deployment: Deployment) -> None:
     dep.wait_ready()
     old = dep.pod("decode")
     reference = dep.reference()
-    results: list[tuple[float, list[int] | str]] = []
-    stop = threading.Event()
-
-    def traffic() -> None:
-        while not stop.is_set():
-            t = time.monotonic()
-            try:
-                results.append((t, dep.complete(timeout=60)))
-            except Exception as e:  # noqa: BLE001 - every failure kind is recorded
-                results.append((t, f"{type(e).__name__}: {str(e)[:200]}"))
-                stop.wait(0.5)
-
-    thread = threading.Thread(target=traffic, daemon=True)
-    thread.start()
-    try:
-        wait_for("a request before the deletion", lambda: results, 120, dep.why)
+    with Traffic(dep) as traffic:
+        wait_for("a request before the deletion", lambda: traffic.results, 120, dep.why)
         dep.node.kubectl("delete", "pod", old["metadata"]["name"], "-n", dep.namespace,
                          "--wait=false")  # fmt: skip
 
@@ -536,9 +557,44 @@ def test_delete_decode_pod_under_traffic(deployment: Deployment) -> None:
         dep.wait_ready(timeout=600)
         t_back = time.monotonic()
         wait_for("3 requests after recovery",
-                 lambda: sum(t >= t_back for t, _ in results) >= 3, 300, dep.why)  # fmt: skip
-    finally:
-        stop.set()
-        thread.join(120)
-    later = [r for t, r in results if t >= t_back]
+                 lambda: len(traffic.after(t_back)) >= 3, 300, dep.why)  # fmt: skip
+    later = [_tokens(r) for r in traffic.after(t_back)]
     assert all(r == reference for r in later), later
+
+
+def test_scale_decode_1_to_2_under_traffic(deployment: Deployment) -> None:
+    """Requests run back to back while decode scales to two replicas: once the new pod is
+    Ready and the deployment Ready again, every request completes with the reference and the
+    new replica serves some of them. Last in the module: the deployment keeps two decodes."""
+    dep = deployment
+    dep.wait_ready()
+    reference = dep.reference()
+    new_pod = f"{dep.name}-decode-1"
+    with Traffic(dep) as traffic:
+        wait_for("a request before the scale", lambda: traffic.results, 120, dep.why)
+        patch = json.dumps({"spec": {"decode": {"replicas": 2}}})
+        dep.node.kubectl("patch", "pddeployment", dep.name, "-n", dep.namespace,
+                         "--type", "merge", "-p", patch)  # fmt: skip
+
+        def scaled() -> bool:
+            pod = dep.node.get("pod", new_pod, dep.namespace) or {}
+            conds = (pod.get("status") or {}).get("conditions") or []
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+            return ready and dep.is_ready()
+
+        wait_for(f"{new_pod} Ready and the deployment Ready", scaled, 600, dep.why)
+        dep.wait_ready()
+        t_back = time.monotonic()
+        wait_for("8 requests after the scale",
+                 lambda: len(traffic.after(t_back)) >= 8, 300, dep.why)  # fmt: skip
+    later = traffic.after(t_back)
+    assert all(_tokens(r) == reference for r in later), [_tokens(r) for r in later]
+    pod = dep.node.get("pod", new_pod, dep.namespace) or {}
+    ip = (pod.get("status") or {}).get("podIP")
+
+    def host(result: dict[str, Any] | str) -> str:
+        url = "" if isinstance(result, str) else (result.get("pdd") or {}).get("decode", "")
+        return str(url).split("//", 1)[-1].split(":", 1)[0]
+
+    served = [host(r) for r in later]
+    assert any(h.split(".")[0] == new_pod or h == ip for h in served), served
