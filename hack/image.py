@@ -367,9 +367,29 @@ def _prepare_layout(have: dict[str, int]) -> None:
             _make_sparse(_blob(digest), size)
 
 
+# Above this many missing bytes (a first import, new dependencies) the image is streamed
+# whole instead: the layout would otherwise hold a full copy of the big layers until the import
+# is done (6 GB more disk at the peak).
+STREAM_ABOVE = 256 << 20
+
+
+def storage_layer_sizes() -> dict[str, int]:
+    """Diff digest -> uncompressed size of every layer in buildah's store (its layers.json)."""
+    info = json.loads(run(["buildah", "info"], capture=True).stdout)
+    layers = Path(info["store"]["GraphRoot"]) / "overlay-layers" / "layers.json"
+    try:
+        entries = json.loads(layers.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {e["diff-digest"]: int(e.get("diff-size", 0)) for e in entries if "diff-digest" in e}
+
+
 def import_image(name: str) -> float | None:
-    """Import the image into the node's containerd, sending only the blobs it lacks (after a
-    source change: the top layers). Seconds taken, or None when containerd already had it."""
+    """Import the image into the node's containerd. When containerd lacks little (after a
+    source change: the top layers, under a megabyte), only those blobs are sent; when it lacks
+    much (first import, new dependencies) the image is streamed whole as a docker-archive. The
+    layers' digests are the same either way, so the next import finds them. Seconds taken, or
+    None when containerd already had it."""
     config_id = image_id(name)
     if config_id is None:
         raise ImageError(f"{name} is not in buildah's store: build it first (make image)")
@@ -377,9 +397,48 @@ def import_image(name: str) -> float | None:
     if in_containerd(name, config_id):
         say(f"{containerd_name(name)} already in the real node's containerd")
         return None
+    have = containerd_layers()
+    proc = run(["buildah", "inspect", "--type", "image", name], capture=True)
+    diff_ids = json.loads(proc.stdout)["OCIv1"]["rootfs"]["diff_ids"]
+    sizes = storage_layer_sizes()
+    missing = sum(sizes.get(d, STREAM_ABOVE + 1) for d in diff_ids if d not in have)
+    if missing > STREAM_ABOVE:
+        return _import_stream(name, config_id, missing)
+    return _import_missing(name, config_id, have)
+
+
+def _import_stream(name: str, config_id: str, missing: int) -> float:
+    """The whole image as a docker-archive stream into ``ctr images import`` (no file)."""
+    t0 = time.monotonic()
+    push = subprocess.Popen(
+        ["buildah", "push", "--quiet", name,
+         f"docker-archive:/dev/stdout:{containerd_name(name)}"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        run(
+            ["ctr", "--address", str(realnode.CONTAINERD_SOCK), "--namespace", "k8s.io",
+             "images", "import", "-"],
+            stdin=push.stdout, capture=True,
+        )  # fmt: skip
+    finally:
+        assert push.stdout is not None
+        push.stdout.close()
+        push.wait()
+    if push.returncode != 0:
+        raise ImageError(f"buildah push {name} exited {push.returncode}")
+    if not in_containerd(name, config_id):
+        raise ImageError(f"{containerd_name(name)} is not in containerd after the import")
+    took = time.monotonic() - t0
+    say(f"{containerd_name(name)} streamed whole into the real node's containerd in {took:.0f}s "
+        f"({missing / 1e6:.0f} MB of layers were missing)")  # fmt: skip
+    return took
+
+
+def _import_missing(name: str, config_id: str, have: dict[str, int]) -> float:
+    """Only the blobs containerd lacks, through the OCI layout."""
     t0 = time.monotonic()
     ref = containerd_name(name)
-    have = containerd_layers()
     _prepare_layout(have)
     run(["buildah", "push", "--quiet", "--disable-compression", name, f"oci:{oci_dir()}:{ref}"],
         capture=True)  # fmt: skip
