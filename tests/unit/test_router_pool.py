@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdd_sidecar.serve.router import GenRequest, Pool, Router, Trip
+from pdd_sidecar.serve.router import GenRequest, Pool, Router, RouterMetrics, Trip
 
 
 def _pool(role: str, plans: dict[str, str | None]) -> Pool:
@@ -101,3 +101,43 @@ def test_a_decode_that_drops_the_connection_or_drains_is_retried_on_another() ->
 
     serving_url, used = asyncio.run(run())
     assert used == [serving_url] * 3
+
+
+def test_a_stale_probe_is_looked_at_again_before_a_503() -> None:
+    """The last probe round saw no ready prefill (it timed out under load, say) although one
+    serves now: the request probes once more and goes there instead of failing."""
+
+    async def run() -> tuple[str, int]:
+        probes = 0
+
+        async def readyz(request: web.Request) -> web.Response:
+            nonlocal probes
+            probes += 1
+            return web.json_response({"ready": True, "plan_digest": "plan"})
+
+        async def prefill(request: web.Request) -> web.Response:
+            return web.json_response({"first_token": 3})
+
+        app = web.Application()
+        app.router.add_get("/readyz", readyz)
+        app.router.add_post("/v1/prefill", prefill)
+        server = TestServer(app)
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        router = _router_with([url])  # the decode: ready, and ready again when probed
+        router.settings = SimpleNamespace(request_timeout_s=10.0, upstream_protocol="pdd")
+        router.prefill = _pool("prefill", {url: "plan"})
+        router.prefill.mark(url, False)
+        router.metrics = RouterMetrics()
+        router._probing = None
+        try:
+            async with aiohttp.ClientSession() as session:
+                router.session = router.probe_session = session
+                chosen, body = await router.run_prefill("r", {}, Trip())
+        finally:
+            await server.close()
+        assert body == {"first_token": 3}
+        return chosen, probes
+
+    chosen, probes = asyncio.run(run())
+    assert chosen.startswith("http://") and probes >= 1

@@ -498,10 +498,12 @@ class Router:
         self.in_flight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task[None]] = set()
+        self._probing: asyncio.Task[None] | None = None
 
     @property
     def ready(self) -> bool:
-        return self.prefill.pick() is not None and self.decode.pick() is not None
+        # The rule requests are routed by: a ready prefill with a ready decode of its plan.
+        return self.prefill.pick(plans=self.decode.ready_plans()) is not None
 
     def check_capacity(self, req: GenRequest, key: str) -> None:
         """Refuse (400) what no instance could ever hold, before a prefill spends work on it:
@@ -547,6 +549,15 @@ class Router:
 
             await asyncio.gather(*(probe(u) for u in pool.urls))
 
+    async def probe_now(self) -> None:
+        """One probe round now, shared by every request that asks while it runs."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.get_running_loop().create_task(self.refresh())
+        try:
+            await asyncio.shield(self._probing)
+        except Exception as exc:  # the requests fall back on what the pools say
+            log.warning("probe round failed: %s", exc)
+
     async def health_loop(self) -> None:
         while True:
             try:
@@ -579,10 +590,17 @@ class Router:
                           trip: Trip) -> tuple[str, dict[str, Any]]:
         tried: set[str] = set()
         last: ApiError | None = None
+        reprobed = False
         while True:
             # Only a prefill whose plan some ready decode runs: during a plan-changing roll the
             # new plan's prefill may be ready before its decode.
             url = self.prefill.pick(tried, plans=self.decode.ready_plans())
+            if url is None and not reprobed:
+                # What the last probe round saw may be a moment old (a decode just back, a
+                # probe that timed out under load): look again once before refusing.
+                reprobed = True
+                await self.probe_now()
+                url = self.prefill.pick(tried, plans=self.decode.ready_plans())
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica with a ready decode of "
                                        "its routing plan", type_="server_error")
@@ -624,8 +642,13 @@ class Router:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
+        reprobed = False
         while True:
             url = self.decode.pick(tried, plan)
+            if url is None and not reprobed:
+                reprobed = True
+                await self.probe_now()
+                url = self.decode.pick(tried, plan)
             if url is None:
                 raise ApiError(503, "no ready decode replica"
                                + (f" running routing plan {plan}" if plan else ""),
