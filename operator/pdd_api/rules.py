@@ -149,41 +149,6 @@ class DcpRule:
         )
 
 
-@dataclass(frozen=True)
-class DcpDivideRule:
-    """The two sides' DCP sizes divide one another, so plain modulo routing is exact."""
-
-    field: str = "decode.decodeContextParallelSize"
-    other: str = "prefill.decodeContextParallelSize"
-
-    @property
-    def reads(self) -> tuple[tuple[str, ...], ...]:
-        return (_path(self.field), _path(self.other))
-
-    def check(self, spec: Mapping[str, Any]) -> str | None:
-        d, p = _int(spec, self.field), _int(spec, self.other)
-        if d is None or p is None or d < 1 or p < 1 or d % p == 0 or p % d == 0:
-            return None
-        return (
-            f"spec.{self.field}: must divide or be a multiple of spec.{self.other} ({p}), "
-            f"got {d}"
-        )
-
-    def cel(self) -> dict[str, str]:
-        d, p = f"self.{self.field}", f"self.{self.other}"
-        return _cel(
-            self.field,
-            f"{_cel_guard(self.field)}{_cel_guard(self.other)}{d} < 1 || {p} < 1 || "
-            f"{d} % {p} == 0 || {p} % {d} == 0",
-            _fmt(
-                f"spec.{self.field}: must divide or be a multiple of spec.{self.other} (%d), "
-                "got %d",
-                p,
-                d,
-            ),
-        )
-
-
 def _vllm(spec: Mapping[str, Any]) -> bool:
     return lookup(spec, "engine") == "vllm"
 
@@ -192,25 +157,31 @@ _CEL_NOT_VLLM = "!has(self.engine) || self.engine != 'vllm' || "
 
 
 @dataclass(frozen=True)
-class VllmTpDivideRule:
-    """vLLM's NIXL routing maps ranks by the TP ratio and has no answer for, say, P TP2 ->
-    D TP3, which pdd's own sidecars do serve. (vLLM's other rule, dcp divides tp, follows
-    from DcpRule.)"""
+class DivideEitherWayRule:
+    """Two sizes of which one divides the other. The two sides' DCP sizes, so plain modulo
+    routing is exact; with ``vllm_only``, the TP sizes for vLLM, whose NIXL routing maps ranks
+    by the TP ratio and has no answer for, say, P TP2 -> D TP3, which pdd's own sidecars do
+    serve. (vLLM's other rule, dcp divides tp, follows from DcpRule.)"""
 
-    field: str = "decode.tensorParallelSize"
-    other: str = "prefill.tensorParallelSize"
+    field: str
+    other: str
+    vllm_only: bool = False
 
     @property
     def reads(self) -> tuple[tuple[str, ...], ...]:
         return (_path(self.field), _path(self.other))
 
+    @property
+    def _words(self) -> str:
+        return "with engine vllm, " if self.vllm_only else ""
+
     def check(self, spec: Mapping[str, Any]) -> str | None:
         d, p = _int(spec, self.field), _int(spec, self.other)
-        if (not _vllm(spec) or d is None or p is None or d < 1 or p < 1
+        if ((self.vllm_only and not _vllm(spec)) or d is None or p is None or d < 1 or p < 1
                 or d % p == 0 or p % d == 0):
             return None
         return (
-            f"spec.{self.field}: with engine vllm, must divide or be a multiple of "
+            f"spec.{self.field}: {self._words}must divide or be a multiple of "
             f"spec.{self.other} ({p}), got {d}"
         )
 
@@ -218,10 +189,11 @@ class VllmTpDivideRule:
         d, p = f"self.{self.field}", f"self.{self.other}"
         return _cel(
             self.field,
-            f"{_CEL_NOT_VLLM}{_cel_guard(self.field)}{_cel_guard(self.other)}"
+            f"{_CEL_NOT_VLLM if self.vllm_only else ''}"
+            f"{_cel_guard(self.field)}{_cel_guard(self.other)}"
             f"{d} < 1 || {p} < 1 || {d} % {p} == 0 || {p} % {d} == 0",
             _fmt(
-                f"spec.{self.field}: with engine vllm, must divide or be a multiple of "
+                f"spec.{self.field}: {self._words}must divide or be a multiple of "
                 f"spec.{self.other} (%d), got %d",
                 p,
                 d,
@@ -497,8 +469,10 @@ def _rules() -> tuple[Rule, ...]:
             GpuRule(role, "requests"),
         ]
     rules += [
-        DcpDivideRule(),
-        VllmTpDivideRule(),
+        DivideEitherWayRule("decode.decodeContextParallelSize",
+                            "prefill.decodeContextParallelSize"),
+        DivideEitherWayRule("decode.tensorParallelSize", "prefill.tensorParallelSize",
+                            vllm_only=True),
         VllmRouterImageRule(),
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),
