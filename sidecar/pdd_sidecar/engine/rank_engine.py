@@ -41,6 +41,7 @@ from pdd_sidecar.model.mla import (
 )
 from pdd_sidecar.model.moe import dense_mlp, expert_path, moe
 from pdd_sidecar.model.rank_model import RankModel
+from pdd_sidecar.model.weights import LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class RankEngine:
                      for t in (positions, mine, blk, off))
 
     def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        cfg, w, comm, dev = self.cfg, self.model.weights, self.comm, self.model.device
+        cfg, w, dev = self.cfg, self.model.weights, self.model.device
         all_tokens = [t for c in chunks for t in c.tokens]
         self._check_tokens(all_tokens)
         if any(len(c.tokens) == 0 for c in chunks):
@@ -254,7 +255,6 @@ class RankEngine:
             rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in cached]).to(dev)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
-        lead = self.rank == 0  # adds the biases of row-sharded projections exactly once
         x = F.embedding(torch.tensor(all_tokens, dtype=torch.long, device=dev), w.embed)
         for i, lw in enumerate(w.layers):
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
@@ -269,17 +269,24 @@ class RankEngine:
             if rows is not None:
                 q = absorb_q(q_nope[rows], q_pe[rows], lw.attn)
                 o[rows] = unabsorb_v(self._cached_attention(q, i, views).to(x.dtype), lw.attn)
-            o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
-            x = x + (comm.all_reduce(o) if self.tp > 1 else o)
-            m = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-            add_bias = lead or not lw.mlp_sharded
-            if lw.moe is not None:
-                y = moe(m, lw.moe, cfg, add_bias)
-            else:
-                assert lw.mlp is not None
-                y = dense_mlp(m, lw.mlp, add_bias)
-            x = x + (comm.all_reduce(y) if lw.mlp_sharded else y)
+            x = self._layer_rest(x, o, lw)
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
+
+    def _layer_rest(self, x: torch.Tensor, o: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """A layer after attention: output projection, residual, MLP or MoE, residual; shared by
+        the eager step and the captured decode step so both compute the same thing."""
+        cfg, comm = self.cfg, self.comm
+        lead = self.rank == 0  # adds the biases of row-sharded projections exactly once
+        o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
+        x = x + (comm.all_reduce(o) if self.tp > 1 else o)
+        m = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
+        add_bias = lead or not lw.mlp_sharded
+        if lw.moe is not None:
+            y = moe(m, lw.moe, cfg, add_bias)
+        else:
+            assert lw.mlp is not None
+            y = dense_mlp(m, lw.mlp, add_bias)
+        return x + (comm.all_reduce(y) if lw.mlp_sharded else y)
 
     def _cached_views(self, chunks: Sequence[SeqChunk], cached: Sequence[int]) -> CachedViews:
         """Per chunk that continues a cached sequence: its query count, table, the local tokens
@@ -438,7 +445,6 @@ class RankEngine:
         values, no data-dependent shapes, so it can be captured."""
         cfg, w, comm = self.cfg, self.model.weights, self.comm
         cos, sin = self.model.rotary.cos_sin(buf.positions)
-        lead = self.rank == 0
         x = F.embedding(buf.tokens, w.embed)
         for i, lw in enumerate(w.layers):
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
@@ -454,16 +460,7 @@ class RankEngine:
             if self.dcp > 1:
                 out = dcp_merge(out, lse, comm)
             o = unabsorb_v(out.to(x.dtype), lw.attn)
-            o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
-            x = x + (comm.all_reduce(o) if self.tp > 1 else o)
-            m = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-            add_bias = lead or not lw.mlp_sharded
-            if lw.moe is not None:
-                y = moe(m, lw.moe, cfg, add_bias)
-            else:
-                assert lw.mlp is not None
-                y = dense_mlp(m, lw.mlp, add_bias)
-            x = x + (comm.all_reduce(y) if lw.mlp_sharded else y)
+            x = self._layer_rest(x, o, lw)
         if not want_logits:
             return None
         return self._logits(rms_norm(x, w.norm, cfg.rms_norm_eps))
