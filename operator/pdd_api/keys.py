@@ -64,3 +64,12 @@ ENV_PLAN_HASH = "PDD_PLAN_HASH"
 # generation still serves (`<name>-<role>-surge`). The router lists it with the replicas.
 LABEL_SURGE = f"{API_GROUP}/surge"
 SURGE_SUFFIX = "surge"
+
+# Instances whose ranks span the pods of a LeaderWorkerSet group (docs/lws.md): LWS's pod webhook
+# sets the LWS_* variables, the operator the ranks per pod and the rendezvous port.
+ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+ENV_LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+ENV_LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+ENV_RANKS_PER_POD = "PDD_RANKS_PER_POD"
+ENV_DIST_PORT = "PDD_DIST_PORT"
+DIST_PORT = 29500  # torch.distributed's customary rendezvous port

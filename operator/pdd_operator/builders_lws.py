@@ -36,11 +36,11 @@ LWS_LABEL_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_LABEL_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
-ENV_RANKS_PER_POD = "PDD_RANKS_PER_POD"
-ENV_DIST_PORT = "PDD_DIST_PORT"
-DIST_PORT = 29500  # torch.distributed's customary rendezvous port, the sidecar's default
-LWS_ENV = frozenset({ENV_RANKS_PER_POD, ENV_DIST_PORT, "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE",
-                     "LWS_WORKER_INDEX"})
+ENV_RANKS_PER_POD = keys.ENV_RANKS_PER_POD
+ENV_DIST_PORT = keys.ENV_DIST_PORT
+DIST_PORT = keys.DIST_PORT
+LWS_ENV = frozenset({ENV_RANKS_PER_POD, ENV_DIST_PORT, keys.ENV_LWS_LEADER_ADDRESS,
+                     keys.ENV_LWS_GROUP_SIZE, keys.ENV_LWS_WORKER_INDEX})
 
 
 def uses_lws(role: RoleSpec) -> bool:

@@ -29,7 +29,7 @@ PDD_GRANT_KEY_FILE = keys.ENV_GRANT_KEY_FILE  # the deployment's transfer-grant 
 # --- runtime knobs of prefill/decode instances ---
 PDD_HTTP_PORT = keys.ENV_HTTP_PORT  # instance API (/v1/prefill, /v1/decode, /healthz, ...)
 PDD_BIND_HOST = "PDD_BIND_HOST"  # address the HTTP servers listen on
-PDD_DIST_PORT = "PDD_DIST_PORT"  # torch.distributed rendezvous of the instance's ranks
+PDD_DIST_PORT = keys.ENV_DIST_PORT  # torch.distributed rendezvous of the instance's ranks
 PDD_MODEL_NAME = keys.ENV_MODEL_NAME  # what is served; part of the compatibility record
 PDD_MODEL_SOURCE = keys.ENV_MODEL_SOURCE  # Hugging Face DeepSeek-V2 directory; built-in when empty
 PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
@@ -60,11 +60,11 @@ PDD_PREFILL_SERVICE = keys.ENV_PREFILL_SERVICE  # headless Service DNS name[:por
 PDD_DECODE_SERVICE = keys.ENV_DECODE_SERVICE
 PDD_LOG_LEVEL = "PDD_LOG_LEVEL"
 # --- an instance whose ranks span the pods of one LeaderWorkerSet group (docs/dataplane.md) ---
-LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"  # set by LWS: the leader pod's DNS name (rendezvous)
-LWS_GROUP_SIZE = "LWS_GROUP_SIZE"  # set by LWS: pods in the group (absent or 1: one pod)
-LWS_WORKER_INDEX = "LWS_WORKER_INDEX"  # set by LWS: 0 on the leader, 1.. on the workers
+LWS_LEADER_ADDRESS = keys.ENV_LWS_LEADER_ADDRESS  # set by LWS: the leader pod (rendezvous)
+LWS_GROUP_SIZE = keys.ENV_LWS_GROUP_SIZE  # set by LWS: pods in the group (absent or 1: one pod)
+LWS_WORKER_INDEX = keys.ENV_LWS_WORKER_INDEX  # set by LWS: 0 on the leader, 1.. on the workers
 # Optional cross-check: must equal PDD_TP_SIZE / LWS_GROUP_SIZE (the role's GPUs per pod).
-PDD_RANKS_PER_POD = "PDD_RANKS_PER_POD"
+PDD_RANKS_PER_POD = keys.ENV_RANKS_PER_POD
 # Fault injection for tests only: after its first per-peer read, decode rank r creates
 # <path>.reached.<r> and waits (within the transfer timeout) until <path> exists.
 PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
@@ -83,7 +83,7 @@ PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"
 
 DEFAULT_HTTP_PORT = keys.HTTP_PORT
 DEFAULT_SIDE_CHANNEL_PORT = 5600
-DEFAULT_DIST_PORT = 29500
+DEFAULT_DIST_PORT = keys.DIST_PORT
 ROLES = ("prefill", "decode")
 
 
