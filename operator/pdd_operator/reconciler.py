@@ -652,6 +652,8 @@ class Reconciler:
                 have = self.store.get("Pod", pod["metadata"]["namespace"],
                                       pod["metadata"]["name"])
                 if have is not None:
+                    log.info("%s/%s: deleting pod %s: an immutable field drifted (%s)",
+                             namespace, owner.name, pod["metadata"]["name"], exc)
                     await self._delete("Pod", have, outcome.replaced)
 
         async def delete(d: Delete) -> None:
@@ -659,6 +661,8 @@ class Reconciler:
                 "metadata": {"name": d.name, "uid": d.uid, "namespace": namespace}}
             into = {"Replace": outcome.replaced, "Ended": outcome.ended}.get(
                 d.reason, outcome.deleted)
+            log.info("%s/%s: deleting pod %s (uid %s): %s", namespace, owner.name, d.name,
+                     d.uid, d.reason)
             await self._delete("Pod", have, into)
 
         def ref(name: str) -> str:

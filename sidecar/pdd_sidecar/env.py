@@ -74,6 +74,7 @@ PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
 PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
 PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
+PDD_ROUTER_READY_WAIT_S = "PDD_ROUTER_READY_WAIT_S"  # how long a request waits for a ready replica
 # How the router talks to its upstreams: pdd (/v1/prefill, /v1/decode) or vllm (vLLM's P/D
 # proxy flow on /v1/completions, which pdd instances and vLLM servers both speak)
 PDD_ROUTER_UPSTREAM_PROTOCOL = "PDD_ROUTER_UPSTREAM_PROTOCOL"
@@ -318,6 +319,7 @@ class RouterSettings:
     max_body_bytes: int = 8 << 20
     max_concurrency: int = 1024
     upstream_protocol: str = "pdd"
+    ready_wait_s: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -337,6 +339,7 @@ class RouterSettings:
             max_body_bytes=_int(env, PDD_ROUTER_MAX_BODY_BYTES, 8 << 20, 1024),
             max_concurrency=_int(env, PDD_ROUTER_MAX_CONCURRENCY, 1024, 1),
             upstream_protocol=_choice(env, PDD_ROUTER_UPSTREAM_PROTOCOL, UPSTREAM_PROTOCOLS),
+            ready_wait_s=_float(env, PDD_ROUTER_READY_WAIT_S, 5.0),
         )
         if not (settings.prefill or settings.prefill_service):
             raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")

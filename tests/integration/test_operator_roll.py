@@ -181,15 +181,31 @@ def roll(cluster: Cluster, kube: Kubectl, operator: Operator, ns: str, name: str
     assert {p["metadata"]["labels"][keys.LABEL_PLAN_HASH] for p in pods_of(kube, ns, name)} == {
         new_plan}
     steps = log.steps
+
+    def story() -> str:
+        """The pod events, the deployment's events and what the operator logged: why a pod
+        went is in the last two."""
+        events = "\n".join(f"{e.get('lastTimestamp')} {e['reason']}: {e['message']}"
+                           for e in events_of(kube, ns, name))
+        others = []
+        for component in ("controller-manager", "scheduler", "kwok"):
+            path = cluster.state_dir / f"{component}.log"
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            others += [f"[{component}] {line[:400]}" for line in lines
+                       if f"{name}-prefill" in line or f"{name}-decode" in line][-40:]
+        return (f"{describe(steps)}\n--- events\n{events}\n--- operator log\n"
+                + "\n".join(operator.log_path.read_text(errors="replace").splitlines()[-150:])
+                + "\n--- cluster logs\n" + "\n".join(others))
+
     # Never a moment without a Ready pair of one plan (there was one before the change).
-    assert ready_pairs(steps[0][2]) == {old_plan}, describe(steps)
+    assert ready_pairs(steps[0][2]) == {old_plan}, story()
     for i, (_, _, state) in enumerate(steps):
-        assert ready_pairs(state), f"no Ready pair at step {i}:\n{describe(steps)}"
+        assert ready_pairs(state), f"no Ready pair at step {i}:\n{story()}"
         # A terminating prefill still hands its last KV to a decode of its plan.
         draining = {p["plan"] for p in state.values() if p["role"] == "prefill"
                     and p["terminating"]}
         serving = {p["plan"] for p in state.values() if p["role"] == "decode" and p["ready"]}
-        assert draining <= serving, f"step {i}:\n{describe(steps)}"
+        assert draining <= serving, f"step {i}:\n{story()}"
     return old_plan, new_plan, steps
 
 

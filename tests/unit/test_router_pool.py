@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdd_sidecar.serve.router import GenRequest, Pool, Router, RouterMetrics, Trip
+from pdd_sidecar.serve.router import ApiError, GenRequest, Pool, Router, RouterMetrics, Trip
 
 
 def _pool(role: str, plans: dict[str, str | None]) -> Pool:
@@ -45,7 +45,8 @@ def test_replicas_that_do_not_report_a_plan_exclude_nothing() -> None:
 
 def _router_with(decodes: list[str]) -> Any:
     router = Router.__new__(Router)
-    router.settings = SimpleNamespace(request_timeout_s=10.0)  # type: ignore[assignment]
+    router.settings = SimpleNamespace(request_timeout_s=10.0,  # type: ignore[assignment]
+                                      ready_wait_s=5.0)
     router.prefill = _pool("prefill", {"p": "plan"})
     router.decode = _pool("decode", dict.fromkeys(decodes, "plan"))
     return router
@@ -125,7 +126,8 @@ def test_a_stale_probe_is_looked_at_again_before_a_503() -> None:
         await server.start_server()
         url = str(server.make_url("")).rstrip("/")
         router = _router_with([url])  # the decode: ready, and ready again when probed
-        router.settings = SimpleNamespace(request_timeout_s=10.0, upstream_protocol="pdd")
+        router.settings = SimpleNamespace(request_timeout_s=10.0, upstream_protocol="pdd",
+                                          ready_wait_s=5.0)
         router.prefill = _pool("prefill", {url: "plan"})
         router.prefill.mark(url, False)
         router.metrics = RouterMetrics()
@@ -141,3 +143,105 @@ def test_a_stale_probe_is_looked_at_again_before_a_503() -> None:
 
     chosen, probes = asyncio.run(run())
     assert chosen.startswith("http://") and probes >= 1
+
+
+def _free_port_url() -> str:
+    """An address nothing listens on: a pod just deleted."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def _serve(routes: list[tuple[str, str, Any]]) -> tuple[TestServer, str]:
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    server = TestServer(app)
+    await server.start_server()
+    return server, str(server.make_url("")).rstrip("/")
+
+
+async def _ready_decode(request: web.Request) -> web.Response:
+    return web.json_response({"ready": True, "plan_digest": "plan"})
+
+
+async def _prefill_with(prefills: dict[str, str], decode: str, wait_s: float,
+                        ) -> tuple[str, dict[str, Any]]:
+    """run_prefill over these prefills (url -> "ready" / "not ready") and one ready decode."""
+    router = _router_with([])
+    router.settings = SimpleNamespace(request_timeout_s=10.0, upstream_protocol="pdd",
+                                      ready_wait_s=wait_s)
+    router.prefill = _pool("prefill", dict.fromkeys(prefills, "plan"))
+    for url, state in prefills.items():
+        router.prefill.mark(url, state == "ready")
+    router.decode = _pool("decode", {decode: "plan"})
+    router.metrics = RouterMetrics()
+    router._probing = None
+    async with aiohttp.ClientSession() as session:
+        router.session = router.probe_session = session
+        return await router.run_prefill("r", {}, Trip())
+
+
+def test_a_request_waits_for_the_replacement_when_the_only_ready_prefill_is_gone() -> None:
+    """A roll deletes the surge prefill the router still counts ready while the replacement's
+    first probe has not passed yet: the request probes until the replacement is ready and
+    goes there, instead of failing."""
+
+    async def run() -> tuple[str, str, int]:
+        probes = 0
+
+        async def readyz(request: web.Request) -> web.Response:
+            nonlocal probes
+            probes += 1
+            if probes < 3:  # the replacement is still loading its model
+                return web.json_response({"ready": False}, status=503)
+            return web.json_response({"ready": True, "plan_digest": "plan"})
+
+        async def prefill(request: web.Request) -> web.Response:
+            return web.json_response({"first_token": 3})
+
+        replacement_server, replacement = await _serve(
+            [("GET", "/readyz", readyz), ("POST", "/v1/prefill", prefill)])
+        decode_server, decode = await _serve([("GET", "/readyz", _ready_decode)])
+        try:
+            chosen, body = await _prefill_with(
+                {_free_port_url(): "ready", replacement: "not ready"}, decode, 20.0)
+        finally:
+            await replacement_server.close()
+            await decode_server.close()
+        assert body == {"first_token": 3}
+        return chosen, replacement, probes
+
+    chosen, replacement, probes = asyncio.run(run())
+    assert chosen == replacement and probes >= 3
+
+
+def test_when_every_ready_prefill_refused_the_request_fails_without_waiting() -> None:
+    """Waiting helps only while nothing is ready: a replica that answered 503 keeps answering
+    it, so the client gets the 503 after one probe round, not after the wait."""
+
+    async def run() -> tuple[int, int]:
+        probes = 0
+
+        async def readyz(request: web.Request) -> web.Response:
+            nonlocal probes
+            probes += 1
+            return web.json_response({"ready": True, "plan_digest": "plan"})
+
+        async def prefill(request: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+        server, url = await _serve([("GET", "/readyz", readyz), ("POST", "/v1/prefill", prefill)])
+        decode_server, decode = await _serve([("GET", "/readyz", _ready_decode)])
+        try:
+            await _prefill_with({url: "ready"}, decode, 600.0)
+        except ApiError as exc:
+            return exc.status, probes
+        finally:
+            await server.close()
+            await decode_server.close()
+        raise AssertionError("a prefill that answers 503 served the request")
+
+    status, probes = asyncio.run(run())
+    assert status == 503 and probes == 1

@@ -39,7 +39,7 @@ from pdd_sidecar.serve.common import (
     sequence_tokens,
     token_ids,
 )
-from pdd_sidecar.serve.discovery import replicas
+from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
 
 
 def _grant(state: InstanceState, params: Any) -> str:
@@ -278,7 +278,7 @@ async def watch_prefill_peers(state: InstanceState, watch: PeerWatch) -> None:
     while not state.ranks_ready:
         await asyncio.sleep(0.2)
     timeout = aiohttp.ClientTimeout(total=state.settings.handshake_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=fresh_dns_connector()) as session:
         watch.session = session
         try:
             while True:

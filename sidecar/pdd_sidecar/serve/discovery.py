@@ -10,6 +10,8 @@ import asyncio
 import logging
 import socket
 
+import aiohttp
+
 from pdd_sidecar.env import DEFAULT_HTTP_PORT
 
 log = logging.getLogger(__name__)
@@ -43,3 +45,10 @@ async def replicas(urls: list[str], service: str) -> list[str]:
     if urls:
         return list(urls)
     return await resolve_service(service) if service else []
+
+
+def fresh_dns_connector(limit: int = 100) -> aiohttp.TCPConnector:
+    """A connector that resolves names on each new connection: a replaced pod keeps its
+    per-pod name but not its address, and aiohttp's cache would send requests to the old
+    address for up to 10 s (connections that stay open are reused as before)."""
+    return aiohttp.TCPConnector(limit=limit, use_dns_cache=False)

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from pdd_sidecar.serve.discovery import replicas
+from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
 from pdd_sidecar.serve.text import (
     IncrementalDetokenizer,
     ModelText,
@@ -480,6 +480,7 @@ def _upstream_error(role: str, url: str, status: int, data: Any,
 # A replica's address that no longer answers (a pod just deleted) costs this much before the
 # request goes to another replica.
 CONNECT_TIMEOUT_S = 5.0
+READY_POLL_S = 0.25
 
 
 class _Unreachable(ApiError):
@@ -566,6 +567,24 @@ class Router:
                 log.warning("health probe round failed: %s", exc)
             await asyncio.sleep(self.settings.health_interval_s)
 
+    async def _pick(self, pick: Callable[[set[str]], str | None],
+                    tried: set[str]) -> str | None:
+        """A ready replica not tried yet. When none is ready at all, what the last probe round
+        saw may be a moment old (a pod just replaced during a roll, a probe that timed out
+        under load): probe again, for up to `ready_wait_s`, before the caller refuses. When
+        every ready replica was tried, refuse at once: waiting would not change their answer."""
+        url = pick(tried)
+        if url is not None:
+            return url
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.ready_wait_s
+        while True:
+            await self.probe_now()
+            url = pick(tried)
+            if url is not None or pick(set()) is not None or loop.time() >= deadline:
+                return url
+            await asyncio.sleep(READY_POLL_S)
+
     async def _post(self, role: str, url: str, path: str, body: dict[str, Any],
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         assert self.session is not None
@@ -590,17 +609,11 @@ class Router:
                           trip: Trip) -> tuple[str, dict[str, Any]]:
         tried: set[str] = set()
         last: ApiError | None = None
-        reprobed = False
         while True:
             # Only a prefill whose plan some ready decode runs: during a plan-changing roll the
             # new plan's prefill may be ready before its decode.
-            url = self.prefill.pick(tried, plans=self.decode.ready_plans())
-            if url is None and not reprobed:
-                # What the last probe round saw may be a moment old (a decode just back, a
-                # probe that timed out under load): look again once before refusing.
-                reprobed = True
-                await self.probe_now()
-                url = self.prefill.pick(tried, plans=self.decode.ready_plans())
+            url = await self._pick(
+                lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), tried)
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica with a ready decode of "
                                        "its routing plan", type_="server_error")
@@ -642,13 +655,8 @@ class Router:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
-        reprobed = False
         while True:
-            url = self.decode.pick(tried, plan)
-            if url is None and not reprobed:
-                reprobed = True
-                await self.probe_now()
-                url = self.decode.pick(tried, plan)
+            url = await self._pick(lambda skip: self.decode.pick(skip, plan), tried)
             if url is None:
                 raise ApiError(503, "no ready decode replica"
                                + (f" running routing plan {plan}" if plan else ""),
@@ -1097,9 +1105,9 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         router.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s or None),
             read_bufsize=1 << 22,
-            connector=aiohttp.TCPConnector(limit=2 * settings.max_concurrency),
+            connector=fresh_dns_connector(limit=2 * settings.max_concurrency),
         )
-        router.probe_session = aiohttp.ClientSession()
+        router.probe_session = aiohttp.ClientSession(connector=fresh_dns_connector())
         await router.refresh()
         task = asyncio.create_task(router.health_loop())
         yield
