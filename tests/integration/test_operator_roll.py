@@ -119,7 +119,12 @@ class PodLog:
         else:
             ready = any(c.type == "Ready" and c.status == "True"
                         for c in (pod.status.conditions or []))
+            before = self.pods.get(name)
+            served = ready or bool(before and before["uid"] == pod.metadata.uid
+                                   and before["served"])
             self.pods[name] = {
+                "uid": pod.metadata.uid,
+                "served": served,  # this pod was Ready once: it may hold KV of its requests
                 "role": labels["app.kubernetes.io/component"],
                 "plan": labels.get(keys.LABEL_PLAN_HASH),
                 "surge": labels.get(keys.LABEL_SURGE) == "true",
@@ -201,9 +206,10 @@ def roll(cluster: Cluster, kube: Kubectl, operator: Operator, ns: str, name: str
     assert ready_pairs(steps[0][2]) == {old_plan}, story()
     for i, (_, _, state) in enumerate(steps):
         assert ready_pairs(state), f"no Ready pair at step {i}:\n{story()}"
-        # A terminating prefill still hands its last KV to a decode of its plan.
+        # A terminating prefill that served still hands its last KV to a decode of its plan
+        # (one never Ready took no request).
         draining = {p["plan"] for p in state.values() if p["role"] == "prefill"
-                    and p["terminating"]}
+                    and p["terminating"] and p["served"]}
         serving = {p["plan"] for p in state.values() if p["role"] == "decode" and p["ready"]}
         assert draining <= serving, f"step {i}:\n{story()}"
     return old_plan, new_plan, steps
