@@ -207,7 +207,9 @@ def roll(cluster: Cluster, kube: Kubectl, operator: Operator, ns: str, name: str
     for i, (_, _, state) in enumerate(steps):
         assert ready_pairs(state), f"no Ready pair at step {i}:\n{story()}"
         # A terminating prefill that served still hands its last KV to a decode of its plan
-        # (one never Ready took no request).
+        # (one never Ready took no request). kwok removes a terminating pod by name, without a
+        # uid precondition, and at times twice: the second removal can hit the replacement the
+        # operator just created under that name, before it was Ready (it is created again).
         draining = {p["plan"] for p in state.values() if p["role"] == "prefill"
                     and p["terminating"] and p["served"]}
         serving = {p["plan"] for p in state.values() if p["role"] == "decode" and p["ready"]}
