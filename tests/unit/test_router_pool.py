@@ -109,37 +109,20 @@ def test_a_stale_probe_is_looked_at_again_before_a_503() -> None:
     serves now: the request probes once more and goes there instead of failing."""
 
     async def run() -> tuple[str, int]:
-        probes = 0
-
-        async def readyz(request: web.Request) -> web.Response:
-            nonlocal probes
-            probes += 1
-            return web.json_response({"ready": True, "plan_digest": "plan"})
+        readyz, probes = _counted_readyz()
 
         async def prefill(request: web.Request) -> web.Response:
             return web.json_response({"first_token": 3})
 
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        app.router.add_post("/v1/prefill", prefill)
-        server = TestServer(app)
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        router = _router_with([url])  # the decode: ready, and ready again when probed
-        router.settings = SimpleNamespace(request_timeout_s=10.0, upstream_protocol="pdd",
-                                          ready_wait_s=5.0)
-        router.prefill = _pool("prefill", {url: "plan"})
-        router.prefill.mark(url, False)
-        router.metrics = RouterMetrics()
-        router._probing = None
+        server, url = await _serve([("GET", "/readyz", readyz), ("POST", "/v1/prefill", prefill)])
+        decode_server, decode = await _serve([("GET", "/readyz", _ready_decode)])
         try:
-            async with aiohttp.ClientSession() as session:
-                router.session = router.probe_session = session
-                chosen, body = await router.run_prefill("r", {}, Trip())
+            chosen, body = await _prefill_with({url: "not ready"}, decode, 5.0)
         finally:
             await server.close()
+            await decode_server.close()
         assert body == {"first_token": 3}
-        return chosen, probes
+        return chosen, probes[0]
 
     chosen, probes = asyncio.run(run())
     assert chosen.startswith("http://") and probes >= 1
@@ -160,6 +143,19 @@ async def _serve(routes: list[tuple[str, str, Any]]) -> tuple[TestServer, str]:
     server = TestServer(app)
     await server.start_server()
     return server, str(server.make_url("")).rstrip("/")
+
+
+def _counted_readyz(ready_from: int = 1) -> tuple[Any, list[int]]:
+    """A /readyz that counts its probes and answers ready from the `ready_from`-th on."""
+    probes = [0]
+
+    async def readyz(request: web.Request) -> web.Response:
+        probes[0] += 1
+        if probes[0] < ready_from:
+            return web.json_response({"ready": False}, status=503)
+        return web.json_response({"ready": True, "plan_digest": "plan"})
+
+    return readyz, probes
 
 
 async def _ready_decode(request: web.Request) -> web.Response:
@@ -189,14 +185,7 @@ def test_a_request_waits_for_the_replacement_when_the_only_ready_prefill_is_gone
     goes there, instead of failing."""
 
     async def run() -> tuple[str, str, int]:
-        probes = 0
-
-        async def readyz(request: web.Request) -> web.Response:
-            nonlocal probes
-            probes += 1
-            if probes < 3:  # the replacement is still loading its model
-                return web.json_response({"ready": False}, status=503)
-            return web.json_response({"ready": True, "plan_digest": "plan"})
+        readyz, probes = _counted_readyz(ready_from=3)  # loading its model until then
 
         async def prefill(request: web.Request) -> web.Response:
             return web.json_response({"first_token": 3})
@@ -211,7 +200,7 @@ def test_a_request_waits_for_the_replacement_when_the_only_ready_prefill_is_gone
             await replacement_server.close()
             await decode_server.close()
         assert body == {"first_token": 3}
-        return chosen, replacement, probes
+        return chosen, replacement, probes[0]
 
     chosen, replacement, probes = asyncio.run(run())
     assert chosen == replacement and probes >= 3
@@ -222,12 +211,7 @@ def test_when_every_ready_prefill_refused_the_request_fails_without_waiting() ->
     it, so the client gets the 503 after one probe round, not after the wait."""
 
     async def run() -> tuple[int, int]:
-        probes = 0
-
-        async def readyz(request: web.Request) -> web.Response:
-            nonlocal probes
-            probes += 1
-            return web.json_response({"ready": True, "plan_digest": "plan"})
+        readyz, probes = _counted_readyz()
 
         async def prefill(request: web.Request) -> web.Response:
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
@@ -237,7 +221,7 @@ def test_when_every_ready_prefill_refused_the_request_fails_without_waiting() ->
         try:
             await _prefill_with({url: "ready"}, decode, 600.0)
         except ApiError as exc:
-            return exc.status, probes
+            return exc.status, probes[0]
         finally:
             await server.close()
             await decode_server.close()
