@@ -440,6 +440,63 @@ def test_reference_configuration_on_the_real_node(
         node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
 
 
+def test_change_decode_dcp_2_to_1_under_traffic(node: Node, operator: Operator) -> None:
+    """The e2e tier's plan-changing roll on real containers: P TP1 -> D TP2/DCP2, requests
+    back to back through the router Service while decode goes to DCP 1. The node's 8 GPUs hold
+    the pair (3) and a surge pair of the new plan (3), so the roll surges first; no request
+    fails and every completion equals the reference, on the old plan and on the new. Before
+    the module's deployment is made, whose pods would leave too few GPUs for the surge."""
+    doc = manifest()
+    name = "p-tp1-to-d-tp2-dcp2"
+    doc["metadata"]["name"] = name
+    doc["spec"]["decode"].update(tensorParallelSize=2, decodeContextParallelSize=2)
+    ns = f"rn-roll-{uuid.uuid4().hex[:6]}"
+    node.kubectl("create", "namespace", ns)
+    dep = Deployment(node, operator, ns, doc, name)
+    try:
+        node.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+        dep.wait_ready()
+        reference = dep.reference()
+        old_uid = dep.pod("decode")["metadata"]["uid"]
+        surge_seen: set[str] = set()
+
+        def new_plan_serving() -> bool:
+            surge_seen.update(r for r in ("prefill", "decode")
+                              if node.get("pod", f"{name}-{r}-surge", ns))
+            pods = [p for p in dep.pods() if not p["metadata"].get("deletionTimestamp")
+                    and p["metadata"]["labels"].get("app.kubernetes.io/component") == "decode"]
+            if len(pods) != 1 or pods[0]["metadata"]["uid"] == old_uid:
+                return False
+            env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+            return env.get("PDD_DCP_SIZE") == "1" and dep.is_ready()
+
+        with Traffic(dep) as traffic:
+            wait_for("3 requests before the change", lambda: len(traffic.results) >= 3, 300,
+                     dep.why)  # fmt: skip
+            t_patch = time.monotonic()
+            patch = json.dumps({"spec": {"decode": {"decodeContextParallelSize": 1}}})
+            node.kubectl("patch", "pddeployment", name, "-n", ns, "--type", "merge", "-p", patch)
+            wait_for("the roll to DCP 1", new_plan_serving, 900, dep.why)
+            dep.wait_ready()
+            t_done = time.monotonic()
+            wait_for("3 requests after the roll", lambda: len(traffic.after(t_done)) >= 3, 300,
+                     dep.why)  # fmt: skip
+        results = [r for _, r in traffic.results]
+        failed = [r for r in results if isinstance(r, str)]
+        node.figures["DCP 2->1 roll s"] = t_done - t_patch
+        node.figures["DCP 2->1 requests"] = len(results)
+        node.figures["DCP 2->1 failed"] = len(failed)
+        assert not failed, failed
+        assert all(_tokens(r) == reference for r in results), [_tokens(r) for r in results]
+        assert surge_seen == {"prefill", "decode"}, "the roll surged a new pair first"
+        last = traffic.after(t_done)[-1]
+        assert not isinstance(last, str)
+        per_rank = [r["bytes"] for r in last["pdd"]["transfer"]["ranks"]]
+        assert len(per_rank) == 2 and len(set(per_rank)) == 1 and per_rank[0] > 0, per_rank
+    finally:
+        node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
+
+
 def test_reference_tp1_completion_equals_reference(deployment: Deployment) -> None:
     pods = deployment.pods()
     components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
