@@ -5,6 +5,10 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PYTEST := $(VPY) -m pytest
 export PYTHONUNBUFFERED := 1
+# NODE=real runs the e2e tier and the demo on the real node (kubelet, containerd, runc; the
+# image of `make image`) instead of the pod runner: `make test-e2e NODE=real`, `make demo NODE=real`.
+ON_REAL_NODE = $(filter real,$(NODE))
+REAL_NODE_DEPS = $(if $(ON_REAL_NODE),cluster-build-node cluster-node-deps image)
 
 .PHONY: sysdeps venv test test-vllm test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
 
@@ -35,8 +39,8 @@ test-dataplane: venv
 test-integration: venv cluster-build
 	$(PYTEST) tests/integration -q -m integration
 
-test-e2e: venv cluster-build sysdeps
-	$(PYTEST) tests/e2e -q -m e2e
+test-e2e: venv cluster-build sysdeps $(REAL_NODE_DEPS)
+	$(if $(ON_REAL_NODE),PDD_E2E_NODE=real) $(PYTEST) tests/e2e -q -m e2e
 
 # Every tier that exists; later tiers add themselves by having tests in their folder.
 test: venv lint
@@ -64,8 +68,8 @@ crd: venv
 	cp crds/serving.pdd.dev_pddeployments.yaml manifests/base/crd.yaml
 	cp crds/serving.pdd.dev_pddeployments.yaml charts/pdd/crds/
 
-demo: venv cluster-build sysdeps
-	$(VPY) hack/demo.py
+demo: venv cluster-build sysdeps $(REAL_NODE_DEPS)
+	$(VPY) hack/demo.py $(if $(ON_REAL_NODE),--node real)
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done

@@ -1,6 +1,7 @@
 """`make demo`: the whole pdd path on this machine, the way a user meets it.
 
-    local control plane -> CRD -> operator + pod runner -> kubectl apply (P TP2/DCP2 -> D TP4/DCP4)
+    local control plane -> CRD -> operator + pod runner (or the real node: `make demo NODE=real`)
+    -> kubectl apply (P TP2/DCP2 -> D TP4/DCP4)
     -> pods with the operator's routing -> sidecars -> NIXL hand-off -> completion via the router
 
 It prints `kubectl get pdd`, the conditions and the routing summary, sends one prompt through
@@ -56,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--namespace", default="pdd-demo")
-    ap.add_argument("--work-dir", type=Path, default=REPO_ROOT / ".cache" / "demo")
+    ap.add_argument("--node", choices=harness.NODE_KINDS, default="runner",
+                    help="what runs the pods: the pod runner, or the real node (kubelet, "
+                         "containerd, runc; the image of `make image`)")  # fmt: skip
+    ap.add_argument("--work-dir", type=Path)
     args = ap.parse_args(argv)
+    work_dir = args.work_dir or REPO_ROOT / ".cache" / (
+        "demo" if args.node == "runner" else f"demo-{args.node}")
     if os.geteuid() != 0:
-        say("make demo needs root: the pod runner gives each pod a network namespace")
+        say("make demo needs root: the pod runner gives each pod a network namespace, the real "
+            "node runs a kubelet")
         return 2
 
     # SIGTERM (and a closed terminal) clean up like Ctrl-C does.
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, interrupt)
 
     t0 = time.monotonic()
-    stack = harness.Stack(args.work_dir, say=say)
+    stack = harness.Stack(work_dir, say=say, node=args.node)
     text, doc = harness.example(args.example)
     name = doc["metadata"]["name"]
     dtype = harness.spec_dtype(doc)
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = False
     try:
-        banner("starting the local control plane, CRD, pod runner and operator")
+        banner("starting the local control plane, CRD, "
+               + ("pod runner" if args.node == "runner" else "real node") + " and operator")
         stack.start()
         t_stack = time.monotonic()
         # The reference runs meanwhile: one process, one instance, no Kubernetes.
@@ -116,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"\nrouting: {status.get('routingCase')}: {status.get('routingSummary')}")
 
         banner(
-            f"sending the prompt through the router ({harness.router_url(name, args.namespace)})"
+            f"sending the prompt through the router ({stack.router_url(name, args.namespace)})"
         )
         say(f"prompt ({len(ids)} tokens): {args.prompt!r}")
         t_req = time.monotonic()
-        result = harness.complete(name, args.namespace, ids, args.max_tokens)
+        result = stack.complete(name, args.namespace, ids, args.max_tokens)
         choice = result["choices"][0]
         got = list(choice["token_ids"])
         say(f"completion token ids: {got}  ({time.monotonic() - t_req:.1f}s)")

@@ -4,6 +4,11 @@ The stack gets a control plane of its own under .cache/e2e (no kwok nodes: pods 
 the pod runner's nodes), so an integration session on the shared .cluster/ never sees these
 pods and vice versa. Needs root for the pod runner (network namespaces); when the stack cannot
 start every test fails with the logs, never skips.
+
+``PDD_E2E_NODE=real`` (``make test-e2e NODE=real``) runs the same tests on the real node instead
+(kubelet, containerd, runc; the image of ``make image``), under .cache/e2e-real. The pod runner's
+own tests and the LeaderWorkerSet tests, which reach a leader by its pod DNS name (only the
+runner's /etc/hosts gives the host those names), are skipped there, saying so.
 """
 
 from __future__ import annotations
@@ -16,15 +21,32 @@ from pathlib import Path
 import harness
 import pytest
 
-WORK_DIR = Path(os.environ.get("PDD_E2E_DIR") or harness.REPO_ROOT / ".cache" / "e2e")
+NODE = os.environ.get("PDD_E2E_NODE") or "runner"
+WORK_DIR = Path(os.environ.get("PDD_E2E_DIR")
+                or harness.REPO_ROOT / ".cache" / ("e2e" if NODE == "runner" else f"e2e-{NODE}"))
+RUNNER_ONLY = {
+    "test_podrunner.py": "the pod runner's own tests",
+    "test_lws.py": "reaches the LWS leader by its pod DNS name, which only the pod runner's "
+                   "/etc/hosts gives the host",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if NODE == "runner":
+        return
+    for item in items:
+        reason = RUNNER_ONLY.get(item.path.name)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"PDD_E2E_NODE={NODE}: {reason}"))
 
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[harness.Stack]:
     if os.geteuid() != 0:
-        pytest.fail("the e2e tier needs root: the pod runner makes network namespaces")
+        pytest.fail("the e2e tier needs root: the pod runner makes network namespaces, the "
+                    "real node runs a kubelet")
     lines: list[str] = []
-    s = harness.Stack(WORK_DIR, say=lines.append)
+    s = harness.Stack(WORK_DIR, say=lines.append, node=NODE)
     try:
         s.start()
     except Exception as e:  # noqa: BLE001 - any start failure fails every test loudly

@@ -1,15 +1,25 @@
 """The whole pdd stack on this machine, as a user meets it: local control plane, CRD, operator,
-pod runner; then ``kubectl apply`` and requests through the router Service.
+and what runs the pods; then ``kubectl apply`` and requests through the router Service.
 
 Shared by the e2e tier (tests/e2e/conftest.py) and ``make demo`` (hack/demo.py) so the demo
 shows exactly what the tests prove. Nothing here talks to a sidecar except through the router
-Service's DNS name, and nothing starts a sidecar: the pod runner runs what the operator wrote.
+Service, and nothing starts a sidecar. The pods are run by
+- the pod runner (``node="runner"``, the default): tests/e2e/podrunner.py on two nodes of 8 GPUs
+  plays kubelet, CNI, DNS and kube-proxy and runs the sidecar from the host's venv; the router is
+  reached by its Service name, which the runner writes into /etc/hosts;
+- the real node (``node="real"``, ``NODE=real`` in make): kubelet, containerd and runc run the
+  image ``make image`` built, imported into the node's containerd; the router is reached at its
+  Service's ClusterIP through kube-proxy (the host does not resolve cluster names). Its one node
+  advertises as many GPUs as the runner's two.
+The operator runs on the host either way, with the cluster's kubeconfig (the API server listens on
+127.0.0.1, out of the pods' reach).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -22,12 +32,14 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "tests" / "cluster"))
 
 import localcluster  # noqa: E402
+import realnode  # noqa: E402
 
 # The committed CRD; PDD_CRD_FILE points elsewhere only to try an unreleased one.
 CRD_FILE = Path(
@@ -37,6 +49,17 @@ EXAMPLES = REPO_ROOT / "manifests" / "examples"
 VENV_PY = REPO_ROOT / ".venv" / "bin" / "python"
 PYTHON = str(VENV_PY) if VENV_PY.exists() else sys.executable
 ROUTER_PORT = 8000  # pdd_api.keys.HTTP_PORT: the router Service's port
+NODE_KINDS = ("runner", "real")
+REAL_NODE_GPUS = 16  # the pod runner's two nodes hold as many
+
+
+def image_tool() -> ModuleType:
+    """hack/image.py (`make image`): image names, buildah's store, the import into the node."""
+    spec = importlib.util.spec_from_file_location("pdd_image_tool", REPO_ROOT / "hack/image.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class StackError(RuntimeError):
@@ -85,10 +108,16 @@ class Stack:
     work_dir: Path
     say: Callable[[str], None] = print
     crd_file: Path = CRD_FILE
+    node: str = "runner"  # what runs the pods: NODE_KINDS
     cluster: localcluster.Cluster | None = None
     started_cluster: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
     _lock_file: Any = None
+    _service_ips: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.node not in NODE_KINDS:
+            raise StackError(f"node: {self.node!r} is not one of {', '.join(NODE_KINDS)}")
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -134,11 +163,13 @@ class Stack:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._reap_leftovers()
         t0 = time.monotonic()
-        # A control plane of its own with no kwok nodes: pods land only on the runner's
-        # nodes, where something really runs them.
+        # A control plane of its own with no kwok nodes: pods land only where something really
+        # runs them.
+        real = self.node == "real"
         self.cluster, self.started_cluster = localcluster.up(
-            self.work_dir / "cluster", nodes=0, log=lambda m: self.say(f"  cluster: {m}")
-        )
+            self.work_dir / "cluster", nodes=0, log=lambda m: self.say(f"  cluster: {m}"),
+            real_node=real, **({"gpus": REAL_NODE_GPUS, "timeout": 240} if real else {}),
+        )  # fmt: skip
         self.say(f"control plane up ({time.monotonic() - t0:.0f}s): {self.cluster.server}")
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(self.crd_file))
         self.kubectl(
@@ -146,6 +177,22 @@ class Stack:
             "crd/pddeployments.serving.pdd.dev",
         )  # fmt: skip
         self.say(f"CRD installed from {self.crd_file}")
+        if real:
+            self._prepare_real_node()
+        else:
+            self._start_pod_runner()
+        webhook_port = free_port()
+        self._spawn(
+            "operator",
+            [PYTHON, "-m", "pdd_operator", "--standalone",
+             "--metrics-port", "0", "--liveness-port", "0",
+             "--webhook-port", str(webhook_port), "--webhook-host", "127.0.0.1"],
+        )  # fmt: skip
+        self.wait("operator webhook", lambda: _tcp_open("127.0.0.1", webhook_port), 90,
+                  procs=["operator"])  # fmt: skip
+        self.say(f"operator up (python -m pdd_operator, webhook on 127.0.0.1:{webhook_port})")
+
+    def _start_pod_runner(self) -> None:
         ready_file = self.work_dir / "podrunner.ready"
         ready_file.unlink(missing_ok=True)
         self._spawn(
@@ -157,16 +204,24 @@ class Stack:
         )  # fmt: skip
         self.wait("pod runner nodes", ready_file.exists, 60, procs=["podrunner"])
         self.say(f"pod runner up: {json.loads(ready_file.read_text())['nodes']}")
-        webhook_port = free_port()
-        self._spawn(
-            "operator",
-            [PYTHON, "-m", "pdd_operator", "--standalone",
-             "--metrics-port", "0", "--liveness-port", "0",
-             "--webhook-port", str(webhook_port), "--webhook-host", "127.0.0.1"],
-        )  # fmt: skip
-        self.wait("operator webhook", lambda: _tcp_open("127.0.0.1", webhook_port), 90,
-                  procs=["operator"])  # fmt: skip
-        self.say(f"operator up (python -m pdd_operator, webhook on 127.0.0.1:{webhook_port})")
+
+    def _prepare_real_node(self) -> None:
+        """The pods' image into the node's containerd. The node's taint keeps the fake-node
+        tests' pods off it in the shared cluster; this control plane has no other node, so it
+        is removed and the examples apply unchanged."""
+        tool = image_tool()
+        sidecar = tool.image_name("sidecar", tool.DEFAULT_TAG)
+        if tool.image_id(sidecar) is None:
+            raise StackError(f"{sidecar} is not built: run `make image`")
+        took = tool.import_image(sidecar)
+        self.say(f"{sidecar} in the real node's containerd"
+                 + (f" (imported in {took:.0f}s)" if took is not None else ""))  # fmt: skip
+        node = self.kubectl("get", "node", realnode.NODE_NAME, "-o", "json")
+        taints = (json.loads(node).get("spec") or {}).get("taints") or []
+        if any(f"{t['key']}={t.get('value', '')}:{t['effect']}" == realnode.TAINT
+               for t in taints):  # fmt: skip
+            self.kubectl("taint", "node", realnode.NODE_NAME, f"{realnode.TAINT}-")
+        self.say(f"real node {realnode.NODE_NAME}: {REAL_NODE_GPUS} nvidia.com/gpu, untainted")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = self.work_dir / f"{name}.log"
@@ -182,7 +237,8 @@ class Stack:
 
     def stop(self) -> None:
         """Operator first (so it stops reconciling), then the runner (stops every pod and
-        removes its network and /etc/hosts block), then the control plane if we started it."""
+        removes its network and /etc/hosts block), then the control plane if we started it
+        (with the real node: its kubelet, containers, network and containerd)."""
         for name in ("operator", "podrunner"):
             proc = self.procs.get(name)
             if proc is not None:
@@ -198,6 +254,16 @@ class Stack:
         pods = self.work_dir / "podrunner" / "pods"
         for log in sorted(pods.glob("*/*.log")) if pods.exists() else []:
             out.append(f"----- {log} (last {lines} lines) -----\n{tail(log, lines)}")
+        if self.node == "real" and self.cluster is not None:
+            out.append(self.cluster.log_tails(lines, ["kubelet"]))
+            listed = self.cluster.kubectl("get", "pods", "-A", "-l", "app.kubernetes.io/name=pdd",
+                                          "-o", "json", check=False)  # fmt: skip
+            for pod in json.loads(listed.stdout)["items"] if listed.returncode == 0 else []:
+                ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+                logs = self.cluster.kubectl("logs", "-n", ns, name, f"--tail={lines}",
+                                            check=False)  # fmt: skip
+                out.append(f"----- kubectl logs -n {ns} {name} (last {lines} lines) -----\n"
+                           f"{logs.stdout or logs.stderr}")
         return "\n".join(out)
 
     def check_alive(self, names: Sequence[str] = ("operator", "podrunner")) -> None:
@@ -314,10 +380,50 @@ class Stack:
         )
         self.wait(
             f"router Service {name}.{namespace}.svc ready",
-            lambda: router_ready(name, namespace),
+            lambda: self.router_ready(name, namespace),
             120,
             progress=lambda: self.progress_line(name, namespace),
         )
+
+    # ----------------------------------------------------------------- the router Service
+
+    def router_url(self, name: str, namespace: str) -> str:
+        """The router Service as a client reaches it: by name through the runner's
+        /etc/hosts, or at its ClusterIP through the real node's kube-proxy."""
+        if self.node == "runner":
+            return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
+        key = (namespace, name)
+        if key not in self._service_ips:
+            svc = self.get("service", name, namespace)
+            if svc is None:
+                raise StackError(f"no Service {namespace}/{name}")
+            self._service_ips[key] = svc["spec"]["clusterIP"]
+        return f"http://{self._service_ips[key]}:{ROUTER_PORT}"
+
+    def router_ready(self, name: str, namespace: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.router_url(name, namespace) + "/readyz",
+                                        timeout=5) as r:  # fmt: skip
+                return bool(r.status == 200)
+        except (OSError, urllib.error.URLError, StackError):
+            return False
+
+    def complete(self, name: str, namespace: str, prompt_ids: list[int], max_tokens: int,
+                 timeout: float = 120) -> dict[str, Any]:
+        """One request through the router Service, the way a client in the cluster sends it."""
+        body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens,
+                           "temperature": 0}).encode()  # fmt: skip
+        req = urllib.request.Request(
+            self.router_url(name, namespace) + "/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return dict(json.loads(resp.read()))
+        except urllib.error.HTTPError as e:
+            raise StackError(f"router answered {e.code}: {e.read().decode(errors='replace')}"
+                             ) from e
 
 
 def _tcp_open(host: str, port: int) -> bool:
@@ -326,35 +432,6 @@ def _tcp_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def router_url(name: str, namespace: str) -> str:
-    return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
-
-
-def router_ready(name: str, namespace: str) -> bool:
-    try:
-        with urllib.request.urlopen(router_url(name, namespace) + "/readyz", timeout=5) as r:
-            return r.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-def complete(
-    name: str, namespace: str, prompt_ids: list[int], max_tokens: int, timeout: float = 120
-) -> dict[str, Any]:
-    """One request through the router Service, the way a client in the cluster sends it."""
-    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(
-        router_url(name, namespace) + "/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return dict(json.loads(resp.read()))
-    except urllib.error.HTTPError as e:
-        raise StackError(f"router answered {e.code}: {e.read().decode(errors='replace')}") from e
 
 
 _REFERENCE: dict[tuple[tuple[int, ...], int, str], list[int]] = {}

@@ -47,7 +47,7 @@ class Deployment:
         return harness.reference(PROMPT, MAX_TOKENS, self.dtype)
 
     def complete(self) -> dict[str, Any]:
-        return harness.complete(self.name, self.namespace, PROMPT, MAX_TOKENS)
+        return self.stack.complete(self.name, self.namespace, PROMPT, MAX_TOKENS)
 
     def get(self) -> dict[str, Any]:
         obj = self.stack.get("pddeployment", self.name, self.namespace)
@@ -131,7 +131,8 @@ class Traffic:
         while not self._stop.is_set():
             t = time.monotonic()
             try:
-                r = harness.complete(self.dep.name, self.dep.namespace, PROMPT, MAX_TOKENS, 60)
+                r = self.dep.stack.complete(self.dep.name, self.dep.namespace, PROMPT, MAX_TOKENS,
+                                            60)
                 toks = list(r["choices"][0]["token_ids"])
                 self.requests.append(Request(t, True, toks, r))
             except Exception as e:  # noqa: BLE001 - every failure kind counts as failed

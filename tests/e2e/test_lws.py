@@ -127,7 +127,7 @@ class Deployment:
         per_token = model.num_hidden_layers * model.latent_dim * DTYPE_BYTES[self.dtype]
         need = bytes_per_decode_rank(load_plan(self.plan_text()), len(PROMPT), per_token)
         before = self.transfer_bytes_metric()
-        result = harness.complete(self.name, self.namespace, PROMPT, MAX_TOKENS)
+        result = self.stack.complete(self.name, self.namespace, PROMPT, MAX_TOKENS)
         after = self.transfer_bytes_metric()
         assert result["choices"][0]["token_ids"] == harness.reference(
             PROMPT, MAX_TOKENS, self.dtype

@@ -15,7 +15,6 @@ and nothing in a sidecar pod needs it.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +26,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import harness
@@ -55,15 +53,7 @@ ON_REAL_NODE: dict[str, Any] = {
 }
 
 
-def _load_image_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pdd_image_tool", REPO_ROOT / "hack/image.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-image_tool = _load_image_tool()
+image_tool = harness.image_tool()
 SIDECAR_IMAGE = image_tool.image_name("sidecar", image_tool.DEFAULT_TAG)
 OPERATOR_IMAGE = image_tool.image_name("operator", image_tool.DEFAULT_TAG)
 
