@@ -7,8 +7,7 @@ start every test fails with the logs, never skips.
 
 ``PDD_E2E_NODE=real`` (``make test-e2e NODE=real``) runs the same tests on the real node instead
 (kubelet, containerd, runc; the image of ``make image``), under .cache/e2e-real. The pod runner's
-own tests and the LeaderWorkerSet tests, which reach a leader by its pod DNS name (only the
-runner's /etc/hosts gives the host those names), are skipped there, saying so.
+own tests are skipped there, saying so.
 """
 
 from __future__ import annotations
@@ -24,11 +23,7 @@ import pytest
 NODE = os.environ.get("PDD_E2E_NODE") or "runner"
 WORK_DIR = Path(os.environ.get("PDD_E2E_DIR")
                 or harness.REPO_ROOT / ".cache" / ("e2e" if NODE == "runner" else f"e2e-{NODE}"))
-RUNNER_ONLY = {
-    "test_podrunner.py": "the pod runner's own tests",
-    "test_lws.py": "reaches the LWS leader by its pod DNS name, which only the pod runner's "
-                   "/etc/hosts gives the host",
-}
+RUNNER_ONLY = {"test_podrunner.py": "the pod runner's own tests"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

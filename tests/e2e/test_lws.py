@@ -106,8 +106,14 @@ class Deployment:
         return str(cm["data"]["routing.json"])
 
     def leader_url(self, role: str) -> str:
+        """By its per-pod name where the host resolves it (the pod runner's /etc/hosts), else
+        at the leader's pod IP (the real node's pods are reachable from the host)."""
         n = f"{self.name}-{role}"
-        return f"http://{n}-0.{n}.{self.namespace}.svc:{HTTP_PORT}"
+        if self.stack.node == "runner":
+            return f"http://{n}-0.{n}.{self.namespace}.svc:{HTTP_PORT}"
+        pod = self.stack.get("pod", f"{n}-0", self.namespace)
+        assert pod is not None, f"no leader pod {n}-0"
+        return f"http://{pod['status']['podIP']}:{HTTP_PORT}"
 
     def transfer_bytes_metric(self) -> dict[int, float]:
         """The decode leader's pdd_kv_transfer_bytes per rank (every rank of the instance,
