@@ -715,7 +715,8 @@ class Router:
                   "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                   "return_token_ids": True}
         headers = {"X-Request-Id": rid}
-        url = self.prefill.pick(plans=self.decode.ready_plans())
+        url = await self._pick(
+            lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), set())
         if url is None:
             raise ApiError(503, "no ready prefill replica", type_="server_error")
         trip.prefill = url
@@ -737,7 +738,8 @@ class Router:
             for t in first:
                 yield t
             return
-        decode = self.decode.pick(plan=self.prefill.plans.get(url))
+        plan = self.prefill.plans.get(url)
+        decode = await self._pick(lambda skip: self.decode.pick(skip, plan), set())
         if decode is None:
             self.release_soon(url, rid, params)
             raise ApiError(503, "no ready decode replica", type_="server_error")
