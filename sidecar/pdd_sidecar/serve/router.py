@@ -585,6 +585,15 @@ class Router:
                 return url
             await asyncio.sleep(READY_POLL_S)
 
+    async def _choose_prefill(self, tried: set[str]) -> str | None:
+        # Only a prefill whose plan some ready decode runs: during a plan-changing roll the new
+        # plan's prefill may be ready before its decode.
+        return await self._pick(
+            lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), tried)
+
+    async def _choose_decode(self, plan: str | None, tried: set[str]) -> str | None:
+        return await self._pick(lambda skip: self.decode.pick(skip, plan), tried)
+
     async def _post(self, role: str, url: str, path: str, body: dict[str, Any],
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         assert self.session is not None
@@ -610,10 +619,7 @@ class Router:
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
-            # Only a prefill whose plan some ready decode runs: during a plan-changing roll the
-            # new plan's prefill may be ready before its decode.
-            url = await self._pick(
-                lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), tried)
+            url = await self._choose_prefill(tried)
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica with a ready decode of "
                                        "its routing plan", type_="server_error")
@@ -656,7 +662,7 @@ class Router:
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
         while True:
-            url = await self._pick(lambda skip: self.decode.pick(skip, plan), tried)
+            url = await self._choose_decode(plan, tried)
             if url is None:
                 raise ApiError(503, "no ready decode replica"
                                + (f" running routing plan {plan}" if plan else ""),
@@ -715,8 +721,7 @@ class Router:
                   "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                   "return_token_ids": True}
         headers = {"X-Request-Id": rid}
-        url = await self._pick(
-            lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), set())
+        url = await self._choose_prefill(set())
         if url is None:
             raise ApiError(503, "no ready prefill replica", type_="server_error")
         trip.prefill = url
@@ -738,8 +743,7 @@ class Router:
             for t in first:
                 yield t
             return
-        plan = self.prefill.plans.get(url)
-        decode = await self._pick(lambda skip: self.decode.pick(skip, plan), set())
+        decode = await self._choose_decode(self.prefill.plans.get(url), set())
         if decode is None:
             self.release_soon(url, rid, params)
             raise ApiError(503, "no ready decode replica", type_="server_error")
