@@ -93,10 +93,12 @@ image: image-deps
 
 # The images on the real node: entry points, a P TP1 -> D TP1 PDDeployment through the router
 # Service, logs/exec, a liveness restart (marker realnode; never part of `make test`). Reuses a
-# running `make cluster-up NODE=real`, else starts and stops its own.
+# running `make cluster-up NODE=real`, else starts and stops its own. Then the e2e tier's
+# scenarios on the real node (= `make test-e2e NODE=real`).
 .PHONY: test-realnode-e2e
 test-realnode-e2e: venv cluster-build-node cluster-node-deps image
 	$(PYTEST) tests/e2e -q -m realnode
+	PDD_E2E_NODE=real $(PYTEST) tests/e2e -q -m e2e
 
 -include tests/cluster/cluster.mk
 cluster-build:

@@ -10,6 +10,11 @@ left running; otherwise the module starts a cluster of its own (no fake nodes) i
 cluster, on the host, with the cluster's kubeconfig (``python -m pdd_operator --standalone``,
 its webhook on 127.0.0.1): pods cannot reach the API server, which listens on 127.0.0.1 only,
 and nothing in a sidecar pod needs it.
+
+What only a kubelet shows lives here (the image's entry points, containerd IDs, `kubectl logs` and
+`exec`, a liveness restart). The e2e tier's scenarios (three reference configurations, a decode pod
+deleted, decode DCP changed and decode scaled under traffic) run on the real node through the shared
+harness: ``PDD_E2E_NODE=real pytest -m e2e tests/e2e``, which ``make test-realnode-e2e`` runs too.
 """
 
 from __future__ import annotations
@@ -18,13 +23,12 @@ import contextlib
 import json
 import os
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -390,103 +394,6 @@ def test_image_entry_points_run_in_containers(
     assert logs["runtime"].split()[0] == "10001", logs["runtime"]  # the image's USER
 
 
-@pytest.mark.parametrize(
-    ("example", "case"),
-    [
-        ("p-tp2-dcp2-to-d-tp4-dcp4", "sharded-to-sharded"),
-        ("p-tp4-dcp4-to-d-tp4-dcp1", "sharded-to-replicated"),
-        ("p-tp2-dcp1-to-d-tp4-dcp4", "replicated-to-sharded"),
-    ],
-    ids=["p-tp2-dcp2-to-d-tp4-dcp4", "p-tp4-dcp4-to-d-tp4-dcp1", "p-tp2-dcp1-to-d-tp4-dcp4"],
-)
-def test_reference_configuration_on_the_real_node(
-    node: Node, operator: Operator, example: str, case: str
-) -> None:
-    """The e2e tier's three reference configurations (sharded->sharded, sharded->replicated,
-    replicated->sharded), unchanged but for the placement on the real node. Before the tests
-    of the module's P TP1 -> D TP1 deployment: a TP4 -> TP4 pair and that one together ask
-    for more than the node's 8 GPUs."""
-    _, doc = harness.example(example)
-    for role in ("prefill", "decode"):
-        doc["spec"][role].update(ON_REAL_NODE)
-    doc["spec"].setdefault("router", {})["template"] = {"spec": dict(ON_REAL_NODE)}
-    ns = f"rn-{uuid.uuid4().hex[:6]}"
-    node.kubectl("create", "namespace", ns)
-    dep = Deployment(node, operator, ns, doc, doc["metadata"]["name"])
-    try:
-        t0 = time.monotonic()
-        node.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
-        dep.wait_ready()
-        node.figures[f"{example} apply to Ready s"] = time.monotonic() - t0
-        status = (node.get("pddeployment", dep.name, ns) or {})["status"]
-        result = dep.complete_result()
-        assert result["choices"][0]["token_ids"] == dep.reference()
-        ranks = result["pdd"]["transfer"]["ranks"]
-        assert len(ranks) == doc["spec"]["decode"]["tensorParallelSize"], ranks
-        assert all(r["bytes"] > 0 for r in ranks), ranks
-        assert status["routingCase"] == case, status
-    finally:
-        # Wait, so the next configuration does not share the CPU with this one's exit.
-        node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
-
-
-def test_change_decode_dcp_2_to_1_under_traffic(node: Node, operator: Operator) -> None:
-    """The e2e tier's plan-changing roll on real containers: P TP1 -> D TP2/DCP2, requests
-    back to back through the router Service while decode goes to DCP 1. The node's 8 GPUs hold
-    the pair (3) and a surge pair of the new plan (3), so the roll surges first; no request
-    fails and every completion equals the reference, on the old plan and on the new. Before
-    the module's deployment is made, whose pods would leave too few GPUs for the surge."""
-    doc = manifest()
-    name = "p-tp1-to-d-tp2-dcp2"
-    doc["metadata"]["name"] = name
-    doc["spec"]["decode"].update(tensorParallelSize=2, decodeContextParallelSize=2)
-    ns = f"rn-roll-{uuid.uuid4().hex[:6]}"
-    node.kubectl("create", "namespace", ns)
-    dep = Deployment(node, operator, ns, doc, name)
-    try:
-        node.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
-        dep.wait_ready()
-        reference = dep.reference()
-        old_uid = dep.pod("decode")["metadata"]["uid"]
-        surge_seen: set[str] = set()
-
-        def new_plan_serving() -> bool:
-            surge_seen.update(r for r in ("prefill", "decode")
-                              if node.get("pod", f"{name}-{r}-surge", ns))
-            pods = [p for p in dep.pods() if not p["metadata"].get("deletionTimestamp")
-                    and p["metadata"]["labels"].get("app.kubernetes.io/component") == "decode"]
-            if len(pods) != 1 or pods[0]["metadata"]["uid"] == old_uid:
-                return False
-            env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
-            return env.get("PDD_DCP_SIZE") == "1" and dep.is_ready()
-
-        with Traffic(dep) as traffic:
-            wait_for("3 requests before the change", lambda: len(traffic.results) >= 3, 300,
-                     dep.why)  # fmt: skip
-            t_patch = time.monotonic()
-            patch = json.dumps({"spec": {"decode": {"decodeContextParallelSize": 1}}})
-            node.kubectl("patch", "pddeployment", name, "-n", ns, "--type", "merge", "-p", patch)
-            wait_for("the roll to DCP 1", new_plan_serving, 900, dep.why)
-            dep.wait_ready()
-            t_done = time.monotonic()
-            wait_for("3 requests after the roll", lambda: len(traffic.after(t_done)) >= 3, 300,
-                     dep.why)  # fmt: skip
-        results = [r for _, r in traffic.results]
-        failed = [r for r in results if isinstance(r, str)]
-        node.figures["DCP 2->1 roll s"] = t_done - t_patch
-        node.figures["DCP 2->1 requests"] = len(results)
-        node.figures["DCP 2->1 failed"] = len(failed)
-        assert not failed, failed
-        assert all(_tokens(r) == reference for r in results), [_tokens(r) for r in results]
-        assert surge_seen == {"prefill", "decode"}, "the roll surged a new pair first"
-        last = traffic.after(t_done)[-1]
-        assert not isinstance(last, str)
-        per_rank = [r["bytes"] for r in last["pdd"]["transfer"]["ranks"]]
-        assert len(per_rank) == 2 and len(set(per_rank)) == 1 and per_rank[0] > 0, per_rank
-    finally:
-        node.kubectl("delete", "namespace", ns, "--timeout=180s", check=False)
-
-
 def test_reference_tp1_completion_equals_reference(deployment: Deployment) -> None:
     pods = deployment.pods()
     components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
@@ -544,104 +451,3 @@ def test_liveness_probe_restarts_a_hung_router(deployment: Deployment) -> None:
     assert any("failed liveness probe, will be restarted" in m for m in messages), messages
     deployment.wait_ready(timeout=300)
     assert deployment.complete() == deployment.reference()
-
-
-
-@dataclass
-class Traffic:
-    """Requests one after another through the router Service until stopped; each is
-    recorded with its start time and its result, or the error."""
-
-    dep: Deployment
-    results: list[tuple[float, dict[str, Any] | str]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> Traffic:
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(120)
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            t = time.monotonic()
-            try:
-                self.results.append((t, self.dep.complete_result(timeout=60)))
-            except Exception as e:  # noqa: BLE001 - every failure kind is recorded
-                self.results.append((t, f"{type(e).__name__}: {str(e)[:200]}"))
-                self.stop.wait(0.5)
-
-    def after(self, t0: float) -> list[dict[str, Any] | str]:
-        return [r for t, r in list(self.results) if t >= t0]
-
-
-def _tokens(result: dict[str, Any] | str) -> list[int] | str:
-    return result if isinstance(result, str) else list(result["choices"][0]["token_ids"])
-
-
-def test_delete_decode_pod_under_traffic(deployment: Deployment) -> None:
-    """Requests run back to back while the decode pod is deleted: the operator makes a new
-    one, the kubelet runs it, and every request sent once the deployment is Ready again
-    completes with the reference tokens."""
-    dep = deployment
-    dep.wait_ready()
-    old = dep.pod("decode")
-    reference = dep.reference()
-    with Traffic(dep) as traffic:
-        wait_for("a request before the deletion", lambda: traffic.results, 120, dep.why)
-        dep.node.kubectl("delete", "pod", old["metadata"]["name"], "-n", dep.namespace,
-                         "--wait=false")  # fmt: skip
-
-        def replaced() -> bool:
-            pods = [p for p in dep.pods()
-                    if p["metadata"]["labels"].get("app.kubernetes.io/component") == "decode"]
-            return any(p["metadata"]["uid"] != old["metadata"]["uid"] for p in pods)
-
-        wait_for("a new decode pod", replaced, 120, dep.why)
-        dep.wait_ready(timeout=600)
-        t_back = time.monotonic()
-        wait_for("3 requests after recovery",
-                 lambda: len(traffic.after(t_back)) >= 3, 300, dep.why)  # fmt: skip
-    later = [_tokens(r) for r in traffic.after(t_back)]
-    assert all(r == reference for r in later), later
-
-
-def test_scale_decode_1_to_2_under_traffic(deployment: Deployment) -> None:
-    """Requests run back to back while decode scales to two replicas: once the new pod is
-    Ready and the deployment Ready again, every request completes with the reference and the
-    new replica serves some of them. Last in the module: the deployment keeps two decodes."""
-    dep = deployment
-    dep.wait_ready()
-    reference = dep.reference()
-    new_pod = f"{dep.name}-decode-1"
-    with Traffic(dep) as traffic:
-        wait_for("a request before the scale", lambda: traffic.results, 120, dep.why)
-        patch = json.dumps({"spec": {"decode": {"replicas": 2}}})
-        dep.node.kubectl("patch", "pddeployment", dep.name, "-n", dep.namespace,
-                         "--type", "merge", "-p", patch)  # fmt: skip
-
-        def scaled() -> bool:
-            pod = dep.node.get("pod", new_pod, dep.namespace) or {}
-            conds = (pod.get("status") or {}).get("conditions") or []
-            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-            return ready and dep.is_ready()
-
-        wait_for(f"{new_pod} Ready and the deployment Ready", scaled, 600, dep.why)
-        dep.wait_ready()
-        t_back = time.monotonic()
-        wait_for("8 requests after the scale",
-                 lambda: len(traffic.after(t_back)) >= 8, 300, dep.why)  # fmt: skip
-    later = traffic.after(t_back)
-    assert all(_tokens(r) == reference for r in later), [_tokens(r) for r in later]
-    pod = dep.node.get("pod", new_pod, dep.namespace) or {}
-    ip = (pod.get("status") or {}).get("podIP")
-
-    def host(result: dict[str, Any] | str) -> str:
-        url = "" if isinstance(result, str) else (result.get("pdd") or {}).get("decode", "")
-        return str(url).split("//", 1)[-1].split(":", 1)[0]
-
-    served = [host(r) for r in later]
-    assert any(h.split(".")[0] == new_pod or h == ip for h in served), served
