@@ -24,6 +24,7 @@ from pdd_operator.config import CONFIG
 from pdd_operator.kube import KINDS, ApiError, Kube
 from pdd_operator.peering import paused
 from pdd_operator.reconciler import Reconciler
+from pdd_operator.tls_reload import NEVER, reload_forever, server_context
 from pdd_operator.webhook import (
     HANDLER_ID,
     admission_problems,
@@ -101,13 +102,17 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.tasks.append(loop.create_task(rec.watch_children(cfg.namespaces or None)))
     if cfg.webhook_port:
         tls = await prepare_tls(kube, cfg)
-        # kopf re-reads the files every few seconds and restarts its server when they change:
-        # that is how a renewed certificate (rotate_forever, or cert-manager's) takes effect.
+        # A renewed certificate (rotate_forever's, or cert-manager's) is loaded into the live
+        # context; kopf's own file check, which would restart the server, never fires.
+        context = server_context(tls.certfile, tls.keyfile)
         settings.admission.server = kopf.WebhookServer(
             addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
             certfile=str(tls.certfile), pkeyfile=str(tls.keyfile), cadata=tls.ca_pem,
-            file_check_interval=min(60.0, max(1.0, cfg.cert_validity_seconds / 30)),
+            context=context, file_check_interval=NEVER,
         )
+        STATE.tasks.append(loop.create_task(reload_forever(
+            context, tls.certfile, tls.keyfile,
+            min(60.0, max(1.0, cfg.cert_validity_seconds / 30)))))
         if tls.bundle is not None:
             await ensure_webhook_configuration(kube, cfg, tls.bundle.ca_pem)
             STATE.tasks.append(loop.create_task(

@@ -175,7 +175,7 @@ def write_tls(bundle: TlsBundle, directory: Path | None = None) -> tuple[Path, P
 
 async def rotate_forever(kube: Kube, cfg: Config, bundle: TlsBundle, directory: Path) -> None:
     """Renew the webhook certificate at two thirds of its life. The new files replace the
-    old in place (kopf's server reloads when they change); the caBundle carries the new CA
+    old in place (tls_reload loads them into the live context); the caBundle carries the new CA
     and the previous one until the next renewal, so a replica still serving the previous
     certificate (it adopts the new one from the shared Secret at its own renewal time) is
     trusted meanwhile."""
