@@ -37,23 +37,33 @@ _AVAILABLE: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs for ``dtype`` on ``device`` (probed once: it exists
-    on Hopper for bf16; other chips and dtypes may lack a kernel)."""
+    """Whether ``torch._grouped_mm`` has a device kernel for ``dtype`` on ``device`` (probed
+    once: Hopper has one for bf16). A build that serves a dtype through a fallback reading the
+    group offsets on the host (fp32 in torch 2.11) syncs every call and cannot be captured in
+    a CUDA graph: the probe captures one call, and such a dtype counts as unavailable."""
     key = (str(device), dtype)
     if key not in _AVAILABLE:
-        ok = False
         fn = getattr(torch, "_grouped_mm", None)
-        if fn is not None and device.type == "cuda":
-            try:
-                a = torch.ones(16, 16, dtype=dtype, device=device)
-                w = torch.ones(2, 16, 16, dtype=dtype, device=device)
-                offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
-                y = fn(a, w.transpose(-2, -1), offs=offs)
-                ok = bool(torch.allclose(y.float(), torch.full_like(y, 16).float()))
-            except (RuntimeError, TypeError, NotImplementedError):
-                ok = False
-        _AVAILABLE[key] = ok
+        if fn is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return False
+        _AVAILABLE[key] = _probe_grouped_mm(fn, device, dtype)
     return _AVAILABLE[key]
+
+
+def _probe_grouped_mm(fn: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        a = torch.ones(16, 16, dtype=dtype, device=device)
+        w = torch.ones(2, 16, 16, dtype=dtype, device=device).transpose(-2, -1)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+        y = fn(a, w, offs=offs)
+        if not torch.allclose(y.float(), torch.full_like(y, 16).float()):
+            return False
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn(a, w, offs=offs)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def can_group(x: torch.Tensor, w: MoEWeights) -> bool:
