@@ -2,16 +2,19 @@
 """GPU data-plane sweep (issue 8): the CPU sweep's configurations on GPUs, through the real path.
 
 For each configuration one prefill instance, one decode instance (rank r of either side on
-``cuda:r``, NCCL for the TP/DCP collectives, NIXL over UCX with the KV cache registered as VRAM)
-and a router are started as local processes; four prompts (shorter than one block to several
-blocks) are completed with 16 greedy tokens each. PASS/FAIL is about the KV path alone: the
-tokens must equal those of a single instance of the decode side's layout and dtype (no P/D split,
-the same ranks and collectives, so the same reduction order), and every decode rank must receive
-exactly the plan's minimum bytes. Separately, each row is compared with the single-GPU reference
-(tp1/dcp1, same dtype): matched tokens, first divergence, and the reference's top-1 minus top-2
-logit margin at that step (a small margin means the difference is rounding in another reduction
-order, not the hand-off). Configurations that need more GPUs than the machine has are listed as
-NOT RUN with the reason.
+``cuda:r``, NCCL for the TP/DCP collectives, NIXL over UCX with the KV cache registered as VRAM) and
+a router are started as local processes; four prompts (shorter than one block to several blocks) are
+completed with 16 greedy tokens each. PASS/FAIL is about the KV path alone: the tokens must equal
+those of the same model run without the network in the same reduction order, and every decode rank
+must receive exactly the plan's minimum bytes. Where both sides share a layout that run is a single
+instance of it (no P/D split, the same ranks and collectives); where they differ, the prefill
+layout's latents moved in memory into the decode layout's ranks and decoded there
+(``engine/handoff_reference.py``), since a single instance of the decode layout computes the
+prompt's latents in another order than the prefill did. Separately, each row is compared with the
+single-GPU reference (tp1/dcp1, same dtype): matched tokens, first divergence, and the reference's
+top-1 minus top-2 logit margin at that step (a small margin means the difference is rounding in
+another reduction order, not the hand-off). Configurations that need more GPUs than the machine has
+are listed as NOT RUN with the reason.
 
 Not collected by pytest (``tests/gpu/conftest.py``); CI has no GPU. Run by hand:
 
@@ -149,6 +152,18 @@ def layout_reference(tp: int, dcp: int, dtype: str, device: str) -> Reference:
                       for n in PROMPT_LENGTHS})
 
 
+def handoff_reference(cfg: Config, dtype: str, device: str) -> Reference:
+    """Where the two sides' layouts differ: the prefill layout's latents decoded in the decode
+    layout without the network (engine/handoff_reference.py), the only run that rounds as the
+    P/D pair does."""
+    from pdd_sidecar.engine.handoff_reference import handoff_generate
+
+    tokens = handoff_generate("builtin", [_prompt(n) for n in PROMPT_LENGTHS], MAX_TOKENS,
+                              cfg[0], cfg[1], dtype=dtype, block_size=BLOCK, device=device,
+                              launcher="procs")
+    return Reference(dict(zip(PROMPT_LENGTHS, tokens, strict=True)))
+
+
 def first_divergence(got: list[int], want: list[int]) -> int | None:
     for i, (a, b) in enumerate(zip(got, want, strict=False)):
         if a != b:
@@ -205,7 +220,7 @@ def run_config(cfg: Config, dtype: str, device: str, refs: dict[int, list[int]],
             step = first_divergence(got, want)
             div.append("-" if step is None else str(step))
             if step is not None:
-                problems.append(f"prompt {n}: tokens {got} != single instance {want}")
+                problems.append(f"prompt {n}: tokens {got} != reference {want}")
             if tp1 is not None:
                 tp1_matched += sum(a == b for a, b in zip(got, tp1.tokens[n], strict=False))
                 at = first_divergence(got, tp1.tokens[n])
@@ -310,23 +325,32 @@ def main(argv: list[str] | None = None) -> int:
                      f"{len(PROMPT_LENGTHS) * MAX_TOKENS} tokens equal")
     for line in notes:
         print(line, flush=True)
-    # PASS/FAIL yardsticks: one single instance per decode layout and dtype that will run.
-    layouts: dict[tuple[int, int, str], Reference] = {}
+    # PASS/FAIL yardsticks: a single instance where both sides share a layout, else the
+    # in-memory hand-off between the two layouts.
+    yardsticks: dict[tuple[Config, str], Reference] = {}
+    singles: dict[tuple[int, int, str], Reference] = {}
     for d in dtypes:
         for cfg in configs:
-            key = (cfg[1][0], cfg[1][1], d)
-            if gpus_needed(cfg) <= gpus and key not in layouts:
-                tl = time.monotonic()
-                layouts[key] = (tp1[d] if key[:2] == (1, 1)
-                                else layout_reference(key[0], key[1], d, a.device))
-                same = sum(x == y for n in PROMPT_LENGTHS
-                           for x, y in zip(layouts[key].tokens[n], tp1[d].tokens[n],
-                                           strict=False))
-                line = (f"single instance tp{key[0]}/dcp{key[1]} {d}: {same}/"
-                        f"{len(PROMPT_LENGTHS) * MAX_TOKENS} tokens equal to tp1 "
-                        f"({time.monotonic() - tl:.0f}s)")
-                notes.append(line)
-                print(line, flush=True)
+            if gpus_needed(cfg) > gpus:
+                continue
+            tl = time.monotonic()
+            if cfg[0] != cfg[1]:
+                ref = handoff_reference(cfg, d, a.device)
+                what = f"hand-off {_label(cfg)} {d}"
+            else:
+                key = (cfg[1][0], cfg[1][1], d)
+                if key not in singles:
+                    singles[key] = (tp1[d] if key[:2] == (1, 1)
+                                    else layout_reference(key[0], key[1], d, a.device))
+                ref = singles[key]
+                what = f"single instance tp{key[0]}/dcp{key[1]} {d}"
+            yardsticks[(cfg, d)] = ref
+            same = sum(x == y for n in PROMPT_LENGTHS
+                       for x, y in zip(ref.tokens[n], tp1[d].tokens[n], strict=False))
+            line = (f"{what}: {same}/{len(PROMPT_LENGTHS) * MAX_TOKENS} tokens equal to tp1 "
+                    f"({time.monotonic() - tl:.0f}s)")
+            notes.append(line)
+            print(line, flush=True)
 
     rf._context()  # start the forkserver once, before any worker thread uses it
     rows: dict[tuple[Config, str], Row] = {}
@@ -351,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             return Row(_label(cfg), d, "NOT RUN", reference=cfg in REFERENCE_SWEEP,
                        detail=f"skipped after {errors[0]} configurations ended in ERROR")
         name = f"{cfg[0][0]}x{cfg[0][1]}-{cfg[1][0]}x{cfg[1][1]}-{d}"
-        want = layouts[(cfg[1][0], cfg[1][1], d)].tokens
+        want = yardsticks[(cfg, d)].tokens
         row = run_config(cfg, d, a.device, want, workroot / name, a.ready_timeout_s, tp1[d])
         if row.status == "ERROR":  # a start-up race (a port taken meanwhile): one more try
             print(f"{row.config} {d}: ERROR, trying once more: {row.detail}", flush=True)
@@ -376,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{'VRAM' if a.device == 'cuda' else 'DRAM'} -> decode; blockSize {BLOCK}, "
              f"{len(PROMPT_LENGTHS)} prompts of {','.join(map(str, PROMPT_LENGTHS))} tokens x "
              f"{MAX_TOKENS} greedy tokens; * = reference configuration; Status and Tokens "
-             f"matched: against a single instance of the decode layout; vs tp1: against the "
+             f"matched: against the same model without the network, a single instance where both "
+             f"sides share a layout, else the prefill layout's latents decoded in the decode "
+             f"layout in memory; vs tp1: against the "
              f"single-GPU reference, with its top1-top2 logit margin at the first differing "
              f"step)")
     text = "\n".join([title, *notes, table(ordered)])

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,9 @@ class _Spec:
     seed: int
     keep_logits: bool
     forced_ids: tuple[int, ...] | None  # teacher forcing: feed these instead of greedy picks
+
+    def run(self, rank: int, comm: Comm) -> GenerationResult | None:
+        return _rank_main(rank, comm, self)
 
 
 def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
@@ -84,7 +87,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
+class RankRun(Protocol):
+    """What one launch runs on every rank; rank 0's return value is the launch's result."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    def run(self, rank: int, comm: Comm) -> Any: ...
+
+
+def _proc_entry(rank: int, spec: RankRun, port: int, queue: object) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if spec.device == "cuda" else "gloo"
@@ -94,7 +109,7 @@ def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=spec.tp
     )
     try:
-        res = _rank_main(rank, TorchDistComm(), spec)
+        res = spec.run(rank, TorchDistComm())
         if rank == 0:
             # Plain pickle copies tensors by value; the queue's own pickler would share them by
             # file descriptor, which dies with this process before the parent reads them.
@@ -106,7 +121,9 @@ def _proc_entry(rank: int, spec: _Spec, port: int, queue: object) -> None:
         dist.destroy_process_group()
 
 
-def _run_procs(spec: _Spec, timeout_s: float = 900.0) -> GenerationResult:
+def run_procs(spec: RankRun, timeout_s: float = 900.0) -> Any:
+    """Every rank as a local process over torch.distributed (NCCL on CUDA, else gloo), like a
+    serving instance's ranks; rank 0's result."""
     import time
 
     import torch.multiprocessing as mp
@@ -148,8 +165,7 @@ def _run_procs(spec: _Spec, timeout_s: float = 900.0) -> GenerationResult:
         if "KVCacheFullError" in payload:
             raise KVCacheFullError(payload)
         raise RuntimeError(payload)
-    result: GenerationResult = pickle.loads(payload)
-    return result
+    return pickle.loads(payload)
 
 
 def generate_result(
@@ -192,7 +208,8 @@ def generate_result(
         forced_ids=None if forced_ids is None else tuple(forced_ids),
     )
     if launcher == "procs" and tp > 1:
-        return _run_procs(spec)
+        result: GenerationResult = run_procs(spec)
+        return result
     if launcher not in ("inproc", "procs"):
         raise ValueError(f"launcher must be inproc or procs, got {launcher!r}")
     res = run_threads(tp, lambda rank, comm: _rank_main(rank, comm, spec))[0]
