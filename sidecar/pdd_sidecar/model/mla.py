@@ -13,17 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from pdd_sidecar.model.config import ModelConfig
-from pdd_sidecar.model.rope import apply_rope
+from pdd_sidecar.model.kernels.norm_rope import apply_rope, rms_norm
 from pdd_sidecar.model.weights import AttnWeights
 
 LORA_NORM_EPS = 1e-6  # q_a/kv_a layernorms use the RMSNorm default, not rms_norm_eps
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
 
 
 def project_q(

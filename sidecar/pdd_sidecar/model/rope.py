@@ -57,11 +57,3 @@ class Rotary:
         return torch.cos(freqs) * self.attention_factor, torch.sin(freqs) * self.attention_factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x[T, ..., dim]`` by per-token angles; ``cos``/``sin`` are ``[T, dim/2]``."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    c, s = cos.reshape(shape), sin.reshape(shape)
-    even, odd = xf[..., 0], xf[..., 1]
-    out = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)
-    return out.flatten(-2).to(x.dtype)
