@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pdd_sidecar.model.config import ModelConfig
 from pdd_sidecar.model.kernels import moe_grouped as mg
 from pdd_sidecar.model.kernels.moe_grouped import can_group, grouped_experts, loop_experts
+from pdd_sidecar.model.kernels.moe_route import softmax_topk
 from pdd_sidecar.model.weights import MLPWeights, MoEWeights
 
 
@@ -33,15 +34,16 @@ def route(
     k = cfg.num_experts_per_tok
     if cfg.scoring_func == "sigmoid":
         return _route_noaux_tc(logits, cfg, bias)
+    if cfg.topk_method != "group_limited_greedy":
+        return softmax_topk(logits, k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    assert cfg.n_group and cfg.topk_group
     scores = logits.softmax(dim=-1, dtype=torch.float32)
-    if cfg.topk_method == "group_limited_greedy":
-        assert cfg.n_group and cfg.topk_group
-        n_exp = scores.shape[-1]
-        groups = scores.view(-1, cfg.n_group, n_exp // cfg.n_group).max(dim=-1).values
-        keep = torch.zeros_like(groups)
-        keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
-        mask = keep.unsqueeze(-1).expand(-1, cfg.n_group, n_exp // cfg.n_group).reshape(-1, n_exp)
-        scores = scores.masked_fill(~mask.bool(), 0.0)
+    n_exp = scores.shape[-1]
+    groups = scores.view(-1, cfg.n_group, n_exp // cfg.n_group).max(dim=-1).values
+    keep = torch.zeros_like(groups)
+    keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
+    mask = keep.unsqueeze(-1).expand(-1, cfg.n_group, n_exp // cfg.n_group).reshape(-1, n_exp)
+    scores = scores.masked_fill(~mask.bool(), 0.0)
     weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
     if cfg.norm_topk_prob and k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -84,10 +86,8 @@ def expert_path(x: torch.Tensor, w: MoEWeights, top_k: int) -> str:
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool = True) -> torch.Tensor:
     weights, ids = route(x, w.router, cfg, w.score_bias)
     path = expert_path(x, w, cfg.num_experts_per_tok)
-    if path == "loop":
-        out = loop_experts(x, weights, ids, w)
-    else:
-        out = grouped_experts(x, weights, ids, w, gemv=path == "gemv")
-    if w.shared is not None:
-        out = out + dense_mlp(x, w.shared, add_bias)
-    return out
+    shared = None if w.shared is None else dense_mlp(x, w.shared, add_bias)
+    if path != "loop":
+        return grouped_experts(x, weights, ids, w, gemv=path == "gemv", shared=shared)
+    out = loop_experts(x, weights, ids, w)
+    return out if shared is None else out + shared

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdd_sidecar.model.kernels.moe_route import combine, inverse_order
 from pdd_sidecar.model.weights import MoEWeights
 
 try:
@@ -98,24 +99,23 @@ def grouped_experts(
     ids: torch.Tensor,
     w: MoEWeights,
     gemv: bool | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token, ``[T, hidden]`` in
-    ``x``'s dtype (shared experts not included). ``gemv`` forces either kernel family (tests,
-    bench); by default the GEMV kernels take up to ``GEMV_MAX_PAIRS`` pairs."""
+    ``x``'s dtype, plus ``shared`` (the shared experts' output) when given. ``gemv`` forces
+    either kernel family (tests, bench); by default the GEMV kernels take up to
+    ``GEMV_MAX_PAIRS`` pairs."""
     t, k = ids.shape
     if gemv is None:
         gemv = HAS_TRITON and t * k <= GEMV_MAX_PAIRS
     if gemv:
-        y = gemv_experts(x, ids, w)
-        return (y.view(t, k, -1).float() * weights.view(t, k, 1).float()).sum(1).to(x.dtype)
+        return combine(gemv_experts(x, ids, w), weights, None, shared)
     order, rows, offs = sort_by_expert(ids, w.w_gate.shape[0])
     xs = x.index_select(0, rows)
     g = torch._grouped_mm(xs, w.w_gate.transpose(-2, -1), offs=offs)
     u = torch._grouped_mm(xs, w.w_up.transpose(-2, -1), offs=offs)
     y = torch._grouped_mm(F.silu(g) * u, w.w_down.transpose(-2, -1), offs=offs)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y)
-    out = (unsorted.view(t, k, -1).float() * weights.view(t, k, 1).float()).sum(1)
-    return out.to(x.dtype)
+    return combine(y, weights, inverse_order(order), shared)
 
 
 def loop_experts(

@@ -1,0 +1,157 @@
+"""The MoE layer's routing (softmax and greedy top-k) and the combine of the chosen experts'
+outputs, each one Triton kernel on CUDA beside its torch reference.
+
+In torch the routing is a softmax, a top-k and a scaling, and the combine an unsort, two upcasts,
+a product, a sum and a downcast: small kernels that at decode batch sizes cost more than the
+bytes they move. The kernels run the same fp32 arithmetic; ties in the top-k go to the lowest
+expert id (torch's order among exact ties is unspecified).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # machines without a GPU may have no Triton: the references serve them
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+MAX_EXPERTS = 1024  # one row of scores in one program
+
+
+def softmax_topk_ref(
+    logits: torch.Tensor, k: int, normalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    if normalize and k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, normalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] fp32, expert ids [T, k] int64)`` of a greedy softmax router."""
+    t, e = logits.shape
+    if not (logits.is_cuda and HAS_TRITON) or e > MAX_EXPERTS or k > e or t == 0:
+        return softmax_topk_ref(logits, k, normalize, scale)
+    return softmax_topk_triton(logits, k, normalize, scale)
+
+
+def softmax_topk_triton(
+    logits: torch.Tensor, k: int, normalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = logits.shape
+    src = logits.float()
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    kernel: Any = _softmax_topk_rows
+    kernel[(t,)](src, weights, ids, src.stride(0), e, float(scale), K=k,
+                 K_P2=max(2, 1 << (k - 1).bit_length()), E_P2=max(16, 1 << (e - 1).bit_length()),
+                 NORMALIZE=bool(normalize and k > 1))
+    return weights, ids
+
+
+def combine_ref(y: torch.Tensor, weights: torch.Tensor, src: torch.Tensor | None,
+                shared: torch.Tensor | None) -> torch.Tensor:
+    """``sum_j weights[t, j] * y[src[t*k + j]]`` (``src`` None: ``y`` is already in
+    ``[T*k]`` order), rounded to ``y``'s dtype, plus ``shared``."""
+    t, k = weights.shape
+    picked = y if src is None else y.index_select(0, src)
+    out = (picked.view(t, k, -1).float() * weights.view(t, k, 1).float()).sum(1).to(y.dtype)
+    return out if shared is None else out + shared
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, src: torch.Tensor | None,
+            shared: torch.Tensor | None) -> torch.Tensor:
+    if not (y.is_cuda and HAS_TRITON) or y.stride(-1) != 1 or weights.numel() == 0 or (
+            shared is not None and (shared.dtype != y.dtype or shared.stride(-1) != 1)):
+        return combine_ref(y, weights, src, shared)
+    return combine_triton(y, weights, src, shared)
+
+
+def combine_triton(y: torch.Tensor, weights: torch.Tensor, src: torch.Tensor | None,
+                   shared: torch.Tensor | None) -> torch.Tensor:
+    t, k = weights.shape
+    hidden = y.shape[-1]
+    out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
+    w = weights.float().contiguous()
+    r = src if src is not None else w  # any tensor: not read without HAS_SRC
+    s = shared if shared is not None else out
+    block = 512
+    kernel: Any = _combine_rows
+    kernel[(t, triton.cdiv(hidden, block))](
+        y, w, r, s, out, y.stride(0), s.stride(0), hidden, K=k, BLOCK=block,
+        HAS_SRC=src is not None, HAS_SHARED=shared is not None,
+    )  # fmt: skip
+    return out
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """``src`` for ``combine`` from a sort's ``order``: where each pair's output went."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return inv
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _softmax_topk_rows(
+        L, W, IDS, stride_l, e, scale,
+        K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, NORMALIZE: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        idx = tl.arange(0, E_P2)
+        live = idx < e
+        x = tl.load(L + row * stride_l + idx, mask=live, other=float("-inf"))
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(live, p, -1.0)
+        slot = tl.arange(0, K_P2)
+        vals = tl.zeros([K_P2], dtype=tl.float32)
+        picks = tl.zeros([K_P2], dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            at = tl.min(tl.where(p == best, idx, E_P2), axis=0)
+            vals = tl.where(slot == j, best, vals)
+            picks = tl.where(slot == j, at.to(tl.int64), picks)
+            p = tl.where(idx == at, -1.0, p)
+        if NORMALIZE:
+            vals = vals / (tl.sum(vals, axis=0) + 1e-20)
+        out = row * K + slot
+        tl.store(W + out, vals * scale, mask=slot < K)
+        tl.store(IDS + out, picks, mask=slot < K)
+
+    @triton.jit
+    def _combine_rows(
+        Y, W, SRC, S, OUT, stride_y, stride_s, hidden,
+        K: tl.constexpr, BLOCK: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SHARED: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < hidden
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            if HAS_SRC:
+                r = tl.load(SRC + t * K + j).to(tl.int64)
+            else:
+                r = (t * K + j).to(tl.int64)
+            w = tl.load(W + t * K + j)
+            acc += w * tl.load(Y + r * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+        ty = OUT.dtype.element_ty
+        res = acc.to(ty)
+        if HAS_SHARED:
+            s = tl.load(S + t.to(tl.int64) * stride_s + cols, mask=m, other=0.0)
+            res = (res.to(tl.float32) + s.to(tl.float32)).to(ty)
+        tl.store(OUT + t.to(tl.int64) * hidden + cols, res, mask=m)
+
+
+__all__ = ["HAS_TRITON", "combine", "combine_ref", "inverse_order", "softmax_topk",
+           "softmax_topk_ref"]
