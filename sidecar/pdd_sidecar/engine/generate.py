@@ -50,11 +50,14 @@ class _Spec:
         return _rank_main(rank, comm, self)
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Rank r on GPU r; simulated ranks share what GPUs there are."""
+    return f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu"
+
+
 def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
-    device = "cpu"
-    if spec.device == "cuda":  # rank r on GPU r; simulated ranks share what GPUs there are
-        device = f"cuda:{rank % torch.cuda.device_count()}"
-    model = load_rank_model(spec.model, rank, spec.tp, spec.dtype, device, spec.seed)
+    model = load_rank_model(spec.model, rank, spec.tp, spec.dtype, rank_device(spec.device, rank),
+                            spec.seed)
     # KV is written for every token but the last generated one.
     kv_tokens = len(spec.prompt_ids) + spec.max_tokens - 1
     num_blocks = spec.num_blocks or max(1, num_table_blocks(kv_tokens, spec.block_size, spec.dcp))

@@ -14,17 +14,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdd_sidecar.engine.comm import Comm, run_threads
-from pdd_sidecar.engine.generate import run_procs
+from pdd_sidecar.engine.generate import rank_device, run_procs
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.kv.cache import PagedKVCache, local_positions, local_token_count
 from pdd_sidecar.model.config import BUILTIN_SEED
 from pdd_sidecar.model.rank_model import load_rank_model
 
 Exported = tuple[int, torch.Tensor]  # the first token, and the prompt's latents [T, layers, L]
-
-
-def _device(device: str, rank: int) -> str:
-    return f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu"
 
 
 def _local_slots(cache: PagedKVCache, table: list[int], num_tokens: int, dcp: int,
@@ -55,8 +51,8 @@ class LayoutRun:
     imported: tuple[Exported, ...] | None = None
 
     def run(self, rank: int, comm: Comm) -> list[Exported] | list[list[int]]:
-        model = load_rank_model(self.model, rank, self.tp, self.dtype, _device(self.device, rank),
-                                self.seed)
+        device = rank_device(self.device, rank)
+        model = load_rank_model(self.model, rank, self.tp, self.dtype, device, self.seed)
         longest = max(len(p) for p in self.prompts) + self.max_tokens
         blocks = sum(-(-longest // self.block_size) // self.dcp + 1 for _ in self.prompts)
         cache = new_cache(model, blocks, self.block_size)
