@@ -40,7 +40,8 @@ def serving_tables() -> dict[str, list[list[str]]]:
     return tables
 
 
-@pytest.mark.parametrize("name", ["serving_cpu.json", "serving_h200.json"])
+@pytest.mark.parametrize("name", ["serving_cpu.json", "serving_h200.json",
+                                  "serving_h200_graphs.json"])
 def test_serving_json_holds_its_table(name: str) -> None:
     data = load(name)
     cfg = data["config"]
@@ -100,6 +101,7 @@ def test_series_are_the_json_points() -> None:
 
 @pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
                                           ("serving_h200.png", "serving.md"),
+                                          ("serving_h200_graphs.png", "serving.md"),
                                           ("gpu_engine_h200.png", "gpu.md")])
 def test_plots_are_committed_and_shown_next_to_their_tables(png: str, doc: str) -> None:
     assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
