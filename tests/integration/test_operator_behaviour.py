@@ -252,9 +252,13 @@ def test_unschedulable_role_is_explained(kube: Kubectl, operator: Operator,
     assert cond["status"] == "False"
     assert f"{name}-decode-0 is Pending (Unschedulable)" in cond["message"]
     assert "Insufficient nvidia.com/gpu" in cond["message"]
+    # The schedulable role is not held back by the other: its pod gets Ready on its own time
+    # (later than the decode's refusal on a loaded machine), while the whole stays not Ready.
+    wait_for("PrefillAvailable=True", lambda: conditions(pdd(kube, ns, name)).get(
+        "PrefillAvailable", {}).get("status") == "True", timeout=90)
     obj = pdd(kube, ns, name)
     assert conditions(obj)["Ready"]["status"] == "False"
-    assert conditions(obj)["PrefillAvailable"]["status"] == "True"
+    assert conditions(obj)["DecodeAvailable"]["reason"] == "Unschedulable"
     describe = kube("describe", "pdd", name, "-n", ns).stdout
     assert f"{name}-decode-0 is Pending (Unschedulable)" in describe
     events = describe.split("Events:")[1]
