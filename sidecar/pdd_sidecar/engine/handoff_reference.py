@@ -16,7 +16,12 @@ import torch
 from pdd_sidecar.engine.comm import Comm, run_threads
 from pdd_sidecar.engine.generate import rank_device, run_procs
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
-from pdd_sidecar.kv.cache import PagedKVCache, local_positions, local_token_count
+from pdd_sidecar.kv.cache import (
+    PagedKVCache,
+    local_positions,
+    local_token_count,
+    num_table_blocks,
+)
 from pdd_sidecar.model.config import BUILTIN_SEED
 from pdd_sidecar.model.rank_model import load_rank_model
 
@@ -54,8 +59,9 @@ class LayoutRun:
         device = rank_device(self.device, rank)
         model = load_rank_model(self.model, rank, self.tp, self.dtype, device, self.seed)
         longest = max(len(p) for p in self.prompts) + self.max_tokens
-        blocks = sum(-(-longest // self.block_size) // self.dcp + 1 for _ in self.prompts)
-        cache = new_cache(model, blocks, self.block_size)
+        # one prompt at a time: each frees its blocks before the next
+        cache = new_cache(model, num_table_blocks(longest, self.block_size, self.dcp),
+                          self.block_size)
         engine = RankEngine(model, cache, comm, self.dcp)
         if self.imported is None:
             return [self._export(engine, cache, comm, rank, p) for p in self.prompts]

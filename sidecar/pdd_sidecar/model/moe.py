@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pdd_sidecar.model.config import ModelConfig
 from pdd_sidecar.model.kernels import moe_grouped as mg
 from pdd_sidecar.model.kernels.moe_grouped import can_group, grouped_experts, loop_experts
-from pdd_sidecar.model.kernels.moe_route import softmax_topk
+from pdd_sidecar.model.kernels.moe_route import softmax_topk, topk_weights
 from pdd_sidecar.model.weights import MLPWeights, MoEWeights
 
 
@@ -44,10 +44,7 @@ def route(
     keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
     mask = keep.unsqueeze(-1).expand(-1, cfg.n_group, n_exp // cfg.n_group).reshape(-1, n_exp)
     scores = scores.masked_fill(~mask.bool(), 0.0)
-    weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
-    if cfg.norm_topk_prob and k > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    return topk_weights(scores, k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 def _route_noaux_tc(

@@ -24,14 +24,20 @@ else:
 MAX_EXPERTS = 1024  # one row of scores in one program
 
 
-def softmax_topk_ref(
-    logits: torch.Tensor, k: int, normalize: bool, scale: float
+def topk_weights(
+    scores: torch.Tensor, k: int, normalize: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    """The ``k`` best scores per token as weights (optionally summing to one), scaled."""
     weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
     if normalize and k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def softmax_topk_ref(
+    logits: torch.Tensor, k: int, normalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return topk_weights(logits.softmax(dim=-1, dtype=torch.float32), k, normalize, scale)
 
 
 def softmax_topk(
@@ -154,4 +160,4 @@ if HAS_TRITON:
 
 
 __all__ = ["HAS_TRITON", "combine", "combine_ref", "inverse_order", "softmax_topk",
-           "softmax_topk_ref"]
+           "softmax_topk_ref", "topk_weights"]
