@@ -8,8 +8,8 @@
 #   python -m pdd_sidecar serve       (prefill/decode, role from PDD_ROLE)
 #   python -m pdd_sidecar router      (router)
 #   pdd validate|plan|crd|generate    (CLI)
-# tests/unit/test_packaging.py checks every one of them exists in the installed package, and
-# that the runtime ENV below is what tests/e2e/podrunner.py gives the pods it runs locally.
+# tests/unit/test_packaging.py checks every one of them exists in the installed package;
+# tests/e2e/test_realnode.py runs them, and checks the runtime ENV below, in containers.
 #
 # The base is pinned to an exact patch release; pin the digest too when building for a
 # registry (--build-arg PYTHON_IMAGE=python:3.11.11-slim-bookworm@sha256:...).
@@ -32,8 +32,8 @@ ENV PATH=/opt/pdd/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/b
 WORKDIR /home/pdd
 
 # ---------------------------------------------------------------- how each target installs
-# 1. the dependencies, from the metadata alone (empty source roots), so their layer is reused
-#    while only the source changes; 2. the package itself, without dependencies.
+# 1. the dependencies, from pyproject.toml alone (empty source roots), so their layer is reused
+#    while only the source or the docs change; 2. the package itself, without dependencies.
 # pip's cache is a build cache mount, never a layer. The build arguments serve builds from a
 # wheel folder bind-mounted at build time instead of the index (PIP_FIND_LINKS, PIP_NO_INDEX):
 # hack/image.py (make image) builds that way.
@@ -42,7 +42,7 @@ WORKDIR /home/pdd
 FROM runtime AS operator
 ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
-COPY pyproject.toml README.md /tmp/pdd-src/
+COPY pyproject.toml /tmp/pdd-src/
 RUN --mount=type=cache,id=pdd-pip,target=/root/.cache/pip \
     mkdir /tmp/pdd-src/operator /tmp/pdd-src/sidecar \
     && PIP_DISABLE_PIP_VERSION_CHECK=1 pip install '/tmp/pdd-src[operator]'
@@ -59,7 +59,7 @@ CMD ["python", "-m", "pdd_operator"]
 FROM runtime AS sidecar
 ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
-COPY pyproject.toml README.md /tmp/pdd-src/
+COPY pyproject.toml /tmp/pdd-src/
 RUN --mount=type=cache,id=pdd-pip,target=/root/.cache/pip \
     mkdir /tmp/pdd-src/operator /tmp/pdd-src/sidecar \
     && PIP_DISABLE_PIP_VERSION_CHECK=1 pip install '/tmp/pdd-src[sidecar]'

@@ -5,12 +5,11 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PYTEST := $(VPY) -m pytest
 export PYTHONUNBUFFERED := 1
-# NODE=real runs the e2e tier and the demo on the real node (kubelet, containerd, runc; the
-# image of `make image`) instead of the pod runner: `make test-e2e NODE=real`, `make demo NODE=real`.
-ON_REAL_NODE = $(filter real,$(NODE))
-REAL_NODE_DEPS = $(if $(ON_REAL_NODE),cluster-build-node cluster-node-deps image)
+# The e2e tier and the demo run their pods as containers on a real node (kubelet, containerd,
+# runc, CNI, kube-proxy, CoreDNS) from the images of `make image`: docs/e2e.md.
+REAL_NODE_DEPS := cluster-build-node cluster-node-deps image
 
-.PHONY: sysdeps venv test test-vllm test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
+.PHONY: venv test test-vllm test-unit test-integration test-dataplane test-e2e lint demo bench crd cluster-up cluster-down
 
 # The venv is rebuilt when pyproject.toml changes; the stamp lives inside the ignored .venv.
 $(VENV)/.stamp: pyproject.toml
@@ -25,22 +24,19 @@ lint: venv
 	$(VENV)/bin/ruff check operator sidecar tests bench
 	$(VENV)/bin/mypy operator/pdd_api operator/pdd_cli operator/pdd_operator sidecar/pdd_sidecar
 
-# The pod runner (tests/e2e/podrunner.py) needs iproute2 and util-linux; install them if missing.
-sysdeps:
-	@command -v ip >/dev/null && command -v unshare >/dev/null || \
-		{ apt-get update -qq && apt-get install -y -qq iproute2 util-linux; }
-
 test-unit: venv
 	$(PYTEST) tests/unit -q
 
 test-dataplane: venv
 	$(PYTEST) tests/dataplane -q -m dataplane
 
-test-integration: venv cluster-build
-	$(PYTEST) tests/integration -q -m integration
+# With the real node's own tests (marker realnode: its kubelet, containers, Services, DNS and
+# a clean `cluster-down`), in a cluster of their own beside the tier's shared one.
+test-integration: venv cluster-build cluster-build-node cluster-node-deps
+	$(PYTEST) tests/integration -q -m 'integration or realnode'
 
-test-e2e: venv cluster-build sysdeps $(REAL_NODE_DEPS)
-	$(if $(ON_REAL_NODE),PDD_E2E_NODE=real) $(PYTEST) tests/e2e -q -m e2e
+test-e2e: venv cluster-build $(REAL_NODE_DEPS)
+	$(PYTEST) tests/e2e -q -m e2e
 
 # Every tier that exists; later tiers add themselves by having tests in their folder.
 test: venv lint
@@ -68,15 +64,16 @@ crd: venv
 	cp crds/serving.pdd.dev_pddeployments.yaml manifests/base/crd.yaml
 	cp crds/serving.pdd.dev_pddeployments.yaml charts/pdd/crds/
 
-demo: venv cluster-build sysdeps $(REAL_NODE_DEPS)
-	$(VPY) hack/demo.py $(if $(ON_REAL_NODE),--node real)
+demo: venv cluster-build $(REAL_NODE_DEPS)
+	$(VPY) hack/demo.py
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 # The images (Dockerfile targets sidecar and operator) built with buildah against a Debian
 # bookworm base made with debootstrap (no Docker engine or registry needed), then imported into
-# the real node's containerd when `make cluster-up NODE=real` runs. Caches in .cache/image.
+# the real node's containerd when one runs (the e2e tier and the demo import them when the node
+# lacks them). Caches in .cache/image.
 # Needs root; docs/e2e.md has the figures.
 .PHONY: image image-deps
 IMAGE_PKGS := buildah debootstrap
@@ -90,15 +87,6 @@ image-deps:
 
 image: image-deps
 	$(PY) hack/image.py
-
-# The images on the real node: entry points, a P TP1 -> D TP1 PDDeployment through the router
-# Service, logs/exec, a liveness restart (marker realnode; never part of `make test`). Reuses a
-# running `make cluster-up NODE=real`, else starts and stops its own. Then the e2e tier's
-# scenarios on the real node (= `make test-e2e NODE=real`).
-.PHONY: test-realnode-e2e
-test-realnode-e2e: venv cluster-build-node cluster-node-deps image
-	$(PYTEST) tests/e2e -q -m realnode
-	PDD_E2E_NODE=real $(PYTEST) tests/e2e -q -m e2e
 
 -include tests/cluster/cluster.mk
 cluster-build:

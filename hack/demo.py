@@ -1,7 +1,7 @@
 """`make demo`: the whole pdd path on this machine, the way a user meets it.
 
-    local control plane -> CRD -> operator + pod runner (or the real node: `make demo NODE=real`)
-    -> kubectl apply (P TP2/DCP2 -> D TP4/DCP4)
+    local control plane + a real node (kubelet, containerd, runc; the image of `make image`)
+    -> CRD -> operator -> kubectl apply (P TP2/DCP2 -> D TP4/DCP4)
     -> pods with the operator's routing -> sidecars -> NIXL hand-off -> completion via the router
 
 It prints `kubectl get pdd`, the conditions and the routing summary, sends one prompt through
@@ -57,16 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--namespace", default="pdd-demo")
-    ap.add_argument("--node", choices=harness.NODE_KINDS, default="runner",
-                    help="what runs the pods: the pod runner, or the real node (kubelet, "
-                         "containerd, runc; the image of `make image`)")  # fmt: skip
     ap.add_argument("--work-dir", type=Path)
     args = ap.parse_args(argv)
-    work_dir = args.work_dir or REPO_ROOT / ".cache" / (
-        "demo" if args.node == "runner" else f"demo-{args.node}")
+    work_dir = args.work_dir or REPO_ROOT / ".cache" / "demo"
     if os.geteuid() != 0:
-        say("make demo needs root: the pod runner gives each pod a network namespace, the real "
-            "node runs a kubelet")
+        say("make demo needs root: it runs a kubelet, containerd and the node's network")
         return 2
 
     # SIGTERM (and a closed terminal) clean up like Ctrl-C does.
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, interrupt)
 
     t0 = time.monotonic()
-    stack = harness.Stack(work_dir, say=say, node=args.node)
+    stack = harness.Stack(work_dir, say=say)
     text, doc = harness.example(args.example)
     name = doc["metadata"]["name"]
     dtype = harness.spec_dtype(doc)
@@ -93,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = False
     try:
-        banner("starting the local control plane, CRD, "
-               + ("pod runner" if args.node == "runner" else "real node") + " and operator")
+        banner("starting the local control plane, the real node, the CRD and the operator")
         stack.start()
         t_stack = time.monotonic()
         # The reference runs meanwhile: one process, one instance, no Kubernetes.

@@ -1,6 +1,6 @@
 """Every label, annotation and environment key of the contract, named once.
 
-The operator writes them, the sidecars and the pod runner read them; outside tooling (dashboards,
+The operator writes them, the sidecars read them; outside tooling (dashboards,
 GitOps health checks) relies on them, so they change only with a version bump.
 """
 

@@ -26,9 +26,9 @@ LWS_LDFLAGS := -s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$(LWS_VERSION)
 # test sessions start it only for the tests that need it (localcluster.ensure_lws).
 CLUSTER_LWS ?= 1
 
-# NODE=real adds a real node (kubelet, containerd, runc, CNI, kube-proxy) next to the fake
-# ones: `make cluster-up NODE=real`. Opt-in: it installs Debian packages and changes the host's
-# network (bridge, iptables), so the default tiers never need it.
+# NODE=real adds a real node (kubelet, containerd, runc, CNI, kube-proxy, CoreDNS) next to the
+# fake ones: `make cluster-up NODE=real`. It installs Debian packages and changes the host's
+# network (bridge, iptables); the e2e tier and the demo start their own (docs/e2e.md).
 NODE ?=
 CLUSTER_REAL := $(filter real,$(NODE))
 ifeq ($(origin NODE),command line)
@@ -47,9 +47,10 @@ cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd $(CLU
 COREDNS_VERSION := v1.12.2
 cluster-build-node: cluster-build $(CLUSTER_BIN)/node $(CLUSTER_BIN)/pause $(CLUSTER_BIN)/coredns
 
-# containerd, runc, the CNI plugins, iptables and conntrack from Debian. Idempotent: installs
-# only what is missing. containerd is not started as a service (the cluster starts its own).
-CLUSTER_NODE_PKGS := containerd runc containernetworking-plugins iptables conntrack
+# containerd, runc, the CNI plugins, iptables, conntrack and iproute2 from Debian. Idempotent:
+# installs only what is missing. containerd is not started as a service (the cluster starts its
+# own).
+CLUSTER_NODE_PKGS := containerd runc containernetworking-plugins iptables conntrack iproute2
 cluster-node-deps:
 	@missing=$$(for p in $(CLUSTER_NODE_PKGS); do \
 		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
@@ -116,7 +117,7 @@ cluster-up: venv cluster-build $(if $(CLUSTER_REAL),cluster-build-node cluster-n
 	$(VPY) $(CLUSTER_DIR)/localcluster.py up --nodes $(CLUSTER_NODES) --gpus $(CLUSTER_GPUS) \
 		$(if $(CLUSTER_REAL),--real-node) $(if $(filter 1,$(CLUSTER_LWS)),--lws)
 
-# The real node's tests (marker realnode; never part of `make test`). They reuse a running
+# The real node's own tests (marker realnode; `make test-integration` runs them too). They reuse a running
 # `make cluster-up NODE=real` or start and stop their own cluster in .cache/cluster/realnode-test.
 .PHONY: test-realnode
 test-realnode: venv cluster-build-node cluster-node-deps

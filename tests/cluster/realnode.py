@@ -33,7 +33,7 @@ from typing import Any
 
 NODE_NAME = "real-node"
 IMAGE = "pdd.local/pause:1"
-# Not 10.240-254/16 (the e2e pod runner's) nor another local cluster's service range, so the
+# Not another local cluster's pod or service range (10.96.0.0/16 and kwok's), so the
 # real node's bridge, masquerade and kube-proxy rules never catch their traffic.
 POD_CIDR = "10.88.0.0/16"
 SERVICE_CIDR = "10.112.0.0/16"

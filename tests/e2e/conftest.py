@@ -1,13 +1,10 @@
 """E2E tier: the whole stack (tests/e2e/harness.py) once per session, a namespace per test.
 
-The stack gets a control plane of its own under .cache/e2e (no kwok nodes: pods land only on
-the pod runner's nodes), so an integration session on the shared .cluster/ never sees these
-pods and vice versa. Needs root for the pod runner (network namespaces); when the stack cannot
-start every test fails with the logs, never skips.
-
-``PDD_E2E_NODE=real`` (``make test-e2e NODE=real``) runs the same tests on the real node instead
-(kubelet, containerd, runc; the image of ``make image``), under .cache/e2e-real. The pod runner's
-own tests are skipped there, saying so.
+The stack gets a control plane of its own under .cache/e2e with the real node only (no kwok
+nodes: pods land only where a kubelet runs them), so an integration session on the shared
+.cluster/ never sees these pods and vice versa. Needs root (the kubelet, containerd, the node's
+network) and the images of ``make image``; when the stack cannot start every test fails with the
+logs, never skips.
 """
 
 from __future__ import annotations
@@ -20,28 +17,15 @@ from pathlib import Path
 import harness
 import pytest
 
-NODE = os.environ.get("PDD_E2E_NODE") or "runner"
-WORK_DIR = Path(os.environ.get("PDD_E2E_DIR")
-                or harness.REPO_ROOT / ".cache" / ("e2e" if NODE == "runner" else f"e2e-{NODE}"))
-RUNNER_ONLY = {"test_podrunner.py": "the pod runner's own tests"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if NODE == "runner":
-        return
-    for item in items:
-        reason = RUNNER_ONLY.get(item.path.name)
-        if reason is not None:
-            item.add_marker(pytest.mark.skip(reason=f"PDD_E2E_NODE={NODE}: {reason}"))
+WORK_DIR = Path(os.environ.get("PDD_E2E_DIR") or harness.REPO_ROOT / ".cache" / "e2e")
 
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[harness.Stack]:
     if os.geteuid() != 0:
-        pytest.fail("the e2e tier needs root: the pod runner makes network namespaces, the "
-                    "real node runs a kubelet")
+        pytest.fail("the e2e tier needs root: it runs a kubelet, containerd and the node's network")
     lines: list[str] = []
-    s = harness.Stack(WORK_DIR, say=lines.append, node=NODE)
+    s = harness.Stack(WORK_DIR, say=lines.append)
     try:
         s.start()
     except Exception as e:  # noqa: BLE001 - any start failure fails every test loudly
@@ -63,7 +47,7 @@ def namespace(stack: harness.Stack) -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _diagnostics_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A failed e2e test prints the operator, runner and sidecar log tails: that is where the
+    """A failed e2e test prints the operator, kubelet and pod log tails: that is where the
     reason is, and the stack is gone by the time anyone reads the report."""
     yield
     rep = getattr(request.node, "rep_call", None)

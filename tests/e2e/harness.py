@@ -1,18 +1,13 @@
 """The whole pdd stack on this machine, as a user meets it: local control plane, CRD, operator,
-and what runs the pods; then ``kubectl apply`` and requests through the router Service.
+and a real node; then ``kubectl apply`` and requests through the router Service.
 
 Shared by the e2e tier (tests/e2e/conftest.py) and ``make demo`` (hack/demo.py) so the demo
 shows exactly what the tests prove. Nothing here talks to a sidecar except through the router
-Service, and nothing starts a sidecar. The pods are run by
-- the pod runner (``node="runner"``, the default): tests/e2e/podrunner.py on two nodes of 8 GPUs
-  plays kubelet, CNI, DNS and kube-proxy and runs the sidecar from the host's venv; the router is
-  reached by its Service name, which the runner writes into /etc/hosts;
-- the real node (``node="real"``, ``NODE=real`` in make): kubelet, containerd and runc run the
-  image ``make image`` built, imported into the node's containerd; the router is reached at its
-  Service's ClusterIP through kube-proxy (the host does not resolve cluster names). Its one node
-  advertises as many GPUs as the runner's two.
-The operator runs on the host either way, with the cluster's kubeconfig (the API server listens on
-127.0.0.1, out of the pods' reach).
+Service, and nothing starts a sidecar: the real node's kubelet, containerd and runc run the pods
+as containers of the image ``make image`` built (imported into the node's containerd when it
+lacks it), and the router is reached at its Service's ClusterIP through kube-proxy (the host
+does not resolve cluster names). The operator runs on the host with the cluster's kubeconfig
+(the API server listens on 127.0.0.1, out of the pods' reach).
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ EXAMPLES = REPO_ROOT / "manifests" / "examples"
 VENV_PY = REPO_ROOT / ".venv" / "bin" / "python"
 PYTHON = str(VENV_PY) if VENV_PY.exists() else sys.executable
 ROUTER_PORT = 8000  # pdd_api.keys.HTTP_PORT: the router Service's port
-NODE_KINDS = ("runner", "real")
-REAL_NODE_GPUS = 16  # the pod runner's two nodes hold as many
+NODE_GPUS = 16  # room for the reference examples and a surge pair of one of them
 
 
 def image_tool() -> ModuleType:
@@ -103,21 +97,16 @@ class Proc:
 
 @dataclass
 class Stack:
-    """Control plane + CRD + operator + pod runner, all under ``work_dir``."""
+    """Control plane + real node + CRD + operator, all under ``work_dir``."""
 
     work_dir: Path
     say: Callable[[str], None] = print
     crd_file: Path = CRD_FILE
-    node: str = "runner"  # what runs the pods: NODE_KINDS
     cluster: localcluster.Cluster | None = None
     started_cluster: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
     _lock_file: Any = None
     _service_ips: dict[tuple[str, str], str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.node not in NODE_KINDS:
-            raise StackError(f"node: {self.node!r} is not one of {', '.join(NODE_KINDS)}")
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -128,8 +117,8 @@ class Stack:
 
     def lock(self) -> None:
         """One stack per work dir at a time: two sessions (two engineers' `make test`, or a
-        test and a demo in one dir) would share node names, the runner's bridge and its hosts
-        block. The second waits here; the lock goes with the process."""
+        test and a demo in one dir) would share the control plane and the operator. The second
+        waits here; the lock goes with the process."""
         self.work_dir.parent.mkdir(parents=True, exist_ok=True)
         path = self.work_dir.parent / f"{self.work_dir.name}.lock"
         self._lock_file = open(path, "w")  # held for the life of the process
@@ -140,13 +129,13 @@ class Stack:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
 
     def _reap_leftovers(self) -> None:
-        """A session killed hard (SIGKILL, a lost terminal) leaves its operator and runner
-        running in their own sessions, and its control plane; stop them before starting."""
+        """A session killed hard (SIGKILL, a lost terminal) leaves its operator running in its
+        own session, and its control plane and node; stop them before starting."""
         record = self.work_dir / "procs.json"
         with contextlib.suppress(OSError, ValueError):
             for pid in json.loads(record.read_text()).values():
                 with contextlib.suppress(OSError):
-                    # Ours only: we started both with KUBECONFIG inside this work dir.
+                    # Ours only: we started it with KUBECONFIG inside this work dir.
                     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                     mine = f"KUBECONFIG={self.work_dir / 'cluster' / 'kubeconfig'}".encode()
                     if mine in environ:
@@ -163,12 +152,11 @@ class Stack:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._reap_leftovers()
         t0 = time.monotonic()
-        # A control plane of its own with no kwok nodes: pods land only where something really
+        # A control plane of its own with no kwok nodes: pods land only where a kubelet really
         # runs them.
-        real = self.node == "real"
         self.cluster, self.started_cluster = localcluster.up(
             self.work_dir / "cluster", nodes=0, log=lambda m: self.say(f"  cluster: {m}"),
-            real_node=real, **({"gpus": REAL_NODE_GPUS, "timeout": 240} if real else {}),
+            real_node=True, gpus=NODE_GPUS, timeout=240,
         )  # fmt: skip
         self.say(f"control plane up ({time.monotonic() - t0:.0f}s): {self.cluster.server}")
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(self.crd_file))
@@ -177,10 +165,7 @@ class Stack:
             "crd/pddeployments.serving.pdd.dev",
         )  # fmt: skip
         self.say(f"CRD installed from {self.crd_file}")
-        if real:
-            self._prepare_real_node()
-        else:
-            self._start_pod_runner()
+        self._prepare_real_node()
         webhook_port = free_port()
         self._spawn(
             "operator",
@@ -192,36 +177,24 @@ class Stack:
                   procs=["operator"])  # fmt: skip
         self.say(f"operator up (python -m pdd_operator, webhook on 127.0.0.1:{webhook_port})")
 
-    def _start_pod_runner(self) -> None:
-        ready_file = self.work_dir / "podrunner.ready"
-        ready_file.unlink(missing_ok=True)
-        self._spawn(
-            "podrunner",
-            [PYTHON, str(REPO_ROOT / "tests" / "e2e" / "podrunner.py"),
-             "--kubeconfig", str(self.kubeconfig),
-             "--state-dir", str(self.work_dir / "podrunner"),
-             "--ready-file", str(ready_file)],
-        )  # fmt: skip
-        self.wait("pod runner nodes", ready_file.exists, 60, procs=["podrunner"])
-        self.say(f"pod runner up: {json.loads(ready_file.read_text())['nodes']}")
-
     def _prepare_real_node(self) -> None:
-        """The pods' image into the node's containerd. The node's taint keeps the fake-node
-        tests' pods off it in the shared cluster; this control plane has no other node, so it
-        is removed and the examples apply unchanged."""
+        """The images into the node's containerd. The node's taint keeps the fake-node tests'
+        pods off it in a shared cluster; this control plane has no other node, so it is removed
+        and the examples apply unchanged."""
         tool = image_tool()
-        sidecar = tool.image_name("sidecar", tool.DEFAULT_TAG)
-        if tool.image_id(sidecar) is None:
-            raise StackError(f"{sidecar} is not built: run `make image`")
-        took = tool.import_image(sidecar)
-        self.say(f"{sidecar} in the real node's containerd"
-                 + (f" (imported in {took:.0f}s)" if took is not None else ""))  # fmt: skip
+        for target in ("sidecar", "operator"):
+            image = tool.image_name(target, tool.DEFAULT_TAG)
+            if tool.image_id(image) is None:
+                raise StackError(f"{image} is not built: run `make image`")
+            took = tool.import_image(image)
+            self.say(f"{image} in the real node's containerd"
+                     + (f" (imported in {took:.0f}s)" if took is not None else ""))  # fmt: skip
         node = self.kubectl("get", "node", realnode.NODE_NAME, "-o", "json")
         taints = (json.loads(node).get("spec") or {}).get("taints") or []
         if any(f"{t['key']}={t.get('value', '')}:{t['effect']}" == realnode.TAINT
                for t in taints):  # fmt: skip
             self.kubectl("taint", "node", realnode.NODE_NAME, f"{realnode.TAINT}-")
-        self.say(f"real node {realnode.NODE_NAME}: {REAL_NODE_GPUS} nvidia.com/gpu, untainted")
+        self.say(f"real node {realnode.NODE_NAME}: {NODE_GPUS} nvidia.com/gpu, untainted")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = self.work_dir / f"{name}.log"
@@ -236,13 +209,11 @@ class Stack:
         record.write_text(json.dumps({n: p.popen.pid for n, p in self.procs.items()}))
 
     def stop(self) -> None:
-        """Operator first (so it stops reconciling), then the runner (stops every pod and
-        removes its network and /etc/hosts block), then the control plane if we started it
-        (with the real node: its kubelet, containers, network and containerd)."""
-        for name in ("operator", "podrunner"):
-            proc = self.procs.get(name)
-            if proc is not None:
-                proc.stop()
+        """Operator first (so it stops reconciling), then the control plane if we started it,
+        with the node: its kubelet, containers, network and containerd."""
+        proc = self.procs.get("operator")
+        if proc is not None:
+            proc.stop()
         if self.started_cluster and os.environ.get("PDD_KEEP_CLUSTER") != "1":
             localcluster.down(self.work_dir / "cluster", log=lambda _m: None)
         self.say("stack stopped")
@@ -251,10 +222,7 @@ class Stack:
         out = []
         for proc in self.procs.values():
             out.append(f"----- {proc.log} (last {lines} lines) -----\n{tail(proc.log, lines)}")
-        pods = self.work_dir / "podrunner" / "pods"
-        for log in sorted(pods.glob("*/*.log")) if pods.exists() else []:
-            out.append(f"----- {log} (last {lines} lines) -----\n{tail(log, lines)}")
-        if self.node == "real" and self.cluster is not None:
+        if self.cluster is not None:
             out.append(self.cluster.log_tails(lines, ["kubelet"]))
             listed = self.cluster.kubectl("get", "pods", "-A", "-l", "app.kubernetes.io/name=pdd",
                                           "-o", "json", check=False)  # fmt: skip
@@ -266,7 +234,7 @@ class Stack:
                            f"{logs.stdout or logs.stderr}")
         return "\n".join(out)
 
-    def check_alive(self, names: Sequence[str] = ("operator", "podrunner")) -> None:
+    def check_alive(self, names: Sequence[str] = ("operator",)) -> None:
         for name in names:
             proc = self.procs.get(name)
             if proc is not None and not proc.alive():
@@ -280,7 +248,7 @@ class Stack:
         what: str,
         check: Callable[[], Any],
         timeout: float,
-        procs: Sequence[str] = ("operator", "podrunner"),
+        procs: Sequence[str] = ("operator",),
         progress: Callable[[], str] | None = None,
         every: float = 10,
     ) -> Any:
@@ -370,8 +338,8 @@ class Stack:
 
     def wait_ready(self, name: str, namespace: str, timeout: float = 600) -> None:
         """Ready as the user sees it: the PDDeployment's Ready condition for the current
-        generation, then the router answering /readyz through its Service (the runner's proxy
-        follows the EndpointSlice, which follows the router pod's readiness)."""
+        generation, then the router answering /readyz through its Service (kube-proxy follows
+        the EndpointSlice, which follows the router pod's readiness)."""
         self.wait(
             f"PDDeployment {namespace}/{name} Ready",
             lambda: self.is_ready(name, namespace),
@@ -388,10 +356,8 @@ class Stack:
     # ----------------------------------------------------------------- the router Service
 
     def router_url(self, name: str, namespace: str) -> str:
-        """The router Service as a client reaches it: by name through the runner's
-        /etc/hosts, or at its ClusterIP through the real node's kube-proxy."""
-        if self.node == "runner":
-            return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
+        """The router Service as a client on the host reaches it: at its ClusterIP, through
+        the node's kube-proxy."""
         key = (namespace, name)
         if key not in self._service_ips:
             svc = self.get("service", name, namespace)

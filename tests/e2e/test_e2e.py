@@ -1,6 +1,7 @@
 """The whole path as a user meets it: ``kubectl apply`` of a PDDeployment -> operator -> pods
-with the injected routing -> pod runner -> sidecars -> NIXL hand-off -> completion through the
-router Service, compared token for token with the single-process reference.
+with the injected routing -> the real node's kubelet and containerd -> sidecar containers ->
+NIXL hand-off -> completion through the router Service, compared token for token with the
+single-process reference.
 
 The reference deployment (P TP2/DCP2 -> D TP4/DCP4) is deployed once and then taken through
 the lifecycle tests in file order (delete a decode pod, change decode DCP under traffic, scale

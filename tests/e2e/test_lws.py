@@ -1,8 +1,8 @@
 """Multi-node instances end to end (docs/lws.md): a PDDeployment whose role sets ``gpusPerPod``
 below its TP is applied through the API; the operator renders a LeaderWorkerSet, the LWS
-controller makes each group's leader and worker pods (through StatefulSets), the pod runner runs
-them in pod network namespaces of their own, and the ranks of one instance meet across pods at
-``LWS_LEADER_ADDRESS``.
+controller makes each group's leader and worker pods (through StatefulSets), the real node's
+kubelet runs them as containers, each pod in a network namespace of its own, and the ranks of
+one instance meet across pods at ``LWS_LEADER_ADDRESS``.
 
 Through the router Service, a completion must equal the single-process reference, and every
 decode rank must receive exactly the routing plan's minimum bytes (as the router reports them
@@ -106,11 +106,9 @@ class Deployment:
         return str(cm["data"]["routing.json"])
 
     def leader_url(self, role: str) -> str:
-        """By its per-pod name where the host resolves it (the pod runner's /etc/hosts), else
-        at the leader's pod IP (the real node's pods are reachable from the host)."""
+        """At the leader's pod IP: the node's pods are reachable from the host, which does not
+        resolve cluster names."""
         n = f"{self.name}-{role}"
-        if self.stack.node == "runner":
-            return f"http://{n}-0.{n}.{self.namespace}.svc:{HTTP_PORT}"
         pod = self.stack.get("pod", f"{n}-0", self.namespace)
         assert pod is not None, f"no leader pod {n}-0"
         return f"http://{pod['status']['podIP']}:{HTTP_PORT}"
