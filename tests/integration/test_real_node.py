@@ -1,12 +1,13 @@
 """The local cluster's real node (``make cluster-up NODE=real``): a kubelet with containerd,
 runc, the CNI bridge and kube-proxy runs real containers of the locally imported image.
 
-Opt-in (marker ``realnode``, not ``integration``): it needs root, Debian packages and the
-node binaries, and it changes the host's network while it runs. Run it with
-``make test-realnode`` (or ``pytest tests/integration -m realnode``). A running cluster with a
-real node (``make cluster-up NODE=real``) is reused and left running; otherwise the module
-starts its own in ``.cache/cluster/realnode-test`` and the last test stops it and checks,
-without the cluster code's help, that nothing of the node is left on the host.
+Marker ``realnode``: it needs root, Debian packages and the node binaries, and it changes the
+host's network while it runs. ``make test-integration`` runs it with the tier (``-m 'integration
+or realnode'``), ``make test-realnode`` alone (``pytest tests/integration -m realnode``). A
+running cluster with a real node (``make cluster-up NODE=real``) is reused and left running;
+otherwise the module starts its own in ``.cache/cluster/realnode-test`` and the last test
+stops it and checks, without the cluster code's help, that nothing of the node is left on the
+host.
 """
 
 from __future__ import annotations
