@@ -10,13 +10,13 @@ test_lws.py on the same stack.
 from __future__ import annotations
 
 import json
-import shlex
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import dockerfile
 import harness
 import pytest
 import realnode
@@ -50,20 +50,6 @@ def describe(stack: harness.Stack, namespace: str) -> str:
     events = stack.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp",
                            check=False)  # fmt: skip
     return f"{pods}\n{events[-4000:]}\n{stack.diagnostics(20)}"
-
-
-def dockerfile_runtime_env() -> dict[str, str]:
-    """The ENV of the Dockerfile's ``runtime`` stage, which both targets inherit."""
-    text = (harness.REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    env: dict[str, str] = {}
-    stage = ""
-    for line in text.splitlines():
-        word, _, rest = line.strip().partition(" ")
-        if word == "FROM":
-            stage = rest.split()[-1] if " AS " in rest.upper() else ""
-        elif word == "ENV" and stage == "runtime":
-            env.update(token.split("=", 1) for token in shlex.split(rest))  # type: ignore[misc]
-    return env
 
 
 def manifest() -> dict[str, Any]:
@@ -230,7 +216,7 @@ def test_image_entry_points_run_in_containers(
     assert "spec.prefill.decodeContextParallelSize" in logs["validate-bad"], logs["validate-bad"]
     assert logs["runtime"].split()[0] == "10001", logs["runtime"]  # the image's USER
     env = json.loads(logs["env"])
-    want_env = dockerfile_runtime_env()
+    want_env = dockerfile.runtime_env(harness.REPO_ROOT / "Dockerfile")
     assert want_env, "no ENV found in the Dockerfile's runtime stage"
     assert {k: env.get(k) for k in want_env} == want_env
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dockerfile
 import pytest
 import yaml
 
@@ -32,32 +33,10 @@ DOCKERFILE = ROOT / "Dockerfile"
 # --------------------------------------------------------------------------- collect
 
 
-def _dockerfile_instructions() -> list[tuple[str, str, str]]:
-    """(stage, instruction, argument) with line continuations joined and comments dropped."""
-    out: list[tuple[str, str, str]] = []
-    stage = ""
-    buf = ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if not buf and (not line or line.startswith("#")):
-            continue
-        if line.endswith("\\"):
-            buf += line[:-1] + " "
-            continue
-        line, buf = buf + line, ""
-        word, _, rest = line.partition(" ")
-        word = word.upper()
-        if word == "FROM":
-            m = re.search(r"\bAS\s+(\S+)", rest, re.IGNORECASE)
-            stage = m.group(1) if m else ""
-        out.append((stage, word, rest.strip()))
-    return out
-
-
 def dockerfile_commands() -> list[tuple[str, list[str]]]:
     """CMD and ENTRYPOINT of every stage, exec form (shell form would hide the argv)."""
     cmds = []
-    for stage, word, rest in _dockerfile_instructions():
+    for stage, word, rest in dockerfile.instructions(DOCKERFILE):
         if word in ("CMD", "ENTRYPOINT"):
             argv = json.loads(rest)
             assert isinstance(argv, list), f"{stage} {word} must use the exec form: {rest}"
@@ -195,7 +174,7 @@ def test_checker_rejects_what_is_not_there(argv: list[str]) -> None:
 
 
 def test_dockerfile_stages_run_as_non_root_from_a_pinned_base() -> None:
-    instructions = _dockerfile_instructions()
+    instructions = dockerfile.instructions(DOCKERFILE)
     args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for _, w, rest in instructions
             if w == "ARG" and "=" in rest}  # fmt: skip
     froms = [rest.split()[0] for _, w, rest in instructions if w == "FROM"]
@@ -220,18 +199,13 @@ def test_dockerfile_stages_run_as_non_root_from_a_pinned_base() -> None:
 def test_image_env_puts_the_package_first_and_logs_unbuffered() -> None:
     """`python`, `pdd` in a pod are the package's; `kubectl logs` shows a line when it is
     written, not when a buffer fills (tests/e2e/test_realnode.py checks the ENV in a container)."""
-    env: dict[str, str] = {}
-    for stage, word, rest in _dockerfile_instructions():
-        if word == "ENV" and stage == "runtime":
-            for token in shlex.split(rest):
-                key, _, value = token.partition("=")
-                env[key] = value
+    env = dockerfile.runtime_env(DOCKERFILE)
     assert env.get("PATH", "").split(":")[0] == "/opt/pdd/bin", env
     assert env.get("PYTHONUNBUFFERED") == "1", env
 
 
 def _pip_installs() -> list[tuple[str, str]]:
-    return [(stage, rest) for stage, word, rest in _dockerfile_instructions()
+    return [(stage, rest) for stage, word, rest in dockerfile.instructions(DOCKERFILE)
             if word == "RUN" and re.search(r"\bpip install\b", rest)]  # fmt: skip
 
 
@@ -242,14 +216,14 @@ def test_pip_cache_is_a_build_mount_never_a_layer() -> None:
     for stage, rest in installs:
         mounted = re.search(r"--mount=type=cache,[^ ]*target=/root/\.cache/pip", rest)
         assert mounted or "--no-cache-dir" in rest, f"{stage}: {rest}"
-    env = " ".join(rest for _, w, rest in _dockerfile_instructions() if w == "ENV")
+    env = " ".join(rest for _, w, rest in dockerfile.instructions(DOCKERFILE) if w == "ENV")
     assert "PIP_NO_CACHE_DIR" not in env, "PIP_NO_CACHE_DIR would switch the cache mount off"
 
 
 def test_dependencies_install_before_the_source_is_copied() -> None:
     """Each build stage installs the dependencies before it copies the source, then the
     package alone, so a source change rebuilds one small layer and not torch's."""
-    instructions = _dockerfile_instructions()
+    instructions = dockerfile.instructions(DOCKERFILE)
     for target in ("operator", "sidecar"):
         steps = [(w, rest) for stage, w, rest in instructions if stage == target]
         copies = [i for i, (w, rest) in enumerate(steps) if w == "COPY" and "sidecar/" in rest]
