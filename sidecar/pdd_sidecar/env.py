@@ -46,8 +46,9 @@ PDD_DRAIN_S = "PDD_DRAIN_S"  # on SIGTERM, wait at most this long for held KV an
 # Serving engine (see engine/scheduler.py for the policy)
 PDD_MAX_NUM_SEQS = "PDD_MAX_NUM_SEQS"  # sequences admitted at once (running or pulling KV)
 PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
-PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"  # prefill tokens in one forward pass
-PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (rounded down to whole blocks)
+# prefill tokens in one forward pass; unset: by device (engine/scheduler.py DEVICE_BUDGETS)
+PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"
+PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (whole blocks); unset: by device
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
@@ -105,6 +106,10 @@ def _int(env: Mapping[str, str], key: str, default: int | None, minimum: int = 0
     if value < minimum:
         raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
     return value
+
+
+def _optional_int(env: Mapping[str, str], key: str, minimum: int) -> int | None:
+    return _int(env, key, None, minimum) if env.get(key, "").strip() else None
 
 
 def _choice(env: Mapping[str, str], key: str, choices: tuple[str, ...]) -> str:
@@ -185,8 +190,8 @@ class InstanceSettings:
     drain_s: float = 25.0
     max_num_seqs: int = 256
     max_waiting: int = 256
-    max_step_tokens: int = 2048
-    chunk_tokens: int = 512
+    max_step_tokens: int | None = None  # None: the device's default
+    chunk_tokens: int | None = None
     max_model_len: int = 0
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
@@ -268,8 +273,8 @@ class InstanceSettings:
             drain_s=_float(env, PDD_DRAIN_S, 25.0),
             max_num_seqs=_int(env, PDD_MAX_NUM_SEQS, 256, 1),
             max_waiting=_int(env, PDD_MAX_WAITING, 256, 0),
-            max_step_tokens=_int(env, PDD_MAX_STEP_TOKENS, 2048, 1),
-            chunk_tokens=_int(env, PDD_CHUNK_TOKENS, 512, 1),
+            max_step_tokens=_optional_int(env, PDD_MAX_STEP_TOKENS, 1),
+            chunk_tokens=_optional_int(env, PDD_CHUNK_TOKENS, 1),
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),

@@ -64,6 +64,9 @@ class InstanceMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
         )
         self.tokens = Counter("pdd_tokens", "Tokens processed", ["kind"], registry=r)
+        self.warmup_seconds = Gauge(
+            "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
+        )
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,15 @@
 """Rank 0's driver thread: the serving loop of an instance.
 
+Before it serves, the driver warms the instance up (``_warm_up``): every kind of step serving
+will run, once, on every rank, so kernels are compiled and decode CUDA graphs captured before
+``/readyz`` says ready and no first request pays for them.
+
 Each turn drains the inbox (new sequences, cancellations, releases, probes), asks the scheduler
 for the next step, runs it on every rank in lockstep, samples the next token of every sequence
 that produced logits, and hands tokens and finished sequences back to the HTTP layer through
 callbacks. A prefill also polls transfer-done notifications and runs the leases of the blocks it
-holds for decodes.
+holds for decodes. A decode's claim on held blocks is answered at once from the HTTP thread
+(the lease table has its own lock), never after the step that happens to be running.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pdd_sidecar.engine.scheduler import (
     Sequence,
     State,
     StepPlan,
+    step_budget,
 )
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.kv.lease import LeaseTable
@@ -51,13 +57,19 @@ class InstanceDriver:
         self.metrics = metrics
         self.role = s.role
         self.cache = worker.cache
+        step_tokens, chunk_tokens = step_budget(worker.cache.device.type, s.max_step_tokens,
+                                                s.chunk_tokens)
         self.scheduler = Scheduler(
             s.role, worker.cache, s.block_size, s.dcp, s.tp,
             max_running=s.max_num_seqs, max_waiting=s.max_waiting,
-            step_tokens=s.max_step_tokens, chunk_tokens=s.chunk_tokens,
+            step_tokens=step_tokens, chunk_tokens=chunk_tokens,
         )
         expected = {p.rank: p.expected_notifications for p in worker.plan.prefill_ranks}
         self.leases = LeaseTable(s.lease_seconds, expected)
+        # Claims come from HTTP threads; everything else on the table from the driver thread.
+        self._lease_lock = threading.Lock()
+        self.warm = False
+        self.warmup_seconds: float | None = None
         self._inbox: queue.Queue[tuple[str, Any, Future[Any] | None]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
@@ -87,11 +99,33 @@ class InstanceDriver:
         self._inbox.put(("cancel", seq_id, None))
 
     def release(self, request_id: str) -> Future[bool]:
-        return self._post("release", request_id)
+        """A held request is released at once (its blocks go back at the driver's next turn);
+        one still running is cancelled by the driver, between two steps."""
+        fut: Future[bool] = concurrent.futures.Future()
+        with self._lease_lock:
+            held = self.leases.release(request_id, time.monotonic()) \
+                if request_id in self.leases else False
+        if held is False:
+            return self._post("release", request_id)
+        if held is not None:
+            self._inbox.put(("free", held.blocks, None))
+        fut.set_result(True)
+        return fut
 
     def claim(self, request_id: str, epoch: int, hold_s: float) -> Future[str | None]:
-        """A decode is about to READ a held request: pin it, or say why it cannot be read."""
-        return self._post("claim", (request_id, epoch, hold_s))
+        """A decode is about to READ a held request: pin it, or say why it cannot be read.
+        Answered on the caller's thread: a READ waits for no forward step."""
+        fut: Future[str | None] = concurrent.futures.Future()
+        if self.fatal:
+            fut.set_exception(RequestError(self.fatal, 503, "broken"))
+            return fut
+        with self._lease_lock:
+            fut.set_result(self.leases.claim(request_id, epoch, time.monotonic(), hold_s))
+        return fut
+
+    def wake(self) -> None:
+        """Something the loop waits for happened off its thread (a KV pull finished)."""
+        self._inbox.put(("wake", None, None))
 
     def call(self, cmd: dict[str, Any]) -> Future[list[Any]]:
         """A command every rank runs between two steps (handshakes, stats)."""
@@ -109,6 +143,7 @@ class InstanceDriver:
 
     def _loop(self) -> None:
         try:
+            self._warm_up()
             while True:
                 self._drain(block=not self._has_work())
                 plan = self.scheduler.plan()
@@ -128,6 +163,44 @@ class InstanceDriver:
             self.fatal = f"instance broken: {traceback.format_exc(limit=1)}"
             log.critical("%s", traceback.format_exc())
             os._exit(1)
+
+    def _warm_up(self) -> None:
+        """Run each kind of step serving will run, on every rank, before the instance is ready:
+        a prefill a chunk-sized prompt and a continuing chunk of it, a decode every CUDA-graph
+        bucket up to its running limit. Scratch blocks, freed after; nothing is sampled."""
+        start = time.monotonic()
+        sch = self.scheduler
+        bs, dcp = sch.block_size, sch.dcp
+        prompt = 0
+        batches: list[int] = []
+        if self.role == "prefill":
+            # A chunk, then a ragged continuation: the cached-latent path and the shapes Triton
+            # specializes on (lengths divisible by 16 or not) are all compiled.
+            prompt = min(sch.chunk_tokens + bs // 2 + 1, self.cache.num_blocks * bs * dcp)
+            need = sch.blocks_needed(prompt)
+        else:
+            limit = next((b for b in self.worker.engine.buckets if b >= sch.max_running),
+                         self.worker.engine.buckets[-1])
+            batches = [b for b in self.worker.engine.buckets if b <= limit]
+            if self.worker.engine.decode_mode == "eager":  # nothing to capture per bucket
+                batches = batches[:1]
+            need = 1
+        blocks = self.cache.allocate(need)
+        try:
+            results = self.worker.run_as_leader({
+                "op": "warmup", "blocks": blocks, "prompt_tokens": prompt,
+                "chunk_tokens": sch.chunk_tokens, "batch_sizes": batches})
+        finally:
+            self.cache.free(blocks)
+        self._last_collective = time.monotonic()
+        failed = next((r for r in results if r.get("error")), None)
+        if failed:
+            raise RuntimeError(f"warm-up failed: {failed['error']}")
+        self.warmup_seconds = time.monotonic() - start
+        self.metrics.warmup_seconds.set(self.warmup_seconds)
+        self.warm = True
+        log.info("%s warm in %.2fs (prompt %d tokens in chunks of %d, decode batches %s)",
+                 self.role, self.warmup_seconds, prompt, sch.chunk_tokens, batches or "none")
 
     def _has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -159,6 +232,11 @@ class InstanceDriver:
         if kind == "cancel":
             self.scheduler.cancel(payload)
             return
+        if kind == "free":
+            self.cache.free(payload)
+            return
+        if kind == "wake":
+            return
         assert fut is not None
         if not fut.set_running_or_notify_cancel():
             return
@@ -180,9 +258,6 @@ class InstanceDriver:
                 fut.set_exception(RequestError(str(exc), 409, "conflict"))
         elif kind == "release":
             fut.set_result(self._release(payload))
-        elif kind == "claim":
-            rid, epoch, hold_s = payload
-            fut.set_result(self.leases.claim(rid, epoch, time.monotonic(), hold_s))
         elif kind == "call":
             if payload.get("op") == "shutdown":
                 fut.set_result(self.worker.run_as_leader(payload))
@@ -215,7 +290,8 @@ class InstanceDriver:
                     self.metrics.transfer_failures.labels(reason=seq.error.get("kind")).inc()
             for rid in r.get("notified", ()):
                 self.metrics.notifications.labels(rank=str(rank)).inc()
-                held = self.leases.notified(rid, rank)
+                with self._lease_lock:
+                    held = self.leases.notified(rid, rank)
                 if held is not None:
                     self.cache.free(held.blocks)
         seqs = [c.seq for c in plan.prefill] + [d.seq for d in plan.decode]
@@ -265,7 +341,9 @@ class InstanceDriver:
             seq.finish_reason = "length"
         keep = seq.finish_reason is None
         if keep:
-            held = self.leases.hold(seq.id, seq.blocks, time.monotonic(), next(self._epochs))
+            with self._lease_lock:
+                held = self.leases.hold(seq.id, seq.blocks, time.monotonic(),
+                                        next(self._epochs))
             seq.extra["epoch"] = held.epoch
             seq.extra["expires_at"] = time.time() + self.settings.lease_seconds
         self.scheduler.finish_prefill(seq, keep_blocks=keep)
@@ -273,17 +351,20 @@ class InstanceDriver:
     def _expire_leases(self) -> None:
         if not len(self.leases):
             return
-        for held in self.leases.expire(time.monotonic()):
+        with self._lease_lock:
+            expired = self.leases.expire(time.monotonic())
+        for held in expired:
             self.metrics.lease_expiries.inc()
             self.cache.free(held.blocks)
 
     def _release(self, request_id: str) -> bool:
         """The router gave up on a request: its blocks go now."""
-        if request_id in self.leases:
-            held = self.leases.release(request_id, time.monotonic())
-            if held is not None:
-                self.cache.free(held.blocks)
-            return True
+        with self._lease_lock:
+            if request_id in self.leases:
+                held = self.leases.release(request_id, time.monotonic())
+                if held is not None:
+                    self.cache.free(held.blocks)
+                return True
         self.scheduler.cancel(request_id)
         return False
 

@@ -196,6 +196,24 @@ class RankEngine:
         assert logits is not None
         return logits[0]
 
+    @torch.inference_mode()
+    def warm_up(self, block_ids: Sequence[int], prompt_tokens: int, chunk_tokens: int,
+                batch_sizes: Sequence[int], want_logits: bool) -> None:
+        """Run, once, the steps serving will run, so compilation and graph capture happen
+        before the first request: a ``prompt_tokens`` prompt in chunks of ``chunk_tokens``
+        (the fresh and the cached-latent paths), then a decode step at each batch size (a CUDA
+        graph captured per bucket). Writes scratch KV into ``block_ids``, which the caller
+        frees."""
+        vocab = self.cfg.vocab_size
+        tokens = [(7 * i + 1) % vocab for i in range(prompt_tokens)]
+        for start in range(0, prompt_tokens, max(1, chunk_tokens)):
+            self.step([SeqChunk(tokens[start:start + chunk_tokens], start, block_ids)],
+                      want_logits)
+        for n in batch_sizes:
+            self.step([SeqChunk([1], 1, block_ids[:1]) for _ in range(n)], want_logits)
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+
     # --- internals -----------------------------------------------------------------------
 
     def _check_tokens(self, token_ids: Sequence[int]) -> None:

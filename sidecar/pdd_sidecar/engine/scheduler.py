@@ -11,7 +11,14 @@ Policy (one place, pure Python, no torch):
   boundary once every rank has its chunks, and leave the moment they finish, freeing their blocks.
 - **Prefill** packs prompt chunks of at most ``chunk_tokens`` into a step of at most
   ``step_tokens`` tokens, several prompts per forward pass; a prompt longer than a chunk runs over
-  several steps, each chunk attending over the cached latent of the earlier ones.
+  several steps, each chunk attending over the cached latent of the earlier ones. The prompts
+  with the fewest tokens left go first, so a short prompt is not stuck behind a long one; the
+  longest-running prompt always keeps a quarter of the budget, so short prompts arriving
+  without pause cannot starve it either.
+- **Budgets follow the device** (``step_budget``): a GPU runs an 8,192-token step in about the
+  time a CPU runs a few hundred tokens, and a step's fixed costs (launches, host work) only pay
+  off in large steps; small budgets stay on the CPU, where one step of 8k tokens would hold a
+  decode's running batch for seconds.
 
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
@@ -113,6 +120,19 @@ class StepPlan:
         return bool(self.prefill or self.decode)
 
 
+# Step token budget and longest chunk per device type, when the instance is not told otherwise.
+# Peers default their chunked-prefill budget to 8,192 on H100/H200-class GPUs.
+DEVICE_BUDGETS: dict[str, tuple[int, int]] = {"cuda": (8192, 8192), "cpu": (2048, 512)}
+
+
+def step_budget(device_type: str, step_tokens: int | None,
+                chunk_tokens: int | None) -> tuple[int, int]:
+    """(step tokens, chunk tokens): what was set, else the device's default (CPU's for an
+    unknown device)."""
+    step, chunk = DEVICE_BUDGETS.get(device_type, DEVICE_BUDGETS["cpu"])
+    return step_tokens or step, chunk_tokens or chunk
+
+
 class Scheduler:
     def __init__(self, role: str, allocator: Allocator, block_size: int, dcp: int,
                  tp: int, max_running: int = 256, max_waiting: int = 256,
@@ -207,15 +227,45 @@ class Scheduler:
                 assert fed is not None
                 plan.decode.append(DecodeEntry(seq, fed, seq.context + len(seq.output)))
             return plan
-        budget = self.step_tokens
-        for seq in self.running.values():
-            if budget <= 0:
-                break
-            n = min(self.chunk_tokens, len(seq.prompt) - seq.computed, budget)
-            plan.prefill.append(PrefillChunk(seq, seq.computed, seq.prompt[seq.computed:
-                                                                          seq.computed + n]))
-            budget -= n
+        plan.prefill = self._prefill_chunks()
         return plan
+
+    def _prefill_chunks(self) -> list[PrefillChunk]:
+        """This step's prompt chunks: fewest tokens left first, the oldest prompt's share kept
+        (module docstring)."""
+        running = list(self.running.values())
+        if not running:
+            return []
+        bs = self.block_size
+        budget = self.step_tokens
+        oldest = running[0]
+        share = max(bs, budget // 4 // bs * bs)
+        reserved = min(self._left(oldest), self.chunk_tokens, share, budget)
+        budget -= reserved
+        chunks: list[PrefillChunk] = []
+        for seq in sorted(running[1:], key=self._left):
+            n = self._chunk_len(seq, budget)
+            if n:
+                chunks.append(self._chunk(seq, n))
+                budget -= n
+        n = self._chunk_len(oldest, budget + reserved)
+        if n:
+            chunks.insert(0, self._chunk(oldest, n))
+        return chunks
+
+    def _left(self, seq: Sequence) -> int:
+        return len(seq.prompt) - seq.computed
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """A chunk that ends a prompt may have any length; any other ends on a block boundary,
+        so each chunk's KV lands in whole blocks."""
+        n = min(self.chunk_tokens, self._left(seq), budget)
+        if n < self._left(seq):
+            n = n // self.block_size * self.block_size
+        return max(n, 0)
+
+    def _chunk(self, seq: Sequence, n: int) -> PrefillChunk:
+        return PrefillChunk(seq, seq.computed, seq.prompt[seq.computed:seq.computed + n])
 
     # -- results
 

@@ -288,6 +288,10 @@ class RankWorker:
                 out: dict[str, Any] = self._step(cmd)
             elif op == "handshake":
                 out = self._handshake(cmd)
+            elif op == "warmup":
+                self.engine.warm_up(cmd["blocks"], cmd["prompt_tokens"], cmd["chunk_tokens"],
+                                    cmd["batch_sizes"], want_logits=self.rank == 0)
+                out = {}
             elif op in ("stats", "shutdown"):
                 out = {}
             else:

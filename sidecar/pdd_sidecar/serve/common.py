@@ -40,7 +40,8 @@ class InstanceState:
         self.eos_ids = eos_token_ids(self.settings.model_source)
         self.ranks_ready = False
         self.peers_ready = self.settings.role == "prefill"
-        self.not_ready_reason = "starting: waiting for every rank's side channel"
+        self.not_ready_reason = ("starting: warming up (kernels, CUDA graphs), then every "
+                                 "rank's side channel")
         self.peer_status: dict[str, str] = {}
         self.prefill_peers: dict[str, str] = {}  # instance id -> HTTP URL (decode)
         self.peer_errors: dict[str, RequestError] = {}  # instance id -> why it was refused
@@ -49,8 +50,8 @@ class InstanceState:
 
     @property
     def ready(self) -> bool:
-        return (self.ranks_ready and self.peers_ready and not self.driver.fatal
-                and not self.draining)
+        return (self.ranks_ready and self.peers_ready and self.driver.warm
+                and not self.driver.fatal and not self.draining)
 
     def drain_and_exit(self, limit_s: float) -> None:
         """SIGTERM: stop taking work, let held KV be read and running requests finish, exit.

@@ -1,0 +1,103 @@
+"""The prefill step policy: budgets by device, short prompts first, the oldest prompt's share,
+chunks on block boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_sidecar.engine.scheduler import (
+    DEVICE_BUDGETS,
+    PrefillChunk,
+    Scheduler,
+    Sequence,
+    step_budget,
+)
+from pdd_sidecar.kv.cache import PagedKVCache
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+
+
+def _prefill(step: int, chunk: int, blocks: int = 4096) -> Scheduler:
+    return Scheduler("prefill", PagedKVCache(blocks, 1, BLOCK, 4), BLOCK, 1, 1,
+                     step_tokens=step, chunk_tokens=chunk)
+
+
+def _submit(sched: Scheduler, rid: str, n: int) -> Sequence:
+    seq = Sequence(rid, list(range(n)), 1, n)
+    sched.submit(seq)
+    return seq
+
+
+def _advance(sched: Scheduler, chunks: list[PrefillChunk]) -> None:
+    for c in chunks:
+        sched.on_chunk_done(c)
+        if c.last:
+            sched.finish_prefill(c.seq, keep_blocks=False)
+
+
+def test_budgets_follow_the_device_unless_set() -> None:
+    assert step_budget("cuda", None, None) == DEVICE_BUDGETS["cuda"] == (8192, 8192)
+    assert step_budget("cpu", None, None) == DEVICE_BUDGETS["cpu"] == (2048, 512)
+    assert step_budget("mps", None, None) == DEVICE_BUDGETS["cpu"]
+    assert step_budget("cuda", 4096, None) == (4096, 8192)
+    assert step_budget("cpu", None, 128) == (2048, 128)
+
+
+def test_one_long_prompt_runs_in_whole_chunks() -> None:
+    sched = _prefill(8192, 8192)
+    _submit(sched, "long", 20000)
+    lens = []
+    while sched.running or sched.waiting:
+        chunks = sched.plan().prefill
+        lens.append([len(c.tokens) for c in chunks])
+        _advance(sched, chunks)
+    assert lens == [[8192], [8192], [3616]]
+
+
+def test_a_short_prompt_is_not_stuck_behind_a_long_one() -> None:
+    sched = _prefill(8192, 8192)
+    _submit(sched, "long", 32768)
+    _advance(sched, sched.plan().prefill)  # the long prompt's first chunk
+    _submit(sched, "short", 1000)
+    chunks = sched.plan().prefill
+    by_id = {c.seq.id: c for c in chunks}
+    assert by_id["short"].last and len(by_id["short"].tokens) == 1000
+    long = by_id["long"]
+    assert len(long.tokens) == (8192 - 1000) // BLOCK * BLOCK and long.start == 8192
+    assert sum(len(c.tokens) for c in chunks) <= 8192
+
+
+def test_short_prompts_without_pause_cannot_starve_the_oldest() -> None:
+    sched = _prefill(2048, 2048)
+    long = _submit(sched, "long", 10000)
+    done = 0
+    for i in range(40):
+        for j in range(8):  # more short prompts than a step holds, every step
+            _submit(sched, f"s{i}-{j}", 512)
+        chunks = sched.plan().prefill
+        assert sum(len(c.tokens) for c in chunks) <= 2048
+        mine = [c for c in chunks if c.seq is long]
+        assert mine and len(mine[0].tokens) >= min(512, len(long.prompt) - long.computed)
+        _advance(sched, chunks)
+        if long.computed == len(long.prompt):
+            done = i + 1
+            break
+    assert done and done <= -(-10000 // 512)
+
+
+def test_chunks_end_on_block_boundaries_unless_they_end_the_prompt() -> None:
+    sched = _prefill(1000, 600)
+    for i, n in enumerate((999, 37, 700)):
+        _submit(sched, f"r{i}", n)
+    seen = 0
+    while sched.running or sched.waiting:
+        chunks = sched.plan().prefill
+        assert chunks and sum(len(c.tokens) for c in chunks) <= 1000
+        for c in chunks:
+            assert c.last or len(c.tokens) % BLOCK == 0
+            assert c.start == c.seq.computed
+        seen += len(chunks)
+        _advance(sched, chunks)
+    assert seen >= 4
