@@ -94,6 +94,10 @@ class RouterMetrics:
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
             ["role", "replica"], registry=r,
         )
+        self.warmup_seconds = Gauge(
+            "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
+            registry=r,
+        )
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

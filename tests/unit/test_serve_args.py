@@ -48,6 +48,8 @@ PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=
         (["--model", "/no/such/checkpoint"], "--model", "/no/such/checkpoint"),
         (["--port", "70000"], "--port", "got 70000"),
         (["--max-num-seqs", "0"], "--max-num-seqs", "got 0"),
+        (["--max-step-tokens", "0"], "--max-step-tokens", "got 0"),
+        (["--chunk-tokens", "-4"], "--chunk-tokens", "got -4"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
@@ -133,6 +135,10 @@ def test_plan_and_env_are_what_the_instances_accept(
         assert s.device == "cpu" and s.dtype == "float32" and s.model_source == "builtin"
         load_routing_file(s.routing_file, role, s.tp, s.dcp, s.block_size)  # raises on mismatch
         assert "CUDA_VISIBLE_DEVICES" not in env
+        assert (s.max_step_tokens, s.chunk_tokens) == (None, None)  # the device decides
+    budget = StackConfig(max_step_tokens=4096, chunk_tokens=1024)
+    s = InstanceSettings.from_env(instance_env(budget, "prefill", PORTS, str(f), None, "/k"))
+    assert (s.max_step_tokens, s.chunk_tokens) == (4096, 1024)
     dec = InstanceSettings.from_env(instance_env(cfg, "decode", PORTS, str(f), None, "/k"))
     assert dec.prefill_urls == ["http://127.0.0.1:11000"]
     assert (dec.http_port, dec.side_channel_port, dec.dist_port) == (14000, 15000, 16000)

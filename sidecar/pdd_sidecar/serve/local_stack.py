@@ -77,6 +77,8 @@ class StackConfig:
     drain_s: float = 5.0
     max_num_seqs: int | None = None  # engine admission bound; None: the instance default
     max_waiting: int | None = None  # queue bound (429 beyond); None: the instance default
+    max_step_tokens: int | None = None  # prefill tokens per step; None: by device
+    chunk_tokens: int | None = None  # longest prompt chunk; None: by device
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -153,10 +155,12 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
         if value is not None and value < 1:
             out.append(f"{flag}: must be >= 1, got {value}")
     for flag, value in (("--max-num-seqs", cfg.max_num_seqs),
-                        ("--max-waiting", cfg.max_waiting)):
-        if value is not None and value < (1 if flag == "--max-num-seqs" else 0):
-            out.append(f"{flag}: must be >= {1 if flag == '--max-num-seqs' else 0}, "
-                       f"got {value}")
+                        ("--max-waiting", cfg.max_waiting),
+                        ("--max-step-tokens", cfg.max_step_tokens),
+                        ("--chunk-tokens", cfg.chunk_tokens)):
+        least = 0 if flag == "--max-waiting" else 1
+        if value is not None and value < least:
+            out.append(f"{flag}: must be >= {least}, got {value}")
     if cfg.drain_s < 0:
         out.append(f"--drain-s: must be >= 0, got {cfg.drain_s}")
     if out:
@@ -237,7 +241,9 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
     }
     for key, value in ((E.PDD_NUM_BLOCKS, cfg.blocks(role)),
                        (E.PDD_MAX_NUM_SEQS, cfg.max_num_seqs),
-                       (E.PDD_MAX_WAITING, cfg.max_waiting)):
+                       (E.PDD_MAX_WAITING, cfg.max_waiting),
+                       (E.PDD_MAX_STEP_TOKENS, cfg.max_step_tokens),
+                       (E.PDD_CHUNK_TOKENS, cfg.chunk_tokens)):
         if value is not None:
             env[key] = str(value)
     if role == "decode":
@@ -574,6 +580,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests an instance queues beyond that; more get 429 "
                    "(default: the instance's)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="prompt tokens a prefill step runs at most (default 8192 on cuda, 2048 "
+                   "on cpu; larger steps run long prompts faster and hold other prompts longer)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="longest piece of one prompt in a step, whole blocks (default 8192 on "
+                   "cuda, 512 on cpu)")
     p.add_argument("--log-dir", default=None,
                    help="folder for the logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO", help="log level of the processes")
@@ -591,7 +603,8 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         block_size=a.block_size, num_blocks=a.num_blocks,
         prefill_num_blocks=a.prefill_num_blocks, decode_num_blocks=a.decode_num_blocks,
         dtype=a.dtype, drain_s=a.drain_s, max_num_seqs=a.max_num_seqs,
-        max_waiting=a.max_waiting, log_level=a.log_level.upper(),
+        max_waiting=a.max_waiting, max_step_tokens=a.max_step_tokens,
+        chunk_tokens=a.chunk_tokens, log_level=a.log_level.upper(),
     )
 
 

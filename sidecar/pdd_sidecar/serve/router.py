@@ -32,6 +32,7 @@ from aiohttp import web
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
+from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
 from pdd_sidecar.serve.text import (
     IncrementalDetokenizer,
     ModelText,
@@ -500,11 +501,24 @@ class Router:
         self.created = int(time.time())
         self._background: set[asyncio.Task[None]] = set()
         self._probing: asyncio.Task[None] | None = None
+        self.warm = WarmRoundTrip()
+
+    @property
+    def pools_ready(self) -> bool:
+        # The rule requests are routed by: a ready prefill with a ready decode of its plan.
+        return self.prefill.pick(plans=self.decode.ready_plans()) is not None
 
     @property
     def ready(self) -> bool:
-        # The rule requests are routed by: a ready prefill with a ready decode of its plan.
-        return self.prefill.pick(plans=self.decode.ready_plans()) is not None
+        """Routable, and one round trip has run (serve/router_warmup.py)."""
+        return self.warm.done and self.pools_ready
+
+    def warmup_request(self) -> GenRequest:
+        return GenRequest(kind="completion", prompt_ids=warmup_prompt(self.model.vocab_size),
+                          max_tokens=WARMUP_MAX_TOKENS,
+                          sampling={"temperature": 0.0, "seed": 0},
+                          stop=[], stop_token_ids=[], ignore_eos=True, stream=False,
+                          include_usage=False)
 
     def check_capacity(self, req: GenRequest, key: str) -> None:
         """Refuse (400) what no instance could ever hold, before a prefill spends work on it:
@@ -549,6 +563,9 @@ class Router:
                 self.metrics.healthy.labels(role=pool.role, replica=url).set(1 if ok else 0)
 
             await asyncio.gather(*(probe(u) for u in pool.urls))
+        self.warm.ensure(self, self.warmup_request, Trip)
+        if self.warm.seconds is not None:
+            self.metrics.warmup_seconds.set(self.warm.seconds)
 
     async def probe_now(self) -> None:
         """One probe round now, shared by every request that asks while it runs."""
@@ -1054,11 +1071,17 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    body = {
+    body: dict[str, Any] = {
         "ready": router.ready,
+        "warm": router.warm.done,
         "prefill": {u: router.prefill.healthy.get(u, False) for u in router.prefill.urls},
         "decode": {u: router.decode.healthy.get(u, False) for u in router.decode.urls},
     }
+    if not router.ready:
+        body["reason"] = ("no ready prefill with a ready decode of its routing plan"
+                          if not router.pools_ready else
+                          "warm round trip not done yet" + (f" (last: {router.warm.last_error})"
+                                                            if router.warm.last_error else ""))
     return web.json_response(body, status=200 if router.ready else 503)
 
 
@@ -1118,6 +1141,7 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         task = asyncio.create_task(router.health_loop())
         yield
         task.cancel()
+        await router.warm.stop()
         await router.session.close()
         await router.probe_session.close()
 
