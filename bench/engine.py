@@ -485,7 +485,7 @@ def bench_engine_decode(
     eager, and replayed from the engine's CUDA graph of the batch's bucket."""
     cfg, dev = model.cfg, model.device
     batch = make_batch(b, ctx, kv.shape[2], kv.shape[0], cfg, dev, seed=b * 7919 + ctx)
-    from pdd_sidecar.engine.rank_engine import SeqChunk
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
 
     tables = batch.tables.tolist()
     toks = batch.tokens.tolist()

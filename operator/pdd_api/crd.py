@@ -19,13 +19,13 @@ from pdd_api.models import (
     PDDeploymentSpec,
     PDDeploymentStatus,
 )
-from pdd_api.rules import RULES
-from pdd_api.validation import (
+from pdd_api.names import (
     MAX_NAME_LENGTH,
     MAX_NAME_LENGTH_LWS,
     NAME_PATTERN,
     lws_name_message,
 )
+from pdd_api.rules import RULES
 
 _SCALARS = {int: "integer", str: "string", bool: "boolean", float: "number"}
 

@@ -1,4 +1,4 @@
-"""PDDeployment spec and status (contract: DESIGN.md "The custom resource").
+"""PDDeployment spec and status (contract: docs/architecture.md "The custom resource").
 
 Field names are the CRD's (camelCase) so one model drives validation, the CRD schema and the
 operator's builders. Structural checks (types, unknown fields, required fields) live here; value

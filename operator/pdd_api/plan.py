@@ -1,4 +1,5 @@
-"""The routing plan (contract: DESIGN.md "Plan JSON"), shared by operator and sidecars."""
+"""The routing plan (contract: docs/architecture.md "Plan JSON"), shared by the operator and
+the sidecars."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def routing_case(prefill: SidePlan, decode: SidePlan) -> RoutingCase:
 
 
 def reads_for(decode_rank: int, prefill: SidePlan, decode: SidePlan) -> list[ChunkRead]:
-    """The routing rule of DESIGN.md, in one place."""
+    """The routing rule of docs/architecture.md, in one place."""
     dcp_p, dcp_d = prefill.decode_context_parallel_size, decode.decode_context_parallel_size
     # Decode rank d holds chunks g % dcp_d == d (all chunks when dcp_d == 1).
     d_mod, d_res = (dcp_d, decode_rank) if dcp_d > 1 else (1, 0)

@@ -17,6 +17,9 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
+from pdd_api.crd import spec_schema
+from pdd_api.rules import RULES
+
 Path = tuple[str | int, ...]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -59,15 +62,11 @@ def json_integer(f: float) -> bool:
 
 @cache
 def _schema() -> dict[str, Any]:
-    from pdd_api.crd import spec_schema
-
     return spec_schema()
 
 
 @cache
 def _cel_integers() -> frozenset[Path]:
-    from pdd_api.rules import RULES
-
     return frozenset(p for rule in RULES for p in rule.reads)
 
 

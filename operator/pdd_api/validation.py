@@ -14,17 +14,12 @@ import yaml
 from pydantic import ValidationError
 
 from pdd_api.models import API_GROUP, API_VERSION, KIND, ROLES, PDDeploymentSpec
+from pdd_api.names import MAX_NAME_LENGTH, MAX_NAME_LENGTH_LWS, NAME_PATTERN, lws_name_message
 from pdd_api.rules import check_rules, lookup
 from pdd_api.structural import describe as _describe
 from pdd_api.structural import normalize
 
 API_VERSION_FULL = f"{API_GROUP}/{API_VERSION}"
-MAX_NAME_LENGTH = 47  # leaves room for "-prefill-<i>" within a 63-character DNS label
-# A role that spans pods (docs/lws.md): its LeaderWorkerSet's worker StatefulSet
-# `<name>-prefill-<i>` labels its pods `controller-revision-hash: <statefulset>-<10-char hash>`,
-# a label value of at most 63 characters (crd.name_lws_rule).
-MAX_NAME_LENGTH_LWS = 41
-NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"  # also the CRD's CEL rule (crd.name_rule)
 _DNS_LABEL = re.compile(NAME_PATTERN)
 
 
@@ -111,12 +106,6 @@ def spans_pods(spec: Any) -> bool:
         if all(isinstance(v, int) and not isinstance(v, bool) for v in (g, tp)) and g < tp:
             return True
     return False
-
-
-def lws_name_message(name: str) -> str:
-    return (f"metadata.name: must be at most {MAX_NAME_LENGTH_LWS} characters when a role spans "
-            "pods (gpusPerPod below tensorParallelSize: LeaderWorkerSet pods carry it in "
-            f"63-character labels), got '{name}'")
 
 
 def validate_name(name: Any, spec: Any = None) -> list[str]:

@@ -3,8 +3,9 @@
 Keys shared with the operator are defined once in pdd_api.keys and named here for the runtime.
 
 The operator sets these on prefill/decode/router pods; tests set them on local processes. Names in
-the first block are the DESIGN.md contract; the rest are runtime knobs with defaults that work in
-a pod (fixed ports) and can be overridden so several instances share one machine.
+the first block are a contract (docs/architecture.md, "Sidecar env"); the rest are runtime knobs
+with defaults that work in a pod (fixed ports) and can be overridden so several instances share
+one machine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pdd_api import keys
 
-# --- contract (DESIGN.md "Sidecar env") ---
+# --- contract (docs/architecture.md "Sidecar env") ---
 PDD_ROLE = keys.ENV_ROLE
 PDD_REPLICA = keys.ENV_REPLICA
 PDD_TP_SIZE = keys.ENV_TP_SIZE

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pdd_sidecar.engine.comm import Comm, run_threads
-from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, allocate_request, new_cache
+from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.engine.sampling import SamplingParams, sample
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.model.rank_model import load_rank_model
 
 pytestmark = pytest.mark.dataplane

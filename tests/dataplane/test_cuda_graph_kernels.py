@@ -104,7 +104,8 @@ ENGINE_CHILD = SHIM + r'''
 import torch
 from pdd_sidecar.engine import rank_engine
 from pdd_sidecar.engine.comm import run_threads
-from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, new_cache
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.model.kernels import mla_decode as md
 from pdd_sidecar.model.kernels.kv_write import _write_rows
 from pdd_sidecar.model.rank_model import load_rank_model

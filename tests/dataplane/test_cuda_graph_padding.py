@@ -11,7 +11,8 @@ import torch
 
 from pdd_sidecar.engine import cuda_graphs
 from pdd_sidecar.engine.comm import Comm, run_threads
-from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, new_cache
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.model.rank_model import load_rank_model
 
 pytestmark = pytest.mark.dataplane

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from engine import random_weights, small_config  # noqa: E402
 
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
-from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, new_cache  # noqa: E402
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache  # noqa: E402
+from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
 from pdd_sidecar.model.rank_model import RankModel, load_rank_model  # noqa: E402
 from pdd_sidecar.model.rope import Rotary  # noqa: E402
 

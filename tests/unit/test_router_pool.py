@@ -11,7 +11,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdd_sidecar.serve.router import ApiError, GenRequest, Pool, Router, RouterMetrics, Trip
+from pdd_sidecar.metrics import RouterMetrics
+from pdd_sidecar.serve.openai_request import ApiError, GenRequest
+from pdd_sidecar.serve.replica_pool import Pool
+from pdd_sidecar.serve.upstreams import Router, Trip
 
 
 def _pool(role: str, plans: dict[str, str | None]) -> Pool:

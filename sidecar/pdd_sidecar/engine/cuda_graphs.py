@@ -20,14 +20,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
-
-if TYPE_CHECKING:
-    from pdd_sidecar.engine.rank_engine import SeqChunk
 
 # Listed in env.py with every other variable; named here too so the engine (and what imports it
 # on GPU machines: the benches, generate) needs nothing of the operator's packages.

@@ -101,14 +101,14 @@ class InstanceDriver:
     def release(self, request_id: str) -> Future[bool]:
         """A held request is released at once (its blocks go back at the driver's next turn);
         one still running is cancelled by the driver, between two steps."""
-        fut: Future[bool] = concurrent.futures.Future()
         with self._lease_lock:
-            held = self.leases.release(request_id, time.monotonic()) \
-                if request_id in self.leases else False
-        if held is False:
+            held_now = request_id in self.leases
+            held = self.leases.release(request_id, time.monotonic()) if held_now else None
+        if not held_now:
             return self._post("release", request_id)
-        if held is not None:
+        if held is not None:  # else pinned by a READ: freed when its pin runs out
             self._inbox.put(("free", held.blocks, None))
+        fut: Future[bool] = concurrent.futures.Future()
         fut.set_result(True)
         return fut
 

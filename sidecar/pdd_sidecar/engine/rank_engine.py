@@ -26,6 +26,7 @@ from pdd_sidecar.engine.cuda_graphs import (
     table_width,
 )
 from pdd_sidecar.engine.dcp import dcp_merge
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.kernels.kv_write import write_latents
@@ -77,17 +78,6 @@ class CachedViews:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     decode_rows: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """Tokens of one sequence fed in a step: ``tokens`` at positions ``start..``, every earlier
-    position already cached in ``block_ids`` (the sequence's whole table). A decode step is one
-    token; a prefill chunk is many."""
-
-    tokens: Sequence[int]
-    start: int
-    block_ids: Sequence[int]
 
 
 def comm_capturable(comm: Comm) -> bool:

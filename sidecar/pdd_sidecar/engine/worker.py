@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd_api.plan import RoutingPlan
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.env import InstanceSettings
 from pdd_sidecar.kv.claims import CLAIM_MARGIN_S, ClaimRefused, claim
 from pdd_sidecar.kv.compat import CompatError, CompatRecord, cache_layout, plan_digest
@@ -317,8 +318,6 @@ class RankWorker:
     # -- the step
 
     def _step(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from pdd_sidecar.engine.rank_engine import SeqChunk
-
         for job in cmd.get("pulls", ()):
             self._pulls.put(job)
         out: dict[str, Any] = {}

@@ -1,11 +1,11 @@
 """KV hand-off over NIXL: one agent per rank, READs of exactly the chunks the plan assigns.
 
-Cost model (DESIGN.md measurements): per-request descriptor preparation dominates, so every
-block range a request can need is prepared once per agent (and once per remote agent), and a
-request picks entries by index. The prepared list holds, for each power of two s up to a cap,
-one descriptor per starting block covering s consecutive blocks; a coalesced run of n blocks then
-costs popcount(n) descriptors instead of n. The KV tensor is block-major, so consecutive block
-ids are one contiguous byte range.
+Cost model (measured, docs/architecture.md "Transfer"): per-request descriptor preparation
+dominates, so every block range a request can need is prepared once per agent (and once per
+remote agent), and a request picks entries by index. The prepared list holds, for each power of
+two s up to a cap, one descriptor per starting block covering s consecutive blocks; a coalesced
+run of n blocks then costs popcount(n) descriptors instead of n. The KV tensor is block-major,
+so consecutive block ids are one contiguous byte range.
 
 A request whose last chunk is partial moves only its filled tokens: that block is read row by row
 (one descriptor per layer) through a small unprepared transfer, so the bytes moved equal the

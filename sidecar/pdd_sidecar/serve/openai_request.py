@@ -1,0 +1,312 @@
+"""The router's reading of an OpenAI completion or chat request, and its errors in OpenAI's shape.
+
+Bad input is refused here, before any replica works on it, with error JSON naming the field;
+what passes is a `GenRequest` in the terms the prefill and decode instances speak.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids
+
+INT64 = (-(2**63), 2**63 - 1)
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error format: `{"error": {"message", "type", "param", "code"}}`."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str | None = None, code: Any = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or self.TYPES.get(status) or (
+            "invalid_request_error" if status < 500 else "server_error")
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+@dataclass
+class GenRequest:
+    """One validated completion request, in the terms the instances speak."""
+
+    kind: str  # "completion" | "chat"
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    local_stop_ids: frozenset[int] = frozenset()
+
+
+def brief_repr(v: Any, limit: int = 80) -> str:
+    """A client's value in an error message, cut short (it may be megabytes)."""
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))  # ints: no float()
+
+
+def _check_strings(value: Any, path: str, top: str) -> None:
+    """JSON may carry lone surrogates (`"\\ud800"`), which no tokenizer can encode.
+
+    A loop, not recursion: a body nested as deep as the JSON parser allows must not reach
+    Python's recursion limit here."""
+    todo: list[tuple[Any, str]] = [(value, path)]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                where = path if len(path) <= 80 else path[:80] + "..."
+                raise bad(f"{where}: contains an unpaired surrogate, not valid Unicode text",
+                          top) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((k, path))
+                todo.append((v, f"{path}.{k}"))
+        elif isinstance(value, list):
+            todo.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _opt_int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None = None,
+             hi: int | None = None, what: str = "") -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not is_int(v):
+        raise bad(f"{key} must be an integer{what}, got {brief_repr(v)}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(f"{key} must be an integer{what}, got {v}", key)
+    return int(v)
+
+
+def _opt_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{key} must be true or false, got {brief_repr(v)}", key)
+    return v
+
+
+def _opt_number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float,
+                lo_open: bool, what: str) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_number(v) or (v <= lo if lo_open else v < lo) or v > hi:
+        raise bad(f"{key} must be a number in {what}, got {brief_repr(v)}", key)
+    return float(v)
+
+
+def _ids(value: Any, model: ModelText, param: str) -> list[int] | None:
+    """A list of token ids, validated against the vocabulary; None if it is not a list of ints."""
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
+        return None
+    bad_ids = [t for t in value if not 0 <= t < model.vocab_size]
+    if bad_ids:
+        raise bad(f"{param}: token ids must be in [0, {model.vocab_size}) (the model's "
+                  f"vocabulary), got {bad_ids[:5]}", param)
+    return list(value)
+
+
+def _need_codec(model: ModelText, param: str) -> Any:
+    if model.codec is None:
+        raise bad(f"{param}: the model at {model.source} has no tokenizer "
+                  f"({model.missing_tokenizer}); send the prompt as token ids", param)
+    return model.codec
+
+
+def _prompt_ids(body: Mapping[str, Any], model: ModelText) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad(f"prompt: batches of prompts are not supported, got {len(prompt)} prompts "
+                  "(send one request per prompt)", "prompt")
+    if isinstance(prompt, str):
+        codec = _need_codec(model, "prompt")
+        ids = list(codec.encode(prompt, add_special_tokens=True))
+    else:
+        ids_or_none = _ids(prompt, model, "prompt")
+        if ids_or_none is None:
+            raise bad("prompt must be a string, a list of token ids, or a list holding one "
+                      "of those", "prompt")
+        ids = ids_or_none
+    if not ids:
+        raise bad("prompt is empty (no tokens)", "prompt")
+    return ids
+
+
+def _content_text(content: Any, where: str) -> str | None:
+    """Message content: a string, or OpenAI content parts of type text (joined by newlines)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if (not isinstance(part, dict) or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)):
+                raise bad(f"{where}[{i}]: only text content parts "
+                          '({"type": "text", "text": ...}) are supported', "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"{where} must be a string or a list of text parts", "messages")
+
+
+def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    conv = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with role and content", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad(f"messages[{i}].role must be a non-empty string", "messages")
+        msg = dict(m)
+        msg["content"] = _content_text(m.get("content"), f"messages[{i}].content")
+        conv.append(msg)
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise bad(f"{key}: tool calling is not supported", key)
+    add_gen = _opt_bool(body, "add_generation_prompt", True)
+    codec = _need_codec(model, "messages")
+    try:
+        ids = chat_ids(codec, conv, add_generation_prompt=add_gen)
+    except TemplateRenderError as exc:
+        raise bad(f"messages: {exc}", "messages") from None
+    if not ids:
+        raise bad("messages render to no tokens", "messages")
+    return ids
+
+
+def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenRequest:
+    if not isinstance(body, dict):
+        raise bad("request body must be a JSON object", None)
+    for key, value in body.items():
+        _check_strings(value, key, key)
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise bad(f"model must be a string, got {brief_repr(name)}", "model")
+    if name not in (None, "", served):
+        raise ApiError(404, f"the model {brief_repr(name)} does not exist; this server serves "
+                       f"{served!r}", "model", "not_found_error", "model_not_found")
+    n = body.get("n")
+    if n is not None and (not is_int(n) or n != 1):
+        raise bad(f"n must be 1 (one choice per request), got {brief_repr(n)}", "n")
+    for key in ("best_of",):
+        if body.get(key) not in (None, 1):
+            raise bad(f"{key} must be 1, got {brief_repr(body[key])}", key)
+    if kind == "completion":
+        if body.get("echo"):
+            raise bad("echo is not supported", "echo")
+        if body.get("suffix"):
+            raise bad("suffix is not supported", "suffix")
+    if body.get("logprobs") not in (None, False):
+        raise bad("logprobs are not supported", "logprobs")
+    stream = _opt_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options must be an object", "stream_options")
+        if not stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        include_usage = _opt_bool(opts, "include_usage", False)
+    temperature = _opt_number(body, "temperature", 1.0, 0.0, 2.0, False, "[0, 2]")
+    top_p = _opt_number(body, "top_p", 1.0, 0.0, 1.0, True, "(0, 1]")
+    top_k = _opt_int(body, "top_k", 0, -1, None, " (-1 or 0 = off, else >= 1)")
+    seed = _opt_int(body, "seed", None, INT64[0], INT64[1], " in the signed 64-bit range")
+    if seed is None:
+        seed = secrets.randbits(63)
+    stop_raw = body.get("stop")
+    if stop_raw is None:
+        stop: list[str] = []
+    elif isinstance(stop_raw, str):
+        stop = [stop_raw]
+    elif (isinstance(stop_raw, list) and len(stop_raw) <= MAX_STOP_STRINGS
+          and all(isinstance(s, str) for s in stop_raw)):
+        stop = list(stop_raw)
+    else:
+        raise bad(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, "
+                  f"got {brief_repr(stop_raw)}", "stop")
+    stop = [s for s in stop if s]
+    if stop:
+        _need_codec(model, "stop")
+    stop_ids_raw = body.get("stop_token_ids")
+    if stop_ids_raw is None:
+        stop_token_ids: list[int] = []
+    else:
+        checked = _ids(stop_ids_raw, model, "stop_token_ids")
+        if checked is None:
+            raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+        stop_token_ids = checked
+    ignore_eos = _opt_bool(body, "ignore_eos", False)
+
+    if kind == "completion":
+        prompt = _prompt_ids(body, model)
+        prompt_param = "prompt"
+    else:
+        prompt = _chat_prompt(body, model)
+        prompt_param = "messages"
+    limit = model.max_model_len
+    if len(prompt) >= limit:
+        raise bad(f"{prompt_param}: the prompt is {len(prompt)} tokens; this model's maximum "
+                  f"context length is {limit} tokens (prompt + completion)", prompt_param)
+    key = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        key = "max_completion_tokens"
+    default = 16 if kind == "completion" else limit - len(prompt)
+    max_tokens = _opt_int(body, key, default, 1, None, " >= 1")
+    assert max_tokens is not None
+    if len(prompt) + max_tokens > limit:
+        raise bad(f"{key}: this model's maximum context length is {limit} tokens; the request "
+                  f"asks for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, "
+                  f"{max_tokens} for the completion)", key)
+    local = set(stop_token_ids)
+    if not ignore_eos:
+        local |= model.eos_token_ids
+    return GenRequest(
+        kind=kind, prompt_ids=prompt, max_tokens=max_tokens,
+        sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
+        include_usage=include_usage, local_stop_ids=frozenset(local))

@@ -1,0 +1,463 @@
+"""The router's side of the hand-off: its prefill and decode replicas, their health probes, and
+the client that runs one request on a prefill and hands its KV to a decode.
+
+A prefill replica is chosen round robin among the ready ones whose routing plan some ready
+decode runs; a 5xx or unreachable replica is retried on another, a 4xx is the client's answer.
+The decode's tokens are always read as a stream: closing it (a stop string, a client gone)
+cancels the sequence there, and the prefill gets a /v1/release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pdd_sidecar.env import RouterSettings
+from pdd_sidecar.metrics import RouterMetrics
+from pdd_sidecar.serve.completion_output import Output
+from pdd_sidecar.serve.discovery import replicas
+from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
+from pdd_sidecar.serve.replica_pool import Pool
+from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
+from pdd_sidecar.serve.text import ModelText
+from pdd_sidecar.serve.upstream_http import (
+    CONNECT_TIMEOUT_S,
+    Unreachable,
+    post_json,
+    upstream_error,
+)
+
+log = logging.getLogger(__name__)
+
+READY_POLL_S = 0.25
+
+
+@dataclass
+class Trip:
+    """Where one request went."""
+
+    prefill: str | None = None
+    decode: str | None = None
+    transfer: Any = None
+    finish: Any = None
+
+    def meta(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer}
+
+
+Emit = Callable[[list[int], str, str | None], Awaitable[None]]
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, model: ModelText) -> None:
+        self.settings = settings
+        self.model = model
+        self.prefill = Pool("prefill", settings.prefill, settings.prefill_service)
+        self.decode = Pool("decode", settings.decode, settings.decode_service)
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self.probe_session: aiohttp.ClientSession | None = None  # probes never queue behind work
+        self.in_flight = 0
+        self.created = int(time.time())
+        self._background: set[asyncio.Task[None]] = set()
+        self._probing: asyncio.Task[None] | None = None
+        self.warm = WarmRoundTrip()
+
+    @property
+    def pools_ready(self) -> bool:
+        # The rule requests are routed by: a ready prefill with a ready decode of its plan.
+        return self.prefill.pick(plans=self.decode.ready_plans()) is not None
+
+    @property
+    def ready(self) -> bool:
+        """Routable, and one round trip has run (serve/router_warmup.py)."""
+        return self.warm.done and self.pools_ready
+
+    def warmup_request(self) -> GenRequest:
+        return GenRequest(kind="completion", prompt_ids=warmup_prompt(self.model.vocab_size),
+                          max_tokens=WARMUP_MAX_TOKENS, sampling={"temperature": 0.0, "seed": 0},
+                          stop=[], stop_token_ids=[], ignore_eos=True, stream=False,
+                          include_usage=False)
+
+    def check_capacity(self, req: GenRequest, key: str) -> None:
+        """Refuse (400) what no instance could ever hold, before a prefill spends work on it:
+        the prefill holds the prompt, the decode the prompt and every generated token but the
+        last (which is never fed back)."""
+        prompt = len(req.prompt_ids)
+        prefill = self.prefill.largest_capacity()
+        if prefill is not None and prompt > prefill:
+            raise bad(f"prompt: the prompt is {prompt} tokens; the prefill instances hold at "
+                      f"most {prefill} tokens of KV per sequence",
+                      "prompt" if req.kind == "completion" else "messages")
+        decode = self.decode.largest_capacity()
+        need = prompt + req.max_tokens - 1
+        if decode is not None and need > decode:
+            raise bad(f"{key}: the decode instances hold at most {decode} tokens of KV per "
+                      f"sequence; this request needs {need} ({prompt} in the prompt, "
+                      f"{req.max_tokens} - 1 for the completion)", key)
+
+    async def refresh(self) -> None:
+        assert self.probe_session is not None
+        # vLLM servers answer readiness on /health (pdd instances serve it too).
+        path = "/health" if self.settings.upstream_protocol == "vllm" else "/readyz"
+        for pool in (self.prefill, self.decode):
+            pool.urls = await replicas(pool.static, pool.service)
+
+            async def probe(url: str, pool: Pool = pool) -> None:
+                try:
+                    timeout = aiohttp.ClientTimeout(total=2)
+                    async with self.probe_session.get(  # type: ignore[union-attr]
+                            f"{url}{path}", timeout=timeout) as resp:
+                        ok = resp.status == 200
+                        body = await resp.json(content_type=None) if ok else None
+                    if isinstance(body, dict) and isinstance(body.get("plan_digest"), str):
+                        pool.plans[url] = body["plan_digest"]
+                    if isinstance(body, dict) and type(body.get("kv_capacity_tokens")) is int:
+                        pool.capacity[url] = body["kv_capacity_tokens"]
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                    ok = False
+                if ok != pool.healthy.get(url):
+                    log.info("%s replica %s is %s", pool.role, url, "ready" if ok else "not ready")
+                pool.mark(url, ok)
+                self.metrics.healthy.labels(role=pool.role, replica=url).set(1 if ok else 0)
+
+            await asyncio.gather(*(probe(u) for u in pool.urls))
+        self.warm.ensure(self, self.warmup_request, Trip)
+        if self.warm.seconds is not None:
+            self.metrics.warmup_seconds.set(self.warm.seconds)
+
+    async def probe_now(self) -> None:
+        """One probe round now, shared by every request that asks while it runs."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.get_running_loop().create_task(self.refresh())
+        try:
+            await asyncio.shield(self._probing)
+        except Exception as exc:  # the requests fall back on what the pools say
+            log.warning("probe round failed: %s", exc)
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:  # keep probing whatever happened
+                log.warning("health probe round failed: %s", exc)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def _pick(self, pick: Callable[[set[str]], str | None],
+                    tried: set[str]) -> str | None:
+        """A ready replica not tried yet. When none is ready at all, what the last probe round
+        saw may be a moment old (a pod just replaced during a roll, a probe that timed out
+        under load): probe again, for up to `ready_wait_s`, before the caller refuses. When
+        every ready replica was tried, refuse at once: waiting would not change their answer."""
+        url = pick(tried)
+        if url is not None:
+            return url
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.ready_wait_s
+        while True:
+            await self.probe_now()
+            url = pick(tried)
+            if url is not None or pick(set()) is not None or loop.time() >= deadline:
+                return url
+            await asyncio.sleep(READY_POLL_S)
+
+    async def _choose_prefill(self, tried: set[str]) -> str | None:
+        # Only a prefill whose plan some ready decode runs: during a plan-changing roll the new
+        # plan's prefill may be ready before its decode.
+        return await self._pick(
+            lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), tried)
+
+    async def _choose_decode(self, plan: str | None, tried: set[str]) -> str | None:
+        return await self._pick(lambda skip: self.decode.pick(skip, plan), tried)
+
+    async def _post(self, role: str, url: str, path: str, body: dict[str, Any],
+                    headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        assert self.session is not None
+        return await post_json(self.session, role, url, path, body,
+                               self.settings.request_timeout_s or None, headers)
+
+    async def run_prefill(self, rid: str, body: dict[str, Any],
+                          trip: Trip) -> tuple[str, dict[str, Any]]:
+        tried: set[str] = set()
+        last: ApiError | None = None
+        while True:
+            url = await self._choose_prefill(tried)
+            if url is None:
+                raise last or ApiError(503, "no ready prefill replica with a ready decode of "
+                                       "its routing plan", type_="server_error")
+            tried.add(url)
+            trip.prefill = url
+            try:
+                return url, await self._post("prefill", url, "/v1/prefill", body)
+            except ApiError as exc:
+                if exc.status < 500:
+                    raise
+                log.warning("prefill replica failed, trying another: %s", exc)
+                if exc.status == 502:  # unreachable: skip it until the next probe says ready
+                    self.prefill.mark(url, False)
+                last = exc
+
+    async def release(self, prefill_url: str, rid: str, grant: Any) -> None:
+        """Give held blocks back early; the grant proves they were handed to this request.
+        Without one (the client left during the prefill) the prefill cancels the request
+        itself when the connection drops, and its lease covers the rest."""
+        if isinstance(grant, dict) and isinstance(grant.get("pdd_grant"), dict):
+            grant = grant["pdd_grant"]  # vLLM's names around pdd's own grant
+        if not isinstance(grant, dict):
+            return
+        try:
+            await self._post("prefill", prefill_url, "/v1/release",
+                             {"request_id": rid, "kv_transfer_params": grant})
+        except ApiError as exc:
+            log.info("release of %s on %s failed (the lease will free it): %s", rid,
+                     prefill_url, exc)
+
+    def release_soon(self, prefill_url: str, rid: str, grant: Any = None) -> None:
+        """Release on its own task: the caller may be a handler being cancelled."""
+        task = asyncio.get_running_loop().create_task(self.release(prefill_url, rid, grant))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _open_decode(self, rid: str, first: int, pre: dict[str, Any], req: GenRequest,
+                           trip: Trip) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        plan = self.prefill.plans.get(trip.prefill or "")
+        tried: set[str] = set()
+        while True:
+            url = await self._choose_decode(plan, tried)
+            if url is None:
+                raise ApiError(503, "no ready decode replica"
+                               + (f" running routing plan {plan}" if plan else ""),
+                               type_="server_error")
+            tried.add(url)
+            try:
+                return await self._open_decode_on(url, rid, first, pre, req, trip)
+            except ApiError as exc:
+                # Another decode may take what this one did not start: an incompatible one
+                # (409), one not ready or draining before its exit (503), one not reachable.
+                if exc.status not in (409, 503) and not isinstance(exc, Unreachable):
+                    raise
+                if exc.status != 409:
+                    self.decode.mark(url, False)  # until the next probe says ready
+                log.warning("decode replica refused the hand-off, trying another: %s", exc)
+
+    async def _open_decode_on(self, url: str, rid: str, first: int, pre: dict[str, Any],
+                              req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        trip.decode = url
+        body = {"request_id": rid, "first_token": first, "max_new_tokens": req.max_tokens - 1,
+                "kv_transfer_params": pre.get("kv_transfer_params"), "sampling": req.sampling,
+                "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+                "stream": True}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                        sock_read=self.settings.request_timeout_s or None)
+        try:
+            resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
+                aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+            # No answer began: the connection failed, or the replica went away with it (a
+            # draining decode exits once it answers nothing; it never took this request).
+            raise Unreachable(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}"
+                               ) from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ApiError(502, f"decode {url}/v1/decode: {type(exc).__name__}: {exc}") from None
+        if resp.status != 200:
+            try:
+                data = await resp.json(content_type=None)
+            except (json.JSONDecodeError, UnicodeDecodeError, aiohttp.ClientError):
+                data = None
+            finally:
+                resp.release()
+            raise upstream_error("decode", url, resp.status, data, resp.headers)
+        return resp
+
+    async def _tokens_vllm(self, rid: str, req: GenRequest,
+                           trip: Trip) -> AsyncGenerator[int, None]:
+        """vLLM's proxy flow to the upstreams (`PDD_ROUTER_UPSTREAM_PROTOCOL=vllm`): the
+        prefill gets the request with max_tokens 1 and do_remote_decode, the decode gets the
+        original request with the returned kv_transfer_params, one X-Request-Id for both; the
+        completion is what the decode streams."""
+        assert self.session is not None
+        common = {"prompt": req.prompt_ids, **{k: v for k, v in req.sampling.items()
+                                               if v is not None},
+                  "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+                  "return_token_ids": True}
+        headers = {"X-Request-Id": rid}
+        url = await self._choose_prefill(set())
+        if url is None:
+            raise ApiError(503, "no ready prefill replica", type_="server_error")
+        trip.prefill = url
+        pre = await self._post("prefill", url, "/v1/completions", {
+            **common, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}}, headers)
+        params = pre.get("kv_transfer_params")
+        try:
+            choice = pre["choices"][0]
+            first = [int(t) for t in choice["token_ids"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            self.release_soon(url, rid, params)
+            raise ApiError(502, f"prefill {url}: answer without choices[0].token_ids") from None
+        if req.max_tokens == 1 or not isinstance(params, dict):
+            self.release_soon(url, rid, params)
+            trip.finish = choice.get("finish_reason") or "length"
+            for t in first:
+                yield t
+            return
+        decode = await self._choose_decode(self.prefill.plans.get(url), set())
+        if decode is None:
+            self.release_soon(url, rid, params)
+            raise ApiError(503, "no ready decode replica", type_="server_error")
+        trip.decode = decode
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                        sock_read=self.settings.request_timeout_s or None)
+        complete = False
+        try:
+            async with self.session.post(
+                    f"{decode}/v1/completions", headers=headers, timeout=timeout,
+                    json={**common, "max_tokens": req.max_tokens, "stream": True,
+                          "kv_transfer_params": params}) as resp:
+                if resp.status != 200:
+                    data = await resp.json(content_type=None)
+                    raise upstream_error("decode", decode, resp.status, data, resp.headers)
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line.strip() == b"data: [DONE]":
+                        complete = True
+                        return
+                    msg = json.loads(line[6:])
+                    if "error" in msg:
+                        raise upstream_error("decode", decode, 502, msg)
+                    choice = msg["choices"][0]
+                    for t in choice.get("token_ids") or []:
+                        yield int(t)
+                    if choice.get("finish_reason"):
+                        trip.finish = choice["finish_reason"]
+            raise ApiError(502, f"decode {decode}: stream ended without [DONE]")
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError,
+                TypeError) as exc:
+            raise ApiError(502, f"decode {decode}: {type(exc).__name__}: {exc}") from None
+        finally:
+            if not complete:
+                self.release_soon(url, rid, params)
+
+    async def tokens(self, rid: str, req: GenRequest, trip: Trip) -> AsyncGenerator[int, None]:
+        """The completion's tokens as the replicas choose them.
+
+        Closing this generator early (a stop string, a client gone) closes the decode stream,
+        which cancels the sequence there, and releases the prefill's blocks.
+        """
+        if self.settings.upstream_protocol == "vllm":
+            inner = self._tokens_vllm(rid, req, trip)
+            try:
+                async for token in inner:
+                    yield token
+            finally:
+                await inner.aclose()
+            return
+        prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
+                        "max_tokens": req.max_tokens, "sampling": req.sampling,
+                        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
+        try:
+            prefill_url, pre = await self.run_prefill(rid, prefill_body, trip)
+        except asyncio.CancelledError:
+            # The client left while the prefill ran: it may hold blocks for this id by now.
+            if trip.prefill is not None:
+                self.release_soon(trip.prefill, rid)
+            raise
+        if not is_int(pre.get("first_token")):
+            self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
+            raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
+        first = int(pre["first_token"])
+        # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
+        finished = pre.get("finish_reason")
+        held = finished is None
+        resp: aiohttp.ClientResponse | None = None
+        complete = False
+        try:
+            if finished is None and req.max_tokens > 1 and first not in req.local_stop_ids:
+                resp = await self._open_decode(rid, first, pre, req, trip)
+            yield first
+            if resp is None:
+                trip.finish = finished
+                return
+            while True:
+                try:
+                    line = await resp.content.readline()
+                except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                    raise ApiError(502, f"decode {trip.decode}: stream broke: "
+                                   f"{type(exc).__name__}: {exc}") from None
+                if not line:
+                    raise ApiError(502, f"decode {trip.decode}: stream ended without its "
+                                   "final line")
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    msg = None
+                if not isinstance(msg, dict) or ("token" in msg and not is_int(msg["token"])):
+                    raise ApiError(502, f"decode {trip.decode}: bad stream line "
+                                   f"{line[:200]!r}")
+                if "token" in msg:
+                    yield int(msg["token"])
+                elif "error" in msg:
+                    status = msg.get("status")
+                    if not isinstance(status, int) or isinstance(status, bool):
+                        status = 502
+                    raise upstream_error("decode", str(trip.decode), status, msg)
+                else:
+                    complete = True
+                    held = False
+                    trip.finish = msg.get("finish_reason")
+                    trip.transfer = msg.get("transfer")
+                    return
+        finally:
+            if resp is not None:
+                if complete:
+                    resp.release()
+                else:
+                    resp.close()
+            if held:
+                self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
+
+    async def generate(self, rid: str, req: GenRequest, trip: Trip,
+                       emit: Emit | None) -> Output:
+        """Run one request; `emit(token_ids, text, finish_reason)` sees each step."""
+        out = Output(req, self.model)
+        upstream = self.tokens(rid, req, trip)
+        start = time.monotonic()
+        first_at: float | None = None
+        count = 0
+        try:
+            async for token in upstream:
+                if out.finish is not None:
+                    break  # the instance goes on past this side's stop (pre-v2 instances do)
+                count += 1
+                if first_at is None:
+                    first_at = time.monotonic()
+                    self.metrics.ttft_seconds.observe(first_at - start)
+                text = out.add(token)
+                if emit is not None:
+                    await emit([token], text, out.finish)
+                if out.stopped_by_string:
+                    break
+            else:
+                if out.finish is None:
+                    text = out.end(trip.finish)
+                    if emit is not None:
+                        await emit([], text, out.finish)
+        finally:
+            await upstream.aclose()
+            if first_at is not None and count > 1:
+                self.metrics.tpot_seconds.observe((time.monotonic() - first_at) / (count - 1))
+        return out
