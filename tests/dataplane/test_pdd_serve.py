@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,3 +296,34 @@ def test_sigterm_during_start_up_stops_all(serves: list[Serve], tmp_path: Path) 
     assert not any(READY.match(line) for line in out), out
     assert out[-2:] == ["pdd serve: SIGTERM received, stopping", "pdd serve: stopped"], out
     _assert_nothing_left(pids, pgids)
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of an instance's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
+    serves: list[Serve], tmp_path: Path
+) -> None:
+    """Before any request of ours: each instance warmed up, and one completion went through
+    the router, the prefill and the decode (their request counters say so)."""
+    s, url = _start(serves, tmp_path, "--block-size", str(BLOCK))
+    status, ready = http("GET", f"{url}/readyz")
+    assert status == 200 and ready["warm"] is True, ready
+    (prefill,) = ready["prefill"]
+    (decode,) = ready["decode"]
+    assert _metric(url, "pdd_router_warmup_seconds") > 0
+    for role, inst in (("prefill", prefill), ("decode", decode)):
+        assert _metric(inst, "pdd_warmup_seconds") > 0, role
+        ok = _metric(inst, "pdd_requests_total",
+                     f'{{endpoint="{role}",outcome="ok",role="{role}"}}')
+        assert ok >= 1, f"{role}: no request answered before the ready line"
+        status, body = http("GET", f"{inst}/readyz")
+        assert status == 200 and body["ready"], body
+    assert _metric(decode, "pdd_kv_transfer_bytes_total", '{rank="0"}') > 0

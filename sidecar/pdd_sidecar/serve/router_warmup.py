@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -45,15 +46,17 @@ class WarmRoundTrip:
         self.last_error = ""
         self._task: asyncio.Task[None] | None = None
 
-    def ensure(self, router: Generates, make_request: Any, make_trip: Any) -> None:
+    def ensure(self, router: Generates, make_request: Any, make_trip: Any,
+               on_done: Callable[[float], None]) -> None:
         """Start the round trip if the pools are ready and none runs or ran."""
         if self.done or not router.pools_ready:
             return
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
-                self._run(router, make_request, make_trip))
+                self._run(router, make_request, make_trip, on_done))
 
-    async def _run(self, router: Generates, make_request: Any, make_trip: Any) -> None:
+    async def _run(self, router: Generates, make_request: Any, make_trip: Any,
+                   on_done: Callable[[float], None]) -> None:
         rid = f"warmup-{uuid.uuid4().hex[:16]}"
         start = time.monotonic()
         trip = make_trip()
@@ -65,6 +68,7 @@ class WarmRoundTrip:
             await asyncio.sleep(RETRY_S)
             return
         self.seconds = time.monotonic() - start
+        on_done(self.seconds)
         self.done = True
         log.info("warm round trip in %.3fs: prefill %s -> decode %s, %d tokens",
                  self.seconds, trip.prefill, trip.decode, len(out.token_ids))

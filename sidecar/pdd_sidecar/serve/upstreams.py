@@ -129,9 +129,7 @@ class Router:
                 self.metrics.healthy.labels(role=pool.role, replica=url).set(1 if ok else 0)
 
             await asyncio.gather(*(probe(u) for u in pool.urls))
-        self.warm.ensure(self, self.warmup_request, Trip)
-        if self.warm.seconds is not None:
-            self.metrics.warmup_seconds.set(self.warm.seconds)
+        self.warm.ensure(self, self.warmup_request, Trip, self.metrics.warmup_seconds.set)
 
     async def probe_now(self) -> None:
         """One probe round now, shared by every request that asks while it runs."""
