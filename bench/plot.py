@@ -92,8 +92,9 @@ def plot_serve_path(data: dict[str, Any], out: Path) -> None:
     xs = list(range(len(labels)))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     bottom = [0.0] * len(labels)
-    for name, values in stages.items():
-        ax1.bar(xs, values, bottom=bottom, label=name)
+    colors = plt.get_cmap("tab20")
+    for i, (name, values) in enumerate(stages.items()):
+        ax1.bar(xs, values, bottom=bottom, label=name, color=colors(i))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax1.set_title("median of each TTFT stage (ms)")
     ax2.bar([x - 0.2 for x in xs], ttft["TTFT p50"], width=0.4, label="TTFT p50, served")
