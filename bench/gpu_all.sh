@@ -14,7 +14,11 @@
 #            the same-run roofline, attention alone, prefill, routed experts
 #   sweep    tests/gpu/sweep.py on the two-GPU configurations (DTYPES, default bfloat16)
 #   serving  bench/gpu_serving.sh: decode dcp 1 against dcp 2 (CONCURRENCY, default 16,64,256)
-# Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280.
+#   serve_path  bench/serve_path.py on a random V2-Lite-width checkpoint of LAYERS layers
+#            (default 4) in /dev/shm: TTFT stages and the served path against same-run engine
+#            bounds (SERVE_PATH_ARGS adds flags, e.g. --levels); one GPU is enough
+# Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300.
+# Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the results}
@@ -92,6 +96,19 @@ if want serving; then
     cp /tmp/serving-out/serving.log /tmp/serving-out/serving.json "$OUT/" 2>/dev/null
     mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serving-out /tmp/gpu-all-extra/serving
     say "serving done"
+fi
+if want serve_path; then
+    say "stage serve_path"
+    CKPT=/dev/shm/pdd-random-v2lite-${LAYERS:-4}
+    [ -d /dev/shm ] && [ -w /dev/shm ] || CKPT=/tmp/pdd-random-v2lite-${LAYERS:-4}
+    MODEL_SIZE=v2lite LAYERS=${LAYERS:-4} CKPT=$CKPT DEVICE=cuda $PY bench/random_checkpoint.py \
+        2>&1 | tee -a "$OUT/env.txt"
+    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${SERVE_PATH_S:-300}" $PY bench/serve_path.py \
+        --device cuda --dtype bfloat16 --model "$CKPT" --json "$OUT/serve_path.json" \
+        --log-dir /tmp/serve-path-logs ${SERVE_PATH_ARGS:-} 2>&1 | tee "$OUT/serve_path.log" || rc=1
+    mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serve-path-logs /tmp/gpu-all-extra/ 2>/dev/null
+    rm -rf "$CKPT"
+    say "serve_path done"
 fi
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files
     tar -czf "$OUT/extra.tar.gz" -C /tmp/gpu-all-extra . 2>/dev/null

@@ -2,8 +2,10 @@
 
     python bench/plot.py serving docs/serving_cpu.json docs/serving_cpu.png
     python bench/plot.py engine docs/gpu_engine_h200.json docs/gpu_engine_h200.png
+    python bench/plot.py serve_path docs/serve_path_cpu.json docs/serve_path_cpu.png
 
-Inputs are what `bench/serving.py --json` and `bench/engine.py --json` write. Tables show exact
+Inputs are what `bench/serving.py --json`, `bench/engine.py --json` and
+`bench/serve_path.py --json` write. Tables show exact
 figures; the plots show the shape (where dcp = N's admitted batch pays, how far a step is from
 its roofline) at a glance. Needs matplotlib (`pip install -e .[bench]`). The `*_series`
 functions are pure and shared with the tests that keep the JSON and the tables in step.
@@ -57,6 +59,58 @@ def engine_series(data: dict[str, Any]) -> dict[str, Series]:
         moe["per-expert GEMV"].append((m["tokens"], m["gemv_us"]))
     out["MoE layer (µs)"] = moe
     return out
+
+
+SERVE_PATH_STAGES = ("router_to_prefill", "prefill_queue", "prefill_compute",
+                     "prefill_to_router", "grant_to_decode", "decode_queue", "claim", "read",
+                     "join", "first_step", "to_client")
+
+
+def serve_path_series(data: dict[str, Any]) -> tuple[list[str], dict[str, list[float]],
+                                                      dict[str, list[float]]]:
+    """Level labels; per TTFT stage, its median (ms) at each level (0 where the stage did not
+    happen); and the measured TTFT p50 beside its engine bound (ms; NaN where a level is judged
+    otherwise)."""
+    levels = data["levels"]
+    labels = [lv["level"] for lv in levels]
+    stages = {k: [float(lv["timing_p50_ms"].get(k, 0.0)) for lv in levels]
+              for k in SERVE_PATH_STAGES}
+    nan = float("nan")
+    ttft = {"TTFT p50": [float(lv["ttft_p50_ms"]) for lv in levels],
+            "engine bound": [float(lv["bounds"].get("ttft_bound_ms", nan)) for lv in levels]}
+    return labels, stages, ttft
+
+
+def plot_serve_path(data: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = data.get("config", {})
+    labels, stages, ttft = serve_path_series(data)
+    xs = list(range(len(labels)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    bottom = [0.0] * len(labels)
+    colors = plt.get_cmap("tab20")
+    for i, (name, values) in enumerate(stages.items()):
+        ax1.bar(xs, values, bottom=bottom, label=name, color=colors(i))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax1.set_title("median of each TTFT stage (ms)")
+    ax2.bar([x - 0.2 for x in xs], ttft["TTFT p50"], width=0.4, label="TTFT p50, served")
+    ax2.bar([x + 0.2 for x in xs], ttft["engine bound"], width=0.4,
+            label="prefill + decode step, engine (same run)")
+    ax2.set_title("TTFT p50 against the engine's bound (ms)")
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs, labels, rotation=30, fontsize=8)
+        ax.set_xlabel("concurrency:prompt:max_tokens")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"bench/serve_path.py: P tp1 -> D tp1, {Path(str(cfg.get('model', '?'))).name}"
+                 f" on {cfg.get('device', '?')} {cfg.get('dtype', '')}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)
 
 
 def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: Path,
@@ -124,12 +178,13 @@ def plot_engine(data: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["serving", "engine"])
+    ap.add_argument("kind", choices=["serving", "engine", "serve_path"])
     ap.add_argument("json", type=Path)
     ap.add_argument("png", type=Path)
     args = ap.parse_args(argv)
     data = json.loads(args.json.read_text())
-    (plot_serving if args.kind == "serving" else plot_engine)(data, args.png)
+    {"serving": plot_serving, "engine": plot_engine,
+     "serve_path": plot_serve_path}[args.kind](data, args.png)
     print(f"wrote {args.png}")
     return 0
 

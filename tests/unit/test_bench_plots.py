@@ -99,7 +99,38 @@ def test_series_are_the_json_points() -> None:
     assert len(es["MoE layer (µs)"]["grouped_mm"]) == len(engine["moe"])
 
 
+def test_serve_path_series_are_the_json_points() -> None:
+    from pdd_sidecar.engine.timing import STAGES
+
+    plot = plot_module()
+    assert plot.SERVE_PATH_STAGES == STAGES  # plot.py imports no sidecar code: same names
+    data = load("serve_path_cpu.json")
+    labels, stages, ttft = plot.serve_path_series(data)
+    assert labels == [lv["level"] for lv in data["levels"]] and len(labels) >= 3
+    for i, lv in enumerate(data["levels"]):
+        assert {k: v[i] for k, v in stages.items()} == {
+            k: v for k, v in lv["timing_p50_ms"].items() if k != "ttft"}
+        assert ttft["TTFT p50"][i] == lv["ttft_p50_ms"]
+        assert ttft["engine bound"][i] == lv["bounds"]["ttft_bound_ms"]
+
+
+def test_serve_path_json_holds_its_table() -> None:
+    """The level rows of the bench/serve_path.py output in docs/serving.md are the JSON's."""
+    data = load("serve_path_cpu.json")
+    (block,) = [b for b in (DOCS / "serving.md").read_text().split("```")[1::2]
+                if b.lstrip().startswith("serve_path: ")]
+    shown = {f[0]: f for ln in block.splitlines()
+             if (f := ln.split()) and f[0] in {lv["level"] for lv in data["levels"]}
+             and len(f) > 10 and f[1].isdigit()}
+    assert len(shown) == len(data["levels"])
+    for lv in data["levels"]:
+        f = shown[lv["level"]]
+        assert f[1:4] == [str(lv["requests"]), str(lv["errors"]), f"{lv['wall_s']:.2f}"]
+        assert f[5:7] == [f"{lv['ttft_p50_ms']:.1f}", f"{lv['ttft_p99_ms']:.1f}"]
+
+
 @pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
+                                          ("serve_path_cpu.png", "serving.md"),
                                           ("serving_h200.png", "serving.md"),
                                           ("serving_h200_graphs.png", "serving.md"),
                                           ("gpu_engine_h200.png", "gpu.md")])

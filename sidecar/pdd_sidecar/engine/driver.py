@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.sampling import sample
 from pdd_sidecar.engine.scheduler import (
     NeverFits,
@@ -265,6 +266,7 @@ class InstanceDriver:
             fut.set_result(self.worker.run_as_leader(payload))
 
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
+        timing.mark_step_start(plan, time.monotonic())
         cmd: dict[str, Any] = {
             "op": "step",
             "chunks": [(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
@@ -325,6 +327,7 @@ class InstanceDriver:
             [s.sampling for _, s in live],
             [len(s.output) + (0 if s.source is None else 1) for _, s in live],
         )
+        timing.mark_sampled((s for _, s in live), time.monotonic())
         for (_, seq), tok in zip(live, tokens, strict=True):
             if self.role == "prefill":
                 self._prefilled(seq, tok)

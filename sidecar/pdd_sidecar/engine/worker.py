@@ -351,6 +351,7 @@ class RankWorker:
         s = self.settings
         src = Source.parse(job["source"])
         stats = ReadStats()
+        started = claimed = time.monotonic()
         try:
             if src.block_size != s.block_size:
                 raise CompatError(f"{src.label}: block_size {src.block_size} != local "
@@ -369,6 +370,7 @@ class RankWorker:
                                    f"could be read; no READ was started")
             claim(job["claim_url"], job["source"], s.transfer_timeout_s + CLAIM_MARGIN_S,
                   s.handshake_timeout_s)
+            claimed = time.monotonic()
             specs = plan_read_specs(self.plan.reads_of(self.rank), src.num_tokens,
                                     s.block_size, src.dcp, s.dcp, src.block_ids, job["blocks"])
             stats = self.agent.read(
@@ -395,7 +397,8 @@ class RankWorker:
             except TransferError as exc:
                 log.warning("%s: %s (the prefill lease will free the blocks)", self.who, exc)
         return None, {"bytes": stats.bytes, "descriptors": stats.descriptors,
-                      "seconds": stats.seconds, "transfers": stats.transfers}
+                      "seconds": stats.seconds, "transfers": stats.transfers,
+                      "claim_seconds": claimed - started}
 
     def _needed_prefill_ranks(self) -> list[int]:
         mine = self.plan.decode_ranks[self.rank]

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RequestError, Source, parse_endpoints
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantError, GrantExpired, verify
@@ -148,6 +149,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
             "descriptors": sum(r["descriptors"] for r in ranks),
             "ranks": ranks,
         },
+        "timing": timing.decode_timing(seq.extra),
     }
 
 
@@ -159,6 +161,7 @@ async def decode(request: web.Request) -> web.StreamResponse:
     try:
         body = await read_json(request)
         seq = await decode_sequence(request, state, body)
+        seq.extra[timing.RECEIVED] = start
         if body.get("stream"):
             response = await _stream(request, state, seq)
             outcome = "ok"
@@ -188,7 +191,8 @@ async def _stream(request: web.Request, state: InstanceState,
     await response.prepare(request)
     try:
         if first is not None:
-            await response.write(json.dumps({"token": first}).encode() + b"\n")
+            await response.write(json.dumps(
+                {"token": first, "timing": timing.decode_timing(seq.extra)}).encode() + b"\n")
             async for token in tokens:
                 await response.write(json.dumps({"token": token}).encode() + b"\n")
         err = sequence_error(seq)

@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.grants import GrantError, sign, verify
@@ -43,6 +44,7 @@ MAX_HOLD_S = 600.0
 async def run_prefill(request: web.Request, state: InstanceState,
                       body: dict[str, Any]) -> dict[str, Any]:
     """The instance API answer for a prefill request body (RequestError on refusal)."""
+    received = time.monotonic()
     state.require_serving("prefill")
     rid = request_id(body, lambda: uuid.uuid4().hex)
     prompt = token_ids(state, body.get("prompt_ids"), "prompt_ids")
@@ -54,6 +56,7 @@ async def run_prefill(request: web.Request, state: InstanceState,
                   f"{state.max_model_len}")
     seq = Sequence(rid, prompt, max_tokens or 1 << 30, len(prompt),
                    **sequence_options(state, body))
+    seq.extra[timing.RECEIVED] = received
     await finished(request, state, seq)
     err = sequence_error(seq)
     if err:
@@ -82,6 +85,7 @@ async def run_prefill(request: web.Request, state: InstanceState,
             "lease_seconds": s.lease_seconds,
             **where,
         }, state.worker.key) if held else None,
+        "timing": timing.prefill_timing(seq.extra),
     }
 
 

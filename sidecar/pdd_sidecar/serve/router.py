@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
@@ -76,6 +77,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         trip = Trip()
+        trip.stamps[timing.R_RECEIVED] = start
         if req.stream:
             response = await _stream(request, router, rid, req, trip)
         else:

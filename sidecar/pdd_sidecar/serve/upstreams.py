@@ -14,11 +14,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from pdd_sidecar.engine import timing
 from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
 from pdd_sidecar.serve.completion_output import Output
@@ -47,9 +48,14 @@ class Trip:
     decode: str | None = None
     transfer: Any = None
     finish: Any = None
+    stamps: dict[str, float] = field(default_factory=dict)  # engine/timing.py's R_* names
+    prefill_timing: Any = None
+    decode_timing: Any = None
 
     def meta(self) -> dict[str, Any]:
-        return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer}
+        return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer,
+                "timing": timing.request_timing(self.stamps, self.prefill_timing,
+                                                self.decode_timing)}
 
 
 Emit = Callable[[list[int], str, str | None], Awaitable[None]]
@@ -192,6 +198,7 @@ class Router:
                                        "its routing plan", type_="server_error")
             tried.add(url)
             trip.prefill = url
+            trip.stamps[timing.R_PREFILL_SENT] = time.monotonic()
             try:
                 return url, await self._post("prefill", url, "/v1/prefill", body)
             except ApiError as exc:
@@ -256,6 +263,7 @@ class Router:
                 "stream": True}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.request_timeout_s or None)
+        trip.stamps[timing.R_DECODE_SENT] = time.monotonic()
         try:
             resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
@@ -367,6 +375,8 @@ class Router:
                         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
         try:
             prefill_url, pre = await self.run_prefill(rid, prefill_body, trip)
+            trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
+            trip.prefill_timing = pre.get("timing")
         except asyncio.CancelledError:
             # The client left while the prefill ran: it may hold blocks for this id by now.
             if trip.prefill is not None:
@@ -406,6 +416,8 @@ class Router:
                 if not isinstance(msg, dict) or ("token" in msg and not is_int(msg["token"])):
                     raise ApiError(502, f"decode {trip.decode}: bad stream line "
                                    f"{line[:200]!r}")
+                if "timing" in msg:
+                    trip.decode_timing = msg["timing"]
                 if "token" in msg:
                     yield int(msg["token"])
                 elif "error" in msg:
@@ -444,6 +456,7 @@ class Router:
                 if first_at is None:
                     first_at = time.monotonic()
                     self.metrics.ttft_seconds.observe(first_at - start)
+                    trip.stamps[timing.R_FIRST_TOKEN] = first_at
                 text = out.add(token)
                 if emit is not None:
                     await emit([token], text, out.finish)

@@ -1,0 +1,550 @@
+"""The served path against the engine's own bound, with each request's TTFT taken apart.
+
+Starts `pdd serve` (a P TP1 -> D TP1 local stack: prefill instance, decode instance, router,
+real NIXL hand-offs) and drives streaming `/v1/completions` of random token ids (greedy,
+ignore_eos, so every completion is exactly max_tokens long) at levels `concurrency:prompt:
+max_tokens`. Per level: TTFT p50/p99, TPOT p50, output tokens/s over the level's wall time, and
+the median of every stage of the router's per-request breakdown (`pdd.timing`, docs/serving.md).
+
+Every figure stands beside the engine's bound, measured in the same run on the same device and
+model, in a separate process before the stack starts, loading the model as the sidecar does
+(`load_rank_model`, `new_cache`, `RankEngine`, CUDA graphs as the engine defaults): the prompt's
+prefill in one pass and chunked as the scheduler chunks it (the stack's chunk and step budgets,
+the scheduler itself packing the steps), and a decode step at each batch size the levels use.
+
+- concurrency 1: TTFT p50 / (chunked prefill of the prompt + decode step at batch 1);
+- N > 1, a few tokens: TTFT p50 / (N prompts through the scheduler's steps + decode step at N);
+- one token: wall / (N prompts through the scheduler's steps, per round of N);
+- many tokens (>= 16): tokens/s / (N / decode step at batch N, mid-completion context).
+
+The decode's `/metrics` give the KV READ's bytes and seconds (`pdd_kv_transfer_*`), so the READ
+rate in GB/s; on CUDA a same-run copy of a 256 MB tensor between the devices the prefill and
+the decode use is the hand-off's yardstick.
+
+    python bench/serve_path.py --quick --json /tmp/serve_path.json     # CPU, builtin, < 1 min
+    python bench/serve_path.py --device cuda --dtype bfloat16 --model /dev/shm/pdd-random-v2lite-4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sidecar"))
+sys.path.insert(0, str(ROOT / "operator"))
+
+import aiohttp  # noqa: E402
+
+from pdd_sidecar import env as E  # noqa: E402
+from pdd_sidecar.engine.timing import STAGES  # noqa: E402
+from pdd_sidecar.model.config import load_config  # noqa: E402
+from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
+
+DEFAULT_LEVELS = "1:1024:2,1:8192:2,1:32768:2,64:32:2,64:1024:1,64:1024:128,256:1024:128"
+QUICK_LEVELS = "1:64:2,4:32:2,4:64:8"
+MANY_TOKENS = 16  # a level with at least this many output tokens is judged by tokens/s
+COPY_BYTES = 256 << 20
+_SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    concurrency: int
+    prompt: int
+    max_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.concurrency}:{self.prompt}:{self.max_tokens}"
+
+    @property
+    def decode_context(self) -> int:
+        """The context a decode step of this level sees halfway through its completion."""
+        return self.prompt + self.max_tokens // 2
+
+
+def parse_levels(text: str) -> list[LevelSpec]:
+    levels = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            c, p, t = (int(x) for x in parts)
+        except ValueError:
+            raise ValueError(f"--levels: {item!r} is not concurrency:prompt:max_tokens "
+                             "(three integers)") from None
+        if min(c, p, t) < 1:
+            raise ValueError(f"--levels: {item!r}: every number must be >= 1")
+        levels.append(LevelSpec(c, p, t))
+    return levels
+
+
+@dataclass
+class LevelResult:
+    level: str
+    concurrency: int
+    prompt: int
+    max_tokens: int
+    requests: int
+    errors: int
+    wall_s: float
+    output_tokens: int
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    timing_p50_ms: dict[str, float]
+    read_bytes: float
+    read_seconds: float
+    read_GBps: float
+    bounds: dict[str, float] = field(default_factory=dict)
+    timings: list[dict[str, float]] = field(default_factory=list)  # each request's pdd.timing
+
+
+# ------------------------------------------------------------------------- engine bounds
+def _sync(torch: Any, dev: Any) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _best_s(fn: Any, torch: Any, dev: Any, reps: int, warmup: int) -> float:
+    """The fastest of ``reps`` calls: a bound is what the engine can do, not what a busy
+    host let it do once."""
+    for _ in range(warmup):
+        fn()
+    _sync(torch, dev)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(torch, dev)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_bounds(req: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own times for what the levels ask (run in a process of its own)."""
+    import torch
+
+    from pdd_sidecar.engine.comm import SingleComm
+    from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, new_cache
+    from pdd_sidecar.engine.scheduler import Scheduler
+    from pdd_sidecar.model.rank_model import load_rank_model
+
+    device = "cuda:0" if req["device"] == "cuda" else "cpu"
+    t0 = time.perf_counter()
+    model = load_rank_model(req["model"], 0, 1, req["dtype"], device)
+    cache = new_cache(model, req["num_blocks"], req["block_size"], device)
+    eng = RankEngine(model, cache, SingleComm())
+    dev, bs = cache.device, req["block_size"]
+    vocab = model.config.vocab_size
+    rng = random.Random(1)
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "decode_mode": eng.decode_mode,
+                           "prefill_one_pass_ms": {}, "prefill_ms": {}, "decode_step_ms": {}}
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    def blocks(tokens: int) -> list[int]:
+        return cache.allocate(-(-tokens // bs))
+
+    def scheduled(n: int, p: int) -> float:
+        """n prompts of p tokens through the scheduler's steps, as the prefill instance runs
+        them (its chunk and step budgets); seconds, wall."""
+        sch = Scheduler("prefill", cache, bs, 1, 1, max_running=n, max_waiting=n,
+                        step_tokens=req["step_tokens"], chunk_tokens=req["chunk_tokens"])
+        from pdd_sidecar.engine.scheduler import Sequence
+
+        for i in range(n):
+            sch.submit(Sequence(f"s{i}", prompt(p), 1, p))
+        start = time.perf_counter()
+        while sch.busy:
+            plan = sch.plan()
+            eng.step([SeqChunk(c.tokens, c.start, c.seq.blocks) for c in plan.prefill])
+            for c in plan.prefill:
+                sch.on_chunk_done(c)
+                if c.last:
+                    sch.finish_prefill(c.seq, keep_blocks=False)
+        _sync(torch, dev)
+        return time.perf_counter() - start
+
+    for n, p in req["prefills"]:
+        key = f"{n}x{p}"
+        big = n * p > 65536
+        scheduled(min(n, 2), min(p, 512))  # shapes compiled, memory pools grown
+        runs = [scheduled(n, p) for _ in range(1 if big else 3)]
+        out["prefill_ms"][key] = min(runs) * 1e3
+        if n == 1:
+            ids, table = prompt(p), blocks(p)
+            chunk = [SeqChunk(ids, 0, table)]
+            out["prefill_one_pass_ms"][str(p)] = _best_s(
+                lambda c=chunk: eng.step(c), torch, dev, 1 if big else 3, 1) * 1e3
+            cache.free(table)
+    for n, ctx in req["decodes"]:
+        need = -(-(ctx + 1) // bs)
+        # More than the cache holds at once: the sequences share one table (the same reads).
+        own = n * need <= cache.num_free
+        tables = [blocks(ctx + 1) for _ in range(n if own else 1)]
+        chunks = [SeqChunk([rng.randrange(vocab)], ctx, tables[i if own else 0])
+                  for i in range(n)]
+        out["decode_step_ms"][f"{n}@{ctx}"] = _best_s(
+            lambda c=chunks: eng.step(c), torch, dev, req["reps"], 3) * 1e3
+        for t in tables:
+            cache.free(t)
+    if dev.type == "cuda":
+        del eng, cache, model
+        torch.cuda.empty_cache()
+        dst = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+        a = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dev)
+        b = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dst)
+        sec = _best_s(lambda: b.copy_(a), torch, dst, 10, 2)
+        out["copy_GBps"] = COPY_BYTES / sec / 1e9
+        out["copy_devices"] = f"{dev} -> {dst}"
+    return out
+
+
+def run_bounds(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="pdd-bounds-") as tmp:
+        rq, res = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        rq.write_text(json.dumps(req))
+        subprocess.run([sys.executable, __file__, "--bounds-worker", str(rq), str(res)],
+                       env=env, check=True)
+        result: dict[str, Any] = json.loads(res.read_text())
+        return result
+
+
+# ------------------------------------------------------------------------- the load
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def transfer_totals(metrics: dict[str, float]) -> tuple[float, float]:
+    """(bytes, seconds) of every rank's KV READs so far."""
+    nbytes = sum(v for k, v in metrics.items() if k.startswith("pdd_kv_transfer_bytes_total"))
+    secs = sum(v for k, v in metrics.items() if k.startswith("pdd_kv_transfer_seconds_sum"))
+    return nbytes, secs
+
+
+@dataclass
+class Reply:
+    start: float
+    times: list[float]
+    timing: dict[str, float]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                      max_tokens: int) -> Reply | str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start = time.perf_counter()
+    times: list[float] = []
+    timing: dict[str, float] = {}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                return f"stream error: {str(msg['error'])[:200]}"
+            for choice in msg.get("choices", ()):
+                times.extend([time.perf_counter()] * len(choice.get("token_ids") or ()))
+            if isinstance(msg.get("pdd"), dict):
+                timing = msg["pdd"].get("timing") or {}
+    if len(times) != max_tokens:
+        return f"{len(times)} tokens"
+    return Reply(start, times, timing)
+
+
+def pct(xs: list[float], q: int) -> float:
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: int,
+                    seed: int) -> LevelResult:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(spec.prompt)] for _ in range(n_requests)]
+    timeout = aiohttp.ClientTimeout(total=900)
+    conn = aiohttp.TCPConnector(limit=spec.concurrency + 4)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        async def scrape() -> tuple[float, float]:
+            async with session.get(f"{stack.decode_url}/metrics") as resp:
+                return transfer_totals(parse_metrics(await resp.text()))
+
+        before = await scrape()
+        queue = list(range(n_requests))
+        results: list[Reply | str] = []
+
+        async def client() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await one_request(session, stack.url, prompts[i],
+                                                 spec.max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(spec.concurrency)))
+        wall = time.perf_counter() - t0
+        after = await scrape()
+    ok = [r for r in results if isinstance(r, Reply)]
+    failures = [r for r in results if isinstance(r, str)]
+    if failures:
+        print(f"  {spec.label}: {len(failures)} failed, e.g. {failures[0]}", file=sys.stderr,
+              flush=True)
+    tokens = sum(len(r.times) for r in ok)
+    ttft = [(r.times[0] - r.start) * 1e3 for r in ok]
+    tpot = [(r.times[-1] - r.times[0]) / (len(r.times) - 1) * 1e3 for r in ok
+            if len(r.times) > 1]
+    names = [*STAGES, "ttft"]
+    medians = {k: statistics.median(vals) for k in names
+               if (vals := [r.timing[k] for r in ok if k in r.timing])}
+    rbytes, rsecs = after[0] - before[0], after[1] - before[1]
+    return LevelResult(
+        level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,
+        max_tokens=spec.max_tokens, requests=len(results), errors=len(failures), wall_s=wall,
+        output_tokens=tokens, tokens_per_s=tokens / wall if wall else 0.0,
+        ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), tpot_p50_ms=pct(tpot, 50),
+        timing_p50_ms=medians, read_bytes=rbytes, read_seconds=rsecs,
+        read_GBps=rbytes / rsecs / 1e9 if rsecs > 0 else float("nan"),
+        timings=[r.timing for r in ok])
+
+
+# ------------------------------------------------------------------------- judging
+def level_bounds(r: LevelResult, spec: LevelSpec, b: dict[str, Any]) -> dict[str, float]:
+    """The level's figures against the engine's, as ratios (1.0 = the engine's own speed)."""
+    n, p, t = spec.concurrency, spec.prompt, spec.max_tokens
+    out: dict[str, float] = {}
+    prefill = b["prefill_ms"][f"{n}x{p}"]
+    decode = b["decode_step_ms"][f"{n}@{spec.decode_context}"]
+    out["prefill_ms"] = prefill
+    if n == 1:
+        out["prefill_one_pass_ms"] = b["prefill_one_pass_ms"][str(p)]
+    out["decode_step_ms"] = decode
+    if t > 1:
+        out["ttft_bound_ms"] = prefill + decode
+        out["ttft_ratio"] = r.ttft_p50_ms / out["ttft_bound_ms"]
+    else:
+        out["wall_bound_ms"] = -(-r.requests // n) * prefill
+        out["wall_ratio"] = r.wall_s * 1e3 / out["wall_bound_ms"]
+    if t >= MANY_TOKENS:
+        out["tokens_per_s_bound"] = n / (decode / 1e3)
+        out["tokens_per_s_ratio"] = r.tokens_per_s / out["tokens_per_s_bound"]
+    if "copy_GBps" in b and r.requests and r.read_bytes > 0:
+        per_request = r.read_bytes / max(1, r.requests - r.errors)
+        out["read_bound_ms"] = per_request / (b["copy_GBps"] * 1e9) * 1e3
+    return out
+
+
+def kv_bytes_per_block(model: str, dtype: str, block_size: int) -> int:
+    cfg = load_config(model)
+    return cfg.num_hidden_layers * block_size * cfg.latent_dim * (2 if dtype == "bfloat16" else 4)
+
+
+def plan_levels(levels: list[LevelSpec], max_len: int, capacity_tokens: int
+                ) -> tuple[list[LevelSpec], list[str]]:
+    kept, skipped = [], []
+    for lv in levels:
+        need = lv.prompt + lv.max_tokens
+        if need > max_len:
+            skipped.append(f"{lv.label}: prompt + max_tokens = {need} exceeds the model's "
+                           f"maximum length {max_len}")
+        elif need > capacity_tokens:
+            skipped.append(f"{lv.label}: prompt + max_tokens = {need} exceeds the KV capacity "
+                           f"of {capacity_tokens} tokens")
+        else:
+            kept.append(lv)
+    return kept, skipped
+
+
+HEADER = (f"{'level':>14} {'reqs':>4} {'err':>3} {'wall s':>7} {'tok/s':>8} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9} {'TPOT p50':>8} {'READ GB/s':>9} | {'bound':>9} {'ratio':>6} "
+          "judged by: bound")
+
+
+def row(r: LevelResult) -> str:
+    b = r.bounds
+    if "tokens_per_s_ratio" in b:
+        bound, ratio, what = b["tokens_per_s_bound"], b["tokens_per_s_ratio"], \
+            "tok/s: N / decode step (tok/s)"
+    elif "wall_ratio" in b:
+        bound, ratio, what = b["wall_bound_ms"], b["wall_ratio"], \
+            "wall: scheduled prefills (ms)"
+    else:
+        bound, ratio, what = b["ttft_bound_ms"], b["ttft_ratio"], \
+            "TTFT p50: prefill + step (ms)"
+    return (f"{r.level:>14} {r.requests:>4} {r.errors:>3} {r.wall_s:>7.2f} "
+            f"{r.tokens_per_s:>8.1f} {r.ttft_p50_ms:>9.1f} {r.ttft_p99_ms:>9.1f} "
+            f"{r.tpot_p50_ms:>8.2f} {r.read_GBps:>9.2f} | {bound:>9.2f} {ratio:>6.2f} {what}")
+
+
+SHORT = {"router_to_prefill": "r>P", "prefill_queue": "Pq", "prefill_compute": "Pc",
+         "prefill_to_router": "P>r", "grant_to_decode": "r>D", "decode_queue": "Dq",
+         "claim": "claim", "read": "read", "join": "join", "first_step": "step1",
+         "to_client": "r>cl", "ttft": "TTFT"}
+
+
+def timing_row(r: LevelResult) -> str:
+    cells = [f"{r.timing_p50_ms[k]:>{max(7, len(SHORT[k]))}.2f}" if k in r.timing_p50_ms
+             else f"{'-':>{max(7, len(SHORT[k]))}}" for k in SHORT]
+    return f"{r.level:>14} " + " ".join(cells)
+
+
+def timing_header() -> str:
+    return f"{'level':>14} " + " ".join(f"{v:>{max(7, len(v))}}" for v in SHORT.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"CPU, builtin model, levels {QUICK_LEVELS}, 4 requests a level")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", default="builtin", help="builtin or a checkpoint folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--levels", default=None,
+                   help=f"comma-separated concurrency:prompt:max_tokens (default "
+                   f"{DEFAULT_LEVELS}; --quick {QUICK_LEVELS})")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="requests per level: max(concurrency, this) (default 8; --quick 4)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=512, help="the stack's PDD_CHUNK_TOKENS")
+    p.add_argument("--step-tokens", type=int, default=2048,
+                   help="the stack's PDD_MAX_STEP_TOKENS")
+    p.add_argument("--kv-gib", type=float, default=None,
+                   help="KV memory per instance at most (default 24 on cuda, 1 on cpu)")
+    p.add_argument("--reps", type=int, default=10, help="timed decode steps per bound")
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="keep the stack's logs here (default: a temporary folder, removed)")
+    p.add_argument("--bounds-worker", nargs=2, metavar=("REQ", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.bounds_worker:
+        req = json.loads(Path(args.bounds_worker[0]).read_text())
+        Path(args.bounds_worker[1]).write_text(json.dumps(measure_bounds(req)))
+        return 0
+    if args.quick:
+        args.device, args.model = "cpu", "builtin"
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    try:
+        levels = parse_levels(args.levels or (QUICK_LEVELS if args.quick else DEFAULT_LEVELS))
+    except ValueError as exc:
+        p.error(str(exc))
+    min_requests = args.min_requests or (4 if args.quick else 8)
+    bs = args.block_size
+    cfg = load_config(args.model)
+    per_block = kv_bytes_per_block(args.model, dtype, bs)
+    budget = int((args.kv_gib or (24.0 if args.device == "cuda" else 1.0)) * 2**30 // per_block)
+    want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
+    num_blocks = max(1, min(want + 8, budget))
+    levels, skipped = plan_levels(levels, cfg.max_position_embeddings, num_blocks * bs)
+    print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
+          f"chunk {args.chunk_tokens}, step {args.step_tokens}, KV {num_blocks} blocks per "
+          f"instance ({num_blocks * bs} tokens), cpus {os.cpu_count()}, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    for why in skipped:
+        print(f"skipped {why}", flush=True)
+    if not levels:
+        p.error("--levels: every level was skipped")
+    extra_env = {E.PDD_CHUNK_TOKENS: str(args.chunk_tokens),
+                 E.PDD_MAX_STEP_TOKENS: str(args.step_tokens)}
+    req = {"model": args.model, "device": args.device, "dtype": dtype, "block_size": bs,
+           "num_blocks": num_blocks, "chunk_tokens": args.chunk_tokens,
+           "step_tokens": args.step_tokens, "reps": args.reps,
+           "prefills": sorted({(lv.concurrency, lv.prompt) for lv in levels}),
+           "decodes": sorted({(lv.concurrency, lv.decode_context) for lv in levels})}
+    t0 = time.perf_counter()
+    bounds = run_bounds(req, {**os.environ, **extra_env})
+    print(f"engine bounds ({bounds['decode_mode']} decode, separate process, "
+          f"{time.perf_counter() - t0:.0f}s):", flush=True)
+    for key, ms in bounds["prefill_ms"].items():
+        n, tokens = key.split("x")
+        one = bounds["prefill_one_pass_ms"].get(tokens) if n == "1" else None
+        print(f"  prefill {n} x {tokens} tokens, scheduled: {ms:.2f} ms"
+              + (f"; one pass {one:.2f} ms" if one is not None else ""), flush=True)
+    for key, ms in bounds["decode_step_ms"].items():
+        n, ctx = key.split("@")
+        print(f"  decode step at batch {n}, context {ctx}: {ms:.3f} ms", flush=True)
+    if "copy_GBps" in bounds:
+        print(f"  device copy of 256 MB ({bounds['copy_devices']}): {bounds['copy_GBps']:.1f} "
+              "GB/s", flush=True)
+    top = max(lv.concurrency for lv in levels)
+    scfg = StackConfig(prefill_tp=1, prefill_dcp=1, decode_tp=1, decode_dcp=1, model=args.model,
+                       device=args.device, port=0, block_size=bs, num_blocks=num_blocks,
+                       dtype=dtype, max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
+                       log_level="WARNING", drain_s=1.0, extra_env=extra_env)
+    found = check_config(scfg)
+    if found:
+        p.error("; ".join(found))
+    results: list[LevelResult] = []
+    stack = LocalStack(scfg, args.log_dir)
+    try:
+        t0 = time.perf_counter()
+        stack.start()
+        print(f"stack ready in {time.perf_counter() - t0:.0f}s (logs {stack.log_dir})",
+              flush=True)
+        asyncio.run(run_level(stack, LevelSpec(2, 32, 2), 2, cfg.vocab_size, 0))  # warm-up
+        print(HEADER, flush=True)
+        for i, lv in enumerate(levels):
+            r = asyncio.run(run_level(stack, lv, max(lv.concurrency, min_requests),
+                                      cfg.vocab_size, i + 1))
+            stack.raise_if_dead()
+            r.bounds = level_bounds(r, lv, bounds)
+            results.append(r)
+            print(row(r), flush=True)
+    finally:
+        stack.stop()
+        if not args.log_dir:
+            stack.cleanup()
+    print("\nmedian of each TTFT stage per request (ms; pdd.timing, docs/serving.md):")
+    print(timing_header())
+    for r in results:
+        print(timing_row(r))
+    copy = bounds.get("copy_GBps")
+    print("\nKV hand-off (decode /metrics: pdd_kv_transfer_bytes, pdd_kv_transfer_seconds)"
+          + (f" against the device copy rate {copy:.1f} GB/s:" if copy else ":"))
+    for r in results:
+        done = max(1, r.requests - r.errors)
+        line = (f"{r.level:>14}: {r.read_bytes / done / 1e6:9.2f} MB per request, READ "
+                f"{r.read_GBps:7.2f} GB/s, median read stage "
+                f"{r.timing_p50_ms.get('read', float('nan')):8.2f} ms")
+        if "read_bound_ms" in r.bounds:
+            line += f", at the copy rate {r.bounds['read_bound_ms']:.3f} ms"
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": {"model": args.model, "device": args.device, "dtype": dtype,
+                       "block_size": bs, "chunk_tokens": args.chunk_tokens,
+                       "step_tokens": args.step_tokens, "num_blocks": num_blocks,
+                       "min_requests": min_requests, "cpus": os.cpu_count()},
+            "skipped": skipped,
+            "bounds": bounds,
+            "levels": [asdict(r) for r in results],
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

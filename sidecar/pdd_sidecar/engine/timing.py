@@ -1,0 +1,138 @@
+"""Where one request's time to first token went: the stamps, the stage names, the arithmetic.
+
+Each process stamps ``time.monotonic()`` at fixed points (instances on ``Sequence.extra``, the
+router on its ``Trip``) and turns them into millisecond durations before they leave it: the
+router, the instances and the ranks of one instance need not share a clock (pods, hosts). The
+router then lays the durations end to end; a stage it cannot see directly (a network hop, the
+HTTP handling on the far side) is the remainder of an interval it did time, so the stages add up
+to the TTFT the router saw. Pure: no torch, importable by the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdd_sidecar.engine.scheduler import Sequence, StepPlan
+
+# Sequence.extra keys (instance side).
+RECEIVED = "t_received"  # the HTTP handler took the request
+ADMITTED = "t_admitted"  # decode: blocks allocated, pull handed to the ranks
+STEP_START = "t_step_start"  # the first step that ran this sequence began
+STEP_END = "t_step_end"  # the step that chose its first token ended, sampling included
+CLAIM_SECONDS = "claim_seconds"  # in a rank's pull stats: pull started -> claim answered
+
+# Trip.stamps keys (router side).
+R_RECEIVED = "received"
+R_PREFILL_SENT = "prefill_sent"
+R_PREFILL_GOT = "prefill_got"
+R_DECODE_SENT = "decode_sent"
+R_FIRST_TOKEN = "first_token"
+
+PREFILL_STAGES = ("queue", "compute")
+DECODE_STAGES = ("queue", "claim", "read", "join", "first_step")
+STAGES = ("router_to_prefill", "prefill_queue", "prefill_compute", "prefill_to_router",
+          "grant_to_decode", "decode_queue", "claim", "read", "join", "first_step", "to_client")
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def mark_step_start(plan: StepPlan, now: float) -> None:
+    """Called as a step begins: the first stamp of each kind wins, so a prompt's first chunk and
+    a decode sequence's first fed token are what stay."""
+    for seq in plan.pulls:
+        seq.extra.setdefault(ADMITTED, now)
+    for chunk in plan.prefill:
+        chunk.seq.extra.setdefault(STEP_START, now)
+    for entry in plan.decode:
+        entry.seq.extra.setdefault(STEP_START, now)
+
+
+def mark_sampled(seqs: Iterable[Sequence], now: float) -> None:
+    """Called once tokens are chosen, before anyone is told of them."""
+    for seq in seqs:
+        seq.extra.setdefault(STEP_END, now)
+
+
+def prefill_timing(extra: Mapping[str, Any]) -> dict[str, float]:
+    """The prefill instance's part: received -> first chunk's step, then -> last chunk sampled."""
+    out: dict[str, float] = {}
+    if RECEIVED in extra and STEP_START in extra:
+        out["queue"] = _ms(extra[STEP_START] - extra[RECEIVED])
+    if STEP_START in extra and STEP_END in extra:
+        out["compute"] = _ms(extra[STEP_END] - extra[STEP_START])
+    return out
+
+
+def slowest_pull(transfer: Mapping[Any, Any]) -> tuple[float, float] | None:
+    """(claim, READ) seconds of the rank whose claim + READ took longest: the one the sequence
+    waited for."""
+    pairs = [(float(t.get(CLAIM_SECONDS, 0.0)), float(t.get("seconds", 0.0)))
+             for t in transfer.values() if t]
+    return max(pairs, key=sum) if pairs else None
+
+
+def decode_timing(extra: Mapping[str, Any]) -> dict[str, float]:
+    """The decode instance's part. ``join`` is what is left between admission and the first
+    step once the slowest rank's claim and READ are taken out: pull threads picking the job up,
+    notifying the prefill, the driver hearing of it, the step boundary."""
+    out: dict[str, float] = {}
+    received, admitted = extra.get(RECEIVED), extra.get(ADMITTED)
+    start, end = extra.get(STEP_START), extra.get(STEP_END)
+    if received is not None and admitted is not None:
+        out["queue"] = _ms(admitted - received)
+    pull = slowest_pull(extra.get("transfer") or {})
+    if pull is not None:
+        out["claim"], out["read"] = _ms(pull[0]), _ms(pull[1])
+    if admitted is not None and start is not None:
+        out["join"] = _ms(max(0.0, start - admitted - sum(pull or (0.0, 0.0))))
+    if start is not None and end is not None:
+        out["first_step"] = _ms(end - start)
+    return out
+
+
+def _parts(reported: Any, names: tuple[str, ...]) -> dict[str, float]:
+    """An instance's numbers, only those that are non-negative numbers (it may be old or odd)."""
+    if not isinstance(reported, dict):
+        return {}
+    return {k: float(v) for k in names if isinstance(v := reported.get(k), int | float)
+            and not isinstance(v, bool) and v >= 0}
+
+
+def request_timing(stamps: Mapping[str, float], prefill: Any = None,
+                   decode: Any = None) -> dict[str, float]:
+    """The router's breakdown of one request, in milliseconds (keys in ``STAGES`` plus ``ttft``).
+
+    ``prefill_to_router`` is the prefill round trip less the instance's queue and compute (both
+    hops, HTTP handling, signing the grant); ``to_client`` is the decode round trip less the
+    decode's stages (writing its first line, both hops) plus the router's own work up to
+    handing the first token to the client; with no decode (one token, or a stop at once), the
+    time from the prefill's answer to the first token. Stages the router could not time are
+    left out."""
+    s = stamps
+    out: dict[str, float] = {}
+    if R_RECEIVED not in s or R_FIRST_TOKEN not in s:
+        return out
+    first = s[R_FIRST_TOKEN]
+    if R_PREFILL_SENT in s:
+        out["router_to_prefill"] = _ms(s[R_PREFILL_SENT] - s[R_RECEIVED])
+    if R_PREFILL_SENT in s and R_PREFILL_GOT in s:
+        pre = _parts(prefill, PREFILL_STAGES)
+        for k, v in pre.items():
+            out[f"prefill_{k}"] = v
+        round_ms = _ms(s[R_PREFILL_GOT] - s[R_PREFILL_SENT])
+        out["prefill_to_router"] = max(0.0, round(round_ms - sum(pre.values()), 3))
+        if R_DECODE_SENT in s:
+            out["grant_to_decode"] = _ms(s[R_DECODE_SENT] - s[R_PREFILL_GOT])
+            dec = _parts(decode, DECODE_STAGES)
+            for k, v in dec.items():
+                out["decode_queue" if k == "queue" else k] = v
+            rest = _ms(first - s[R_DECODE_SENT])
+            out["to_client"] = max(0.0, round(rest - sum(dec.values()), 3))
+        else:
+            out["to_client"] = _ms(first - s[R_PREFILL_GOT])
+    out["ttft"] = _ms(first - s[R_RECEIVED])
+    return out

@@ -1,0 +1,52 @@
+"""bench/serve_path.py --quick runs a whole stack end to end: every level completes, each
+request's TTFT breakdown is there and adds up to no more than the TTFT, the bounds are real."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdd_sidecar.engine.timing import STAGES
+
+pytestmark = pytest.mark.dataplane
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve_path.py"
+EPS_MS = 0.1  # each stage is rounded to a microsecond
+
+
+def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    spec = importlib.util.spec_from_file_location("bench_serve_path", BENCH)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look themselves up
+    spec.loader.exec_module(mod)
+    out = tmp_path / "serve_path.json"
+    assert mod.main(["--quick", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["device"] == "cpu" and res["config"]["model"] == "builtin"
+    assert [lv["level"] for lv in res["levels"]] == mod.QUICK_LEVELS.split(",")
+    bounds = res["bounds"]
+    values = [*bounds["prefill_ms"].values(), *bounds["prefill_one_pass_ms"].values(),
+              *bounds["decode_step_ms"].values()]
+    assert values and all(v > 0 for v in values)
+    for lv in res["levels"]:
+        assert lv["errors"] == 0 and lv["requests"] == max(lv["concurrency"], 4), lv["level"]
+        assert lv["output_tokens"] == lv["requests"] * lv["max_tokens"]
+        assert lv["ttft_p50_ms"] > 0 and lv["tokens_per_s"] > 0
+        assert lv["bounds"]["ttft_bound_ms"] > 0 and lv["bounds"]["ttft_ratio"] > 0
+        assert lv["read_bytes"] > 0 and lv["read_GBps"] > 0
+        assert len(lv["timings"]) == lv["requests"]
+        for t in lv["timings"]:
+            assert set(t) == {*STAGES, "ttft"}, sorted(t)
+            assert all(math.isfinite(v) and v >= 0 for v in t.values()), t
+            assert sum(t[k] for k in STAGES) <= t["ttft"] + EPS_MS, t
+        assert set(lv["timing_p50_ms"]) == {*STAGES, "ttft"}
+    many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
+    assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)

@@ -1,0 +1,55 @@
+"""The TTFT breakdown's arithmetic (engine/timing.py): stages laid end to end add up to the
+TTFT, remainders never go negative, and what an instance did not report is left out."""
+
+from __future__ import annotations
+
+from pdd_sidecar.engine import timing as T
+from pdd_sidecar.engine.scheduler import DecodeEntry, PrefillChunk, Sequence, StepPlan
+
+
+def stamps(**ms: float) -> dict[str, float]:
+    return {k: v / 1e3 for k, v in ms.items()}
+
+
+def test_stages_add_up_to_the_ttft() -> None:
+    s = stamps(received=100, prefill_sent=102, prefill_got=150, decode_sent=151,
+               first_token=200)
+    out = T.request_timing(s, {"queue": 5.0, "compute": 40.0},
+                           {"queue": 1.0, "claim": 3.0, "read": 10.0, "join": 2.0,
+                            "first_step": 20.0})
+    assert out["router_to_prefill"] == 2.0 and out["prefill_to_router"] == 3.0
+    assert out["grant_to_decode"] == 1.0 and out["decode_queue"] == 1.0
+    assert out["to_client"] == 13.0 and out["ttft"] == 100.0
+    assert set(out) == {*T.STAGES, "ttft"}
+    assert abs(sum(v for k, v in out.items() if k != "ttft") - out["ttft"]) < 1e-6
+
+
+def test_without_a_decode_or_instance_figures() -> None:
+    s = stamps(received=0, prefill_sent=1, prefill_got=30, first_token=31)
+    out = T.request_timing(s, None, None)
+    assert out == {"router_to_prefill": 1.0, "prefill_to_router": 29.0, "to_client": 1.0,
+                   "ttft": 31.0}
+    bogus = T.request_timing(s, {"queue": -4, "compute": True}, None)
+    assert "prefill_queue" not in bogus and "prefill_compute" not in bogus
+    assert T.request_timing({"received": 1.0}, None, None) == {}
+
+
+def test_instance_stamps() -> None:
+    seq = Sequence("a", [1, 2, 3], 4, 3)
+    seq.extra[T.RECEIVED] = 10.0
+    plan = StepPlan(prefill=[PrefillChunk(seq, 0, [1, 2])])
+    T.mark_step_start(plan, 10.5)
+    T.mark_step_start(StepPlan(prefill=[PrefillChunk(seq, 2, [3])]), 11.0)
+    T.mark_sampled([seq], 11.25)
+    T.mark_sampled([seq], 12.0)
+    assert T.prefill_timing(seq.extra) == {"queue": 500.0, "compute": 750.0}
+
+    dec = Sequence("b", [], 4, 3, source=object(), first_token=7)
+    dec.extra[T.RECEIVED] = 1.0
+    T.mark_step_start(StepPlan(pulls=[dec]), 1.002)
+    dec.extra["transfer"] = {0: {"claim_seconds": 0.003, "seconds": 0.010},
+                             1: {"claim_seconds": 0.001, "seconds": 0.020}}
+    T.mark_step_start(StepPlan(decode=[DecodeEntry(dec, 7, 3)]), 1.040)
+    T.mark_sampled([dec], 1.050)
+    assert T.decode_timing(dec.extra) == {"queue": 2.0, "claim": 1.0, "read": 20.0,
+                                          "join": 17.0, "first_step": 10.0}
