@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 import aiohttp  # noqa: E402
 
 from pdd_sidecar import env as E  # noqa: E402
+from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
 from pdd_sidecar.engine.timing import STAGES  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
@@ -111,6 +112,10 @@ class LevelResult:
     read_GBps: float
     bounds: dict[str, float] = field(default_factory=dict)
     timings: list[dict[str, float]] = field(default_factory=list)  # each request's pdd.timing
+    # /readyz of router, prefill and decode and the decode's /metrics, polled during the level
+    probe_p99_ms: float = float("nan")
+    probe_max_ms: float = float("nan")
+    probe_failures: int = 0
 
 
 # ------------------------------------------------------------------------- engine bounds
@@ -278,6 +283,35 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     return Reply(start, times, timing)
 
 
+class ProbeSampler:
+    """Polls the probes a kubelet and the router poll, while a level runs: every answer should
+    be prompt and 200 whatever the load (they are answered off the engine's path)."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, session: aiohttp.ClientSession, stack: LocalStack) -> None:
+        self.session = session
+        self.urls = [f"{u}/readyz" for u in (stack.url, stack.prefill_url, stack.decode_url)]
+        self.urls.append(f"{stack.decode_url}/metrics")
+        self.latencies_ms: list[float] = []
+        self.failures = 0
+        self.stop = False
+
+    async def run(self) -> None:
+        while not self.stop:
+            for url in self.urls:
+                t = time.perf_counter()
+                try:
+                    async with self.session.get(url) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                self.latencies_ms.append((time.perf_counter() - t) * 1e3)
+                self.failures += not ok
+            await asyncio.sleep(self.INTERVAL_S)
+
+
 def pct(xs: list[float], q: int) -> float:
     if len(xs) < 2:
         return xs[0] if xs else float("nan")
@@ -306,8 +340,12 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
                                                  spec.max_tokens))
 
         t0 = time.perf_counter()
+        probes = ProbeSampler(session, stack)
+        sampling = asyncio.create_task(probes.run())
         await asyncio.gather(*(client() for _ in range(spec.concurrency)))
         wall = time.perf_counter() - t0
+        probes.stop = True
+        await sampling
         after = await scrape()
     ok = [r for r in results if isinstance(r, Reply)]
     failures = [r for r in results if isinstance(r, str)]
@@ -329,7 +367,9 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), tpot_p50_ms=pct(tpot, 50),
         timing_p50_ms=medians, read_bytes=rbytes, read_seconds=rsecs,
         read_GBps=rbytes / rsecs / 1e9 if rsecs > 0 else float("nan"),
-        timings=[r.timing for r in ok])
+        timings=[r.timing for r in ok], probe_p99_ms=pct(probes.latencies_ms, 99),
+        probe_max_ms=max(probes.latencies_ms, default=float("nan")),
+        probe_failures=probes.failures)
 
 
 # ------------------------------------------------------------------------- judging
@@ -430,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=None,
                    help="requests per level: max(concurrency, this) (default 8; --quick 4)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-tokens", type=int, default=512, help="the stack's PDD_CHUNK_TOKENS")
-    p.add_argument("--step-tokens", type=int, default=2048,
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="the stack's PDD_CHUNK_TOKENS (default: the device's, as serving)")
+    p.add_argument("--step-tokens", type=int, default=None,
                    help="the stack's PDD_MAX_STEP_TOKENS")
     p.add_argument("--kv-gib", type=float, default=None,
                    help="KV memory per instance at most (default 24 on cuda, 1 on cpu)")
@@ -448,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.device, args.model = "cpu", "builtin"
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.step_tokens, args.chunk_tokens = step_budget(args.device, args.step_tokens,
+                                                      args.chunk_tokens)
     try:
         levels = parse_levels(args.levels or (QUICK_LEVELS if args.quick else DEFAULT_LEVELS))
     except ValueError as exc:
@@ -499,13 +542,24 @@ def main(argv: list[str] | None = None) -> int:
     if found:
         p.error("; ".join(found))
     results: list[LevelResult] = []
+    first_after_ready: dict[str, float] = {}
     stack = LocalStack(scfg, args.log_dir)
     try:
         t0 = time.perf_counter()
         stack.start()
         print(f"stack ready in {time.perf_counter() - t0:.0f}s (logs {stack.log_dir})",
               flush=True)
-        asyncio.run(run_level(stack, LevelSpec(2, 32, 2), 2, cfg.vocab_size, 0))  # warm-up
+        # Ready means warm: the first request after ready against the same request's steady TTFT.
+        first_prompt = min(1024, cfg.max_position_embeddings - 2, num_blocks * bs - 2)
+        first = [asyncio.run(run_level(stack, LevelSpec(1, first_prompt, 2), 1,
+                                       cfg.vocab_size, 1000 + i)) for i in range(4)]
+        steady = statistics.median(r.ttft_p50_ms for r in first[1:])
+        first_after_ready = {"prompt": first_prompt, "first_ttft_ms": first[0].ttft_p50_ms,
+                             "steady_ttft_ms": steady,
+                             "ratio": first[0].ttft_p50_ms / steady if steady else float("nan")}
+        print(f"first request after ready (1:{first_prompt}:2): TTFT "
+              f"{first[0].ttft_p50_ms:.1f} ms, steady {steady:.1f} ms (median of the next 3): "
+              f"{first_after_ready['ratio']:.2f}x (target <= 1.2x)", flush=True)
         print(HEADER, flush=True)
         for i, lv in enumerate(levels):
             r = asyncio.run(run_level(stack, lv, max(lv.concurrency, min_requests),
@@ -533,6 +587,11 @@ def main(argv: list[str] | None = None) -> int:
         if "read_bound_ms" in r.bounds:
             line += f", at the copy rate {r.bounds['read_bound_ms']:.3f} ms"
         print(line)
+    print("\nprobes during each level (/readyz of router, prefill, decode; decode /metrics; "
+          "every 50 ms; target: each answer within 100 ms, all 200):")
+    for r in results:
+        print(f"{r.level:>14}: p99 {r.probe_p99_ms:7.1f} ms, max {r.probe_max_ms:7.1f} ms, "
+              f"not 200: {r.probe_failures}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {"model": args.model, "device": args.device, "dtype": dtype,
@@ -540,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                        "step_tokens": args.step_tokens, "num_blocks": num_blocks,
                        "min_requests": min_requests, "cpus": os.cpu_count()},
             "skipped": skipped,
+            "first_after_ready": first_after_ready,
             "bounds": bounds,
             "levels": [asdict(r) for r in results],
         }, indent=2) + "\n")

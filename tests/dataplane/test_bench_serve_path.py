@@ -48,5 +48,9 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
             assert all(math.isfinite(v) and v >= 0 for v in t.values()), t
             assert sum(t[k] for k in STAGES) <= t["ttft"] + EPS_MS, t
         assert set(lv["timing_p50_ms"]) == {*STAGES, "ttft"}
+        assert lv["probe_failures"] == 0 and lv["probe_max_ms"] > 0, lv["level"]
+    first = res["first_after_ready"]
+    assert first["first_ttft_ms"] > 0 and first["steady_ttft_ms"] > 0
+    assert first["ratio"] == pytest.approx(first["first_ttft_ms"] / first["steady_ttft_ms"])
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)
