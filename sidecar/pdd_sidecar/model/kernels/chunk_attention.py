@@ -176,6 +176,8 @@ def chunk_attention_triton(
     if not HAS_TRITON:
         raise RuntimeError("Triton is not importable")
     _check(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos)
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0 (the kernel scales row maxima), got {scale}")
     m, h, dn = q_nope.shape
     dr, n, dv = q_pe.shape[2], v.shape[0], v.shape[2]
     dt = k_nope.dtype
@@ -284,14 +286,14 @@ if HAS_TRITON:
         else:
             qk = tl.dot(qn, tl.trans(kn))
             qk += tl.dot(qr, tl.trans(kr))
-        qk = qk * scale_log2
         if MASKED:
             k_pos = tl.load(KPOS + offs_n, mask=live, other=2147483647)
             qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # the scale (> 0) applied to the row maxima, then fused into the exponent's argument
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
+        p = tl.exp2(qk * scale_log2 - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = _rows(V + rows[:, None] * stride_v_n + h * stride_v_h + offs_dv[None, :],
                    live, offs_dv, DV, DV_P2, MASKED)
