@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
 from pdd_sidecar.model.config import ModelConfig, RopeConfig  # noqa: E402
+from pdd_sidecar.model.kernels import chunk_attention as ca  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
 from pdd_sidecar.model.mla import (  # noqa: E402
     absorb_q,
@@ -694,6 +695,10 @@ def bench_chunked_prefill(
         "TFLOPS": flops / sec / 1e12,
         "of_matmul": flops / sec / ceil["matmul_flops"],
     }
+    h = ca.LAST_LAUNCH.get("fwd")  # absent on the CPU (the reference ran)
+    if h is not None:
+        row["kernel_regs_spills"] = [getattr(h, "n_regs", None), getattr(h, "n_spills", None)]
+        row["kernel_config"] = ca.LAST_LAUNCH.get("config")
     if one_pass is not None:
         row["one_pass_s"] = one_pass.get("ms", float("nan")) / 1e3
         row["one_pass_of_matmul"] = one_pass.get("of_matmul", float("nan"))
@@ -745,6 +750,9 @@ def main(argv: list[str] | None = None) -> int:
                         "8192,32768 (and 131072 with --long)")
     p.add_argument("--chunk", type=int, default=None, help="chunk tokens (default 8192)")
     p.add_argument("--long", action="store_true", help="also a 128k-token chunked prefill")
+    p.add_argument("--chunk-config", type=_ints, default=None,
+                   help="BLOCK_M,BLOCK_N,warps,stages: the chunk-attention kernel's first launch "
+                        "config (default 128,64,8,2)")
     p.add_argument("--attn-contexts", type=_ints, default=None, help="default 32768,65536,131072")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-gib", type=float, default=72.0, help="KV cache budget on the device")
@@ -778,6 +786,11 @@ def main(argv: list[str] | None = None) -> int:
     prefills = args.prefill or ([64, 256] if small else [1024, 8192])
     chunked = args.chunked or ([256] if small else [8192, 32768] + [131072] * args.long)
     chunk = args.chunk or (64 if small else 8192)
+    if args.chunk_config:
+        if len(args.chunk_config) != 4:
+            p.error(f"--chunk-config takes BLOCK_M,BLOCK_N,warps,stages, got {args.chunk_config}")
+        keys = ("block_m", "block_n", "num_warps", "num_stages")
+        ca.CONFIGS.insert(0, dict(zip(keys, args.chunk_config, strict=True)))
     if chunk < 1:
         p.error(f"--chunk must be >= 1, got {chunk}")
     attn_ctx = args.attn_contexts or ([512] if small else [32768, 65536, 131072])
@@ -893,7 +906,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows_k.append(r)
                 print(f"{t:>7} {r['steps']:>6} {r['s']:>8.3f} {r['TFLOPS']:>8.0f} "
                       f"{r['of_matmul']:>9.0%} {r.get('one_pass_s', float('nan')):>9.3f} "
-                      f"{r.get('one_pass_of_matmul', float('nan')):>9.0%}", flush=True)  # fmt: skip
+                      f"{r.get('one_pass_of_matmul', float('nan')):>9.0%}"
+                      + (f"  kernel {r['kernel_config']} regs/spills {r['kernel_regs_spills']}"
+                         if "kernel_config" in r else ""), flush=True)  # fmt: skip
             result["prefill_chunked"] = rows_k
 
         if want("decode"):

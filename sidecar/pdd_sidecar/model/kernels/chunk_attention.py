@@ -134,7 +134,12 @@ CONFIGS: list[dict[str, int]] = [
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
 ]
 _CHOSEN: dict[tuple[Any, ...], int] = {}
-LAST_LAUNCH: dict[str, Any] = {}  # the last compiled kernel (registers, spills: bench)
+_TOO_BIG: tuple[type[Exception], ...] = ()
+if HAS_TRITON:
+    _errors = triton.runtime.errors
+    _TOO_BIG = (_errors.OutOfResources,) + tuple(
+        e for e in (getattr(_errors, "PTXASError", None),) if isinstance(e, type))
+LAST_LAUNCH: dict[str, Any] = {}  # the last launch's config and compiled kernel (for the bench)
 
 
 def _p2(n: int, least: int = 16) -> int:
@@ -200,7 +205,7 @@ def chunk_attention_triton(
     for i in range(first, len(CONFIGS)):
         try:
             res = _launch(qn, qr, kn, kr, vv, qp, kp, out, lse, scale, CONFIGS[i])
-        except triton.runtime.errors.OutOfResources:
+        except _TOO_BIG:
             if i + 1 == len(CONFIGS):
                 raise
             continue
@@ -226,6 +231,7 @@ def _launch(
     dr, n, dv = qr.shape[2], v.shape[0], v.shape[2]
     bm, bn = config["block_m"], config["block_n"]
     full, end = tile_bounds(q_pos, k_pos, bm, bn)
+    LAST_LAUNCH["config"] = config
     kernel: Any = _chunk_attn_fwd
     LAST_LAUNCH["fwd"] = kernel[(-(-m // bm), h)](
         qn, qr, kn, kr, v, q_pos, k_pos, full, end, out, lse,
