@@ -269,7 +269,7 @@ def test_norm_and_rope_kernels_match_references(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("config", [0, 1, None], ids=["big-tiles", "small-tiles", "default"])
+@pytest.mark.parametrize("config", [0, 1, 2, None], ids=["128x64", "64x64", "32x32", "default"])
 @pytest.mark.parametrize(("m", "n_ctx", "dcp_rank"), [(300, 1000, None), (1000, 4099, 1)])
 def test_chunk_attention_matches_reference(
     dtype: torch.dtype, config: int | None, m: int, n_ctx: int, dcp_rank: int | None
@@ -278,6 +278,8 @@ def test_chunk_attention_matches_reference(
     DCP rank's blocks (64-token blocks, dcp 2), every launch config; no host sync."""
     from pdd_sidecar.model.kernels import chunk_attention as ca
 
+    if dtype == torch.float32 and config is not None:
+        pytest.skip("fp32 takes the first config that fits (the larger tiles may not)")
     g = torch.Generator(device=DEV).manual_seed(m + n_ctx)
     h, dn, dr, dv = 16, 128, 64, 128
     k_pos = torch.arange(n_ctx, device=DEV)

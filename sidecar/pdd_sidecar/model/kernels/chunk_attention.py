@@ -127,11 +127,13 @@ def chunk_attention(
 
 # --- Triton -----------------------------------------------------------------------------------
 
-# Tunables; the fallback is taken once if the first does not fit the device (shared memory).
-# Head dims 192 (qk) and 128 (v) in bf16 at 128 x 64 tiles and 2 stages need about 130 KiB.
+# Tunables, tried in order until one fits the device (shared memory, registers), then kept per
+# device, dtype and head dims. Head dims 192 (qk) and 128 (v) in bf16 at 128 x 64 tiles and 2
+# stages need about 130 KiB; fp32 (tests) may need the smaller ones.
 CONFIGS: list[dict[str, int]] = [
     {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1},
 ]
 _CHOSEN: dict[tuple[Any, ...], int] = {}
 _TOO_BIG: tuple[type[Exception], ...] = ()
