@@ -188,10 +188,11 @@ def chunk_attention_triton(
     m, h, dn = q_nope.shape
     dr, n, dv = q_pe.shape[2], v.shape[0], v.shape[2]
     dt = k_nope.dtype
-    out = torch.zeros(m, h, dv, dtype=torch.float32, device=q_nope.device)
-    lse = torch.full((m, h), float("-inf"), dtype=torch.float32, device=q_nope.device)
     if m == 0 or n == 0:
-        return out, lse
+        return (torch.zeros(m, h, dv, dtype=torch.float32, device=q_nope.device),
+                torch.full((m, h), float("-inf"), dtype=torch.float32, device=q_nope.device))
+    out = torch.empty(m, h, dv, dtype=torch.float32, device=q_nope.device)  # every row stored
+    lse = torch.empty(m, h, dtype=torch.float32, device=q_nope.device)
 
     def inner(t: torch.Tensor) -> torch.Tensor:
         t = t.to(dt)
