@@ -6,6 +6,9 @@ on the device, so no checkpoint is needed. Measured, each against a yardstick fr
 
 - prefill tokens/s at 1k and 8k tokens, as a fraction of a bf16 matmul's FLOP/s (the FLOPs a
   prompt needs: projections, the experts its tokens route to, causal attention);
+- chunked prefill of 8k and 32k tokens (128k with ``--long``) through ``RankEngine.step``, one
+  step per chunk of ``--chunk`` tokens continuing the sequence, as the scheduler runs a long
+  prompt, against the same FLOP count and beside the one-pass prefill of the same prompt;
 - decode time per step at batch x context, eager and replayed from a CUDA graph, as a fraction of
   the roofline: the bytes one step must read (attention and dense weights, the experts the batch
   routes to, lm_head, every sequence's KV) over the same-run HBM read rate;
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
 from pdd_sidecar.model.config import ModelConfig, RopeConfig  # noqa: E402
+from pdd_sidecar.model.kernels import chunk_attention as ca  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
 from pdd_sidecar.model.mla import (  # noqa: E402
     absorb_q,
@@ -641,7 +645,8 @@ def bench_prefill(
     g = torch.Generator(device=dev).manual_seed(t)
     tokens = torch.randint(0, cfg.vocab_size, (t,), device=dev, generator=g)
     table = torch.randperm(kv.shape[0], device=dev, generator=g)[: -(-t // bs)].to(torch.int32)
-    sec = time_fn(lambda: model.prefill(kv, tokens, table), dev, max(3, args.reps // 3), 1)
+    reps = 1 if t > 32768 else max(3, args.reps // 3)
+    sec = time_fn(lambda: model.prefill(kv, tokens, table), dev, reps, 1)
     flops = prefill_flops(cfg, t)
     return {
         "tokens": t,
@@ -650,6 +655,54 @@ def bench_prefill(
         "TFLOPS": flops / sec / 1e12,
         "of_matmul": flops / sec / ceil["matmul_flops"],
     }
+
+
+def bench_chunked_prefill(
+    model: Model,
+    kv: torch.Tensor,
+    t: int,
+    chunk: int,
+    ceil: dict[str, float],
+    one_pass: dict[str, Any] | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """A ``t``-token prompt through ``RankEngine.step`` in chunks of ``chunk`` tokens, each
+    chunk a step continuing the sequence (logits of its last token, as rank 0 samples), beside
+    ``one_pass`` (``bench_prefill``'s row for the same length). FLOPs: ``prefill_flops``, the
+    one-pass count, so re-expanding the cached latent per chunk counts as overhead."""
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+    dev, cfg = model.device, model.cfg
+    bs = kv.shape[2]
+    g = torch.Generator(device=dev).manual_seed(t + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (t,), device=dev, generator=g).tolist()
+    table = torch.randperm(kv.shape[0], device=dev, generator=g)[: -(-t // bs)].tolist()
+    eng = engine_over(model, kv, "eager")
+    steps = [SeqChunk(tokens[a:a + chunk], a, table) for a in range(0, t, chunk)]
+
+    def run() -> None:
+        for c in steps:
+            eng.step([c])
+
+    long = t > 32768
+    sec = time_fn(run, dev, 1 if long else max(2, args.reps // 5), 1)
+    flops = prefill_flops(cfg, t)
+    row: dict[str, Any] = {
+        "tokens": t,
+        "chunk": chunk,
+        "steps": len(steps),
+        "s": sec,
+        "TFLOPS": flops / sec / 1e12,
+        "of_matmul": flops / sec / ceil["matmul_flops"],
+    }
+    h = ca.LAST_LAUNCH.get("fwd")  # absent on the CPU (the reference ran)
+    if h is not None:
+        row["kernel_regs_spills"] = [getattr(h, "n_regs", None), getattr(h, "n_spills", None)]
+        row["kernel_config"] = ca.LAST_LAUNCH.get("config")
+    if one_pass is not None:
+        row["one_pass_s"] = one_pass.get("ms", float("nan")) / 1e3
+        row["one_pass_of_matmul"] = one_pass.get("of_matmul", float("nan"))
+    return row
 
 
 def bench_engine_path(
@@ -692,6 +745,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=_ints, default=None, help="default 1,16,64,256")
     p.add_argument("--contexts", type=_ints, default=None, help="default 1024,4096,8192,32768")
     p.add_argument("--prefill", type=_ints, default=None, help="default 1024,8192")
+    p.add_argument("--chunked", type=_ints, default=None,
+                   help="prompt lengths prefilled in chunks through RankEngine.step; default "
+                        "8192,32768 (and 131072 with --long)")
+    p.add_argument("--chunk", type=int, default=None, help="chunk tokens (default 8192)")
+    p.add_argument("--long", action="store_true", help="also a 128k-token chunked prefill")
+    p.add_argument("--chunk-config", type=_ints, default=None,
+                   help="BLOCK_M,BLOCK_N,warps,stages: the chunk-attention kernel's first launch "
+                        "config (default 128,64,8,2)")
     p.add_argument("--attn-contexts", type=_ints, default=None, help="default 32768,65536,131072")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-gib", type=float, default=72.0, help="KV cache budget on the device")
@@ -723,6 +784,15 @@ def main(argv: list[str] | None = None) -> int:
     batches = args.batches or ([1, 4] if small else [1, 16, 64, 256])
     contexts = args.contexts or ([64, 256] if small else [1024, 4096, 8192, 32768])
     prefills = args.prefill or ([64, 256] if small else [1024, 8192])
+    chunked = args.chunked or ([256] if small else [8192, 32768] + [131072] * args.long)
+    chunk = args.chunk or (64 if small else 8192)
+    if args.chunk_config:
+        if len(args.chunk_config) != 4:
+            p.error(f"--chunk-config takes BLOCK_M,BLOCK_N,warps,stages, got {args.chunk_config}")
+        keys = ("block_m", "block_n", "num_warps", "num_stages")
+        ca.CONFIGS.insert(0, dict(zip(keys, args.chunk_config, strict=True)))
+    if chunk < 1:
+        p.error(f"--chunk must be >= 1, got {chunk}")
     attn_ctx = args.attn_contexts or ([512] if small else [32768, 65536, 131072])
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -753,7 +823,8 @@ def main(argv: list[str] | None = None) -> int:
         fits = [(b, c) for b, c in cases if b * -(-(c + 1) // bs) <= budget_blocks]
         need = [b * -(-(c + 1) // bs) for b, c in fits]
         attn_batch = 2 if small else 16
-        need += [-(-c // bs) for c in attn_ctx + prefills] + [attn_batch * -(-attn_ctx[0] // bs)]
+        need += [-(-c // bs) for c in attn_ctx + prefills + chunked]
+        need += [attn_batch * -(-attn_ctx[0] // bs)]
         num_blocks = max(need)
         kv = torch.empty(
             num_blocks, cfg.num_hidden_layers, bs, cfg.latent_dim, device=dev, dtype=dtype
@@ -814,6 +885,31 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows_p:
                 print(f"{r['tokens']:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
                       f"{r['TFLOPS']:>8.0f} {r['of_matmul']:>9.0%}", flush=True)  # fmt: skip
+            print(f"\nprefill in chunks of {chunk} through RankEngine.step (one step a chunk), "
+                  f"beside the one-pass prefill; FLOPs of the one-pass count")
+            print(f"{'tokens':>7} {'steps':>6} {'s':>8} {'TFLOP/s':>8} {'of matmul':>10} "
+                  f"{'1-pass s':>9} {'of matmul':>10}")  # fmt: skip
+            by_len = {r["tokens"]: r for r in rows_p}
+            rows_k = []
+            for t in chunked:
+                try:
+                    one = by_len.get(t) or bench_prefill(model, kv, t, ceil, args)
+                except torch.OutOfMemoryError as e:
+                    one = {"error": f"one pass: {str(e)[:200]}"}
+                try:
+                    r = bench_chunked_prefill(model, kv, t, chunk, ceil, one, args)
+                except torch.OutOfMemoryError as e:
+                    r = {"tokens": t, "chunk": chunk, "error": str(e)[:300]}
+                    print(f"{t:>7}  out of memory: {r['error']}", flush=True)
+                    rows_k.append(r)
+                    continue
+                rows_k.append(r)
+                print(f"{t:>7} {r['steps']:>6} {r['s']:>8.3f} {r['TFLOPS']:>8.0f} "
+                      f"{r['of_matmul']:>9.0%} {r.get('one_pass_s', float('nan')):>9.3f} "
+                      f"{r.get('one_pass_of_matmul', float('nan')):>9.0%}"
+                      + (f"  kernel {r['kernel_config']} regs/spills {r['kernel_regs_spills']}"
+                         if "kernel_config" in r else ""), flush=True)  # fmt: skip
+            result["prefill_chunked"] = rows_k
 
         if want("decode"):
             print("\ndecode step (all sequences at the same context)")

@@ -144,8 +144,9 @@ def measure_bounds(req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from pdd_sidecar.engine.comm import SingleComm
-    from pdd_sidecar.engine.rank_engine import RankEngine, SeqChunk, new_cache
+    from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
     from pdd_sidecar.engine.scheduler import Scheduler
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
     from pdd_sidecar.model.rank_model import load_rank_model
 
     device = "cuda:0" if req["device"] == "cuda" else "cpu"

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,14 +15,20 @@ pytestmark = pytest.mark.dataplane
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
 
 
-def test_small_config_reports_every_section(tmp_path: Path) -> None:
+def _bench() -> Any:
     spec = importlib.util.spec_from_file_location("bench_engine", BENCH)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_small_config_reports_every_section(tmp_path: Path) -> None:
+    mod = _bench()
     out = tmp_path / "engine.json"
     argv = ["--device", "cpu", "--small", "--batches", "1,2", "--contexts", "40", "--prefill"]
     argv += ["24", "--attn-contexts", "64", "--moe-tokens", "1", "--reps", "1", "--json", str(out)]
+    argv += ["--chunked", "40,24", "--chunk", "16"]
     assert mod.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["config"] == "small"
@@ -34,3 +41,25 @@ def test_small_config_reports_every_section(tmp_path: Path) -> None:
         assert 1 <= r["experts_used_mean"] <= 2 * r["batch"]
     assert [(r["batch"], r["context"]) for r in res["attention"]] == [(1, 64), (2, 64)]
     assert res["moe"][0]["tokens"] == 1 and res["moe"][0]["loop_us"] > 0
+    # chunked rows: ragged chunks, one step each, beside the one-pass row of the same prompt
+    # (measured anew for 40, reused for 24), against the same FLOP count
+    assert [(r["tokens"], r["chunk"], r["steps"]) for r in res["prefill_chunked"]] == [
+        (40, 16, 3), (24, 16, 2)]
+    for r in res["prefill_chunked"]:
+        assert r["s"] > 0 and r["one_pass_s"] > 0 and r["of_matmul"] > 0
+        flops = r["of_matmul"] * r["s"]
+        assert math.isclose(flops, r["one_pass_of_matmul"] * r["one_pass_s"], rel_tol=1e-9)
+    assert res["prefill_chunked"][1]["one_pass_s"] == res["prefill"][0]["ms"] / 1e3
+
+
+def test_prefill_flops_count_causal_attention_over_the_whole_prompt() -> None:
+    """The quadratic term is causal attention over every earlier token and the token itself:
+    per layer and head, qk dims for the scores and v dims for the weighted sum, 2 FLOPs each."""
+    mod = _bench()
+    cfg = mod.v2_lite_config()
+    f = mod.prefill_flops
+    t = 1000
+    second_diff = f(cfg, t + 1) - 2 * f(cfg, t) + f(cfg, t - 1)
+    per_pair = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * (
+        cfg.qk_head_dim + cfg.v_head_dim)
+    assert math.isclose(second_diff, per_pair, rel_tol=1e-6)

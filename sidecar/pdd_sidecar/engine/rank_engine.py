@@ -33,7 +33,7 @@ from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
 from pdd_sidecar.model.mla import (
     absorb_q,
-    latent_attention,
+    chunk_prefill_attention,
     prefill_attention,
     project_latent,
     project_q,
@@ -68,16 +68,28 @@ def allocate_request(cache: PagedKVCache, num_tokens: int, dcp: int) -> list[int
     return cache.allocate(kvc.num_table_blocks(num_tokens, cache.block_size, dcp))
 
 
+@dataclass(frozen=True)
+class ChunkView:
+    """A prompt chunk continuing a cached sequence: its table, the tokens this rank holds
+    through the chunk's end (the chunk's own included) and the positions of its queries and of
+    those tokens."""
+
+    table: torch.Tensor
+    n_local: int
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+
 @dataclass
 class CachedViews:
-    """The continuing chunks of a step, as their attention needs them."""
+    """The continuing sequences of a step, as their attention needs them: prompt chunks (their
+    rows of the step, in order) and decode tokens (one padded block-table batch)."""
 
-    items: list[tuple[int, torch.Tensor | None, int, torch.Tensor | None]] = field(
-        default_factory=list)
-    decode: list[int] = field(default_factory=list)  # indices into items of decode tokens
+    chunks: list[ChunkView] = field(default_factory=list)
+    chunk_rows: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
-    decode_rows: torch.Tensor | None = None
 
 
 def comm_capturable(comm: Comm) -> bool:
@@ -257,10 +269,7 @@ class RankEngine:
         positions, mine, blk, off = self._slots(chunks)
         fresh = [i for i, c in enumerate(chunks) if c.start == 0]
         cached = [i for i, c in enumerate(chunks) if c.start > 0]
-        views = self._cached_views(chunks, cached)
-        rows = None
-        if cached:
-            rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in cached]).to(dev)
+        views = self._cached_views(chunks, cached, bounds)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
         x = F.embedding(torch.tensor(all_tokens, dtype=torch.long, device=dev), w.embed)
@@ -274,9 +283,13 @@ class RankEngine:
                 a_, b_ = bounds[s], bounds[s + 1]
                 o[a_:b_] = prefill_attention(q_nope[a_:b_], q_pe[a_:b_], latent[a_:b_],
                                              lw.attn, cfg)
-            if rows is not None:
-                q = absorb_q(q_nope[rows], q_pe[rows], lw.attn)
-                o[rows] = unabsorb_v(self._cached_attention(q, i, views).to(x.dtype), lw.attn)
+            if views.decode_rows is not None:
+                r = views.decode_rows
+                q = absorb_q(q_nope[r], q_pe[r], lw.attn)
+                o[r] = unabsorb_v(self._decode_attention(q, i, views).to(x.dtype), lw.attn)
+            if views.chunk_rows is not None:
+                r = views.chunk_rows
+                o[r] = self._chunk_attention(q_nope[r], q_pe[r], i, lw, views).to(x.dtype)
             x = self._layer_rest(x, o, lw)
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
 
@@ -296,13 +309,16 @@ class RankEngine:
             y = dense_mlp(m, lw.mlp, add_bias)
         return x + (comm.all_reduce(y) if lw.mlp_sharded else y)
 
-    def _cached_views(self, chunks: Sequence[SeqChunk], cached: Sequence[int]) -> CachedViews:
-        """Per chunk that continues a cached sequence: its query count, table, the local tokens
-        to read, and a visibility mask (None when every local token is visible to every query,
-        as for a decode token). Decode tokens go into one padded block-table batch for the
-        paged decode kernel, built on the host and copied once per step."""
+    def _cached_views(
+        self, chunks: Sequence[SeqChunk], cached: Sequence[int], bounds: Sequence[int]
+    ) -> CachedViews:
+        """Per sequence continuing a cached one: a prompt chunk gets its view (positions of its
+        queries and of the local tokens it reads); decode tokens go into one padded block-table
+        batch for the paged decode kernel. Built on the host, copied once per step."""
         bs, dev = self.cache.block_size, self.cache.device
         views = CachedViews()
+        chunk_rows: list[int] = []
+        decode_rows: list[int] = []
         decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         for s in cached:
@@ -310,57 +326,73 @@ class RankEngine:
             end = c.start + len(c.tokens)
             n_local = kvc.local_token_count(end, bs, self.dcp, self.rank)
             if len(c.tokens) > 1:
-                kpos = kvc.local_positions(n_local, bs, self.dcp, self.rank, dev)
-                qpos = torch.arange(c.start, end, device=dev)
-                table = torch.tensor(list(c.block_ids), dtype=torch.long, device=dev)
-                views.items.append((len(c.tokens), table, n_local, kpos[None, :] <= qpos[:, None]))
+                views.chunks.append(ChunkView(
+                    table=torch.tensor(list(c.block_ids), dtype=torch.long, device=dev),
+                    n_local=n_local,
+                    q_pos=torch.arange(c.start, end, device=dev),
+                    k_pos=kvc.local_positions(n_local, bs, self.dcp, self.rank, dev),
+                ))
+                chunk_rows.extend(range(bounds[s], bounds[s + 1]))
                 continue
-            views.decode.append(len(views.items))
-            views.items.append((1, None, n_local, None))
+            decode_rows.append(bounds[s])
             decode_tables.append(c.block_ids)
             decode_lens.append(n_local)
-        if views.decode:
+        if chunk_rows:
+            views.chunk_rows = torch.tensor(chunk_rows).to(dev)
+        if decode_rows:
             width = max(len(t) for t in decode_tables)
             padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
             views.block_tables = torch.tensor(padded, dtype=torch.int32).to(dev)
             views.seq_lens = torch.tensor(decode_lens, dtype=torch.int32).to(dev)
-            starts = [0]
-            for n_q, *_ in views.items:
-                starts.append(starts[-1] + n_q)
-            views.decode_rows = torch.tensor([starts[i] for i in views.decode]).to(dev)
+            views.decode_rows = torch.tensor(decode_rows).to(dev)
         return views
 
-    def _cached_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
-        """Absorbed ``q [N, Hl, L]`` of every continuing chunk over its sequence's cached latent
-        (this rank's chunks of it) to this rank's heads' latent output ``[N, Hl, kv_lora]``;
-        under DCP every rank attends with all heads and the partials merge by LSE in one go.
-        Decode tokens run as one batch through the paged kernel (Triton on CUDA)."""
+    def _decode_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
+        """Absorbed ``q [N, Hl, L]`` of the step's decode tokens over their sequences' cached
+        latent (this rank's chunks of it), as one batch through the paged kernel (Triton on
+        CUDA), to this rank's heads' latent output ``[N, Hl, kv_lora]``; under DCP every rank
+        attends with all heads and the partials merge by LSE in one go."""
         cfg = self.cfg
+        assert views.block_tables is not None and views.seq_lens is not None
         if self.dcp > 1:
             q = self.comm.all_gather(q, dim=1)
-        starts = [0]
-        for n_q, *_ in views.items:
-            starts.append(starts[-1] + n_q)
-        out = torch.empty(q.shape[0], q.shape[1], cfg.kv_lora_rank, dtype=torch.float32,
-                          device=q.device)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        if views.decode:
-            rows = views.decode_rows
-            assert rows is not None and views.block_tables is not None
-            assert views.seq_lens is not None
-            out[rows], lse[rows] = paged_mla_decode(
-                q[rows], self.cache.kv, layer, views.block_tables, views.seq_lens,
-                cfg.kv_lora_rank, cfg.softmax_scale)
-        for i, (n_q, table, n_local, mask) in enumerate(views.items):
-            if mask is None or table is None:
-                continue
-            kv = self.cache.read(layer, table, n_local)
-            a = starts[i]
-            out[a:a + n_q], lse[a:a + n_q] = latent_attention(
-                q[a:a + n_q], kv, cfg.kv_lora_rank, cfg.softmax_scale, mask)
+        out, lse = paged_mla_decode(q, self.cache.kv, layer, views.block_tables, views.seq_lens,
+                                    cfg.kv_lora_rank, cfg.softmax_scale)
         if self.dcp == 1:
             return out
         return dcp_merge(out, lse, self.comm)
+
+    def _chunk_attention(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: int, lw: LayerWeights,
+        views: CachedViews,
+    ) -> torch.Tensor:
+        """The step's continuing prompt chunks (rows in ``views.chunks`` order) over their
+        sequences' cached latent, expanded into per-head keys and values as the one-pass prefill
+        does, to this rank's heads' output ``[N, Hl, v]``. Under DCP, as for decode, every rank
+        attends with all heads (queries and up-projections gathered over the group) over its
+        own chunks, and the partials merge by LSE in one go."""
+        cfg, comm = self.cfg, self.comm
+        w_uk, w_uv = lw.attn.w_uk, lw.attn.w_uv
+        if self.dcp > 1:
+            nope = q_nope.shape[-1]
+            q = comm.all_gather(torch.cat([q_nope, q_pe], -1), dim=1)
+            q_nope, q_pe = q[..., :nope], q[..., nope:]
+            w = comm.all_gather(torch.cat([w_uk, w_uv], 1), dim=0)
+            w_uk, w_uv = w[:, :w_uk.shape[1]], w[:, w_uk.shape[1]:]
+        n, h = q_nope.shape[0], q_nope.shape[1]
+        out = torch.empty(n, h, cfg.v_head_dim, dtype=torch.float32, device=q_nope.device)
+        lse = torch.empty(n, h, dtype=torch.float32, device=q_nope.device)
+        a = 0
+        for cv in views.chunks:
+            b = a + cv.q_pos.shape[0]
+            latent = self.cache.read(layer, cv.table, cv.n_local)
+            out[a:b], lse[a:b] = chunk_prefill_attention(
+                q_nope[a:b], q_pe[a:b], latent, cv.q_pos, cv.k_pos, w_uk, w_uv,
+                cfg.softmax_scale)
+            a = b
+        if self.dcp == 1:
+            return out
+        return dcp_merge(out, lse, comm)
 
     # --- decode steps padded to a bucket (engine/cuda_graphs.py) ---------------------------
 

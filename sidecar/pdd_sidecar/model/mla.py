@@ -2,9 +2,11 @@
 
 The cache holds per token only the normalised compressed KV ``c`` (``kv_lora_rank``) and the
 roped shared key ``k_pe`` (``qk_rope_head_dim``). Prefill expands ``c`` into per-head keys and
-values (cheap while the whole prompt is at hand). Decode uses the absorbed form: ``W_UK`` is folded
-into the query and ``W_UV`` applied after attention, so attention reads the latent cache directly
-and returns the latent output plus its log-sum-exp, which is what DCP ranks merge.
+values (cheap while the whole prompt is at hand); so does a prompt chunk continuing a cached
+sequence, expanding the cached latent slice by slice (``chunk_prefill_attention``), since many
+queries share each expanded key. Decode uses the absorbed form: ``W_UK`` is folded into the query
+and ``W_UV`` applied after attention, so attention reads the latent cache directly. Both cached
+paths return the output plus its log-sum-exp, which is what DCP ranks merge.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdd_sidecar.model.config import ModelConfig
+from pdd_sidecar.model.kernels.chunk_attention import chunk_attention, merge_partials
 from pdd_sidecar.model.kernels.norm_rope import apply_rope, rms_norm
 from pdd_sidecar.model.weights import AttnWeights
 
@@ -68,6 +71,45 @@ def prefill_attention(
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)
     return out.transpose(0, 1)
+
+
+EXPANDED_SLICE_BYTES = 256 << 20  # keys and values expanded at once, per chunk and layer
+
+
+def chunk_prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's queries ``[T, H, nope|rope]`` at ``q_pos`` over cached latents ``[N, L]`` at
+    ``k_pos`` (ascending; the chunk's own tokens included), each key visible to the queries at
+    or after its position. The latents are expanded with ``w_uk``/``w_uv`` (``[H, nope|v,
+    kv_lora]``, the heads of ``q``) in slices of at most ``EXPANDED_SLICE_BYTES``, each slice's
+    attention merged by LSE. Returns ``(out [T, H, v] fp32, lse [T, H] fp32)``; a query that
+    sees nothing gets 0 and ``-inf``."""
+    h, nope, kv_lora = w_uk.shape
+    dv = w_uv.shape[1]
+    t, n = q_nope.shape[0], latent.shape[0]
+    out = torch.zeros(t, h, dv, dtype=torch.float32, device=q_nope.device)
+    lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=q_nope.device)
+    if n == 0 or t == 0:
+        return out, lse
+    c, k_pe = latent[:, :kv_lora], latent[:, kv_lora:]
+    w_k, w_v = w_uk.reshape(h * nope, kv_lora), w_uv.reshape(h * dv, kv_lora)
+    per_token = h * (nope + dv) * latent.element_size()
+    step = max(1, EXPANDED_SLICE_BYTES // per_token)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        k_nope = F.linear(c[a:b], w_k).view(b - a, h, nope)
+        v = F.linear(c[a:b], w_v).view(b - a, h, dv)
+        part = chunk_attention(q_nope, q_pe, k_nope, k_pe[a:b], v, q_pos, k_pos[a:b], scale)
+        out, lse = part if a == 0 else merge_partials(out, lse, *part)
+    return out, lse
 
 
 def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w: AttnWeights) -> torch.Tensor:
