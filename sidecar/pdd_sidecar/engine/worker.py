@@ -32,6 +32,7 @@ from pdd_sidecar.kv.lease import parse_notif
 from pdd_sidecar.kv.puller import KVPuller, PullJob
 from pdd_sidecar.kv.side_channel import SideChannelServer, publication
 from pdd_sidecar.kv.transfer import KVTransferAgent, TransferError
+from pdd_sidecar.kv.transport import local_record
 
 log = logging.getLogger(__name__)
 
@@ -166,20 +167,22 @@ class RankWorker:
         self.agent_name = f"{s.role}-{s.replica}-r{rank}-{instance_id}"
         self.agent = KVTransferAgent(self.agent_name, self.cache.kv)
         self.key = load_key(s.grant_key_file)
+        self.transport = local_record(self.cache.kv)
         self.side = SideChannelServer(
             s.bind_host,
             side_port,
             publication(
                 role=s.role, rank=rank, tp=s.tp, dcp=s.dcp, instance_id=instance_id,
                 agent_name=self.agent_name, metadata=self.agent.metadata(),
-                region=self.agent.region, compat=self.compat,
+                region=self.agent.region, compat=self.compat, transport=self.transport,
             ),
             self.key,
         )
         self.who = f"{s.role} {s.replica} rank {rank}"
         self.logits: Any = None  # rank 0: the last step's logits, sampled by the driver
         self.puller = KVPuller(rank=rank, who=self.who, settings=s, plan=plan,
-                               compat=self.compat, key=self.key, agent=self.agent)
+                               compat=self.compat, key=self.key, agent=self.agent,
+                               transport=self.transport)
         if s.role == "decode":
             self.puller.start()
 

@@ -4,9 +4,11 @@ Each pull runs on one of a few threads, so one slow hand-off does not hold up th
 request waiting for its KV never stalls the forward passes. A pull checks the grant against the
 local configuration, handshakes the prefill ranks it needs (once per peer instance, cached),
 claims the blocks right before its READ, reads exactly the chunks the routing plan gives this
-rank, and notifies the prefill ranks the plan names. Each result is queued for the owner, which
-collects them with `take()`; `on_pulled` (set by the owner) is called from the pull thread after
-each one is queued, so the owner can wake up instead of polling.
+rank (over NIXL, or as a device copy from a peer on this host's CUDA devices: kv/transport.py
+picks the path per peer at the handshake), and notifies the prefill ranks the plan names. Each
+result is queued for the owner, which collects them with `take()`; `on_pulled` (set by the
+owner) is called from the pull thread after each one is queued, so the owner can wake up
+instead of polling.
 
 A result's error is a dict naming the HTTP status the decode answers with and the failure kind
 (the owner passes it through unchanged): 409 incompatible, 410 grant_refused, 502 transfer (the
@@ -34,7 +36,23 @@ from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.lease import notif_message
 from pdd_sidecar.kv.side_channel import PeerInfo, handshake
-from pdd_sidecar.kv.transfer import KVTransferAgent, ReadStats, TransferError, plan_read_specs
+from pdd_sidecar.kv.transfer import (
+    KVTransferAgent,
+    ReadSpec,
+    ReadStats,
+    TransferError,
+    plan_read_specs,
+)
+from pdd_sidecar.kv.transport import (
+    CUDA_IPC,
+    NIXL,
+    TransportRecord,
+    TransportUnavailable,
+    choose_transport,
+    cuda_ipc_read,
+    describe,
+    open_peer_cache,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +81,8 @@ class KVPuller:
     queue of finished pulls."""
 
     def __init__(self, *, rank: int, who: str, settings: InstanceSettings, plan: RoutingPlan,
-                 compat: CompatRecord, key: bytes, agent: KVTransferAgent) -> None:
+                 compat: CompatRecord, key: bytes, agent: KVTransferAgent,
+                 transport: TransportRecord | None = None) -> None:
         self.rank = rank
         self.who = who
         self.settings = settings
@@ -71,7 +90,11 @@ class KVPuller:
         self.compat = compat
         self.key = key
         self.agent = agent
+        self.transport = transport  # this rank's record; None reads over NIXL only
         self.peer_instances: dict[str, str] = {}  # side-channel key -> instance id
+        self.paths: dict[str, str] = {}  # side-channel key -> nixl | cuda_ipc
+        self._peer_caches: dict[str, Any] = {}  # side-channel key -> its KV tensor (cuda_ipc)
+        self._stream: Any = None
         self.on_pulled: Callable[[], None] | None = None
         self._connect_lock = threading.Lock()
         self._jobs: queue.Queue[PullJob] = queue.Queue()
@@ -137,11 +160,7 @@ class KVPuller:
                   s.handshake_timeout_s)
             specs = plan_read_specs(self.plan.reads_of(self.rank), src.num_tokens,
                                     s.block_size, src.dcp, s.dcp, src.block_ids, job.blocks)
-            stats = self.agent.read(
-                [(peers[spec.prefill_rank], spec) for spec in specs],
-                s.transfer_timeout_s,
-                self._fault_gate if s.fault_read_gate else None,
-            )
+            stats = self._read(peers, specs)
         except CompatError as exc:
             return {"error": str(exc), "status": 409, "kind": "incompatible"}, {}
         except ClaimRefused as exc:
@@ -161,7 +180,27 @@ class KVPuller:
             except TransferError as exc:
                 log.warning("%s: %s (the prefill lease will free the blocks)", self.who, exc)
         return None, {"bytes": stats.bytes, "descriptors": stats.descriptors,
-                      "seconds": stats.seconds, "transfers": stats.transfers}
+                      "seconds": stats.seconds, "transfers": stats.transfers,
+                      "path": stats.path}
+
+    def _read(self, peers: dict[int, Any], specs: list[ReadSpec]) -> ReadStats:
+        """NIXL READs for some peers, device copies for those chosen for cuda_ipc."""
+        s = self.settings
+        by_path: dict[str, list[ReadSpec]] = {NIXL: [], CUDA_IPC: []}
+        for spec in specs:
+            by_path[self.paths.get(peers[spec.prefill_rank].key, NIXL)].append(spec)
+        stats = ReadStats(path=CUDA_IPC if by_path[CUDA_IPC] and not by_path[NIXL] else NIXL)
+        if by_path[NIXL]:
+            stats = self.agent.read(
+                [(peers[spec.prefill_rank], spec) for spec in by_path[NIXL]],
+                s.transfer_timeout_s,
+                self._fault_gate if s.fault_read_gate else None,
+            )
+        if by_path[CUDA_IPC]:
+            work = [(self._peer_caches[peers[spec.prefill_rank].key], spec)
+                    for spec in by_path[CUDA_IPC]]
+            stats.add(cuda_ipc_read(self.agent.kv, work, self.agent.region, self._stream))
+        return stats
 
     def _fault_gate(self) -> None:
         """Fault injection (PDD_FAULT_READ_GATE): a test kills the peer mid hand-off."""
@@ -221,17 +260,53 @@ class KVPuller:
                     f"peer {key}: instance {info.instance_id} is not the one that ran the "
                     f"prefill ({instance_id}); it restarted and the KV is gone"
                 )
-            try:
+            path = self._choose(key, info)
+            try:  # NIXL whatever the path: the prefill counts notifications that come over it
                 peers[p] = self.agent.connect(key, info.metadata, info.region)
             except TransferError:
                 raise
             except Exception as exc:
                 raise TransferError(f"peer {key}: loading NIXL metadata failed: {exc}") from exc
             self.peer_instances[key] = info.instance_id
+            self.paths[key] = path
         return peers
+
+    def _choose(self, key: str, info: PeerInfo) -> str:
+        """The path to read ``info``'s rank by; on cuda_ipc its cache is mapped here."""
+        override = self.settings.kv_transport
+        if self.transport is None:
+            if override == CUDA_IPC:
+                raise CompatError(f"peer {key}: PDD_KV_TRANSPORT=cuda_ipc, but this rank "
+                                  f"publishes no transport record")
+            return NIXL
+        try:
+            path = choose_transport(self.transport, info.transport, override)
+        except TransportUnavailable as exc:
+            raise TransportUnavailable(f"peer {key}: {exc}") from None
+        if path == CUDA_IPC:
+            assert info.transport is not None
+            try:
+                self._peer_caches[key] = open_peer_cache(info.transport.cuda_ipc,
+                                                         self.agent.kv.device)
+                if self._stream is None:  # the copies run beside the forward passes
+                    import torch
+
+                    self._stream = torch.cuda.Stream(self.agent.kv.device)
+            except Exception as exc:
+                if override == CUDA_IPC:
+                    raise CompatError(f"peer {key}: PDD_KV_TRANSPORT=cuda_ipc, but opening "
+                                      f"its CUDA IPC handle failed: {exc}") from exc
+                log.warning("%s: %s: CUDA IPC handle failed to open (%s); reading over NIXL",
+                            self.who, key, exc)
+                path = NIXL
+        log.info("%s reads prefill rank %d at %s via %s (%s)", self.who, info.rank, key, path,
+                 describe(path, self.transport, info.transport))
+        return path
 
     def _drop(self, key: str) -> None:
         self.peer_instances.pop(key, None)
+        self.paths.pop(key, None)
+        self._peer_caches.pop(key, None)
         self.agent.disconnect(key)
 
     def drop_instance(self, endpoints: list[tuple[str, int]]) -> None:

@@ -25,6 +25,7 @@ from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
+from pdd_sidecar.kv.transfer import join_paths
 from pdd_sidecar.serve.common import (
     GRANT_ERRORS,
     STATE,
@@ -126,6 +127,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         m.transfer_bytes.labels(rank=str(rank)).inc(t["bytes"])
         m.transfer_descriptors.labels(rank=str(rank)).inc(t["descriptors"])
         m.transfer_seconds.labels(rank=str(rank)).observe(t["seconds"])
+        m.transfer_paths.labels(path=t["path"]).inc()
         ranks.append({"rank": rank, **t})
     return {
         "request_id": seq.id,
@@ -134,6 +136,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         "transfer": {
             "bytes": sum(r["bytes"] for r in ranks),
             "descriptors": sum(r["descriptors"] for r in ranks),
+            "path": join_paths(r["path"] for r in ranks),
             "ranks": ranks,
         },
     }
