@@ -286,8 +286,7 @@ class KVPuller:
         if path == CUDA_IPC:
             assert info.transport is not None
             try:
-                self._peer_caches[key] = open_peer_cache(info.transport.cuda_ipc,
-                                                         self.agent.kv.device)
+                self._peer_caches[key] = open_peer_cache(info.transport, self.agent.kv.device)
                 if self._stream is None:  # the copies run beside the forward passes
                     import torch
 

@@ -7,8 +7,9 @@ and the reader picks the path per peer with `choose_transport`, a pure function 
 records and PDD_KV_TRANSPORT.
 
 CUDA IPC needs one kernel and one IPC namespace: the host identity is the kernel's boot_id plus
-the hostname (pods have hostnames of their own, so two pods on a node still read over NIXL), and
-the IPC namespace is compared by inode. Notifications and claims stay on NIXL and HTTP whatever
+the hostname (pods have hostnames, and /dev/shm, of their own: torch keeps the handle's reference
+counts there, so two pods on a node still read over NIXL), and the IPC namespace is compared by
+inode. Notifications and claims stay on NIXL and HTTP whatever
 the path, so the prefill's lease logic is the same for both.
 
 The IPC handle is the argument tuple of torch's `reduce_tensor`, pickled; it is unpickled only
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import os
 import pickle
 import socket
@@ -28,6 +30,8 @@ from typing import Any
 
 from pdd_sidecar.kv.compat import CompatError
 from pdd_sidecar.kv.transfer import ReadSpec, ReadStats, RegionInfo, spec_bytes
+
+log = logging.getLogger(__name__)
 
 NIXL = "nixl"
 CUDA_IPC = "cuda_ipc"
@@ -87,8 +91,12 @@ def local_record(kv: Any) -> TransportRecord:
     from torch.multiprocessing.reductions import reduce_tensor
 
     uuid = str(torch.cuda.get_device_properties(kv.device).uuid)
-    _, args = reduce_tensor(kv)
-    handle = base64.b64encode(pickle.dumps(args)).decode()
+    try:
+        _, args = reduce_tensor(kv)
+        handle = base64.b64encode(pickle.dumps(args)).decode()
+    except Exception as exc:  # no handle: readers fall back to NIXL
+        log.warning("no CUDA IPC handle for the KV cache (%s); peers read it over NIXL", exc)
+        handle = ""
     return TransportRecord(boot_id, hostname, ipc, "cuda", uuid, handle)
 
 
@@ -163,13 +171,23 @@ def handle_args(handle: str) -> tuple[Any, ...]:
     return args
 
 
-def open_peer_cache(handle: str, device: Any) -> Any:
-    """The peer's KV cache tensor, mapped into this process on ``device``'s context."""
+_STORAGE_DEVICE = 6  # in reduce_tensor's argument tuple: the device index, in the peer's numbering
+
+
+def open_peer_cache(peer: TransportRecord, device: Any) -> Any:
+    """The peer's KV cache tensor, mapped into this process from ``device``'s context. The
+    peer numbers its devices by its own CUDA_VISIBLE_DEVICES; the tensor is placed on the local
+    device with the peer's UUID when this process sees it."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    args = list(handle_args(peer.cuda_ipc))
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == peer.device_uuid:
+            args[_STORAGE_DEVICE] = i
+            break
     torch.cuda.set_device(device)  # the handle opens in the current device's context
-    return rebuild_cuda_tensor(*handle_args(handle))
+    return rebuild_cuda_tensor(*args)
 
 
 # ------------------------------------------------------------------ the copy
