@@ -7,7 +7,8 @@ signed whenever present and required here, so no v1 grant verifies without it.
 
 Errors are this module's own (kv knows nothing of HTTP): `MalformedGrant` (the caller's input is
 no grant: 400), `GrantError` (not signed by this deployment: 403) and `GrantExpired` (410), both
-from kv/grants.py; the HTTP layers map them at the edge.
+from kv/grants.py; the HTTP layers map them at the edge. RequestError, which carries a status,
+stays in engine/worker.py: kv importing it would point an import back up the layers.
 """
 
 from __future__ import annotations
