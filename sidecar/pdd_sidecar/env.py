@@ -54,6 +54,9 @@ PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the mod
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
 PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
+# How a decode reads KV: auto (default: a CUDA IPC device copy from a prefill on this host's
+# CUDA devices, NIXL otherwise) | nixl | cuda_ipc (refused at the handshake when it cannot work).
+PDD_KV_TRANSPORT = "PDD_KV_TRANSPORT"
 # Tests only: each KV pull sleeps before it claims its blocks: "S" seconds, or "A:B" (uniform).
 PDD_FAULT_PULL_DELAY_S = "PDD_FAULT_PULL_DELAY_S"
 PDD_PREFILL_URLS = keys.ENV_PREFILL_URLS  # comma list of http://host:port of prefill instances
@@ -88,6 +91,7 @@ DEFAULT_HTTP_PORT = keys.HTTP_PORT
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_DIST_PORT = keys.DIST_PORT
 ROLES = ("prefill", "decode")
+KV_TRANSPORTS = ("auto", "nixl", "cuda_ipc")  # kv/transport.py
 
 
 class ConfigError(ValueError):
@@ -196,6 +200,7 @@ class InstanceSettings:
     max_model_len: int = 0
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
+    kv_transport: str = "auto"
     group_size: int = 1  # pods holding this instance's ranks
     worker_index: int = 0  # this pod's place in the group; 0 holds rank 0 and serves HTTP
     leader_address: str = ""  # where rank 0's pod is reached (the rendezvous)
@@ -245,6 +250,10 @@ class InstanceSettings:
         if device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"{PDD_DEVICE}: must be auto, cpu or cuda, got {device!r}")
         side = _int(env, PDD_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT, 1)
+        transport = env.get(PDD_KV_TRANSPORT, "") or "auto"
+        if transport not in KV_TRANSPORTS:
+            raise ConfigError(f"{PDD_KV_TRANSPORT}: must be one of {', '.join(KV_TRANSPORTS)}, "
+                              f"got {transport!r}")
         group_size, worker_index, leader = _group(env, tp)
         return cls(
             role=role,
@@ -280,6 +289,7 @@ class InstanceSettings:
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
+            kv_transport=transport,
             group_size=group_size,
             worker_index=worker_index,
             leader_address=leader,

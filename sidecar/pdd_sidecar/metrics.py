@@ -27,7 +27,11 @@ class InstanceMetrics:
             buckets=_SECONDS, registry=r,
         )
         self.transfer_bytes = Counter(
-            "pdd_kv_transfer_bytes", "KV bytes read over NIXL", ["rank"], registry=r
+            "pdd_kv_transfer_bytes", "KV bytes read (over NIXL or CUDA IPC)", ["rank"], registry=r
+        )
+        self.transfer_paths = Counter(
+            "pdd_kv_transfer_path", "Per-rank KV hand-offs by the path they took (nixl, "
+            "cuda_ipc)", ["path"], registry=r
         )
         self.transfer_descriptors = Counter(
             "pdd_kv_transfer_descriptors", "NIXL descriptors posted", ["rank"], registry=r

@@ -145,11 +145,21 @@ def test_metrics_count_requests_bytes_and_descriptors(deployment: dict[str, Proc
         assert status == 200, body
         moved += body["pdd"]["transfer"]["bytes"]
         descs += body["pdd"]["transfer"]["descriptors"]
+        # Prefill and decode on the CPU: no device copy is possible, every rank reads over NIXL.
+        assert body["pdd"]["transfer"]["path"] == "nixl"
+        assert {r["path"] for r in body["pdd"]["transfer"]["ranks"]} == {"nixl"}
     assert moved == (3 + 33) * 3 * 40 * 4  # tokens x layers x latent x float32
     total_bytes, total_descs = counters()
     total_bytes -= before_bytes
     total_descs -= before_descs
     assert total_bytes == moved and total_descs == descs
+    paths = 0.0
+    for d in ("d0", "d1"):
+        _, text = http("GET", f"{deployment[d].url}/metrics")
+        assert 'pdd_kv_transfer_path_total{path="cuda_ipc"}' not in text
+        if 'pdd_kv_transfer_path_total{path="nixl"}' in text:
+            paths += _metric(text, "pdd_kv_transfer_path_total", 'path="nixl"')
+    assert paths >= 2
     _, text = http("GET", f"{deployment['prefill'].url}/metrics")
     assert _metric(text, "pdd_lease_expiries_total") == 0
     assert _metric(text, "pdd_requests_total",

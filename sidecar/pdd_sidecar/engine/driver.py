@@ -71,6 +71,9 @@ class InstanceDriver:
         self._lease_lock = threading.Lock()
         self.warm = False
         self.warmup_seconds: float | None = None
+        # A finished pull wakes the loop at once instead of at its next poll (rank 0's pulls;
+        # other ranks' results still come back with the next step, polled while any pull runs).
+        worker.puller.on_pulled = self.wake
         self._inbox: queue.Queue[tuple[str, Any, Future[Any] | None]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
@@ -213,7 +216,10 @@ class InstanceDriver:
 
     def _drain(self, block: bool) -> None:
         timeout = None
-        if self.scheduler.pulling or len(self.leases):
+        # One rank: its finished pulls wake the loop (``wake``). Several: the others' results
+        # arrive only with a step, so the loop polls while a pull runs.
+        polled_pulls = self.scheduler.pulling and self.settings.tp > 1
+        if polled_pulls or len(self.leases):
             timeout = max(self.settings.notif_poll_s, 0.001)
         elif block:
             timeout = 0.5

@@ -23,9 +23,10 @@ GRANT_FIELDS = (
     "request_id", "instance_id", "host", "side_channel_port", "tp", "dcp", "block_size",
     "block_ids", "num_tokens", "plan_digest", "epoch", "expires_at",
 )
-# Signed when present: an instance spanning pods lists each rank's side channel. Presence is part
-# of the signed text, so neither adding nor stripping the field keeps a signature valid.
-OPTIONAL_GRANT_FIELDS = ("rank_endpoints",)
+# Signed when present: an instance spanning pods lists each rank's side channel, and every grant
+# kv/handoff.py writes names its version. Presence is part of the signed text, so neither adding
+# nor stripping a field keeps a signature valid.
+OPTIONAL_GRANT_FIELDS = ("rank_endpoints", "version")
 SIGNATURE = "signature"
 MIN_KEY_BYTES = 16
 HANDSHAKE_SKEW_S = 300.0

@@ -4,7 +4,8 @@ A reader POSTs its compatibility record to /handshake with a proof that it holds
 deployment's grant key; the publisher answers 401 without one, 409 naming the differing fields
 (and both values), or 200 with its agent metadata, KV region and record. The reader checks the
 record again on its side, so neither side trusts the other's check alone. The metadata is never
-served to a caller without the key.
+served to a caller without the key. The publication also carries the rank's transport record
+(kv/transport.py), from which a reader on the same host and device picks a device copy.
 It is a plain threaded http.server: it serves bytes fixed at start-up, so it never touches the
 NIXL agent or the model and cannot disturb the rank's main loop.
 """
@@ -24,6 +25,7 @@ from typing import Any
 from pdd_sidecar.kv.compat import CompatError, CompatRecord, check_compatible
 from pdd_sidecar.kv.grants import GrantError, check_handshake, handshake_auth
 from pdd_sidecar.kv.transfer import RegionInfo, TransferError
+from pdd_sidecar.kv.transport import TransportRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class PeerInfo:
     metadata: bytes
     region: RegionInfo
     compat: CompatRecord
+    transport: TransportRecord | None = None  # absent: the peer reads and is read over NIXL
 
 
 def publication(
@@ -57,7 +60,9 @@ def publication(
     metadata: bytes,
     region: RegionInfo,
     compat: CompatRecord,
+    transport: TransportRecord | None = None,
 ) -> dict[str, Any]:
+    extra = {} if transport is None else {"transport": transport.to_dict()}
     return {
         "role": role,
         "rank": rank,
@@ -68,6 +73,7 @@ def publication(
         "agentMetadata": base64.b64encode(metadata).decode(),
         "region": region.to_dict(),
         "compat": compat.to_dict(),
+        **extra,
     }
 
 
@@ -175,6 +181,8 @@ def handshake(
             metadata=base64.b64decode(payload["agentMetadata"]),
             region=RegionInfo.from_dict(payload["region"]),
             compat=CompatRecord.from_dict(payload["compat"]),
+            transport=(TransportRecord.from_dict(payload["transport"])
+                       if payload.get("transport") is not None else None),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PeerUnreachable(f"peer {key}: malformed side-channel answer: {exc}") from None

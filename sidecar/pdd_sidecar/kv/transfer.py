@@ -250,12 +250,19 @@ class ReadStats:
     descriptors: int = 0
     seconds: float = 0.0
     transfers: int = 0
+    path: str = "nixl"  # nixl | cuda_ipc (kv/transport.py); both, joined by "+"
 
     def add(self, other: ReadStats) -> None:
         self.bytes += other.bytes
         self.descriptors += other.descriptors
         self.seconds += other.seconds
         self.transfers += other.transfers
+        self.path = join_paths([self.path, other.path])
+
+
+def join_paths(paths: Iterable[str]) -> str:
+    """The paths some reads took, as one label: "nixl", "cuda_ipc" or "cuda_ipc+nixl"."""
+    return "+".join(sorted({p for p in paths if p})) or "nixl"
 
 
 @dataclass

@@ -16,6 +16,8 @@ from pdd_sidecar.engine.driver import InstanceDriver, on_loop
 from pdd_sidecar.engine.sampling import SamplingError, SamplingParams
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
+from pdd_sidecar.kv.grants import GrantError, GrantExpired
+from pdd_sidecar.kv.handoff import MalformedGrant
 from pdd_sidecar.metrics import InstanceMetrics
 from pdd_sidecar.model.generation import eos_token_ids
 
@@ -144,6 +146,19 @@ def first_error(results: list[Any]) -> RequestError | None:
 
 def bad(message: str) -> RequestError:
     return RequestError(message, 400, "invalid_request")
+
+
+def grant_refusal(exc: ValueError) -> RequestError:
+    """kv's verdict on a grant as the HTTP answer: not a grant 400, expired 410, not signed by
+    this deployment 403."""
+    if isinstance(exc, MalformedGrant):
+        return bad(str(exc))
+    if isinstance(exc, GrantExpired):
+        return RequestError(str(exc), 410, "gone")
+    return RequestError(str(exc), 403, "forbidden")
+
+
+GRANT_ERRORS = (MalformedGrant, GrantError)
 
 
 def int_field(body: dict[str, Any], key: str, default: int | None, minimum: int) -> int | None:

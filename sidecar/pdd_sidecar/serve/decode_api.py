@@ -23,15 +23,19 @@ from aiohttp import web
 
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.scheduler import Sequence
-from pdd_sidecar.engine.worker import RequestError, Source, parse_endpoints
-from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantError, GrantExpired, verify
+from pdd_sidecar.engine.worker import RequestError
+from pdd_sidecar.kv.grants import GRANT_MARGIN_S
+from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
+from pdd_sidecar.kv.transfer import join_paths
 from pdd_sidecar.serve.common import (
+    GRANT_ERRORS,
     STATE,
     InstanceState,
     bad,
     error_response,
     finished,
     first_error,
+    grant_refusal,
     int_field,
     read_json,
     request_id,
@@ -43,32 +47,24 @@ from pdd_sidecar.serve.common import (
 from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
 
 
-def _grant(state: InstanceState, params: Any) -> str:
-    """Check the grant and find the prefill peer that issued it; its HTTP URL (for the claim).
+def _claim_url(state: InstanceState, src: TransferParams) -> str:
+    """The HTTP URL (for the claim) of the prefill peer that issued a verified grant.
 
     The decode reads only from prefill instances it discovered itself, never from a host a
     request names."""
-    try:
-        verify(params, state.worker.key, margin_s=GRANT_MARGIN_S)
-    except GrantExpired as exc:
-        raise RequestError(str(exc), 410, "gone") from None
-    except GrantError as exc:
-        raise RequestError(str(exc), 403, "forbidden") from None
-    url = state.prefill_peers.get(str(params["instance_id"]))
-    refused = state.peer_errors.get(str(params["instance_id"]))
+    url = state.prefill_peers.get(src.instance_id)
+    refused = state.peer_errors.get(src.instance_id)
     if url is None and refused is not None:
         raise refused  # a configured peer that failed its handshake: say why
     if url is None:
         raise RequestError(
-            f"kv_transfer_params: instance {params['instance_id']} is not a prefill peer of "
+            f"kv_transfer_params: instance {src.instance_id} is not a prefill peer of "
             f"this decode (known: {sorted(state.prefill_peers.values())})", 403, "forbidden")
     return url
 
 
-def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
-    params = body.get("kv_transfer_params")
-    src = Source.parse(params)
-    claim_url = _grant(state, params)
+def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -> Sequence:
+    claim_url = _claim_url(state, src)
     first = token_ids(state, [body.get("first_token")], "first_token")[0]
     max_new = int_field(body, "max_new_tokens", 16, 0)
     assert max_new is not None
@@ -80,34 +76,27 @@ def _sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
     seq = Sequence(request_id(body, lambda: uuid.uuid4().hex), [], max_new,
                    src.num_tokens + max_new, source=src, first_token=first,
                    **sequence_options(state, body))
-    seq.extra["source"] = params
+    seq.extra["source"] = src
     seq.extra["claim_url"] = claim_url
     return seq
 
 
-def _signed(state: InstanceState, params: dict[str, Any]) -> bool:
-    try:
-        verify(params, state.worker.key, margin_s=-1e9)
-    except GrantError:
-        return False
-    return True
-
-
 async def decode_sequence(request: web.Request, state: InstanceState,
                           body: dict[str, Any]) -> Sequence:
-    """The sequence of a decode request body (RequestError on refusal)."""
+    """The sequence of a decode request body (RequestError on refusal). Its grant is parsed
+    and verified here, once; the ranks get the typed parameters."""
     state.require_serving("decode")
-    params = body.get("kv_transfer_params")
+    try:
+        src = TransferParams.from_grant(body.get("kv_transfer_params"), state.worker.key,
+                                        GRANT_MARGIN_S)
+    except GRANT_ERRORS as exc:
+        raise grant_refusal(exc) from None
     watch = request.app[PEERS]
-    if (isinstance(params, dict) and watch.session is not None
-            and isinstance(params.get("instance_id"), str)  # a list is no dict key: 500
-            and params["instance_id"] not in state.prefill_peers
-            and _signed(state, params)):  # only a genuine grant may cost a probe round
+    if watch.session is not None and src.instance_id not in state.prefill_peers:
         await watch.round()  # a prefill that restarted since the last round
-    seq = _sequence(state, body)
-    src = seq.source
-    where = watch.endpoints.get(src.instance_id) if src is not None else None
-    if src is not None and where is not None and where != src.endpoints:
+    seq = _sequence(state, body, src)
+    where = watch.endpoints.get(src.instance_id)
+    if where is not None and where != src.endpoints:
         # A grant verifies only if a prefill of this deployment signed it; even so the READ
         # goes where discovery found that instance's ranks, never to a host the request names.
         raise RequestError(
@@ -139,6 +128,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         m.transfer_bytes.labels(rank=str(rank)).inc(t["bytes"])
         m.transfer_descriptors.labels(rank=str(rank)).inc(t["descriptors"])
         m.transfer_seconds.labels(rank=str(rank)).observe(t["seconds"])
+        m.transfer_paths.labels(path=t["path"]).inc()
         ranks.append({"rank": rank, **t})
     return {
         "request_id": seq.id,
@@ -147,6 +137,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         "transfer": {
             "bytes": sum(r["bytes"] for r in ranks),
             "descriptors": sum(r["descriptors"] for r in ranks),
+            "path": join_paths(r["path"] for r in ranks),
             "ranks": ranks,
         },
         "timing": timing.decode_timing(seq.extra),

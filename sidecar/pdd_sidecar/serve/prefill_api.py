@@ -23,13 +23,15 @@ from aiohttp import web
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RequestError
-from pdd_sidecar.kv.grants import GrantError, sign, verify
+from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
+    GRANT_ERRORS,
     STATE,
     InstanceState,
     bad,
     error_response,
     finished,
+    grant_refusal,
     int_field,
     read_json,
     request_id,
@@ -42,8 +44,9 @@ MAX_HOLD_S = 600.0
 
 
 async def run_prefill(request: web.Request, state: InstanceState,
-                      body: dict[str, Any]) -> dict[str, Any]:
-    """The instance API answer for a prefill request body (RequestError on refusal)."""
+                      body: dict[str, Any]) -> tuple[Sequence, TransferParams | None]:
+    """The finished prefill of a request body, and what a decode reads when it holds KV
+    (RequestError on refusal)."""
     received = time.monotonic()
     state.require_serving("prefill")
     rid = request_id(body, lambda: uuid.uuid4().hex)
@@ -61,32 +64,30 @@ async def run_prefill(request: web.Request, state: InstanceState,
     err = sequence_error(seq)
     if err:
         raise err
-    s = state.settings
     held = seq.finish_reason is None
-    # An instance spanning pods says where each rank is read from (signed with the rest).
-    where = {"rank_endpoints": [list(e) for e in state.worker.endpoints]} if s.spans_pods else {}
-    return {
-        "request_id": rid,
-        "first_token": seq.output[0],
-        "finish_reason": seq.finish_reason,
-        "kv_transfer_params": sign({
-            "request_id": rid,
-            "host": s.pod_ip,
-            "side_channel_port": s.side_channel_port,
-            "instance_id": state.worker.instance_id,
-            "tp": s.tp,
-            "dcp": s.dcp,
-            "block_size": s.block_size,
-            "block_ids": seq.blocks,
-            "num_tokens": len(prompt),
-            "plan_digest": state.worker.compat.plan_digest,
-            "epoch": seq.extra["epoch"],
-            "expires_at": seq.extra["expires_at"],
-            "lease_seconds": s.lease_seconds,
-            **where,
-        }, state.worker.key) if held else None,
-        "timing": timing.prefill_timing(seq.extra),
-    }
+    return seq, _held_params(state, seq, len(prompt)) if held else None
+
+
+def _held_params(state: InstanceState, seq: Sequence, num_tokens: int) -> TransferParams:
+    """Where a decode reads the blocks ``seq`` holds on this instance."""
+    s = state.settings
+    return TransferParams(
+        request_id=seq.id,
+        instance_id=state.worker.instance_id,
+        host=s.pod_ip,
+        side_channel_port=s.side_channel_port,
+        tp=s.tp,
+        dcp=s.dcp,
+        block_size=s.block_size,
+        block_ids=tuple(seq.blocks),
+        num_tokens=num_tokens,
+        plan_digest=state.worker.compat.plan_digest,
+        epoch=seq.extra["epoch"],
+        expires_at=seq.extra["expires_at"],
+        # An instance spanning pods says where each rank is read from (signed with the rest).
+        rank_endpoints=tuple(state.worker.endpoints) if s.spans_pods else None,
+        lease_seconds=s.lease_seconds,
+    )
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -95,9 +96,15 @@ async def prefill(request: web.Request) -> web.Response:
     start = time.monotonic()
     outcome = "error"
     try:
-        answer = await run_prefill(request, state, await read_json(request))
+        seq, held = await run_prefill(request, state, await read_json(request))
         outcome = "ok"
-        return web.json_response(answer)
+        return web.json_response({
+            "request_id": seq.id,
+            "first_token": seq.output[0],
+            "finish_reason": seq.finish_reason,
+            "kv_transfer_params": held.to_grant(state.worker.key) if held else None,
+            "timing": timing.prefill_timing(seq.extra),
+        })
     except Exception as exc:
         return error_response(exc)
     finally:
@@ -106,16 +113,14 @@ async def prefill(request: web.Request) -> web.Response:
             time.monotonic() - start)
 
 
-def _own_grant(state: InstanceState, body: dict[str, Any]) -> dict[str, Any]:
+def _own_grant(state: InstanceState, body: dict[str, Any]) -> TransferParams:
     """A grant this instance signed; anything else is refused (403)."""
-    grant = body.get("kv_transfer_params")
     try:
-        verify(grant, state.worker.key, margin_s=-1e9)  # expiry is the lease table's business
-    except GrantError as exc:
-        raise RequestError(str(exc), 403, "forbidden") from None
-    assert isinstance(grant, dict)
-    if grant["instance_id"] != state.worker.instance_id:
-        raise RequestError(f"kv_transfer_params: granted by instance {grant['instance_id']}, "
+        grant = TransferParams.from_own_grant(body.get("kv_transfer_params"), state.worker.key)
+    except GRANT_ERRORS as exc:
+        raise grant_refusal(exc) from None
+    if grant.instance_id != state.worker.instance_id:
+        raise RequestError(f"kv_transfer_params: granted by instance {grant.instance_id}, "
                            f"not this one ({state.worker.instance_id})", 403, "forbidden")
     return grant
 
@@ -126,7 +131,7 @@ async def release(request: web.Request) -> web.Response:
     try:
         body = await read_json(request)
         grant = _own_grant(state, body)
-        released = await state.call_release(str(grant["request_id"]))
+        released = await state.call_release(grant.request_id)
     except Exception as exc:
         return error_response(exc)
     state.metrics.requests.labels(role="prefill", endpoint="release", outcome="ok").inc()
@@ -143,11 +148,8 @@ async def claim(request: web.Request) -> web.Response:
         if isinstance(hold_s, bool) or not isinstance(hold_s, int | float) or not (
                 0 < hold_s <= MAX_HOLD_S):
             raise bad(f"hold_s: must be a number in (0, {MAX_HOLD_S:.0f}], got {hold_s!r}")
-        epoch = grant["epoch"]
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            raise bad(f"kv_transfer_params.epoch: must be an integer, got {type(epoch).__name__}")
         refused = await asyncio.wrap_future(
-            state.driver.claim(str(grant["request_id"]), epoch, float(hold_s)))
+            state.driver.claim(grant.request_id, grant.epoch, float(hold_s)))
         if refused:
             raise RequestError(refused, 410, "gone")
     except Exception as exc:

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
     STATE,
     InstanceState,
@@ -41,24 +42,24 @@ FIRST_TOKEN = "pdd_first_token"
 _CODEC = web.AppKey("codec", dict[str, Any])
 
 
-def vllm_params(state: InstanceState, grant: dict[str, Any], first: int) -> dict[str, Any]:
+def vllm_params(state: InstanceState, held: TransferParams, first: int) -> dict[str, Any]:
     """The prefill's answer in vLLM's field names, with what pdd's decode needs besides."""
     s = state.settings
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_engine_id": grant["instance_id"],
-        "remote_block_ids": grant["block_ids"],
-        "remote_request_id": grant["request_id"],
-        "remote_host": grant["host"],
-        "remote_port": grant["side_channel_port"],
+        "remote_engine_id": held.instance_id,
+        "remote_block_ids": list(held.block_ids),
+        "remote_request_id": held.request_id,
+        "remote_host": held.host,
+        "remote_port": held.side_channel_port,
         "tp_size": max(s.tp, s.dcp),
         "dcp_size": s.dcp,
         "pp_size": 1,
-        "remote_num_tokens": grant["num_tokens"],
-        "remote_blocks_expiry_time": grant["expires_at"],
+        "remote_num_tokens": held.num_tokens,
+        "remote_blocks_expiry_time": held.expires_at,
         "transfer_mode": "pull",
-        GRANT: grant,
+        GRANT: held.to_grant(state.worker.key),
         FIRST_TOKEN: first,
     }
 
@@ -147,12 +148,12 @@ async def _prefill_leg(request: web.Request, state: InstanceState, rid: str,
                        options: dict[str, Any]) -> web.Response:
     if params.get("do_remote_decode") is not True:
         raise bad("kv_transfer_params.do_remote_decode: a prefill instance needs true")
-    pre = await run_prefill(request, state, {"request_id": rid, "prompt_ids": prompt,
-                                             **options})
-    first, grant = pre["first_token"], pre["kv_transfer_params"]
-    out = vllm_params(state, grant, first) if grant else None
+    seq, held = await run_prefill(request, state, {"request_id": rid, "prompt_ids": prompt,
+                                                   **options})
+    first = seq.output[0]
+    out = vllm_params(state, held, first) if held else None
     return web.json_response(_completion(request, rid, body, prompt, [first],
-                                         pre["finish_reason"] or "length", out))
+                                         seq.finish_reason or "length", out))
 
 
 async def _decode_leg(request: web.Request, state: InstanceState, rid: str,

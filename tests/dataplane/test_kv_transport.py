@@ -1,0 +1,166 @@
+"""The transport records on the side channel, the CUDA IPC handle's guarded unpickling, the device
+copy's block arithmetic (on CPU tensors), and the puller's pull results and wake-up hook."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdd_api.plan import SidePlan
+from pdd_api.routing import plan_routing
+from pdd_sidecar.env import InstanceSettings
+from pdd_sidecar.kv.compat import CompatError, CompatRecord
+from pdd_sidecar.kv.handoff import TransferParams
+from pdd_sidecar.kv.puller import KVPuller, PullJob
+from pdd_sidecar.kv.side_channel import PeerInfo, SideChannelServer, handshake, publication
+from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Run, Tail, plan_read_specs
+from pdd_sidecar.kv.transport import (
+    TransportRecord,
+    copy_blocks,
+    handle_args,
+    local_record,
+)
+
+pytestmark = pytest.mark.dataplane
+
+LAYERS, BLOCK, LATENT, NUM_BLOCKS = 2, 4, 3, 12
+KEY = b"k" * 32
+COMPAT = CompatRecord(model="m", dtype="float32", block_size=BLOCK, cache_layout="l",
+                      plan_version=1, plan_digest="d")
+
+
+def _cache(seed: int | None = None) -> torch.Tensor:
+    if seed is None:
+        return torch.zeros(NUM_BLOCKS, LAYERS, BLOCK, LATENT)
+    return torch.randn(NUM_BLOCKS, LAYERS, BLOCK, LATENT,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_cpu_rank_publishes_its_host_and_no_ipc_handle() -> None:
+    record = local_record(_cache())
+    assert record.device_type == "cpu" and record.cuda_ipc == "" and record.device_uuid == ""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert record.boot_id == boot_id
+    assert record.ipc_namespace == os.stat("/proc/self/ns/ipc").st_ino
+
+
+def test_the_transport_record_crosses_the_side_channel_with_the_rest() -> None:
+    kv = _cache()
+    record = TransportRecord("boot", "host", 7, "cuda", "GPU-x", "aGFuZGxl")
+    for sent in (record, None):
+        payload = publication(role="prefill", rank=0, tp=1, dcp=1, instance_id="i0",
+                              agent_name="a", metadata=b"\x00meta", region=RegionInfo.of_tensor(kv),
+                              compat=COMPAT, transport=sent)
+        server = SideChannelServer("127.0.0.1", 0, payload, KEY)
+        try:
+            info = handshake("127.0.0.1", server.port, COMPAT, "decode rank 0", 5, KEY)
+        finally:
+            server.close()
+        assert info.transport == sent
+        assert (info.metadata, info.instance_id) == (b"\x00meta", "i0")
+
+
+def test_the_ipc_handle_unpickles_only_the_torch_types_it_holds() -> None:
+    t = _cache()
+    args = (type(t), t.size(), t.stride(), 0, type(t._typed_storage()), torch.bfloat16, 0,
+            b"handle", 96, 0, False, b"refs", 0, b"event", True)
+    assert handle_args(base64.b64encode(pickle.dumps(args)).decode()) == args
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("true",))
+
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        handle_args(base64.b64encode(pickle.dumps((Evil(),))).decode())
+
+
+def test_a_device_copy_moves_exactly_the_spec_blocks_and_the_filled_tail_rows() -> None:
+    src, dst = _cache(1), _cache()
+    spec = ReadSpec(prefill_rank=0, runs=[Run(3, 0, 2), Run(8, 5, 1)], tail=Tail(10, 7, 2))
+    copy_blocks(dst, src, spec)
+    want = _cache()
+    for remote, local in ((3, 0), (4, 1), (8, 5)):
+        want[local] = src[remote]
+    want[7, :, :2] = src[10, :, :2]
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [((1, 1), (1, 1)), ((2, 2), (1, 1)),
+                                                 ((1, 1), (2, 2))])
+def test_device_copies_of_the_plans_specs_rebuild_the_prompt_on_every_decode_rank(
+        prefill: tuple[int, int], decode: tuple[int, int]) -> None:
+    """Chunk g lives on prefill rank g % dcpP at its block g // dcpP and must land on decode rank
+    g % dcpD at block g // dcpD, whichever rank's cache the copy reads."""
+    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
+                                 decode_context_parallel_size=prefill[1]),
+                        SidePlan(tensor_parallel_size=decode[0],
+                                 decode_context_parallel_size=decode[1]), BLOCK)
+    num_tokens = 5 * BLOCK + 3
+    chunks = -(-num_tokens // BLOCK)
+    pblocks, dblocks = [9, 2, 7, 4, 11, 0], [1, 6, 3, 10, 5, 8]
+    sources = [_cache(10 + p) for p in range(prefill[0])]
+    for d in range(decode[0]):
+        dst = _cache()
+        specs = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
+                                pblocks, dblocks)
+        for spec in specs:
+            copy_blocks(dst, sources[spec.prefill_rank], spec)
+        for g in range(chunks):
+            if g % decode[1] != d % decode[1]:
+                continue
+            rows = num_tokens - g * BLOCK if g == chunks - 1 else BLOCK
+            src = sources[g % prefill[1]][pblocks[g // prefill[1]], :, :rows]
+            assert torch.equal(dst[dblocks[g // decode[1]], :, :rows], src), g
+
+
+def _puller(**env: str) -> KVPuller:
+    settings = InstanceSettings.from_env({
+        "PDD_ROLE": "decode", "PDD_TP_SIZE": "1", "PDD_BLOCK_SIZE": str(BLOCK),
+        "PDD_ROUTING_FILE": "/r.json", "PDD_GRANT_KEY_FILE": "/k", **env})
+    plan = plan_routing(SidePlan(tensor_parallel_size=1, decode_context_parallel_size=1),
+                        SidePlan(tensor_parallel_size=1, decode_context_parallel_size=1), BLOCK)
+    return KVPuller(rank=0, who="decode 0 rank 0", settings=settings, plan=plan, compat=COMPAT,
+                    key=KEY, agent=None,  # type: ignore[arg-type]  # never reached here
+                    transport=local_record(_cache()))
+
+
+def test_a_pull_result_is_queued_then_the_owner_is_woken() -> None:
+    puller = _puller()
+    woken = threading.Event()
+    seen: list[object] = []
+    puller.on_pulled = lambda: (seen.extend(puller.take()), woken.set())  # type: ignore[func-returns-value]
+    puller.start(threads=1)
+    src = TransferParams(request_id="r", instance_id="i", host="h", side_channel_port=1, tp=1,
+                         dcp=1, block_size=BLOCK * 2, block_ids=(0,), num_tokens=3,
+                         plan_digest="d", epoch=1, expires_at=4e9)
+    puller.submit(PullJob("seq-1", src, [0], "http://nowhere"))
+    assert woken.wait(10)
+    [(seq_id, error, stats)] = seen  # type: ignore[misc]
+    assert seq_id == "seq-1" and stats == {}
+    assert error is not None and (error["status"], error["kind"]) == (409, "incompatible")
+    assert f"block_size {BLOCK * 2} != local {BLOCK}" in error["error"]
+
+
+def test_a_forced_device_copy_from_a_cpu_peer_is_refused_at_the_handshake() -> None:
+    kv = _cache()
+    peer = PeerInfo(key="h:1", role="prefill", rank=0, tp=1, dcp=1, instance_id="i",
+                    agent_name="a", metadata=b"", region=RegionInfo.of_tensor(kv), compat=COMPAT,
+                    transport=local_record(kv))
+    assert _puller()._choose("h:1", peer) == "nixl"
+    with pytest.raises(CompatError, match="h:1: PDD_KV_TRANSPORT=cuda_ipc.*not cuda"):
+        _puller(PDD_KV_TRANSPORT="cuda_ipc")._choose("h:1", peer)
+
+
+def test_an_unknown_transport_is_refused_naming_the_variable() -> None:
+    from pdd_sidecar.env import ConfigError
+
+    with pytest.raises(ConfigError, match="PDD_KV_TRANSPORT: must be one of auto, nixl, "
+                                          "cuda_ipc, got 'rdma'"):
+        _puller(PDD_KV_TRANSPORT="rdma")
+    assert _puller().settings.kv_transport == "auto"
