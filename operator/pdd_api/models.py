@@ -7,7 +7,7 @@ rules with their designed messages live in rules.py, shared with the CRD's CEL.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
@@ -18,6 +18,10 @@ KIND = "PDDeployment"
 PLURAL = "pddeployments"
 SHORT_NAME = "pdd"
 GPU_RESOURCE = "nvidia.com/gpu"
+
+# How the router picks replicas (sidecar serve/routing_policy.py); the first is the default.
+RouterPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 
 # CRD-only schema hints carried on fields (see crd.py).
 PRESERVE_UNKNOWN: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
