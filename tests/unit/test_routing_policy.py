@@ -199,6 +199,15 @@ def test_plan_filter_and_exclusion_hold_under_every_policy(policy: str) -> None:
     assert pool.pick({"p-other"}, prompt_ids=prompt) == "p-new"
 
 
+def test_the_index_holds_no_more_blocks_than_the_replica() -> None:
+    pool = _pool("prefill", ["p0"], "cache-aware")
+    pool.capacity["p0"] = 3 * BLOCK
+    pool.started("p0", list(range(8 * BLOCK)))
+    policy = pool.policy
+    assert isinstance(policy, CacheAware)
+    assert policy.index.size("p0") == 3
+
+
 def test_a_replica_back_from_not_ready_is_taken_as_cold() -> None:
     pool = _pool("prefill", ["p0", "p1"], "cache-aware")
     prompt = _prompt(0, random.Random(4))

@@ -51,7 +51,7 @@ class Pool:
         load = self._load(url)
         load.outstanding += 1
         if prompt_ids:
-            self.policy.routed(url, prompt_ids, load)
+            self.policy.routed(url, prompt_ids, self.capacity.get(url))
 
     def finished(self, url: str) -> None:
         load = self._load(url)

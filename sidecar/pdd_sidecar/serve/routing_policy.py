@@ -20,7 +20,8 @@ quarter of its blocks free thus takes about a quarter of the new sequences of an
 The prefix index is an approximate prefix tree flattened into hashes: block i of a prompt is
 keyed by the hash of (key of block i-1, its tokens), so one key stands for the whole prefix up
 to it. Each replica keeps the keys of the prompts routed there, least recently used first out,
-at most as many as it has KV blocks (`DEFAULT_TRACKED_BLOCKS` until it reports them).
+at most as many as it has KV blocks (its `kv_capacity_tokens` over the block size;
+`DEFAULT_TRACKED_BLOCKS` until it reports them).
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ class RoutingPolicy:
                prompt_ids: Sequence[int] | None = None) -> str:
         return self._in_turn(candidates)
 
-    def routed(self, url: str, prompt_ids: Sequence[int], load: ReplicaLoad) -> None:
-        """A prompt was sent to this replica."""
+    def routed(self, url: str, prompt_ids: Sequence[int], capacity_tokens: int | None) -> None:
+        """A prompt was sent to this replica (which holds at most that many tokens of KV)."""
 
     def forget(self, url: str) -> None:
         """The replica restarted or left: what it held is gone."""
@@ -184,8 +185,9 @@ class CacheAware(LeastLoaded):
             return self._least_loaded(candidates, loads)
         return url
 
-    def routed(self, url: str, prompt_ids: Sequence[int], load: ReplicaLoad) -> None:
-        self.index.record(url, self.index.keys(prompt_ids), load.num_blocks)
+    def routed(self, url: str, prompt_ids: Sequence[int], capacity_tokens: int | None) -> None:
+        limit = capacity_tokens // self.index.block_size if capacity_tokens else None
+        self.index.record(url, self.index.keys(prompt_ids), limit or None)
 
     def forget(self, url: str) -> None:
         self.index.forget(url)
