@@ -138,6 +138,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
                                        "decode": {"tensorParallelSize": 4}},
      "spec.decode.tensorParallelSize: with engine vllm, must divide or be a multiple of "
      "spec.prefill.tensorParallelSize (6), got 4"),
+    ("router policy", with_("router.policy", "random"),
+     "spec.router.policy: must be one of 'cache-aware', 'least-loaded' or 'round-robin', "
+     "got 'random'"),
+    ("prefixCache type", with_("prefill.prefixCache", "yes"),
+     "spec.prefill.prefixCache: must be a boolean, got 'yes'"),
     ("vllm router image missing", {**VLLM, "router": {}}, VLLM_ROUTER_IMAGE),
     ("vllm router image empty", {**VLLM, "router": {"image": "", "enabled": True}},
      VLLM_ROUTER_IMAGE),
@@ -159,6 +164,9 @@ VALID_EDGES = [
     with_("decode.affinity", {"nodeAffinity": {"anything": ["goes"]}}),
     with_("decode.env", [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]),
     with_("router.enabled", False),
+    with_("router.policy", "round-robin"),
+    with_("decode.prefixCache", False),
+    {**VLLM, "prefill": {"tensorParallelSize": 4, "prefixCache": False}},
     with_("kvTransfer.sideChannelPort", 1024),
     # pdd's own sidecars serve TP sizes that do not divide; vLLM's NIXL routing does not.
     {**BASE, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 3}},

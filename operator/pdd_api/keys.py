@@ -73,3 +73,9 @@ ENV_LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 ENV_RANKS_PER_POD = "PDD_RANKS_PER_POD"
 ENV_DIST_PORT = "PDD_DIST_PORT"
 DIST_PORT = 29500  # torch.distributed's customary rendezvous port
+
+# Prefix caching and cache-aware routing: whether an instance keeps a prompt's KV blocks for
+# later prompts that start the same way ("1", the default, or "0"), and how the router picks
+# replicas (cache-aware, least-loaded or round-robin; pdd_api.models.ROUTER_POLICIES).
+ENV_PREFIX_CACHE = "PDD_PREFIX_CACHE"
+ENV_ROUTER_POLICY = "PDD_ROUTER_POLICY"

@@ -7,7 +7,7 @@ rules with their designed messages live in rules.py, shared with the CRD's CEL.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
@@ -18,6 +18,10 @@ KIND = "PDDeployment"
 PLURAL = "pddeployments"
 SHORT_NAME = "pdd"
 GPU_RESOURCE = "nvidia.com/gpu"
+
+# How the router picks replicas (sidecar serve/routing_policy.py); the first is the default.
+RouterPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 
 # CRD-only schema hints carried on fields (see crd.py).
 PRESERVE_UNKNOWN: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
@@ -198,6 +202,12 @@ class RoleSpec(_Strict):
     priorityClassName: str | None = Field(
         default=None, description="PriorityClass of the role's pods."
     )
+    prefixCache: bool = Field(
+        default=True,
+        description="Keep the KV blocks of each prompt for later prompts that begin the same "
+        "way, so their shared prefix is not computed again (PDD_PREFIX_CACHE; with engine "
+        "vllm, false adds --no-enable-prefix-caching).",
+    )
     template: PodTemplate | None = Field(
         default=None,
         description="Pod template overlay: labels, annotations and PodSpec fields (volumes, "
@@ -213,6 +223,13 @@ class RouterSpec(_Strict):
         "(the user-facing /v1/completions endpoint).",
     )
     replicas: int = Field(default=1, description="Router pods.")
+    policy: RouterPolicy = Field(
+        default="cache-aware",
+        description="How the router picks replicas (PDD_ROUTER_POLICY): cache-aware sends a "
+        "prompt to the prefill that was sent its longest prefix before unless that one is "
+        "overloaded, and each decode by load; least-loaded picks both by load alone; "
+        "round-robin in turn.",
+    )
     image: str | None = Field(
         default=None,
         description="Router image; absent: spec.image. Required with engine vllm, where "

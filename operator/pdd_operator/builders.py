@@ -48,7 +48,7 @@ CONTRACT_ENV = frozenset(
         keys.ENV_BLOCK_SIZE, keys.ENV_ROUTING_FILE, keys.ENV_SIDE_CHANNEL_PORT, keys.ENV_POD_IP,
         keys.ENV_HTTP_PORT, keys.ENV_MODEL_NAME, keys.ENV_MODEL_SOURCE, keys.ENV_DTYPE,
         keys.ENV_POD_NAME, keys.ENV_NAMESPACE, keys.ENV_GRANT_KEY_FILE,
-        keys.ENV_PREFILL_SERVICE, keys.ENV_PLAN_HASH,
+        keys.ENV_PREFILL_SERVICE, keys.ENV_PLAN_HASH, keys.ENV_PREFIX_CACHE,
     }
 )
 
@@ -306,6 +306,7 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
         _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
         _env(keys.ENV_MODEL_NAME, spec.model.name),
         _env(keys.ENV_DTYPE, spec.model.dtype),
+        _env(keys.ENV_PREFIX_CACHE, "1" if r.prefixCache else "0"),
     ]
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
@@ -470,6 +471,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
         _env(keys.ENV_MODEL_NAME, spec.model.name),
         _env(keys.ENV_BLOCK_SIZE, spec.blockSize),
+        _env(keys.ENV_ROUTER_POLICY, spec.router.policy),
         *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
         _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", spec.prefill.replicas)),
         _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", spec.decode.replicas)),

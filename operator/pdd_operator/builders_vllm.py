@@ -52,6 +52,8 @@ def serve_args(spec: PDDeploymentSpec, role_spec: RoleSpec) -> list[str]:
         args += ["--cp-kv-cache-interleave-size", str(spec.blockSize)]
     if spec.model.source:  # clients and the router name the model, not its directory
         args += ["--served-model-name", spec.model.name]
+    if not role_spec.prefixCache:  # vLLM caches prefixes unless told not to
+        args += ["--no-enable-prefix-caching"]
     return args + list(role_spec.extraArgs or [])
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdd_api import keys
+from pdd_api.models import ROUTER_POLICIES
 
 # --- contract (docs/architecture.md "Sidecar env") ---
 PDD_ROLE = keys.ENV_ROLE
@@ -80,6 +81,9 @@ PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
 PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
 PDD_ROUTER_READY_WAIT_S = "PDD_ROUTER_READY_WAIT_S"  # how long a request waits for a ready replica
+# How the router picks replicas (serve/routing_policy.py): cache-aware (default), least-loaded
+# or round-robin.
+PDD_ROUTER_POLICY = keys.ENV_ROUTER_POLICY
 # How the router talks to its upstreams: pdd (/v1/prefill, /v1/decode) or vllm (vLLM's P/D
 # proxy flow on /v1/completions, which pdd instances and vLLM servers both speak)
 PDD_ROUTER_UPSTREAM_PROTOCOL = "PDD_ROUTER_UPSTREAM_PROTOCOL"
@@ -336,6 +340,8 @@ class RouterSettings:
     max_concurrency: int = 1024
     upstream_protocol: str = "pdd"
     ready_wait_s: float = 5.0
+    router_policy: str = "cache-aware"
+    block_size: int = 64  # the instances' (the prefix index keys whole blocks of prompts)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -356,6 +362,8 @@ class RouterSettings:
             max_concurrency=_int(env, PDD_ROUTER_MAX_CONCURRENCY, 1024, 1),
             upstream_protocol=_choice(env, PDD_ROUTER_UPSTREAM_PROTOCOL, UPSTREAM_PROTOCOLS),
             ready_wait_s=_float(env, PDD_ROUTER_READY_WAIT_S, 5.0),
+            router_policy=_choice(env, PDD_ROUTER_POLICY, ROUTER_POLICIES),
+            block_size=_int(env, PDD_BLOCK_SIZE, 64, 1),
         )
         if not (settings.prefill or settings.prefill_service):
             raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")

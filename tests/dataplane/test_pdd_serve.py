@@ -326,4 +326,8 @@ def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
         assert ok >= 1, f"{role}: no request answered before the ready line"
         status, body = http("GET", f"{inst}/readyz")
         assert status == 200 and body["ready"], body
+        load = body["load"]  # what the router's policy weighs (serve/routing_policy.py)
+        assert set(load) == {"running", "waiting", "free_blocks", "num_blocks"}, load
+        assert 0 <= load["free_blocks"] <= load["num_blocks"], load
+        assert load["running"] >= 0 and load["waiting"] >= 0, load
     assert _metric(decode, "pdd_kv_transfer_bytes_total", '{rank="0"}') > 0

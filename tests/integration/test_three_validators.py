@@ -76,6 +76,8 @@ def _leaves() -> list[Leaf]:
         Leaf(("kvTransfer",), "obj"), Leaf(("kvTransfer", "backend"), "enum", ("UCX", "ucx")),
         Leaf(("kvTransfer", "sideChannelPort"), "int"),
         Leaf(("router",), "obj"), Leaf(("router", "enabled"), "bool"),
+        Leaf(("router", "policy"), "enum", ("cache-aware", "least-loaded", "round-robin",
+                                             "Round-Robin", "")),
         Leaf(("router", "replicas"), "int"), Leaf(("router", "resources"), "obj"),
         Leaf(("router", "resources", "limits"), "map_q"),
         Leaf(("rollout",), "obj"), Leaf(("rollout", "maxUnavailable"), "int"),
@@ -101,7 +103,7 @@ def _leaves() -> list[Leaf]:
             Leaf((r, "env", 0, "valueFrom"), "free"), Leaf((r, "extraArgs"), "list_str"),
             Leaf((r, "extraArgs", 0), "str"),
             Leaf((r, "imagePullPolicy"), "enum", ("Always", "IfNotPresent", "Never", "never")),
-            Leaf((r, "priorityClassName"), "str"),
+            Leaf((r, "priorityClassName"), "str"), Leaf((r, "prefixCache"), "bool"),
         ]
     for r in TEMPLATED:
         t = (r, "template")

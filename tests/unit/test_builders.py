@@ -158,6 +158,7 @@ def _hash(doc: dict[str, Any], role: str = "decode") -> str:
     ("model.name", "other/model"),
     ("decode.decodeContextParallelSize", 1),
     ("decode.extraArgs", ["--x"]),
+    ("decode.prefixCache", False),
 ])
 def test_spec_hash_changes_with_what_needs_a_restart(doc: dict[str, Any], path: str,
                                                      value: Any) -> None:
@@ -173,7 +174,7 @@ def test_spec_hash_changes_with_what_needs_a_restart(doc: dict[str, Any], path: 
 def test_spec_hash_ignores_scale_and_router(doc: dict[str, Any]) -> None:
     before = _hash(doc)
     doc["spec"]["decode"]["replicas"] = 3
-    doc["spec"]["router"] = {"replicas": 2}
+    doc["spec"]["router"] = {"replicas": 2, "policy": "round-robin"}
     doc["spec"]["rollout"] = {"maxUnavailable": 2}
     assert _hash(doc) == before
 
@@ -593,6 +594,27 @@ def test_router_reads_the_model_source_and_decodes_find_their_prefill_peers(
     decode, prefill = desired.pods["decode"][0], desired.pods["prefill"][0]
     assert env_of(decode)["PDD_PREFILL_SERVICE"] == router_env["PDD_PREFILL_SERVICE"]
     assert "PDD_PREFILL_SERVICE" not in env_of(prefill)
+
+
+def test_prefix_cache_per_role_and_the_router_policy_reach_their_pods(
+        doc: dict[str, Any]) -> None:
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    assert env_of(desired.router_deployment["spec"]["template"])[
+        keys.ENV_ROUTER_POLICY] == "cache-aware"
+    for role in ("prefill", "decode"):
+        assert env_of(desired.pods[role][0])[keys.ENV_PREFIX_CACHE] == "1"
+    doc["spec"]["decode"]["prefixCache"] = False
+    doc["spec"]["decode"]["env"] = [{"name": keys.ENV_PREFIX_CACHE, "value": "1"}]
+    doc["spec"]["router"] = {"policy": "least-loaded"}
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    assert env_of(desired.router_deployment["spec"]["template"])[
+        keys.ENV_ROUTER_POLICY] == "least-loaded"
+    assert env_of(desired.pods["prefill"][0])[keys.ENV_PREFIX_CACHE] == "1"
+    decode_env = desired.pods["decode"][0]["spec"]["containers"][0]["env"]
+    # The field wins over a user env of the same name, as for every contract key.
+    assert [e["value"] for e in decode_env if e["name"] == keys.ENV_PREFIX_CACHE] == ["0"]
 
 
 def test_webhook_certificate_renews_at_two_thirds() -> None:

@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest
 from pdd_sidecar.serve.replica_pool import Pool
@@ -232,3 +233,34 @@ def test_when_every_ready_prefill_refused_the_request_fails_without_waiting() ->
 
     status, probes = asyncio.run(run())
     assert status == 503 and probes == 1
+
+
+def test_the_probe_reads_each_replicas_load() -> None:
+    """The instances' /readyz `load` is what the policy weighs besides the router's own count
+    of requests in flight; a replica that does not report it (vLLM's /health) weighs by that
+    count alone."""
+
+    async def run() -> tuple[Any, Any]:
+        async def loaded(request: web.Request) -> web.Response:
+            return web.json_response({"ready": True, "plan_digest": "plan", "load": {
+                "running": 3, "waiting": 2, "free_blocks": 40, "num_blocks": 100}})
+
+        server, url = await _serve([("GET", "/readyz", loaded)])
+        quiet_server, quiet = await _serve([("GET", "/readyz", _ready_decode)])
+        settings = RouterSettings.from_env({"PDD_PREFILL_URLS": url,
+                                            "PDD_DECODE_URLS": quiet})
+        router = Router(settings, SimpleNamespace(vocab_size=256))  # type: ignore[arg-type]
+        router.warm.done = True
+        try:
+            async with aiohttp.ClientSession() as session:
+                router.probe_session = session
+                await router.refresh()
+        finally:
+            await server.close()
+            await quiet_server.close()
+        return router.prefill.load.get(url), router.decode.load.get(quiet)
+
+    prefill, decode = asyncio.run(run())
+    assert prefill is not None and (prefill.running, prefill.waiting, prefill.free_blocks,
+                                     prefill.num_blocks) == (3, 2, 40, 100)
+    assert prefill.busy == 5 and decode is None

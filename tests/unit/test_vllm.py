@@ -78,6 +78,15 @@ def test_model_source_is_served_under_the_model_name_and_extra_args_come_last() 
     assert "--max-model-len" not in main_container(desired.pods["prefill"][0])["command"]
 
 
+def test_prefix_cache_off_is_vllms_flag_on_that_role_only() -> None:
+    raw = vllm_spec((2, 2), (2, 1))
+    raw["decode"]["prefixCache"] = False
+    desired = build(OWNER, parse_spec(raw))
+    assert "--no-enable-prefix-caching" in main_container(desired.pods["decode"][0])["command"]
+    assert "--no-enable-prefix-caching" not in main_container(
+        desired.pods["prefill"][0])["command"]
+
+
 def test_env_probes_ports_and_what_is_not_mounted() -> None:
     raw = vllm_spec((4, 4), (2, 2), kvTransfer={"sideChannelPort": 6100})
     raw["decode"]["env"] = [{"name": "UCX_TLS", "value": "tcp"},

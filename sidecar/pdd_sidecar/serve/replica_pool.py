@@ -1,15 +1,20 @@
 """One role's replicas as the router sees them: which are ready, which routing plan each runs,
-how much KV one sequence can hold there."""
+how much KV one sequence can hold there, how loaded each is; and the routing policy that
+chooses among those a request may go to (serve/routing_policy.py)."""
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdd_sidecar.serve.routing_policy import ReplicaLoad, RoutingPolicy, make_policy
 
 
 class Pool:
-    """One role's replicas with their health, picked round robin among the healthy."""
+    """One role's replicas with their health and load; the policy picks among the healthy."""
 
-    def __init__(self, role: str, urls: list[str], service: str) -> None:
+    def __init__(self, role: str, urls: list[str], service: str,
+                 policy: RoutingPolicy | None = None) -> None:
         self.role = role
         self.static = urls
         self.service = service
@@ -17,22 +22,60 @@ class Pool:
         self.healthy: dict[str, bool] = {}
         self.plans: dict[str, str] = {}  # replica -> digest of the routing plan it runs
         self.capacity: dict[str, int] = {}  # replica -> KV tokens one sequence can hold there
-        self._counter = itertools.count()
+        self.load: dict[str, ReplicaLoad] = {}
+        self.policy = policy if policy is not None else make_policy("cache-aware", 64)
 
     def pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
-             plan: str | None = None, plans: set[str] | None = None) -> str | None:
-        """Round robin among the ready replicas; with ``plan``, only among those running that
-        routing plan (a prefill and a decode of different plans cannot hand KV over); with
-        ``plans``, only among those running one of them."""
+             plan: str | None = None, plans: set[str] | None = None,
+             prompt_ids: Sequence[int] | None = None) -> str | None:
+        """The policy's choice among the ready replicas; with ``plan``, only among those
+        running that routing plan (a prefill and a decode of different plans cannot hand KV
+        over); with ``plans``, only among those running one of them."""
         ok = [u for u in self.urls if self.healthy.get(u) and u not in exclude
               and (plan is None or self.plans.get(u, plan) == plan)
               and (plans is None or u not in self.plans or self.plans[u] in plans)]
         if not ok:
             return None
-        return ok[next(self._counter) % len(ok)]
+        return self.policy.choose(ok, self.load, prompt_ids)
 
     def mark(self, url: str, healthy: bool) -> None:
+        if healthy and self.healthy.get(url) is False:
+            self.policy.forget(url)  # back from not ready: it may have restarted, cache empty
         self.healthy[url] = healthy
+
+    def _load(self, url: str) -> ReplicaLoad:
+        return self.load.setdefault(url, ReplicaLoad())
+
+    def started(self, url: str, prompt_ids: Sequence[int] | None = None) -> None:
+        """A request was sent to this replica (with its prompt, for a prefill)."""
+        load = self._load(url)
+        load.outstanding += 1
+        if prompt_ids:
+            self.policy.routed(url, prompt_ids, self.capacity.get(url))
+
+    def finished(self, url: str) -> None:
+        load = self._load(url)
+        load.outstanding = max(0, load.outstanding - 1)
+
+    def report(self, url: str, reported: Mapping[str, Any]) -> None:
+        """The replica's own account of its load (the `load` object of its /readyz)."""
+        load = self._load(url)
+
+        def count(key: str) -> int | None:
+            v = reported.get(key)
+            return v if type(v) is int and v >= 0 else None
+
+        load.running = count("running") or 0
+        load.waiting = count("waiting") or 0
+        load.free_blocks = count("free_blocks")
+        load.num_blocks = count("num_blocks")
+
+    def prune(self) -> None:
+        """Drop what is kept about replicas no longer listed."""
+        for url in [u for u in self.load if u not in self.urls]:
+            if not self.load[url].outstanding:
+                del self.load[url]
+                self.policy.forget(url)
 
     def largest_capacity(self) -> int | None:
         """The most KV tokens one sequence can hold on any ready replica; None when a ready

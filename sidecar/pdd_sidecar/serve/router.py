@@ -2,8 +2,9 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (messages rendered through the
 checkpoint's chat template, see serve/text.py), `GET /v1/models`, plus `/healthz`, `/readyz`,
-`/metrics`. Each request runs its prompt on a prefill replica (round robin among the ready
-ones; a 5xx or unreachable replica is retried on another, a 4xx is the client's answer) and
+`/metrics`. Each request runs its prompt on a prefill replica (chosen among the ready ones by
+`PDD_ROUTER_POLICY`, serve/routing_policy.py: by prompt prefix and load unless set otherwise; a
+5xx or unreachable replica is retried on another, a 4xx is the client's answer) and
 hands the prefill's `kv_transfer_params` to a decode replica, whose tokens the router always
 reads as a stream: that is how it applies stop strings and honours a client that went away
 (closing the decode stream cancels the sequence; the prefill gets a /v1/release). Bad input is

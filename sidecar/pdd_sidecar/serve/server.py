@@ -55,7 +55,11 @@ async def readyz(request: web.Request) -> web.Response:
             "plan_digest": state.worker.compat.plan_digest,
             # What one sequence can hold at most (every block of every DCP rank), so a router
             # refuses a request no instance could ever hold before any prefill runs it.
-            "kv_capacity_tokens": sched.allocator.num_blocks * sched.block_size * sched.dcp}
+            "kv_capacity_tokens": sched.allocator.num_blocks * sched.block_size * sched.dcp,
+            # What the router weighs replicas by (serve/routing_policy.py); cheap to read.
+            "load": {"running": len(sched.running) + len(sched.pulling),
+                     "waiting": len(sched.waiting), "free_blocks": sched.allocator.num_free,
+                     "num_blocks": sched.allocator.num_blocks}}
     if not state.ready:
         body["reason"] = state.not_ready_reason
         return web.json_response(body, status=503)

@@ -1,8 +1,10 @@
 """The router's side of the hand-off: its prefill and decode replicas, their health probes, and
 the client that runs one request on a prefill and hands its KV to a decode.
 
-A prefill replica is chosen round robin among the ready ones whose routing plan some ready
-decode runs; a 5xx or unreachable replica is retried on another, a 4xx is the client's answer.
+A prefill replica is chosen among the ready ones whose routing plan some ready decode runs, a
+decode among the ready ones of the prefill's plan, each by the routing policy
+(serve/routing_policy.py: by prompt prefix and load by default); a 5xx or unreachable replica
+is retried on another, a 4xx is the client's answer.
 The decode's tokens are always read as a stream: closing it (a stop string, a client gone)
 cancels the sequence there, and the prefill gets a /v1/release.
 """
@@ -27,6 +29,7 @@ from pdd_sidecar.serve.discovery import replicas
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
 from pdd_sidecar.serve.replica_pool import Pool
 from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
+from pdd_sidecar.serve.routing_policy import make_policy
 from pdd_sidecar.serve.text import ModelText
 from pdd_sidecar.serve.upstream_http import (
     CONNECT_TIMEOUT_S,
@@ -65,8 +68,10 @@ class Router:
     def __init__(self, settings: RouterSettings, model: ModelText) -> None:
         self.settings = settings
         self.model = model
-        self.prefill = Pool("prefill", settings.prefill, settings.prefill_service)
-        self.decode = Pool("decode", settings.decode, settings.decode_service)
+        self.prefill = Pool("prefill", settings.prefill, settings.prefill_service,
+                            make_policy(settings.router_policy, settings.block_size))
+        self.decode = Pool("decode", settings.decode, settings.decode_service,
+                           make_policy(settings.router_policy, settings.block_size))
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None  # probes never queue behind work
@@ -115,6 +120,7 @@ class Router:
         path = "/health" if self.settings.upstream_protocol == "vllm" else "/readyz"
         for pool in (self.prefill, self.decode):
             pool.urls = await replicas(pool.static, pool.service)
+            pool.prune()
 
             async def probe(url: str, pool: Pool = pool) -> None:
                 try:
@@ -127,6 +133,8 @@ class Router:
                         pool.plans[url] = body["plan_digest"]
                     if isinstance(body, dict) and type(body.get("kv_capacity_tokens")) is int:
                         pool.capacity[url] = body["kv_capacity_tokens"]
+                    if isinstance(body, dict) and isinstance(body.get("load"), dict):
+                        pool.report(url, body["load"])
                 except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                     ok = False
                 if ok != pool.healthy.get(url):
@@ -172,11 +180,13 @@ class Router:
                 return url
             await asyncio.sleep(READY_POLL_S)
 
-    async def _choose_prefill(self, tried: set[str]) -> str | None:
+    async def _choose_prefill(self, tried: set[str],
+                              prompt_ids: list[int] | None = None) -> str | None:
         # Only a prefill whose plan some ready decode runs: during a plan-changing roll the new
         # plan's prefill may be ready before its decode.
         return await self._pick(
-            lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans()), tried)
+            lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans(),
+                                           prompt_ids=prompt_ids), tried)
 
     async def _choose_decode(self, plan: str | None, tried: set[str]) -> str | None:
         return await self._pick(lambda skip: self.decode.pick(skip, plan), tried)
@@ -191,14 +201,16 @@ class Router:
                           trip: Trip) -> tuple[str, dict[str, Any]]:
         tried: set[str] = set()
         last: ApiError | None = None
+        prompt = body.get("prompt_ids")
         while True:
-            url = await self._choose_prefill(tried)
+            url = await self._choose_prefill(tried, prompt)
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica with a ready decode of "
                                        "its routing plan", type_="server_error")
             tried.add(url)
             trip.prefill = url
             trip.stamps[timing.R_PREFILL_SENT] = time.monotonic()
+            self.prefill.started(url, prompt)
             try:
                 return url, await self._post("prefill", url, "/v1/prefill", body)
             except ApiError as exc:
@@ -208,6 +220,8 @@ class Router:
                 if exc.status == 502:  # unreachable: skip it until the next probe says ready
                     self.prefill.mark(url, False)
                 last = exc
+            finally:
+                self.prefill.finished(url)
 
     async def release(self, prefill_url: str, rid: str, grant: Any) -> None:
         """Give held blocks back early; the grant proves they were handed to this request.
@@ -242,8 +256,12 @@ class Router:
                                + (f" running routing plan {plan}" if plan else ""),
                                type_="server_error")
             tried.add(url)
+            self.decode.started(url)  # until the stream ends (Router.tokens)
+            opened = False
             try:
-                return await self._open_decode_on(url, rid, first, pre, req, trip)
+                resp = await self._open_decode_on(url, rid, first, pre, req, trip)
+                opened = True
+                return resp
             except ApiError as exc:
                 # Another decode may take what this one did not start: an incompatible one
                 # (409), one not ready or draining before its exit (503), one not reachable.
@@ -252,6 +270,9 @@ class Router:
                 if exc.status != 409:
                     self.decode.mark(url, False)  # until the next probe says ready
                 log.warning("decode replica refused the hand-off, trying another: %s", exc)
+            finally:
+                if not opened:
+                    self.decode.finished(url)
 
     async def _open_decode_on(self, url: str, rid: str, first: int, pre: dict[str, Any],
                               req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
@@ -296,15 +317,19 @@ class Router:
                   "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                   "return_token_ids": True}
         headers = {"X-Request-Id": rid}
-        url = await self._choose_prefill(set())
+        url = await self._choose_prefill(set(), req.prompt_ids)
         if url is None:
             raise ApiError(503, "no ready prefill replica", type_="server_error")
         trip.prefill = url
-        pre = await self._post("prefill", url, "/v1/completions", {
-            **common, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                   "remote_engine_id": None, "remote_block_ids": None,
-                                   "remote_host": None, "remote_port": None}}, headers)
+        self.prefill.started(url, req.prompt_ids)
+        try:
+            pre = await self._post("prefill", url, "/v1/completions", {
+                **common, "max_tokens": 1, "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_engine_id": None, "remote_block_ids": None,
+                                       "remote_host": None, "remote_port": None}}, headers)
+        finally:
+            self.prefill.finished(url)
         params = pre.get("kv_transfer_params")
         try:
             choice = pre["choices"][0]
@@ -326,6 +351,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
                                         sock_read=self.settings.request_timeout_s or None)
         complete = False
+        self.decode.started(decode)
         try:
             async with self.session.post(
                     f"{decode}/v1/completions", headers=headers, timeout=timeout,
@@ -353,6 +379,7 @@ class Router:
                 TypeError) as exc:
             raise ApiError(502, f"decode {decode}: {type(exc).__name__}: {exc}") from None
         finally:
+            self.decode.finished(decode)
             if not complete:
                 self.release_soon(url, rid, params)
 
@@ -433,6 +460,7 @@ class Router:
                     return
         finally:
             if resp is not None:
+                self.decode.finished(str(trip.decode))
                 if complete:
                     resp.release()
                 else:
