@@ -71,7 +71,9 @@ want() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 if want tests; then
     say "stage tests"
-    timeout -k 10 "${TESTS_S:-240}" $PY -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || rc=1
+    # TESTS_ARGS: other pytest arguments (a file, -k EXPR) instead of the whole of tests/gpu
+    eval "set -- ${TESTS_ARGS:-tests/gpu}"
+    timeout -k 10 "${TESTS_S:-240}" $PY -m pytest "$@" -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || rc=1
     say "tests done"
 fi
 if want engine; then
