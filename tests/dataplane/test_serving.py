@@ -387,7 +387,8 @@ def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalClus
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == _reference(prompt, 7)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 7, "total_tokens": 44}
+    assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 7, "total_tokens": 44,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     status, events = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_tokens": 7,
                                                    "temperature": 0, "stream": True})
     assert status == 200, events

@@ -17,7 +17,6 @@ import torch
 
 from pdd_sidecar.kv.errors import KVCacheFullError as KVCacheFullError
 
-
 # --- pure chunk / position arithmetic -------------------------------------------------------
 
 

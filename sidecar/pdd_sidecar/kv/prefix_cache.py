@@ -29,7 +29,8 @@ from pdd_sidecar.kv.errors import KVCacheFullError
 
 
 class BlockAllocator(Protocol):
-    num_blocks: int
+    @property
+    def num_blocks(self) -> int: ...
 
     @property
     def num_free(self) -> int: ...

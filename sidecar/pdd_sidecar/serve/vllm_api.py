@@ -112,14 +112,16 @@ def _text(request: web.Request, ids: list[int]) -> str:
 
 
 def _completion(request: web.Request, rid: str, body: dict[str, Any], prompt: list[int],
-                ids: list[int], finish: str | None, params: Any) -> dict[str, Any]:
+                ids: list[int], finish: str | None, params: Any,
+                cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
         "model": body.get("model") or request.app[STATE].settings.model_name,
         "choices": [{"index": 0, "text": _text(request, ids), "token_ids": ids,
                      "logprobs": None, "finish_reason": finish}],
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                  "total_tokens": len(prompt) + len(ids)},
+                  "total_tokens": len(prompt) + len(ids),
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
         "kv_transfer_params": params,
     }
 
@@ -152,7 +154,8 @@ async def _prefill_leg(request: web.Request, state: InstanceState, rid: str,
     first, grant = pre["first_token"], pre["kv_transfer_params"]
     out = vllm_params(state, grant, first) if grant else None
     return web.json_response(_completion(request, rid, body, prompt, [first],
-                                         pre["finish_reason"] or "length", out))
+                                         pre["finish_reason"] or "length", out,
+                                         pre["cached_tokens"]))
 
 
 async def _decode_leg(request: web.Request, state: InstanceState, rid: str,
