@@ -144,3 +144,39 @@ def test_off_caches_nothing(cluster: LocalCluster) -> None:
     _, text = http("GET", f"{prefill}/metrics")
     assert "pdd_prefix_cache_hits_total 0.0" in text
     _all_blocks_back(prefill, stack["decode"].url)
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_scheduler_shares_whole_units_and_computes_only_the_rest(dcp: int) -> None:
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    unit = BLOCK * dcp
+    cache = PagedKVCache(16, 1, BLOCK, 4)
+    pc = PrefixCache(cache, unit, chain_root({"dcp": dcp}))
+    sched = Scheduler("prefill", cache, BLOCK, dcp, 2, prefix_cache=pc)
+    first = _tokens(100, 1)
+    a = Sequence("a", first, 4, len(first))
+    sched.submit(a)
+    (chunk,) = sched.plan().prefill
+    assert chunk.start == 0 and a.extra[CACHED_TOKENS] == 0
+    sched.on_chunk_done(chunk)
+    sched.finish_prefill(a, keep_blocks=True)  # now held for a decode: a lease's reference
+    b = Sequence("b", first[:80] + _tokens(20, 2), 4, 100)
+    sched.submit(b)
+    (chunk,) = sched.plan().prefill
+    shared = 80 // unit
+    assert chunk.start == shared * unit == b.extra[CACHED_TOKENS] == b.computed
+    assert chunk.tokens == b.prompt[shared * unit:]
+    assert b.blocks[:shared] == a.blocks[:shared]
+    assert not set(b.blocks[shared:]) & set(a.blocks)  # the rest goes into blocks of its own
+    sched.cancel("b")
+    assert all(pc.refs(x) == 1 for x in a.blocks)
+    c = Sequence("c", list(first), 4, 100)  # the same prompt: all but its last unit
+    sched.submit(c)
+    (chunk,) = sched.plan().prefill
+    assert chunk.start == (len(first) - 1) // unit * unit and chunk.last
+    sched.cancel("c")
+    pc.free(a.blocks)
+    assert pc.num_free == cache.num_blocks and cache.num_free + pc.cached_blocks == 16
