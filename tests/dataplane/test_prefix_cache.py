@@ -180,3 +180,39 @@ def test_scheduler_shares_whole_units_and_computes_only_the_rest(dcp: int) -> No
     sched.cancel("c")
     pc.free(a.blocks)
     assert pc.num_free == cache.num_blocks and cache.num_free + pc.cached_blocks == 16
+
+
+def test_shared_blocks_keep_the_hand_off_rules(cluster: LocalCluster) -> None:
+    """Two grants share cached blocks: releasing one leaves the other readable and exact, and
+    the released grant's claim is refused though its blocks are still cached and in use."""
+    routing = cluster.plan_file(plan_json((2, 2), (2, 2), BLOCK))
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
+    decode = cluster.instance("decode", 2, 2, routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
+    prefill.wait_ready()
+    decode.wait_ready()
+    prompt = _tokens(80, 7)
+    grants = []
+    for rid in ("a", "b"):
+        status, pre = http("POST", f"{prefill.url}/v1/prefill",
+                           {"request_id": rid, "prompt_ids": prompt, "max_tokens": 6})
+        assert status == 200, pre
+        grants.append(pre)
+    a, b = grants
+    assert (a["cached_tokens"], b["cached_tokens"]) == (0, 64)
+    ga, gb = a["kv_transfer_params"], b["kv_transfer_params"]
+    assert gb["block_ids"][:2] == ga["block_ids"][:2] and ga["epoch"] != gb["epoch"]
+    status, released = http("POST", f"{prefill.url}/v1/release", {"kv_transfer_params": ga})
+    assert status == 200 and released == {"released": True}
+    status, body = http("POST", f"{prefill.url}/v1/claim", {"kv_transfer_params": ga,
+                                                             "hold_s": 5})
+    assert status == 410, body
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "a", "first_token": a["first_token"], "max_new_tokens": 5,
+        "kv_transfer_params": ga})
+    assert status == 410, body
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "b", "first_token": b["first_token"], "max_new_tokens": 5,
+        "kv_transfer_params": gb}, timeout=60)
+    assert status == 200, body
+    assert [b["first_token"], *body["token_ids"]] == _reference(prompt, 6)
+    _all_blocks_back(prefill.url, decode.url)
