@@ -17,7 +17,11 @@
 #   serve_path  bench/serve_path.py on a random V2-Lite-width checkpoint of LAYERS layers
 #            (default 4) in /dev/shm: TTFT stages and the served path against same-run engine
 #            bounds (SERVE_PATH_ARGS adds flags, e.g. --levels); one GPU is enough
-# Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300.
+#   prefix_cache  bench/prefix_cache.py on the same kind of checkpoint: shared system prompt and
+#            multi-turn chats, prefix cache off against on (PREFIX_CACHE_ARGS adds flags);
+#            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
+# Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
+# PREFIX_CACHE_S 300.
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +115,19 @@ if want serve_path; then
     mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serve-path-logs /tmp/gpu-all-extra/ 2>/dev/null
     rm -rf "$CKPT"
     say "serve_path done"
+fi
+if want prefix_cache; then
+    say "stage prefix_cache"
+    CKPT=/dev/shm/pdd-random-v2lite-${LAYERS:-4}
+    [ -d /dev/shm ] && [ -w /dev/shm ] || CKPT=/tmp/pdd-random-v2lite-${LAYERS:-4}
+    MODEL_SIZE=v2lite LAYERS=${LAYERS:-4} CKPT=$CKPT DEVICE=cuda $PY bench/random_checkpoint.py \
+        2>&1 | tee -a "$OUT/env.txt"
+    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${PREFIX_CACHE_S:-300}" $PY \
+        bench/prefix_cache.py --device cuda --dtype bfloat16 --model "$CKPT" \
+        --json "$OUT/prefix_cache.json" ${PREFIX_CACHE_ARGS:-} 2>&1 \
+        | tee "$OUT/prefix_cache.log" || rc=1
+    rm -rf "$CKPT"
+    say "prefix_cache done"
 fi
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files
     tar -czf "$OUT/extra.tar.gz" -C /tmp/gpu-all-extra . 2>/dev/null

@@ -58,6 +58,9 @@ PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
 # How a decode reads KV: auto (default: a CUDA IPC device copy from a prefill on this host's
 # CUDA devices, NIXL otherwise) | nixl | cuda_ipc (refused at the handshake when it cannot work).
 PDD_KV_TRANSPORT = "PDD_KV_TRANSPORT"
+# 1 (default): a prefill reuses the KV of whole prompt blocks it computed before
+# (kv/prefix_cache.py); 0: every prompt computed from scratch.
+PDD_PREFIX_CACHE = keys.ENV_PREFIX_CACHE
 # Tests only: each KV pull sleeps before it claims its blocks: "S" seconds, or "A:B" (uniform).
 PDD_FAULT_PULL_DELAY_S = "PDD_FAULT_PULL_DELAY_S"
 PDD_PREFILL_URLS = keys.ENV_PREFILL_URLS  # comma list of http://host:port of prefill instances
@@ -126,6 +129,13 @@ def _choice(env: Mapping[str, str], key: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def _switch(env: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = (env.get(key, "") or ("1" if default else "0")).strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{key}: must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def _range(env: Mapping[str, str], key: str) -> tuple[float, float]:
@@ -202,6 +212,7 @@ class InstanceSettings:
     max_step_tokens: int | None = None  # None: the device's default
     chunk_tokens: int | None = None
     max_model_len: int = 0
+    prefix_cache: bool = True
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
     kv_transport: str = "auto"
@@ -290,6 +301,7 @@ class InstanceSettings:
             max_step_tokens=_optional_int(env, PDD_MAX_STEP_TOKENS, 1),
             chunk_tokens=_optional_int(env, PDD_CHUNK_TOKENS, 1),
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
+            prefix_cache=_switch(env, PDD_PREFIX_CACHE, True),
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),

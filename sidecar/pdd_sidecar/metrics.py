@@ -68,6 +68,17 @@ class InstanceMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
         )
         self.tokens = Counter("pdd_tokens", "Tokens processed", ["kind"], registry=r)
+        self.prefix_queries = Counter(
+            "pdd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "pdd_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+            registry=r,
+        )
+        self.prefix_cached_blocks = Gauge(
+            "pdd_prefix_cache_blocks", "KV blocks (table entries) held by the prefix cache",
+            registry=r,
+        )
         self.warmup_seconds = Gauge(
             "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
         )

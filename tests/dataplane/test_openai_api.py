@@ -60,6 +60,7 @@ class Script:
     decode_status: int = 200
     prefill_delay_s: float = 0.0
     fail_after: int | None = None  # decode: a transfer error line after this many tokens
+    cached_tokens: int | None = None  # prefill: None answers without the field (older ones)
 
 
 class FakeInstance:
@@ -118,6 +119,8 @@ class FakeInstance:
                 "stop" if s.first in stops else "length" if body["max_tokens"] == 1 else None)
             if answer["finish_reason"]:
                 answer["kv_transfer_params"] = None
+        if s.cached_tokens is not None:
+            answer["cached_tokens"] = s.cached_tokens
         return web.json_response(answer)
 
     async def release(self, request: web.Request) -> web.Response:
@@ -332,7 +335,8 @@ def test_completion_sends_the_instance_api_and_answers_openai(stack: Stack,
     assert body["object"] == "text_completion" and body["model"] == "served"
     assert choice["token_ids"] == list(b"Hello ") and choice["text"] == "Hello "
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert fake.releases == [] and fake.cancelled == []
     # No seed given: the router draws one, a different one each time.
     for _ in range(2):
@@ -425,6 +429,7 @@ def test_streamed_completion_chunks(stack: Stack, fake: FakeInstance) -> None:
 
 
 def test_streamed_chat_chunks_start_with_the_role(stack: Stack, fake: FakeInstance) -> None:
+    fake.script.cached_tokens = 16
     status, events, _ = _sse(f"{stack.routers['builtin']}/v1/chat/completions",
                              {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                               "stream": True, "stream_options": {"include_usage": True}})
@@ -438,7 +443,8 @@ def test_streamed_chat_chunks_start_with_the_role(stack: Stack, fake: FakeInstan
     assert all("role" not in c["choices"][0]["delta"] for c in body)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": len(fake.prefills[0]["prompt_ids"]), "completion_tokens": 5,
-        "total_tokens": len(fake.prefills[0]["prompt_ids"]) + 5}
+        "total_tokens": len(fake.prefills[0]["prompt_ids"]) + 5,
+        "prompt_tokens_details": {"cached_tokens": 16}}
     assert fake.prefills[0]["prompt_ids"] == list(b"User: hi\n\nAssistant:")
 
 

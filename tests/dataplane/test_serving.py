@@ -391,7 +391,8 @@ def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalClus
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == _reference(prompt, 7)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 7, "total_tokens": 44}
+    assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 7, "total_tokens": 44,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     status, events = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_tokens": 7,
                                                    "temperature": 0, "stream": True})
     assert status == 200, events
@@ -422,6 +423,11 @@ def test_the_router_speaks_vllms_protocol_to_its_upstreams(cluster: LocalCluster
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == _reference(prompt, max_tokens)
         assert body["choices"][0]["finish_reason"] == "length"
+    # Again: the prefill's cache has its first whole unit (2 x 16 tokens), and says so.
+    status, body = _complete(router.url, {"prompt": _prompt(33, 9), "max_tokens": 9,
+                                          "temperature": 0})
+    assert body["choices"][0]["token_ids"] == _reference(_prompt(33, 9), 9)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     req = urllib.request.Request(
         f"{router.url}/v1/completions", method="POST",
         data=json.dumps({"prompt": _prompt(20), "max_tokens": 6, "temperature": 0,

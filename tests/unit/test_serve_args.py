@@ -6,21 +6,24 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pdd_api.routing import load_plan
 from pdd_cli.main import main
-from pdd_sidecar.env import InstanceSettings, RouterSettings
+from pdd_sidecar.env import ConfigError, InstanceSettings, RouterSettings
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve.local_stack import (
     Ports,
     StackConfig,
     check_config,
+    config_from_args,
     deployment_spec,
     gpu_lists,
     instance_env,
+    parser,
     pick_ports,
     problems,
     router_env,
@@ -136,6 +139,10 @@ def test_plan_and_env_are_what_the_instances_accept(
         load_routing_file(s.routing_file, role, s.tp, s.dcp, s.block_size)  # raises on mismatch
         assert "CUDA_VISIBLE_DEVICES" not in env
         assert (s.max_step_tokens, s.chunk_tokens) == (None, None)  # the device decides
+        assert s.prefix_cache and "PDD_PREFIX_CACHE" not in env  # on by default
+        off = instance_env(replace(cfg, prefix_cache=False), role, PORTS, str(f), None, "/k")
+        assert off["PDD_PREFIX_CACHE"] == "0"
+        assert not InstanceSettings.from_env(off).prefix_cache
     budget = StackConfig(max_step_tokens=4096, chunk_tokens=1024)
     s = InstanceSettings.from_env(instance_env(budget, "prefill", PORTS, str(f), None, "/k"))
     assert (s.max_step_tokens, s.chunk_tokens) == (4096, 1024)
@@ -147,6 +154,20 @@ def test_plan_and_env_are_what_the_instances_accept(
     r = RouterSettings.from_env(renv)
     assert (r.port, r.prefill, r.decode) == (8000, ["http://127.0.0.1:11000"],
                                              ["http://127.0.0.1:14000"])
+
+
+def test_no_prefix_cache_flag_and_its_env(tmp_path: Path) -> None:
+    assert config_from_args(parser().parse_args([])).prefix_cache
+    cfg = config_from_args(parser().parse_args(["--no-prefix-cache"]))
+    assert not cfg.prefix_cache
+    f = tmp_path / "routing.json"
+    f.write_text(routing_plan_json(cfg))
+    for role in ("prefill", "decode"):
+        env = instance_env(cfg, role, PORTS, str(f), None, "/k")
+        assert env["PDD_PREFIX_CACHE"] == "0"
+        for bad in ("2", "on", "true"):
+            with pytest.raises(ConfigError, match=f"PDD_PREFIX_CACHE: must be 0 or 1, got '{bad}'"):
+                InstanceSettings.from_env({**env, "PDD_PREFIX_CACHE": bad})
 
 
 def test_cuda_env_and_wildcard_host() -> None:

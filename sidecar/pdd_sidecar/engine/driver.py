@@ -29,6 +29,7 @@ from typing import Any
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.sampling import sample
 from pdd_sidecar.engine.scheduler import (
+    Allocator,
     NeverFits,
     QueueFull,
     Scheduler,
@@ -39,6 +40,7 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.kv.lease import LeaseTable
+from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
 from pdd_sidecar.metrics import InstanceMetrics
 
 log = logging.getLogger(__name__)
@@ -58,12 +60,20 @@ class InstanceDriver:
         self.metrics = metrics
         self.role = s.role
         self.cache = worker.cache
+        # The prefix cache serves prefills only; a decode's blocks are its pulled KV.
+        self.prefix_cache = (PrefixCache(worker.cache, s.block_size * s.dcp,
+                                         chain_root({**worker.compat.to_dict(), "tp": s.tp,
+                                                     "dcp": s.dcp}))
+                             if s.prefix_cache and s.role == "prefill" else None)
+        # Every block comes and goes through here; with the cache, "free" drops a reference.
+        self.allocator: Allocator = self.prefix_cache or worker.cache
+        self._prefix_seen = (0, 0)
         step_tokens, chunk_tokens = step_budget(worker.cache.device.type, s.max_step_tokens,
                                                 s.chunk_tokens)
         self.scheduler = Scheduler(
             s.role, worker.cache, s.block_size, s.dcp, s.tp,
             max_running=s.max_num_seqs, max_waiting=s.max_waiting,
-            step_tokens=step_tokens, chunk_tokens=chunk_tokens,
+            step_tokens=step_tokens, chunk_tokens=chunk_tokens, prefix_cache=self.prefix_cache,
         )
         expected = {p.rank: p.expected_notifications for p in worker.plan.prefill_ranks}
         self.leases = LeaseTable(s.lease_seconds, expected)
@@ -189,13 +199,13 @@ class InstanceDriver:
             if self.worker.engine.decode_mode == "eager":  # nothing to capture per bucket
                 batches = batches[:1]
             need = 1
-        blocks = self.cache.allocate(need)
+        blocks = self.allocator.allocate(need)
         try:
             results = self.worker.run_as_leader({
                 "op": "warmup", "blocks": blocks, "prompt_tokens": prompt,
                 "chunk_tokens": sch.chunk_tokens, "batch_sizes": batches})
         finally:
-            self.cache.free(blocks)
+            self.allocator.free(blocks)
         self._last_collective = time.monotonic()
         failed = next((r for r in results if r.get("error")), None)
         if failed:
@@ -240,7 +250,7 @@ class InstanceDriver:
             self.scheduler.cancel(payload)
             return
         if kind == "free":
-            self.cache.free(payload)
+            self.allocator.free(payload)
             return
         if kind == "wake":
             return
@@ -301,7 +311,7 @@ class InstanceDriver:
                 with self._lease_lock:
                     held = self.leases.notified(rid, rank)
                 if held is not None:
-                    self.cache.free(held.blocks)
+                    self.allocator.free(held.blocks)
         seqs = [c.seq for c in plan.prefill] + [d.seq for d in plan.decode]
         if not failed:
             try:
@@ -364,7 +374,7 @@ class InstanceDriver:
             expired = self.leases.expire(time.monotonic())
         for held in expired:
             self.metrics.lease_expiries.inc()
-            self.cache.free(held.blocks)
+            self.allocator.free(held.blocks)
 
     def _release(self, request_id: str) -> bool:
         """The router gave up on a request: its blocks go now."""
@@ -372,19 +382,26 @@ class InstanceDriver:
             if request_id in self.leases:
                 held = self.leases.release(request_id, time.monotonic())
                 if held is not None:
-                    self.cache.free(held.blocks)
+                    self.allocator.free(held.blocks)
                 return True
         self.scheduler.cancel(request_id)
         return False
 
     def _update_gauges(self) -> None:
         m, sch = self.metrics, self.scheduler
-        free = self.cache.num_free
+        free = self.allocator.num_free
         for rank in range(self.settings.tp):
             m.blocks_free.labels(rank=str(rank)).set(free)
         m.running.set(len(sch.running) + len(sch.pulling))
         m.waiting.set(len(sch.waiting))
         m.held_requests.set(len(self.leases))
+        pc = self.prefix_cache
+        if pc is not None:
+            queried, hit = self._prefix_seen
+            m.prefix_queries.inc(pc.queried_tokens - queried)
+            m.prefix_hits.inc(pc.hit_tokens - hit)
+            self._prefix_seen = (pc.queried_tokens, pc.hit_tokens)
+            m.prefix_cached_blocks.set(pc.cached_blocks)
 
 
 class _LoopDelivery:

@@ -20,6 +20,11 @@ Policy (one place, pure Python, no torch):
   off in large steps; small budgets stay on the CPU, where one step of 8k tokens would hold a
   decode's running batch for seconds.
 
+- **Prefix cache** (prefill, when on): admission looks the prompt's whole units up; the cached
+  ones join the table shared (``seq.computed`` starts after them) and only the rest is reserved
+  and computed. At least the prompt's last token always runs: its logits give the first token.
+  Each finished chunk caches the whole units it completed.
+
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
 """
@@ -33,6 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdd_sidecar.kv.cache import num_table_blocks
+from pdd_sidecar.kv.prefix_cache import PrefixCache
+
+UNIT_KEYS = "prefix_unit_keys"  # seq.extra: the prompt's prefix-cache keys, computed once
+CACHED_TOKENS = "cached_tokens"  # seq.extra: prompt tokens whose KV came from the cache
 
 
 class State(enum.Enum):
@@ -51,7 +60,8 @@ class NeverFits(ValueError):
 
 
 class Allocator(Protocol):
-    num_blocks: int
+    @property
+    def num_blocks(self) -> int: ...
 
     @property
     def num_free(self) -> int: ...
@@ -136,9 +146,11 @@ def step_budget(device_type: str, step_tokens: int | None,
 class Scheduler:
     def __init__(self, role: str, allocator: Allocator, block_size: int, dcp: int,
                  tp: int, max_running: int = 256, max_waiting: int = 256,
-                 step_tokens: int = 2048, chunk_tokens: int = 512) -> None:
+                 step_tokens: int = 2048, chunk_tokens: int = 512,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.role = role
-        self.allocator = allocator
+        self.allocator: Allocator = prefix_cache if prefix_cache is not None else allocator
+        self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.dcp = dcp
         self.tp = tp
@@ -204,12 +216,29 @@ class Scheduler:
             if len(self.running) + len(self.pulling) >= self.max_running:
                 break
             need = self.blocks_needed(seq.kv_tokens)
-            if need > self.allocator.num_free:
+            if self.prefix_cache is not None:
+                if not self._reserve_cached(seq, self.prefix_cache, need):
+                    break
+            elif need > self.allocator.num_free:
                 break
+            else:
+                seq.blocks = self.allocator.allocate(need)
             self.waiting.popleft()
-            seq.blocks = self.allocator.allocate(need)
             admitted.append(seq)
         return admitted
+
+    def _reserve_cached(self, seq: Sequence, pc: PrefixCache, need: int) -> bool:
+        """Reserve ``seq``'s table with its cached units shared; False when it does not fit."""
+        keys = seq.extra.get(UNIT_KEYS)
+        if keys is None:
+            keys = seq.extra[UNIT_KEYS] = pc.keys(seq.prompt)
+        hits = pc.lookup(keys[:(len(seq.prompt) - 1) // pc.unit_tokens])
+        if not pc.fits(hits, need - len(hits)):
+            return False
+        seq.blocks = pc.acquire(hits, need - len(hits), len(seq.prompt))
+        seq.computed = len(hits) * pc.unit_tokens
+        seq.extra[CACHED_TOKENS] = seq.computed
+        return True
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
@@ -293,7 +322,12 @@ class Scheduler:
             self.running[seq.id] = seq
 
     def on_chunk_done(self, chunk: PrefillChunk) -> None:
-        chunk.seq.computed = chunk.start + len(chunk.tokens)
+        seq = chunk.seq
+        seq.computed = chunk.start + len(chunk.tokens)
+        if self.prefix_cache is not None and seq.blocks:
+            keys = seq.extra[UNIT_KEYS]
+            self.prefix_cache.insert(keys[:seq.computed // self.prefix_cache.unit_tokens],
+                                     seq.blocks)
 
     def on_token(self, seq: Sequence, token: int) -> None:
         """A token was chosen for ``seq``; stop on a stop id or at max_tokens."""

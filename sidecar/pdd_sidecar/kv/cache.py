@@ -15,10 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-class KVCacheFullError(RuntimeError):
-    """Not enough free blocks for a request; raised instead of overwriting live KV."""
-
+from pdd_sidecar.kv.errors import KVCacheFullError as KVCacheFullError
 
 # --- pure chunk / position arithmetic -------------------------------------------------------
 

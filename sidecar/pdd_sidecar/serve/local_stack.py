@@ -79,6 +79,7 @@ class StackConfig:
     max_waiting: int | None = None  # queue bound (429 beyond); None: the instance default
     max_step_tokens: int | None = None  # prefill tokens per step; None: by device
     chunk_tokens: int | None = None  # longest prompt chunk; None: by device
+    prefix_cache: bool = True  # the prefill reuses the KV of prompt prefixes it computed
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -246,6 +247,8 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
                        (E.PDD_CHUNK_TOKENS, cfg.chunk_tokens)):
         if value is not None:
             env[key] = str(value)
+    if not cfg.prefix_cache:
+        env[E.PDD_PREFIX_CACHE] = "0"
     if role == "decode":
         env[E.PDD_PREFILL_URLS] = f"http://{connect_host(cfg.host)}:{ports.prefill_http}"
     if cfg.device == "cuda" and gpus is not None:
@@ -586,6 +589,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="longest piece of one prompt in a step, whole blocks (default 8192 on "
                    "cuda, 512 on cpu)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt from scratch (default: the prefill reuses the KV "
+                   "of prompt prefixes it computed before)")
     p.add_argument("--log-dir", default=None,
                    help="folder for the logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO", help="log level of the processes")
@@ -604,7 +610,8 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         prefill_num_blocks=a.prefill_num_blocks, decode_num_blocks=a.decode_num_blocks,
         dtype=a.dtype, drain_s=a.drain_s, max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting, max_step_tokens=a.max_step_tokens,
-        chunk_tokens=a.chunk_tokens, log_level=a.log_level.upper(),
+        chunk_tokens=a.chunk_tokens, prefix_cache=a.prefix_cache,
+        log_level=a.log_level.upper(),
     )
 
 

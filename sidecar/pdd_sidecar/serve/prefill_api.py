@@ -3,7 +3,8 @@ they are.
 
 `POST /v1/prefill {"request_id", "prompt_ids", "max_tokens", "sampling", "stop_token_ids",
 "ignore_eos"}` answers the first token (chosen by the request's sampling), `finish_reason` (set
-when that token already ends the completion, and then nothing is held), and the
+when that token already ends the completion, and then nothing is held), `cached_tokens` (prompt
+tokens whose KV the prefix cache already had), and the
 `kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every prefill
 rank has its notifications or the lease runs out. The parameters are a grant signed with the
 deployment's key. `POST /v1/release {"kv_transfer_params"}` frees a request the router gave up
@@ -21,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
@@ -102,6 +103,7 @@ async def prefill(request: web.Request) -> web.Response:
             "request_id": seq.id,
             "first_token": seq.output[0],
             "finish_reason": seq.finish_reason,
+            "cached_tokens": int(seq.extra.get(CACHED_TOKENS, 0)),
             "kv_transfer_params": held.to_grant(state.worker.key) if held else None,
             "timing": timing.prefill_timing(seq.extra),
         })

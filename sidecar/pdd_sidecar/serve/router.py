@@ -56,10 +56,11 @@ async def _read_body(request: web.Request) -> Any:
         raise bad("request body must be JSON: nested too deep", None) from None
 
 
-def _usage(req: GenRequest, out: Output) -> dict[str, int]:
+def _usage(req: GenRequest, out: Output, trip: Trip) -> dict[str, Any]:
     n = len(out.token_ids)
     return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
-            "total_tokens": len(req.prompt_ids) + n}
+            "total_tokens": len(req.prompt_ids) + n,
+            "prompt_tokens_details": {"cached_tokens": trip.cached_tokens}}
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
@@ -106,7 +107,8 @@ def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
     choice.update(token_ids=out.token_ids, logprobs=None, finish_reason=out.finish)
     return {"id": rid, "object": "text_completion" if req.kind == "completion"
             else "chat.completion", "created": int(time.time()),
-            "model": router.settings.model_name, "choices": [choice], "usage": _usage(req, out),
+            "model": router.settings.model_name, "choices": [choice],
+            "usage": _usage(req, out, trip),
             "pdd": trip.meta()}
 
 
@@ -161,7 +163,8 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
         return response
     if req.include_usage:
         body = {"id": rid, "object": obj, "created": created,
-                "model": router.settings.model_name, "choices": [], "usage": _usage(req, out)}
+                "model": router.settings.model_name, "choices": [],
+                "usage": _usage(req, out, trip)}
         await event(body)
     await event("[DONE]")
     await response.write_eof()

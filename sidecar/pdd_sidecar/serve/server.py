@@ -79,7 +79,7 @@ async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     driver = state.driver
     leases = driver.leases
-    free = driver.cache.num_free
+    free = driver.allocator.num_free
     sched = driver.scheduler
     return web.json_response({
         "ranks": [{"rank": r, "free_blocks": free, "held_requests": len(leases)}

@@ -54,11 +54,18 @@ class Trip:
     stamps: dict[str, float] = field(default_factory=dict)  # engine/timing.py's R_* names
     prefill_timing: Any = None
     decode_timing: Any = None
+    cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
 
     def meta(self) -> dict[str, Any]:
         return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer,
                 "timing": timing.request_timing(self.stamps, self.prefill_timing,
                                                 self.decode_timing)}
+
+
+def _cached_tokens(holder: Any) -> int:
+    """``cached_tokens`` of an upstream answer; 0 from one that predates the prefix cache."""
+    n = holder.get("cached_tokens") if isinstance(holder, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0
 
 
 Emit = Callable[[list[int], str, str | None], Awaitable[None]]
@@ -331,6 +338,9 @@ class Router:
         finally:
             self.prefill.finished(url)
         params = pre.get("kv_transfer_params")
+        usage = pre.get("usage")
+        trip.cached_tokens = _cached_tokens(
+            usage.get("prompt_tokens_details") if isinstance(usage, dict) else None)
         try:
             choice = pre["choices"][0]
             first = [int(t) for t in choice["token_ids"]]
@@ -404,6 +414,7 @@ class Router:
             prefill_url, pre = await self.run_prefill(rid, prefill_body, trip)
             trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
             trip.prefill_timing = pre.get("timing")
+            trip.cached_tokens = _cached_tokens(pre)
         except asyncio.CancelledError:
             # The client left while the prefill ran: it may hold blocks for this id by now.
             if trip.prefill is not None:

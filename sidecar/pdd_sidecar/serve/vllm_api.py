@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
     STATE,
@@ -113,14 +113,16 @@ def _text(request: web.Request, ids: list[int]) -> str:
 
 
 def _completion(request: web.Request, rid: str, body: dict[str, Any], prompt: list[int],
-                ids: list[int], finish: str | None, params: Any) -> dict[str, Any]:
+                ids: list[int], finish: str | None, params: Any,
+                cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
         "model": body.get("model") or request.app[STATE].settings.model_name,
         "choices": [{"index": 0, "text": _text(request, ids), "token_ids": ids,
                      "logprobs": None, "finish_reason": finish}],
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                  "total_tokens": len(prompt) + len(ids)},
+                  "total_tokens": len(prompt) + len(ids),
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
         "kv_transfer_params": params,
     }
 
@@ -153,7 +155,8 @@ async def _prefill_leg(request: web.Request, state: InstanceState, rid: str,
     first = seq.output[0]
     out = vllm_params(state, held, first) if held else None
     return web.json_response(_completion(request, rid, body, prompt, [first],
-                                         seq.finish_reason or "length", out))
+                                         seq.finish_reason or "length", out,
+                                         int(seq.extra.get(CACHED_TOKENS, 0))))
 
 
 async def _decode_leg(request: web.Request, state: InstanceState, rid: str,

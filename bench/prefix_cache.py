@@ -1,0 +1,263 @@
+"""The prefill's prefix cache on against off, in one run, on the two workloads it is for.
+
+(a) **Shared system prompt**: ``--shared`` tokens every request starts with, then ``--unique``
+tokens of its own; ``--concurrency`` requests at once, ``--rounds`` times.
+(b) **Multi-turn chats**: ``--chats`` conversations at once, ``--turns`` turns each; a turn's
+prompt is the previous turn's prompt, its answer and ``--turn-tokens`` new user tokens.
+
+Each workload runs on a whole local stack (`pdd serve` as a library: prefill, decode, router,
+real NIXL hand-offs), once with the cache on and once started with ``--no-prefix-cache``'s
+setting. Completions stream with ``stream_options.include_usage``; per phase (a round, a turn)
+the table gives TTFT p50/p99, the prompt tokens the prefill computed (prompt -
+``usage.prompt_tokens_details.cached_tokens``) and the KV bytes the decode READ
+(``pdd_kv_transfer_bytes`` on its /metrics). The cache saves prefill compute, not hand-off bytes:
+the decode still reads the whole prompt's KV.
+
+    python bench/prefix_cache.py --quick        # CPU, built-in model, about a minute
+    python bench/prefix_cache.py --device cuda --prefill-tp 2 --prefill-dcp 2 --decode-tp 2 \\
+        --decode-dcp 2 --model /models/DeepSeek-V2-Lite-Chat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sidecar"))
+sys.path.insert(0, str(ROOT / "operator"))
+
+import aiohttp  # noqa: E402
+
+from pdd_sidecar.model.config import load_config  # noqa: E402
+from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
+
+_BYTES = re.compile(r"^pdd_kv_transfer_bytes_total(\{[^}]*\})? (\S+)$", re.M)
+
+
+@dataclass
+class Phase:
+    workload: str  # "shared" | "chat"
+    cache: bool
+    phase: int  # round or turn, from 1
+    requests: int
+    errors: int
+    prompt_tokens: int
+    computed_tokens: int  # prompt tokens the prefill ran (not taken from its cache)
+    cached_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    kv_bytes_read: float  # by the decode, over NIXL
+
+
+@dataclass
+class Answer:
+    ttft: float
+    tokens: list[int]
+    cached: int
+
+
+def pct(xs: list[float], q: int) -> float:
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                   max_tokens: int) -> Answer | str:
+    """One streamed completion: time to its first token, its tokens and cached tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    cached: int | None = None
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if "error" in msg:
+                return f"stream error: {str(msg['error'])[:200]}"
+            for choice in msg.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                if ids and first is None:
+                    first = time.perf_counter()
+                tokens.extend(ids)
+            if msg.get("usage"):
+                cached = msg["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if first is None or cached is None or len(tokens) != max_tokens:
+        return f"incomplete: {len(tokens)} tokens, usage {'missing' if cached is None else 'seen'}"
+    return Answer(first - start, tokens, cached)
+
+
+async def kv_bytes(session: aiohttp.ClientSession, decode_url: str) -> float:
+    async with session.get(f"{decode_url}/metrics") as resp:
+        return sum(float(m.group(2)) for m in _BYTES.finditer(await resp.text()))
+
+
+async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str, cache: bool,
+                number: int, prompts: list[list[int]],
+                max_tokens: int) -> tuple[Phase, list[Answer | str]]:
+    before = await kv_bytes(session, stack.decode_url)
+    answers = await asyncio.gather(*(complete(session, stack.url, p, max_tokens)
+                                     for p in prompts))
+    moved = await kv_bytes(session, stack.decode_url) - before
+    ok = [(p, a) for p, a in zip(prompts, answers, strict=True) if isinstance(a, Answer)]
+    failed = [a for a in answers if isinstance(a, str)]
+    if failed:
+        print(f"  {len(failed)} failed, e.g. {failed[0]}", file=sys.stderr, flush=True)
+    ttft = [a.ttft for _, a in ok]
+    prompt_tokens = sum(len(p) for p, _ in ok)
+    cached = sum(a.cached for _, a in ok)
+    return Phase(workload, cache, number, len(prompts), len(failed), prompt_tokens,
+                 prompt_tokens - cached, cached, pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3,
+                 moved), list(answers)
+
+
+def tokens(n: int, salt: int, span: int, base: int) -> list[int]:
+    return [(17 * salt + 31 * j + 7 * (j // 5) * salt) % span + base for j in range(n)]
+
+
+async def run_stack(stack: LocalStack, args: argparse.Namespace, cache: bool,
+                    span: int, base: int) -> list[Phase]:
+    timeout = aiohttp.ClientTimeout(total=1800)
+    conn = aiohttp.TCPConnector(limit=max(args.concurrency, args.chats) + 4)
+    out: list[Phase] = []
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        await complete(session, stack.url, tokens(8, 9999, span, base), 2)  # warm-up
+        system = tokens(args.shared, 1, span, base)
+        for r in range(args.rounds):
+            prompts = [system + tokens(args.unique, 1000 + r * args.concurrency + i, span, base)
+                       for i in range(args.concurrency)]
+            ph, _ = await phase(stack, session, "shared", cache, r + 1, prompts, args.max_tokens)
+            out.append(ph)
+        chats = [tokens(args.turn_tokens, 5000 + c, span, base) for c in range(args.chats)]
+        for t in range(args.turns):
+            ph, answers = await phase(stack, session, "chat", cache, t + 1, chats,
+                                      args.max_tokens)
+            out.append(ph)
+            chats = [chat + (a.tokens if isinstance(a, Answer) else [])
+                     + tokens(args.turn_tokens, 7000 + 97 * c + t, span, base)
+                     for c, (chat, a) in enumerate(zip(chats, answers, strict=True))]
+    return out
+
+
+HEADER = (f"{'workload':>8} {'phase':>5} {'reqs':>5} {'err':>4} {'prompt':>8} "
+          f"{'computed off':>12} {'computed on':>11} {'TTFT p50 off/on ms':>19} "
+          f"{'TTFT p99 off/on ms':>19} {'KV MB/req off/on':>17}")
+
+
+def row(off: Phase, on: Phase) -> str:
+    def mb(p: Phase) -> float:
+        return p.kv_bytes_read / max(1, p.requests - p.errors) / 1e6
+
+    return (f"{on.workload:>8} {on.phase:>5} {on.requests:>5} {off.errors + on.errors:>4} "
+            f"{on.prompt_tokens:>8} {off.computed_tokens:>12} {on.computed_tokens:>11} "
+            f"{off.ttft_p50_ms:>9.1f}/{on.ttft_p50_ms:<9.1f} "
+            f"{off.ttft_p99_ms:>9.1f}/{on.ttft_p99_ms:<9.1f} {mb(off):>8.2f}/{mb(on):<8.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes for CPU: 256 shared + 32 unique tokens, 8 at once, "
+                   "3 turns of 4 chats")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", default="builtin")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--prefill-dcp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--decode-dcp", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per rank of each instance (default: what fits the run)")
+    p.add_argument("--shared", type=int, default=None, help="system prompt tokens (2048)")
+    p.add_argument("--unique", type=int, default=None, help="tokens of each request (128)")
+    p.add_argument("--concurrency", type=int, default=None, help="requests at once (64)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the shared workload")
+    p.add_argument("--chats", type=int, default=None, help="conversations at once (16)")
+    p.add_argument("--turns", type=int, default=None, help="turns per conversation (8)")
+    p.add_argument("--turn-tokens", type=int, default=None, help="new user tokens a turn (128)")
+    p.add_argument("--max-tokens", type=int, default=None, help="answer tokens (32; quick 4)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="keep each stack's logs in DIR/on, DIR/off")
+    args = p.parse_args(argv)
+    q = args.quick
+    for name, full, quick in (("shared", 2048, 256), ("unique", 128, 32),
+                              ("concurrency", 64, 8), ("chats", 16, 4), ("turns", 8, 3),
+                              ("turn_tokens", 128, 48), ("max_tokens", 32, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    span, base = 256, 0
+    if args.model != "builtin":
+        vocab = load_config(args.model).vocab_size
+        span, base = min(1000, vocab // 2), min(100, vocab // 4)
+    longest = max(args.shared + args.unique,
+                  args.turns * (args.turn_tokens + args.max_tokens)) + args.max_tokens
+    per_seq = -(-longest // args.block_size)
+    blocks = args.num_blocks or per_seq * (args.rounds * args.concurrency + 2 * args.chats) + 64
+    print(f"prefix cache: P tp{args.prefill_tp}/dcp{args.prefill_dcp} -> D tp{args.decode_tp}/"
+          f"dcp{args.decode_dcp}, model {args.model}, {args.device}, block {args.block_size}, "
+          f"{blocks} blocks per rank; shared {args.shared} + {args.unique} x {args.concurrency} "
+          f"x {args.rounds} rounds; {args.chats} chats x {args.turns} turns of "
+          f"{args.turn_tokens} + {args.max_tokens}; cpus {os.cpu_count()}, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    results: list[Phase] = []
+    for cache in (False, True):
+        cfg = StackConfig(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
+                          decode_tp=args.decode_tp, decode_dcp=args.decode_dcp,
+                          model=args.model, device=args.device, port=0,
+                          block_size=args.block_size, num_blocks=blocks, dtype=args.dtype,
+                          max_num_seqs=256, max_waiting=512, log_level="WARNING", drain_s=1.0,
+                          prefix_cache=cache)
+        found = check_config(cfg)
+        if found:
+            p.error("; ".join(found))
+        log_dir = Path(args.log_dir) / ("on" if cache else "off") if args.log_dir else None
+        stack = LocalStack(cfg, log_dir)
+        try:
+            t0 = time.perf_counter()
+            stack.start()
+            print(f"cache {'on' if cache else 'off'}: stack ready in "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+            results += asyncio.run(run_stack(stack, args, cache, span, base))
+            stack.raise_if_dead()
+        finally:
+            stack.stop()
+            stack.cleanup()
+    off = [r for r in results if not r.cache]
+    on = [r for r in results if r.cache]
+    print(HEADER)
+    for a, b in zip(off, on, strict=True):
+        print(row(a, b))
+    summary = {}
+    for w in ("shared", "chat"):
+        c_off = sum(r.computed_tokens for r in off if r.workload == w)
+        c_on = sum(r.computed_tokens for r in on if r.workload == w)
+        summary[w] = {"computed_off": c_off, "computed_on": c_on,
+                      "computed_ratio": c_on / c_off if c_off else float("nan")}
+        print(f"{w}: prompt tokens computed, on/off = {c_on}/{c_off} "
+              f"= {summary[w]['computed_ratio']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": vars(args) | {"num_blocks": blocks},
+            "phases": [asdict(r) for r in results], "summary": summary}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""bench/prefix_cache.py --quick runs cache off and on end to end: no request fails, the cache
+computes the shared system prompt once, every chat turn after the first computes less, and the
+decode reads the same KV either way."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dataplane
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_cache.py"
+
+
+def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("bench_prefix_cache", BENCH)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look themselves up
+    spec.loader.exec_module(mod)
+    out = tmp_path / "prefix_cache.json"
+    assert mod.main(["--quick", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    cfg = res["config"]
+    phases = res["phases"]
+    off = [p for p in phases if not p["cache"]]
+    on = [p for p in phases if p["cache"]]
+    assert len(off) == len(on) == cfg["rounds"] + cfg["turns"]
+    for a, b in zip(off, on, strict=True):
+        assert (a["workload"], a["phase"]) == (b["workload"], b["phase"])
+        assert a["errors"] == b["errors"] == 0
+        assert a["prompt_tokens"] == b["prompt_tokens"]
+        assert a["computed_tokens"] == a["prompt_tokens"] and a["cached_tokens"] == 0
+        assert b["computed_tokens"] + b["cached_tokens"] == b["prompt_tokens"]
+        assert a["kv_bytes_read"] == b["kv_bytes_read"] > 0
+        assert b["ttft_p50_ms"] > 0
+    shared = [p for p in on if p["workload"] == "shared"]
+    # After the first round every request finds the system prompt (whole blocks) cached.
+    assert all(p["computed_tokens"] == cfg["concurrency"] * cfg["unique"] for p in shared[1:])
+    chat = [p for p in on if p["workload"] == "chat"]
+    assert chat[0]["cached_tokens"] == 0
+    assert all(a["computed_tokens"] < b["computed_tokens"]
+               for a, b in zip(chat[1:], [p for p in off if p["workload"] == "chat"][1:],
+                               strict=True))
+    assert res["summary"]["shared"]["computed_ratio"] < 0.5

@@ -1,0 +1,218 @@
+"""The prefill's prefix cache through the router: requests sharing prefixes (and identical ones,
+at once) get exactly the tokens a from-scratch run gives, for every layout the hand-off takes;
+`cached_tokens` is the shared whole units; eviction under pressure stays exact and gives every
+block back; off, nothing is cached."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nixl  # noqa: F401  (the tier needs it; never skip)
+import pytest
+from runtime_fixtures import LocalCluster, Proc, http, plan_json
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+SHARED = 70  # a system prompt: whole units of 16 or 32 tokens cover its first 64
+
+
+def _tokens(n: int, salt: int) -> list[int]:
+    return [(i * 53 + salt * 29 + 7) % 256 for i in range(n)]
+
+
+_REFS: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+
+def _reference(prompt: list[int], max_tokens: int) -> list[int]:
+    from pdd_sidecar.engine.generate import generate
+
+    key = (tuple(prompt), max_tokens)
+    if key not in _REFS:
+        _REFS[key] = generate("builtin", prompt, max_tokens, block_size=BLOCK)
+    return _REFS[key]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],
+           **prefill_env: Any) -> dict[str, Proc]:
+    routing = cluster.plan_file(plan_json(p, d, BLOCK))
+    prefill = cluster.instance("prefill", p[0], p[1], routing, BLOCK, **prefill_env)
+    decode = cluster.instance("decode", d[0], d[1], routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
+    router = cluster.router([prefill], [decode])
+    for proc in (prefill, decode, router):
+        proc.wait_ready()
+    return {"prefill": prefill, "decode": decode, "router": router}
+
+
+def _run(router: str, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """Every prompt at once; checks each answer against the reference; its cached tokens."""
+    def one(prompt: list[int]) -> tuple[int, Any]:
+        return http("POST", f"{router}/v1/completions",
+                    {"prompt": prompt, "temperature": 0, "max_tokens": max_tokens}, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(one, prompts))
+    cached = []
+    for i, (status, body) in enumerate(answers):
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == _reference(prompts[i], max_tokens), i
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return cached
+
+
+def _metric(url: str, name: str) -> float:
+    _, text = http("GET", f"{url}/metrics")
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def _all_blocks_back(*urls: str, within_s: float = 10.0) -> None:
+    """Free (cached but unreferenced counts as free) equals the total on every rank."""
+    deadline = time.monotonic() + within_s
+    while True:
+        states = [http("GET", f"{u}/v1/stats")[1] for u in urls]
+        if all(r["free_blocks"] == s["num_blocks"] for s in states for r in s["ranks"]):
+            return
+        assert time.monotonic() < deadline, f"blocks still held: {states}"
+        time.sleep(0.1)
+
+
+def _cap(prompt: list[int], unit: int) -> int:
+    """Whole units before the prompt's last token: what a hit can cover."""
+    return (len(prompt) - 1) // unit * unit
+
+
+@pytest.mark.parametrize("p,d", [((2, 2), (2, 2)), ((1, 1), (2, 2)), ((2, 2), (2, 1))])
+def test_shared_prefixes_give_the_tokens_of_a_run_from_scratch(
+        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
+    stack = _stack(cluster, p, d)
+    router, prefill = stack["router"].url, stack["prefill"].url
+    unit = BLOCK * p[1]  # one table entry: what the cache keys
+    system = _tokens(SHARED, 1)
+    shared = SHARED // unit * unit
+    assert _run(router, [system + _tokens(9, 2)], 5) == [0]  # caches the system prompt
+    distinct = [system + _tokens(5 + 7 * i, 10 + i) for i in range(8)]
+    same = system + _tokens(30, 40)
+    batch = distinct + [same] * 4 + [_tokens(50, 50)]
+    cached = _run(router, batch, 6)
+    assert cached[:8] == [shared] * 8, cached
+    assert all(shared <= c <= _cap(same, unit) for c in cached[8:12]), cached
+    assert cached[12] == 0
+    again = _run(router, batch, 6)  # every whole unit of every prompt is cached by now
+    assert again == [_cap(q, unit) for q in batch], again
+    hits = _metric(prefill, "pdd_prefix_cache_hits_total")
+    assert hits == sum(cached) + sum(again)
+    assert _metric(prefill, "pdd_prefix_cache_queries_total") >= sum(
+        len(q) for q in batch) * 2 + SHARED + 9
+    assert _metric(prefill, "pdd_prefix_cache_blocks") > 0
+    _all_blocks_back(prefill, stack["decode"].url)
+
+
+def test_more_distinct_prefixes_than_blocks_evict_and_stay_exact(cluster: LocalCluster) -> None:
+    """24 blocks of 16 tokens, 40 prompts of 4-6 blocks: the cache turns over many times."""
+    stack = _stack(cluster, (1, 1), (2, 2), PDD_NUM_BLOCKS=24)
+    router, prefill = stack["router"].url, stack["prefill"].url
+    prompts = [_tokens(64 + 9 * (i % 3), 100 + i) for i in range(40)]
+    for start in range(0, 40, 8):
+        assert _run(router, prompts[start:start + 8], 4) == [0] * 8
+    assert _metric(prefill, "pdd_prefix_cache_blocks") <= 24
+    # The latest ones may still be cached, the first ones were evicted: exact either way.
+    cached = _run(router, prompts[-3:] + prompts[:3], 4)
+    assert all(c % BLOCK == 0 for c in cached)
+    _all_blocks_back(prefill, stack["decode"].url)
+
+
+def test_off_caches_nothing(cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (1, 1), (1, 1), PDD_PREFIX_CACHE="0")
+    router, prefill = stack["router"].url, stack["prefill"].url
+    prompt = _tokens(80, 3)
+    assert _run(router, [prompt], 4) == [0]
+    assert _run(router, [prompt, prompt], 4) == [0, 0]
+    _, text = http("GET", f"{prefill}/metrics")
+    assert "pdd_prefix_cache_hits_total 0.0" in text
+    _all_blocks_back(prefill, stack["decode"].url)
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_scheduler_shares_whole_units_and_computes_only_the_rest(dcp: int) -> None:
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    unit = BLOCK * dcp
+    cache = PagedKVCache(16, 1, BLOCK, 4)
+    pc = PrefixCache(cache, unit, chain_root({"dcp": dcp}))
+    sched = Scheduler("prefill", cache, BLOCK, dcp, 2, prefix_cache=pc)
+    first = _tokens(100, 1)
+    a = Sequence("a", first, 4, len(first))
+    sched.submit(a)
+    (chunk,) = sched.plan().prefill
+    assert chunk.start == 0 and a.extra[CACHED_TOKENS] == 0
+    sched.on_chunk_done(chunk)
+    sched.finish_prefill(a, keep_blocks=True)  # now held for a decode: a lease's reference
+    b = Sequence("b", first[:80] + _tokens(20, 2), 4, 100)
+    sched.submit(b)
+    (chunk,) = sched.plan().prefill
+    shared = 80 // unit
+    assert chunk.start == shared * unit == b.extra[CACHED_TOKENS] == b.computed
+    assert chunk.tokens == b.prompt[shared * unit:]
+    assert b.blocks[:shared] == a.blocks[:shared]
+    assert not set(b.blocks[shared:]) & set(a.blocks)  # the rest goes into blocks of its own
+    sched.cancel("b")
+    assert all(pc.refs(x) == 1 for x in a.blocks)
+    c = Sequence("c", list(first), 4, 100)  # the same prompt: all but its last unit
+    sched.submit(c)
+    (chunk,) = sched.plan().prefill
+    assert chunk.start == (len(first) - 1) // unit * unit and chunk.last
+    sched.cancel("c")
+    pc.free(a.blocks)
+    assert pc.num_free == cache.num_blocks and cache.num_free + pc.cached_blocks == 16
+
+
+def test_shared_blocks_keep_the_hand_off_rules(cluster: LocalCluster) -> None:
+    """Two grants share cached blocks: releasing one leaves the other readable and exact, and
+    the released grant's claim is refused though its blocks are still cached and in use."""
+    routing = cluster.plan_file(plan_json((2, 2), (2, 2), BLOCK))
+    prefill = cluster.instance("prefill", 2, 2, routing, BLOCK)
+    decode = cluster.instance("decode", 2, 2, routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
+    prefill.wait_ready()
+    decode.wait_ready()
+    prompt = _tokens(80, 7)
+    grants = []
+    for rid in ("a", "b"):
+        status, pre = http("POST", f"{prefill.url}/v1/prefill",
+                           {"request_id": rid, "prompt_ids": prompt, "max_tokens": 6})
+        assert status == 200, pre
+        grants.append(pre)
+    a, b = grants
+    assert (a["cached_tokens"], b["cached_tokens"]) == (0, 64)
+    ga, gb = a["kv_transfer_params"], b["kv_transfer_params"]
+    assert gb["block_ids"][:2] == ga["block_ids"][:2] and ga["epoch"] != gb["epoch"]
+    status, released = http("POST", f"{prefill.url}/v1/release", {"kv_transfer_params": ga})
+    assert status == 200 and released == {"released": True}
+    status, body = http("POST", f"{prefill.url}/v1/claim", {"kv_transfer_params": ga,
+                                                             "hold_s": 5})
+    assert status == 410, body
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "a", "first_token": a["first_token"], "max_new_tokens": 5,
+        "kv_transfer_params": ga})
+    assert status == 410, body
+    status, body = http("POST", f"{decode.url}/v1/decode", {
+        "request_id": "b", "first_token": b["first_token"], "max_new_tokens": 5,
+        "kv_transfer_params": gb}, timeout=60)
+    assert status == 200, body
+    assert [b["first_token"], *body["token_ids"]] == _reference(prompt, 6)
+    _all_blocks_back(prefill.url, decode.url)
