@@ -15,6 +15,7 @@ import torch
 from pdd_api.plan import SidePlan
 from pdd_api.routing import plan_routing
 from pdd_sidecar.env import InstanceSettings
+from pdd_sidecar.kv import transport
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.puller import KVPuller, PullJob
@@ -80,7 +81,10 @@ def test_the_ipc_handle_unpickles_only_the_torch_types_it_holds() -> None:
         handle_args(base64.b64encode(pickle.dumps((Evil(),))).decode())
 
 
-def test_a_device_copy_moves_exactly_the_spec_blocks_and_the_filled_tail_rows() -> None:
+@pytest.mark.parametrize("slice_runs", [64, 0])  # a slice copy per run; one gather + scatter
+def test_a_device_copy_moves_exactly_the_spec_blocks_and_the_filled_tail_rows(
+        slice_runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "MAX_SLICE_RUNS", slice_runs)
     src, dst = _cache(1), _cache()
     spec = ReadSpec(prefill_rank=0, runs=[Run(3, 0, 2), Run(8, 5, 1)], tail=Tail(10, 7, 2))
     copy_blocks(dst, src, spec)

@@ -193,13 +193,23 @@ def open_peer_cache(peer: TransportRecord, device: Any) -> Any:
 # ------------------------------------------------------------------ the copy
 
 
+# Runs up to this many are copied one slice each (a plain device-to-device copy at full
+# bandwidth); a table scattered wider goes through one gather and one scatter instead.
+MAX_SLICE_RUNS = 64
+
+
 def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
-    """One read spec as device copies: its full blocks in one indexed copy, the partial last
-    block's filled rows in another. Both caches are [blocks, layers, block_size, latent]."""
+    """One read spec as device copies: each run of consecutive blocks as one slice copy (the
+    blocks of a request mostly are a few runs), the partial last block's filled rows in
+    another. Both caches are [blocks, layers, block_size, latent]."""
     import torch
 
-    remote = [r.remote_start + i for r in spec.runs for i in range(r.n)]
-    if remote:
+    if 0 < len(spec.runs) <= MAX_SLICE_RUNS:
+        for r in spec.runs:
+            dst[r.local_start:r.local_start + r.n].copy_(
+                src[r.remote_start:r.remote_start + r.n], non_blocking=True)
+    elif spec.runs:
+        remote = [r.remote_start + i for r in spec.runs for i in range(r.n)]
         local = [r.local_start + i for r in spec.runs for i in range(r.n)]
         rows = src.index_select(0, torch.tensor(remote, device=src.device))
         dst.index_copy_(0, torch.tensor(local, device=dst.device),
