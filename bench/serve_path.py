@@ -116,6 +116,7 @@ class LevelResult:
     probe_p99_ms: float = float("nan")
     probe_max_ms: float = float("nan")
     probe_failures: int = 0
+    probe_worst_ms: dict[str, float] = field(default_factory=dict)  # per probed URL
 
 
 # ------------------------------------------------------------------------- engine bounds
@@ -292,9 +293,12 @@ class ProbeSampler:
 
     def __init__(self, session: aiohttp.ClientSession, stack: LocalStack) -> None:
         self.session = session
-        self.urls = [f"{u}/readyz" for u in (stack.url, stack.prefill_url, stack.decode_url)]
-        self.urls.append(f"{stack.decode_url}/metrics")
+        self.urls = {f"{u}/readyz": f"{name} /readyz" for name, u in
+                     (("router", stack.url), ("prefill", stack.prefill_url),
+                      ("decode", stack.decode_url))}
+        self.urls[f"{stack.decode_url}/metrics"] = "decode /metrics"
         self.latencies_ms: list[float] = []
+        self.worst_ms: dict[str, float] = {}
         self.failures = 0
         self.stop = False
 
@@ -308,7 +312,10 @@ class ProbeSampler:
                         ok = resp.status == 200
                 except aiohttp.ClientError:
                     ok = False
-                self.latencies_ms.append((time.perf_counter() - t) * 1e3)
+                ms = (time.perf_counter() - t) * 1e3
+                self.latencies_ms.append(ms)
+                name = self.urls[url]
+                self.worst_ms[name] = max(ms, self.worst_ms.get(name, 0.0))
                 self.failures += not ok
             await asyncio.sleep(self.INTERVAL_S)
 
@@ -370,7 +377,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         read_GBps=rbytes / rsecs / 1e9 if rsecs > 0 else float("nan"),
         timings=[r.timing for r in ok], probe_p99_ms=pct(probes.latencies_ms, 99),
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
-        probe_failures=probes.failures)
+        probe_failures=probes.failures, probe_worst_ms=probes.worst_ms)
 
 
 # ------------------------------------------------------------------------- judging
@@ -391,12 +398,43 @@ def level_bounds(r: LevelResult, spec: LevelSpec, b: dict[str, Any]) -> dict[str
         out["wall_bound_ms"] = -(-r.requests // n) * prefill
         out["wall_ratio"] = r.wall_s * 1e3 / out["wall_bound_ms"]
     if t >= MANY_TOKENS:
-        out["tokens_per_s_bound"] = n / (decode / 1e3)
+        # The engine prefills the level's prompts in its scheduled steps, then runs T decode
+        # steps at batch N: what the same engine does with the same work, end to end.
+        out["tokens_per_s_bound"] = n * t / (prefill / 1e3 + t * decode / 1e3)
         out["tokens_per_s_ratio"] = r.tokens_per_s / out["tokens_per_s_bound"]
     if "copy_GBps" in b and r.requests and r.read_bytes > 0:
         per_request = r.read_bytes / max(1, r.requests - r.errors)
         out["read_bound_ms"] = per_request / (b["copy_GBps"] * 1e9) * 1e3
     return out
+
+
+# The one-H200 targets of the served path, each a ratio to the engine's bound of the same run:
+# level -> (what is compared, bound key(s) summed, the target, True when higher is better).
+TARGETS: dict[str, tuple[str, tuple[str, ...], float, bool]] = {
+    "1:1024:2": ("TTFT p50 / prefill compute", ("prefill_ms",), 1.5, False),
+    "1:8192:2": ("TTFT p50 / (prefill compute + bytes at the copy rate)",
+                 ("prefill_ms", "read_bound_ms"), 1.3, False),
+    "64:32:2": ("TTFT p50 / (that prefill step + one decode step)",
+                ("prefill_ms", "decode_step_ms"), 1.5, False),
+    "64:1024:1": ("wall / the engine's time for those prompts", ("wall_bound_ms",), 1.3, False),
+    "64:1024:128": ("tok/s / the engine's (prefills, then T steps at batch N)",
+                    ("tokens_per_s_bound",), 0.7, True),
+}
+
+
+def judge(r: LevelResult) -> dict[str, Any] | None:
+    """The level's target, its ratio and whether it holds; None for a level with none."""
+    if r.level not in TARGETS:
+        return None
+    what, keys, target, higher = TARGETS[r.level]
+    if any(k not in r.bounds for k in keys):
+        return None
+    bound = sum(r.bounds[k] for k in keys)
+    value = (r.tokens_per_s if higher else r.wall_s * 1e3 if r.max_tokens == 1
+             else r.ttft_p50_ms)
+    ratio = value / bound if bound else float("nan")
+    return {"what": what, "value": value, "bound": bound, "ratio": ratio, "target": target,
+            "holds": ratio >= target if higher else ratio <= target}
 
 
 def kv_bytes_per_block(model: str, dtype: str, block_size: int) -> int:
@@ -429,7 +467,7 @@ def row(r: LevelResult) -> str:
     b = r.bounds
     if "tokens_per_s_ratio" in b:
         bound, ratio, what = b["tokens_per_s_bound"], b["tokens_per_s_ratio"], \
-            "tok/s: N / decode step (tok/s)"
+            "tok/s: N x T / (prefills + T steps)"
     elif "wall_ratio" in b:
         bound, ratio, what = b["wall_bound_ms"], b["wall_ratio"], \
             "wall: scheduled prefills (ms)"
@@ -543,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     if found:
         p.error("; ".join(found))
     results: list[LevelResult] = []
-    first_after_ready: dict[str, float] = {}
+    first_after_ready: dict[str, Any] = {}
     stack = LocalStack(scfg, args.log_dir)
     try:
         t0 = time.perf_counter()
@@ -557,10 +595,15 @@ def main(argv: list[str] | None = None) -> int:
         steady = statistics.median(r.ttft_p50_ms for r in first[1:])
         first_after_ready = {"prompt": first_prompt, "first_ttft_ms": first[0].ttft_p50_ms,
                              "steady_ttft_ms": steady,
+                             "first_timing": first[0].timings[0] if first[0].timings else {},
+                             "second_timing": first[1].timings[0] if first[1].timings else {},
                              "ratio": first[0].ttft_p50_ms / steady if steady else float("nan")}
         print(f"first request after ready (1:{first_prompt}:2): TTFT "
               f"{first[0].ttft_p50_ms:.1f} ms, steady {steady:.1f} ms (median of the next 3): "
               f"{first_after_ready['ratio']:.2f}x (target <= 1.2x)", flush=True)
+        for name in ("first_timing", "second_timing"):
+            print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                             first_after_ready[name].items()), flush=True)
         print(HEADER, flush=True)
         for i, lv in enumerate(levels):
             r = asyncio.run(run_level(stack, lv, max(lv.concurrency, min_requests),
@@ -588,11 +631,19 @@ def main(argv: list[str] | None = None) -> int:
         if "read_bound_ms" in r.bounds:
             line += f", at the copy rate {r.bounds['read_bound_ms']:.3f} ms"
         print(line)
+    print("\ntargets (one H200, same-run engine bounds):")
+    judged = {r.level: j for r in results if (j := judge(r)) is not None}
+    for level, j in judged.items():
+        sign = ">=" if TARGETS[level][3] else "<="
+        print(f"{level:>14}: {j['what']}: {j['value']:.1f} / {j['bound']:.1f} = "
+              f"{j['ratio']:.2f} (target {sign} {j['target']}) "
+              f"{'holds' if j['holds'] else 'MISSED'}")
     print("\nprobes during each level (/readyz of router, prefill, decode; decode /metrics; "
           "every 50 ms; target: each answer within 100 ms, all 200):")
     for r in results:
         print(f"{r.level:>14}: p99 {r.probe_p99_ms:7.1f} ms, max {r.probe_max_ms:7.1f} ms, "
-              f"not 200: {r.probe_failures}")
+              f"not 200: {r.probe_failures}; worst "
+              + ", ".join(f"{u} {ms:.0f}" for u, ms in r.probe_worst_ms.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {"model": args.model, "device": args.device, "dtype": dtype,
@@ -601,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                        "min_requests": min_requests, "cpus": os.cpu_count()},
             "skipped": skipped,
             "first_after_ready": first_after_ready,
+            "targets": judged,
             "bounds": bounds,
             "levels": [asdict(r) for r in results],
         }, indent=2) + "\n")
