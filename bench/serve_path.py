@@ -56,6 +56,7 @@ from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config 
 
 DEFAULT_LEVELS = "1:1024:2,1:8192:2,1:32768:2,64:32:2,64:1024:1,64:1024:128,256:1024:128"
 QUICK_LEVELS = "1:64:2,4:32:2,4:64:8"
+LONG_HEAD_START_S = 0.15  # the long prompt's prefill is under way when the short one comes
 MANY_TOKENS = 16  # a level with at least this many output tokens is judged by tokens/s
 COPY_BYTES = 256 << 20
 _SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
@@ -320,6 +321,30 @@ class ProbeSampler:
             await asyncio.sleep(self.INTERVAL_S)
 
 
+async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int,
+                          vocab: int, delay_s: float) -> dict[str, Any]:
+    """A short prompt sent while a long one is being prefilled: its TTFT, to hold against its
+    idle TTFT (a long prompt must not starve short ones)."""
+    rng = random.Random(7)
+    long_prompt = [rng.randrange(vocab) for _ in range(long_tokens)]
+    short_prompt = [rng.randrange(vocab) for _ in range(short_tokens)]
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        long_task = asyncio.create_task(one_request(session, stack.url, long_prompt, 2))
+        await asyncio.sleep(delay_s)
+        short = await one_request(session, stack.url, short_prompt, 2)
+        long = await long_task
+    out: dict[str, Any] = {"long_tokens": long_tokens, "short_tokens": short_tokens,
+                           "delay_ms": delay_s * 1e3}
+    for name, r in (("short", short), ("long", long)):
+        if isinstance(r, str):
+            out[f"{name}_error"] = r
+        else:
+            out[f"{name}_ttft_ms"] = (r.times[0] - r.start) * 1e3
+            out[f"{name}_timing"] = r.timing
+    return out
+
+
 def pct(xs: list[float], q: int) -> float:
     if len(xs) < 2:
         return xs[0] if xs else float("nan")
@@ -582,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("; ".join(found))
     results: list[LevelResult] = []
     first_after_ready: dict[str, Any] = {}
+    mixed: dict[str, Any] = {}
     stack = LocalStack(scfg, args.log_dir)
     try:
         t0 = time.perf_counter()
@@ -612,6 +638,14 @@ def main(argv: list[str] | None = None) -> int:
             r.bounds = level_bounds(r, lv, bounds)
             results.append(r)
             print(row(r), flush=True)
+        long_tokens = min(32768, cfg.max_position_embeddings - 2, num_blocks * bs // 2 - 2)
+        short_tokens = first_prompt
+        idle = steady
+        mixed = asyncio.run(long_then_short(stack, long_tokens, short_tokens, cfg.vocab_size,
+                                            LONG_HEAD_START_S))
+        mixed["idle_short_ttft_ms"] = idle
+        if "short_ttft_ms" in mixed:
+            mixed["ratio"] = mixed["short_ttft_ms"] / idle if idle else float("nan")
     finally:
         stack.stop()
         if not args.log_dir:
@@ -631,6 +665,13 @@ def main(argv: list[str] | None = None) -> int:
         if "read_bound_ms" in r.bounds:
             line += f", at the copy rate {r.bounds['read_bound_ms']:.3f} ms"
         print(line)
+    if "ratio" in mixed:
+        print(f"\na {mixed['short_tokens']}-token prompt sent {mixed['delay_ms']:.0f} ms into a "
+              f"{mixed['long_tokens']}-token prefill: TTFT {mixed['short_ttft_ms']:.1f} ms, idle "
+              f"{mixed['idle_short_ttft_ms']:.1f} ms: {mixed['ratio']:.2f}x (target <= 2x); the "
+              f"long prompt's TTFT {mixed.get('long_ttft_ms', float('nan')):.1f} ms")
+        print("  short: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                      mixed.get("short_timing", {}).items()))
     print("\ntargets (one H200, same-run engine bounds):")
     judged = {r.level: j for r in results if (j := judge(r)) is not None}
     for level, j in judged.items():
@@ -653,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": skipped,
             "first_after_ready": first_after_ready,
             "targets": judged,
+            "long_then_short": mixed,
             "bounds": bounds,
             "levels": [asdict(r) for r in results],
         }, indent=2) + "\n")

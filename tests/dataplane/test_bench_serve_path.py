@@ -52,5 +52,8 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     first = res["first_after_ready"]
     assert first["first_ttft_ms"] > 0 and first["steady_ttft_ms"] > 0
     assert first["ratio"] == pytest.approx(first["first_ttft_ms"] / first["steady_ttft_ms"])
+    mixed = res["long_then_short"]
+    assert mixed["short_ttft_ms"] > 0 and mixed["long_ttft_ms"] > 0 and mixed["ratio"] > 0
+    assert set(mixed["short_timing"]) == {*STAGES, "ttft"}
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)
