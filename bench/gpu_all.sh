@@ -21,7 +21,8 @@
 #            multi-turn chats, prefix cache off against on (PREFIX_CACHE_ARGS adds flags);
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
-# PREFIX_CACHE_S 300.
+# PREFIX_CACHE_S 300, PROFILE_S 120.
+#   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +72,15 @@ EOF
 } | tee -a "$OUT/env.txt"
 
 rc=0
+# One random V2-Lite-width checkpoint of LAYERS layers for the stages that serve a model: written
+# once (the first stage that needs it), removed at the end.
+CKPT=/dev/shm/pdd-random-v2lite-${LAYERS:-4}
+[ -d /dev/shm ] && [ -w /dev/shm ] || CKPT=/tmp/pdd-random-v2lite-${LAYERS:-4}
+checkpoint() {
+    [ -f "$CKPT/config.json" ] && return 0
+    MODEL_SIZE=v2lite LAYERS=${LAYERS:-4} CKPT=$CKPT DEVICE=cuda $PY bench/random_checkpoint.py \
+        2>&1 | tee -a "$OUT/env.txt"
+}
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 if want tests; then
@@ -105,30 +115,30 @@ if want serving; then
 fi
 if want serve_path; then
     say "stage serve_path"
-    CKPT=/dev/shm/pdd-random-v2lite-${LAYERS:-4}
-    [ -d /dev/shm ] && [ -w /dev/shm ] || CKPT=/tmp/pdd-random-v2lite-${LAYERS:-4}
-    MODEL_SIZE=v2lite LAYERS=${LAYERS:-4} CKPT=$CKPT DEVICE=cuda $PY bench/random_checkpoint.py \
-        2>&1 | tee -a "$OUT/env.txt"
+    checkpoint
     PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${SERVE_PATH_S:-300}" $PY bench/serve_path.py \
         --device cuda --dtype bfloat16 --model "$CKPT" --json "$OUT/serve_path.json" \
         --log-dir /tmp/serve-path-logs ${SERVE_PATH_ARGS:-} 2>&1 | tee "$OUT/serve_path.log" || rc=1
     mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serve-path-logs /tmp/gpu-all-extra/ 2>/dev/null
-    rm -rf "$CKPT"
     say "serve_path done"
 fi
 if want prefix_cache; then
     say "stage prefix_cache"
-    CKPT=/dev/shm/pdd-random-v2lite-${LAYERS:-4}
-    [ -d /dev/shm ] && [ -w /dev/shm ] || CKPT=/tmp/pdd-random-v2lite-${LAYERS:-4}
-    MODEL_SIZE=v2lite LAYERS=${LAYERS:-4} CKPT=$CKPT DEVICE=cuda $PY bench/random_checkpoint.py \
-        2>&1 | tee -a "$OUT/env.txt"
+    checkpoint
     PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${PREFIX_CACHE_S:-300}" $PY \
         bench/prefix_cache.py --device cuda --dtype bfloat16 --model "$CKPT" \
         --json "$OUT/prefix_cache.json" ${PREFIX_CACHE_ARGS:-} 2>&1 \
         | tee "$OUT/prefix_cache.log" || rc=1
-    rm -rf "$CKPT"
     say "prefix_cache done"
 fi
+if want profile; then
+    say "stage profile"
+    checkpoint
+    timeout -k 10 "${PROFILE_S:-120}" $PY bench/prefill_profile.py --model "$CKPT" \
+        --tokens "${PROFILE_TOKENS:-1024}" 2>&1 | tee "$OUT/profile.log" || rc=1
+    say "profile done"
+fi
+rm -rf "$CKPT"
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files
     tar -czf "$OUT/extra.tar.gz" -C /tmp/gpu-all-extra . 2>/dev/null
 fi
