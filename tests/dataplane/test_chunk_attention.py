@@ -134,8 +134,9 @@ e_o, e_l = ca.chunk_attention_triton(torch.randn(3, 2, 16), torch.randn(3, 2, 8)
                                      torch.randn(0, 2, 16), torch.arange(3),
                                      torch.arange(0), 0.1)
 assert (e_o == 0).all() and torch.isinf(e_l).all()
-full, end = ca.tile_bounds(torch.arange(69, 90), sparse, 16, 16)
+start, full_lo, full, end = ca.tile_bounds(torch.arange(69, 90), sparse, 16, 16)
 assert full.tolist() == [32, 32] and end.tolist() == [41, 44], (full, end)
+assert start.tolist() == [0, 0] and full_lo.tolist() == [0, 0], (start, full_lo)
 print("kernel edges ok")
 '''
 
