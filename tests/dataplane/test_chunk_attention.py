@@ -204,6 +204,34 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
     err = float((got.float() - want).abs().max())
     assert err < tol, (dtype, err)
 print("varlen mla ok")
+
+# the engine: a step of four fresh prompts on the kernel equals each prompt prefilled alone
+from pdd_sidecar.engine import rank_engine
+from pdd_sidecar.engine.comm import SingleComm
+from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+calls = []
+
+
+def kernel(*args, q_lo):
+    calls.append(1)
+    return ca.chunk_attention_triton(*args, small, q_lo=q_lo)
+
+
+mla.chunk_attention = kernel
+rank_engine.batch_fresh_prompts = lambda n, dev, dt: n >= 2
+prompts = [[(i * 37 + s * 11 + 5) % 256 for i in range(n)] for s, n in enumerate(lengths)]
+alone, eng = (rank_engine.RankEngine(model, rank_engine.new_cache(model, 64, 4), SingleComm())
+              for _ in range(2))
+tables = [rank_engine.allocate_request(alone.cache, len(p), 1) for p in prompts]
+assert [rank_engine.allocate_request(eng.cache, len(p), 1) for p in prompts] == tables
+want = torch.stack([alone.prefill(p, t) for p, t in zip(prompts, tables)])
+assert not calls, "a single prompt took the batched path"
+got = eng.step([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+assert calls, "the kernel never ran"
+err = max(float((got - want).abs().max()), float((eng.cache.kv - alone.cache.kv).abs().max()))
+assert err < 1e-4, err
+print("varlen engine ok")
 '''
 
 ENGINE_CHILD = r'''
@@ -278,4 +306,4 @@ def test_chunked_prefill_on_the_kernel_in_the_interpreter() -> None:
 
 def test_fresh_prompts_in_one_kernel_call_in_the_interpreter() -> None:
     out = _child(VARLEN_CHILD)
-    assert "varlen kernel ok" in out and "varlen mla ok" in out
+    assert "varlen kernel ok" in out and "varlen mla ok" in out and "varlen engine ok" in out
