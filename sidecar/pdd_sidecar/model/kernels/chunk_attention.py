@@ -7,9 +7,10 @@ every head; ``q_pos [M]`` and ``k_pos [N]`` absolute positions, ``k_pos`` ascend
 order; under DCP a rank's keys skip the other ranks' blocks). Query ``i`` sees key ``j`` iff
 ``k_pos[j] <= q_pos[i]``, and, given ``q_lo [M]``, also ``q_lo[i] <= k_pos[j]``: a segment start
 per query, so several fresh prompts concatenated into one token range (positions their global
-index in the step) attend block-diagonally and causally in one call. Scores are ``(q_nope . k_nope + q_pe . k_pe) * scale``. Returns
-``(out [M, H, Dv] fp32, lse [M, H] fp32, natural log)``; a query that sees no key gets output 0
-and LSE ``-inf``, which an LSE merge (over DCP ranks or context slices) weighs as nothing.
+index in the step) attend block-diagonally and causally in one call. Scores are
+``(q_nope . k_nope + q_pe . k_pe) * scale``. Returns ``(out [M, H, Dv] fp32, lse [M, H] fp32,
+natural log)``; a query that sees no key gets output 0 and LSE ``-inf``, which an LSE merge (over
+DCP ranks or context slices) weighs as nothing.
 
 The torch reference runs on the CPU (and is what the Triton kernel is tested against): it walks
 the keys in slices with an online merge by LSE, so scores never exist for the whole context at
