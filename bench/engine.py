@@ -705,6 +705,49 @@ def bench_chunked_prefill(
     return row
 
 
+def bench_batched_prefill(
+    model: Model, kv: torch.Tensor, n: int, t: int, ceil: dict[str, float],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """``n`` fresh prompts of ``t`` tokens in one ``RankEngine.step`` (logits of each last
+    token, as the scheduler samples), as the engine runs it (on CUDA their attention is one
+    varlen kernel call per layer) and with one attention call per prompt, the path before it.
+    FLOPs: ``n`` one-pass prompts of ``t`` tokens."""
+    from pdd_sidecar.engine import rank_engine
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+    dev, cfg = model.device, model.cfg
+    bs = kv.shape[2]
+    per = -(-t // bs)
+    g = torch.Generator(device=dev).manual_seed(n * t)
+    blocks = torch.randperm(kv.shape[0], device=dev, generator=g)[: n * per].tolist()
+    chunks = [
+        SeqChunk(torch.randint(0, cfg.vocab_size, (t,), generator=g, device=dev).tolist(), 0,
+                 blocks[i * per:(i + 1) * per])
+        for i in range(n)
+    ]  # fmt: skip
+    eng = engine_over(model, kv, "eager")
+    reps = max(3, args.reps // 3)
+    rule = rank_engine.batch_fresh_prompts
+    batched = rule(n, dev, kv.dtype)
+    sec = time_fn(lambda: eng.step(chunks), dev, reps, 1)
+    try:
+        rank_engine.batch_fresh_prompts = lambda *_: False  # type: ignore[assignment]
+        sec_each = time_fn(lambda: eng.step(chunks), dev, reps, 1)
+    finally:
+        rank_engine.batch_fresh_prompts = rule  # type: ignore[assignment]
+    flops = n * prefill_flops(cfg, t)
+    return {
+        "prompts": n,
+        "tokens": t,
+        "batched_attention": batched,
+        "ms": sec * 1e3,
+        "tokens_per_s": n * t / sec,
+        "of_matmul": flops / sec / ceil["matmul_flops"],
+        "per_prompt_attention_ms": sec_each * 1e3,
+    }
+
+
 def bench_engine_path(
     model: Model, dtype: torch.dtype, ctx: int, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -738,6 +781,14 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def _batches_of_prompts(s: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, s.split(",")):
+        n, _, t = item.partition("x")
+        out.append((int(n), int(t)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -749,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths prefilled in chunks through RankEngine.step; default "
                         "8192,32768 (and 131072 with --long)")
     p.add_argument("--chunk", type=int, default=None, help="chunk tokens (default 8192)")
+    p.add_argument("--batched", type=_batches_of_prompts, default=None,
+                   help="NxT,...: N fresh prompts of T tokens in one RankEngine.step; default "
+                        "64x32,8x1024")
     p.add_argument("--long", action="store_true", help="also a 128k-token chunked prefill")
     p.add_argument("--chunk-config", type=_ints, default=None,
                    help="BLOCK_M,BLOCK_N,warps,stages: the chunk-attention kernel's first launch "
@@ -786,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     prefills = args.prefill or ([64, 256] if small else [1024, 8192])
     chunked = args.chunked or ([256] if small else [8192, 32768] + [131072] * args.long)
     chunk = args.chunk or (64 if small else 8192)
+    batched = args.batched or ([(4, 16), (2, 64)] if small else [(64, 32), (8, 1024)])
     if args.chunk_config:
         if len(args.chunk_config) != 4:
             p.error(f"--chunk-config takes BLOCK_M,BLOCK_N,warps,stages, got {args.chunk_config}")
@@ -824,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
         need = [b * -(-(c + 1) // bs) for b, c in fits]
         attn_batch = 2 if small else 16
         need += [-(-c // bs) for c in attn_ctx + prefills + chunked]
+        need += [n * -(-t // bs) for n, t in batched]
         need += [attn_batch * -(-attn_ctx[0] // bs)]
         num_blocks = max(need)
         kv = torch.empty(
@@ -910,6 +966,19 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"  kernel {r['kernel_config']} regs/spills {r['kernel_regs_spills']}"
                          if "kernel_config" in r else ""), flush=True)  # fmt: skip
             result["prefill_chunked"] = rows_k
+            print("\nprefill of several fresh prompts in one RankEngine.step, their attention in "
+                  "one call per layer (batched) and one call per prompt")
+            print(f"{'prompts':>8} {'tokens':>7} {'ms':>9} {'tok/s':>9} {'of matmul':>10} "
+                  f"{'per-prompt ms':>14}")  # fmt: skip
+            rows_b = []
+            for n, t in batched:
+                r = bench_batched_prefill(model, kv, n, t, ceil, args)
+                rows_b.append(r)
+                print(f"{n:>8} {t:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
+                      f"{r['of_matmul']:>9.0%} {r['per_prompt_attention_ms']:>14.1f}"
+                      + ("" if r["batched_attention"] else "  (per-prompt path here)"),
+                      flush=True)  # fmt: skip
+            result["prefill_batched"] = rows_b
 
         if want("decode"):
             print("\ndecode step (all sequences at the same context)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdd_sidecar.engine import rank_engine
 from pdd_sidecar.engine.comm import Comm, run_threads
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.engine.sampling import SamplingParams, sample
@@ -140,6 +141,57 @@ def test_chunked_prefill_equals_one_pass(tp: int, dcp: int, sliced: bool,
         return worst
 
     worst = max(run_threads(tp, body))
+    assert worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_fresh_prompts_in_one_attention_call_equal_each_alone(
+        tp: int, dcp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched fresh path (forced here on the CPU, where it runs the torch reference of the
+    varlen kernel): fresh prompts of 1 to 13 tokens attending in one call per layer, between a
+    continuing chunk's rows and as a step of fresh prompts only, give each prompt's logits and
+    cache as prefilled alone, also under DCP."""
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return mla.varlen_prefill_attention(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rank_engine, "batch_fresh_prompts", lambda n, dev, dt: n >= 2)
+    monkeypatch.setattr(rank_engine, "varlen_prefill_attention", counted)
+    lead = _prompt(14, 9)
+    mixed = [_prompt(n, i) for i, n in enumerate([1, 5, 13])]
+    only = [_prompt(n, i + 3) for i, n in enumerate([7, 2])]
+
+    def body(rank: int, comm: Comm) -> float:
+        model = load_rank_model("builtin", rank, tp)
+        engines = [RankEngine(model, new_cache(model, 64, BLOCK), comm, dcp) for _ in range(2)]
+        tables = [[allocate_request(e.cache, len(p), dcp) for p in [lead, *mixed, *only]]
+                  for e in engines]
+        assert tables[0] == tables[1]
+        alone, eng = engines
+        t = tables[0]
+        # one prompt a step: the per-prompt path (the forced rule asks for two or more)
+        whole = alone.prefill(lead, t[0], all_logits=True)
+        want = [alone.prefill(p, tb) for p, tb in zip([*mixed, *only], t[1:], strict=True)]
+        got = []
+        eng.step([SeqChunk(lead[:6], 0, t[0])])
+        out = eng.step([SeqChunk(mixed[0], 0, t[1]), SeqChunk(lead[6:], 6, t[0]),
+                        SeqChunk(mixed[1], 0, t[2]), SeqChunk(mixed[2], 0, t[3])])
+        assert out is not None
+        worst = float((out[1] - whole[-1]).abs().max())
+        got += [out[0], out[2], out[3]]
+        out = eng.step([SeqChunk(p, 0, tb) for p, tb in zip(only, t[4:], strict=True)])
+        assert out is not None
+        got += list(out)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.argmax(), b.argmax())
+            worst = max(worst, float((a - b).abs().max()))
+        assert torch.equal(eng.cache.kv == 0, alone.cache.kv == 0)
+        return max(worst, float((eng.cache.kv - alone.cache.kv).abs().max()))
+
+    worst = max(run_threads(tp, body))
+    assert calls, "the batched fresh path never ran"
     assert worst < 1e-4, worst
 
 

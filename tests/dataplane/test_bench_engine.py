@@ -28,7 +28,7 @@ def test_small_config_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
     argv = ["--device", "cpu", "--small", "--batches", "1,2", "--contexts", "40", "--prefill"]
     argv += ["24", "--attn-contexts", "64", "--moe-tokens", "1", "--reps", "1", "--json", str(out)]
-    argv += ["--chunked", "40,24", "--chunk", "16"]
+    argv += ["--chunked", "40,24", "--chunk", "16", "--batched", "3x8,2x20"]
     assert mod.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["config"] == "small"
@@ -50,6 +50,10 @@ def test_small_config_reports_every_section(tmp_path: Path) -> None:
         flops = r["of_matmul"] * r["s"]
         assert math.isclose(flops, r["one_pass_of_matmul"] * r["one_pass_s"], rel_tol=1e-9)
     assert res["prefill_chunked"][1]["one_pass_s"] == res["prefill"][0]["ms"] / 1e3
+    # fresh prompts in one step, both ways (the CPU runs the per-prompt path for both)
+    assert [(r["prompts"], r["tokens"]) for r in res["prefill_batched"]] == [(3, 8), (2, 20)]
+    for r in res["prefill_batched"]:
+        assert r["ms"] > 0 and r["per_prompt_attention_ms"] > 0 and not r["batched_attention"]
 
 
 def test_prefill_flops_count_causal_attention_over_the_whole_prompt() -> None:

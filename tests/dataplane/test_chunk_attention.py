@@ -134,9 +134,104 @@ e_o, e_l = ca.chunk_attention_triton(torch.randn(3, 2, 16), torch.randn(3, 2, 8)
                                      torch.randn(0, 2, 16), torch.arange(3),
                                      torch.arange(0), 0.1)
 assert (e_o == 0).all() and torch.isinf(e_l).all()
-full, end = ca.tile_bounds(torch.arange(69, 90), sparse, 16, 16)
+start, full_lo, full, end = ca.tile_bounds(torch.arange(69, 90), sparse, 16, 16)
 assert full.tolist() == [32, 32] and end.tolist() == [41, 44], (full, end)
+assert start.tolist() == [0, 0] and full_lo.tolist() == [0, 0], (start, full_lo)
 print("kernel edges ok")
+'''
+
+VARLEN_CHILD = r'''
+import dataclasses
+
+from pdd_sidecar.model import mla
+from pdd_sidecar.model.kernels import chunk_attention as ca
+from pdd_sidecar.model.rank_model import load_rank_model
+
+torch.manual_seed(0)
+small = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+
+
+def segments(lengths):
+    return torch.cat([torch.full((n,), sum(lengths[:i])) for i, n in enumerate(lengths)])
+
+
+# the kernel with segment starts against the reference with them: ragged segments straddling
+# tiles, one token long, and a tile of several whole segments
+for lengths in ((1, 5, 16, 33), (40,), (3, 3, 3, 3, 3, 1)):
+    t = sum(lengths)
+    lo, pos = segments(lengths), torch.arange(t)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2 ** -8)):
+        qn, qr = torch.randn(t, 2, 16).to(dtype), torch.randn(t, 2, 8).to(dtype)
+        kn, kr, v = torch.randn(t, 2, 16).to(dtype), torch.randn(t, 8).to(dtype), \
+            torch.randn(t, 2, 16).to(dtype)
+        want_o, want_l = ca.chunk_attention_ref(qn, qr, kn, kr, v, pos, pos, 0.2, q_lo=lo)
+        for cfg in (small, ca.CONFIGS[1]):
+            got_o, got_l = ca.chunk_attention_triton(qn, qr, kn, kr, v, pos, pos, 0.2, cfg,
+                                                     q_lo=lo)
+            err = max(float((got_o - want_o).abs().max()), float((got_l - want_l).abs().max()))
+            assert err < tol, (lengths, dtype, cfg, err)
+print("varlen kernel ok")
+
+# tiles of 16 over segments starting at 0, 1, 6 and 22: tiles 0 to 2 run from their earliest
+# segment start's key tile to their last query, with no key tile every query sees (so fully
+# masked); tile 3 (queries 48..54, all of the segment from 22) runs keys 16..54, 32..47 unmasked
+start, full_lo, full_hi, end = ca.tile_bounds(torch.arange(55), torch.arange(55), 16, 16,
+                                              segments([1, 5, 16, 33])).tolist()
+assert start == [0, 0, 16, 16] and end == [16, 32, 48, 55], (start, end)
+assert full_lo == [16, 32, 48, 32] and full_hi == [16, 32, 48, 48], (full_lo, full_hi)
+
+# the model's fresh prompts in one call equal each prompt through prefill_attention (fp16 in
+# this interpreter for the half-precision path; bf16 is checked on the GPU)
+model = load_rank_model("builtin", 0, 1, "float32", "cpu")
+cfg, attn = model.config, model.weights.layers[0].attn
+lengths = [1, 5, 16, 33]
+t = sum(lengths)
+x = torch.randn(t, cfg.hidden_size)
+pos = torch.cat([torch.arange(n) for n in lengths])
+cos, sin = model.rotary.cos_sin(pos)
+q_nope, q_pe = mla.project_q(x, attn, cfg, cos, sin)
+latent = mla.project_latent(x, attn, cfg, cos, sin)
+want = torch.cat([
+    mla.prefill_attention(q_nope[a:a + n], q_pe[a:a + n], latent[a:a + n], attn, cfg)
+    for a, n in zip(segments(lengths).unique().tolist(), lengths)
+])
+mla.chunk_attention = lambda *args, q_lo: ca.chunk_attention_triton(*args, small, q_lo=q_lo)
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
+    half = dataclasses.replace(attn, w_uk=attn.w_uk.to(dtype), w_uv=attn.w_uv.to(dtype))
+    got = mla.varlen_prefill_attention(q_nope.to(dtype), q_pe.to(dtype), latent.to(dtype),
+                                       segments(lengths), half, cfg)
+    assert got.dtype == dtype and got.shape == want.shape
+    err = float((got.float() - want).abs().max())
+    assert err < tol, (dtype, err)
+print("varlen mla ok")
+
+# the engine: a step of four fresh prompts on the kernel equals each prompt prefilled alone
+from pdd_sidecar.engine import rank_engine
+from pdd_sidecar.engine.comm import SingleComm
+from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+calls = []
+
+
+def kernel(*args, q_lo):
+    calls.append(1)
+    return ca.chunk_attention_triton(*args, small, q_lo=q_lo)
+
+
+mla.chunk_attention = kernel
+rank_engine.batch_fresh_prompts = lambda n, dev, dt: n >= 2
+prompts = [[(i * 37 + s * 11 + 5) % 256 for i in range(n)] for s, n in enumerate(lengths)]
+alone, eng = (rank_engine.RankEngine(model, rank_engine.new_cache(model, 64, 4), SingleComm())
+              for _ in range(2))
+tables = [rank_engine.allocate_request(alone.cache, len(p), 1) for p in prompts]
+assert [rank_engine.allocate_request(eng.cache, len(p), 1) for p in prompts] == tables
+want = torch.stack([alone.prefill(p, t) for p, t in zip(prompts, tables)])
+assert not calls, "a single prompt took the batched path"
+got = eng.step([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+assert calls, "the kernel never ran"
+err = max(float((got - want).abs().max()), float((eng.cache.kv - alone.cache.kv).abs().max()))
+assert err < 1e-4, err
+print("varlen engine ok")
 '''
 
 ENGINE_CHILD = r'''
@@ -207,3 +302,8 @@ def test_kernel_in_the_interpreter_equals_the_reference() -> None:
 def test_chunked_prefill_on_the_kernel_in_the_interpreter() -> None:
     out = _child(ENGINE_CHILD)
     assert "engine 1 1 ok" in out and "engine 2 2 ok" in out
+
+
+def test_fresh_prompts_in_one_kernel_call_in_the_interpreter() -> None:
+    out = _child(VARLEN_CHILD)
+    assert "varlen kernel ok" in out and "varlen mla ok" in out and "varlen engine ok" in out

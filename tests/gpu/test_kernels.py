@@ -306,6 +306,85 @@ def test_chunk_attention_matches_reference(
     assert float((lse[fin] - want_lse[fin]).abs().max()) < 10 * tol
 
 
+VARLEN_SEGMENTS = {"64x32": [32] * 64, "ragged": [1, 5, 16, 33, 300, 1000, 7, 129, 64]}
+
+
+def _segment_starts(lengths: list[int]) -> torch.Tensor:
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    return torch.repeat_interleave(starts, torch.tensor(lengths)).to(DEV)
+
+
+@pytest.mark.parametrize("config", [0, 1, 2, None], ids=["128x64", "64x64", "32x32", "default"])
+@pytest.mark.parametrize("segments", list(VARLEN_SEGMENTS), ids=list(VARLEN_SEGMENTS))
+def test_varlen_chunk_attention_matches_reference(config: int | None, segments: str) -> None:
+    """Fresh prompts concatenated, each attending causally over itself (``q_lo``, the segment
+    start per query), in bf16 with V2-Lite's head dims, every launch config; no host sync."""
+    from pdd_sidecar.model.kernels import chunk_attention as ca
+
+    lengths = VARLEN_SEGMENTS[segments]
+    t = sum(lengths)
+    g = torch.Generator(device=DEV).manual_seed(t)
+    h, dn, dr, dv = 16, 128, 64, 128
+    bf = torch.bfloat16
+    qn, qr = (torch.randn(t, h, d, device=DEV, generator=g).to(bf) for d in (dn, dr))
+    kn = torch.randn(t, h, dn, device=DEV, generator=g).to(bf)
+    kr = torch.randn(t, dr, device=DEV, generator=g).to(bf)
+    v = torch.randn(t, h, dv, device=DEV, generator=g).to(bf)
+    pos, lo = torch.arange(t, device=DEV), _segment_starts(lengths)
+    cfg = None if config is None else ca.CONFIGS[config]
+    ca.chunk_attention_triton(qn, qr, kn, kr, v, pos, pos, 0.07, cfg, q_lo=lo)  # compile
+    with no_host_sync():
+        out, lse = ca.chunk_attention_triton(qn, qr, kn, kr, v, pos, pos, 0.07, cfg, q_lo=lo)
+    want_out, want_lse = ca.chunk_attention_ref(
+        qn.float(), qr.float(), kn.float(), kr.float(), v.float(), pos, pos, 0.07, q_lo=lo)
+    assert out.shape == (t, h, dv) and torch.isfinite(lse).all()
+    assert rel_err(out, want_out) < 1e-2
+    assert float((lse - want_lse).abs().max()) < 0.1
+
+
+@pytest.mark.parametrize("segments", list(VARLEN_SEGMENTS), ids=list(VARLEN_SEGMENTS))
+def test_varlen_prefill_attention_equals_each_prompt(segments: str) -> None:
+    """The engine's batched fresh path on CUDA (bf16, the kernel) against each prompt through
+    ``prefill_attention`` in fp32."""
+    from pdd_sidecar.model import mla
+    from pdd_sidecar.model.kernels import chunk_attention as ca
+
+    lengths = VARLEN_SEGMENTS[segments]
+    t = sum(lengths)
+    hl, nope, rope, v, c = 16, 128, 64, 128, 512
+    cfg = ModelConfig(
+        vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=hl, kv_lora_rank=c, q_lora_rank=None, qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope, v_head_dim=v,
+    )  # fmt: skip
+    g = torch.Generator(device=DEV).manual_seed(t + 1)
+    w_uk = torch.randn(hl, nope, c, device=DEV, generator=g) / c**0.5
+    w_uv = torch.randn(hl, v, c, device=DEV, generator=g) / c**0.5
+    q_nope = torch.randn(t, hl, nope, device=DEV, generator=g)
+    q_pe = torch.randn(t, hl, rope, device=DEV, generator=g)
+    latent = torch.randn(t, c + rope, device=DEV, generator=g)
+
+    def attn(dtype: torch.dtype) -> AttnWeights:
+        z = torch.zeros(1, device=DEV)
+        return AttnWeights(
+            q_proj=z, q_a_proj=None, q_a_bias=None, q_a_norm=None, q_b_proj=None,
+            kv_a_proj=z, kv_a_bias=None, kv_a_norm=z,
+            w_uk=w_uk.to(dtype), w_uv=w_uv.to(dtype), o_proj=z, o_bias=None,
+        )  # fmt: skip
+
+    bf = torch.bfloat16
+    ca.LAST_LAUNCH.clear()
+    got = mla.varlen_prefill_attention(q_nope.to(bf), q_pe.to(bf), latent.to(bf),
+                                       _segment_starts(lengths), attn(bf), cfg)
+    assert "fwd" in ca.LAST_LAUNCH and got.dtype == bf and got.shape == (t, hl, v)
+    a, want = 0, []
+    for n in lengths:
+        want.append(prefill_attention(q_nope[a:a + n], q_pe[a:a + n], latent[a:a + n],
+                                      attn(torch.float32), cfg))
+        a += n
+    assert rel_err(got, torch.cat(want)) < 2e-2
+
+
 def test_chunk_prefill_attention_dispatches_to_the_kernel() -> None:
     """The engine's entry point on CUDA runs the kernel over sliced expansions and matches the
     CPU path (the reference) on the same inputs."""

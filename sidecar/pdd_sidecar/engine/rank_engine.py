@@ -29,6 +29,7 @@ from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON
 from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
 from pdd_sidecar.model.mla import (
@@ -39,12 +40,24 @@ from pdd_sidecar.model.mla import (
     project_q,
     rms_norm,
     unabsorb_v,
+    varlen_prefill_attention,
 )
 from pdd_sidecar.model.moe import dense_mlp, expert_path, moe
 from pdd_sidecar.model.rank_model import RankModel
 from pdd_sidecar.model.weights import LayerWeights
 
 log = logging.getLogger(__name__)
+
+
+def batch_fresh_prompts(n_fresh: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a step's fresh prompts attend in one varlen kernel call per layer rather than one
+    SDPA chain each: on CUDA in half precision, for two or more (a single prompt keeps SDPA's
+    flash or cuDNN kernel). The CPU keeps the per-prompt path, the reference."""
+    return (n_fresh >= 2 and device.type == "cuda" and HAS_TRITON
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+FreshRows = tuple[slice | torch.Tensor, torch.Tensor]
 
 
 def new_cache(
@@ -270,6 +283,7 @@ class RankEngine:
         fresh = [i for i, c in enumerate(chunks) if c.start == 0]
         cached = [i for i, c in enumerate(chunks) if c.start > 0]
         views = self._cached_views(chunks, cached, bounds)
+        batch = self._fresh_rows(fresh, bounds, w.embed.dtype)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
         x = F.embedding(torch.tensor(all_tokens, dtype=torch.long, device=dev), w.embed)
@@ -279,10 +293,14 @@ class RankEngine:
             latent = project_latent(a, lw.attn, cfg, cos, sin)
             self.cache.write(i, blk, off, latent[mine.to(latent.device)])
             o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
-            for s in fresh:
-                a_, b_ = bounds[s], bounds[s + 1]
-                o[a_:b_] = prefill_attention(q_nope[a_:b_], q_pe[a_:b_], latent[a_:b_],
-                                             lw.attn, cfg)
+            if batch is not None:
+                r, seg = batch
+                o[r] = varlen_prefill_attention(q_nope[r], q_pe[r], latent[r], seg, lw.attn, cfg)
+            else:
+                for s in fresh:
+                    a_, b_ = bounds[s], bounds[s + 1]
+                    o[a_:b_] = prefill_attention(q_nope[a_:b_], q_pe[a_:b_], latent[a_:b_],
+                                                 lw.attn, cfg)
             if views.decode_rows is not None:
                 r = views.decode_rows
                 q = absorb_q(q_nope[r], q_pe[r], lw.attn)
@@ -292,6 +310,28 @@ class RankEngine:
                 o[r] = self._chunk_attention(q_nope[r], q_pe[r], i, lw, views).to(x.dtype)
             x = self._layer_rest(x, o, lw)
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
+
+    def _fresh_rows(
+        self, fresh: Sequence[int], bounds: Sequence[int], dtype: torch.dtype
+    ) -> FreshRows | None:
+        """For the batched fresh path: the fresh prompts' rows of the step (a slice when they
+        are one run, as in a step of prompts only) and, per row, the index of its prompt's first
+        row among them. Built on the host, copied once per step; ``None`` keeps the per-prompt
+        path. Under DCP every rank computes the fresh prompts whole, as the per-prompt path
+        does."""
+        dev = self.model.device
+        if not batch_fresh_prompts(len(fresh), dev, dtype):
+            return None
+        rows: list[int] = []
+        seg: list[int] = []
+        for s in fresh:
+            a, b = bounds[s], bounds[s + 1]
+            seg.extend([len(rows)] * (b - a))
+            rows.extend(range(a, b))
+        seg_t = torch.tensor(seg, dtype=torch.int32).to(dev)
+        if rows[-1] - rows[0] + 1 == len(rows):
+            return slice(rows[0], rows[-1] + 1), seg_t
+        return torch.tensor(rows, dtype=torch.long).to(dev), seg_t
 
     def _layer_rest(self, x: torch.Tensor, o: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """A layer after attention: output projection, residual, MLP or MoE, residual; shared by

@@ -73,6 +73,30 @@ def prefill_attention(
     return out.transpose(0, 1)
 
 
+def varlen_prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    seg_start: torch.Tensor,
+    w: AttnWeights,
+    cfg: ModelConfig,
+) -> torch.Tensor:
+    """Several fresh prompts concatenated into one token range, each attending causally over
+    itself only, in one attention call: ``seg_start [T]`` is, per token, the index of its
+    prompt's first token. Same result as ``prefill_attention`` per prompt, ``[T, Hl, v]``; one
+    launch instead of a chain of kernels per prompt, which dominates a step of many short
+    prompts."""
+    h, nope, kv_lora = w.w_uk.shape
+    dv, t = w.w_uv.shape[1], latent.shape[0]
+    c, k_pe = latent[:, :kv_lora], latent[:, kv_lora:]
+    k_nope = F.linear(c, w.w_uk.reshape(h * nope, kv_lora)).view(t, h, nope)
+    v = F.linear(c, w.w_uv.reshape(h * dv, kv_lora)).view(t, h, dv)
+    pos = torch.arange(t, device=latent.device)
+    out, _ = chunk_attention(q_nope, q_pe, k_nope, k_pe, v, pos, pos, cfg.softmax_scale,
+                             q_lo=seg_start)
+    return out.to(q_nope.dtype)
+
+
 EXPANDED_SLICE_BYTES = 256 << 20  # keys and values expanded at once, per chunk and layer
 
 

@@ -5,16 +5,20 @@ Contract: ``q_nope [M, H, Dn]``, ``q_pe [M, H, Dr]`` (roped); ``k_nope [N, H, Dn
 ``v [N, H, Dv]`` up-projected from the cached latent; ``k_pe [N, Dr]``, the roped key shared by
 every head; ``q_pos [M]`` and ``k_pos [N]`` absolute positions, ``k_pos`` ascending (storage
 order; under DCP a rank's keys skip the other ranks' blocks). Query ``i`` sees key ``j`` iff
-``k_pos[j] <= q_pos[i]``. Scores are ``(q_nope . k_nope + q_pe . k_pe) * scale``. Returns
-``(out [M, H, Dv] fp32, lse [M, H] fp32, natural log)``; a query that sees no key gets output 0
-and LSE ``-inf``, which an LSE merge (over DCP ranks or context slices) weighs as nothing.
+``k_pos[j] <= q_pos[i]``, and, given ``q_lo [M]``, also ``q_lo[i] <= k_pos[j]``: a segment start
+per query, so several fresh prompts concatenated into one token range (positions their global
+index in the step) attend block-diagonally and causally in one call. Scores are
+``(q_nope . k_nope + q_pe . k_pe) * scale``. Returns ``(out [M, H, Dv] fp32, lse [M, H] fp32,
+natural log)``; a query that sees no key gets output 0 and LSE ``-inf``, which an LSE merge (over
+DCP ranks or context slices) weighs as nothing.
 
 The torch reference runs on the CPU (and is what the Triton kernel is tested against): it walks
 the keys in slices with an online merge by LSE, so scores never exist for the whole context at
 once. On CUDA the Triton kernel is a flash-attention forward: one program per (query tile,
 head), keys in tiles, fp32 accumulation; tiles every query of the tile sees skip the mask, and
 the loop stops at the last key the tile's latest query sees (bounds found on the device from the
-ascending ``k_pos``, so no host sync).
+ascending ``k_pos``, so no host sync); with ``q_lo`` the loop also starts at the tile's
+earliest segment start, and only tiles inside every query's window run unmasked.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def _check(
     v: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
+    q_lo: torch.Tensor | None = None,
 ) -> None:
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
         raise ValueError(f"q_nope [M, H, Dn] and q_pe [M, H, Dr] disagree: "
@@ -59,6 +64,8 @@ def _check(
     if q_pos.shape != (m,) or k_pos.shape != (n,):
         raise ValueError(f"q_pos must be [{m}] and k_pos [{n}], got {tuple(q_pos.shape)}, "
                          f"{tuple(k_pos.shape)}")
+    if q_lo is not None and q_lo.shape != (m,):
+        raise ValueError(f"q_lo must be [{m}], got {tuple(q_lo.shape)}")
 
 
 def merge_partials(
@@ -82,11 +89,12 @@ def chunk_attention_ref(
     k_pos: torch.Tensor,
     scale: float,
     slice_keys: int | None = None,
+    q_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 arithmetic over key slices of ``slice_keys`` (default: what ``REF_SCORE_ELEMS``
     scores allow), each slice's softmax merged into the running one by LSE. ``k_pos`` need not
     be sorted here."""
-    _check(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos)
+    _check(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos, q_lo)
     m, h, _ = q_nope.shape
     n, dv = v.shape[0], v.shape[2]
     out = torch.zeros(m, h, dv, dtype=torch.float32, device=q_nope.device)
@@ -101,6 +109,8 @@ def chunk_attention_ref(
         s += torch.einsum("mhd,nd->mhn", qr, k_pe[a:b].float())
         s *= scale
         hidden = k_pos[a:b][None, :] > q_pos[:, None]
+        if q_lo is not None:
+            hidden |= k_pos[a:b][None, :] < q_lo[:, None]
         s.masked_fill_(hidden[:, None, :], float("-inf"))
         lse_s = torch.logsumexp(s, dim=-1)
         p = torch.nan_to_num(torch.exp(s - lse_s[..., None]), nan=0.0)
@@ -118,11 +128,13 @@ def chunk_attention(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    q_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the torch reference elsewhere (see the module's contract)."""
     if q_nope.is_cuda and HAS_TRITON:
-        return chunk_attention_triton(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos, scale)
-    return chunk_attention_ref(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos, scale)
+        return chunk_attention_triton(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos, scale,
+                                      q_lo=q_lo)
+    return chunk_attention_ref(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos, scale, q_lo=q_lo)
 
 
 # --- Triton -----------------------------------------------------------------------------------
@@ -149,22 +161,41 @@ def _p2(n: int, least: int = 16) -> int:
 
 
 def tile_bounds(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, block_m: int, block_n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query tile: how many leading keys every query of the tile sees (rounded down to whole
-    key tiles: those run unmasked) and how many any of them sees (where the loop stops). Both
-    rest on ``k_pos`` ascending."""
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    q_lo: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per query tile, key indices ``[start, full_lo, full_hi, end]`` (``[4, tiles]`` int32):
+    the loop runs from the first key any query of the tile sees (rounded down to a key tile)
+    to past the last one; ``[full_lo, full_hi)``, whole key tiles every query sees, runs
+    unmasked (``full_lo == full_hi == end`` when there is none). All rest on ``k_pos``
+    ascending."""
     m = q_pos.shape[0]
     tiles = -(-m // block_m)
     pad = tiles * block_m - m
-    qp = q_pos.to(torch.int64)
     big = 1 << 62  # above any position; F.pad takes its value through a double
-    qmin = torch.nn.functional.pad(qp, (0, pad), value=big).view(tiles, block_m).amin(1)
-    qmax = torch.nn.functional.pad(qp, (0, pad), value=-1).view(tiles, block_m).amax(1)
+
+    def per_tile(t: torch.Tensor, fill: int, least: bool) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.to(torch.int64), (0, pad), value=fill).view(tiles, block_m)
+        return t.amin(1) if least else t.amax(1)
+
+    qmin, qmax = per_tile(q_pos, big, True), per_tile(q_pos, -1, False)
     kp = k_pos.to(torch.int64).contiguous()
-    full = torch.searchsorted(kp, qmin, right=True) // block_n * block_n
+    full_hi = torch.searchsorted(kp, qmin, right=True) // block_n * block_n
     end = torch.searchsorted(kp, qmax, right=True)
-    return full.to(torch.int32), end.to(torch.int32)
+    if q_lo is None:
+        start = torch.zeros_like(end)
+        full_lo = start
+    else:
+        lo_min, lo_max = per_tile(q_lo, big, True), per_tile(q_lo, -big, False)
+        start = torch.searchsorted(kp, lo_min) // block_n * block_n
+        full_lo = -(-torch.searchsorted(kp, lo_max) // block_n) * block_n
+    none = full_lo >= full_hi
+    full_lo = torch.where(none, end, full_lo)
+    full_hi = torch.where(none, end, full_hi)
+    return torch.stack([start, full_lo, full_hi, end]).to(torch.int32)
 
 
 def chunk_attention_triton(
@@ -177,12 +208,13 @@ def chunk_attention_triton(
     k_pos: torch.Tensor,
     scale: float,
     config: dict[str, int] | None = None,
+    q_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``config`` (block_m, block_n, num_warps, num_stages) pins the launch; by default the
     first of ``CONFIGS`` that compiles on this device for these head dims and dtype."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not importable")
-    _check(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos)
+    _check(q_nope, q_pe, k_nope, k_pe, v, q_pos, k_pos, q_lo)
     if not scale > 0:
         raise ValueError(f"scale must be > 0 (the kernel scales row maxima), got {scale}")
     m, h, dn = q_nope.shape
@@ -201,13 +233,14 @@ def chunk_attention_triton(
     qn, qr, kn, kr, vv = (inner(t) for t in (q_nope, q_pe, k_nope, k_pe, v))
     qp = q_pos.to(torch.int32).contiguous()
     kp = k_pos.to(torch.int32).contiguous()
+    lo = None if q_lo is None else q_lo.to(torch.int32).contiguous()
     key = (q_nope.device, dt, dn, dr, dv)
     if config is not None:
-        return _launch(qn, qr, kn, kr, vv, qp, kp, out, lse, scale, config)
+        return _launch(qn, qr, kn, kr, vv, qp, kp, lo, out, lse, scale, config)
     first = _CHOSEN.get(key, 0)
     for i in range(first, len(CONFIGS)):
         try:
-            res = _launch(qn, qr, kn, kr, vv, qp, kp, out, lse, scale, CONFIGS[i])
+            res = _launch(qn, qr, kn, kr, vv, qp, kp, lo, out, lse, scale, CONFIGS[i])
         except _TOO_BIG:
             if i + 1 == len(CONFIGS):
                 raise
@@ -225,6 +258,7 @@ def _launch(
     v: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
+    q_lo: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
@@ -233,18 +267,19 @@ def _launch(
     m, h, dn = qn.shape
     dr, n, dv = qr.shape[2], v.shape[0], v.shape[2]
     bm, bn = config["block_m"], config["block_n"]
-    full, end = tile_bounds(q_pos, k_pos, bm, bn)
+    bounds = tile_bounds(q_pos, k_pos, bm, bn, q_lo)
+    tiles = bounds.shape[1]
     LAST_LAUNCH["config"] = config
     kernel: Any = _chunk_attn_fwd
-    LAST_LAUNCH["fwd"] = kernel[(-(-m // bm), h)](
-        qn, qr, kn, kr, v, q_pos, k_pos, full, end, out, lse,
+    LAST_LAUNCH["fwd"] = kernel[(tiles, h)](
+        qn, qr, kn, kr, v, q_pos, q_pos if q_lo is None else q_lo, k_pos, bounds, out, lse,
         scale * LOG2E,
         qn.stride(0), qn.stride(1), qr.stride(0), qr.stride(1),
         kn.stride(0), kn.stride(1), kr.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        m, n,
+        m, n, tiles,
         DN=dn, DR=dr, DV=dv, DN_P2=_p2(dn), DR_P2=_p2(dr), DV_P2=_p2(dv),
-        BLOCK_M=bm, BLOCK_N=bn, IEEE=kn.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, IEEE=kn.dtype == torch.float32, HAS_LO=q_lo is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out, lse
@@ -270,7 +305,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _key_tile(
-        acc, m_i, l_i, qn, qr, q_pos,
+        acc, m_i, l_i, qn, qr, q_pos, q_lo,
         KN, KR, V, KPOS,
         n0, n_keys, h,
         stride_kn_n, stride_kn_h, stride_kr_n, stride_v_n, stride_v_h,
@@ -278,6 +313,7 @@ if HAS_TRITON:
         DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
         DN_P2: tl.constexpr, DR_P2: tl.constexpr, DV_P2: tl.constexpr,
         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+        HAS_LO: tl.constexpr,
     ):  # fmt: skip
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_dn = tl.arange(0, DN_P2)
@@ -297,7 +333,10 @@ if HAS_TRITON:
             qk += tl.dot(qr, tl.trans(kr))
         if MASKED:
             k_pos = tl.load(KPOS + offs_n, mask=live, other=2147483647)
-            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+            seen = k_pos[None, :] <= q_pos[:, None]
+            if HAS_LO:
+                seen = seen & (k_pos[None, :] >= q_lo[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
         # the scale (> 0) applied to the row maxima, then fused into the exponent's argument
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -315,15 +354,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _chunk_attn_fwd(
-        QN, QR, KN, KR, V, QPOS, KPOS, KFULL, KEND, OUT, LSE,
+        QN, QR, KN, KR, V, QPOS, QLO, KPOS, BOUNDS, OUT, LSE,
         scale_log2,
         stride_qn_m, stride_qn_h, stride_qr_m, stride_qr_h,
         stride_kn_n, stride_kn_h, stride_kr_n, stride_v_n, stride_v_h,
         stride_o_m, stride_o_h, stride_l_m, stride_l_h,
-        n_queries, n_keys,
+        n_queries, n_keys, n_tiles,
         DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
         DN_P2: tl.constexpr, DR_P2: tl.constexpr, DV_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        HAS_LO: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
@@ -342,25 +382,36 @@ if HAS_TRITON:
             mask=mask_m[:, None] & (offs_dr < DR)[None, :], other=0.0,
         )
         q_pos = tl.load(QPOS + offs_m, mask=mask_m, other=-1)
-        k_full = tl.load(KFULL + tile)
-        k_end = tl.load(KEND + tile)
+        if HAS_LO:
+            q_lo = tl.load(QLO + offs_m, mask=mask_m, other=0)
+        else:
+            q_lo = q_pos
+        k_start = tl.load(BOUNDS + tile)
+        k_full_lo = tl.load(BOUNDS + n_tiles + tile)
+        k_full_hi = tl.load(BOUNDS + 2 * n_tiles + tile)
+        k_end = tl.load(BOUNDS + 3 * n_tiles + tile)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, DV_P2], dtype=tl.float32)
-        for n0 in range(0, k_full, BLOCK_N):
+        for n0 in range(k_start, k_full_lo, BLOCK_N):
             acc, m_i, l_i = _key_tile(
-                acc, m_i, l_i, qn, qr, q_pos, KN, KR, V, KPOS, n0, n_keys, h,
+                acc, m_i, l_i, qn, qr, q_pos, q_lo, KN, KR, V, KPOS, n0, n_keys, h,
                 stride_kn_n, stride_kn_h, stride_kr_n, stride_v_n, stride_v_h, scale_log2,
-                DN, DR, DV, DN_P2, DR_P2, DV_P2, BLOCK_N, False, IEEE,
+                DN, DR, DV, DN_P2, DR_P2, DV_P2, BLOCK_N, True, IEEE, HAS_LO,
             )  # fmt: skip
-        for n0 in range(k_full, k_end, BLOCK_N):
+        for n0 in range(k_full_lo, k_full_hi, BLOCK_N):
             acc, m_i, l_i = _key_tile(
-                acc, m_i, l_i, qn, qr, q_pos, KN, KR, V, KPOS, n0, n_keys, h,
+                acc, m_i, l_i, qn, qr, q_pos, q_lo, KN, KR, V, KPOS, n0, n_keys, h,
                 stride_kn_n, stride_kn_h, stride_kr_n, stride_v_n, stride_v_h, scale_log2,
-                DN, DR, DV, DN_P2, DR_P2, DV_P2, BLOCK_N, True, IEEE,
+                DN, DR, DV, DN_P2, DR_P2, DV_P2, BLOCK_N, False, IEEE, HAS_LO,
             )  # fmt: skip
-
+        for n0 in range(k_full_hi, k_end, BLOCK_N):
+            acc, m_i, l_i = _key_tile(
+                acc, m_i, l_i, qn, qr, q_pos, q_lo, KN, KR, V, KPOS, n0, n_keys, h,
+                stride_kn_n, stride_kn_h, stride_kr_n, stride_v_n, stride_v_h, scale_log2,
+                DN, DR, DV, DN_P2, DR_P2, DV_P2, BLOCK_N, True, IEEE, HAS_LO,
+            )  # fmt: skip
         has = l_i > 0
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]
