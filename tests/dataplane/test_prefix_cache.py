@@ -353,7 +353,7 @@ def test_a_follow_up_turn_pulls_only_the_kv_its_decode_lacks(
     assert [c for _, c, _ in chat] == [c for _, c, _ in plain]
     assert [b for _, _, b in plain] == [len(q) * ROW_BYTES for q, _, _ in plain]
     assert chat[0][2] == FIRST * ROW_BYTES
-    for (prev, done, _), (prompt, _, moved) in zip(chat, chat[1:]):
+    for (prev, done, _), (prompt, _, moved) in zip(chat, chat[1:], strict=False):
         fed = len(prev) + len(done) - 1
         reused = fed // unit * unit
         assert moved == (len(prompt) - reused) * ROW_BYTES, (len(prompt), reused, moved)
@@ -362,3 +362,28 @@ def test_a_follow_up_turn_pulls_only_the_kv_its_decode_lacks(
         assert moved <= (1 + NEW + unit - 1) * ROW_BYTES < len(prompt) * ROW_BYTES
     for proc in (on, off):
         _all_blocks_back(proc["prefill"].url, proc["decode"].url)
+
+
+def test_decode_prompt_ids_are_checked_against_the_grant_and_the_vocabulary(
+        cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (1, 1), (1, 1))
+    prefill, decode = stack["prefill"].url, stack["decode"].url
+    prompt = _tokens(40, 9)
+    status, pre = http("POST", f"{prefill}/v1/prefill",
+                       {"request_id": "q", "prompt_ids": prompt, "max_tokens": 4})
+    assert status == 200, pre
+    body = {"request_id": "q", "first_token": pre["first_token"], "max_new_tokens": 3,
+            "kv_transfer_params": pre["kv_transfer_params"]}
+    for bad_ids, says in ((prompt[:-1], "39 token ids"), (prompt[:-1] + [1 << 30], "1073741824"),
+                          ("abc", "list of token ids")):
+        status, err = http("POST", f"{decode}/v1/decode", {**body, "prompt_ids": bad_ids})
+        assert status == 400, err
+        message = err["error"]["message"]
+        assert message.startswith("prompt_ids") and says in message, message
+    _, stats = http("GET", f"{decode}/v1/stats")
+    assert stats["running"] == 0 and stats["waiting"] == 0  # nothing half-created
+    status, out = http("POST", f"{decode}/v1/decode", {**body, "prompt_ids": prompt}, timeout=60)
+    assert status == 200, out
+    assert [pre["first_token"], *out["token_ids"]] == _reference(prompt, 4)
+    assert out["cached_tokens"] == 0 and out["transfer"]["bytes"] == 40 * ROW_BYTES
+    _all_blocks_back(prefill, decode)
