@@ -1,4 +1,5 @@
-"""The prefill's prefix cache on against off, in one run, on the two workloads it is for.
+"""The prefix cache (prefill and decode) on against off, in one run, on the two workloads it is
+for.
 
 (a) **Shared system prompt**: ``--shared`` tokens every request starts with, then ``--unique``
 tokens of its own; ``--concurrency`` requests at once, ``--rounds`` times.
@@ -10,8 +11,11 @@ real NIXL hand-offs), once with the cache on and once started with ``--no-prefix
 setting. Completions stream with ``stream_options.include_usage``; per phase (a round, a turn)
 the table gives TTFT p50/p99, the prompt tokens the prefill computed (prompt -
 ``usage.prompt_tokens_details.cached_tokens``) and the KV bytes the decode READ
-(``pdd_kv_transfer_bytes`` on its /metrics). The cache saves prefill compute, not hand-off bytes:
-the decode still reads the whole prompt's KV.
+(``pdd_kv_transfer_bytes`` on its /metrics), also over the KV of the phase's new tokens (those
+the decode has not held yet: a turn's new user tokens, a round's own tokens; all of the first
+phase's prompt), at the bytes per token the cache-off run moved. The prefill's cache saves
+prefill compute; the decode's keeps each finished conversation's KV, so a follow-up turn (routed
+back to it) READs only the chunks after what it holds.
 
     python bench/prefix_cache.py --quick        # CPU, built-in model, about a minute
     python bench/prefix_cache.py --device cuda --prefill-tp 2 --prefill-dcp 2 --decode-tp 2 \\
@@ -56,6 +60,8 @@ class Phase:
     ttft_p50_ms: float
     ttft_p99_ms: float
     kv_bytes_read: float  # by the decode, over NIXL
+    new_tokens: int  # prompt tokens the decode has not held before this phase
+    kv_over_new: float = float("nan")  # kv_bytes_read / the new tokens' KV (set at the end)
 
 
 @dataclass
@@ -108,8 +114,8 @@ async def kv_bytes(session: aiohttp.ClientSession, decode_url: str) -> float:
 
 
 async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str, cache: bool,
-                number: int, prompts: list[list[int]],
-                max_tokens: int) -> tuple[Phase, list[Answer | str]]:
+                number: int, prompts: list[list[int]], max_tokens: int,
+                new: list[int]) -> tuple[Phase, list[Answer | str]]:
     before = await kv_bytes(session, stack.decode_url)
     answers = await asyncio.gather(*(complete(session, stack.url, p, max_tokens)
                                      for p in prompts))
@@ -121,9 +127,10 @@ async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str
     ttft = [a.ttft for _, a in ok]
     prompt_tokens = sum(len(p) for p, _ in ok)
     cached = sum(a.cached for _, a in ok)
+    new_tokens = sum(n for n, a in zip(new, answers, strict=True) if isinstance(a, Answer))
     return Phase(workload, cache, number, len(prompts), len(failed), prompt_tokens,
                  prompt_tokens - cached, cached, pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3,
-                 moved), list(answers)
+                 moved, new_tokens), list(answers)
 
 
 def tokens(n: int, salt: int, span: int, base: int) -> list[int]:
@@ -141,12 +148,15 @@ async def run_stack(stack: LocalStack, args: argparse.Namespace, cache: bool,
         for r in range(args.rounds):
             prompts = [system + tokens(args.unique, 1000 + r * args.concurrency + i, span, base)
                        for i in range(args.concurrency)]
-            ph, _ = await phase(stack, session, "shared", cache, r + 1, prompts, args.max_tokens)
+            new = [len(q) if r == 0 else args.unique for q in prompts]
+            ph, _ = await phase(stack, session, "shared", cache, r + 1, prompts, args.max_tokens,
+                                new)
             out.append(ph)
         chats = [tokens(args.turn_tokens, 5000 + c, span, base) for c in range(args.chats)]
         for t in range(args.turns):
+            new = [len(q) if t == 0 else args.turn_tokens for q in chats]
             ph, answers = await phase(stack, session, "chat", cache, t + 1, chats,
-                                      args.max_tokens)
+                                      args.max_tokens, new)
             out.append(ph)
             chats = [chat + (a.tokens if isinstance(a, Answer) else [])
                      + tokens(args.turn_tokens, 7000 + 97 * c + t, span, base)
@@ -156,7 +166,7 @@ async def run_stack(stack: LocalStack, args: argparse.Namespace, cache: bool,
 
 HEADER = (f"{'workload':>8} {'phase':>5} {'reqs':>5} {'err':>4} {'prompt':>8} "
           f"{'computed off':>12} {'computed on':>11} {'TTFT p50 off/on ms':>19} "
-          f"{'TTFT p99 off/on ms':>19} {'KV MB/req off/on':>17}")
+          f"{'TTFT p99 off/on ms':>19} {'KV MB/req off/on':>17} {'KV/new KV off/on':>17}")
 
 
 def row(off: Phase, on: Phase) -> str:
@@ -166,7 +176,15 @@ def row(off: Phase, on: Phase) -> str:
     return (f"{on.workload:>8} {on.phase:>5} {on.requests:>5} {off.errors + on.errors:>4} "
             f"{on.prompt_tokens:>8} {off.computed_tokens:>12} {on.computed_tokens:>11} "
             f"{off.ttft_p50_ms:>9.1f}/{on.ttft_p50_ms:<9.1f} "
-            f"{off.ttft_p99_ms:>9.1f}/{on.ttft_p99_ms:<9.1f} {mb(off):>8.2f}/{mb(on):<8.2f}")
+            f"{off.ttft_p99_ms:>9.1f}/{on.ttft_p99_ms:<9.1f} {mb(off):>8.2f}/{mb(on):<8.2f} "
+            f"{off.kv_over_new:>8.2f}/{on.kv_over_new:<8.2f}")
+
+
+def per_token_bytes(off: list[Phase]) -> float:
+    """KV bytes READ per prompt token with nothing cached (decode ranks that each read a
+    chunk count once per rank, as the counter does)."""
+    tokens = sum(p.prompt_tokens for p in off)
+    return sum(p.kv_bytes_read for p in off) / tokens if tokens else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             stack.cleanup()
     off = [r for r in results if not r.cache]
     on = [r for r in results if r.cache]
+    token_kv = per_token_bytes(off)
+    for r in results:
+        if r.new_tokens:
+            r.kv_over_new = r.kv_bytes_read / (r.new_tokens * token_kv)
     print(HEADER)
     for a, b in zip(off, on, strict=True):
         print(row(a, b))
@@ -248,13 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     for w in ("shared", "chat"):
         c_off = sum(r.computed_tokens for r in off if r.workload == w)
         c_on = sum(r.computed_tokens for r in on if r.workload == w)
+        later = [r.kv_over_new for r in on if r.workload == w and r.phase > 1]
         summary[w] = {"computed_off": c_off, "computed_on": c_on,
-                      "computed_ratio": c_on / c_off if c_off else float("nan")}
+                      "computed_ratio": c_on / c_off if c_off else float("nan"),
+                      "kv_bytes_off": sum(r.kv_bytes_read for r in off if r.workload == w),
+                      "kv_bytes_on": sum(r.kv_bytes_read for r in on if r.workload == w),
+                      "kv_over_new_max_after_first": max(later, default=float("nan"))}
         print(f"{w}: prompt tokens computed, on/off = {c_on}/{c_off} "
-              f"= {summary[w]['computed_ratio']:.2f}")
+              f"= {summary[w]['computed_ratio']:.2f}; KV bytes per phase after the first over "
+              f"its new tokens' KV, at most {summary[w]['kv_over_new_max_after_first']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "config": vars(args) | {"num_blocks": blocks},
+            "config": vars(args) | {"num_blocks": blocks}, "kv_bytes_per_token": token_kv,
             "phases": [asdict(r) for r in results], "summary": summary}, indent=2) + "\n")
     return 0
 

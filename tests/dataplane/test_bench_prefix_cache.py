@@ -1,6 +1,6 @@
 """bench/prefix_cache.py --quick runs cache off and on end to end: no request fails, the cache
 computes the shared system prompt once, every chat turn after the first computes less, and the
-decode reads the same KV either way."""
+decode reads, from the second turn on, only about the new tokens' KV (off: the whole prompt's)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
         assert a["prompt_tokens"] == b["prompt_tokens"]
         assert a["computed_tokens"] == a["prompt_tokens"] and a["cached_tokens"] == 0
         assert b["computed_tokens"] + b["cached_tokens"] == b["prompt_tokens"]
-        assert a["kv_bytes_read"] == b["kv_bytes_read"] > 0
+        assert a["kv_bytes_read"] >= b["kv_bytes_read"] > 0
+        assert a["kv_bytes_read"] == a["prompt_tokens"] * res["kv_bytes_per_token"]
         assert b["ttft_p50_ms"] > 0
     shared = [p for p in on if p["workload"] == "shared"]
     # After the first round every request finds the system prompt (whole blocks) cached.
@@ -48,3 +49,10 @@ def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
                for a, b in zip(chat[1:], [p for p in off if p["workload"] == "chat"][1:],
                                strict=True))
     assert res["summary"]["shared"]["computed_ratio"] < 0.5
+    # A later turn reads its new tokens, the answer's unfed last token and the rest of the last
+    # decode unit the turn before filled: at most a unit more than the new tokens.
+    unit = cfg["block_size"] * cfg["decode_dcp"]
+    for a, b in zip(chat[1:], [p for p in off if p["workload"] == "chat"][1:], strict=True):
+        assert b["kv_over_new"] > a["kv_over_new"]
+        assert a["kv_over_new"] <= (cfg["turn_tokens"] + unit) / cfg["turn_tokens"] + 1e-9
+        assert a["kv_bytes_read"] < b["kv_bytes_read"]

@@ -216,3 +216,174 @@ def test_shared_blocks_keep_the_hand_off_rules(cluster: LocalCluster) -> None:
     assert status == 200, body
     assert [b["first_token"], *body["token_ids"]] == _reference(prompt, 6)
     _all_blocks_back(prefill.url, decode.url)
+
+
+def _decode_to_the_end(sched: Any, seq: Any, tp: int) -> None:
+    """Pull (every rank done), then feed tokens 1, 2, ... until the sequence finishes."""
+    for rank in range(tp):
+        sched.on_pulled(seq.id, rank, None)
+    while seq.state.value == "running":
+        plan = sched.plan()
+        for entry in plan.decode:
+            sched.on_token(entry.seq, len(entry.seq.output) + 1)
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_decode_scheduler_shares_what_a_finished_turn_fed_and_pulls_the_rest(dcp: int) -> None:
+    from types import SimpleNamespace
+
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    unit = BLOCK * dcp
+    cache = PagedKVCache(32, 1, BLOCK, 4)
+    pc = PrefixCache(cache, unit, chain_root({"dcp": dcp}))
+    sched = Scheduler("decode", cache, BLOCK, dcp, 2, prefix_cache=pc)
+
+    def turn(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
+        seq = Sequence(rid, prompt, max_tokens, len(prompt) + max_tokens,
+                       source=SimpleNamespace(num_tokens=len(prompt)), first_token=99)
+        sched.submit(seq)
+        assert sched.plan().pulls == [seq]
+        return seq
+
+    a = turn("a", _tokens(100, 1), 20)
+    assert a.extra[CACHED_TOKENS] == 0 and sched.first_chunk(a) == 0
+    a_blocks = list(a.blocks)
+    _decode_to_the_end(sched, a, 2)
+    assert a.finish_reason == "length" and a.output == list(range(1, 21))
+    fed = a.prompt + [99] + a.output[:-1]  # the last token was never fed: no KV
+    assert pc.cached_blocks == len(fed) // unit
+    assert pc.num_free == cache.num_blocks  # cached, yet nobody holds them
+
+    b = turn("b", fed + a.output[-1:] + _tokens(7, 2), 5)  # the next turn of the chat
+    shared = len(fed) // unit
+    assert b.extra[CACHED_TOKENS] == shared * unit
+    assert sched.first_chunk(b) == shared * dcp  # chunks of BLOCK tokens
+    assert b.blocks[:shared] == a_blocks[:shared]
+    assert not set(b.blocks[shared:]) & set(a_blocks[:shared])  # written into its own only
+    c = turn("c", fed[:shared * unit], 3)  # a prompt the cache holds whole: nothing to read
+    assert c.extra[CACHED_TOKENS] == len(c.prompt)
+    assert sched.first_chunk(c) * BLOCK == len(c.prompt)
+    assert all(pc.refs(x) == 2 for x in a_blocks[:shared])  # b and c share them
+    sched.cancel("c")
+    _decode_to_the_end(sched, c, 2)  # cancelled while pulling: caches nothing new
+    assert c.finish_reason == "cancelled" and pc.cached_blocks == shared
+    d = turn("d", _tokens(40, 3), 4)
+    sched.on_pulled("d", 0, {"error": "x", "status": 502, "kind": "transfer"})
+    sched.on_pulled("d", 1, None)
+    assert d.finish_reason == "error" and pc.cached_blocks == shared  # failed pull: not cached
+    _decode_to_the_end(sched, b, 2)
+    assert pc.cached_blocks == (len(b.prompt) + 1 + 4 - 1) // unit
+    assert pc.num_free == cache.num_blocks and not sched.busy
+
+
+def test_decode_without_a_prompt_pulls_everything_and_caches_nothing() -> None:
+    from types import SimpleNamespace
+
+    from pdd_sidecar.engine.scheduler import Scheduler, Sequence
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    cache = PagedKVCache(16, 1, BLOCK, 4)
+    pc = PrefixCache(cache, BLOCK, chain_root({"dcp": 1}))
+    sched = Scheduler("decode", cache, BLOCK, 1, 1, prefix_cache=pc)
+    seq = Sequence("a", [], 6, 70, source=SimpleNamespace(num_tokens=64), first_token=5)
+    sched.submit(seq)
+    sched.plan()
+    assert sched.first_chunk(seq) == 0
+    _decode_to_the_end(sched, seq, 1)
+    assert seq.finish_reason == "length" and pc.cached_blocks == 0
+    assert cache.num_free == cache.num_blocks
+
+
+ROW_BYTES = 3 * 40 * 4  # one token's KV: the builtin model's layers x latent x float32
+TURNS, FIRST, NEW, MAX_TOKENS = 4, 40, 9, 10
+
+
+def _both_stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],
+                **env: Any) -> dict[str, Proc]:
+    routing = cluster.plan_file(plan_json(p, d, BLOCK), f"routing-{len(cluster.procs)}.json")
+    prefill = cluster.instance("prefill", p[0], p[1], routing, BLOCK, **env)
+    decode = cluster.instance("decode", d[0], d[1], routing, BLOCK, PDD_PREFILL_URLS=prefill.url,
+                              **env)
+    router = cluster.router([prefill], [decode], PDD_BLOCK_SIZE=BLOCK)
+    for proc in (prefill, decode, router):
+        proc.wait_ready()
+    return {"prefill": prefill, "decode": decode, "router": router}
+
+
+def _chat(router: str, salt: int) -> list[tuple[list[int], list[int], int]]:
+    """A chat of TURNS turns, each prompt the one before, its completion and NEW tokens; per turn
+    (prompt, completion, bytes the decode read)."""
+    turns = []
+    prompt = _tokens(FIRST, salt)
+    for k in range(TURNS):
+        status, body = http("POST", f"{router}/v1/completions",
+                            {"prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS,
+                             "ignore_eos": True}, timeout=300)
+        assert status == 200, body
+        completion = body["choices"][0]["token_ids"]
+        turns.append((prompt, completion, body["pdd"]["transfer"]["bytes"]))
+        prompt = prompt + completion + _tokens(NEW, salt + 10 + k)
+    return turns
+
+
+def _decode_bytes(url: str) -> float:
+    _, text = http("GET", f"{url}/metrics")
+    return sum(float(v) for v in re.findall(r"^pdd_kv_transfer_bytes_total\{[^}]*\} (\S+)$",
+                                            text, re.M))
+
+
+@pytest.mark.parametrize("p,d", [((1, 1), (1, 1)), ((2, 2), (2, 2)), ((1, 1), (2, 2))])
+def test_a_follow_up_turn_pulls_only_the_kv_its_decode_lacks(
+        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
+    """Each turn after the first reads exactly the chunks after the whole decode units of what
+    the turn before fed (its prompt, first token and completion but the last token): the byte
+    counter says so, and the tokens are those of the same chat with the prefix cache off, which
+    reads every prompt whole."""
+    on = _both_stack(cluster, p, d)
+    off = _both_stack(cluster, p, d, PDD_PREFIX_CACHE="0")
+    unit = BLOCK * d[1]  # the decode's table entry
+    before = _decode_bytes(on["decode"].url)
+    chat = _chat(on["router"].url, 5)
+    assert _decode_bytes(on["decode"].url) - before == sum(b for _, _, b in chat)
+    plain = _chat(off["router"].url, 5)
+    assert [c for _, c, _ in chat] == [c for _, c, _ in plain]
+    assert [b for _, _, b in plain] == [len(q) * ROW_BYTES for q, _, _ in plain]
+    assert chat[0][2] == FIRST * ROW_BYTES
+    for (prev, done, _), (prompt, _, moved) in zip(chat, chat[1:], strict=False):
+        fed = len(prev) + len(done) - 1
+        reused = fed // unit * unit
+        assert moved == (len(prompt) - reused) * ROW_BYTES, (len(prompt), reused, moved)
+        # The unfed last token, the new tokens and what of the last unit they share: far less
+        # than the prompt, whose turns grow.
+        assert moved <= (1 + NEW + unit - 1) * ROW_BYTES < len(prompt) * ROW_BYTES
+    for proc in (on, off):
+        _all_blocks_back(proc["prefill"].url, proc["decode"].url)
+
+
+def test_decode_prompt_ids_are_checked_against_the_grant_and_the_vocabulary(
+        cluster: LocalCluster) -> None:
+    stack = _stack(cluster, (1, 1), (1, 1))
+    prefill, decode = stack["prefill"].url, stack["decode"].url
+    prompt = _tokens(40, 9)
+    status, pre = http("POST", f"{prefill}/v1/prefill",
+                       {"request_id": "q", "prompt_ids": prompt, "max_tokens": 4})
+    assert status == 200, pre
+    body = {"request_id": "q", "first_token": pre["first_token"], "max_new_tokens": 3,
+            "kv_transfer_params": pre["kv_transfer_params"]}
+    for bad_ids, says in ((prompt[:-1], "39 token ids"), (prompt[:-1] + [1 << 30], "1073741824"),
+                          ("abc", "list of token ids")):
+        status, err = http("POST", f"{decode}/v1/decode", {**body, "prompt_ids": bad_ids})
+        assert status == 400, err
+        message = err["error"]["message"]
+        assert message.startswith("prompt_ids") and says in message, message
+    _, stats = http("GET", f"{decode}/v1/stats")
+    assert stats["running"] == 0 and stats["waiting"] == 0  # nothing half-created
+    status, out = http("POST", f"{decode}/v1/decode", {**body, "prompt_ids": prompt}, timeout=60)
+    assert status == 200, out
+    assert [pre["first_token"], *out["token_ids"]] == _reference(prompt, 4)
+    assert out["cached_tokens"] == 0 and out["transfer"]["bytes"] == 40 * ROW_BYTES
+    _all_blocks_back(prefill, decode)

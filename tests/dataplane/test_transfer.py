@@ -26,6 +26,7 @@ from pdd_sidecar.kv.side_channel import (  # noqa: E402
 from pdd_sidecar.kv.transfer import (  # noqa: E402
     KVTransferAgent,
     PreppedBlocks,
+    RegionInfo,
     Run,
     coalesce,
     plan_read_specs,
@@ -95,6 +96,48 @@ def test_read_specs_give_each_decode_rank_exactly_its_chunks(
             for g in s.chunks:
                 assert prefill[1] == 1 or g % prefill[1] == s.prefill_rank
         assert sum(spec_bytes(s, region) for s in specs) == minimum[d]
+
+
+@pytest.mark.parametrize(("prefill", "decode"), CONFIGS, ids=lambda s: f"tp{s[0]}dcp{s[1]}")
+@pytest.mark.parametrize(("num_tokens", "first_chunk"), [(30, 0), (30, 2), (30, 5), (30, 7),
+                                                         (30, 8), (32, 8), (9, 1)])
+def test_read_specs_from_a_first_chunk_leave_out_only_the_chunks_before_it(
+    prefill: tuple[int, int], decode: tuple[int, int], num_tokens: int, first_chunk: int
+) -> None:
+    """A decode holding the first chunks already (its prefix cache) reads each later chunk
+    exactly as a full read would, with the same specs per prefill rank, and nothing else."""
+    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
+                                 decode_context_parallel_size=prefill[1]),
+                        SidePlan(tensor_parallel_size=decode[0],
+                                 decode_context_parallel_size=decode[1]), BLOCK)
+    num_chunks = -(-num_tokens // BLOCK)
+    ptable, dtable = _tables(num_chunks, prefill[1], 5), _tables(num_chunks, decode[1], 2)
+    region = RegionInfo(0, NUM_BLOCKS, LAYERS, BLOCK, LATENT * 4, "DRAM", 0)
+    read: list[int] = []
+    for d in range(decode[0]):
+        full = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
+                               ptable, dtable)
+        part = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
+                               ptable, dtable, first_chunk)
+        assert [s.prefill_rank for s in part] == [s.prefill_rank for s in full]
+        for f, p in zip(full, part, strict=True):
+            assert p.chunks == [g for g in f.chunks if g >= first_chunk]
+            pairs = {(r.remote_start + i, r.local_start + i) for r in p.runs for i in range(r.n)}
+            assert pairs == {(ptable[g // prefill[1]], dtable[g // decode[1]]) for g in p.chunks
+                             if f.tail is None or g != num_chunks - 1}
+            assert p.tail == (f.tail if num_chunks - 1 >= first_chunk else None)
+        moved = sum(spec_bytes(s, region) for s in part)
+        rows = sum(min(BLOCK, num_tokens - g * BLOCK) for s in part for g in s.chunks)
+        assert moved == rows * LAYERS * region.row_bytes
+        read.extend(g for s in part for g in s.chunks)
+    # Every chunk from the first on is read, by as many decode ranks as a full read has.
+    per_chunk = 1 if decode[1] > 1 else decode[0]
+    assert sorted(read) == sorted(list(range(first_chunk, num_chunks)) * per_chunk)
+
+
+def test_a_negative_first_chunk_is_refused() -> None:
+    with pytest.raises(ValueError, match="first_chunk"):
+        plan_read_specs([], 8, BLOCK, 1, 1, [0, 1], [0, 1], -1)
 
 
 # ---------------------------------------------------------------- real NIXL

@@ -263,3 +263,59 @@ def test_router_settings_name_the_key_and_value_of_a_bad_policy() -> None:
         RouterSettings.from_env({**env, "PDD_ROUTER_POLICY": "random"})
     with pytest.raises(ValueError, match="random"):
         make_policy("random", BLOCK)
+
+
+def _turns(n: int, rng: random.Random) -> list[list[int]]:
+    """A chat's prompts: each turn's prompt is the one before, its completion and new tokens."""
+    prompts = [[rng.randrange(50_000) for _ in range(2 * BLOCK + 5)]]
+    for _ in range(n - 1):
+        completion = [rng.randrange(50_000) for _ in range(BLOCK)]
+        prompts.append(prompts[-1] + completion + [rng.randrange(50_000) for _ in range(9)])
+    return prompts
+
+
+def test_a_follow_up_turn_goes_to_the_decode_that_served_the_conversation() -> None:
+    """Four decodes, six chats of five turns interleaved: every turn after the first goes where
+    the chat's last turn was decoded, whose cache holds its prompt and generated tokens."""
+    rng = random.Random(3)
+    pool = _pool("decode", ["d0", "d1", "d2", "d3"], "cache-aware")
+    chats = [_turns(5, rng) for _ in range(6)]
+    home: dict[int, str] = {}
+    for turn in range(5):
+        for c, chat in enumerate(chats):
+            prompt = chat[turn]
+            url = pool.pick(prompt_ids=prompt)
+            assert url is not None
+            if turn:
+                assert url == home[c], (turn, c)
+            home[c] = url
+            pool.started(url)
+            pool.finished(url)
+            # What it then holds: the prompt and the completion but its last token.
+            pool.served(url, chat[turn + 1][:len(prompt) + BLOCK - 1] if turn < 4 else prompt)
+    assert len(set(home.values())) == 4  # first turns spread by load and index size
+
+
+def test_a_decode_is_matched_by_what_it_served_not_by_what_it_was_sent() -> None:
+    """Sending a prompt records nothing for a decode (it may fail or be cancelled); only a
+    finished sequence does."""
+    rng = random.Random(4)
+    pool = _pool("decode", ["d0", "d1"], "cache-aware")
+    chat = _turns(2, rng)
+    pool.started("d1", chat[0])
+    pool.finished("d1")
+    pool.served("d0", chat[1][:len(chat[0]) + BLOCK - 1])
+    assert {pool.pick(prompt_ids=chat[1]) for _ in range(4)} == {"d0"}
+
+
+def test_an_overloaded_decode_loses_its_follow_up_turns_to_the_least_loaded() -> None:
+    rng = random.Random(5)
+    pool = _pool("decode", ["d0", "d1", "d2"], "cache-aware")
+    chat = _turns(2, rng)
+    pool.served("d0", chat[1][:len(chat[0]) + BLOCK - 1])
+    for _ in range(20):
+        pool.started("d0")
+    assert pool.pick(prompt_ids=chat[1]) in {"d1", "d2"}
+    for _ in range(20):
+        pool.finished("d0")
+    assert pool.pick(prompt_ids=chat[1]) == "d0"

@@ -60,11 +60,12 @@ class InstanceDriver:
         self.metrics = metrics
         self.role = s.role
         self.cache = worker.cache
-        # The prefix cache serves prefills only; a decode's blocks are its pulled KV.
+        # A prefill shares prompts' computed units; a decode keeps finished conversations'
+        # units, so a follow-up turn pulls only what it lacks.
         self.prefix_cache = (PrefixCache(worker.cache, s.block_size * s.dcp,
                                          chain_root({**worker.compat.to_dict(), "tp": s.tp,
                                                      "dcp": s.dcp}))
-                             if s.prefix_cache and s.role == "prefill" else None)
+                             if s.prefix_cache else None)
         # Every block comes and goes through here; with the cache, "free" drops a reference.
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
@@ -288,7 +289,8 @@ class InstanceDriver:
             "chunks": [(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
             + [([d.token], d.position, d.seq.blocks) for d in plan.decode],
             "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks,
-                       "claim_url": s.extra["claim_url"]} for s in plan.pulls],
+                       "claim_url": s.extra["claim_url"],
+                       "first_chunk": self.scheduler.first_chunk(s)} for s in plan.pulls],
             "poll": poll,
         }
         if poll:

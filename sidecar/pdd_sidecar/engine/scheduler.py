@@ -24,6 +24,11 @@ Policy (one place, pure Python, no torch):
   ones join the table shared (``seq.computed`` starts after them) and only the rest is reserved
   and computed. At least the prompt's last token always runs: its logits give the first token.
   Each finished chunk caches the whole units it completed.
+- **Prefix cache** (decode, when on and the request names its prompt): admission shares the
+  cached whole units of the prompt (all of it may be), the pull reads only the chunks after
+  them, and a sequence that finishes (stop or length) caches the whole units of everything it
+  holds KV for: prompt, first token and the generated tokens it fed. A follow-up turn whose
+  prompt extends that conversation then pulls only its new tokens' KV.
 
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdd_sidecar.kv.cache import num_table_blocks
-from pdd_sidecar.kv.prefix_cache import PrefixCache
+from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
 
 UNIT_KEYS = "prefix_unit_keys"  # seq.extra: the prompt's prefix-cache keys, computed once
 CACHED_TOKENS = "cached_tokens"  # seq.extra: prompt tokens whose KV came from the cache
@@ -228,17 +233,38 @@ class Scheduler:
         return admitted
 
     def _reserve_cached(self, seq: Sequence, pc: PrefixCache, need: int) -> bool:
-        """Reserve ``seq``'s table with its cached units shared; False when it does not fit."""
+        """Reserve ``seq``'s table with its cached units shared; False when it does not fit.
+
+        A prefill always runs the prompt's last token (its logits give the first token); a
+        decode may share the whole prompt, since it feeds the first token itself."""
         keys = seq.extra.get(UNIT_KEYS)
         if keys is None:
             keys = seq.extra[UNIT_KEYS] = pc.keys(seq.prompt)
-        hits = pc.lookup(keys[:(len(seq.prompt) - 1) // pc.unit_tokens])
+        usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
+        hits = pc.lookup(keys[:max(usable, 0) // pc.unit_tokens])
         if not pc.fits(hits, need - len(hits)):
             return False
         seq.blocks = pc.acquire(hits, need - len(hits), len(seq.prompt))
-        seq.computed = len(hits) * pc.unit_tokens
-        seq.extra[CACHED_TOKENS] = seq.computed
+        seq.extra[CACHED_TOKENS] = len(hits) * pc.unit_tokens
+        if self.role != "decode":
+            seq.computed = seq.extra[CACHED_TOKENS]
         return True
+
+    def first_chunk(self, seq: Sequence) -> int:
+        """The first chunk a decode pulls: those before it are its cached units'."""
+        return int(seq.extra.get(CACHED_TOKENS, 0)) // self.block_size
+
+    def _cache_decoded(self, seq: Sequence, pc: PrefixCache) -> None:
+        """Cache the whole units of a finished decode's KV: the prompt it pulled or shared, the
+        first token and every generated token but the last (never fed, so never written)."""
+        keys = seq.extra.get(UNIT_KEYS)
+        if keys is None or not seq.prompt or seq.first_token is None:
+            return
+        fed = ([seq.first_token, *seq.output[:-1]] if seq.output else [])
+        done = len(keys) * pc.unit_tokens  # the prompt's whole units, keyed at admission
+        tail = seq.prompt[done:] + fed
+        more = unit_keys(keys[-1] if keys else pc.root, tail, pc.unit_tokens)
+        pc.insert([*keys, *more], seq.blocks)
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
@@ -359,6 +385,9 @@ class Scheduler:
             seq.finish_reason = reason
         self.running.pop(seq.id, None)
         self.by_id.pop(seq.id, None)
+        if (self.role == "decode" and self.prefix_cache is not None and seq.blocks
+                and seq.error is None and seq.finish_reason in ("stop", "length")):
+            self._cache_decoded(seq, self.prefix_cache)
         if seq.blocks:
             self.allocator.free(seq.blocks)
             seq.blocks = []

@@ -154,19 +154,27 @@ def plan_read_specs(
     decode_dcp: int,
     prefill_blocks: Sequence[int],
     decode_blocks: Sequence[int],
+    first_chunk: int = 0,
 ) -> list[ReadSpec]:
     """Chunk g of the plan's reads: prefill block table[g // dcpP] -> decode table[g // dcpD].
 
     `reads` are the plan's ChunkRead entries for one decode rank (prefill_rank, chunk_modulus,
     chunk_residue); one ReadSpec per entry, in plan order, even when it covers no chunk.
+    Chunks before `first_chunk` are left out: the decode has their KV already (its own prefix
+    cache), so only the rest moves.
     """
+    if first_chunk < 0:
+        raise ValueError(f"first_chunk must be >= 0, got {first_chunk}")
     num_chunks = -(-num_tokens // block_size)
     partial = num_tokens % block_size
     specs = []
     for read in reads:
         spec = ReadSpec(prefill_rank=read.prefill_rank)
         pairs = []
-        for g in range(read.chunk_residue, num_chunks, read.chunk_modulus):
+        start = read.chunk_residue
+        if first_chunk > start:
+            start += -(-(first_chunk - start) // read.chunk_modulus) * read.chunk_modulus
+        for g in range(start, num_chunks, read.chunk_modulus):
             spec.chunks.append(g)
             remote = prefill_blocks[g // prefill_dcp]
             local = decode_blocks[g // decode_dcp]

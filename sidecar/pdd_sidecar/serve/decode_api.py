@@ -2,12 +2,15 @@
 batch.
 
 `POST /v1/decode {"request_id", "first_token", "max_new_tokens", "kv_transfer_params",
-"sampling", "stop_token_ids", "ignore_eos", "stream"}`: the request waits for KV blocks if the
-instance is full (429 once the queue is), every rank reads exactly the chunks the routing plan
-gives it while the batch keeps running, notifies the prefill ranks the plan names, and the
-sequence joins the batch until a stop id, EOS or `max_new_tokens`. With `"stream": true` the
-answer is NDJSON, one `{"token": id}` line per token and a final line with the totals; an error
-before the first token is a plain HTTP error. A client that disconnects cancels its sequence.
+"prompt_ids", "sampling", "stop_token_ids", "ignore_eos", "stream"}`: the request waits for KV
+blocks if the instance is full (429 once the queue is), every rank reads exactly the chunks the
+routing plan gives it while the batch keeps running (with `prompt_ids` and the prefix cache on,
+only those after the prompt's whole units this decode already holds: a follow-up turn of a
+conversation it served pulls only its new tokens), notifies the prefill ranks the plan names,
+and the sequence joins the batch until a stop id, EOS or `max_new_tokens`. With
+`"stream": true` the answer is NDJSON, one `{"token": id}` line per token and a final line with
+the totals (`cached_tokens`: the prompt tokens whose KV was not pulled); an error before the
+first token is a plain HTTP error. A client that disconnects cancels its sequence.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
@@ -73,12 +76,26 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
         raise bad(f"max_new_tokens: prompt ({src.num_tokens} tokens) + 1 + max_new_tokens "
                   f"({max_new}) = {total} exceeds the maximum model length "
                   f"{state.max_model_len}")
-    seq = Sequence(request_id(body, lambda: uuid.uuid4().hex), [], max_new,
+    prompt = _prompt_ids(state, body, src)
+    seq = Sequence(request_id(body, lambda: uuid.uuid4().hex),
+                   prompt if state.settings.prefix_cache else [], max_new,
                    src.num_tokens + max_new, source=src, first_token=first,
                    **sequence_options(state, body))
     seq.extra["source"] = src
     seq.extra["claim_url"] = claim_url
     return seq
+
+
+def _prompt_ids(state: InstanceState, body: dict[str, Any], src: TransferParams) -> list[int]:
+    """The prompt's token ids when the request names them (they key the prefix cache), else
+    []: the whole prompt's KV is pulled."""
+    if body.get("prompt_ids") is None:
+        return []
+    prompt = token_ids(state, body["prompt_ids"], "prompt_ids")
+    if len(prompt) != src.num_tokens:
+        raise bad(f"prompt_ids: {len(prompt)} token ids, but the grant holds the KV of "
+                  f"{src.num_tokens} prompt tokens")
+    return prompt
 
 
 async def decode_sequence(request: web.Request, state: InstanceState,
@@ -134,6 +151,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         "request_id": seq.id,
         "token_ids": seq.output,
         "finish_reason": seq.finish_reason,
+        "cached_tokens": int(seq.extra.get(CACHED_TOKENS, 0)),
         "transfer": {
             "bytes": sum(r["bytes"] for r in ranks),
             "descriptors": sum(r["descriptors"] for r in ranks),

@@ -79,7 +79,7 @@ class StackConfig:
     max_waiting: int | None = None  # queue bound (429 beyond); None: the instance default
     max_step_tokens: int | None = None  # prefill tokens per step; None: by device
     chunk_tokens: int | None = None  # longest prompt chunk; None: by device
-    prefix_cache: bool = True  # the prefill reuses the KV of prompt prefixes it computed
+    prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
 

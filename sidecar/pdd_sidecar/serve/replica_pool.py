@@ -53,6 +53,12 @@ class Pool:
         if prompt_ids:
             self.policy.routed(url, prompt_ids, self.capacity.get(url))
 
+    def served(self, url: str, token_ids: Sequence[int]) -> None:
+        """A decode finished a sequence, holding the KV of these tokens now (for a follow-up
+        turn that extends them)."""
+        if token_ids:
+            self.policy.routed(url, token_ids, self.capacity.get(url))
+
     def finished(self, url: str) -> None:
         load = self._load(url)
         load.outstanding = max(0, load.outstanding - 1)

@@ -9,7 +9,10 @@ are the pool's; a policy only orders what is left:
   was routed before, since that replica's prefix cache most likely still holds it; unless that
   replica is overloaded (its busy count exceeds the least busy candidate's by more than
   `CacheAware.balance_abs` and by more than `balance_rel` times), then, as with no match at all,
-  to the least loaded. A decode has no prompt to match and is chosen by load.
+  to the least loaded. A decode goes the same way by the tokens whose KV each decode holds:
+  the prompt and generated tokens of the sequences it finished (`Pool.served`), so the
+  follow-up turn of a conversation goes to the decode that served it and pulls only the new
+  tokens' KV; a first turn, matching nothing, goes by load.
 
 Load score: ``(busy + 1) / free``, where ``busy`` is the larger of the requests this router has
 in flight there (fresh) and the running + waiting sequences the replica last reported on

@@ -195,8 +195,12 @@ class Router:
             lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans(),
                                            prompt_ids=prompt_ids), tried)
 
-    async def _choose_decode(self, plan: str | None, tried: set[str]) -> str | None:
-        return await self._pick(lambda skip: self.decode.pick(skip, plan), tried)
+    async def _choose_decode(self, plan: str | None, tried: set[str],
+                             prompt_ids: list[int] | None = None) -> str | None:
+        # With the prompt: the decode that served the conversation so far most likely still
+        # caches its KV (routing_policy.py), and then pulls only the new tokens'.
+        return await self._pick(lambda skip: self.decode.pick(skip, plan, prompt_ids=prompt_ids),
+                                tried)
 
     async def _post(self, role: str, url: str, path: str, body: dict[str, Any],
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -257,7 +261,7 @@ class Router:
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
         while True:
-            url = await self._choose_decode(plan, tried)
+            url = await self._choose_decode(plan, tried, req.prompt_ids)
             if url is None:
                 raise ApiError(503, "no ready decode replica"
                                + (f" running routing plan {plan}" if plan else ""),
@@ -286,7 +290,8 @@ class Router:
         assert self.session is not None
         trip.decode = url
         body = {"request_id": rid, "first_token": first, "max_new_tokens": req.max_tokens - 1,
-                "kv_transfer_params": pre.get("kv_transfer_params"), "sampling": req.sampling,
+                "kv_transfer_params": pre.get("kv_transfer_params"),
+                "prompt_ids": req.prompt_ids, "sampling": req.sampling,
                 "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                 "stream": True}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
@@ -429,6 +434,7 @@ class Router:
         held = finished is None
         resp: aiohttp.ClientResponse | None = None
         complete = False
+        decoded: list[int] = []
         try:
             if finished is None and req.max_tokens > 1 and first not in req.local_stop_ids:
                 resp = await self._open_decode(rid, first, pre, req, trip)
@@ -457,7 +463,8 @@ class Router:
                 if "timing" in msg:
                     trip.decode_timing = msg["timing"]
                 if "token" in msg:
-                    yield int(msg["token"])
+                    decoded.append(int(msg["token"]))
+                    yield decoded[-1]
                 elif "error" in msg:
                     status = msg.get("status")
                     if not isinstance(status, int) or isinstance(status, bool):
@@ -468,6 +475,10 @@ class Router:
                     held = False
                     trip.finish = msg.get("finish_reason")
                     trip.transfer = msg.get("transfer")
+                    # It holds the KV of all it was fed: the prompt, the first token and
+                    # every token it generated but the last.
+                    self.decode.served(str(trip.decode),
+                                       [*req.prompt_ids, first, *decoded[:-1]])
                     return
         finally:
             if resp is not None:

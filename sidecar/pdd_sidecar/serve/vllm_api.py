@@ -176,7 +176,7 @@ async def _decode_leg(request: web.Request, state: InstanceState, rid: str,
         raise bad(f"kv_transfer_params.{FIRST_TOKEN}: must be a token id, got {first!r}")
     seq = await decode_sequence(request, state, {
         "request_id": rid, "first_token": first, "max_new_tokens": max_tokens - 1,
-        "kv_transfer_params": params[GRANT], **options})
+        "kv_transfer_params": params[GRANT], "prompt_ids": prompt, **options})
     if body.get("stream"):
         return await _stream(request, state, rid, body, seq, first)
     await finished(request, state, seq)
