@@ -111,6 +111,7 @@ class LevelResult:
     read_bytes: float
     read_seconds: float
     read_GBps: float
+    read_device_GBps: float = float("nan")  # cuda_ipc: bytes over the copies' device time
     bounds: dict[str, float] = field(default_factory=dict)
     timings: list[dict[str, float]] = field(default_factory=list)  # each request's pdd.timing
     # /readyz of router, prefill and decode and the decode's /metrics, polled during the level
@@ -243,11 +244,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def transfer_totals(metrics: dict[str, float]) -> tuple[float, float]:
-    """(bytes, seconds) of every rank's KV READs so far."""
+def transfer_totals(metrics: dict[str, float]) -> tuple[float, float, float]:
+    """(bytes, wall seconds, device seconds) of every rank's KV READs so far (device seconds:
+    the cuda_ipc copies' own time, by CUDA events)."""
     nbytes = sum(v for k, v in metrics.items() if k.startswith("pdd_kv_transfer_bytes_total"))
     secs = sum(v for k, v in metrics.items() if k.startswith("pdd_kv_transfer_seconds_sum"))
-    return nbytes, secs
+    dev = sum(v for k, v in metrics.items()
+              if k.startswith("pdd_kv_transfer_device_seconds_total"))
+    return nbytes, secs, dev
 
 
 @dataclass
@@ -345,6 +349,14 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
     return out
 
 
+def triton_kernels() -> set[str]:
+    """The Triton kernels in the on-disk cache (each compiled variant once): a kernel that
+    appears while the stack serves was compiled on a request's time."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return {f"{p.parent.name[:8]}/{p.stem}" for p in root.glob("*/*.json")
+            if not p.name.startswith("__grp__")}
+
+
 def pct(xs: list[float], q: int) -> float:
     if len(xs) < 2:
         return xs[0] if xs else float("nan")
@@ -358,7 +370,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
     timeout = aiohttp.ClientTimeout(total=900)
     conn = aiohttp.TCPConnector(limit=spec.concurrency + 4)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        async def scrape() -> tuple[float, float]:
+        async def scrape() -> tuple[float, float, float]:
             async with session.get(f"{stack.decode_url}/metrics") as resp:
                 return transfer_totals(parse_metrics(await resp.text()))
 
@@ -392,7 +404,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
     names = [*STAGES, "ttft"]
     medians = {k: statistics.median(vals) for k in names
                if (vals := [r.timing[k] for r in ok if k in r.timing])}
-    rbytes, rsecs = after[0] - before[0], after[1] - before[1]
+    rbytes, rsecs, rdev = after[0] - before[0], after[1] - before[1], after[2] - before[2]
     return LevelResult(
         level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,
         max_tokens=spec.max_tokens, requests=len(results), errors=len(failures), wall_s=wall,
@@ -400,6 +412,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), tpot_p50_ms=pct(tpot, 50),
         timing_p50_ms=medians, read_bytes=rbytes, read_seconds=rsecs,
         read_GBps=rbytes / rsecs / 1e9 if rsecs > 0 else float("nan"),
+        read_device_GBps=rbytes / rdev / 1e9 if rdev > 0 else float("nan"),
         timings=[r.timing for r in ok], probe_p99_ms=pct(probes.latencies_ms, 99),
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
         probe_failures=probes.failures, probe_worst_ms=probes.worst_ms)
@@ -608,12 +621,22 @@ def main(argv: list[str] | None = None) -> int:
     results: list[LevelResult] = []
     first_after_ready: dict[str, Any] = {}
     mixed: dict[str, Any] = {}
+    compiled: dict[str, list[str]] = {}
     stack = LocalStack(scfg, args.log_dir)
     try:
         t0 = time.perf_counter()
         stack.start()
         print(f"stack ready in {time.perf_counter() - t0:.0f}s (logs {stack.log_dir})",
               flush=True)
+        known = triton_kernels()
+
+        def note_compiled(when: str) -> None:
+            new = sorted(triton_kernels() - known)
+            known.update(new)
+            compiled[when] = new
+            print(f"  Triton kernels compiled while serving ({when}): {len(new)}"
+                  + (f": {', '.join(new)}" if new else ""), flush=True)
+
         # Ready means warm: the first request after ready against the same request's steady TTFT.
         first_prompt = min(1024, cfg.max_position_embeddings - 2, num_blocks * bs - 2)
         first = [asyncio.run(run_level(stack, LevelSpec(1, first_prompt, 2), 1,
@@ -630,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("first_timing", "second_timing"):
             print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                              first_after_ready[name].items()), flush=True)
+        note_compiled("first requests")
         print(HEADER, flush=True)
         for i, lv in enumerate(levels):
             r = asyncio.run(run_level(stack, lv, max(lv.concurrency, min_requests),
@@ -638,12 +662,14 @@ def main(argv: list[str] | None = None) -> int:
             r.bounds = level_bounds(r, lv, bounds)
             results.append(r)
             print(row(r), flush=True)
+        note_compiled("levels")
         long_tokens = min(32768, cfg.max_position_embeddings - 2, num_blocks * bs // 2 - 2)
         short_tokens = first_prompt
         idle = steady
         mixed = asyncio.run(long_then_short(stack, long_tokens, short_tokens, cfg.vocab_size,
                                             LONG_HEAD_START_S))
         mixed["idle_short_ttft_ms"] = idle
+        note_compiled("long then short")
         if "short_ttft_ms" in mixed:
             mixed["ratio"] = mixed["short_ttft_ms"] / idle if idle else float("nan")
     finally:
@@ -660,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         done = max(1, r.requests - r.errors)
         line = (f"{r.level:>14}: {r.read_bytes / done / 1e6:9.2f} MB per request, READ "
-                f"{r.read_GBps:7.2f} GB/s, median read stage "
+                f"{r.read_GBps:7.2f} GB/s (device time {r.read_device_GBps:7.1f} GB/s), "
+                f"median read stage "
                 f"{r.timing_p50_ms.get('read', float('nan')):8.2f} ms")
         if "read_bound_ms" in r.bounds:
             line += f", at the copy rate {r.bounds['read_bound_ms']:.3f} ms"
@@ -695,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_after_ready": first_after_ready,
             "targets": judged,
             "long_then_short": mixed,
+            "compiled_while_serving": compiled,
             "bounds": bounds,
             "levels": [asdict(r) for r in results],
         }, indent=2) + "\n")

@@ -40,6 +40,11 @@ class InstanceMetrics:
             "pdd_kv_transfer_seconds", "Per-rank KV hand-off time (post to completion)", ["rank"],
             buckets=_SECONDS, registry=r,
         )
+        self.transfer_device_seconds = Counter(
+            "pdd_kv_transfer_device_seconds",
+            "Device time of KV hand-offs copied on the device (cuda_ipc), by CUDA events",
+            ["rank"], registry=r,
+        )
         self.transfer_failures = Counter(
             "pdd_kv_transfer_failures", "Hand-offs that failed", ["reason"], registry=r
         )

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd_sidecar.engine import timing
+from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
 from pdd_sidecar.engine.sampling import sample
 from pdd_sidecar.engine.scheduler import (
     Allocator,
@@ -191,8 +192,10 @@ class InstanceDriver:
         if self.role == "prefill":
             # A chunk, then a ragged continuation: the cached-latent path and the shapes Triton
             # specializes on (lengths divisible by 16 or not) are all compiled.
-            prompt = min(sch.chunk_tokens + bs // 2 + 1, self.cache.num_blocks * bs * dcp)
-            need = sch.blocks_needed(prompt)
+            spare = 2 * WARMUP_FRESH_BLOCKS
+            prompt = min(sch.chunk_tokens + bs // 2 + 1,
+                         max(1, self.cache.num_blocks - spare) * bs * dcp)
+            need = sch.blocks_needed(prompt) + spare
         else:
             limit = next((b for b in self.worker.engine.buckets if b >= sch.max_running),
                          self.worker.engine.buckets[-1])

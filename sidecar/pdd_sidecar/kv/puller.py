@@ -187,7 +187,8 @@ class KVPuller:
                 log.warning("%s: %s (the prefill lease will free the blocks)", self.who, exc)
         return None, {"bytes": stats.bytes, "descriptors": stats.descriptors,
                       "seconds": stats.seconds, "transfers": stats.transfers,
-                      "path": stats.path, "claim_seconds": claimed - started}
+                      "path": stats.path, "claim_seconds": claimed - started,
+                      "device_seconds": stats.device_seconds}
 
     def _read(self, peers: dict[int, Any], specs: list[ReadSpec]) -> ReadStats:
         """NIXL READs for some peers, device copies for those chosen for cuda_ipc."""

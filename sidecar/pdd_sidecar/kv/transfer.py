@@ -259,11 +259,15 @@ class ReadStats:
     seconds: float = 0.0
     transfers: int = 0
     path: str = "nixl"  # nixl | cuda_ipc (kv/transport.py); both, joined by "+"
+    # cuda_ipc: the copies' own time on the device (CUDA events), beside the wall time above,
+    # which also holds the host's share (launches, the wait, the thread getting the GIL back)
+    device_seconds: float = 0.0
 
     def add(self, other: ReadStats) -> None:
         self.bytes += other.bytes
         self.descriptors += other.descriptors
         self.seconds += other.seconds
+        self.device_seconds += other.device_seconds
         self.transfers += other.transfers
         self.path = join_paths([self.path, other.path])
 

@@ -229,14 +229,18 @@ def cuda_ipc_read(dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo
     start = time.monotonic()
     stats = ReadStats(path=CUDA_IPC)
     torch.cuda.set_device(dst.device)
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
+        began.record(stream)
         for src, spec in work:
             if not spec.runs and spec.tail is None:
                 continue
             copy_blocks(dst, src, spec)
             stats.bytes += spec_bytes(spec, region)
             stats.transfers += 1
+        ended.record(stream)
     stream.synchronize()
+    stats.device_seconds = began.elapsed_time(ended) / 1e3
     for device in {src.device for src, _ in work} - {dst.device}:
         torch.cuda.synchronize(device)  # a peer on another GPU read on that GPU's stream
     stats.seconds = time.monotonic() - start

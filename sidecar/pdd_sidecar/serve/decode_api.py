@@ -145,6 +145,8 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         m.transfer_bytes.labels(rank=str(rank)).inc(t["bytes"])
         m.transfer_descriptors.labels(rank=str(rank)).inc(t["descriptors"])
         m.transfer_seconds.labels(rank=str(rank)).observe(t["seconds"])
+        if t.get("device_seconds"):
+            m.transfer_device_seconds.labels(rank=str(rank)).inc(t["device_seconds"])
         m.transfer_paths.labels(path=t["path"]).inc()
         ranks.append({"rank": rank, **t})
     return {
