@@ -352,7 +352,9 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + pv
         return acc, m_new, l_i
 
-    @triton.jit
+    # Lengths are not specialized on (Triton would compile a variant per divisibility of each:
+    # a step shape first seen under load then paid a compile, measured ~1 s on an H200).
+    @triton.jit(do_not_specialize=["n_queries", "n_keys", "n_tiles"])
     def _chunk_attn_fwd(
         QN, QR, KN, KR, V, QPOS, QLO, KPOS, BOUNDS, OUT, LSE,
         scale_log2,
