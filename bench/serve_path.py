@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -45,8 +44,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "sidecar"))
 sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
+from stream_client import parse_metrics, stream_completion  # noqa: E402
 
 from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
@@ -59,9 +60,6 @@ QUICK_LEVELS = "1:64:2,4:32:2,4:64:8"
 LONG_HEAD_START_S = 0.15  # the long prompt's prefill is under way when the short one comes
 MANY_TOKENS = 16  # a level with at least this many output tokens is judged by tokens/s
 COPY_BYTES = 256 << 20
-_SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
-
-
 @dataclass(frozen=True)
 class LevelSpec:
     concurrency: int
@@ -235,15 +233,6 @@ def run_bounds(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------- the load
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
 def transfer_totals(metrics: dict[str, float]) -> tuple[float, float, float]:
     """(bytes, wall seconds, device seconds) of every rank's KV READs so far (device seconds:
     the cuda_ipc copies' own time, by CUDA events)."""
@@ -263,31 +252,10 @@ class Reply:
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
                       max_tokens: int) -> Reply | str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    start = time.perf_counter()
-    times: list[float] = []
-    timing: dict[str, float] = {}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            msg = json.loads(data)
-            if "error" in msg:
-                return f"stream error: {str(msg['error'])[:200]}"
-            for choice in msg.get("choices", ()):
-                times.extend([time.perf_counter()] * len(choice.get("token_ids") or ()))
-            if isinstance(msg.get("pdd"), dict):
-                timing = msg["pdd"].get("timing") or {}
-    if len(times) != max_tokens:
-        return f"{len(times)} tokens"
-    return Reply(start, times, timing)
+    got = await stream_completion(session, url, prompt, max_tokens)
+    if isinstance(got, str):
+        return got
+    return Reply(got.start, got.times, got.pdd.get("timing") or {})
 
 
 class ProbeSampler:

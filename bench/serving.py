@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -36,13 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "sidecar"))
 sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
+from stream_client import parse_metrics, stream_completion  # noqa: E402
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
-
-_SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 
 
 @dataclass
@@ -61,16 +60,6 @@ class Level:
     max_waiting: int
     min_blocks_free: int
     mean_batch: float
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """`name{labels}` -> value for the pdd_* samples of a Prometheus exposition."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
 
 
 class MetricsWatch:
@@ -111,28 +100,8 @@ class MetricsWatch:
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
                       max_tokens: int) -> tuple[float, list[float]] | str:
-    """(start, token arrival times) of one streamed completion, or why it failed."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    start = time.perf_counter()
-    times: list[float] = []
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            msg = json.loads(data)
-            if "error" in msg:
-                return f"stream error: {str(msg['error'])[:200]}"
-            for choice in msg.get("choices", ()):
-                n = len(choice.get("token_ids") or ())
-                times.extend([time.perf_counter()] * n)
-    return (start, times) if len(times) == max_tokens else f"{len(times)} tokens"
+    got = await stream_completion(session, url, prompt, max_tokens)
+    return got if isinstance(got, str) else (got.start, got.times)
 
 
 async def run_level(stack: LocalStack, dcp: int, concurrency: int, n_requests: int,

@@ -1,0 +1,57 @@
+"""The serving benchmarks' client side: one streaming completion through the router, timed per
+token, and an instance's /metrics as numbers (bench/serving.py, bench/serve_path.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+_SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
+
+
+@dataclass
+class Streamed:
+    start: float  # perf_counter when the request was sent
+    times: list[float]  # perf_counter when each token arrived
+    pdd: dict[str, Any] = field(default_factory=dict)  # the last chunk's `pdd` object
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                            max_tokens: int) -> Streamed | str:
+    """Greedy, `ignore_eos`, streamed: exactly `max_tokens` tokens, or why not (a string)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    out = Streamed(time.perf_counter(), [])
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                return f"stream error: {str(msg['error'])[:200]}"
+            for choice in msg.get("choices", ()):
+                out.times.extend([time.perf_counter()] * len(choice.get("token_ids") or ()))
+            if isinstance(msg.get("pdd"), dict):
+                out.pdd = msg["pdd"]
+    return out if len(out.times) == max_tokens else f"{len(out.times)} tokens"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """`name{labels}` -> value for the pdd_* samples of a Prometheus exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
