@@ -231,3 +231,30 @@ def plan_json(p: tuple[int, int], d: tuple[int, int], block_size: int) -> str:
         SidePlan(tensor_parallel_size=d[0], decode_context_parallel_size=d[1]),
         block_size,
     ).to_json()
+
+
+_REFERENCES: dict[tuple[tuple[int, ...], int, int], list[int]] = {}
+
+
+def reference_tokens(prompt: list[int], max_tokens: int, block_size: int) -> list[int]:
+    """The built-in model's greedy tokens for ``prompt`` in one process (computed once)."""
+    from pdd_sidecar.engine.generate import generate
+
+    key = (tuple(prompt), max_tokens, block_size)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = generate("builtin", prompt, max_tokens, block_size=block_size)
+    return _REFERENCES[key]
+
+
+def pd_stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int], block_size: int,
+             prefill_env: dict[str, Any] | None = None,
+             decode_env: dict[str, Any] | None = None) -> dict[str, Proc]:
+    """A prefill, a decode reading from it and a router, each ready."""
+    routing = cluster.plan_file(plan_json(p, d, block_size))
+    prefill = cluster.instance("prefill", p[0], p[1], routing, block_size, **(prefill_env or {}))
+    decode = cluster.instance("decode", d[0], d[1], routing, block_size,
+                              PDD_PREFILL_URLS=prefill.url, **(decode_env or {}))
+    router = cluster.router([prefill], [decode])
+    for proc in (prefill, decode, router):
+        proc.wait_ready()
+    return {"prefill": prefill, "decode": decode, "router": router}

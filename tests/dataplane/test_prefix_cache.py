@@ -14,7 +14,7 @@ from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-from runtime_fixtures import LocalCluster, Proc, http, plan_json
+from runtime_fixtures import LocalCluster, Proc, http, pd_stack, plan_json, reference_tokens
 
 pytestmark = pytest.mark.dataplane
 
@@ -26,16 +26,8 @@ def _tokens(n: int, salt: int) -> list[int]:
     return [(i * 53 + salt * 29 + 7) % 256 for i in range(n)]
 
 
-_REFS: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-
 def _reference(prompt: list[int], max_tokens: int) -> list[int]:
-    from pdd_sidecar.engine.generate import generate
-
-    key = (tuple(prompt), max_tokens)
-    if key not in _REFS:
-        _REFS[key] = generate("builtin", prompt, max_tokens, block_size=BLOCK)
-    return _REFS[key]
+    return reference_tokens(prompt, max_tokens, BLOCK)
 
 
 @pytest.fixture
@@ -47,13 +39,7 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
 
 def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],
            **prefill_env: Any) -> dict[str, Proc]:
-    routing = cluster.plan_file(plan_json(p, d, BLOCK))
-    prefill = cluster.instance("prefill", p[0], p[1], routing, BLOCK, **prefill_env)
-    decode = cluster.instance("decode", d[0], d[1], routing, BLOCK, PDD_PREFILL_URLS=prefill.url)
-    router = cluster.router([prefill], [decode])
-    for proc in (prefill, decode, router):
-        proc.wait_ready()
-    return {"prefill": prefill, "decode": decode, "router": router}
+    return pd_stack(cluster, p, d, BLOCK, prefill_env=prefill_env)
 
 
 def _run(router: str, prompts: list[list[int]], max_tokens: int) -> list[int]:

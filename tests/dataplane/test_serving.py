@@ -19,7 +19,15 @@ from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-from runtime_fixtures import LocalCluster, Proc, error_text, http, plan_json
+from runtime_fixtures import (
+    LocalCluster,
+    Proc,
+    error_text,
+    http,
+    pd_stack,
+    plan_json,
+    reference_tokens,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -34,16 +42,8 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 53 + salt * 29 + 7) % 256 for i in range(n)]
 
 
-_REFS: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-
 def _reference(prompt: list[int], max_tokens: int) -> list[int]:
-    from pdd_sidecar.engine.generate import generate
-
-    key = (tuple(prompt), max_tokens)
-    if key not in _REFS:
-        _REFS[key] = generate("builtin", prompt, max_tokens, block_size=BLOCK)
-    return _REFS[key]
+    return reference_tokens(prompt, max_tokens, BLOCK)
 
 
 @pytest.fixture
@@ -55,14 +55,7 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
 
 def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],
            **decode_env: Any) -> dict[str, Proc]:
-    routing = cluster.plan_file(_plan(p, d))
-    prefill = cluster.instance("prefill", p[0], p[1], routing, BLOCK)
-    decode = cluster.instance("decode", d[0], d[1], routing, BLOCK,
-                              PDD_PREFILL_URLS=prefill.url, **decode_env)
-    router = cluster.router([prefill], [decode])
-    for proc in (prefill, decode, router):
-        proc.wait_ready()
-    return {"prefill": prefill, "decode": decode, "router": router}
+    return pd_stack(cluster, p, d, BLOCK, decode_env=decode_env)
 
 
 def _complete(router: str, body: dict[str, Any]) -> tuple[int, Any]:
