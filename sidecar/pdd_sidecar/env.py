@@ -77,6 +77,8 @@ PDD_RANKS_PER_POD = keys.ENV_RANKS_PER_POD
 # Fault injection for tests only: after its first per-peer read, decode rank r creates
 # <path>.reached.<r> and waits (within the transfer timeout) until <path> exists.
 PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
+# Tests only: every forward step of the instance takes this many seconds more (a slow step).
+PDD_FAULT_STEP_DELAY_S = "PDD_FAULT_STEP_DELAY_S"
 
 # --- router (listens on PDD_HTTP_PORT; replicas from PDD_*_URLS and/or PDD_*_SERVICE) ---
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
@@ -215,6 +217,7 @@ class InstanceSettings:
     prefix_cache: bool = True
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
+    fault_step_delay_s: float = 0.0
     kv_transport: str = "auto"
     group_size: int = 1  # pods holding this instance's ranks
     worker_index: int = 0  # this pod's place in the group; 0 holds rank 0 and serves HTTP
@@ -305,6 +308,7 @@ class InstanceSettings:
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
+            fault_step_delay_s=_float(env, PDD_FAULT_STEP_DELAY_S, 0.0),
             kv_transport=transport,
             group_size=group_size,
             worker_index=worker_index,

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,42 @@ def test_metadata_mismatch_is_refused_naming_both_values(cluster: LocalCluster) 
     status, released = http("POST", f"{prefill.url}/v1/release",
                             {"kv_transfer_params": pre["kv_transfer_params"]})
     assert status == 200 and released == {"released": True}
+
+
+def test_claims_and_releases_are_answered_while_a_slow_step_runs(cluster: LocalCluster) -> None:
+    """A decode's claim (and a router's release) never waits for the prefill's running forward
+    step: with every step made 3 s slower, both are answered while another request's step is
+    still running (fault injection, PDD_FAULT_STEP_DELAY_S)."""
+    routing = cluster.plan_file(_plan((1, 1), (1, 1)))
+    prefill = cluster.instance("prefill", 1, 1, routing, BLOCK, PDD_FAULT_STEP_DELAY_S="3")
+    prefill.wait_ready()
+    status, held = http("POST", f"{prefill.url}/v1/prefill",
+                        {"prompt_ids": _prompt(20), "max_tokens": 4}, timeout=60)
+    assert status == 200 and held["kv_transfer_params"], held
+    status, other = http("POST", f"{prefill.url}/v1/prefill",
+                         {"prompt_ids": _prompt(24), "max_tokens": 4}, timeout=60)
+    assert status == 200, other
+    slow_done = threading.Event()
+
+    def slow() -> None:
+        http("POST", f"{prefill.url}/v1/prefill", {"prompt_ids": _prompt(30), "max_tokens": 4},
+             timeout=60)
+        slow_done.set()
+
+    worker = threading.Thread(target=slow)
+    worker.start()
+    try:
+        time.sleep(1.0)  # the slow request's step is running now (3 s)
+        status, body = http("POST", f"{prefill.url}/v1/claim",
+                            {"kv_transfer_params": held["kv_transfer_params"], "hold_s": 5})
+        claimed_during_step = not slow_done.is_set()
+        assert status == 200 and body == {"claimed": True}, body
+        status, body = http("POST", f"{prefill.url}/v1/release",
+                            {"kv_transfer_params": other["kv_transfer_params"]})
+        released_during_step = not slow_done.is_set()
+        assert status == 200 and body == {"released": True}, body
+        assert claimed_during_step, "the claim waited for the running step"
+        assert released_during_step, "the release waited for the running step"
+    finally:
+        worker.join(timeout=60)
+    assert slow_done.is_set()

@@ -298,6 +298,8 @@ class InstanceDriver:
         }
         if poll:
             self._last_poll = time.monotonic()
+        if self.settings.fault_step_delay_s and cmd["chunks"]:
+            time.sleep(self.settings.fault_step_delay_s)
         results = self.worker.run_as_leader(cmd)
         self._last_collective = time.monotonic()
         failed = next((r for r in results if r.get("error")), None)
