@@ -40,7 +40,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, P
         # Prefill replicas from DNS: "localhost" may also resolve to ::1, where nothing
         # listens; the router must skip that replica as unhealthy.
         router = cluster.router([], [d0, d1], PDD_PREFILL_URLS="",
-                                PDD_PREFILL_SERVICE=f"localhost:{prefill_port}")
+                                PDD_PREFILL_SERVICE=f"localhost:{prefill_port}",
+                                PDD_ROUTER_POLICY="round-robin")
         for p in (prefill, d0, d1, router):
             p.wait_ready()
         yield {"prefill": prefill, "d0": d0, "d1": d1, "router": router}

@@ -118,9 +118,12 @@ def _sweep_row(cfg: Any, cluster: LocalCluster, references: dict[int, list[int]]
                         SidePlan(tensor_parallel_size=tp_d, decode_context_parallel_size=dcp_d),
                         BLOCK)
     routing = cluster.plan_file(plan.to_json())
-    prefill = cluster.instance("prefill", tp_p, dcp_p, routing, BLOCK, **model_env)
+    # Every prompt's whole KV moves, so the bytes can be held to the plan's minimum; the prompts
+    # share prefixes, which the prefix cache would reuse (tests/dataplane/test_prefix_cache.py).
+    prefill = cluster.instance("prefill", tp_p, dcp_p, routing, BLOCK, PDD_PREFIX_CACHE="0",
+                               **model_env)
     decode = cluster.instance("decode", tp_d, dcp_d, routing, BLOCK,
-                              PDD_PREFILL_URLS=prefill.url, **model_env)
+                              PDD_PREFILL_URLS=prefill.url, PDD_PREFIX_CACHE="0", **model_env)
     router = cluster.router([prefill], [decode], **model_env)
     for p in (prefill, decode, router):
         p.wait_ready()
