@@ -50,6 +50,9 @@ def spec(name: str, prefill: Side, decode: Side) -> dict[str, Any]:
             "tensorParallelSize": tp,
             "decodeContextParallelSize": dcp,
             "resources": {"limits": {"nvidia.com/gpu": per_pod or tp}},
+            # Every completion moves the whole prompt's KV, held to the plan's minimum bytes;
+            # the prefix cache would reuse the repeated prompt (tested in the dataplane tier).
+            "prefixCache": False,
         }
         if per_pod is not None:
             out["gpusPerPod"] = per_pod
