@@ -22,6 +22,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # How the router picks replicas (sidecar serve/routing_policy.py); the first is the default.
 RouterPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+DEFAULT_ROUTER_POLICY: RouterPolicy = "cache-aware"  # first of ROUTER_POLICIES
 
 # CRD-only schema hints carried on fields (see crd.py).
 PRESERVE_UNKNOWN: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
@@ -224,7 +225,7 @@ class RouterSpec(_Strict):
     )
     replicas: int = Field(default=1, description="Router pods.")
     policy: RouterPolicy = Field(
-        default="cache-aware",
+        default=DEFAULT_ROUTER_POLICY,
         description="How the router picks replicas (PDD_ROUTER_POLICY): cache-aware sends a "
         "prompt to the prefill that was sent its longest prefix before unless that one is "
         "overloaded, and each decode by load; least-loaded picks both by load alone; "

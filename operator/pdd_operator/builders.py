@@ -16,6 +16,7 @@ from pdd_api import keys
 from pdd_api.models import (
     API_GROUP,
     API_VERSION,
+    DEFAULT_ROUTER_POLICY,
     GPU_RESOURCE,
     KIND,
     PDDeploymentSpec,
@@ -306,8 +307,10 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
         _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
         _env(keys.ENV_MODEL_NAME, spec.model.name),
         _env(keys.ENV_DTYPE, spec.model.dtype),
-        _env(keys.ENV_PREFIX_CACHE, "1" if r.prefixCache else "0"),
     ]
+    # Written only when off (the sidecar's default is on), so existing pods keep their hash.
+    if not r.prefixCache:
+        env.append(_env(keys.ENV_PREFIX_CACHE, "0"))
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))
@@ -471,7 +474,9 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
         _env(keys.ENV_MODEL_NAME, spec.model.name),
         _env(keys.ENV_BLOCK_SIZE, spec.blockSize),
-        _env(keys.ENV_ROUTER_POLICY, spec.router.policy),
+        # Only another policy than the router's default, so existing routers keep their hash.
+        *([_env(keys.ENV_ROUTER_POLICY, spec.router.policy)]
+          if spec.router.policy != DEFAULT_ROUTER_POLICY else []),
         *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
         _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", spec.prefill.replicas)),
         _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", spec.decode.replicas)),

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdd_api import keys
-from pdd_api.models import ROUTER_POLICIES
+from pdd_api.models import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 
 # --- contract (docs/architecture.md "Sidecar env") ---
 PDD_ROLE = keys.ENV_ROLE
@@ -356,7 +356,7 @@ class RouterSettings:
     max_concurrency: int = 1024
     upstream_protocol: str = "pdd"
     ready_wait_s: float = 5.0
-    router_policy: str = "cache-aware"
+    router_policy: str = DEFAULT_ROUTER_POLICY
     block_size: int = 64  # the instances' (the prefix index keys whole blocks of prompts)
 
     @classmethod

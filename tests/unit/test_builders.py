@@ -600,10 +600,10 @@ def test_prefix_cache_per_role_and_the_router_policy_reach_their_pods(
         doc: dict[str, Any]) -> None:
     desired = build(OWNER, spec_of(doc))
     assert desired.router_deployment is not None
-    assert env_of(desired.router_deployment["spec"]["template"])[
-        keys.ENV_ROUTER_POLICY] == "cache-aware"
+    # The defaults (cache on, cache-aware) are the sidecar's own: nothing is written for them.
+    assert keys.ENV_ROUTER_POLICY not in env_of(desired.router_deployment["spec"]["template"])
     for role in ("prefill", "decode"):
-        assert env_of(desired.pods[role][0])[keys.ENV_PREFIX_CACHE] == "1"
+        assert keys.ENV_PREFIX_CACHE not in env_of(desired.pods[role][0])
     doc["spec"]["decode"]["prefixCache"] = False
     doc["spec"]["decode"]["env"] = [{"name": keys.ENV_PREFIX_CACHE, "value": "1"}]
     doc["spec"]["router"] = {"policy": "least-loaded"}
@@ -611,7 +611,7 @@ def test_prefix_cache_per_role_and_the_router_policy_reach_their_pods(
     assert desired.router_deployment is not None
     assert env_of(desired.router_deployment["spec"]["template"])[
         keys.ENV_ROUTER_POLICY] == "least-loaded"
-    assert env_of(desired.pods["prefill"][0])[keys.ENV_PREFIX_CACHE] == "1"
+    assert keys.ENV_PREFIX_CACHE not in env_of(desired.pods["prefill"][0])
     decode_env = desired.pods["decode"][0]["spec"]["containers"][0]["env"]
     # The field wins over a user env of the same name, as for every contract key.
     assert [e["value"] for e in decode_env if e["name"] == keys.ENV_PREFIX_CACHE] == ["0"]
