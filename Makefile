@@ -76,7 +76,7 @@ bench: venv
 # lacks them). Caches in .cache/image.
 # Needs root; docs/e2e.md has the figures.
 .PHONY: image image-deps
-IMAGE_PKGS := buildah debootstrap
+IMAGE_PKGS := buildah debootstrap runc
 image-deps:
 	@missing=$$(for p in $(IMAGE_PKGS); do \
 		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \

@@ -63,13 +63,23 @@ def say(msg: str) -> None:
     print(f"image: {msg}", flush=True)
 
 
+def runtime_env() -> dict[str, str]:
+    """runc for buildah's RUN steps when it is there: crun (which Debian's buildah pulls in when
+    no runtime is installed yet) refuses these machines' hybrid cgroups ("cgroups in hybrid
+    mode not supported"); runc, which the real node installs, runs them."""
+    runc = shutil.which("runc")
+    if runc and "BUILDAH_RUNTIME" not in os.environ:
+        return {"BUILDAH_RUNTIME": runc}
+    return {}
+
+
 def run(
     argv: list[str], *, env: dict[str, str] | None = None, capture: bool = False, **kw: object
 ) -> subprocess.CompletedProcess[str]:
     try:
         proc = subprocess.run(
             argv,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **runtime_env(), **(env or {})},
             text=True,
             capture_output=capture,
             check=False,
