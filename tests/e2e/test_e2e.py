@@ -291,14 +291,20 @@ def test_scale_decode_1_to_2_under_traffic(reference_deployment: Deployment) -> 
             progress=lambda: dep.stack.progress_line(dep.name, dep.namespace),
         )
         t_ready = time.monotonic()
-
-        def new_replica_served() -> bool:
-            done = [r for r in traffic.after(t_ready) if r.result is not None]
-            return len(traffic.after(t_ready)) >= 6 and any(
-                served_by(r.result, new_pod) for r in done if r.result
-            )
-
-        dep.stack.wait("the new replica to serve requests", new_replica_served, 300)
+        dep.stack.wait("6 requests after the new replica was Ready",
+                       lambda: len(traffic.after(t_ready)) >= 6, 300)
+        # The traffic repeats one prompt, which the cache-aware router keeps on the decode
+        # that holds it; new conversations go by load, so the new replica takes some.
+        served = []
+        for salt in range(8):
+            prompt = [salt + 1, *PROMPT]
+            result = dep.stack.complete(dep.name, dep.namespace, prompt, MAX_TOKENS)
+            assert result["choices"][0]["token_ids"] == harness.reference(
+                prompt, MAX_TOKENS, dep.dtype)
+            served.append(served_by(result, new_pod))
+            if any(served):
+                break
+        assert any(served), "no new conversation went to the new decode replica"
     later = traffic.after(t_ready)
     assert later, "no request after the new replica was Ready"
     assert all(r.ok for r in later), [r.error for r in later if not r.ok]

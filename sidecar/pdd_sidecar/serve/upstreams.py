@@ -71,6 +71,16 @@ def _cached_tokens(holder: Any) -> int:
 Emit = Callable[[list[int], str, str | None], Awaitable[None]]
 
 
+class PrefillLost(Exception):
+    """The decode could not read the KV a prefill holds (the prefill is gone or its READ
+    broke) before any token reached the client."""
+
+    def __init__(self, url: str, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.url = url
+        self.error = error
+
+
 class Router:
     def __init__(self, settings: RouterSettings, model: ModelText) -> None:
         self.settings = settings
@@ -208,9 +218,9 @@ class Router:
         return await post_json(self.session, role, url, path, body,
                                self.settings.request_timeout_s or None, headers)
 
-    async def run_prefill(self, rid: str, body: dict[str, Any],
-                          trip: Trip) -> tuple[str, dict[str, Any]]:
-        tried: set[str] = set()
+    async def run_prefill(self, rid: str, body: dict[str, Any], trip: Trip,
+                          skip: set[str] | None = None) -> tuple[str, dict[str, Any]]:
+        tried: set[str] = set(skip or ())
         last: ApiError | None = None
         prompt = body.get("prompt_ids")
         while True:
@@ -412,11 +422,43 @@ class Router:
             finally:
                 await inner.aclose()
             return
+        # A prefill that went away between its answer and the decode's claim (a pod replaced
+        # during a roll) costs the request nothing the client sees: no token was sent yet, so
+        # it runs again on another prefill, while there is one.
+        skip: set[str] = set()
+        while True:
+            inner = self._tokens_pdd(rid, req, trip, skip)
+            try:
+                first = await anext(inner)
+            except PrefillLost as lost:
+                await inner.aclose()
+                if self.prefill.pick(skip | {lost.url}, plans=self.decode.ready_plans()) is None:
+                    raise lost.error from None
+                skip.add(lost.url)
+                log.warning("the hand-off from prefill %s failed before the first token; "
+                            "running the request on another prefill: %s", lost.url, lost.error)
+                continue
+            except StopAsyncIteration:
+                return
+            except BaseException:
+                await inner.aclose()
+                raise
+            try:
+                yield first
+                async for token in inner:
+                    yield token
+            finally:
+                await inner.aclose()
+            return
+
+    async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip,
+                          skip: set[str]) -> AsyncGenerator[int, None]:
+        """One try of pdd's own flow: a prefill (not one in ``skip``), then a decode."""
         prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
                         "max_tokens": req.max_tokens, "sampling": req.sampling,
                         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
         try:
-            prefill_url, pre = await self.run_prefill(rid, prefill_body, trip)
+            prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip)
             trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
             trip.prefill_timing = pre.get("timing")
             trip.cached_tokens = _cached_tokens(pre)
@@ -437,7 +479,12 @@ class Router:
         decoded: list[int] = []
         try:
             if finished is None and req.max_tokens > 1 and first not in req.local_stop_ids:
-                resp = await self._open_decode(rid, first, pre, req, trip)
+                try:
+                    resp = await self._open_decode(rid, first, pre, req, trip)
+                except ApiError as exc:
+                    if exc.status == 502 and exc.type == "transfer":  # the KV could not be read
+                        raise PrefillLost(prefill_url, exc) from None
+                    raise
             yield first
             if resp is None:
                 trip.finish = finished
