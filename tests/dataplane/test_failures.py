@@ -323,3 +323,42 @@ def test_claims_and_releases_are_answered_while_a_slow_step_runs(cluster: LocalC
     finally:
         worker.join(timeout=60)
     assert slow_done.is_set()
+
+
+def test_a_prefill_gone_before_the_claim_costs_the_client_nothing(
+        cluster: LocalCluster) -> None:
+    """Two prefills; the one that ran a request dies before the decode claims its KV (pulls
+    are held back 4 s): the router runs the request again on the other prefill, and the
+    client gets the reference tokens, never a 502."""
+    routing = cluster.plan_file(_plan((1, 1), (1, 1)))
+    prefills = [cluster.instance("prefill", 1, 1, routing, BLOCK, replica=i) for i in range(2)]
+    decode = cluster.instance("decode", 1, 1, routing, BLOCK, PDD_FAULT_PULL_DELAY_S="4",
+                              PDD_PREFILL_URLS=",".join(p.url for p in prefills))
+    router = cluster.router(prefills, [decode])
+    for p in (*prefills, decode, router):
+        p.wait_ready()
+    result: dict[str, Any] = {}
+
+    def complete() -> None:
+        result["answer"] = http("POST", f"{router.url}/v1/completions",
+                                {"prompt": _prompt(40), "max_tokens": 4, "temperature": 0},
+                                timeout=120)
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    holder = None
+    for _ in range(400):  # the prefill that holds the request's KV for the decode
+        for p in prefills:
+            _, text = http("GET", f"{p.url}/metrics")
+            if "pdd_held_requests 1.0" in str(text):
+                holder = p
+        if holder is not None:
+            break
+        time.sleep(0.02)
+    assert holder is not None, "no prefill ever held the request's blocks"
+    holder.kill()
+    thread.join(120)
+    status, body = result["answer"]
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == _reference(40, 4)
+    assert body["pdd"]["prefill"] != holder.url

@@ -294,17 +294,21 @@ def test_scale_decode_1_to_2_under_traffic(reference_deployment: Deployment) -> 
         dep.stack.wait("6 requests after the new replica was Ready",
                        lambda: len(traffic.after(t_ready)) >= 6, 300)
         # The traffic repeats one prompt, which the cache-aware router keeps on the decode
-        # that holds it; new conversations go by load, so the new replica takes some.
-        served = []
-        for salt in range(8):
-            prompt = [salt + 1, *PROMPT]
+        # that holds it; new conversations go by load, so the new replica takes some once the
+        # router (which a scale rolls) knows it.
+        deadline = time.monotonic() + 300
+        salt = 0
+        while True:
+            salt += 1
+            prompt = [salt % 250 + 1, *PROMPT]
             result = dep.stack.complete(dep.name, dep.namespace, prompt, MAX_TOKENS)
-            assert result["choices"][0]["token_ids"] == harness.reference(
-                prompt, MAX_TOKENS, dep.dtype)
-            served.append(served_by(result, new_pod))
-            if any(served):
+            if served_by(result, new_pod):
+                assert result["choices"][0]["token_ids"] == harness.reference(
+                    prompt, MAX_TOKENS, dep.dtype)
                 break
-        assert any(served), "no new conversation went to the new decode replica"
+            assert time.monotonic() < deadline, (
+                f"no new conversation went to the new decode replica in {salt} tries")
+            time.sleep(1)
     later = traffic.after(t_ready)
     assert later, "no request after the new replica was Ready"
     assert all(r.ok for r in later), [r.error for r in later if not r.ok]
