@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -38,13 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "sidecar"))
 sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
+from stream_client import parse_metrics, stream_completion  # noqa: E402
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
-
-_BYTES = re.compile(r"^pdd_kv_transfer_bytes_total(\{[^}]*\})? (\S+)$", re.M)
 
 
 @dataclass
@@ -80,37 +79,18 @@ def pct(xs: list[float], q: int) -> float:
 async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
                    max_tokens: int) -> Answer | str:
     """One streamed completion: time to its first token, its tokens and cached tokens."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first: float | None = None
-    tokens: list[int] = []
-    cached: int | None = None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[5:])
-            if "error" in msg:
-                return f"stream error: {str(msg['error'])[:200]}"
-            for choice in msg.get("choices") or ():
-                ids = choice.get("token_ids") or []
-                if ids and first is None:
-                    first = time.perf_counter()
-                tokens.extend(ids)
-            if msg.get("usage"):
-                cached = msg["usage"]["prompt_tokens_details"]["cached_tokens"]
-    if first is None or cached is None or len(tokens) != max_tokens:
-        return f"incomplete: {len(tokens)} tokens, usage {'missing' if cached is None else 'seen'}"
-    return Answer(first - start, tokens, cached)
+    got = await stream_completion(session, url, prompt, max_tokens, include_usage=True)
+    if isinstance(got, str):
+        return got
+    assert got.usage is not None
+    return Answer(got.times[0] - got.start, got.tokens,
+                  got.usage["prompt_tokens_details"]["cached_tokens"])
 
 
 async def kv_bytes(session: aiohttp.ClientSession, decode_url: str) -> float:
     async with session.get(f"{decode_url}/metrics") as resp:
-        return sum(float(m.group(2)) for m in _BYTES.finditer(await resp.text()))
+        metrics = parse_metrics(await resp.text())
+    return sum(v for k, v in metrics.items() if k.startswith("pdd_kv_transfer_bytes_total"))
 
 
 async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str, cache: bool,

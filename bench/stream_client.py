@@ -19,13 +19,17 @@ class Streamed:
     start: float  # perf_counter when the request was sent
     times: list[float]  # perf_counter when each token arrived
     pdd: dict[str, Any] = field(default_factory=dict)  # the last chunk's `pdd` object
+    tokens: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None  # with include_usage: the usage chunk
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                            max_tokens: int) -> Streamed | str:
+                            max_tokens: int, include_usage: bool = False) -> Streamed | str:
     """Greedy, `ignore_eos`, streamed: exactly `max_tokens` tokens, or why not (a string)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
     out = Streamed(time.perf_counter(), [])
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -40,11 +44,19 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
             msg = json.loads(data)
             if "error" in msg:
                 return f"stream error: {str(msg['error'])[:200]}"
-            for choice in msg.get("choices", ()):
-                out.times.extend([time.perf_counter()] * len(choice.get("token_ids") or ()))
+            for choice in msg.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                out.times.extend([time.perf_counter()] * len(ids))
+                out.tokens.extend(ids)
             if isinstance(msg.get("pdd"), dict):
                 out.pdd = msg["pdd"]
-    return out if len(out.times) == max_tokens else f"{len(out.times)} tokens"
+            if msg.get("usage"):
+                out.usage = msg["usage"]
+    if len(out.times) != max_tokens:
+        return f"{len(out.times)} tokens"
+    if include_usage and out.usage is None:
+        return "no usage chunk"
+    return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:
