@@ -171,7 +171,8 @@ def measure_bounds(req: dict[str, Any]) -> dict[str, Any]:
         """n prompts of p tokens through the scheduler's steps, as the prefill instance runs
         them (its chunk and step budgets); seconds, wall."""
         sch = Scheduler("prefill", cache, bs, 1, 1, max_running=n, max_waiting=n,
-                        step_tokens=req["step_tokens"], chunk_tokens=req["chunk_tokens"])
+                        step_tokens=req["step_tokens"], chunk_tokens=req["chunk_tokens"],
+                        long_chunk_tokens=req["long_chunk_tokens"])
         from pdd_sidecar.engine.scheduler import Sequence
 
         for i in range(n):
@@ -517,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="the stack's PDD_CHUNK_TOKENS (default: the device's, as serving)")
+    p.add_argument("--long-chunk-tokens", type=int, default=None,
+                   help="the stack's PDD_LONG_CHUNK_TOKENS (default: the device's)")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="the stack's PDD_MAX_STEP_TOKENS")
     p.add_argument("--kv-gib", type=float, default=None,
@@ -534,8 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.device, args.model = "cpu", "builtin"
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.step_tokens, args.chunk_tokens = step_budget(args.device, args.step_tokens,
-                                                      args.chunk_tokens)
+    args.step_tokens, args.chunk_tokens, args.long_chunk_tokens = step_budget(
+        args.device, args.step_tokens, args.chunk_tokens, args.long_chunk_tokens)
     try:
         levels = parse_levels(args.levels or (QUICK_LEVELS if args.quick else DEFAULT_LEVELS))
     except ValueError as exc:
@@ -549,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = max(1, min(want + 8, budget))
     levels, skipped = plan_levels(levels, cfg.max_position_embeddings, num_blocks * bs)
     print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
-          f"chunk {args.chunk_tokens}, step {args.step_tokens}, KV {num_blocks} blocks per "
+          f"chunk {args.chunk_tokens} (long prompts {args.long_chunk_tokens}), "
+          f"step {args.step_tokens}, KV {num_blocks} blocks per "
           f"instance ({num_blocks * bs} tokens), cpus {os.cpu_count()}, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     for why in skipped:
@@ -557,9 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     if not levels:
         p.error("--levels: every level was skipped")
     extra_env = {E.PDD_CHUNK_TOKENS: str(args.chunk_tokens),
+                 E.PDD_LONG_CHUNK_TOKENS: str(args.long_chunk_tokens),
                  E.PDD_MAX_STEP_TOKENS: str(args.step_tokens)}
     req = {"model": args.model, "device": args.device, "dtype": dtype, "block_size": bs,
            "num_blocks": num_blocks, "chunk_tokens": args.chunk_tokens,
+           "long_chunk_tokens": args.long_chunk_tokens,
            "step_tokens": args.step_tokens, "reps": args.reps,
            "prefills": sorted({(lv.concurrency, lv.prompt) for lv in levels}),
            "decodes": sorted({(lv.concurrency, lv.decode_context) for lv in levels})}
@@ -684,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "config": {"model": args.model, "device": args.device, "dtype": dtype,
                        "block_size": bs, "chunk_tokens": args.chunk_tokens,
+                       "long_chunk_tokens": args.long_chunk_tokens,
                        "step_tokens": args.step_tokens, "num_blocks": num_blocks,
                        "min_requests": min_requests, "cpus": os.cpu_count()},
             "skipped": skipped,

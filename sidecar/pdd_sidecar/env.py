@@ -51,6 +51,9 @@ PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
 # prefill tokens in one forward pass; unset: by device (engine/scheduler.py DEVICE_BUDGETS)
 PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"
 PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (whole blocks); unset: by device
+# chunk of a prompt longer than PDD_CHUNK_TOKENS (so it cannot hold a step for long); unset: by
+# device
+PDD_LONG_CHUNK_TOKENS = "PDD_LONG_CHUNK_TOKENS"
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
@@ -213,6 +216,7 @@ class InstanceSettings:
     max_waiting: int = 256
     max_step_tokens: int | None = None  # None: the device's default
     chunk_tokens: int | None = None
+    long_chunk_tokens: int | None = None
     max_model_len: int = 0
     prefix_cache: bool = True
     grant_key_file: str = ""
@@ -303,6 +307,7 @@ class InstanceSettings:
             max_waiting=_int(env, PDD_MAX_WAITING, 256, 0),
             max_step_tokens=_optional_int(env, PDD_MAX_STEP_TOKENS, 1),
             chunk_tokens=_optional_int(env, PDD_CHUNK_TOKENS, 1),
+            long_chunk_tokens=_optional_int(env, PDD_LONG_CHUNK_TOKENS, 1),
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
             prefix_cache=_switch(env, PDD_PREFIX_CACHE, True),
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "

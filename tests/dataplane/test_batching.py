@@ -195,6 +195,61 @@ def test_fresh_prompts_in_one_attention_call_equal_each_alone(
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_continuing_chunks_in_one_attention_call_equal_each_alone(
+        tp: int, dcp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched continuing path (forced on the CPU, where it runs the kernel's torch
+    reference): chunks that continue three cached sequences of different lengths (blocks full
+    and partly filled, a DCP rank holding nothing of one) attend in one call per layer, beside
+    a fresh prompt and a decode token, and give each sequence's logits and cache as prefilled in
+    one pass, also under DCP."""
+    calls: list[int] = []
+
+    def counted(*args: object, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        return mla.chunk_prefill_attention(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rank_engine, "batch_continuing_chunks", lambda n, dev, dt: n >= 2)
+    monkeypatch.setattr(rank_engine, "chunk_prefill_attention", counted)
+    # (prompt, tokens cached before the batched step)
+    seqs = [(_prompt(23, 1), 9), (_prompt(6, 2), 3), (_prompt(17, 3), 8)]
+    fresh, decoded = _prompt(5, 4), _prompt(7, 5)
+
+    def body(rank: int, comm: Comm) -> float:
+        model = load_rank_model("builtin", rank, tp)
+        engines = [RankEngine(model, new_cache(model, 64, BLOCK), comm, dcp) for _ in range(2)]
+        lens = [len(p) for p, _ in seqs] + [len(fresh), len(decoded) + 1]
+        tables = [[allocate_request(e.cache, n, dcp) for n in lens] for e in engines]
+        assert tables[0] == tables[1]
+        alone, eng = engines
+        t = tables[0]
+        want = [alone.prefill(p, tb, all_logits=True)[-1]
+                for (p, _), tb in zip(seqs, t[:3], strict=True)]
+        want.append(alone.prefill(fresh, t[3]))
+        alone.prefill(decoded, t[4])
+        want.append(alone.decode_step(3, len(decoded), t[4]))
+        for (p, k), tb in zip(seqs, t[:3], strict=True):
+            eng.step([SeqChunk(p[:k], 0, tb)])
+        eng.prefill(decoded, t[4])
+        step = [SeqChunk(p[k:], k, tb) for (p, k), tb in zip(seqs, t[:3], strict=True)]
+        step.insert(1, SeqChunk(fresh, 0, t[3]))
+        step.append(SeqChunk([3], len(decoded), t[4]))
+        out = eng.step(step)
+        assert out is not None
+        got = [out[0], out[2], out[3], out[1], out[4]]
+        worst = 0.0
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.argmax(), b.argmax())
+            worst = max(worst, float((a - b).abs().max()))
+        assert torch.equal(eng.cache.kv == 0, alone.cache.kv == 0)
+        return max(worst, float((eng.cache.kv - alone.cache.kv).abs().max()))
+
+    worst = max(run_threads(tp, body))
+    layers = load_rank_model("builtin", 0, 1).config.num_hidden_layers
+    assert len(calls) == tp * layers  # the batched step only: one call per layer and rank
+    assert worst < 1e-4, worst
+
+
 def _single() -> Comm:
     from pdd_sidecar.engine.comm import SingleComm
 

@@ -237,6 +237,7 @@ print("varlen engine ok")
 ENGINE_CHILD = r'''
 import threading
 
+from pdd_sidecar.engine import rank_engine
 from pdd_sidecar.engine.comm import run_threads
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.engine.seq_chunk import SeqChunk
@@ -248,30 +249,35 @@ one_at_a_time = threading.Lock()  # the interpreter is not thread-safe; thread r
 calls = []
 
 
-def kernel(*args):
+def kernel(*args, q_lo=None):
     with one_at_a_time:
         calls.append(1)
         return ca.chunk_attention_triton(*args, {"block_m": 16, "block_n": 16, "num_warps": 4,
-                                                 "num_stages": 2})
+                                                 "num_stages": 2}, q_lo=q_lo)
 
 
 mla.chunk_attention = kernel
 mla.EXPANDED_SLICE_BYTES = 20 * 8 * 32 * 4  # slices of 20 or 40 tokens: merged by LSE
-prompt = [(i * 37 + 5) % 256 for i in range(45)]
+rank_engine.batch_continuing_chunks = lambda n, dev, dt: n >= 2
+# two prompts chunked in the same steps: their later chunks take the batched continuing path
+prompts = [[(i * 37 + 5) % 256 for i in range(45)], [(i * 13 + 2) % 256 for i in range(30)]]
 
 
 def run(rank, comm, tp, dcp):
     model = load_rank_model("builtin", rank, tp, "float32", "cpu")
     one = RankEngine(model, new_cache(model, 64, 4), comm, dcp)
-    table = allocate_request(one.cache, len(prompt), dcp)
-    whole = one.prefill(prompt, table, all_logits=True)
+    tables = [allocate_request(one.cache, len(p), dcp) for p in prompts]
+    wholes = [one.prefill(p, t, all_logits=True) for p, t in zip(prompts, tables)]
     eng = RankEngine(model, new_cache(model, 64, 4), comm, dcp)
-    allocate_request(eng.cache, len(prompt), dcp)
+    for p in prompts:
+        allocate_request(eng.cache, len(p), dcp)
     worst = 0.0
-    for start in range(0, len(prompt), 17):
-        piece = prompt[start:start + 17]
-        out = eng.step([SeqChunk(piece, start, table)])
-        worst = max(worst, float((out[0] - whole[start + len(piece) - 1]).abs().max()))
+    for start in range(0, len(prompts[0]), 17):
+        live = [i for i, p in enumerate(prompts) if start < len(p)]
+        out = eng.step([SeqChunk(prompts[i][start:start + 17], start, tables[i]) for i in live])
+        for row, i in enumerate(live):
+            end = min(start + 17, len(prompts[i]))
+            worst = max(worst, float((out[row] - wholes[i][end - 1]).abs().max()))
     worst = max(worst, float((eng.cache.kv - one.cache.kv).abs().max()))
     return worst
 

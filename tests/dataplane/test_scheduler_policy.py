@@ -19,9 +19,10 @@ pytestmark = pytest.mark.dataplane
 BLOCK = 16
 
 
-def _prefill(step: int, chunk: int, blocks: int = 4096) -> Scheduler:
+def _prefill(step: int, chunk: int, blocks: int = 4096, long_chunk: int | None = None
+             ) -> Scheduler:
     return Scheduler("prefill", PagedKVCache(blocks, 1, BLOCK, 4), BLOCK, 1, 1,
-                     step_tokens=step, chunk_tokens=chunk)
+                     step_tokens=step, chunk_tokens=chunk, long_chunk_tokens=long_chunk)
 
 
 def _submit(sched: Scheduler, rid: str, n: int) -> Sequence:
@@ -38,15 +39,44 @@ def _advance(sched: Scheduler, chunks: list[PrefillChunk]) -> None:
 
 
 def test_budgets_follow_the_device_unless_set() -> None:
-    assert step_budget("cuda", None, None) == DEVICE_BUDGETS["cuda"] == (8192, 8192)
-    assert step_budget("cpu", None, None) == DEVICE_BUDGETS["cpu"] == (2048, 512)
+    assert step_budget("cuda", None, None) == DEVICE_BUDGETS["cuda"] == (8192, 8192, 2048)
+    assert step_budget("cpu", None, None) == DEVICE_BUDGETS["cpu"] == (2048, 512, 512)
     assert step_budget("mps", None, None) == DEVICE_BUDGETS["cpu"]
-    assert step_budget("cuda", 4096, None) == (4096, 8192)
-    assert step_budget("cpu", None, 128) == (2048, 128)
+    assert step_budget("cuda", 4096, None) == (4096, 8192, 2048)
+    assert step_budget("cpu", None, 128) == (2048, 128, 128)  # a long chunk never exceeds it
+    assert step_budget("cuda", None, None, 4096) == (8192, 8192, 4096)
+
+
+def test_a_prompt_that_fits_a_chunk_runs_in_one_a_longer_one_in_long_chunks() -> None:
+    sched = _prefill(8192, 8192, long_chunk=2048)
+    _submit(sched, "fits", 8192)
+    chunks = sched.plan().prefill
+    assert [len(c.tokens) for c in chunks] == [8192] and chunks[0].last
+    _advance(sched, chunks)
+    _submit(sched, "long", 8200)
+    lens = []
+    while sched.running or sched.waiting:
+        chunks = sched.plan().prefill
+        lens.append([len(c.tokens) for c in chunks])
+        _advance(sched, chunks)
+    assert lens == [[2048]] * 4 + [[8]]
+
+
+def test_a_short_prompt_during_a_long_one_waits_for_a_long_chunk_only() -> None:
+    """The scenario the long chunk is for: a 1k prompt arriving while a 32k prompt runs shares
+    the next step with one long chunk, not with most of a step's budget."""
+    sched = _prefill(8192, 8192, long_chunk=2048)
+    _submit(sched, "long", 32768)
+    first = sched.plan().prefill
+    assert [len(c.tokens) for c in first] == [2048]
+    _advance(sched, first)
+    _submit(sched, "short", 1000)
+    chunks = sched.plan().prefill
+    assert [(c.seq.id, len(c.tokens)) for c in chunks] == [("long", 2048), ("short", 1000)]
 
 
 def test_one_long_prompt_runs_in_whole_chunks() -> None:
-    sched = _prefill(8192, 8192)
+    sched = _prefill(8192, 8192)  # no long chunk set: the chunk itself
     _submit(sched, "long", 20000)
     lens = []
     while sched.running or sched.waiting:

@@ -15,6 +15,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from pdd_sidecar.engine.rank_engine import (  # noqa: E402
+    batch_continuing_chunks as _batch_continuing_chunks,
+)
 from pdd_sidecar.model.config import ModelConfig  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
 from pdd_sidecar.model.kernels.moe_grouped import (  # noqa: E402
@@ -411,3 +414,40 @@ def test_chunk_prefill_attention_dispatches_to_the_kernel() -> None:
     want_out, want_lse = mla.chunk_prefill_attention(*cpu, 0.07)
     assert rel_err(out.cpu(), want_out) < 1e-2
     assert float((lse.cpu() - want_lse).abs().max()) < 0.1
+
+
+def test_continuing_chunks_batched_equal_each_chunk_alone() -> None:
+    """The engine's batched continuing path on CUDA (bf16: three prefix-cache-hit-like
+    suffixes over cached contexts in one kernel call per layer, key slices merged by LSE)
+    against the same step with each chunk attending alone."""
+    from pdd_sidecar.engine import rank_engine as re_
+    from pdd_sidecar.engine.comm import SingleComm
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
+    from pdd_sidecar.model import mla
+    from pdd_sidecar.model.rank_model import load_rank_model
+
+    model = load_rank_model("builtin", 0, 1, "bfloat16", "cuda")
+    seqs = [(300, 45), (64, 30), (517, 3)]  # (cached tokens, new tokens)
+    prompts = [[(i * 37 + s * 11 + 5) % 256 for i in range(a + b)]
+               for s, (a, b) in enumerate(seqs)]
+    outs, caches = [], []
+    old = mla.EXPANDED_SLICE_BYTES
+    mla.EXPANDED_SLICE_BYTES = 200 * 8 * 32 * 2  # several slices across sequence boundaries
+    try:
+        for batched in (False, True):
+            eng = re_.RankEngine(model, re_.new_cache(model, 256, 16), SingleComm())
+            tables = [re_.allocate_request(eng.cache, len(p), 1) for p in prompts]
+            for (k, _), p, t in zip(seqs, prompts, tables, strict=True):
+                eng.step([SeqChunk(p[:k], 0, t)])
+            re_.batch_continuing_chunks = (lambda n, d, t: n >= 2) if batched \
+                else (lambda n, d, t: False)
+            out = eng.step([SeqChunk(p[k:], k, t)
+                            for (k, _), p, t in zip(seqs, prompts, tables, strict=True)])
+            assert out is not None
+            outs.append(out)
+            caches.append(eng.cache.kv.clone())
+    finally:
+        mla.EXPANDED_SLICE_BYTES = old
+        re_.batch_continuing_chunks = _batch_continuing_chunks
+    assert rel_err(outs[1], outs[0]) < 2e-2
+    assert rel_err(caches[1].float(), caches[0].float()) < 2e-2

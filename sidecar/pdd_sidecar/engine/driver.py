@@ -70,12 +70,13 @@ class InstanceDriver:
         # Every block comes and goes through here; with the cache, "free" drops a reference.
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
-        step_tokens, chunk_tokens = step_budget(worker.cache.device.type, s.max_step_tokens,
-                                                s.chunk_tokens)
+        budget = step_budget(worker.cache.device.type, s.max_step_tokens, s.chunk_tokens,
+                             s.long_chunk_tokens)
         self.scheduler = Scheduler(
             s.role, worker.cache, s.block_size, s.dcp, s.tp,
             max_running=s.max_num_seqs, max_waiting=s.max_waiting,
-            step_tokens=step_tokens, chunk_tokens=chunk_tokens, prefix_cache=self.prefix_cache,
+            step_tokens=budget.step, chunk_tokens=budget.chunk, prefix_cache=self.prefix_cache,
+            long_chunk_tokens=budget.long_chunk,
         )
         expected = {p.rank: p.expected_notifications for p in worker.plan.prefill_ranks}
         self.leases = LeaseTable(s.lease_seconds, expected)

@@ -57,6 +57,15 @@ def batch_fresh_prompts(n_fresh: int, device: torch.device, dtype: torch.dtype) 
             and dtype in (torch.float16, torch.bfloat16))
 
 
+def batch_continuing_chunks(n_chunks: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a step's prompt chunks that continue cached sequences (a long prompt's later
+    chunks, a prefix-cache hit's suffix) attend in one varlen call per layer over all their
+    contexts rather than one chain each: same rule as for fresh prompts, so a step of 64 cache
+    hits costs one launch chain, not 64. The CPU keeps the per-chunk path, the reference."""
+    return (n_chunks >= 2 and device.type == "cuda" and HAS_TRITON
+            and dtype in (torch.float16, torch.bfloat16))
+
+
 FreshRows = tuple[slice | torch.Tensor, torch.Tensor]
 
 # Table blocks of each of the two small fresh prompts a prefill's warm-up runs (up to 2 blocks
@@ -97,12 +106,28 @@ class ChunkView:
     k_pos: torch.Tensor
 
 
+@dataclass(frozen=True)
+class ChunkBatch:
+    """A step's continuing prompt chunks as one varlen attention: every chunk's local blocks
+    gathered into one key range, and positions shifted so that each sequence owns a range of
+    its own (``q_lo``, its start, hides the others' keys). The unfilled rows of a sequence's
+    last block get positions past its queries and before the next range, so they stay ascending
+    and nobody sees them."""
+
+    blocks: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    q_lo: torch.Tensor
+
+
 @dataclass
 class CachedViews:
     """The continuing sequences of a step, as their attention needs them: prompt chunks (their
-    rows of the step, in order) and decode tokens (one padded block-table batch)."""
+    rows of the step, in order; one view each, or one batch) and decode tokens (one padded
+    block-table batch)."""
 
     chunks: list[ChunkView] = field(default_factory=list)
+    batch: ChunkBatch | None = None
     chunk_rows: torch.Tensor | None = None
     decode_rows: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
@@ -236,7 +261,8 @@ class RankEngine:
             self.step([SeqChunk(tokens[start:start + chunk_tokens], start, main)], want_logits)
         if prompt_tokens > chunk_tokens:
             # The step shapes a busy prefill mixes: a continuing chunk beside one fresh prompt
-            # (SDPA), beside two (the batched kernel), and fresh prompts alone.
+            # (SDPA), beside two (the batched kernel), fresh prompts alone, and two continuing
+            # chunks (their batched path).
             bs = self.cache.block_size
             spare = list(block_ids[len(main):])
             one = SeqChunk([(3 * i + 2) % vocab for i in range(bs + 3)], 0,
@@ -244,7 +270,11 @@ class RankEngine:
             two = SeqChunk([(5 * i + 4) % vocab for i in range(2 * bs + 5)], 0,
                            spare[WARMUP_FRESH_BLOCKS:])
             rest = SeqChunk(tokens[chunk_tokens:], chunk_tokens, main)
-            for chunks in ([rest, one], [rest, one, two], [one, two]):
+            steps = [[rest, one], [rest, one, two], [one, two]]
+            if len(one.tokens) + 2 <= WARMUP_FRESH_BLOCKS * bs:
+                more = [9 % vocab, 10 % vocab]
+                steps.append([rest, SeqChunk(more, len(one.tokens), one.block_ids)])
+            for chunks in steps:
                 self.step(chunks, want_logits)
         for n in batch_sizes:
             self.step([SeqChunk([1], 1, block_ids[:1]) for _ in range(n)], want_logits)
@@ -304,7 +334,7 @@ class RankEngine:
         positions, mine, blk, off = self._slots(chunks)
         fresh = [i for i, c in enumerate(chunks) if c.start == 0]
         cached = [i for i, c in enumerate(chunks) if c.start > 0]
-        views = self._cached_views(chunks, cached, bounds)
+        views = self._cached_views(chunks, cached, bounds, w.embed.dtype)
         batch = self._fresh_rows(fresh, bounds, w.embed.dtype)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
@@ -372,13 +402,19 @@ class RankEngine:
         return x + (comm.all_reduce(y) if lw.mlp_sharded else y)
 
     def _cached_views(
-        self, chunks: Sequence[SeqChunk], cached: Sequence[int], bounds: Sequence[int]
+        self, chunks: Sequence[SeqChunk], cached: Sequence[int], bounds: Sequence[int],
+        dtype: torch.dtype,
     ) -> CachedViews:
         """Per sequence continuing a cached one: a prompt chunk gets its view (positions of its
-        queries and of the local tokens it reads); decode tokens go into one padded block-table
-        batch for the paged decode kernel. Built on the host, copied once per step."""
+        queries and of the local tokens it reads), or all of them one batch; decode tokens go
+        into one padded block-table batch for the paged decode kernel. Built on the host,
+        copied once per step."""
         bs, dev = self.cache.block_size, self.cache.device
         views = CachedViews()
+        n_chunks = sum(1 for s in cached if len(chunks[s].tokens) > 1)
+        if batch_continuing_chunks(n_chunks, dev, dtype):
+            views.batch = self._chunk_batch([chunks[s] for s in cached
+                                             if len(chunks[s].tokens) > 1])
         chunk_rows: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[Sequence[int]] = []
@@ -388,13 +424,15 @@ class RankEngine:
             end = c.start + len(c.tokens)
             n_local = kvc.local_token_count(end, bs, self.dcp, self.rank)
             if len(c.tokens) > 1:
+                chunk_rows.extend(range(bounds[s], bounds[s + 1]))
+                if views.batch is not None:
+                    continue
                 views.chunks.append(ChunkView(
                     table=torch.tensor(list(c.block_ids), dtype=torch.long, device=dev),
                     n_local=n_local,
                     q_pos=torch.arange(c.start, end, device=dev),
                     k_pos=kvc.local_positions(n_local, bs, self.dcp, self.rank, dev),
                 ))
-                chunk_rows.extend(range(bounds[s], bounds[s + 1]))
                 continue
             decode_rows.append(bounds[s])
             decode_tables.append(c.block_ids)
@@ -408,6 +446,31 @@ class RankEngine:
             views.seq_lens = torch.tensor(decode_lens, dtype=torch.int32).to(dev)
             views.decode_rows = torch.tensor(decode_rows).to(dev)
         return views
+
+    def _chunk_batch(self, chunks: Sequence[SeqChunk]) -> ChunkBatch:
+        bs, dcp, rank = self.cache.block_size, self.dcp, self.rank
+        blocks: list[int] = []
+        q_pos: list[torch.Tensor] = []
+        k_pos: list[torch.Tensor] = []
+        q_lo: list[int] = []
+        base = 0
+        for c in chunks:
+            end = c.start + len(c.tokens)
+            n_local = kvc.local_token_count(end, bs, dcp, rank)
+            nb = -(-n_local // bs)
+            blocks.extend(c.block_ids[:nb])
+            k_pos.append(kvc.local_positions(n_local, bs, dcp, rank) + base)
+            k_pos.append(torch.arange(base + end, base + end + nb * bs - n_local))
+            q_pos.append(torch.arange(base + c.start, base + end))
+            q_lo.extend([base] * len(c.tokens))
+            base += end + bs
+        dev = self.cache.device
+        return ChunkBatch(
+            blocks=torch.tensor(blocks, dtype=torch.long).to(dev),
+            q_pos=torch.cat(q_pos).to(dev),
+            k_pos=torch.cat(k_pos).to(dev),
+            q_lo=torch.tensor(q_lo, dtype=torch.long).to(dev),
+        )
 
     def _decode_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
         """Absorbed ``q [N, Hl, L]`` of the step's decode tokens over their sequences' cached
@@ -442,6 +505,12 @@ class RankEngine:
             w = comm.all_gather(torch.cat([w_uk, w_uv], 1), dim=0)
             w_uk, w_uv = w[:, :w_uk.shape[1]], w[:, w_uk.shape[1]:]
         n, h = q_nope.shape[0], q_nope.shape[1]
+        cb = views.batch
+        if cb is not None:
+            out, lse = chunk_prefill_attention(
+                q_nope, q_pe, self.cache.read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
+                w_uk, w_uv, cfg.softmax_scale, q_lo=cb.q_lo)
+            return out if self.dcp == 1 else dcp_merge(out, lse, comm)
         out = torch.empty(n, h, cfg.v_head_dim, dtype=torch.float32, device=q_nope.device)
         lse = torch.empty(n, h, dtype=torch.float32, device=q_nope.device)
         a = 0

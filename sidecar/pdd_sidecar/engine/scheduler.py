@@ -9,9 +9,11 @@ Policy (one place, pure Python, no torch):
 - **Decode** sequences first pull their KV from the prefill (``PULLING``, vLLM's
   WAITING_FOR_REMOTE_KVS) without holding up the running batch; they join at the next step
   boundary once every rank has its chunks, and leave the moment they finish, freeing their blocks.
-- **Prefill** packs prompt chunks of at most ``chunk_tokens`` into a step of at most
-  ``step_tokens`` tokens, several prompts per forward pass; a prompt longer than a chunk runs over
-  several steps, each chunk attending over the cached latent of the earlier ones. The prompts
+- **Prefill** packs prompt chunks into a step of at most ``step_tokens`` tokens, several prompts
+  per forward pass. A prompt of at most ``chunk_tokens`` runs in one chunk (one pass is its
+  fastest); a longer one, which needs several steps anyway, runs in chunks of
+  ``long_chunk_tokens``, each attending over the cached latent of the earlier ones, so that a
+  short prompt arriving meanwhile waits for a short step, not a long one. The prompts
   with the fewest tokens left go first, so a short prompt is not stuck behind a long one; the
   longest-running prompt always keeps a quarter of the budget, so short prompts arriving
   without pause cannot starve it either.
@@ -40,7 +42,7 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pdd_sidecar.kv.cache import num_table_blocks
 from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
@@ -137,22 +139,31 @@ class StepPlan:
 
 # Step token budget and longest chunk per device type, when the instance is not told otherwise.
 # Peers default their chunked-prefill budget to 8,192 on H100/H200-class GPUs.
-DEVICE_BUDGETS: dict[str, tuple[int, int]] = {"cuda": (8192, 8192), "cpu": (2048, 512)}
+class StepBudget(NamedTuple):
+    step: int  # prompt tokens in one forward pass
+    chunk: int  # a prompt of at most this many runs in one chunk
+    long_chunk: int  # a longer prompt runs in chunks of this many
 
 
-def step_budget(device_type: str, step_tokens: int | None,
-                chunk_tokens: int | None) -> tuple[int, int]:
-    """(step tokens, chunk tokens): what was set, else the device's default (CPU's for an
-    unknown device)."""
-    step, chunk = DEVICE_BUDGETS.get(device_type, DEVICE_BUDGETS["cpu"])
-    return step_tokens or step, chunk_tokens or chunk
+DEVICE_BUDGETS: dict[str, StepBudget] = {"cuda": StepBudget(8192, 8192, 2048),
+                                         "cpu": StepBudget(2048, 512, 512)}
+
+
+def step_budget(device_type: str, step_tokens: int | None, chunk_tokens: int | None,
+                long_chunk_tokens: int | None = None) -> StepBudget:
+    """What was set, else the device's default (CPU's for an unknown device). A long chunk
+    set larger than the chunk is capped at it."""
+    d = DEVICE_BUDGETS.get(device_type, DEVICE_BUDGETS["cpu"])
+    chunk = chunk_tokens or d.chunk
+    return StepBudget(step_tokens or d.step, chunk, min(long_chunk_tokens or d.long_chunk, chunk))
 
 
 class Scheduler:
     def __init__(self, role: str, allocator: Allocator, block_size: int, dcp: int,
                  tp: int, max_running: int = 256, max_waiting: int = 256,
                  step_tokens: int = 2048, chunk_tokens: int = 512,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None,
+                 long_chunk_tokens: int | None = None) -> None:
         self.role = role
         self.allocator: Allocator = prefix_cache if prefix_cache is not None else allocator
         self.prefix_cache = prefix_cache
@@ -164,6 +175,8 @@ class Scheduler:
         self.step_tokens = step_tokens
         # Chunks end on block boundaries, so each chunk's KV lands in whole blocks.
         self.chunk_tokens = max(block_size, chunk_tokens // block_size * block_size)
+        long_chunk = min(long_chunk_tokens or chunk_tokens, chunk_tokens)
+        self.long_chunk_tokens = max(block_size, long_chunk // block_size * block_size)
         self.waiting: deque[Sequence] = deque()
         self.pulling: dict[str, Sequence] = {}
         self.running: dict[str, Sequence] = {}
@@ -295,7 +308,7 @@ class Scheduler:
         budget = self.step_tokens
         oldest = running[0]
         share = max(bs, budget // 4 // bs * bs)
-        reserved = min(self._left(oldest), self.chunk_tokens, share, budget)
+        reserved = min(self._left(oldest), self._chunk_cap(oldest), share, budget)
         budget -= reserved
         chunks: list[PrefillChunk] = []
         for seq in sorted(running[1:], key=self._left):
@@ -311,10 +324,14 @@ class Scheduler:
     def _left(self, seq: Sequence) -> int:
         return len(seq.prompt) - seq.computed
 
+    def _chunk_cap(self, seq: Sequence) -> int:
+        return self.chunk_tokens if len(seq.prompt) <= self.chunk_tokens \
+            else self.long_chunk_tokens
+
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         """A chunk that ends a prompt may have any length; any other ends on a block boundary,
         so each chunk's KV lands in whole blocks."""
-        n = min(self.chunk_tokens, self._left(seq), budget)
+        n = min(self._chunk_cap(seq), self._left(seq), budget)
         if n < self._left(seq):
             n = n // self.block_size * self.block_size
         return max(n, 0)

@@ -190,8 +190,13 @@ class PagedKVCache:
         if num_tokens == 0:
             return self.kv.new_empty(0, self.latent_dim)
         nb = -(-num_tokens // self.block_size)
+        return self.read_blocks(layer, block_ids[:nb])[:num_tokens]
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Every row of ``block_ids`` of ``layer``, in order, ``[len(block_ids) * block_size,
+        D]``."""
         # One block of one layer is a contiguous row: gathering whole rows runs at copy speed,
         # several times faster than element-wise advanced indexing.
         rows = self.kv.view(self.num_blocks * self.num_layers, self.block_size * self.latent_dim)
-        blocks = rows.index_select(0, block_ids[:nb] * self.num_layers + layer)
-        return blocks.view(nb * self.block_size, self.latent_dim)[:num_tokens]
+        blocks = rows.index_select(0, block_ids * self.num_layers + layer)
+        return blocks.view(block_ids.shape[0] * self.block_size, self.latent_dim)

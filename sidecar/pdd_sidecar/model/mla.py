@@ -109,13 +109,15 @@ def chunk_prefill_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    q_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's queries ``[T, H, nope|rope]`` at ``q_pos`` over cached latents ``[N, L]`` at
     ``k_pos`` (ascending; the chunk's own tokens included), each key visible to the queries at
     or after its position. The latents are expanded with ``w_uk``/``w_uv`` (``[H, nope|v,
     kv_lora]``, the heads of ``q``) in slices of at most ``EXPANDED_SLICE_BYTES``, each slice's
-    attention merged by LSE. Returns ``(out [T, H, v] fp32, lse [T, H] fp32)``; a query that
-    sees nothing gets 0 and ``-inf``."""
+    attention merged by LSE. With ``q_lo`` (per query, the lowest key position it sees) several
+    sequences' chunks attend in one call, each over its own key range. Returns ``(out [T, H, v]
+    fp32, lse [T, H] fp32)``; a query that sees nothing gets 0 and ``-inf``."""
     h, nope, kv_lora = w_uk.shape
     dv = w_uv.shape[1]
     t, n = q_nope.shape[0], latent.shape[0]
@@ -131,7 +133,8 @@ def chunk_prefill_attention(
         b = min(n, a + step)
         k_nope = F.linear(c[a:b], w_k).view(b - a, h, nope)
         v = F.linear(c[a:b], w_v).view(b - a, h, dv)
-        part = chunk_attention(q_nope, q_pe, k_nope, k_pe[a:b], v, q_pos, k_pos[a:b], scale)
+        part = chunk_attention(q_nope, q_pe, k_nope, k_pe[a:b], v, q_pos, k_pos[a:b], scale,
+                               q_lo=q_lo)
         out, lse = part if a == 0 else merge_partials(out, lse, *part)
     return out, lse
 

@@ -79,6 +79,7 @@ class StackConfig:
     max_waiting: int | None = None  # queue bound (429 beyond); None: the instance default
     max_step_tokens: int | None = None  # prefill tokens per step; None: by device
     chunk_tokens: int | None = None  # longest prompt chunk; None: by device
+    long_chunk_tokens: int | None = None  # chunk of a longer prompt; None: by device
     prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -158,7 +159,8 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
     for flag, value in (("--max-num-seqs", cfg.max_num_seqs),
                         ("--max-waiting", cfg.max_waiting),
                         ("--max-step-tokens", cfg.max_step_tokens),
-                        ("--chunk-tokens", cfg.chunk_tokens)):
+                        ("--chunk-tokens", cfg.chunk_tokens),
+                        ("--long-chunk-tokens", cfg.long_chunk_tokens)):
         least = 0 if flag == "--max-waiting" else 1
         if value is not None and value < least:
             out.append(f"{flag}: must be >= {least}, got {value}")
@@ -244,7 +246,8 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
                        (E.PDD_MAX_NUM_SEQS, cfg.max_num_seqs),
                        (E.PDD_MAX_WAITING, cfg.max_waiting),
                        (E.PDD_MAX_STEP_TOKENS, cfg.max_step_tokens),
-                       (E.PDD_CHUNK_TOKENS, cfg.chunk_tokens)):
+                       (E.PDD_CHUNK_TOKENS, cfg.chunk_tokens),
+                       (E.PDD_LONG_CHUNK_TOKENS, cfg.long_chunk_tokens)):
         if value is not None:
             env[key] = str(value)
     if not cfg.prefix_cache:
@@ -587,8 +590,12 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt tokens a prefill step runs at most (default 8192 on cuda, 2048 "
                    "on cpu; larger steps run long prompts faster and hold other prompts longer)")
     p.add_argument("--chunk-tokens", type=int, default=None,
-                   help="longest piece of one prompt in a step, whole blocks (default 8192 on "
-                   "cuda, 512 on cpu)")
+                   help="a prompt of at most this many tokens runs in one piece (default 8192 "
+                   "on cuda, 512 on cpu)")
+    p.add_argument("--long-chunk-tokens", type=int, default=None,
+                   help="a longer prompt runs in pieces of this many, whole blocks, so a short "
+                   "one arriving meanwhile waits for a short step (default 2048 on cuda, 512 on "
+                   "cpu)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from scratch (default: the prefill reuses the KV "
                    "of prompt prefixes it computed before)")
@@ -610,7 +617,8 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         prefill_num_blocks=a.prefill_num_blocks, decode_num_blocks=a.decode_num_blocks,
         dtype=a.dtype, drain_s=a.drain_s, max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting, max_step_tokens=a.max_step_tokens,
-        chunk_tokens=a.chunk_tokens, prefix_cache=a.prefix_cache,
+        chunk_tokens=a.chunk_tokens, long_chunk_tokens=a.long_chunk_tokens,
+        prefix_cache=a.prefix_cache,
         log_level=a.log_level.upper(),
     )
 
