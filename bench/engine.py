@@ -707,39 +707,42 @@ def bench_chunked_prefill(
 
 def bench_batched_prefill(
     model: Model, kv: torch.Tensor, n: int, t: int, ceil: dict[str, float],
-    args: argparse.Namespace,
+    args: argparse.Namespace, cached: int = 0,
 ) -> dict[str, Any]:
-    """``n`` fresh prompts of ``t`` tokens in one ``RankEngine.step`` (logits of each last
-    token, as the scheduler samples), as the engine runs it (on CUDA their attention is one
+    """``n`` prompts of ``t`` new tokens in one ``RankEngine.step`` (logits of each last
+    token, as the scheduler samples), fresh or each continuing ``cached`` tokens already in the
+    cache (a prefix-cache hit's suffix), as the engine runs it (on CUDA their attention is one
     varlen kernel call per layer) and with one attention call per prompt, the path before it.
-    FLOPs: ``n`` one-pass prompts of ``t`` tokens."""
+    FLOPs: those of the ``t`` new tokens of each, attending over ``cached + t``."""
     from pdd_sidecar.engine import rank_engine
     from pdd_sidecar.engine.seq_chunk import SeqChunk
 
     dev, cfg = model.device, model.cfg
     bs = kv.shape[2]
-    per = -(-t // bs)
-    g = torch.Generator(device=dev).manual_seed(n * t)
+    per = -(-(cached + t) // bs)
+    g = torch.Generator(device=dev).manual_seed(n * t + cached)
     blocks = torch.randperm(kv.shape[0], device=dev, generator=g)[: n * per].tolist()
     chunks = [
-        SeqChunk(torch.randint(0, cfg.vocab_size, (t,), generator=g, device=dev).tolist(), 0,
-                 blocks[i * per:(i + 1) * per])
+        SeqChunk(torch.randint(0, cfg.vocab_size, (t,), generator=g, device=dev).tolist(),
+                 cached, blocks[i * per:(i + 1) * per])
         for i in range(n)
     ]  # fmt: skip
     eng = engine_over(model, kv, "eager")
     reps = max(3, args.reps // 3)
-    rule = rank_engine.batch_fresh_prompts
+    name = "batch_continuing_chunks" if cached else "batch_fresh_prompts"
+    rule = getattr(rank_engine, name)
     batched = rule(n, dev, kv.dtype)
     sec = time_fn(lambda: eng.step(chunks), dev, reps, 1)
     try:
-        rank_engine.batch_fresh_prompts = lambda *_: False  # type: ignore[assignment]
+        setattr(rank_engine, name, lambda *_: False)
         sec_each = time_fn(lambda: eng.step(chunks), dev, reps, 1)
     finally:
-        rank_engine.batch_fresh_prompts = rule  # type: ignore[assignment]
-    flops = n * prefill_flops(cfg, t)
+        setattr(rank_engine, name, rule)
+    flops = n * (prefill_flops(cfg, cached + t) - prefill_flops(cfg, cached))
     return {
         "prompts": n,
         "tokens": t,
+        "cached": cached,
         "batched_attention": batched,
         "ms": sec * 1e3,
         "tokens_per_s": n * t / sec,
@@ -781,11 +784,13 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def _batches_of_prompts(s: str) -> list[tuple[int, int]]:
+def _batches_of_prompts(s: str) -> list[tuple[int, int, int]]:
+    """``NxT`` (fresh) or ``NxT+C`` (each continuing C cached tokens) items, comma-separated."""
     out = []
     for item in filter(None, s.split(",")):
-        n, _, t = item.partition("x")
-        out.append((int(n), int(t)))
+        n, _, rest = item.partition("x")
+        t, _, c = rest.partition("+")
+        out.append((int(n), int(t), int(c or 0)))
     return out
 
 
@@ -840,7 +845,8 @@ def main(argv: list[str] | None = None) -> int:
     prefills = args.prefill or ([64, 256] if small else [1024, 8192])
     chunked = args.chunked or ([256] if small else [8192, 32768] + [131072] * args.long)
     chunk = args.chunk or (64 if small else 8192)
-    batched = args.batched or ([(4, 16), (2, 64)] if small else [(64, 32), (8, 1024)])
+    batched = args.batched or ([(4, 16, 0), (2, 64, 0), (4, 16, 32)] if small
+                               else [(64, 32, 0), (8, 1024, 0), (64, 128, 2048)])
     if args.chunk_config:
         if len(args.chunk_config) != 4:
             p.error(f"--chunk-config takes BLOCK_M,BLOCK_N,warps,stages, got {args.chunk_config}")
@@ -879,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         need = [b * -(-(c + 1) // bs) for b, c in fits]
         attn_batch = 2 if small else 16
         need += [-(-c // bs) for c in attn_ctx + prefills + chunked]
-        need += [n * -(-t // bs) for n, t in batched]
+        need += [n * -(-(t + c) // bs) for n, t, c in batched]
         need += [attn_batch * -(-attn_ctx[0] // bs)]
         num_blocks = max(need)
         kv = torch.empty(
@@ -966,15 +972,16 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"  kernel {r['kernel_config']} regs/spills {r['kernel_regs_spills']}"
                          if "kernel_config" in r else ""), flush=True)  # fmt: skip
             result["prefill_chunked"] = rows_k
-            print("\nprefill of several fresh prompts in one RankEngine.step, their attention in "
-                  "one call per layer (batched) and one call per prompt")
-            print(f"{'prompts':>8} {'tokens':>7} {'ms':>9} {'tok/s':>9} {'of matmul':>10} "
-                  f"{'per-prompt ms':>14}")  # fmt: skip
+            print("\nprefill of several prompts in one RankEngine.step (fresh, or each new "
+                  "tokens after cached ones, as a prefix-cache hit), their attention in one call "
+                  "per layer (batched) and one call per prompt")
+            print(f"{'prompts':>8} {'tokens':>7} {'cached':>7} {'ms':>9} {'tok/s':>9} "
+                  f"{'of matmul':>10} {'per-prompt ms':>14}")  # fmt: skip
             rows_b = []
-            for n, t in batched:
-                r = bench_batched_prefill(model, kv, n, t, ceil, args)
+            for n, t, c in batched:
+                r = bench_batched_prefill(model, kv, n, t, ceil, args, c)
                 rows_b.append(r)
-                print(f"{n:>8} {t:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
+                print(f"{n:>8} {t:>7} {c:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
                       f"{r['of_matmul']:>9.0%} {r['per_prompt_attention_ms']:>14.1f}"
                       + ("" if r["batched_attention"] else "  (per-prompt path here)"),
                       flush=True)  # fmt: skip
