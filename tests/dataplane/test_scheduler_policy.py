@@ -47,32 +47,28 @@ def test_budgets_follow_the_device_unless_set() -> None:
     assert step_budget("cuda", None, None, 4096) == (8192, 8192, 4096)
 
 
-def test_a_prompt_that_fits_a_chunk_runs_in_one_a_longer_one_in_long_chunks() -> None:
-    sched = _prefill(8192, 8192, long_chunk=2048)
-    _submit(sched, "fits", 8192)
-    chunks = sched.plan().prefill
-    assert [len(c.tokens) for c in chunks] == [8192] and chunks[0].last
-    _advance(sched, chunks)
-    _submit(sched, "long", 8200)
-    lens = []
-    while sched.running or sched.waiting:
-        chunks = sched.plan().prefill
-        lens.append([len(c.tokens) for c in chunks])
-        _advance(sched, chunks)
-    assert lens == [[2048]] * 4 + [[8]]
-
-
-def test_a_short_prompt_during_a_long_one_waits_for_a_long_chunk_only() -> None:
-    """The scenario the long chunk is for: a 1k prompt arriving while a 32k prompt runs shares
-    the next step with one long chunk, not with most of a step's budget."""
+def test_a_long_prompt_runs_in_whole_chunks_alone_and_in_long_chunks_beside_others() -> None:
+    """While a 32k prompt runs alone its steps are whole chunks; a 1k prompt arriving shares
+    the next step with one long chunk of it (not with most of a step's budget), and once the
+    short one is done the long one is back to whole chunks."""
     sched = _prefill(8192, 8192, long_chunk=2048)
     _submit(sched, "long", 32768)
     first = sched.plan().prefill
-    assert [len(c.tokens) for c in first] == [2048]
+    assert [len(c.tokens) for c in first] == [8192]
     _advance(sched, first)
     _submit(sched, "short", 1000)
     chunks = sched.plan().prefill
     assert [(c.seq.id, len(c.tokens)) for c in chunks] == [("long", 2048), ("short", 1000)]
+    _advance(sched, chunks)
+    assert [len(c.tokens) for c in sched.plan().prefill] == [8192]
+
+
+def test_prompts_that_fit_a_chunk_are_never_cut_to_long_chunks() -> None:
+    sched = _prefill(8192, 4096, long_chunk=1024)
+    _submit(sched, "a", 4096)
+    _submit(sched, "b", 3000)
+    chunks = sched.plan().prefill
+    assert sorted(len(c.tokens) for c in chunks) == [3000, 4096]
 
 
 def test_one_long_prompt_runs_in_whole_chunks() -> None:
@@ -95,7 +91,7 @@ def test_a_short_prompt_is_not_stuck_behind_a_long_one() -> None:
     by_id = {c.seq.id: c for c in chunks}
     assert by_id["short"].last and len(by_id["short"].tokens) == 1000
     long = by_id["long"]
-    assert len(long.tokens) == (8192 - 1000) // BLOCK * BLOCK and long.start == 8192
+    assert len(long.tokens) == (8192 - 1000) // BLOCK * BLOCK and long.start == 8192  # no cut
     assert sum(len(c.tokens) for c in chunks) <= 8192
 
 

@@ -10,10 +10,10 @@ Policy (one place, pure Python, no torch):
   WAITING_FOR_REMOTE_KVS) without holding up the running batch; they join at the next step
   boundary once every rank has its chunks, and leave the moment they finish, freeing their blocks.
 - **Prefill** packs prompt chunks into a step of at most ``step_tokens`` tokens, several prompts
-  per forward pass. A prompt of at most ``chunk_tokens`` runs in one chunk (one pass is its
-  fastest); a longer one, which needs several steps anyway, runs in chunks of
-  ``long_chunk_tokens``, each attending over the cached latent of the earlier ones, so that a
-  short prompt arriving meanwhile waits for a short step, not a long one. The prompts
+  per forward pass. A prompt runs in chunks of at most ``chunk_tokens``, each attending over the
+  cached latent of the earlier ones; while other prompts share its steps, a prompt longer than
+  a chunk (which needs several steps anyway) is cut to ``long_chunk_tokens`` a step, so the
+  steps of the others stay short. The prompts
   with the fewest tokens left go first, so a short prompt is not stuck behind a long one; the
   longest-running prompt always keeps a quarter of the budget, so short prompts arriving
   without pause cannot starve it either.
@@ -307,16 +307,17 @@ class Scheduler:
         bs = self.block_size
         budget = self.step_tokens
         oldest = running[0]
+        shared = len(running) > 1
         share = max(bs, budget // 4 // bs * bs)
-        reserved = min(self._left(oldest), self._chunk_cap(oldest), share, budget)
+        reserved = min(self._left(oldest), self._chunk_cap(oldest, shared), share, budget)
         budget -= reserved
         chunks: list[PrefillChunk] = []
         for seq in sorted(running[1:], key=self._left):
-            n = self._chunk_len(seq, budget)
+            n = self._chunk_len(seq, budget, shared)
             if n:
                 chunks.append(self._chunk(seq, n))
                 budget -= n
-        n = self._chunk_len(oldest, budget + reserved)
+        n = self._chunk_len(oldest, budget + reserved, shared)
         if n:
             chunks.insert(0, self._chunk(oldest, n))
         return chunks
@@ -324,14 +325,17 @@ class Scheduler:
     def _left(self, seq: Sequence) -> int:
         return len(seq.prompt) - seq.computed
 
-    def _chunk_cap(self, seq: Sequence) -> int:
-        return self.chunk_tokens if len(seq.prompt) <= self.chunk_tokens \
-            else self.long_chunk_tokens
+    def _chunk_cap(self, seq: Sequence, shared: bool) -> int:
+        """A prompt longer than a chunk runs in whole chunks while it is alone (its fastest),
+        in long chunks while others share its steps (so theirs stay short)."""
+        if shared and len(seq.prompt) > self.chunk_tokens:
+            return self.long_chunk_tokens
+        return self.chunk_tokens
 
-    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+    def _chunk_len(self, seq: Sequence, budget: int, shared: bool) -> int:
         """A chunk that ends a prompt may have any length; any other ends on a block boundary,
         so each chunk's KV lands in whole blocks."""
-        n = min(self._chunk_cap(seq), self._left(seq), budget)
+        n = min(self._chunk_cap(seq, shared), self._left(seq), budget)
         if n < self._left(seq):
             n = n // self.block_size * self.block_size
         return max(n, 0)
