@@ -15,7 +15,7 @@ the table gives TTFT p50/p99, the prompt tokens the prefill computed (prompt -
 the decode has not held yet: a turn's new user tokens, a round's own tokens; all of the first
 phase's prompt), at the bytes per token the cache-off run moved. The prefill's cache saves
 prefill compute; the decode's keeps each finished conversation's KV, so a follow-up turn (routed
-back to it) READs only the chunks after what it holds.
+back to it) READs only the tokens after what it holds (its whole units and the partial last one).
 
     python bench/prefix_cache.py --quick        # CPU, built-in model, about a minute
     python bench/prefix_cache.py --device cuda --prefill-tp 2 --prefill-dcp 2 --decode-tp 2 \\

@@ -20,7 +20,7 @@ from pdd_sidecar.kv.compat import CompatError, CompatRecord
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.puller import KVPuller, PullJob
 from pdd_sidecar.kv.side_channel import PeerInfo, SideChannelServer, handshake, publication
-from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Run, Tail, plan_read_specs
+from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Rows, Run, plan_read_specs
 from pdd_sidecar.kv.transport import (
     TransportRecord,
     copy_blocks,
@@ -82,16 +82,19 @@ def test_the_ipc_handle_unpickles_only_the_torch_types_it_holds() -> None:
 
 
 @pytest.mark.parametrize("slice_runs", [64, 0])  # a slice copy per run; one gather + scatter
-def test_a_device_copy_moves_exactly_the_spec_blocks_and_the_filled_tail_rows(
+def test_a_device_copy_moves_exactly_the_spec_blocks_and_row_ranges(
         slice_runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transport, "MAX_SLICE_RUNS", slice_runs)
     src, dst = _cache(1), _cache()
-    spec = ReadSpec(prefill_rank=0, runs=[Run(3, 0, 2), Run(8, 5, 1)], tail=Tail(10, 7, 2))
+    spec = ReadSpec(prefill_rank=0, runs=[Run(3, 0, 2), Run(8, 5, 1)],
+                    partials=[Rows(2, 9, 1, 4), Rows(10, 7, 0, 2), Rows(11, 11, 1, 2)])
     copy_blocks(dst, src, spec)
     want = _cache()
     for remote, local in ((3, 0), (4, 1), (8, 5)):
         want[local] = src[remote]
+    want[9, :, 1:] = src[2, :, 1:]
     want[7, :, :2] = src[10, :, :2]
+    want[11, :, 1:2] = src[11, :, 1:2]
     assert torch.equal(dst, want)
 
 

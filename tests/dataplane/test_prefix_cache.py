@@ -235,23 +235,25 @@ def test_decode_scheduler_shares_what_a_finished_turn_fed_and_pulls_the_rest(dcp
         return seq
 
     a = turn("a", _tokens(100, 1), 20)
-    assert a.extra[CACHED_TOKENS] == 0 and sched.first_chunk(a) == 0
+    assert a.extra[CACHED_TOKENS] == 0 and sched.start_token(a) == 0
     a_blocks = list(a.blocks)
     _decode_to_the_end(sched, a, 2)
     assert a.finish_reason == "length" and a.output == list(range(1, 21))
     fed = a.prompt + [99] + a.output[:-1]  # the last token was never fed: no KV
-    assert pc.cached_blocks == len(fed) // unit
+    shared = len(fed) // unit
+    assert len(fed) % unit  # the last unit is partial: kept as a tail
+    assert pc.cached_blocks == shared and pc.tail_blocks == 1
     assert pc.num_free == cache.num_blocks  # cached, yet nobody holds them
 
     b = turn("b", fed + a.output[-1:] + _tokens(7, 2), 5)  # the next turn of the chat
-    shared = len(fed) // unit
-    assert b.extra[CACHED_TOKENS] == shared * unit
-    assert sched.first_chunk(b) == shared * dcp  # chunks of BLOCK tokens
-    assert b.blocks[:shared] == a_blocks[:shared]
-    assert not set(b.blocks[shared:]) & set(a_blocks[:shared])  # written into its own only
+    assert b.extra[CACHED_TOKENS] == len(fed)  # the whole units and the tail it continues
+    assert sched.start_token(b) == len(fed)  # pulls the unfed last token and the new ones
+    assert b.blocks[:shared + 1] == a_blocks[:shared + 1] and pc.tail_blocks == 0
+    assert pc.refs(b.blocks[shared]) == 1  # the tail is b's alone
+    assert not set(b.blocks[shared + 1:]) & set(a_blocks)  # written into its own only
     c = turn("c", fed[:shared * unit], 3)  # a prompt the cache holds whole: nothing to read
     assert c.extra[CACHED_TOKENS] == len(c.prompt)
-    assert sched.first_chunk(c) * BLOCK == len(c.prompt)
+    assert sched.start_token(c) == len(c.prompt)
     assert all(pc.refs(x) == 2 for x in a_blocks[:shared])  # b and c share them
     sched.cancel("c")
     _decode_to_the_end(sched, c, 2)  # cancelled while pulling: caches nothing new
@@ -262,7 +264,58 @@ def test_decode_scheduler_shares_what_a_finished_turn_fed_and_pulls_the_rest(dcp
     assert d.finish_reason == "error" and pc.cached_blocks == shared  # failed pull: not cached
     _decode_to_the_end(sched, b, 2)
     assert pc.cached_blocks == (len(b.prompt) + 1 + 4 - 1) // unit
+    assert pc.tail_blocks == (1 if (len(b.prompt) + 1 + 4 - 1) % unit else 0)
     assert pc.num_free == cache.num_blocks and not sched.busy
+    pc.clear()
+    assert cache.num_free == cache.num_blocks
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_decode_scheduler_adopts_a_tail_once_for_the_tokens_a_prompt_shares_with_it(
+        dcp: int) -> None:
+    """A turn regenerated from the middle of the last answer shares part of the tail: it
+    adopts the block and pulls from the first token that differs; a second such turn at the
+    same time finds no tail (one adopter) and pulls from the unit boundary."""
+    from types import SimpleNamespace
+
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    unit = BLOCK * dcp
+    cache = PagedKVCache(16, 1, BLOCK, 4)
+    pc = PrefixCache(cache, unit, chain_root({"dcp": dcp}))
+    sched = Scheduler("decode", cache, BLOCK, dcp, 1, prefix_cache=pc)
+
+    def turn(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
+        seq = Sequence(rid, prompt, max_tokens, len(prompt) + max_tokens,
+                       source=SimpleNamespace(num_tokens=len(prompt)), first_token=99)
+        sched.submit(seq)
+        assert sched.plan().pulls == [seq]
+        return seq
+
+    a = turn("a", _tokens(40, 4), 5)
+    a_blocks = list(a.blocks)
+    _decode_to_the_end(sched, a, 1)
+    fed = a.prompt + [99] + a.output[:-1]
+    shared = len(fed) // unit
+    assert pc.tail_blocks == 1 and pc.num_free == cache.num_blocks
+    cut = shared * unit + 3
+    regen = fed[:cut] + [(fed[cut] + 1) % 256] + _tokens(6, 5)
+    x = turn("x", regen, 4)
+    y = turn("y", list(regen), 4)
+    assert x.extra[CACHED_TOKENS] == sched.start_token(x) == cut
+    assert y.extra[CACHED_TOKENS] == sched.start_token(y) == shared * unit
+    assert x.blocks[:shared] == y.blocks[:shared] and x.blocks[shared] != y.blocks[shared]
+    assert x.blocks[shared] == a_blocks[shared]
+    assert pc.tail_blocks == 0 and pc.refs(x.blocks[shared]) == 1
+    sched.cancel("y")
+    _decode_to_the_end(sched, y, 1)
+    _decode_to_the_end(sched, x, 1)
+    assert x.finish_reason == "length" and pc.tail_blocks == 1
+    assert pc.num_free == cache.num_blocks and not sched.busy
+    pc.clear()
+    assert cache.num_free == cache.num_blocks
 
 
 def test_decode_without_a_prompt_pulls_everything_and_caches_nothing() -> None:
@@ -278,7 +331,7 @@ def test_decode_without_a_prompt_pulls_everything_and_caches_nothing() -> None:
     seq = Sequence("a", [], 6, 70, source=SimpleNamespace(num_tokens=64), first_token=5)
     sched.submit(seq)
     sched.plan()
-    assert sched.first_chunk(seq) == 0
+    assert sched.start_token(seq) == 0
     _decode_to_the_end(sched, seq, 1)
     assert seq.finish_reason == "length" and pc.cached_blocks == 0
     assert cache.num_free == cache.num_blocks
@@ -325,10 +378,11 @@ def _decode_bytes(url: str) -> float:
 @pytest.mark.parametrize("p,d", [((1, 1), (1, 1)), ((2, 2), (2, 2)), ((1, 1), (2, 2))])
 def test_a_follow_up_turn_pulls_only_the_kv_its_decode_lacks(
         cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
-    """Each turn after the first reads exactly the chunks after the whole decode units of what
-    the turn before fed (its prompt, first token and completion but the last token): the byte
-    counter says so, and the tokens are those of the same chat with the prefix cache off, which
-    reads every prompt whole."""
+    """Each turn after the first reads exactly the KV after what the turn before fed (its
+    prompt, first token and completion but the last token): the decode kept the whole units and
+    the partial last one, which the turn adopts. So it moves its new tokens and the previous
+    answer's last token, nothing more: the byte counter says so, and the tokens are those of the
+    same chat with the prefix cache off, which reads every prompt whole."""
     on = _both_stack(cluster, p, d)
     off = _both_stack(cluster, p, d, PDD_PREFIX_CACHE="0")
     unit = BLOCK * d[1]  # the decode's table entry
@@ -341,11 +395,9 @@ def test_a_follow_up_turn_pulls_only_the_kv_its_decode_lacks(
     assert chat[0][2] == FIRST * ROW_BYTES
     for (prev, done, _), (prompt, _, moved) in zip(chat, chat[1:], strict=False):
         fed = len(prev) + len(done) - 1
-        reused = fed // unit * unit
-        assert moved == (len(prompt) - reused) * ROW_BYTES, (len(prompt), reused, moved)
-        # The unfed last token, the new tokens and what of the last unit they share: far less
-        # than the prompt, whose turns grow.
-        assert moved <= (1 + NEW + unit - 1) * ROW_BYTES < len(prompt) * ROW_BYTES
+        assert fed % unit  # these turns end mid-unit: without the tail, part of it moves again
+        assert moved == (len(prompt) - fed) * ROW_BYTES == (1 + NEW) * ROW_BYTES, (
+            len(prompt), fed, moved)
     for proc in (on, off):
         _all_blocks_back(proc["prefill"].url, proc["decode"].url)
 

@@ -105,7 +105,8 @@ def test_read_specs_from_a_first_chunk_leave_out_only_the_chunks_before_it(
     prefill: tuple[int, int], decode: tuple[int, int], num_tokens: int, first_chunk: int
 ) -> None:
     """A decode holding the first chunks already (its prefix cache) reads each later chunk
-    exactly as a full read would, with the same specs per prefill rank, and nothing else."""
+    exactly as a full read would, with the same specs per prefill rank, and nothing else.
+    (A start mid-chunk: tests/unit/test_read_specs.py.)"""
     plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
                                  decode_context_parallel_size=prefill[1]),
                         SidePlan(tensor_parallel_size=decode[0],
@@ -118,14 +119,14 @@ def test_read_specs_from_a_first_chunk_leave_out_only_the_chunks_before_it(
         full = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
                                ptable, dtable)
         part = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
-                               ptable, dtable, first_chunk)
+                               ptable, dtable, first_chunk * BLOCK)
         assert [s.prefill_rank for s in part] == [s.prefill_rank for s in full]
         for f, p in zip(full, part, strict=True):
             assert p.chunks == [g for g in f.chunks if g >= first_chunk]
             pairs = {(r.remote_start + i, r.local_start + i) for r in p.runs for i in range(r.n)}
             assert pairs == {(ptable[g // prefill[1]], dtable[g // decode[1]]) for g in p.chunks
-                             if f.tail is None or g != num_chunks - 1}
-            assert p.tail == (f.tail if num_chunks - 1 >= first_chunk else None)
+                             if not f.partials or g != num_chunks - 1}
+            assert p.partials == (f.partials if num_chunks - 1 >= first_chunk else [])
         moved = sum(spec_bytes(s, region) for s in part)
         rows = sum(min(BLOCK, num_tokens - g * BLOCK) for s in part for g in s.chunks)
         assert moved == rows * LAYERS * region.row_bytes
@@ -133,11 +134,6 @@ def test_read_specs_from_a_first_chunk_leave_out_only_the_chunks_before_it(
     # Every chunk from the first on is read, by as many decode ranks as a full read has.
     per_chunk = 1 if decode[1] > 1 else decode[0]
     assert sorted(read) == sorted(list(range(first_chunk, num_chunks)) * per_chunk)
-
-
-def test_a_negative_first_chunk_is_refused() -> None:
-    with pytest.raises(ValueError, match="first_chunk"):
-        plan_read_specs([], 8, BLOCK, 1, 1, [0, 1], [0, 1], -1)
 
 
 # ---------------------------------------------------------------- real NIXL
@@ -173,16 +169,17 @@ CANARY = -7.0  # never a value of the prefill's cache: content >= 0, filler -1 a
 
 def _check_only_the_plan_landed(kv: torch.Tensor, d: int, dcp: int, num_tokens: int,
                                 dtable: list[int], source: Callable[[int], torch.Tensor],
-                                reported_bytes: int) -> None:
+                                reported_bytes: int, start: int = 0) -> None:
     """The whole destination cache against what the READ may write: the planned chunks' filled
-    rows equal the prefill's block (``source(chunk)``), every other byte still holds the canary.
-    The bytes that changed are counted from memory, not taken from the plan or the agent."""
+    rows from token ``start`` on equal the prefill's block (``source(chunk)``), every other byte
+    still holds the canary. The bytes that changed are counted from memory, not taken from the
+    plan or the agent."""
     want = torch.full_like(kv, CANARY)
-    for g in range(-(-num_tokens // BLOCK)):
+    for g in range(start // BLOCK, -(-num_tokens // BLOCK)):
         if dcp > 1 and g % dcp != d:
             continue
-        filled = min(BLOCK, num_tokens - g * BLOCK)
-        want[dtable[g // dcp], :, :filled] = source(g)[:, :filled]
+        lo, filled = max(start - g * BLOCK, 0), min(BLOCK, num_tokens - g * BLOCK)
+        want[dtable[g // dcp], :, lo:filled] = source(g)[:, lo:filled]
     changed = kv != CANARY
     wrong = (kv != want).nonzero()
     assert wrong.numel() == 0, (
@@ -224,7 +221,7 @@ def test_nixl_reads_move_exactly_the_plan(
             stats = dr.agent.read(work, timeout_s=30)
             assert stats.bytes == minimum[d]
             runs = sum(len(s.runs) for s in specs)
-            tails = sum(1 for s in specs if s.tail)
+            tails = sum(len(s.partials) for s in specs)
             assert stats.descriptors <= sum(
                 len(pow2_pieces(r.n, 12)) for s in specs for r in s.runs) + tails * LAYERS
             assert stats.descriptors >= runs
@@ -246,6 +243,48 @@ def test_nixl_reads_move_exactly_the_plan(
                     break
                 time.sleep(0.001)
             assert got == [f"req-{num_tokens}"] * plan.prefill_ranks[p].expected_notifications
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [((1, 1), (1, 1)), ((2, 2), (1, 1)),
+                                                 ((1, 1), (2, 2)), ((2, 2), (2, 2))],
+                         ids=lambda s: f"tp{s[0]}dcp{s[1]}")
+def test_nixl_reads_from_a_token_mid_chunk_move_only_the_rows_from_it(
+    ranks: tuple[list[_Rank], list[_Rank]], prefill: tuple[int, int], decode: tuple[int, int]
+) -> None:
+    """A decode that adopted a prefix-cache tail reads a chunk from a row within it: the row
+    ranges' descriptors start at that row in every layer's slab, and nothing before it lands."""
+    pranks, dranks = ranks
+    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
+                                 decode_context_parallel_size=prefill[1]),
+                        SidePlan(tensor_parallel_size=decode[0],
+                                 decode_context_parallel_size=decode[1]), BLOCK)
+    num_tokens = 22
+    num_chunks = -(-num_tokens // BLOCK)
+    ptable, dtable = _tables(num_chunks, prefill[1], 1), _tables(num_chunks, decode[1], 7)
+    for p in range(prefill[0]):
+        pranks[p].kv.fill_(-5.0)
+        for g in range(num_chunks):
+            if prefill[1] == 1 or g % prefill[1] == p:
+                pranks[p].kv[ptable[g // prefill[1]]] = _content(g, num_tokens)
+    for start in (1, 6, 9, 21):
+        for d in range(decode[0]):
+            dr = dranks[d]
+            dr.kv.fill_(CANARY)
+            specs = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
+                                    ptable, dtable, start)
+            work = []
+            for s in specs:
+                src = pranks[s.prefill_rank]
+                work.append((dr.agent.connect(src.agent.name, src.agent.metadata(),
+                                              src.agent.region), s))
+            stats = dr.agent.read(work, timeout_s=30)
+            held = sum(max(0, min(BLOCK, num_tokens - g * BLOCK) - max(start - g * BLOCK, 0))
+                       for g in range(num_chunks) if decode[1] == 1 or g % decode[1] == d)
+            assert stats.bytes == held * LAYERS * LATENT * 4
+            _check_only_the_plan_landed(
+                dr.kv, d, decode[1], num_tokens, dtable,
+                lambda g, t=ptable: pranks[g % prefill[1]].kv[t[g // prefill[1]]], stats.bytes,
+                start)
 
 
 def test_side_channel_handshake_refuses_a_mismatch_naming_both_values(

@@ -294,7 +294,7 @@ class InstanceDriver:
             + [([d.token], d.position, d.seq.blocks) for d in plan.decode],
             "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks,
                        "claim_url": s.extra["claim_url"],
-                       "first_chunk": self.scheduler.first_chunk(s)} for s in plan.pulls],
+                       "start_token": self.scheduler.start_token(s)} for s in plan.pulls],
             "poll": poll,
         }
         if poll:

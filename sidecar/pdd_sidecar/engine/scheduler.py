@@ -27,10 +27,12 @@ Policy (one place, pure Python, no torch):
   and computed. At least the prompt's last token always runs: its logits give the first token.
   Each finished chunk caches the whole units it completed.
 - **Prefix cache** (decode, when on and the request names its prompt): admission shares the
-  cached whole units of the prompt (all of it may be), the pull reads only the chunks after
-  them, and a sequence that finishes (stop or length) caches the whole units of everything it
-  holds KV for: prompt, first token and the generated tokens it fed. A follow-up turn whose
-  prompt extends that conversation then pulls only its new tokens' KV.
+  cached whole units of the prompt (all of it may be) and adopts the cached partial unit after
+  them when the prompt continues it (kv/prefix_cache.py, tails); the pull reads only the tokens
+  after those. A sequence that finishes (stop or length) caches the whole units of everything
+  it holds KV for (prompt, first token and the generated tokens it fed) and keeps its last
+  partial unit as a tail. A follow-up turn whose prompt extends that conversation then pulls
+  only its new tokens' KV (and the previous answer's last token, which was never fed).
 
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
@@ -249,35 +251,50 @@ class Scheduler:
         """Reserve ``seq``'s table with its cached units shared; False when it does not fit.
 
         A prefill always runs the prompt's last token (its logits give the first token); a
-        decode may share the whole prompt, since it feeds the first token itself."""
+        decode may share the whole prompt, since it feeds the first token itself, and adopts
+        the tail its prompt continues as its next table entry."""
         keys = seq.extra.get(UNIT_KEYS)
         if keys is None:
             keys = seq.extra[UNIT_KEYS] = pc.keys(seq.prompt)
+        unit = pc.unit_tokens
         usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
-        hits = pc.lookup(keys[:max(usable, 0) // pc.unit_tokens])
-        if not pc.fits(hits, need - len(hits)):
+        hits = pc.lookup(keys[:max(usable, 0) // unit])
+        tail = None
+        if self.role == "decode" and len(hits) < need:
+            start = len(hits) * unit
+            tail = pc.lookup_tail(keys[len(hits) - 1] if hits else pc.root,
+                                  seq.prompt[start:start + unit])
+        n_new = need - len(hits) - (tail is not None)
+        if not pc.fits(hits, n_new, tail):
             return False
-        seq.blocks = pc.acquire(hits, need - len(hits), len(seq.prompt))
-        seq.extra[CACHED_TOKENS] = len(hits) * pc.unit_tokens
+        seq.blocks = pc.acquire(hits, n_new, len(seq.prompt), tail)
+        seq.extra[CACHED_TOKENS] = len(hits) * unit + (tail.tokens if tail else 0)
         if self.role != "decode":
             seq.computed = seq.extra[CACHED_TOKENS]
         return True
 
-    def first_chunk(self, seq: Sequence) -> int:
-        """The first chunk a decode pulls: those before it are its cached units'."""
-        return int(seq.extra.get(CACHED_TOKENS, 0)) // self.block_size
+    def start_token(self, seq: Sequence) -> int:
+        """The first prompt token a decode pulls: those before it are in its prefix cache."""
+        return int(seq.extra.get(CACHED_TOKENS, 0))
 
     def _cache_decoded(self, seq: Sequence, pc: PrefixCache) -> None:
         """Cache the whole units of a finished decode's KV: the prompt it pulled or shared, the
-        first token and every generated token but the last (never fed, so never written)."""
+        first token and every generated token but the last (never fed, so never written); the
+        partial unit after them becomes a tail, its block leaving ``seq.blocks``."""
         keys = seq.extra.get(UNIT_KEYS)
         if keys is None or not seq.prompt or seq.first_token is None:
             return
         fed = ([seq.first_token, *seq.output[:-1]] if seq.output else [])
-        done = len(keys) * pc.unit_tokens  # the prompt's whole units, keyed at admission
-        tail = seq.prompt[done:] + fed
-        more = unit_keys(keys[-1] if keys else pc.root, tail, pc.unit_tokens)
-        pc.insert([*keys, *more], seq.blocks)
+        unit = pc.unit_tokens
+        rest = seq.prompt[len(keys) * unit:] + fed  # after the prompt's units keyed at admission
+        more = unit_keys(keys[-1] if keys else pc.root, rest, unit)
+        whole = [*keys, *more]
+        pc.insert(whole, seq.blocks)
+        partial = rest[len(more) * unit:]
+        w = len(whole)
+        if partial and w < len(seq.blocks) and pc.insert_tail(
+                whole[-1] if whole else pc.root, partial, seq.blocks[w]):
+            seq.blocks = seq.blocks[:w] + seq.blocks[w + 1:]
 
     def plan(self) -> StepPlan:
         plan = StepPlan()

@@ -13,6 +13,15 @@ nobody references are evicted, so a block held for a decode (a lease, a claimed 
 reused. Only whole units a request fully computed are cached, and a request only reads shared
 units, never writes them: its suffix goes into blocks of its own.
 
+A decode also keeps a finished sequence's last, partial unit as a *tail*: at most one per parent
+(the key of the whole unit before it, or the root), with the token ids it holds. A chat's next
+turn continues exactly that unit, so without it the turn would pull up to a unit of KV its decode
+computed already. A tail is never shared: the one request whose prompt continues it adopts the
+block (it leaves the store, the request holds the only reference and writes the rest of the
+unit), so nobody else reads rows being overwritten. Unreferenced by definition, tails count as
+free and are evicted before whole units. A prefill never uses tails: it computes its prompt's
+last token anyway, and a partial unit saves it at most a unit of compute.
+
 Pure Python (no torch): the allocator underneath is anything with ``allocate``/``free``.
 """
 
@@ -23,6 +32,7 @@ import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdd_sidecar.kv.errors import KVCacheFullError
@@ -59,6 +69,15 @@ def unit_keys(root: bytes, tokens: Sequence[int], unit_tokens: int) -> list[byte
     return keys
 
 
+@dataclass(frozen=True)
+class TailHit:
+    """A cached partial unit a prompt continues: its block and how many of its tokens match."""
+
+    parent: bytes
+    block: int
+    tokens: int
+
+
 class PrefixCache:
     """An allocator (same protocol as PagedKVCache's) whose blocks can outlive their request."""
 
@@ -72,6 +91,8 @@ class PrefixCache:
         self._by_key: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        # parent key -> (block, its token ids); unreferenced, LRU first
+        self._tails: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -83,12 +104,16 @@ class PrefixCache:
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation can have: free ones and cached ones nobody references."""
-        return self.allocator.num_free + len(self._evictable)
+        """Blocks an allocation can have: free ones, cached ones nobody references and tails."""
+        return self.allocator.num_free + len(self._evictable) + len(self._tails)
 
     @property
     def cached_blocks(self) -> int:
         return len(self._key_of)
+
+    @property
+    def tail_blocks(self) -> int:
+        return len(self._tails)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks of one's own (one reference each), evicting the least recently used
@@ -140,26 +165,72 @@ class PrefixCache:
             hits.append(b)
         return hits
 
-    def fits(self, hits: Sequence[int], n_new: int) -> bool:
-        """Whether ``acquire(hits, n_new)`` would succeed now."""
-        reclaimed = sum(1 for b in hits if b in self._evictable)
+    def lookup_tail(self, parent: bytes, tokens: Sequence[int]) -> TailHit | None:
+        """The tail under ``parent`` when ``tokens`` (the prompt after the whole-unit hits)
+        start with at least one of its tokens; takes nothing."""
+        entry = self._tails.get(parent)
+        if entry is None:
+            return None
+        block, held = entry
+        m = 0
+        for a, b in zip(held, tokens, strict=False):
+            if a != b:
+                break
+            m += 1
+        return TailHit(parent, block, m) if m else None
+
+    def fits(self, hits: Sequence[int], n_new: int, tail: TailHit | None = None) -> bool:
+        """Whether ``acquire(hits, n_new, tail=tail)`` would succeed now."""
+        reclaimed = sum(1 for b in hits if b in self._evictable) + (tail is not None)
         return n_new <= self.num_free - reclaimed
 
-    def acquire(self, hits: Sequence[int], n_new: int, query_tokens: int = 0) -> list[int]:
-        """A table: a reference to each of ``hits`` (from ``lookup``, this turn), then
-        ``n_new`` blocks of one's own. Counts ``query_tokens`` looked up and the hit tokens."""
-        if not self.fits(hits, n_new):
+    def acquire(self, hits: Sequence[int], n_new: int, query_tokens: int = 0,
+                tail: TailHit | None = None) -> list[int]:
+        """A table: a reference to each of ``hits`` (from ``lookup``, this turn), the adopted
+        ``tail`` block (from ``lookup_tail``, this turn; it leaves the store), then ``n_new``
+        blocks of one's own. Counts ``query_tokens`` looked up and the hit tokens."""
+        if not self.fits(hits, n_new, tail):
             raise KVCacheFullError(f"KV cache full: requested {n_new} blocks besides "
                                    f"{len(hits)} cached, {self.num_free} free or evictable")
+        if tail is not None and self._tails.get(tail.parent, (None,))[0] != tail.block:
+            raise ValueError(f"block {tail.block} is not a cached tail")
         for b in hits:
             if b not in self._key_of:
                 raise ValueError(f"block {b} is not cached")
+        for b in hits:
             self._evictable.pop(b, None)
             self._refs[b] = self._refs.get(b, 0) + 1
-        table = list(hits) + self.allocate(n_new)
+        adopted: list[int] = []
+        if tail is not None:
+            del self._tails[tail.parent]
+            self._refs[tail.block] = 1
+            adopted.append(tail.block)
+            self.hit_tokens += tail.tokens
+        table = list(hits) + adopted + self.allocate(n_new)
         self.queried_tokens += query_tokens
         self.hit_tokens += len(hits) * self.unit_tokens
         return table
+
+    def insert_tail(self, parent: bytes, tokens: Sequence[int], block: int) -> bool:
+        """Keep ``block``, holding the KV of ``tokens`` (fewer than a unit) after the unit keyed
+        ``parent``: the caller's reference, which must be the only one, moves to the store (the
+        caller must not free it). A tail already under ``parent`` is replaced and freed. False,
+        taking nothing, for a block others reference or that is cached whole, or no tokens."""
+        if self._refs.get(block, 0) <= 0:
+            raise ValueError(f"caching block {block}, which is not allocated")
+        if not 0 < len(tokens) < self.unit_tokens:
+            if tokens:
+                raise ValueError(f"a tail holds fewer than {self.unit_tokens} tokens, "
+                                 f"got {len(tokens)}")
+            return False
+        if self._refs[block] != 1 or block in self._key_of:
+            return False
+        old = self._tails.pop(parent, None)
+        if old is not None:
+            self.allocator.free([old[0]])
+        del self._refs[block]
+        self._tails[parent] = (block, tuple(tokens))
+        return True
 
     def insert(self, keys: Sequence[bytes], table: Sequence[int]) -> None:
         """Cache ``table[i]`` under ``keys[i]``: the caller holds the table and has computed
@@ -174,16 +245,20 @@ class PrefixCache:
             self._key_of[b] = k
 
     def clear(self) -> None:
-        """Forget every cached unit; unreferenced ones go back to the allocator."""
-        self._evict(len(self._evictable))
+        """Forget every cached unit and tail; unreferenced ones go back to the allocator."""
+        self._evict(len(self._tails) + len(self._evictable))
         self._by_key.clear()
         self._key_of.clear()
 
     def _evict(self, n: int) -> None:
+        """Tails go first: each holds less than a unit, and only one request can use it."""
         gone = []
         for _ in range(n):
-            b, _none = self._evictable.popitem(last=False)
-            del self._by_key[self._key_of.pop(b)]
+            if self._tails:
+                _parent, (b, _tokens) = self._tails.popitem(last=False)
+            else:
+                b, _none = self._evictable.popitem(last=False)
+                del self._by_key[self._key_of.pop(b)]
             gone.append(b)
         if gone:
             self.allocator.free(sorted(gone))

@@ -3,13 +3,13 @@
 Each pull runs on one of a few threads, so one slow hand-off does not hold up the others and a
 request waiting for its KV never stalls the forward passes. A pull checks the grant against the
 local configuration, handshakes the prefill ranks it needs (once per peer instance, cached),
-claims the blocks right before its READ, reads exactly the chunks the routing plan gives this
-rank that the decode's own prefix cache lacks (over NIXL, or as a device copy from a peer on
-this host's CUDA devices: kv/transport.py picks the path per peer at the handshake), and
-notifies the prefill ranks the plan names, even when it read nothing (the prefill's lease
-counts them). Each result is queued for the owner, which collects them with `take()`;
-`on_pulled` (set by the owner) is called from the pull thread after each one is queued, so the
-owner can wake up instead of polling.
+claims the blocks right before its READ, reads exactly the rows of the chunks the routing plan
+gives this rank from the first token the decode's own prefix cache lacks (over NIXL, or as a
+device copy from a peer on this host's CUDA devices: kv/transport.py picks the path per peer at
+the handshake), and notifies the prefill ranks the plan names, even when it read nothing (the
+prefill's lease counts them). Each result is queued for the owner, which collects them with
+`take()`; `on_pulled` (set by the owner) is called from the pull thread after each one is
+queued, so the owner can wake up instead of polling.
 
 A result's error is a dict naming the HTTP status the decode answers with and the failure kind
 (the owner passes it through unchanged): 409 incompatible, 410 grant_refused, 502 transfer (the
@@ -71,12 +71,12 @@ class PullJob:
     source: TransferParams
     blocks: list[int]  # this decode's block table for the sequence
     claim_url: str
-    first_chunk: int = 0  # chunks before it are in this decode's prefix cache: not read
+    start_token: int = 0  # tokens before it are in this decode's prefix cache: not read
 
     @classmethod
     def from_command(cls, job: dict[str, Any]) -> PullJob:
         return cls(job["id"], job["source"], job["blocks"], job["claim_url"],
-                   int(job.get("first_chunk", 0)))
+                   int(job.get("start_token", 0)))
 
 
 class KVPuller:
@@ -165,7 +165,7 @@ class KVPuller:
             claimed = time.monotonic()
             specs = plan_read_specs(self.plan.reads_of(self.rank), src.num_tokens,
                                     s.block_size, src.dcp, s.dcp, src.block_ids, job.blocks,
-                                    job.first_chunk)
+                                    job.start_token)
             stats = self._read(peers, specs)
         except CompatError as exc:
             return {"error": str(exc), "status": 409, "kind": "incompatible"}, {}

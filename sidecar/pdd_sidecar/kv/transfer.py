@@ -7,9 +7,10 @@ two s up to a cap, one descriptor per starting block covering s consecutive bloc
 run of n blocks then costs popcount(n) descriptors instead of n. The KV tensor is block-major,
 so consecutive block ids are one contiguous byte range.
 
-A request whose last chunk is partial moves only its filled tokens: that block is read row by row
-(one descriptor per layer) through a small unprepared transfer, so the bytes moved equal the
-plan's minimum exactly.
+A chunk read only in part moves only its rows: the prompt's partial last chunk (its filled
+tokens), and the first chunk when the decode holds its start already (a prefix-cache tail it
+adopted). Such a block is read row range by row range (one descriptor per layer) through a small
+unprepared transfer, so the bytes moved equal the plan's minimum exactly.
 """
 
 from __future__ import annotations
@@ -98,12 +99,18 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Tail:
-    """The partial last chunk: ntokens filled tokens of one block."""
+class Rows:
+    """Rows [lo, hi) of one block: a chunk read in part. A chunk's rows are its tokens'
+    offsets in it, the same in the prefill's block and the decode's whatever either's DCP."""
 
     remote_block: int
     local_block: int
-    ntokens: int
+    lo: int
+    hi: int
+
+    @property
+    def n(self) -> int:
+        return self.hi - self.lo
 
 
 @dataclass
@@ -112,7 +119,7 @@ class ReadSpec:
 
     prefill_rank: int
     runs: list[Run] = field(default_factory=list)
-    tail: Tail | None = None
+    partials: list[Rows] = field(default_factory=list)  # at most the first and the last chunk
     chunks: list[int] = field(default_factory=list)
 
     @property
@@ -154,19 +161,19 @@ def plan_read_specs(
     decode_dcp: int,
     prefill_blocks: Sequence[int],
     decode_blocks: Sequence[int],
-    first_chunk: int = 0,
+    start_token: int = 0,
 ) -> list[ReadSpec]:
     """Chunk g of the plan's reads: prefill block table[g // dcpP] -> decode table[g // dcpD].
 
     `reads` are the plan's ChunkRead entries for one decode rank (prefill_rank, chunk_modulus,
     chunk_residue); one ReadSpec per entry, in plan order, even when it covers no chunk.
-    Chunks before `first_chunk` are left out: the decode has their KV already (its own prefix
-    cache), so only the rest moves.
+    Tokens before `start_token` are left out: the decode has their KV already (its own prefix
+    cache), so only the rest moves, from the middle of a chunk when it starts there.
     """
-    if first_chunk < 0:
-        raise ValueError(f"first_chunk must be >= 0, got {first_chunk}")
+    if start_token < 0:
+        raise ValueError(f"start_token must be >= 0, got {start_token}")
     num_chunks = -(-num_tokens // block_size)
-    partial = num_tokens % block_size
+    first_chunk = start_token // block_size
     specs = []
     for read in reads:
         spec = ReadSpec(prefill_rank=read.prefill_rank)
@@ -175,11 +182,15 @@ def plan_read_specs(
         if first_chunk > start:
             start += -(-(first_chunk - start) // read.chunk_modulus) * read.chunk_modulus
         for g in range(start, num_chunks, read.chunk_modulus):
+            lo = max(start_token - g * block_size, 0)
+            hi = min(num_tokens - g * block_size, block_size)
+            if lo >= hi:
+                continue
             spec.chunks.append(g)
             remote = prefill_blocks[g // prefill_dcp]
             local = decode_blocks[g // decode_dcp]
-            if partial and g == num_chunks - 1:
-                spec.tail = Tail(remote, local, partial)
+            if hi - lo < block_size:
+                spec.partials.append(Rows(remote, local, lo, hi))
             else:
                 pairs.append((remote, local))
         spec.runs = coalesce(pairs)
@@ -226,19 +237,21 @@ class PreppedBlocks:
         return local, remote
 
 
-def tail_descriptors(region: RegionInfo, block: int, ntokens: int) -> list[tuple[int, int, int]]:
-    """The filled rows of one block: one descriptor per layer."""
-    base = region.addr + block * region.bytes_per_block
+def row_descriptors(region: RegionInfo, block: int, lo: int,
+                    hi: int) -> list[tuple[int, int, int]]:
+    """Rows [lo, hi) of one block: one descriptor per layer, since each layer's rows are
+    contiguous only within that layer's slab of the block."""
+    base = region.addr + block * region.bytes_per_block + lo * region.row_bytes
     layer_bytes = region.block_size * region.row_bytes
     return [
-        (base + layer * layer_bytes, ntokens * region.row_bytes, region.device_id)
+        (base + layer * layer_bytes, (hi - lo) * region.row_bytes, region.device_id)
         for layer in range(region.num_layers)
     ]
 
 
 def spec_bytes(spec: ReadSpec, region: RegionInfo) -> int:
-    tail = spec.tail.ntokens * region.row_bytes * region.num_layers if spec.tail else 0
-    return spec.full_blocks * region.bytes_per_block + tail
+    rows = sum(p.n for p in spec.partials) * region.row_bytes * region.num_layers
+    return spec.full_blocks * region.bytes_per_block + rows
 
 
 # ---------------------------------------------------------------- NIXL
@@ -411,16 +424,19 @@ class KVTransferAgent:
                 )
                 handles.append(handle)
                 stats.descriptors += len(local_idx)
-            if spec.tail is not None:
-                t = spec.tail
+            if spec.partials:
                 local = self.agent.get_xfer_descs(
-                    tail_descriptors(self.region, t.local_block, t.ntokens), self.region.mem_type
+                    [d for p in spec.partials
+                     for d in row_descriptors(self.region, p.local_block, p.lo, p.hi)],
+                    self.region.mem_type,
                 )
                 remote = self.agent.get_xfer_descs(
-                    tail_descriptors(peer.region, t.remote_block, t.ntokens), peer.region.mem_type
+                    [d for p in spec.partials
+                     for d in row_descriptors(peer.region, p.remote_block, p.lo, p.hi)],
+                    peer.region.mem_type,
                 )
                 handles.append(self.agent.initialize_xfer("READ", local, remote, peer.agent_name))
-                stats.descriptors += self.region.num_layers
+                stats.descriptors += self.region.num_layers * len(spec.partials)
             for handle in handles:
                 if self.agent.transfer(handle) == "ERR":
                     raise TransferError(f"peer {peer.key}: NIXL READ failed to post")
@@ -480,7 +496,7 @@ class KVTransferAgent:
         total = ReadStats()
         try:
             for peer, spec in work:
-                if not spec.runs and spec.tail is None:
+                if not spec.runs and not spec.partials:
                     continue
                 if posted and between is not None:
                     # Fault injection: a test kills the peer in the middle of a hand-off.

@@ -200,8 +200,8 @@ MAX_SLICE_RUNS = 64
 
 def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
     """One read spec as device copies: each run of consecutive blocks as one slice copy (the
-    blocks of a request mostly are a few runs), the partial last block's filled rows in
-    another. Both caches are [blocks, layers, block_size, latent]."""
+    blocks of a request mostly are a few runs), each chunk read in part as its row range.
+    Both caches are [blocks, layers, block_size, latent]."""
     import torch
 
     if 0 < len(spec.runs) <= MAX_SLICE_RUNS:
@@ -214,10 +214,9 @@ def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
         rows = src.index_select(0, torch.tensor(remote, device=src.device))
         dst.index_copy_(0, torch.tensor(local, device=dst.device),
                         rows.to(dst.device, non_blocking=True))
-    if spec.tail is not None:
-        t = spec.tail
-        dst[t.local_block, :, : t.ntokens].copy_(src[t.remote_block, :, : t.ntokens],
-                                                 non_blocking=True)
+    for p in spec.partials:
+        dst[p.local_block, :, p.lo:p.hi].copy_(src[p.remote_block, :, p.lo:p.hi],
+                                               non_blocking=True)
 
 
 def cuda_ipc_read(dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo,
@@ -233,7 +232,7 @@ def cuda_ipc_read(dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo
     with torch.cuda.stream(stream):
         began.record(stream)
         for src, spec in work:
-            if not spec.runs and spec.tail is None:
+            if not spec.runs and not spec.partials:
                 continue
             copy_blocks(dst, src, spec)
             stats.bytes += spec_bytes(spec, region)
