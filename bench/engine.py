@@ -710,21 +710,24 @@ def bench_batched_prefill(
     args: argparse.Namespace, cached: int = 0,
 ) -> dict[str, Any]:
     """``n`` prompts of ``t`` new tokens in one ``RankEngine.step`` (logits of each last
-    token, as the scheduler samples), fresh or each continuing ``cached`` tokens already in the
-    cache (a prefix-cache hit's suffix), as the engine runs it (on CUDA their attention is one
-    varlen kernel call per layer) and with one attention call per prompt, the path before it.
-    FLOPs: those of the ``t`` new tokens of each, attending over ``cached + t``."""
+    token, as the scheduler samples), fresh or each continuing ``|cached|`` tokens already in
+    the cache (a prefix-cache hit's suffix; negative: in blocks all of them share), as the
+    engine runs it (on CUDA their attention is one varlen kernel call per layer) and with one
+    attention call per prompt, the path before it. FLOPs: those of the ``t`` new tokens of
+    each, attending over ``|cached| + t``."""
     from pdd_sidecar.engine import rank_engine
     from pdd_sidecar.engine.seq_chunk import SeqChunk
 
     dev, cfg = model.device, model.cfg
     bs = kv.shape[2]
+    shared, cached = cached < 0, abs(cached)
     per = -(-(cached + t) // bs)
     g = torch.Generator(device=dev).manual_seed(n * t + cached)
     blocks = torch.randperm(kv.shape[0], device=dev, generator=g)[: n * per].tolist()
+    common = cached // bs if shared else 0
     chunks = [
         SeqChunk(torch.randint(0, cfg.vocab_size, (t,), generator=g, device=dev).tolist(),
-                 cached, blocks[i * per:(i + 1) * per])
+                 cached, blocks[:common] + blocks[i * per + common:(i + 1) * per])
         for i in range(n)
     ]  # fmt: skip
     eng = engine_over(model, kv, "eager")
@@ -743,6 +746,7 @@ def bench_batched_prefill(
         "prompts": n,
         "tokens": t,
         "cached": cached,
+        "cached_shared": shared,
         "batched_attention": batched,
         "ms": sec * 1e3,
         "tokens_per_s": n * t / sec,
@@ -785,12 +789,15 @@ def _ints(s: str) -> list[int]:
 
 
 def _batches_of_prompts(s: str) -> list[tuple[int, int, int]]:
-    """``NxT`` (fresh) or ``NxT+C`` (each continuing C cached tokens) items, comma-separated."""
+    """``NxT`` (fresh), ``NxT+C`` (each continuing C cached tokens of its own) or ``NxT+Cs``
+    (C cached tokens in blocks all N share, as prefix-cache hits of one system prompt) items,
+    comma-separated; a shared C is given negative here."""
     out = []
     for item in filter(None, s.split(",")):
         n, _, rest = item.partition("x")
         t, _, c = rest.partition("+")
-        out.append((int(n), int(t), int(c or 0)))
+        cached = -int(c[:-1]) if c.endswith("s") else int(c or 0)
+        out.append((int(n), int(t), cached))
     return out
 
 
@@ -845,8 +852,9 @@ def main(argv: list[str] | None = None) -> int:
     prefills = args.prefill or ([64, 256] if small else [1024, 8192])
     chunked = args.chunked or ([256] if small else [8192, 32768] + [131072] * args.long)
     chunk = args.chunk or (64 if small else 8192)
-    batched = args.batched or ([(4, 16, 0), (2, 64, 0), (4, 16, 32)] if small
-                               else [(64, 32, 0), (8, 1024, 0), (64, 128, 2048)])
+    batched = args.batched or ([(4, 16, 0), (2, 64, 0), (4, 16, 32), (4, 16, -32)] if small
+                               else [(64, 32, 0), (8, 1024, 0), (64, 128, 2048),
+                                     (64, 128, -2048)])
     if args.chunk_config:
         if len(args.chunk_config) != 4:
             p.error(f"--chunk-config takes BLOCK_M,BLOCK_N,warps,stages, got {args.chunk_config}")
@@ -885,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
         need = [b * -(-(c + 1) // bs) for b, c in fits]
         attn_batch = 2 if small else 16
         need += [-(-c // bs) for c in attn_ctx + prefills + chunked]
-        need += [n * -(-(t + c) // bs) for n, t, c in batched]
+        need += [n * -(-(t + abs(c)) // bs) for n, t, c in batched]
         need += [attn_batch * -(-attn_ctx[0] // bs)]
         num_blocks = max(need)
         kv = torch.empty(
@@ -981,7 +989,8 @@ def main(argv: list[str] | None = None) -> int:
             for n, t, c in batched:
                 r = bench_batched_prefill(model, kv, n, t, ceil, args, c)
                 rows_b.append(r)
-                print(f"{n:>8} {t:>7} {c:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
+                print(f"{n:>8} {t:>7} {abs(c):>6}{'s' if c < 0 else ' '} "
+                      f"{r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
                       f"{r['of_matmul']:>9.0%} {r['per_prompt_attention_ms']:>14.1f}"
                       + ("" if r["batched_attention"] else "  (per-prompt path here)"),
                       flush=True)  # fmt: skip

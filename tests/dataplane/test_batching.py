@@ -250,6 +250,51 @@ def test_continuing_chunks_in_one_attention_call_equal_each_alone(
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_continuing_chunks_that_share_cached_blocks_equal_the_per_chunk_path(
+        tp: int, dcp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefix-cache hits of one system prompt: three chunks whose tables start with the same
+    two cached units (one chunk starting a unit later, after its own cached tokens). The
+    batched path attends the shared units once for all of them (cascade) and the rest per
+    sequence; logits and cache equal the per-chunk path's on the same cache."""
+    found: list[int] = []
+    real = rank_engine.shared_prefix_entries
+
+    def shared(*args: object) -> int:
+        n = real(*args)  # type: ignore[arg-type]
+        found.append(n)
+        return n
+
+    monkeypatch.setattr(rank_engine, "shared_prefix_entries", shared)
+    unit = BLOCK * dcp
+    system = _prompt(2 * unit, 9)
+    tails = [_prompt(n, 20 + i) for i, n in enumerate([5, 2 * unit + 3, 2])]
+
+    def body(rank: int, comm: Comm) -> float:
+        model = load_rank_model("builtin", rank, tp)
+        outs, kvs = [], []
+        for batched in (False, True):
+            monkeypatch.setattr(rank_engine, "batch_continuing_chunks",
+                                lambda n, dev, dt, b=batched: b and n >= 2)
+            eng = RankEngine(model, new_cache(model, 64, BLOCK), comm, dcp)
+            pre = eng.cache.allocate(2)
+            tables = [pre + eng.cache.allocate(-(-len(t) // unit)) for t in tails]
+            eng.step([SeqChunk(system, 0, tables[0])])
+            eng.step([SeqChunk(tails[1][:unit], 2 * unit, tables[1])])
+            out = eng.step([SeqChunk(tails[0], 2 * unit, tables[0]),
+                            SeqChunk(tails[1][unit:], 3 * unit, tables[1]),
+                            SeqChunk(tails[2], 2 * unit, tables[2])])
+            assert out is not None
+            outs.append(out)
+            kvs.append(eng.cache.kv.clone())
+        assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+        return max(float((outs[0] - outs[1]).abs().max()), float((kvs[0] - kvs[1]).abs().max()))
+
+    worst = max(run_threads(tp, body))
+    assert 2 in found, found  # the batched step found both units shared
+    assert worst < 1e-4, worst
+
+
 def _single() -> Comm:
     from pdd_sidecar.engine.comm import SingleComm
 

@@ -416,10 +416,12 @@ def test_chunk_prefill_attention_dispatches_to_the_kernel() -> None:
     assert float((lse.cpu() - want_lse).abs().max()) < 0.1
 
 
-def test_continuing_chunks_batched_equal_each_chunk_alone() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["own-blocks", "shared-prefix"])
+def test_continuing_chunks_batched_equal_each_chunk_alone(shared: bool) -> None:
     """The engine's batched continuing path on CUDA (bf16: three prefix-cache-hit-like
-    suffixes over cached contexts in one kernel call per layer, key slices merged by LSE)
-    against the same step with each chunk attending alone."""
+    suffixes over cached contexts in one kernel call per layer, key slices merged by LSE; with
+    ``shared``, their tables start with the same 16 cached blocks, attended once) against the
+    same step with each chunk attending alone."""
     from pdd_sidecar.engine import rank_engine as re_
     from pdd_sidecar.engine.comm import SingleComm
     from pdd_sidecar.engine.seq_chunk import SeqChunk
@@ -427,7 +429,7 @@ def test_continuing_chunks_batched_equal_each_chunk_alone() -> None:
     from pdd_sidecar.model.rank_model import load_rank_model
 
     model = load_rank_model("builtin", 0, 1, "bfloat16", "cuda")
-    seqs = [(300, 45), (64, 30), (517, 3)]  # (cached tokens, new tokens)
+    seqs = [(300, 45), (264, 30), (517, 3)]  # (cached tokens, new tokens)
     prompts = [[(i * 37 + s * 11 + 5) % 256 for i in range(a + b)]
                for s, (a, b) in enumerate(seqs)]
     outs, caches = [], []
@@ -436,9 +438,18 @@ def test_continuing_chunks_batched_equal_each_chunk_alone() -> None:
     try:
         for batched in (False, True):
             eng = re_.RankEngine(model, re_.new_cache(model, 256, 16), SingleComm())
-            tables = [re_.allocate_request(eng.cache, len(p), 1) for p in prompts]
-            for (k, _), p, t in zip(seqs, prompts, tables, strict=True):
-                eng.step([SeqChunk(p[:k], 0, t)])
+            if shared:
+                pre = eng.cache.allocate(16)
+                tables = [pre + eng.cache.allocate(-(-len(p) // 16) - 16) for p in prompts]
+                for p in prompts[1:]:
+                    p[:256] = prompts[0][:256]
+                eng.step([SeqChunk(prompts[0][:256], 0, tables[0])])
+                for (k, _), p, t in zip(seqs, prompts, tables, strict=True):
+                    eng.step([SeqChunk(p[256:k], 256, t)])
+            else:
+                tables = [re_.allocate_request(eng.cache, len(p), 1) for p in prompts]
+                for (k, _), p, t in zip(seqs, prompts, tables, strict=True):
+                    eng.step([SeqChunk(p[:k], 0, t)])
             re_.batch_continuing_chunks = (lambda n, d, t: n >= 2) if batched \
                 else (lambda n, d, t: False)
             out = eng.step([SeqChunk(p[k:], k, t)

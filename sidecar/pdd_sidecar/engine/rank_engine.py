@@ -7,6 +7,7 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
-from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON
+from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
 from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
 from pdd_sidecar.model.mla import (
@@ -64,6 +65,19 @@ def batch_continuing_chunks(n_chunks: int, device: torch.device, dtype: torch.dt
     hits costs one launch chain, not 64. The CPU keeps the per-chunk path, the reference."""
     return (n_chunks >= 2 and device.type == "cuda" and HAS_TRITON
             and dtype in (torch.float16, torch.bfloat16))
+
+
+def shared_prefix_entries(chunks: Sequence[SeqChunk], unit: int) -> int:
+    """Leading table entries every chunk holds alike (the same cached blocks), counting only
+    units that end before every chunk's first query; 0 for fewer than two chunks."""
+    if len(chunks) < 2:
+        return 0
+    limit = min(c.start for c in chunks) // unit
+    first = chunks[0].block_ids
+    n = 0
+    while n < limit and all(c.block_ids[n] == first[n] for c in chunks[1:]):
+        n += 1
+    return n
 
 
 FreshRows = tuple[slice | torch.Tensor, torch.Tensor]
@@ -112,12 +126,20 @@ class ChunkBatch:
     gathered into one key range, and positions shifted so that each sequence owns a range of
     its own (``q_lo``, its start, hides the others' keys). The unfilled rows of a sequence's
     last block get positions past its queries and before the next range, so they stay ascending
-    and nobody sees them."""
+    and nobody sees them.
+
+    Table entries every chunk shares (the same cached blocks, from the start: a system prompt
+    all of a step's prefix-cache hits begin with) are expanded and attended once, by every
+    query, and merged with the rest by LSE (cascade attention), instead of once per
+    sequence."""
 
     blocks: torch.Tensor
     q_pos: torch.Tensor
     k_pos: torch.Tensor
     q_lo: torch.Tensor
+    shared_blocks: torch.Tensor | None = None
+    shared_k_pos: torch.Tensor | None = None
+    real_q_pos: torch.Tensor | None = None  # the queries' own positions, for the shared keys
 
 
 @dataclass
@@ -449,6 +471,7 @@ class RankEngine:
 
     def _chunk_batch(self, chunks: Sequence[SeqChunk]) -> ChunkBatch:
         bs, dcp, rank = self.cache.block_size, self.dcp, self.rank
+        shared = shared_prefix_entries(chunks, bs * dcp)
         blocks: list[int] = []
         q_pos: list[torch.Tensor] = []
         k_pos: list[torch.Tensor] = []
@@ -458,18 +481,28 @@ class RankEngine:
             end = c.start + len(c.tokens)
             n_local = kvc.local_token_count(end, bs, dcp, rank)
             nb = -(-n_local // bs)
-            blocks.extend(c.block_ids[:nb])
-            k_pos.append(kvc.local_positions(n_local, bs, dcp, rank) + base)
+            blocks.extend(c.block_ids[shared:nb])
+            k_pos.append(kvc.local_positions(n_local, bs, dcp, rank)[shared * bs:] + base)
             k_pos.append(torch.arange(base + end, base + end + nb * bs - n_local))
             q_pos.append(torch.arange(base + c.start, base + end))
             q_lo.extend([base] * len(c.tokens))
             base += end + bs
         dev = self.cache.device
-        return ChunkBatch(
+        out = ChunkBatch(
             blocks=torch.tensor(blocks, dtype=torch.long).to(dev),
             q_pos=torch.cat(q_pos).to(dev),
             k_pos=torch.cat(k_pos).to(dev),
             q_lo=torch.tensor(q_lo, dtype=torch.long).to(dev),
+        )
+        if not shared:
+            return out
+        return dataclasses.replace(
+            out,
+            shared_blocks=torch.tensor(list(chunks[0].block_ids[:shared]),
+                                       dtype=torch.long).to(dev),
+            shared_k_pos=kvc.local_positions(shared * bs, bs, dcp, rank).to(dev),
+            real_q_pos=torch.cat([torch.arange(c.start, c.start + len(c.tokens))
+                                  for c in chunks]).to(dev),
         )
 
     def _decode_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
@@ -510,6 +543,12 @@ class RankEngine:
             out, lse = chunk_prefill_attention(
                 q_nope, q_pe, self.cache.read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
                 w_uk, w_uv, cfg.softmax_scale, q_lo=cb.q_lo)
+            if cb.shared_blocks is not None:
+                assert cb.shared_k_pos is not None and cb.real_q_pos is not None
+                common = chunk_prefill_attention(
+                    q_nope, q_pe, self.cache.read_blocks(layer, cb.shared_blocks),
+                    cb.real_q_pos, cb.shared_k_pos, w_uk, w_uv, cfg.softmax_scale)
+                out, lse = merge_partials(*common, out, lse)
             return out if self.dcp == 1 else dcp_merge(out, lse, comm)
         out = torch.empty(n, h, cfg.v_head_dim, dtype=torch.float32, device=q_nope.device)
         lse = torch.empty(n, h, dtype=torch.float32, device=q_nope.device)
