@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import aiohttp  # noqa: E402
 from stream_client import parse_metrics, stream_completion  # noqa: E402
 
+from pdd_sidecar.engine.timing import STAGES  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
@@ -61,6 +62,7 @@ class Phase:
     kv_bytes_read: float  # by the decode, over NIXL
     new_tokens: int  # prompt tokens the decode has not held before this phase
     kv_over_new: float = float("nan")  # kv_bytes_read / the new tokens' KV (set at the end)
+    timing_p50_ms: dict[str, float] = field(default_factory=dict)  # pdd.timing stage medians
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Answer:
     ttft: float
     tokens: list[int]
     cached: int
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 def pct(xs: list[float], q: int) -> float:
@@ -84,7 +87,8 @@ async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
         return got
     assert got.usage is not None
     return Answer(got.times[0] - got.start, got.tokens,
-                  got.usage["prompt_tokens_details"]["cached_tokens"])
+                  got.usage["prompt_tokens_details"]["cached_tokens"],
+                  dict(got.pdd.get("timing") or {}))
 
 
 async def kv_bytes(session: aiohttp.ClientSession, decode_url: str) -> float:
@@ -108,9 +112,11 @@ async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str
     prompt_tokens = sum(len(p) for p, _ in ok)
     cached = sum(a.cached for _, a in ok)
     new_tokens = sum(n for n, a in zip(new, answers, strict=True) if isinstance(a, Answer))
+    stages = {k: statistics.median(vals) for k in [*STAGES, "ttft"]
+              if (vals := [a.timing[k] for _, a in ok if k in a.timing])}
     return Phase(workload, cache, number, len(prompts), len(failed), prompt_tokens,
                  prompt_tokens - cached, cached, pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3,
-                 moved, new_tokens), list(answers)
+                 moved, new_tokens, timing_p50_ms=stages), list(answers)
 
 
 def tokens(n: int, salt: int, span: int, base: int) -> list[int]:
@@ -246,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for a, b in zip(off, on, strict=True):
         print(row(a, b))
+    print("\nmedian of each TTFT stage per request, ms (pdd.timing, docs/serving.md), off / on:")
+    print(f"{'workload':>8} {'phase':>5} " + " ".join(f"{k[:13]:>13}" for k in [*STAGES, "ttft"]))
+    nan = float("nan")
+    for a, b in zip(off, on, strict=True):
+        print(f"{a.workload:>8} {a.phase:>5} " + " ".join(
+            f"{a.timing_p50_ms.get(k, nan):>6.1f}/{b.timing_p50_ms.get(k, nan):<6.1f}"
+            for k in [*STAGES, "ttft"]))
     summary = {}
     for w in ("shared", "chat"):
         c_off = sum(r.computed_tokens for r in off if r.workload == w)
