@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -261,12 +262,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
 
 class ProbeSampler:
     """Polls the probes a kubelet and the router poll, while a level runs: every answer should
-    be prompt and 200 whatever the load (they are answered off the engine's path)."""
+    be prompt and 200 whatever the load (they are answered off the engine's path).
+
+    It runs on a thread with its own event loop and HTTP session: the level's streaming clients
+    keep the benchmark's loop busy, and a probe timed there would count that loop's delay as
+    the server's."""
 
     INTERVAL_S = 0.05
 
-    def __init__(self, session: aiohttp.ClientSession, stack: LocalStack) -> None:
-        self.session = session
+    def __init__(self, stack: LocalStack) -> None:
         self.urls = {f"{u}/readyz": f"{name} /readyz" for name, u in
                      (("router", stack.url), ("prefill", stack.prefill_url),
                       ("decode", stack.decode_url))}
@@ -274,24 +278,36 @@ class ProbeSampler:
         self.latencies_ms: list[float] = []
         self.worst_ms: dict[str, float] = {}
         self.failures = 0
-        self.stop = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()),
+                                        name="probe-sampler", daemon=True)
 
-    async def run(self) -> None:
-        while not self.stop:
-            for url in self.urls:
-                t = time.perf_counter()
-                try:
-                    async with self.session.get(url) as resp:
-                        await resp.read()
-                        ok = resp.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                ms = (time.perf_counter() - t) * 1e3
-                self.latencies_ms.append(ms)
-                name = self.urls[url]
-                self.worst_ms[name] = max(ms, self.worst_ms.get(name, 0.0))
-                self.failures += not ok
-            await asyncio.sleep(self.INTERVAL_S)
+    def __enter__(self) -> ProbeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not self._stop.is_set():
+                for url in self.urls:
+                    t = time.perf_counter()
+                    try:
+                        async with session.get(url) as resp:
+                            await resp.read()
+                            ok = resp.status == 200
+                    except (aiohttp.ClientError, TimeoutError):
+                        ok = False
+                    ms = (time.perf_counter() - t) * 1e3
+                    self.latencies_ms.append(ms)
+                    name = self.urls[url]
+                    self.worst_ms[name] = max(ms, self.worst_ms.get(name, 0.0))
+                    self.failures += not ok
+                await asyncio.sleep(self.INTERVAL_S)
 
 
 async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int,
@@ -354,12 +370,9 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
                                                  spec.max_tokens))
 
         t0 = time.perf_counter()
-        probes = ProbeSampler(session, stack)
-        sampling = asyncio.create_task(probes.run())
-        await asyncio.gather(*(client() for _ in range(spec.concurrency)))
-        wall = time.perf_counter() - t0
-        probes.stop = True
-        await sampling
+        with ProbeSampler(stack) as probes:
+            await asyncio.gather(*(client() for _ in range(spec.concurrency)))
+            wall = time.perf_counter() - t0
         after = await scrape()
     ok = [r for r in results if isinstance(r, Reply)]
     failures = [r for r in results if isinstance(r, str)]

@@ -61,6 +61,7 @@ class Script:
     prefill_delay_s: float = 0.0
     fail_after: int | None = None  # decode: a transfer error line after this many tokens
     cached_tokens: int | None = None  # prefill: None answers without the field (older ones)
+    split_bytes: int | None = None  # decode: the stream written in pieces of this many bytes
 
 
 class FakeInstance:
@@ -139,6 +140,8 @@ class FakeInstance:
             return self._error(s.decode_status, "decode refused")
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
+        if s.split_bytes:
+            return await self._decode_in_pieces(body, response, s.split_bytes)
         sent: list[int] = []
         finish = "length"
         try:
@@ -165,6 +168,22 @@ class FakeInstance:
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled.append(body["request_id"])
             raise
+        return response
+
+
+    async def _decode_in_pieces(self, body: dict[str, Any], response: web.StreamResponse,
+                                size: int) -> web.StreamResponse:
+        """The whole stream at once, cut without regard to its lines: lines split across
+        reads, several in one read."""
+        sent = self.script.tokens[:body["max_new_tokens"]]
+        lines = [{"token": sent[0], "timing": {"queue": 1.5}}, *({"token": t} for t in sent[1:]),
+                 {"done": True, "token_ids": sent, "finish_reason": "length",
+                  "transfer": {"bytes": 1, "descriptors": 1, "ranks": []}}]
+        data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+        for i in range(0, len(data), size):
+            await response.write(data[i:i + size])
+            await asyncio.sleep(0.002)
+        await response.write_eof()
         return response
 
 
@@ -428,6 +447,29 @@ def test_streamed_completion_chunks(stack: Stack, fake: FakeInstance) -> None:
     assert bytes(tokens) == b"Hello world. STOP"
 
 
+@pytest.mark.parametrize("split_bytes", [1, 7, 4096])
+def test_decode_stream_read_in_any_pieces(stack: Stack, fake: FakeInstance,
+                                          split_bytes: int) -> None:
+    """However the decode's lines arrive (a byte at a time, split mid-line, all in one read),
+    the client gets one event per token, in order, and the stream's end."""
+    want = fake.script.tokens[:11]
+    fake.script.split_bytes = split_bytes
+    status, events, _ = _sse(f"{stack.routers['builtin']}/v1/completions",
+                             {"prompt": "x", "max_tokens": 12, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[fake.script.first]] + [
+        [t] for t in want]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == bytes(
+        [fake.script.first, *want]).decode()
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 11 + ["length"]
+    assert chunks[-1]["pdd"]["timing"]["decode_queue"] == 1.5  # the first line's timing
+    status, body = _post(f"{stack.routers['builtin']}/v1/completions",
+                         {"prompt": "x", "max_tokens": 12})
+    assert status == 200 and body["choices"][0]["token_ids"] == [fake.script.first, *want]
+    assert body["pdd"]["transfer"] == {"bytes": 1, "descriptors": 1, "ranks": []}
+
+
 def test_streamed_chat_chunks_start_with_the_role(stack: Stack, fake: FakeInstance) -> None:
     fake.script.cached_tokens = 16
     status, events, _ = _sse(f"{stack.routers['builtin']}/v1/chat/completions",
@@ -667,3 +709,18 @@ def test_real_instances_serve_chat_and_completions(tmp_path: Path) -> None:
         assert status == 400 and body["error"]["param"] == "top_p"
     finally:
         cluster.close()
+
+
+def test_token_lines_are_json_and_the_router_reads_them_without_the_decoder() -> None:
+    """The decode writes its token lines without the JSON encoder and the router reads them
+    without the decoder: both must stay exactly what json.dumps writes."""
+    from pdd_sidecar.serve.decode_api import _token_lines
+    from pdd_sidecar.serve.upstreams import _token_line
+
+    ids = [0, 7, 129279, 10**9]
+    lines = _token_lines(ids)
+    assert lines == b"".join(json.dumps({"token": t}).encode() + b"\n" for t in ids)
+    assert [_token_line(line) for line in lines.split(b"\n")[:-1]] == ids
+    for other in (b'{"token": 5, "timing": {}}', b'{"token": -1}', b'{"token": 1.5}',
+                  b'{"token": "5"}', b'{"done": true}', b'{"token": }', b""):
+        assert _token_line(other) is None, other

@@ -4,6 +4,7 @@ OpenAI's shape, and waiting for a sequence while watching the client."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -49,6 +50,7 @@ class InstanceState:
         self.peer_errors: dict[str, RequestError] = {}  # instance id -> why it was refused
         self.draining = False
         self.in_flight = 0  # POST requests being answered (server.py counts them)
+        self.clients = ClientWatch()
 
     @property
     def ready(self) -> bool:
@@ -214,41 +216,93 @@ def client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+class ClientWatch:
+    """The requests whose client may go away while their sequence runs, looked at together
+    every ``interval_s`` by one task: a timer per sequence would wake the loop thousands of
+    times a second under load, and delay what else it answers (the probes)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self._watched: dict[int, tuple[web.Request, Callable[[], None]]] = {}
+        self._keys = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, request: web.Request, on_gone: Callable[[], None]) -> int:
+        """Call ``on_gone`` once, when the request's client is gone; the key removes it."""
+        key = next(self._keys)
+        self._watched[key] = (request, on_gone)
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self._run())
+        return key
+
+    def discard(self, key: int) -> None:
+        self._watched.pop(key, None)
+
+    async def _run(self) -> None:
+        while self._watched:
+            await asyncio.sleep(self.interval_s)
+            gone = [k for k, (request, _) in self._watched.items() if client_gone(request)]
+            for key in gone:
+                _, on_gone = self._watched.pop(key)
+                on_gone()
+
+
 async def finished(request: web.Request, state: InstanceState, seq: Sequence) -> Sequence:
     """Submit ``seq`` and wait for it to finish; a client that goes away cancels it."""
     fut = asyncio.wrap_future(state.driver.submit(seq))
-    cancelled = False
-    while True:
-        done, _ = await asyncio.wait({fut}, timeout=0.05)
-        if done:
-            return fut.result()
-        if not cancelled and client_gone(request):
-            cancelled = True
-            state.driver.cancel(seq.id)
+    key = state.clients.add(request, lambda: state.driver.cancel(seq.id))
+    try:
+        await asyncio.wait({fut})
+    finally:
+        state.clients.discard(key)
+    return fut.result()
 
 
-async def sequence_tokens(request: web.Request, state: InstanceState,
-                          seq: Sequence) -> AsyncGenerator[int, None]:
-    """Submit ``seq`` and yield its tokens as the engine chooses them; leaving early (a client
+async def sequence_token_batches(request: web.Request, state: InstanceState,
+                                 seq: Sequence) -> AsyncGenerator[list[int], None]:
+    """Submit ``seq`` and yield its tokens as the engine chooses them, every token delivered
+    so far at once (one write for them, when the loop fell behind); leaving early (a client
     gone, a failed write) cancels the sequence. Check ``sequence_error`` once it ends."""
-    tokens: asyncio.Queue[int] = asyncio.Queue()
+    tokens: asyncio.Queue[int | None] = asyncio.Queue()  # None: the sequence ended
     seq.on_token = on_loop(asyncio.get_running_loop(), tokens.put_nowait)
     done = asyncio.ensure_future(finished(request, state, seq))
+    done.add_done_callback(lambda _: tokens.put_nowait(None))
     try:
-        while True:
-            getter = asyncio.ensure_future(tokens.get())
-            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                break
-            yield getter.result()
+        ended = False
+        while not ended:
+            item = await tokens.get()
+            batch: list[int] = []
+            while True:
+                if item is None:
+                    ended = True
+                    break
+                batch.append(item)
+                if tokens.empty():
+                    break
+                item = tokens.get_nowait()
+            if batch:
+                yield batch
         done.result()  # a refusal at submission (429, 400) raises here
-        while not tokens.empty():
-            yield tokens.get_nowait()
+        rest = [t for t in (tokens.get_nowait() for _ in range(tokens.qsize())) if t is not None]
+        if rest:
+            yield rest
     finally:
         if not done.done():
             state.driver.cancel(seq.id)
             await done
+
+
+async def sequence_tokens(request: web.Request, state: InstanceState,
+                          seq: Sequence) -> AsyncGenerator[int, None]:
+    """``sequence_token_batches`` one token at a time."""
+    batches = sequence_token_batches(request, state, seq)
+    try:
+        async for batch in batches:
+            for token in batch:
+                yield token
+    finally:
+        await batches.aclose()
 
 
 def sequence_error(seq: Sequence) -> RequestError | None:

@@ -36,7 +36,7 @@ from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.discovery import fresh_dns_connector
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
 from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
-from pdd_sidecar.serve.upstreams import Router, Trip
+from pdd_sidecar.serve.upstreams import Router, Step, Trip
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,11 @@ def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
             "pdd": trip.meta()}
 
 
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {payload}\n\n".encode()
+
+
 async def _stream(request: web.Request, router: Router, rid: str, req: GenRequest,
                   trip: Trip) -> web.StreamResponse:
     """Server-sent events in OpenAI's chunk formats, then `data: [DONE]`.
@@ -126,8 +131,7 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
     sent = {"tokens": 0}
 
     async def event(data: dict[str, Any] | str) -> None:
-        payload = data if isinstance(data, str) else json.dumps(data)
-        await response.write(f"data: {payload}\n\n".encode())
+        await response.write(_sse(data))
 
     def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
         body = {"id": rid, "object": obj, "created": created,
@@ -137,20 +141,23 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
         body.update(extra)
         return body
 
-    async def emit(tokens: list[int], text: str, finish: str | None) -> None:
+    async def emit(steps: list[Step]) -> None:
         if not response.prepared:
             await response.prepare(request)
             if req.kind == "chat":
                 await event(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                                    "token_ids": [], "logprobs": None, "finish_reason": None}))
-        sent["tokens"] += len(tokens)
-        if req.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text}
-        else:
-            choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
-        choice.update(token_ids=tokens, logprobs=None, finish_reason=finish)
-        extra = {"pdd": trip.meta()} if finish else {}
-        await event(chunk(choice, **extra))
+        events = []
+        for tokens, text, finish in steps:
+            sent["tokens"] += len(tokens)
+            if req.kind == "completion":
+                choice: dict[str, Any] = {"index": 0, "text": text}
+            else:
+                choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
+            choice.update(token_ids=tokens, logprobs=None, finish_reason=finish)
+            extra = {"pdd": trip.meta()} if finish else {}
+            events.append(_sse(chunk(choice, **extra)))
+        await response.write(b"".join(events))
 
     try:
         out = await router.generate(rid, req, trip, emit)

@@ -68,7 +68,19 @@ def _cached_tokens(holder: Any) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0
 
 
-Emit = Callable[[list[int], str, str | None], Awaitable[None]]
+# One step of a completion: (token ids, text to show, finish reason).
+Step = tuple[list[int], str, str | None]
+Emit = Callable[[list[Step]], Awaitable[None]]
+
+
+def _token_line(line: bytes) -> int | None:
+    """The id of a decode's ``{"token": id}`` line as json.dumps writes it (all but the first
+    and last line of a stream), without the JSON decoder; None for any other line."""
+    if line.startswith(b'{"token": ') and line.endswith(b"}"):
+        digits = line[10:-1]
+        if digits.isdigit() and len(digits) < 12:
+            return int(digits)
+    return None
 
 
 class PrefillLost(Exception):
@@ -328,7 +340,7 @@ class Router:
         return resp
 
     async def _tokens_vllm(self, rid: str, req: GenRequest,
-                           trip: Trip) -> AsyncGenerator[int, None]:
+                           trip: Trip) -> AsyncGenerator[list[int], None]:
         """vLLM's proxy flow to the upstreams (`PDD_ROUTER_UPSTREAM_PROTOCOL=vllm`): the
         prefill gets the request with max_tokens 1 and do_remote_decode, the decode gets the
         original request with the returned kv_transfer_params, one X-Request-Id for both; the
@@ -365,8 +377,8 @@ class Router:
         if req.max_tokens == 1 or not isinstance(params, dict):
             self.release_soon(url, rid, params)
             trip.finish = choice.get("finish_reason") or "length"
-            for t in first:
-                yield t
+            if first:
+                yield first
             return
         decode = await self._choose_decode(self.prefill.plans.get(url), set())
         if decode is None:
@@ -395,8 +407,9 @@ class Router:
                     if "error" in msg:
                         raise upstream_error("decode", decode, 502, msg)
                     choice = msg["choices"][0]
-                    for t in choice.get("token_ids") or []:
-                        yield int(t)
+                    ids = [int(t) for t in choice.get("token_ids") or []]
+                    if ids:
+                        yield ids
                     if choice.get("finish_reason"):
                         trip.finish = choice["finish_reason"]
             raise ApiError(502, f"decode {decode}: stream ended without [DONE]")
@@ -408,8 +421,10 @@ class Router:
             if not complete:
                 self.release_soon(url, rid, params)
 
-    async def tokens(self, rid: str, req: GenRequest, trip: Trip) -> AsyncGenerator[int, None]:
-        """The completion's tokens as the replicas choose them.
+    async def tokens(self, rid: str, req: GenRequest,
+                     trip: Trip) -> AsyncGenerator[list[int], None]:
+        """The completion's tokens as the replicas choose them, in batches of what arrived
+        together (one token each while the router keeps up).
 
         Closing this generator early (a stop string, a client gone) closes the decode stream,
         which cancels the sequence there, and releases the prefill's blocks.
@@ -417,8 +432,8 @@ class Router:
         if self.settings.upstream_protocol == "vllm":
             inner = self._tokens_vllm(rid, req, trip)
             try:
-                async for token in inner:
-                    yield token
+                async for batch in inner:
+                    yield batch
             finally:
                 await inner.aclose()
             return
@@ -445,14 +460,14 @@ class Router:
                 raise
             try:
                 yield first
-                async for token in inner:
-                    yield token
+                async for batch in inner:
+                    yield batch
             finally:
                 await inner.aclose()
             return
 
     async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip,
-                          skip: set[str]) -> AsyncGenerator[int, None]:
+                          skip: set[str]) -> AsyncGenerator[list[int], None]:
         """One try of pdd's own flow: a prefill (not one in ``skip``), then a decode."""
         prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
                         "max_tokens": req.max_tokens, "sampling": req.sampling,
@@ -485,39 +500,54 @@ class Router:
                     if exc.status == 502 and exc.type == "transfer":  # the KV could not be read
                         raise PrefillLost(prefill_url, exc) from None
                     raise
-            yield first
+            yield [first]
             if resp is None:
                 trip.finish = finished
                 return
-            while True:
+            # Every line that arrived is taken at once: while the router keeps up that is one
+            # token, and when it falls behind the tokens go to the client in one write.
+            pending = b""
+            eof = False
+            while not eof:
                 try:
-                    line = await resp.content.readline()
+                    data = await resp.content.readany()
                 except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                     raise ApiError(502, f"decode {trip.decode}: stream broke: "
                                    f"{type(exc).__name__}: {exc}") from None
-                if not line:
-                    raise ApiError(502, f"decode {trip.decode}: stream ended without its "
-                                   "final line")
-                if not line.strip():
-                    continue
-                try:
-                    msg = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    msg = None
-                if not isinstance(msg, dict) or ("token" in msg and not is_int(msg["token"])):
-                    raise ApiError(502, f"decode {trip.decode}: bad stream line "
-                                   f"{line[:200]!r}")
-                if "timing" in msg:
-                    trip.decode_timing = msg["timing"]
-                if "token" in msg:
-                    decoded.append(int(msg["token"]))
-                    yield decoded[-1]
-                elif "error" in msg:
-                    status = msg.get("status")
-                    if not isinstance(status, int) or isinstance(status, bool):
-                        status = 502
-                    raise upstream_error("decode", str(trip.decode), status, msg)
-                else:
+                eof = not data
+                lines = (pending + data).split(b"\n")
+                pending = b"" if eof else lines.pop()
+                batch: list[int] = []
+                for line in lines:
+                    token = _token_line(line)
+                    if token is not None:
+                        decoded.append(token)
+                        batch.append(token)
+                        continue
+                    if not line.strip():
+                        continue
+                    try:
+                        msg = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        msg = None
+                    if not isinstance(msg, dict) or (
+                            "token" in msg and not is_int(msg["token"])):
+                        raise ApiError(502, f"decode {trip.decode}: bad stream line "
+                                       f"{line[:200]!r}")
+                    if "timing" in msg:
+                        trip.decode_timing = msg["timing"]
+                    if "token" in msg:
+                        decoded.append(int(msg["token"]))
+                        batch.append(decoded[-1])
+                        continue
+                    if batch:  # the client sees these tokens before the stream's end
+                        yield batch
+                        batch = []
+                    if "error" in msg:
+                        status = msg.get("status")
+                        if not isinstance(status, int) or isinstance(status, bool):
+                            status = 502
+                        raise upstream_error("decode", str(trip.decode), status, msg)
                     complete = True
                     held = False
                     trip.finish = msg.get("finish_reason")
@@ -527,6 +557,9 @@ class Router:
                     self.decode.served(str(trip.decode),
                                        [*req.prompt_ids, first, *decoded[:-1]])
                     return
+                if batch:
+                    yield batch
+            raise ApiError(502, f"decode {trip.decode}: stream ended without its final line")
         finally:
             if resp is not None:
                 self.decode.finished(str(trip.decode))
@@ -539,31 +572,39 @@ class Router:
 
     async def generate(self, rid: str, req: GenRequest, trip: Trip,
                        emit: Emit | None) -> Output:
-        """Run one request; `emit(token_ids, text, finish_reason)` sees each step."""
+        """Run one request; `emit(steps)` sees each step `(token_ids, text, finish_reason)`,
+        those of tokens that arrived together in one call."""
         out = Output(req, self.model)
         upstream = self.tokens(rid, req, trip)
         start = time.monotonic()
         first_at: float | None = None
         count = 0
         try:
-            async for token in upstream:
-                if out.finish is not None:
-                    break  # the instance goes on past this side's stop (pre-v2 instances do)
-                count += 1
-                if first_at is None:
-                    first_at = time.monotonic()
-                    self.metrics.ttft_seconds.observe(first_at - start)
-                    trip.stamps[timing.R_FIRST_TOKEN] = first_at
-                text = out.add(token)
-                if emit is not None:
-                    await emit([token], text, out.finish)
-                if out.stopped_by_string:
+            done = False
+            async for batch in upstream:
+                steps: list[Step] = []
+                for token in batch:
+                    if out.finish is not None:
+                        done = True  # the instance goes on past this side's stop (pre-v2 do)
+                        break
+                    count += 1
+                    if first_at is None:
+                        first_at = time.monotonic()
+                        self.metrics.ttft_seconds.observe(first_at - start)
+                        trip.stamps[timing.R_FIRST_TOKEN] = first_at
+                    steps.append(([token], out.add(token), out.finish))
+                    if out.stopped_by_string:
+                        done = True
+                        break
+                if emit is not None and steps:
+                    await emit(steps)
+                if done:
                     break
             else:
                 if out.finish is None:
                     text = out.end(trip.finish)
                     if emit is not None:
-                        await emit([], text, out.finish)
+                        await emit([([], text, out.finish)])
         finally:
             await upstream.aclose()
             if first_at is not None and count > 1:
