@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
-from stream_client import parse_metrics, stream_completion  # noqa: E402
+from stream_client import parse_metrics, sample_probes, stream_completion  # noqa: E402
 
 from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
@@ -264,9 +264,9 @@ class ProbeSampler:
     """Polls the probes a kubelet and the router poll, while a level runs: every answer should
     be prompt and 200 whatever the load (they are answered off the engine's path).
 
-    It runs on a thread with its own event loop and HTTP session: the level's streaming clients
-    keep the benchmark's loop busy, and a probe timed there would count that loop's delay as
-    the server's."""
+    It runs in a process of its own: the level's streaming clients keep the benchmark's event
+    loop and its GIL busy, and a probe timed in the same process would count that delay as the
+    server's."""
 
     INTERVAL_S = 0.05
 
@@ -278,36 +278,30 @@ class ProbeSampler:
         self.latencies_ms: list[float] = []
         self.worst_ms: dict[str, float] = {}
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()),
-                                        name="probe-sampler", daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._polling = ctx.Event()
+        self._results: Any = ctx.Queue()
+        self._proc = ctx.Process(target=sample_probes, name="probe-sampler", daemon=True,
+                                 args=(self.urls, self.INTERVAL_S, self._stop, self._results,
+                                       self._polling))
 
     def __enter__(self) -> ProbeSampler:
-        self._thread.start()
+        self._proc.start()
+        self._polling.wait(timeout=60)  # its first round is done: the level may start
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
-
-    async def _run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while not self._stop.is_set():
-                for url in self.urls:
-                    t = time.perf_counter()
-                    try:
-                        async with session.get(url) as resp:
-                            await resp.read()
-                            ok = resp.status == 200
-                    except (aiohttp.ClientError, TimeoutError):
-                        ok = False
-                    ms = (time.perf_counter() - t) * 1e3
-                    self.latencies_ms.append(ms)
-                    name = self.urls[url]
-                    self.worst_ms[name] = max(ms, self.worst_ms.get(name, 0.0))
-                    self.failures += not ok
-                await asyncio.sleep(self.INTERVAL_S)
+        try:
+            got = self._results.get(timeout=60)
+        finally:
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self.latencies_ms = got["latencies_ms"]
+        self.worst_ms = got["worst_ms"]
+        self.failures = got["failures"]
 
 
 async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int,

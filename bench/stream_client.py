@@ -3,6 +3,7 @@ token, and an instance's /metrics as numbers (bench/serving.py, bench/serve_path
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -67,3 +68,36 @@ def parse_metrics(text: str) -> dict[str, float]:
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def sample_probes(urls: dict[str, str], interval_s: float, stop: Any, results: Any,
+                  polling: Any) -> None:
+    """A probe sampler's process (bench/serve_path.py ``ProbeSampler``): polls ``urls`` every
+    ``interval_s`` (``polling`` set after the first round) until ``stop``, then puts what it
+    saw on ``results``."""
+    latencies: list[float] = []
+    worst: dict[str, float] = {}
+    failures = 0
+
+    async def run() -> None:
+        nonlocal failures
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not stop.is_set():
+                for url, name in urls.items():
+                    t = time.perf_counter()
+                    try:
+                        async with session.get(url) as resp:
+                            await resp.read()
+                            ok = resp.status == 200
+                    except (aiohttp.ClientError, TimeoutError):
+                        ok = False
+                    ms = (time.perf_counter() - t) * 1e3
+                    latencies.append(ms)
+                    worst[name] = max(ms, worst.get(name, 0.0))
+                    failures += not ok
+                polling.set()
+                await asyncio.sleep(interval_s)
+
+    asyncio.run(run())
+    results.put({"latencies_ms": latencies, "worst_ms": worst, "failures": failures})
