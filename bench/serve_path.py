@@ -363,8 +363,8 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
                 results.append(await one_request(session, stack.url, prompts[i],
                                                  spec.max_tokens))
 
-        t0 = time.perf_counter()
-        with ProbeSampler(stack) as probes:
+        with ProbeSampler(stack) as probes:  # polling before the clock starts
+            t0 = time.perf_counter()
             await asyncio.gather(*(client() for _ in range(spec.concurrency)))
             wall = time.perf_counter() - t0
         after = await scrape()
