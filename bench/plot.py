@@ -3,9 +3,10 @@
     python bench/plot.py serving docs/serving_cpu.json docs/serving_cpu.png
     python bench/plot.py engine docs/gpu_engine_h200.json docs/gpu_engine_h200.png
     python bench/plot.py serve_path docs/serve_path_cpu.json docs/serve_path_cpu.png
+    python bench/plot.py prefix_cache docs/prefix_cache_h200.json docs/prefix_cache_h200.png
 
-Inputs are what `bench/serving.py --json`, `bench/engine.py --json` and
-`bench/serve_path.py --json` write. Tables show exact
+Inputs are what `bench/serving.py --json`, `bench/engine.py --json`,
+`bench/serve_path.py --json` and `bench/prefix_cache.py --json` write. Tables show exact
 figures; the plots show the shape (where dcp = N's admitted batch pays, how far a step is from
 its roofline) at a glance. Needs matplotlib (`pip install -e .[bench]`). The `*_series`
 functions are pure and shared with the tests that keep the JSON and the tables in step.
@@ -113,8 +114,31 @@ def plot_serve_path(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def prefix_cache_series(data: dict[str, Any]) -> dict[str, Series]:
+    """Per workload and metric (TTFT p50 in ms, KV MB READ per request), per cache setting:
+    (phase, value) points in phase order."""
+    out: dict[str, Series] = {}
+    for ph in data["phases"]:
+        setting = "cache on" if ph["cache"] else "cache off"
+        done = max(1, ph["requests"] - ph["errors"])
+        for metric, value in (("TTFT p50 (ms)", ph["ttft_p50_ms"]),
+                              ("KV MB READ per request", ph["kv_bytes_read"] / done / 1e6)):
+            out.setdefault(f"{ph['workload']}: {metric}", {}).setdefault(setting, []).append(
+                (float(ph["phase"]), float(value)))
+    return out
+
+
+def plot_prefix_cache(data: dict[str, Any], out: Path) -> None:
+    cfg = data.get("config", {})
+    title = (f"bench/prefix_cache.py: {Path(str(cfg.get('model', '?'))).name} on "
+             f"{cfg.get('device', '?')}, cache off against on")
+    panels = prefix_cache_series(data)
+    xlabels = {k: ("round" if k.startswith("shared") else "turn") for k in panels}
+    _draw(panels, title, xlabels, out, log_x=False)
+
+
 def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: Path,
-          hlines: dict[str, tuple[float, str]] | None = None) -> None:
+          hlines: dict[str, tuple[float, str]] | None = None, log_x: bool = True) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,7 +162,8 @@ def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: P
             value, text = hlines[name]
             ax.axhline(value, color="grey", linestyle=":", label=text)
         ax.set_title(name)
-        ax.set_xscale("log", base=2)
+        if log_x:
+            ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabels.get(name, ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -178,13 +203,13 @@ def plot_engine(data: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["serving", "engine", "serve_path"])
+    ap.add_argument("kind", choices=["serving", "engine", "serve_path", "prefix_cache"])
     ap.add_argument("json", type=Path)
     ap.add_argument("png", type=Path)
     args = ap.parse_args(argv)
     data = json.loads(args.json.read_text())
     {"serving": plot_serving, "engine": plot_engine,
-     "serve_path": plot_serve_path}[args.kind](data, args.png)
+     "serve_path": plot_serve_path, "prefix_cache": plot_prefix_cache}[args.kind](data, args.png)
     print(f"wrote {args.png}")
     return 0
 

@@ -129,8 +129,31 @@ def test_serve_path_json_holds_its_table() -> None:
         assert f[5:7] == [f"{lv['ttft_p50_ms']:.1f}", f"{lv['ttft_p99_ms']:.1f}"]
 
 
+def test_prefix_cache_json_holds_its_table_and_plot() -> None:
+    """The H200 prefix-cache rows in docs/serving.md and the plot's points are the JSON's."""
+    plot = plot_module()
+    data = load("prefix_cache_h200.json")
+    series = plot.prefix_cache_series(data)
+    for ph in data["phases"]:
+        setting = "cache on" if ph["cache"] else "cache off"
+        ttft = series[f"{ph['workload']}: TTFT p50 (ms)"][setting]
+        assert (float(ph["phase"]), ph["ttft_p50_ms"]) in ttft
+    text = (DOCS / "serving.md").read_text()
+    section = text[text.index("[prefix_cache_h200.json](prefix_cache_h200.json)"):]
+    block = section.split("```")[1]
+    rows = {(f[0], f[1]): f for ln in block.splitlines()
+            if (f := ln.split()) and f[0] in ("shared", "chat") and len(f) == 11}
+    on = {(p["workload"], str(p["phase"])): p for p in data["phases"] if p["cache"]}
+    off = {(p["workload"], str(p["phase"])): p for p in data["phases"] if not p["cache"]}
+    assert set(rows) == set(on) == set(off)
+    for key, f in rows.items():
+        assert f[7] == f"{off[key]['ttft_p50_ms']:.1f}/{on[key]['ttft_p50_ms']:.1f}"
+
+
 @pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
                                           ("serve_path_cpu.png", "serving.md"),
+                                          ("serve_path_h200.png", "serving.md"),
+                                          ("prefix_cache_h200.png", "serving.md"),
                                           ("serving_h200.png", "serving.md"),
                                           ("serving_h200_graphs.png", "serving.md"),
                                           ("gpu_engine_h200.png", "gpu.md")])
