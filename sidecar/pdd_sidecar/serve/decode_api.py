@@ -5,8 +5,9 @@ batch.
 "prompt_ids", "sampling", "stop_token_ids", "ignore_eos", "stream"}`: the request waits for KV
 blocks if the instance is full (429 once the queue is), every rank reads exactly the chunks the
 routing plan gives it while the batch keeps running (with `prompt_ids` and the prefix cache on,
-only those after the prompt's whole units this decode already holds: a follow-up turn of a
-conversation it served pulls only its new tokens), notifies the prefill ranks the plan names,
+only the tokens after those this decode already holds, whole units and the partial unit a
+finished sequence left: a follow-up turn of a conversation it served pulls only its new
+tokens), notifies the prefill ranks the plan names,
 and the sequence joins the batch until a stop id, EOS or `max_new_tokens`. With
 `"stream": true` the answer is NDJSON, one `{"token": id}` line per token and a final line with
 the totals (`cached_tokens`: the prompt tokens whose KV was not pulled); an error before the
