@@ -40,9 +40,13 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
-from stream_client import parse_metrics, stream_completion  # noqa: E402
+from stream_client import (  # noqa: E402
+    TIMING_NAMES,
+    parse_metrics,
+    stage_medians,
+    stream_completion,
+)
 
-from pdd_sidecar.engine.timing import STAGES  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
@@ -112,8 +116,7 @@ async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str
     prompt_tokens = sum(len(p) for p, _ in ok)
     cached = sum(a.cached for _, a in ok)
     new_tokens = sum(n for n, a in zip(new, answers, strict=True) if isinstance(a, Answer))
-    stages = {k: statistics.median(vals) for k in [*STAGES, "ttft"]
-              if (vals := [a.timing[k] for _, a in ok if k in a.timing])}
+    stages = stage_medians(a.timing for _, a in ok)
     return Phase(workload, cache, number, len(prompts), len(failed), prompt_tokens,
                  prompt_tokens - cached, cached, pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3,
                  moved, new_tokens, timing_p50_ms=stages), list(answers)
@@ -253,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     for a, b in zip(off, on, strict=True):
         print(row(a, b))
     print("\nmedian of each TTFT stage per request, ms (pdd.timing, docs/serving.md), off / on:")
-    print(f"{'workload':>8} {'phase':>5} " + " ".join(f"{k[:13]:>13}" for k in [*STAGES, "ttft"]))
+    print(f"{'workload':>8} {'phase':>5} " + " ".join(f"{k[:13]:>13}" for k in TIMING_NAMES))
     nan = float("nan")
     for a, b in zip(off, on, strict=True):
         print(f"{a.workload:>8} {a.phase:>5} " + " ".join(
             f"{a.timing_p50_ms.get(k, nan):>6.1f}/{b.timing_p50_ms.get(k, nan):<6.1f}"
-            for k in [*STAGES, "ttft"]))
+            for k in TIMING_NAMES))
     summary = {}
     for w in ("shared", "chat"):
         c_off = sum(r.computed_tokens for r in off if r.workload == w)

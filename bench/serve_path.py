@@ -48,11 +48,15 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
-from stream_client import parse_metrics, sample_probes, stream_completion  # noqa: E402
+from stream_client import (  # noqa: E402
+    parse_metrics,
+    sample_probes,
+    stage_medians,
+    stream_completion,
+)
 
 from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
-from pdd_sidecar.engine.timing import STAGES  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
@@ -377,9 +381,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
     ttft = [(r.times[0] - r.start) * 1e3 for r in ok]
     tpot = [(r.times[-1] - r.times[0]) / (len(r.times) - 1) * 1e3 for r in ok
             if len(r.times) > 1]
-    names = [*STAGES, "ttft"]
-    medians = {k: statistics.median(vals) for k in names
-               if (vals := [r.timing[k] for r in ok if k in r.timing])}
+    medians = stage_medians(r.timing for r in ok)
     rbytes, rsecs, rdev = after[0] - before[0], after[1] - before[1], after[2] - before[2]
     return LevelResult(
         level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,

@@ -1,16 +1,24 @@
 """The serving benchmarks' client side: one streaming completion through the router, timed per
-token, and an instance's /metrics as numbers (bench/serving.py, bench/serve_path.py)."""
+token, the median of each TTFT stage it reports, an instance's /metrics as numbers, and a probe
+sampler's process (bench/serving.py, bench/serve_path.py, bench/prefix_cache.py). The benches
+put sidecar/ on sys.path before importing it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import statistics
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from pdd_sidecar.engine.timing import STAGES
+
+TIMING_NAMES = (*STAGES, "ttft")  # the keys of a completion's `pdd.timing`
 
 _SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 
@@ -58,6 +66,13 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
     if include_usage and out.usage is None:
         return "no usage chunk"
     return out
+
+
+def stage_medians(timings: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The median of each `pdd.timing` stage (and the TTFT) over the requests that report it."""
+    timings = list(timings)
+    return {k: statistics.median(vals) for k in TIMING_NAMES
+            if (vals := [t[k] for t in timings if k in t])}
 
 
 def parse_metrics(text: str) -> dict[str, float]:

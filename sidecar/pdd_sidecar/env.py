@@ -51,8 +51,8 @@ PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
 # prefill tokens in one forward pass; unset: by device (engine/scheduler.py DEVICE_BUDGETS)
 PDD_MAX_STEP_TOKENS = "PDD_MAX_STEP_TOKENS"
 PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (whole blocks); unset: by device
-# chunk of a prompt longer than PDD_CHUNK_TOKENS (so it cannot hold a step for long); unset: by
-# device
+# a step's piece of a prompt longer than PDD_CHUNK_TOKENS while shorter prompts share its steps
+# (so theirs stay short); unset: by device
 PDD_LONG_CHUNK_TOKENS = "PDD_LONG_CHUNK_TOKENS"
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;

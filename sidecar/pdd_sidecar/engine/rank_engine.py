@@ -7,7 +7,6 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,21 +49,25 @@ from pdd_sidecar.model.weights import LayerWeights
 log = logging.getLogger(__name__)
 
 
+def _varlen_kernel_pays(n: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Two or more pieces, on CUDA in half precision: there one varlen call per layer replaces
+    a chain of launches per piece. The CPU keeps the per-piece path, the reference."""
+    return (n >= 2 and device.type == "cuda" and HAS_TRITON
+            and dtype in (torch.float16, torch.bfloat16))
+
+
 def batch_fresh_prompts(n_fresh: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a step's fresh prompts attend in one varlen kernel call per layer rather than one
-    SDPA chain each: on CUDA in half precision, for two or more (a single prompt keeps SDPA's
-    flash or cuDNN kernel). The CPU keeps the per-prompt path, the reference."""
-    return (n_fresh >= 2 and device.type == "cuda" and HAS_TRITON
-            and dtype in (torch.float16, torch.bfloat16))
+    SDPA chain each (a single prompt keeps SDPA's flash kernel)."""
+    return _varlen_kernel_pays(n_fresh, device, dtype)
 
 
 def batch_continuing_chunks(n_chunks: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a step's prompt chunks that continue cached sequences (a long prompt's later
     chunks, a prefix-cache hit's suffix) attend in one varlen call per layer over all their
-    contexts rather than one chain each: same rule as for fresh prompts, so a step of 64 cache
-    hits costs one launch chain, not 64. The CPU keeps the per-chunk path, the reference."""
-    return (n_chunks >= 2 and device.type == "cuda" and HAS_TRITON
-            and dtype in (torch.float16, torch.bfloat16))
+    contexts rather than one chain each, so a step of 64 cache hits costs one launch chain, not
+    64. Apart from ``batch_fresh_prompts`` so each can be forced on its own."""
+    return _varlen_kernel_pays(n_chunks, device, dtype)
 
 
 def shared_prefix_entries(chunks: Sequence[SeqChunk], unit: int) -> int:
@@ -137,9 +140,17 @@ class ChunkBatch:
     q_pos: torch.Tensor
     k_pos: torch.Tensor
     q_lo: torch.Tensor
-    shared_blocks: torch.Tensor | None = None
-    shared_k_pos: torch.Tensor | None = None
-    real_q_pos: torch.Tensor | None = None  # the queries' own positions, for the shared keys
+    shared: SharedBlocks | None = None
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """The leading blocks every chunk of a batch holds alike, attended once by all queries at
+    their own positions (every key precedes every query, so none is hidden)."""
+
+    blocks: torch.Tensor
+    k_pos: torch.Tensor
+    q_pos: torch.Tensor
 
 
 @dataclass
@@ -433,10 +444,9 @@ class RankEngine:
         copied once per step."""
         bs, dev = self.cache.block_size, self.cache.device
         views = CachedViews()
-        n_chunks = sum(1 for s in cached if len(chunks[s].tokens) > 1)
-        if batch_continuing_chunks(n_chunks, dev, dtype):
-            views.batch = self._chunk_batch([chunks[s] for s in cached
-                                             if len(chunks[s].tokens) > 1])
+        continuing = [chunks[s] for s in cached if len(chunks[s].tokens) > 1]
+        if batch_continuing_chunks(len(continuing), dev, dtype):
+            views.batch = self._chunk_batch(continuing)
         chunk_rows: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[Sequence[int]] = []
@@ -488,22 +498,18 @@ class RankEngine:
             q_lo.extend([base] * len(c.tokens))
             base += end + bs
         dev = self.cache.device
-        out = ChunkBatch(
-            blocks=torch.tensor(blocks, dtype=torch.long).to(dev),
-            q_pos=torch.cat(q_pos).to(dev),
-            k_pos=torch.cat(k_pos).to(dev),
-            q_lo=torch.tensor(q_lo, dtype=torch.long).to(dev),
-        )
-        if not shared:
-            return out
-        return dataclasses.replace(
-            out,
-            shared_blocks=torch.tensor(list(chunks[0].block_ids[:shared]),
-                                       dtype=torch.long).to(dev),
-            shared_k_pos=kvc.local_positions(shared * bs, bs, dcp, rank).to(dev),
-            real_q_pos=torch.cat([torch.arange(c.start, c.start + len(c.tokens))
-                                  for c in chunks]).to(dev),
-        )
+        q_pos_t = torch.cat(q_pos).to(dev)
+        q_lo_t = torch.tensor(q_lo, dtype=torch.long).to(dev)
+        common = None
+        if shared:
+            common = SharedBlocks(
+                blocks=torch.tensor(list(chunks[0].block_ids[:shared]),
+                                    dtype=torch.long).to(dev),
+                k_pos=kvc.local_positions(shared * bs, bs, dcp, rank).to(dev),
+                q_pos=q_pos_t - q_lo_t,  # each query's own position: its range starts at q_lo
+            )
+        return ChunkBatch(blocks=torch.tensor(blocks, dtype=torch.long).to(dev), q_pos=q_pos_t,
+                          k_pos=torch.cat(k_pos).to(dev), q_lo=q_lo_t, shared=common)
 
     def _decode_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
         """Absorbed ``q [N, Hl, L]`` of the step's decode tokens over their sequences' cached
@@ -543,11 +549,11 @@ class RankEngine:
             out, lse = chunk_prefill_attention(
                 q_nope, q_pe, self.cache.read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
                 w_uk, w_uv, cfg.softmax_scale, q_lo=cb.q_lo)
-            if cb.shared_blocks is not None:
-                assert cb.shared_k_pos is not None and cb.real_q_pos is not None
+            sb = cb.shared
+            if sb is not None:
                 common = chunk_prefill_attention(
-                    q_nope, q_pe, self.cache.read_blocks(layer, cb.shared_blocks),
-                    cb.real_q_pos, cb.shared_k_pos, w_uk, w_uv, cfg.softmax_scale)
+                    q_nope, q_pe, self.cache.read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
+                    w_uk, w_uv, cfg.softmax_scale)
                 out, lse = merge_partials(*common, out, lse)
             return out if self.dcp == 1 else dcp_merge(out, lse, comm)
         out = torch.empty(n, h, cfg.v_head_dim, dtype=torch.float32, device=q_nope.device)

@@ -143,8 +143,8 @@ class StepPlan:
 # Peers default their chunked-prefill budget to 8,192 on H100/H200-class GPUs.
 class StepBudget(NamedTuple):
     step: int  # prompt tokens in one forward pass
-    chunk: int  # a prompt of at most this many runs in one chunk
-    long_chunk: int  # a longer prompt runs in chunks of this many
+    chunk: int  # the longest piece of one prompt in a step
+    long_chunk: int  # that of a longer prompt while shorter ones share its steps
 
 
 DEVICE_BUDGETS: dict[str, StepBudget] = {"cuda": StepBudget(8192, 8192, 2048),

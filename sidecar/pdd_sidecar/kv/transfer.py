@@ -126,6 +126,11 @@ class ReadSpec:
     def full_blocks(self) -> int:
         return sum(r.n for r in self.runs)
 
+    @property
+    def empty(self) -> bool:
+        """Nothing to read from this prefill rank (the plan's chunks are all cached here)."""
+        return not self.runs and not self.partials
+
 
 def coalesce(pairs: Iterable[tuple[int, int]]) -> list[Run]:
     """(remote, local) block pairs in chunk order -> maximal runs consecutive on both sides."""
@@ -496,7 +501,7 @@ class KVTransferAgent:
         total = ReadStats()
         try:
             for peer, spec in work:
-                if not spec.runs and not spec.partials:
+                if spec.empty:
                     continue
                 if posted and between is not None:
                     # Fault injection: a test kills the peer in the middle of a hand-off.

@@ -232,7 +232,7 @@ def cuda_ipc_read(dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo
     with torch.cuda.stream(stream):
         began.record(stream)
         for src, spec in work:
-            if not spec.runs and not spec.partials:
+            if spec.empty:
                 continue
             copy_blocks(dst, src, spec)
             stats.bytes += spec_bytes(spec, region)

@@ -79,7 +79,7 @@ class StackConfig:
     max_waiting: int | None = None  # queue bound (429 beyond); None: the instance default
     max_step_tokens: int | None = None  # prefill tokens per step; None: by device
     chunk_tokens: int | None = None  # longest prompt chunk; None: by device
-    long_chunk_tokens: int | None = None  # chunk of a longer prompt; None: by device
+    long_chunk_tokens: int | None = None  # a longer prompt's piece beside others; None: by device
     prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -590,12 +590,12 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt tokens a prefill step runs at most (default 8192 on cuda, 2048 "
                    "on cpu; larger steps run long prompts faster and hold other prompts longer)")
     p.add_argument("--chunk-tokens", type=int, default=None,
-                   help="a prompt of at most this many tokens runs in one piece (default 8192 "
-                   "on cuda, 512 on cpu)")
+                   help="longest piece of one prompt in a step, whole blocks (default 8192 on "
+                   "cuda, 512 on cpu)")
     p.add_argument("--long-chunk-tokens", type=int, default=None,
-                   help="a longer prompt runs in pieces of this many, whole blocks, so a short "
-                   "one arriving meanwhile waits for a short step (default 2048 on cuda, 512 on "
-                   "cpu)")
+                   help="while shorter prompts share its steps, a prompt longer than a chunk "
+                   "runs in pieces of this many, so theirs stay short (default 2048 on cuda, "
+                   "512 on cpu)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from scratch (default: the prefill reuses the KV "
                    "of prompt prefixes it computed before)")
