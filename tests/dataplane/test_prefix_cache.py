@@ -6,6 +6,7 @@ block back; off, nothing is cached."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import re
 import time
 from collections.abc import Iterator
@@ -204,6 +205,30 @@ def test_shared_blocks_keep_the_hand_off_rules(cluster: LocalCluster) -> None:
     _all_blocks_back(prefill.url, decode.url)
 
 
+def _decode_scheduler(dcp: int, num_blocks: int, tp: int) -> tuple[Any, Any, Any]:
+    """(cache, prefix cache, decode scheduler over it) for ``dcp`` and ``tp`` ranks."""
+    from pdd_sidecar.engine.scheduler import Scheduler
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    cache = PagedKVCache(num_blocks, 1, BLOCK, 4)
+    pc = PrefixCache(cache, BLOCK * dcp, chain_root({"dcp": dcp}))
+    return cache, pc, Scheduler("decode", cache, BLOCK, dcp, tp, prefix_cache=pc)
+
+
+def _turn(sched: Any, rid: str, prompt: list[int], max_tokens: int) -> Any:
+    """A request the decode admits into its pull at once (the prefill chose token 99)."""
+    from types import SimpleNamespace
+
+    from pdd_sidecar.engine.scheduler import Sequence
+
+    seq = Sequence(rid, prompt, max_tokens, len(prompt) + max_tokens,
+                   source=SimpleNamespace(num_tokens=len(prompt)), first_token=99)
+    sched.submit(seq)
+    assert sched.plan().pulls == [seq]
+    return seq
+
+
 def _decode_to_the_end(sched: Any, seq: Any, tp: int) -> None:
     """Pull (every rank done), then feed tokens 1, 2, ... until the sequence finishes."""
     for rank in range(tp):
@@ -216,23 +241,11 @@ def _decode_to_the_end(sched: Any, seq: Any, tp: int) -> None:
 
 @pytest.mark.parametrize("dcp", [1, 2])
 def test_decode_scheduler_shares_what_a_finished_turn_fed_and_pulls_the_rest(dcp: int) -> None:
-    from types import SimpleNamespace
-
-    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence
-    from pdd_sidecar.kv.cache import PagedKVCache
-    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS
 
     unit = BLOCK * dcp
-    cache = PagedKVCache(32, 1, BLOCK, 4)
-    pc = PrefixCache(cache, unit, chain_root({"dcp": dcp}))
-    sched = Scheduler("decode", cache, BLOCK, dcp, 2, prefix_cache=pc)
-
-    def turn(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-        seq = Sequence(rid, prompt, max_tokens, len(prompt) + max_tokens,
-                       source=SimpleNamespace(num_tokens=len(prompt)), first_token=99)
-        sched.submit(seq)
-        assert sched.plan().pulls == [seq]
-        return seq
+    cache, pc, sched = _decode_scheduler(dcp, 32, 2)
+    turn = functools.partial(_turn, sched)
 
     a = turn("a", _tokens(100, 1), 20)
     assert a.extra[CACHED_TOKENS] == 0 and sched.start_token(a) == 0
@@ -276,23 +289,11 @@ def test_decode_scheduler_adopts_a_tail_once_for_the_tokens_a_prompt_shares_with
     """A turn regenerated from the middle of the last answer shares part of the tail: it
     adopts the block and pulls from the first token that differs; a second such turn at the
     same time finds no tail (one adopter) and pulls from the unit boundary."""
-    from types import SimpleNamespace
-
-    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence
-    from pdd_sidecar.kv.cache import PagedKVCache
-    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS
 
     unit = BLOCK * dcp
-    cache = PagedKVCache(16, 1, BLOCK, 4)
-    pc = PrefixCache(cache, unit, chain_root({"dcp": dcp}))
-    sched = Scheduler("decode", cache, BLOCK, dcp, 1, prefix_cache=pc)
-
-    def turn(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-        seq = Sequence(rid, prompt, max_tokens, len(prompt) + max_tokens,
-                       source=SimpleNamespace(num_tokens=len(prompt)), first_token=99)
-        sched.submit(seq)
-        assert sched.plan().pulls == [seq]
-        return seq
+    cache, pc, sched = _decode_scheduler(dcp, 16, 1)
+    turn = functools.partial(_turn, sched)
 
     a = turn("a", _tokens(40, 4), 5)
     a_blocks = list(a.blocks)
@@ -321,13 +322,9 @@ def test_decode_scheduler_adopts_a_tail_once_for_the_tokens_a_prompt_shares_with
 def test_decode_without_a_prompt_pulls_everything_and_caches_nothing() -> None:
     from types import SimpleNamespace
 
-    from pdd_sidecar.engine.scheduler import Scheduler, Sequence
-    from pdd_sidecar.kv.cache import PagedKVCache
-    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+    from pdd_sidecar.engine.scheduler import Sequence
 
-    cache = PagedKVCache(16, 1, BLOCK, 4)
-    pc = PrefixCache(cache, BLOCK, chain_root({"dcp": 1}))
-    sched = Scheduler("decode", cache, BLOCK, 1, 1, prefix_cache=pc)
+    cache, pc, sched = _decode_scheduler(1, 16, 1)
     seq = Sequence("a", [], 6, 70, source=SimpleNamespace(num_tokens=64), first_token=5)
     sched.submit(seq)
     sched.plan()

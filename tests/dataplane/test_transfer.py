@@ -13,7 +13,7 @@ import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
 import torch
 
-from pdd_api.plan import SidePlan  # noqa: E402
+from pdd_api.plan import RoutingPlan, SidePlan  # noqa: E402
 from pdd_api.routing import bytes_per_decode_rank, plan_routing  # noqa: E402
 from pdd_sidecar.kv.compat import CompatError, CompatRecord, check_compatible  # noqa: E402
 from pdd_sidecar.kv.lease import LeaseTable, notif_message, parse_notif  # noqa: E402
@@ -26,6 +26,8 @@ from pdd_sidecar.kv.side_channel import (  # noqa: E402
 from pdd_sidecar.kv.transfer import (  # noqa: E402
     KVTransferAgent,
     PreppedBlocks,
+    ReadSpec,
+    ReadStats,
     RegionInfo,
     Run,
     coalesce,
@@ -64,6 +66,14 @@ def test_prepped_indices_are_distinct_and_in_range() -> None:
     assert max(seen.values()) == len(layout) - 1
 
 
+def _plan(prefill: tuple[int, int], decode: tuple[int, int]) -> RoutingPlan:
+    """The routing plan between two (tp, dcp) layouts."""
+    return plan_routing(SidePlan(tensor_parallel_size=prefill[0],
+                                 decode_context_parallel_size=prefill[1]),
+                        SidePlan(tensor_parallel_size=decode[0],
+                                 decode_context_parallel_size=decode[1]), BLOCK)
+
+
 def _tables(num_chunks: int, dcp: int, offset: int) -> list[int]:
     """A block table with a hole, so runs break and coalescing has work to do."""
     n = -(-num_chunks // dcp)
@@ -75,10 +85,7 @@ def _tables(num_chunks: int, dcp: int, offset: int) -> list[int]:
 def test_read_specs_give_each_decode_rank_exactly_its_chunks(
     prefill: tuple[int, int], decode: tuple[int, int], num_tokens: int
 ) -> None:
-    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
-                                 decode_context_parallel_size=prefill[1]),
-                        SidePlan(tensor_parallel_size=decode[0],
-                                 decode_context_parallel_size=decode[1]), BLOCK)
+    plan = _plan(prefill, decode)
     num_chunks = -(-num_tokens // BLOCK)
     ptable, dtable = _tables(num_chunks, prefill[1], 5), _tables(num_chunks, decode[1], 2)
     row = LATENT * 4
@@ -107,10 +114,7 @@ def test_read_specs_from_a_first_chunk_leave_out_only_the_chunks_before_it(
     """A decode holding the first chunks already (its prefix cache) reads each later chunk
     exactly as a full read would, with the same specs per prefill rank, and nothing else.
     (A start mid-chunk: tests/unit/test_read_specs.py.)"""
-    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
-                                 decode_context_parallel_size=prefill[1]),
-                        SidePlan(tensor_parallel_size=decode[0],
-                                 decode_context_parallel_size=decode[1]), BLOCK)
+    plan = _plan(prefill, decode)
     num_chunks = -(-num_tokens // BLOCK)
     ptable, dtable = _tables(num_chunks, prefill[1], 5), _tables(num_chunks, decode[1], 2)
     region = RegionInfo(0, NUM_BLOCKS, LAYERS, BLOCK, LATENT * 4, "DRAM", 0)
@@ -167,6 +171,26 @@ def _content(g: int, num_tokens: int) -> torch.Tensor:
 CANARY = -7.0  # never a value of the prefill's cache: content >= 0, filler -1 and -5
 
 
+def _fill_prefill(pranks: list[_Rank], dcp: int, num_tokens: int, ptable: list[int]) -> None:
+    """Each of ``pranks`` (one prefill instance's ranks) holds the content of the chunks it
+    keeps under ``dcp``; -5 elsewhere."""
+    for p, rank in enumerate(pranks):
+        rank.kv.fill_(-5.0)
+        for g in range(-(-num_tokens // BLOCK)):
+            if dcp == 1 or g % dcp == p:
+                rank.kv[ptable[g // dcp]] = _content(g, num_tokens)
+
+
+def _read(dr: _Rank, pranks: list[_Rank], specs: list[ReadSpec]) -> ReadStats:
+    """One decode rank's NIXL READ of ``specs``, each from the prefill rank it names."""
+    work = []
+    for spec in specs:
+        src = pranks[spec.prefill_rank]
+        work.append((dr.agent.connect(src.agent.name, src.agent.metadata(), src.agent.region),
+                     spec))
+    return dr.agent.read(work, timeout_s=30)
+
+
 def _check_only_the_plan_landed(kv: torch.Tensor, d: int, dcp: int, num_tokens: int,
                                 dtable: list[int], source: Callable[[int], torch.Tensor],
                                 reported_bytes: int, start: int = 0) -> None:
@@ -194,18 +218,11 @@ def test_nixl_reads_move_exactly_the_plan(
     ranks: tuple[list[_Rank], list[_Rank]], prefill: tuple[int, int], decode: tuple[int, int]
 ) -> None:
     pranks, dranks = ranks
-    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
-                                 decode_context_parallel_size=prefill[1]),
-                        SidePlan(tensor_parallel_size=decode[0],
-                                 decode_context_parallel_size=decode[1]), BLOCK)
+    plan = _plan(prefill, decode)
     for num_tokens in (3, 8, 22):
         num_chunks = -(-num_tokens // BLOCK)
         ptable, dtable = _tables(num_chunks, prefill[1], 1), _tables(num_chunks, decode[1], 7)
-        for p in range(prefill[0]):
-            pranks[p].kv.fill_(-5.0)
-            for g in range(num_chunks):
-                if prefill[1] == 1 or g % prefill[1] == p:
-                    pranks[p].kv[ptable[g // prefill[1]]] = _content(g, num_tokens)
+        _fill_prefill(pranks[:prefill[0]], prefill[1], num_tokens, ptable)
         minimum = bytes_per_decode_rank(plan, num_tokens, LAYERS * LATENT * 4)
         sources = [r.kv.clone() for r in pranks[:prefill[0]]]
         for d in range(decode[0]):
@@ -213,12 +230,7 @@ def test_nixl_reads_move_exactly_the_plan(
             dr.kv.fill_(CANARY)
             specs = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
                                     ptable, dtable)
-            work = []
-            for s in specs:
-                src = pranks[s.prefill_rank]
-                peer = dr.agent.connect(src.agent.name, src.agent.metadata(), src.agent.region)
-                work.append((peer, s))
-            stats = dr.agent.read(work, timeout_s=30)
+            stats = _read(dr, pranks, specs)
             assert stats.bytes == minimum[d]
             runs = sum(len(s.runs) for s in specs)
             tails = sum(len(s.partials) for s in specs)
@@ -254,30 +266,18 @@ def test_nixl_reads_from_a_token_mid_chunk_move_only_the_rows_from_it(
     """A decode that adopted a prefix-cache tail reads a chunk from a row within it: the row
     ranges' descriptors start at that row in every layer's slab, and nothing before it lands."""
     pranks, dranks = ranks
-    plan = plan_routing(SidePlan(tensor_parallel_size=prefill[0],
-                                 decode_context_parallel_size=prefill[1]),
-                        SidePlan(tensor_parallel_size=decode[0],
-                                 decode_context_parallel_size=decode[1]), BLOCK)
+    plan = _plan(prefill, decode)
     num_tokens = 22
     num_chunks = -(-num_tokens // BLOCK)
     ptable, dtable = _tables(num_chunks, prefill[1], 1), _tables(num_chunks, decode[1], 7)
-    for p in range(prefill[0]):
-        pranks[p].kv.fill_(-5.0)
-        for g in range(num_chunks):
-            if prefill[1] == 1 or g % prefill[1] == p:
-                pranks[p].kv[ptable[g // prefill[1]]] = _content(g, num_tokens)
+    _fill_prefill(pranks[:prefill[0]], prefill[1], num_tokens, ptable)
     for start in (1, 6, 9, 21):
         for d in range(decode[0]):
             dr = dranks[d]
             dr.kv.fill_(CANARY)
             specs = plan_read_specs(plan.reads_of(d), num_tokens, BLOCK, prefill[1], decode[1],
                                     ptable, dtable, start)
-            work = []
-            for s in specs:
-                src = pranks[s.prefill_rank]
-                work.append((dr.agent.connect(src.agent.name, src.agent.metadata(),
-                                              src.agent.region), s))
-            stats = dr.agent.read(work, timeout_s=30)
+            stats = _read(dr, pranks, specs)
             held = sum(max(0, min(BLOCK, num_tokens - g * BLOCK) - max(start - g * BLOCK, 0))
                        for g in range(num_chunks) if decode[1] == 1 or g % decode[1] == d)
             assert stats.bytes == held * LAYERS * LATENT * 4
