@@ -7,9 +7,17 @@ through one prepared descriptor per block and through per-request `initialize_xf
 
     python bench/kv_transfer.py                   # CPU: DRAM -> DRAM over UCX
     python bench/kv_transfer.py --device cuda     # two GPUs: cuda:0 (prefill) -> cuda:1 (decode)
+    python bench/kv_transfer.py --device cuda --same-device   # one GPU, two processes, CUDA IPC
 
 The copy baseline is `dst.copy_(src)` of the same bytes: memcpy on the CPU, a torch
 GPU-to-GPU copy cuda:0 -> cuda:1 on CUDA. Figures are medians over --repeat runs after a warm-up.
+
+`--same-device` is the hand-off of `pdd serve` on one GPU: both processes on cuda:0, the decode
+reading the prefill's cache through its CUDA IPC handle with the serving path's own
+`DeviceCopier`, against an in-process copy of the same bytes. It reports the wall time (what
+`pdd_kv_transfer_seconds` counts) beside the copies' device time, idle and in the two conditions
+of a served read: the other process has just used the GPU, and other Python threads of the
+decode process are busy (the GIL).
 """
 
 from __future__ import annotations
@@ -59,6 +67,157 @@ def _prefill_process(conn: Any, num_blocks: int, device: str) -> None:
         agent.close()
     except BaseException:
         conn.send(("error", traceback.format_exc(), None))
+
+
+def _ipc_prefill_process(conn: Any, num_blocks: int) -> None:
+    """The prefill side of --same-device: publishes its cache's CUDA IPC record, and on "touch"
+    runs a kernel of its own (its context used the GPU last) before answering."""
+    try:
+        import torch
+
+        from pdd_sidecar.kv.transport import local_record
+
+        torch.cuda.set_device("cuda:0")
+        kv = _tensor(num_blocks, "cuda:0")
+        for b in range(num_blocks):
+            kv[b].fill_(float(b % 251))
+        scratch = torch.empty(1 << 24, device="cuda:0")
+        torch.cuda.synchronize()
+        conn.send(("ok", local_record(kv).to_dict(), None))
+        while conn.recv() == "touch":
+            scratch.mul_(1.0)
+            torch.cuda.synchronize()
+            conn.send("done")
+    except BaseException:
+        conn.send(("error", traceback.format_exc(), None))
+
+
+SERVE_SWITCH_INTERVAL_S = 0.0005
+BUSY_CONDITIONS = [(f"busy{n}@{i * 1e3:g}", n, i)
+                   for n, i in ((1, 0.0005), (1, 0.0001), (1, 0.00005), (4, 0.0001))]
+
+
+def _busy_threads(n: int, stop: Any) -> list[Any]:
+    """Python threads that keep asking for the GIL, as a serving process's engine and HTTP
+    threads do."""
+    import threading
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    threads = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
+    """Two processes on cuda:0; the decode reads through CUDA IPC (kv/transport.py)."""
+    import threading
+
+    import torch
+
+    from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Run
+    from pdd_sidecar.kv.transport import DeviceCopier, TransportRecord, open_peer_cache
+
+    max_blocks = max(-(-n // BLOCK) for n in token_counts)
+    num_blocks = max_blocks + 8
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_prefill_process, args=(child, num_blocks), daemon=True)
+    proc.start()
+    status, record, _ = parent.recv()
+    if status != "ok":
+        proc.join(5)
+        raise SystemExit(f"prefill process failed:\n{record}")
+    results: dict[str, Any] = {"device": "cuda", "same_device": True, "rows": []}
+    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+    try:
+        torch.cuda.set_device("cuda:0")
+        src = open_peer_cache(TransportRecord.from_dict(record), torch.device("cuda:0"))
+        kv = _tensor(num_blocks, "cuda:0")
+        kv.zero_()
+        region = RegionInfo.of_tensor(kv)
+        copier = DeviceCopier("cuda:0")
+        copy_src, copy_dst = _tensor(max_blocks, "cuda:0"), _tensor(max_blocks, "cuda:0")
+        print(f"KV hand-off on one GPU, two processes, CUDA IPC (DeviceCopier.read): "
+              f"DeepSeek-V2-Lite cache ({LAYERS} layers x {LATENT} values, bfloat16, blockSize "
+              f"{BLOCK}); one request, medians of {repeat}; GB/s by wall time (device time)")
+        conditions = ("idle", "after_peer", *(c[0] for c in BUSY_CONDITIONS))
+        print("conditions: idle; after_peer: the prefill process ran a kernel just before; "
+              "busyN@I: N other Python threads of this process busy, GIL switch interval I ms "
+              f"(pdd serve: {SERVE_SWITCH_INTERVAL_S * 1e3:g} ms)")
+        print(f"{'tokens':>7} {'MiB':>8} {'copy GB/s':>10} | "
+              + " | ".join(f"{c:>20}" for c in conditions) + " | host ms | ok")
+        for tokens in token_counts:
+            n = -(-tokens // BLOCK)
+            nbytes = n * region.bytes_per_block
+            spec = ReadSpec(prefill_rank=0, runs=[Run(3, 5, n)])
+
+            def copy(n: int = n) -> None:
+                copy_dst[:n].copy_(copy_src[:n], non_blocking=True)
+                torch.cuda.synchronize()
+
+            def read(before: Any = None, spec: ReadSpec = spec) -> tuple[float, float]:
+                if before is not None:
+                    before()
+                st = copier.read(kv, [(src, spec)], region)
+                return st.seconds, st.device_seconds
+
+            def touch() -> None:
+                parent.send("touch")
+                parent.recv()
+
+            def medians(before: Any = None) -> tuple[float, float]:
+                read(before)
+                runs = [read(before) for _ in range(repeat)]
+                return (statistics.median(r[0] for r in runs),
+                        statistics.median(r[1] for r in runs))
+
+            copy_s = _median_seconds(copy, repeat)
+            kv.zero_()
+            torch.cuda.synchronize()
+            measured = {"idle": medians(), "after_peer": medians(touch)}
+            for name, n_threads, interval in BUSY_CONDITIONS:
+                stop = threading.Event()
+                threads = _busy_threads(n_threads, stop)
+                sys.setswitchinterval(interval)
+                try:
+                    measured[name] = medians()
+                finally:
+                    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+                    stop.set()
+                    for t in threads:
+                        t.join()
+            got = kv[5:5 + n, :, :, 0].float().amax(dim=(1, 2)).cpu()
+            expect = torch.tensor([float((3 + i) % 251) for i in range(n)])
+            row: dict[str, Any] = {
+                "tokens": tokens, "blocks": n, "bytes": nbytes,
+                "copy_gbps": nbytes / copy_s / 1e9,
+                **{name: {"gbps": nbytes / wall / 1e9, "device_gbps": nbytes / dev / 1e9,
+                          "wall_s": wall, "device_s": dev}
+                   for name, (wall, dev) in measured.items()},
+                "verified": bool(torch.equal(got, expect)),
+            }
+            results["rows"].append(row)
+            host_ms = (measured["idle"][0] - measured["idle"][1]) * 1e3
+
+            def cell(m: dict[str, Any], copy_gbps: float = row["copy_gbps"]) -> str:
+                return (f"{m['gbps']:>7.0f} {m['gbps'] / copy_gbps:>4.0%} "
+                        f"({m['device_gbps']:>5.0f})")
+
+            print(f"{tokens:>7} {nbytes / 2**20:>8.1f} {row['copy_gbps']:>10.0f} | "
+                  + " | ".join(cell(row[c]) for c in conditions)
+                  + f" | {host_ms:>7.3f} | {'yes' if row['verified'] else 'NO'}",
+                  flush=True)
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return results
 
 
 def _median_seconds(fn: Any, repeat: int) -> float:
@@ -212,10 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1024,8192,32768",
                         help="comma-separated request lengths in tokens")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--same-device", action="store_true",
+                        help="one GPU, two processes: the CUDA IPC hand-off of pdd serve")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    if args.same_device:
+        if args.device != "cuda":
+            parser.error("--same-device: needs --device cuda")
+        results = run_same_device(tokens, max(1, args.repeat))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0 if all(r["verified"] for r in results["rows"]) else 1
     _print_header(args.device)
     results = run(args.device, tokens, max(1, args.repeat))
     rows = {r["tokens"]: r for r in results["rows"]}

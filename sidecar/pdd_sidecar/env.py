@@ -55,6 +55,10 @@ PDD_CHUNK_TOKENS = "PDD_CHUNK_TOKENS"  # longest prompt chunk (whole blocks); un
 # (so theirs stay short); unset: by device
 PDD_LONG_CHUNK_TOKENS = "PDD_LONG_CHUNK_TOKENS"
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the model's own
+# how long a thread waiting for the GIL waits before the holder is asked to let go (sys.
+# setswitchinterval, in microseconds): every torch call of the engine and of a KV pull gives
+# the GIL up and waits this long to get it back while an HTTP thread runs
+PDD_GIL_SWITCH_INTERVAL_US = "PDD_GIL_SWITCH_INTERVAL_US"
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
 PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
@@ -102,6 +106,7 @@ PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"
 DEFAULT_HTTP_PORT = keys.HTTP_PORT
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_DIST_PORT = keys.DIST_PORT
+DEFAULT_GIL_SWITCH_INTERVAL_US = 500.0
 ROLES = ("prefill", "decode")
 KV_TRANSPORTS = ("auto", "nixl", "cuda_ipc")  # kv/transport.py
 
@@ -162,6 +167,13 @@ def _required(env: Mapping[str, str], key: str, what: str) -> str:
     return value
 
 
+def _positive_float(env: Mapping[str, str], key: str, default: float) -> float:
+    value = _float(env, key, default)
+    if value <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}")
+    return value
+
+
 def _float(env: Mapping[str, str], key: str, default: float) -> float:
     raw = env.get(key)
     if raw is None or raw == "":
@@ -218,6 +230,7 @@ class InstanceSettings:
     chunk_tokens: int | None = None
     long_chunk_tokens: int | None = None
     max_model_len: int = 0
+    gil_switch_interval_us: float = DEFAULT_GIL_SWITCH_INTERVAL_US
     prefix_cache: bool = True
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
@@ -309,6 +322,8 @@ class InstanceSettings:
             chunk_tokens=_optional_int(env, PDD_CHUNK_TOKENS, 1),
             long_chunk_tokens=_optional_int(env, PDD_LONG_CHUNK_TOKENS, 1),
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
+            gil_switch_interval_us=_positive_float(env, PDD_GIL_SWITCH_INTERVAL_US,
+                                                   DEFAULT_GIL_SWITCH_INTERVAL_US),
             prefix_cache=_switch(env, PDD_PREFIX_CACHE, True),
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 from pdd_sidecar.kv.transfer import RegionInfo, plan_read_specs  # noqa: E402
 from pdd_sidecar.kv.transport import (  # noqa: E402
     CUDA_IPC,
+    DeviceCopier,
     TransportRecord,
     choose_transport,
-    cuda_ipc_read,
     local_record,
     open_peer_cache,
 )
@@ -64,8 +64,8 @@ def test_a_decode_maps_a_prefills_cache_and_copies_exactly_the_plans_blocks(
         num_tokens = 9 * BLOCK + 5
         pblocks, dblocks = [40, 41, 42, 3, 7, 8, 9, 60, 2, 30], [0, 1, 2, 3, 10, 11, 5, 6, 7, 8]
         specs = plan_read_specs(every_chunk, num_tokens, BLOCK, 1, 1, pblocks, dblocks)
-        stats = cuda_ipc_read(dst, [(src, s) for s in specs], RegionInfo.of_tensor(dst),
-                              torch.cuda.Stream(dst.device))
+        copier = DeviceCopier(dst.device)
+        stats = copier.read(dst, [(src, s) for s in specs], RegionInfo.of_tensor(dst))
         assert stats.path == CUDA_IPC and stats.bytes == num_tokens * LAYERS * LATENT * 2
 
         want = torch.zeros_like(dst, device="cpu")

@@ -13,7 +13,12 @@ import pytest
 
 from pdd_api.routing import load_plan
 from pdd_cli.main import main
-from pdd_sidecar.env import ConfigError, InstanceSettings, RouterSettings
+from pdd_sidecar.env import (
+    DEFAULT_GIL_SWITCH_INTERVAL_US,
+    ConfigError,
+    InstanceSettings,
+    RouterSettings,
+)
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve.local_stack import (
     Ports,
@@ -168,6 +173,20 @@ def test_no_prefix_cache_flag_and_its_env(tmp_path: Path) -> None:
         for bad in ("2", "on", "true"):
             with pytest.raises(ConfigError, match=f"PDD_PREFIX_CACHE: must be 0 or 1, got '{bad}'"):
                 InstanceSettings.from_env({**env, "PDD_PREFIX_CACHE": bad})
+
+
+def test_gil_switch_interval_env(tmp_path: Path) -> None:
+    cfg = StackConfig()
+    f = tmp_path / "routing.json"
+    f.write_text(routing_plan_json(cfg))
+    env = instance_env(cfg, "decode", PORTS, str(f), None, "/k")
+    assert InstanceSettings.from_env(env).gil_switch_interval_us == DEFAULT_GIL_SWITCH_INTERVAL_US
+    s = InstanceSettings.from_env({**env, "PDD_GIL_SWITCH_INTERVAL_US": "250"})
+    assert s.gil_switch_interval_us == 250.0
+    for bad, why in (("0", "must be > 0, got 0.0"), ("-5", "must be >= 0"),
+                     ("fast", "must be a number, got 'fast'")):
+        with pytest.raises(ConfigError, match=f"PDD_GIL_SWITCH_INTERVAL_US: {why}"):
+            InstanceSettings.from_env({**env, "PDD_GIL_SWITCH_INTERVAL_US": bad})
 
 
 def test_cuda_env_and_wildcard_host() -> None:

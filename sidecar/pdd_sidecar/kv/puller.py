@@ -47,10 +47,10 @@ from pdd_sidecar.kv.transfer import (
 from pdd_sidecar.kv.transport import (
     CUDA_IPC,
     NIXL,
+    DeviceCopier,
     TransportRecord,
     TransportUnavailable,
     choose_transport,
-    cuda_ipc_read,
     describe,
     open_peer_cache,
 )
@@ -97,7 +97,7 @@ class KVPuller:
         self.peer_instances: dict[str, str] = {}  # side-channel key -> instance id
         self.paths: dict[str, str] = {}  # side-channel key -> nixl | cuda_ipc
         self._peer_caches: dict[str, Any] = {}  # side-channel key -> its KV tensor (cuda_ipc)
-        self._stream: Any = None
+        self._copier: DeviceCopier | None = None  # the copies of peers read by cuda_ipc
         self.on_pulled: Callable[[], None] | None = None
         self._connect_lock = threading.Lock()
         self._jobs: queue.Queue[PullJob] = queue.Queue()
@@ -204,9 +204,10 @@ class KVPuller:
                 self._fault_gate if s.fault_read_gate else None,
             )
         if by_path[CUDA_IPC]:
+            assert self._copier is not None
             work = [(self._peer_caches[peers[spec.prefill_rank].key], spec)
                     for spec in by_path[CUDA_IPC]]
-            stats.add(cuda_ipc_read(self.agent.kv, work, self.agent.region, self._stream))
+            stats.add(self._copier.read(self.agent.kv, work, self.agent.region))
         return stats
 
     def _fault_gate(self) -> None:
@@ -294,10 +295,8 @@ class KVPuller:
             assert info.transport is not None
             try:
                 self._peer_caches[key] = open_peer_cache(info.transport, self.agent.kv.device)
-                if self._stream is None:  # the copies run beside the forward passes
-                    import torch
-
-                    self._stream = torch.cuda.Stream(self.agent.kv.device)
+                if self._copier is None:
+                    self._copier = DeviceCopier(self.agent.kv.device)
             except Exception as exc:
                 if override == CUDA_IPC:
                     raise CompatError(f"peer {key}: PDD_KV_TRANSPORT=cuda_ipc, but opening "

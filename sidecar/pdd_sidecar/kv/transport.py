@@ -219,28 +219,34 @@ def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
                                                non_blocking=True)
 
 
-def cuda_ipc_read(dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo,
-                  stream: Any) -> ReadStats:
-    """Every peer's blocks copied on ``stream``, waited for before returning (the decode may
-    attend over them as soon as this reports done)."""
-    import torch
+class DeviceCopier:
+    """Reads peers' blocks as device copies on a stream of its own, beside the forward passes."""
 
-    start = time.monotonic()
-    stats = ReadStats(path=CUDA_IPC)
-    torch.cuda.set_device(dst.device)
-    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        began.record(stream)
-        for src, spec in work:
-            if spec.empty:
-                continue
-            copy_blocks(dst, src, spec)
-            stats.bytes += spec_bytes(spec, region)
-            stats.transfers += 1
-        ended.record(stream)
-    stream.synchronize()
-    stats.device_seconds = began.elapsed_time(ended) / 1e3
-    for device in {src.device for src, _ in work} - {dst.device}:
-        torch.cuda.synchronize(device)  # a peer on another GPU read on that GPU's stream
-    stats.seconds = time.monotonic() - start
-    return stats
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.stream = torch.cuda.Stream(device)
+
+    def read(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> ReadStats:
+        """Every peer's blocks copied, waited for before returning (the decode may attend over
+        them as soon as this reports done)."""
+        import torch
+
+        start = time.monotonic()
+        stats = ReadStats(path=CUDA_IPC)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):
+            began.record(self.stream)
+            for src, spec in work:
+                if spec.empty:
+                    continue
+                copy_blocks(dst, src, spec)
+                stats.bytes += spec_bytes(spec, region)
+                stats.transfers += 1
+            ended.record(self.stream)
+        ended.synchronize()
+        for device in {src.device for src, _ in work} - {dst.device}:
+            torch.cuda.synchronize(device)  # a peer on another GPU read on that GPU's stream
+        stats.seconds = time.monotonic() - start
+        stats.device_seconds = began.elapsed_time(ended) / 1e3
+        return stats

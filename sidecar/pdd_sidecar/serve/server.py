@@ -295,12 +295,13 @@ def serve(env: Mapping[str, str] | None = None) -> int:
     except (ConfigError, GrantError, ModelConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
+    # The driver and pull threads give the GIL up in every torch call; the HTTP threads must
+    # hand it back quickly (the ranks forked below inherit this).
+    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     if not settings.is_leader:
         _setup_logging(settings, settings.local_ranks.start)
         return _serve_worker_pod(settings, plan_text)
     _setup_logging(settings, 0)
-    # The driver thread runs the steps; HTTP threads must hand it the GIL back quickly.
-    sys.setswitchinterval(0.0005)
     instance_id = uuid.uuid4().hex[:12]
     children = []
     if settings.ranks_per_pod > 1:
