@@ -91,6 +91,10 @@ BAD_FIELDS = [
     ({"prompt": [1, 256]}, "prompt"),
     ({"prompt": [1, -1]}, "prompt"),
     ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": [True, 1]}, "prompt"),
+    ({"prompt": [1, 2.0]}, "prompt"),
+    ({"prompt": [0, 255, 256]}, "prompt"),
+    ({"prompt": [1], "user_tags": [1, 2.5, None, ["\ud800"]]}, "user_tags"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": {"text": "a"}}, "prompt"),
     ({"prompt": "a\ud800b"}, "prompt"),
@@ -109,6 +113,11 @@ def test_each_bad_field_is_a_400_naming_it(body: dict[str, Any], field: str) -> 
     assert err.value.param == field
     assert field in err.value.message
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_token_id_prompts_pass_whole_at_the_vocabulary_edges() -> None:
+    assert _parse({"prompt": [0, 255, 7]}).prompt_ids == [0, 255, 7]
+    assert _parse({"prompt": [[3, 4]]}).prompt_ids == [3, 4]  # a batch of one
 
 
 BAD_CHAT = [

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 
 ROUTER = web.AppKey("router", Router)
+INLINE_PARSE_BYTES = 16 << 10
 
 
 async def _read_body(request: web.Request) -> Any:
@@ -69,10 +70,13 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     outcome = "error"
     try:
         body = await _read_body(request)
-        # Off the event loop: tokenizing a long text or rendering a template takes a while,
-        # and the streams of other requests should not wait for it.
-        req = await asyncio.to_thread(parse_request, kind, body, router.model,
-                                      router.settings.model_name)
+        args = (kind, body, router.model, router.settings.model_name)
+        # A small body (a prompt of a thousand token ids) is checked in ~0.1 ms, less than the
+        # hop to a thread, whose GIL contention would hold up this loop (and its probes) under
+        # a burst; tokenizing a long text or rendering a long chat goes off the loop.
+        size = request.content_length  # None when sent in chunks: size unknown
+        small = size is not None and size <= INLINE_PARSE_BYTES
+        req = parse_request(*args) if small else await asyncio.to_thread(parse_request, *args)
         router.check_capacity(req, "max_completion_tokens" if kind == "chat"
                               and body.get("max_completion_tokens") is not None
                               else "max_tokens")
