@@ -21,8 +21,10 @@
 #            multi-turn chats, prefix cache off against on (PREFIX_CACHE_ARGS adds flags);
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
-# PREFIX_CACHE_S 300, PROFILE_S 120.
+# PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
 #   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
+#   handoff  bench/kv_transfer.py --same-device: the CUDA IPC READ of pdd serve on one GPU (two
+#            processes), idle and in the conditions of a served read; one GPU is enough
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -137,6 +139,12 @@ if want profile; then
     timeout -k 10 "${PROFILE_S:-120}" $PY bench/prefill_profile.py --model "$CKPT" \
         --tokens "${PROFILE_TOKENS:-1024}" 2>&1 | tee "$OUT/profile.log" || rc=1
     say "profile done"
+fi
+if want handoff; then
+    say "stage handoff"
+    timeout -k 10 "${HANDOFF_S:-120}" $PY bench/kv_transfer.py --device cuda --same-device \
+        --repeat 20 --json "$OUT/handoff.json" 2>&1 | tee "$OUT/handoff.log" || rc=1
+    say "handoff done"
 fi
 rm -rf "$CKPT"
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files

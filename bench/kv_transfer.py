@@ -145,8 +145,11 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
         print(f"KV hand-off on one GPU, two processes, CUDA IPC (DeviceCopier.read): "
               f"DeepSeek-V2-Lite cache ({LAYERS} layers x {LATENT} values, bfloat16, blockSize "
               f"{BLOCK}); one request, medians of {repeat}; GB/s by wall time (device time)")
-        conditions = ("idle", "after_peer", *(c[0] for c in BUSY_CONDITIONS))
+        conditions = ("idle", "after_peer", "new_thread", "new_thread_prepared",
+                      *(c[0] for c in BUSY_CONDITIONS))
         print("conditions: idle; after_peer: the prefill process ran a kernel just before; "
+              "new_thread(_prepared): each read on a thread that never used CUDA (that ran "
+              "DeviceCopier.prepare_thread first, as the pull threads do); "
               "busyN@I: N other Python threads of this process busy, GIL switch interval I ms "
               f"(pdd serve: {SERVE_SWITCH_INTERVAL_S * 1e3:g} ms)")
         print(f"{'tokens':>7} {'MiB':>8} {'copy GB/s':>10} | "
@@ -170,16 +173,32 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
                 parent.send("touch")
                 parent.recv()
 
-            def medians(before: Any = None) -> tuple[float, float]:
-                read(before)
-                runs = [read(before) for _ in range(repeat)]
+            def in_new_thread(prepared: bool) -> tuple[float, float]:
+                out: list[tuple[float, float]] = []
+
+                def body() -> None:
+                    if prepared:
+                        copier.prepare_thread()
+                    out.append(read())
+
+                t = threading.Thread(target=body)
+                t.start()
+                t.join()
+                return out[0]
+
+            def medians(before: Any = None, sample: Any = None) -> tuple[float, float]:
+                sample = sample or (lambda: read(before))
+                sample()
+                runs = [sample() for _ in range(repeat)]
                 return (statistics.median(r[0] for r in runs),
                         statistics.median(r[1] for r in runs))
 
             copy_s = _median_seconds(copy, repeat)
             kv.zero_()
             torch.cuda.synchronize()
-            measured = {"idle": medians(), "after_peer": medians(touch)}
+            measured = {"idle": medians(), "after_peer": medians(touch),
+                        "new_thread": medians(sample=lambda: in_new_thread(False)),
+                        "new_thread_prepared": medians(sample=lambda: in_new_thread(True))}
             for name, n_threads, interval in BUSY_CONDITIONS:
                 stop = threading.Event()
                 threads = _busy_threads(n_threads, stop)

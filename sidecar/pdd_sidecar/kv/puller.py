@@ -97,7 +97,10 @@ class KVPuller:
         self.peer_instances: dict[str, str] = {}  # side-channel key -> instance id
         self.paths: dict[str, str] = {}  # side-channel key -> nixl | cuda_ipc
         self._peer_caches: dict[str, Any] = {}  # side-channel key -> its KV tensor (cuda_ipc)
-        self._copier: DeviceCopier | None = None  # the copies of peers read by cuda_ipc
+        # The copies of peers read by cuda_ipc; made up front, so every pull thread can set
+        # itself up for it before its first READ.
+        self._copier = (DeviceCopier(agent.kv.device)
+                        if transport is not None and transport.device_type == "cuda" else None)
         self.on_pulled: Callable[[], None] | None = None
         self._connect_lock = threading.Lock()
         self._jobs: queue.Queue[PullJob] = queue.Queue()
@@ -123,6 +126,11 @@ class KVPuller:
     # -- the pull threads
 
     def _loop(self) -> None:
+        if self._copier is not None:
+            try:
+                self._copier.prepare_thread()
+            except Exception as exc:  # a READ on this thread would then fail and say why
+                log.warning("%s: a pull thread could not set up CUDA: %s", self.who, exc)
         while True:
             job = self._jobs.get()
             try:
@@ -294,9 +302,9 @@ class KVPuller:
         if path == CUDA_IPC:
             assert info.transport is not None
             try:
-                self._peer_caches[key] = open_peer_cache(info.transport, self.agent.kv.device)
                 if self._copier is None:
-                    self._copier = DeviceCopier(self.agent.kv.device)
+                    raise TransportUnavailable("this rank's KV cache is not on a CUDA device")
+                self._peer_caches[key] = open_peer_cache(info.transport, self.agent.kv.device)
             except Exception as exc:
                 if override == CUDA_IPC:
                     raise CompatError(f"peer {key}: PDD_KV_TRANSPORT=cuda_ipc, but opening "

@@ -226,6 +226,17 @@ class DeviceCopier:
         import torch
 
         self.stream = torch.cuda.Stream(device)
+        self._scratch = torch.zeros(2, device=device)
+
+    def prepare_thread(self) -> None:
+        """A thread's first CUDA calls cost ~0.4 ms (measured served on an H200: entering the
+        device and the stream 0.23 ms, launching the first copy 0.18 ms, as long as the copy
+        of an 8k prompt itself); a pull thread pays that when it starts, not in a READ."""
+        import torch
+
+        with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
+            self._scratch[1:].copy_(self._scratch[:1], non_blocking=True)
+        self.stream.synchronize()
 
     def read(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> ReadStats:
         """Every peer's blocks copied, waited for before returning (the decode may attend over
