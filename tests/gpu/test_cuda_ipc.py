@@ -8,6 +8,7 @@ CUDA machine; skipped without one).
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -65,7 +66,16 @@ def test_a_decode_maps_a_prefills_cache_and_copies_exactly_the_plans_blocks(
         pblocks, dblocks = [40, 41, 42, 3, 7, 8, 9, 60, 2, 30], [0, 1, 2, 3, 10, 11, 5, 6, 7, 8]
         specs = plan_read_specs(every_chunk, num_tokens, BLOCK, 1, 1, pblocks, dblocks)
         copier = DeviceCopier(dst.device)
-        stats = copier.read(dst, [(src, s) for s in specs], RegionInfo.of_tensor(dst))
+        done: list[Any] = []
+
+        def pull_thread() -> None:  # as a decode rank's pull thread: set up, then READ
+            copier.prepare_thread()
+            done.append(copier.read(dst, [(src, s) for s in specs], RegionInfo.of_tensor(dst)))
+
+        t = threading.Thread(target=pull_thread)
+        t.start()
+        t.join()
+        (stats,) = done
         assert stats.path == CUDA_IPC and stats.bytes == num_tokens * LAYERS * LATENT * 2
 
         want = torch.zeros_like(dst, device="cpu")
