@@ -342,3 +342,27 @@ def test_bad_sampling_parameters_name_the_field(raw: object, field: str) -> None
 
     with pytest.raises(SamplingError, match=field.replace(".", r"\.")):
         SamplingParams.parse(raw)
+
+
+def test_warm_up_runs_a_chunk_its_continuation_and_shorter_fresh_prompts() -> None:
+    """The fresh prompt lengths of a real first request (their matmul and attention shapes)
+    are met in the warm-up, not on a user's request."""
+    model = load_rank_model("builtin", 0, 1)
+    bs = 16  # the warm-up's mixed steps assume real block sizes
+    engine = RankEngine(model, new_cache(model, 128, bs), _single(), 1)
+    seen: list[list[tuple[int, int]]] = []
+    step = engine.step
+
+    def spy(chunks: list[SeqChunk], want_logits: bool = True) -> torch.Tensor | None:
+        seen.append([(c.start, len(c.tokens)) for c in chunks])
+        return step(chunks, want_logits)
+
+    engine.step = spy  # type: ignore[method-assign]
+    chunk, prompt = 300, 300 + bs // 2 + 1
+    blocks = engine.cache.allocate(-(-prompt // bs) + 2 * rank_engine.WARMUP_FRESH_BLOCKS)
+    engine.warm_up(blocks, prompt, chunk, [1, 2], want_logits=True)
+    fresh = [s[0][1] for s in seen if len(s) == 1 and s[0][0] == 0]
+    assert fresh == [chunk, 64, 128, 256]
+    assert rank_engine.warmup_lengths(64) == [] and rank_engine.warmup_lengths(65) == [64]
+    assert [(300, 9)] in seen  # the chunk's continuation over the cached latent
+    assert [[(1, 1)] * n for n in (1, 2)] == [s for s in seen if s[0] == (1, 1)]

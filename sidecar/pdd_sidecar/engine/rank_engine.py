@@ -88,6 +88,18 @@ FreshRows = tuple[slice | torch.Tensor, torch.Tensor]
 # Table blocks of each of the two small fresh prompts a prefill's warm-up runs (up to 2 blocks
 # plus a few tokens each, at any DCP).
 WARMUP_FRESH_BLOCKS = 3
+WARMUP_SHORTEST = 64
+
+
+def warmup_lengths(below: int) -> list[int]:
+    """The fresh prompt lengths the warm-up runs besides a whole chunk: doublings from
+    WARMUP_SHORTEST, every one shorter than ``below``."""
+    out: list[int] = []
+    n = WARMUP_SHORTEST
+    while n < below:
+        out.append(n)
+        n *= 2
+    return out
 
 
 def new_cache(
@@ -292,6 +304,10 @@ class RankEngine:
             else list(block_ids)
         for start in range(0, prompt_tokens, max(1, chunk_tokens)):
             self.step([SeqChunk(tokens[start:start + chunk_tokens], start, main)], want_logits)
+        # Shorter fresh prompts too: a step's matmuls and attention pick (and load) their
+        # kernels per shape, which a real prompt's first step would pay for otherwise.
+        for n in warmup_lengths(min(chunk_tokens, prompt_tokens)):
+            self.step([SeqChunk(tokens[:n], 0, main)], want_logits)
         if prompt_tokens > chunk_tokens:
             # The step shapes a busy prefill mixes: a continuing chunk beside one fresh prompt
             # (SDPA), beside two (the batched kernel), fresh prompts alone, and two continuing
