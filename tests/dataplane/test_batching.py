@@ -4,6 +4,8 @@ DCP ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -353,7 +355,7 @@ def test_warm_up_runs_a_chunk_its_continuation_and_shorter_fresh_prompts() -> No
     seen: list[list[tuple[int, int]]] = []
     step = engine.step
 
-    def spy(chunks: list[SeqChunk], want_logits: bool = True) -> torch.Tensor | None:
+    def spy(chunks: Sequence[SeqChunk], want_logits: bool = True) -> torch.Tensor | None:
         seen.append([(c.start, len(c.tokens)) for c in chunks])
         return step(chunks, want_logits)
 
