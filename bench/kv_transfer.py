@@ -124,14 +124,7 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
 
     max_blocks = max(-(-n // BLOCK) for n in token_counts)
     num_blocks = max_blocks + 8
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_ipc_prefill_process, args=(child, num_blocks), daemon=True)
-    proc.start()
-    status, record, _ = parent.recv()
-    if status != "ok":
-        proc.join(5)
-        raise SystemExit(f"prefill process failed:\n{record}")
+    proc, parent, (record, _) = _start_prefill(_ipc_prefill_process, num_blocks)
     results: dict[str, Any] = {"device": "cuda", "same_device": True, "rows": []}
     sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
     try:
@@ -232,11 +225,28 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
                   + f" | {host_ms:>7.3f} | {'yes' if row['verified'] else 'NO'}",
                   flush=True)
     finally:
-        parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        _stop_prefill(proc, parent)
     return results
+
+
+def _start_prefill(target: Any, *args: Any) -> tuple[Any, Any, tuple[Any, Any]]:
+    """The prefill side in a process of its own, once it answered what it publishes."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    status, first, second = parent.recv()
+    if status != "ok":
+        proc.join(5)
+        raise SystemExit(f"prefill process failed:\n{first}")
+    return proc, parent, (first, second)
+
+
+def _stop_prefill(proc: Any, parent: Any) -> None:
+    parent.send("stop")
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
 
 
 def _median_seconds(fn: Any, repeat: int) -> float:
@@ -261,14 +271,7 @@ def run(device: str, token_counts: list[int], repeat: int) -> dict[str, Any]:
     max_blocks = max(-(-n // BLOCK) for n in token_counts)
     # Offset the decode blocks so the two sides' block ids differ, as in real block tables.
     num_blocks = max_blocks + 8
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_process, args=(child, num_blocks, src_dev), daemon=True)
-    proc.start()
-    status, metadata, region = parent.recv()
-    if status != "ok":
-        proc.join(5)
-        raise SystemExit(f"prefill process failed:\n{metadata}")
+    proc, parent, (metadata, region) = _start_prefill(_prefill_process, num_blocks, src_dev)
     results: dict[str, Any] = {"device": device, "rows": []}
     try:
         if cuda:
@@ -344,10 +347,7 @@ def run(device: str, token_counts: list[int], repeat: int) -> dict[str, Any]:
             _print_row(row)
         agent.close()
     finally:
-        parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        _stop_prefill(proc, parent)
     return results
 
 
