@@ -92,7 +92,6 @@ def _ipc_prefill_process(conn: Any, num_blocks: int) -> None:
         conn.send(("error", traceback.format_exc(), None))
 
 
-SERVE_SWITCH_INTERVAL_S = 0.0005
 BUSY_CONDITIONS = [(f"busy{n}@{i * 1e3:g}", n, i)
                    for n, i in ((1, 0.0005), (1, 0.0001), (1, 0.00005), (4, 0.0001))]
 
@@ -119,6 +118,7 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
 
     import torch
 
+    from pdd_sidecar.env import DEFAULT_GIL_SWITCH_INTERVAL_US
     from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Run
     from pdd_sidecar.kv.transport import DeviceCopier, TransportRecord, open_peer_cache
 
@@ -126,7 +126,8 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
     num_blocks = max_blocks + 8
     proc, parent, (record, _) = _start_prefill(_ipc_prefill_process, num_blocks)
     results: dict[str, Any] = {"device": "cuda", "same_device": True, "rows": []}
-    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+    serve_interval_s = DEFAULT_GIL_SWITCH_INTERVAL_US / 1e6  # what pdd serve sets
+    sys.setswitchinterval(serve_interval_s)
     try:
         torch.cuda.set_device("cuda:0")
         src = open_peer_cache(TransportRecord.from_dict(record), torch.device("cuda:0"))
@@ -144,7 +145,7 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
               "new_thread(_prepared): each read on a thread that never used CUDA (that ran "
               "DeviceCopier.prepare_thread first, as the pull threads do); "
               "busyN@I: N other Python threads of this process busy, GIL switch interval I ms "
-              f"(pdd serve: {SERVE_SWITCH_INTERVAL_S * 1e3:g} ms)")
+              f"(pdd serve: {serve_interval_s * 1e3:g} ms)")
         print(f"{'tokens':>7} {'MiB':>8} {'copy GB/s':>10} | "
               + " | ".join(f"{c:>20}" for c in conditions) + " | host ms | ok")
         for tokens in token_counts:
@@ -179,8 +180,7 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
                 t.join()
                 return out[0]
 
-            def medians(before: Any = None, sample: Any = None) -> tuple[float, float]:
-                sample = sample or (lambda: read(before))
+            def medians(sample: Any) -> tuple[float, float]:
                 sample()
                 runs = [sample() for _ in range(repeat)]
                 return (statistics.median(r[0] for r in runs),
@@ -189,17 +189,17 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
             copy_s = _median_seconds(copy, repeat)
             kv.zero_()
             torch.cuda.synchronize()
-            measured = {"idle": medians(), "after_peer": medians(touch),
-                        "new_thread": medians(sample=lambda: in_new_thread(False)),
-                        "new_thread_prepared": medians(sample=lambda: in_new_thread(True))}
+            measured = {"idle": medians(read), "after_peer": medians(lambda: read(touch)),
+                        "new_thread": medians(lambda: in_new_thread(False)),
+                        "new_thread_prepared": medians(lambda: in_new_thread(True))}
             for name, n_threads, interval in BUSY_CONDITIONS:
                 stop = threading.Event()
                 threads = _busy_threads(n_threads, stop)
                 sys.setswitchinterval(interval)
                 try:
-                    measured[name] = medians()
+                    measured[name] = medians(read)
                 finally:
-                    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+                    sys.setswitchinterval(serve_interval_s)
                     stop.set()
                     for t in threads:
                         t.join()

@@ -167,14 +167,7 @@ def _required(env: Mapping[str, str], key: str, what: str) -> str:
     return value
 
 
-def _positive_float(env: Mapping[str, str], key: str, default: float) -> float:
-    value = _float(env, key, default)
-    if value <= 0:
-        raise ConfigError(f"{key}: must be > 0, got {value}")
-    return value
-
-
-def _float(env: Mapping[str, str], key: str, default: float) -> float:
+def _float(env: Mapping[str, str], key: str, default: float, positive: bool = False) -> float:
     raw = env.get(key)
     if raw is None or raw == "":
         return default
@@ -184,6 +177,8 @@ def _float(env: Mapping[str, str], key: str, default: float) -> float:
         raise ConfigError(f"{key}: must be a number, got {raw!r}") from None
     if value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if positive and value == 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}")
     return value
 
 
@@ -322,8 +317,8 @@ class InstanceSettings:
             chunk_tokens=_optional_int(env, PDD_CHUNK_TOKENS, 1),
             long_chunk_tokens=_optional_int(env, PDD_LONG_CHUNK_TOKENS, 1),
             max_model_len=_int(env, PDD_MAX_MODEL_LEN, 0, 0),
-            gil_switch_interval_us=_positive_float(env, PDD_GIL_SWITCH_INTERVAL_US,
-                                                   DEFAULT_GIL_SWITCH_INTERVAL_US),
+            gil_switch_interval_us=_float(env, PDD_GIL_SWITCH_INTERVAL_US,
+                                          DEFAULT_GIL_SWITCH_INTERVAL_US, positive=True),
             prefix_cache=_switch(env, PDD_PREFIX_CACHE, True),
             grant_key_file=_required(env, PDD_GRANT_KEY_FILE, "the transfer-grant key file "
                                      "shared by the deployment's prefill and decode pods"),

@@ -302,8 +302,6 @@ class KVPuller:
         if path == CUDA_IPC:
             assert info.transport is not None
             try:
-                if self._copier is None:
-                    raise TransportUnavailable("this rank's KV cache is not on a CUDA device")
                 self._peer_caches[key] = open_peer_cache(info.transport, self.agent.kv.device)
             except Exception as exc:
                 if override == CUDA_IPC:

@@ -82,6 +82,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))  # ints: no float()
 
 
+# A list of only these (a prompt of token ids) holds no string to check, and is skipped at C
+# speed: the router checks every body on its event loop.
+_SCALARS = {int, float, bool, type(None)}
+
+
 def _check_strings(value: Any, path: str, top: str) -> None:
     """JSON may carry lone surrogates (`"\\ud800"`), which no tokenizer can encode.
 
@@ -103,11 +108,6 @@ def _check_strings(value: Any, path: str, top: str) -> None:
                 todo.append((v, f"{path}.{k}"))
         elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
             todo.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
-
-
-# A list of only these (a prompt of token ids) holds no string to check, and is skipped at C
-# speed: the router checks every body on its event loop.
-_SCALARS = {int, float, bool, type(None)}
 
 
 def _opt_int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None = None,
