@@ -10,6 +10,7 @@ one machine.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -175,6 +176,8 @@ def _float(env: Mapping[str, str], key: str, default: float, positive: bool = Fa
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{key}: must be a number, got {raw!r}") from None
+    if not math.isfinite(value):  # nan passes every comparison below; inf is no bound
+        raise ConfigError(f"{key}: must be a finite number, got {raw!r}")
     if value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value}")
     if positive and value == 0:

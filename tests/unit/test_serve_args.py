@@ -184,9 +184,13 @@ def test_gil_switch_interval_env(tmp_path: Path) -> None:
     s = InstanceSettings.from_env({**env, "PDD_GIL_SWITCH_INTERVAL_US": "250"})
     assert s.gil_switch_interval_us == 250.0
     for bad, why in (("0", "must be > 0, got 0.0"), ("-5", "must be >= 0"),
-                     ("fast", "must be a number, got 'fast'")):
+                     ("fast", "must be a number, got 'fast'"),
+                     ("nan", "must be a finite number, got 'nan'"),
+                     ("inf", "must be a finite number, got 'inf'")):
         with pytest.raises(ConfigError, match=f"PDD_GIL_SWITCH_INTERVAL_US: {why}"):
             InstanceSettings.from_env({**env, "PDD_GIL_SWITCH_INTERVAL_US": bad})
+    with pytest.raises(ConfigError, match="PDD_LEASE_SECONDS: must be a finite number"):
+        InstanceSettings.from_env({**env, "PDD_LEASE_SECONDS": "inf"})
 
 
 def test_cuda_env_and_wildcard_host() -> None:
