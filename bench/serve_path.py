@@ -122,6 +122,7 @@ class LevelResult:
     probe_max_ms: float = float("nan")
     probe_failures: int = 0
     probe_worst_ms: dict[str, float] = field(default_factory=dict)  # per probed URL
+    probe_worst_at_s: dict[str, float] = field(default_factory=dict)  # when, into the level
 
 
 # ------------------------------------------------------------------------- engine bounds
@@ -281,6 +282,7 @@ class ProbeSampler:
         self.urls[f"{stack.decode_url}/metrics"] = "decode /metrics"
         self.latencies_ms: list[float] = []
         self.worst_ms: dict[str, float] = {}
+        self.worst_at_s: dict[str, float] = {}
         self.failures = 0
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
@@ -305,6 +307,7 @@ class ProbeSampler:
                 self._proc.kill()
         self.latencies_ms = got["latencies_ms"]
         self.worst_ms = got["worst_ms"]
+        self.worst_at_s = got["worst_at_s"]
         self.failures = got["failures"]
 
 
@@ -393,7 +396,8 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         read_device_GBps=rbytes / rdev / 1e9 if rdev > 0 else float("nan"),
         timings=[r.timing for r in ok], probe_p99_ms=pct(probes.latencies_ms, 99),
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
-        probe_failures=probes.failures, probe_worst_ms=probes.worst_ms)
+        probe_failures=probes.failures, probe_worst_ms=probes.worst_ms,
+        probe_worst_at_s=probes.worst_at_s)
 
 
 # ------------------------------------------------------------------------- judging
@@ -694,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r.level:>14}: p99 {r.probe_p99_ms:7.1f} ms, max {r.probe_max_ms:7.1f} ms, "
               f"not 200: {r.probe_failures}; worst "
-              + ", ".join(f"{u} {ms:.0f}" for u, ms in r.probe_worst_ms.items()))
+              + ", ".join(f"{u} {ms:.0f} (at {r.probe_worst_at_s.get(u, 0.0):.2f} s)"
+                          for u, ms in r.probe_worst_ms.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {"model": args.model, "device": args.device, "dtype": dtype,

@@ -92,10 +92,12 @@ def sample_probes(urls: dict[str, str], interval_s: float, stop: Any, results: A
     saw on ``results``."""
     latencies: list[float] = []
     worst: dict[str, float] = {}
+    worst_at: dict[str, float] = {}  # seconds after the first round: a burst's or steady?
     failures = 0
+    start = 0.0
 
     async def run() -> None:
-        nonlocal failures
+        nonlocal failures, start
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while not stop.is_set():
@@ -109,10 +111,15 @@ def sample_probes(urls: dict[str, str], interval_s: float, stop: Any, results: A
                         ok = False
                     ms = (time.perf_counter() - t) * 1e3
                     latencies.append(ms)
-                    worst[name] = max(ms, worst.get(name, 0.0))
+                    if ms > worst.get(name, -1.0):
+                        worst[name] = ms
+                        worst_at[name] = max(0.0, t - start) if start else 0.0
                     failures += not ok
+                if not polling.is_set():
+                    start = time.perf_counter()
                 polling.set()
                 await asyncio.sleep(interval_s)
 
     asyncio.run(run())
-    results.put({"latencies_ms": latencies, "worst_ms": worst, "failures": failures})
+    results.put({"latencies_ms": latencies, "worst_ms": worst, "worst_at_s": worst_at,
+                 "failures": failures})

@@ -63,6 +63,18 @@ def test_a_long_prompt_runs_in_whole_chunks_alone_and_in_long_chunks_beside_othe
     assert [len(c.tokens) for c in sched.plan().prefill] == [8192]
 
 
+def test_long_prompts_beside_each_other_keep_whole_chunks() -> None:
+    """Only a short prompt's TTFT gains from short steps; two long prompts fill the step."""
+    sched = _prefill(8192, 4096, long_chunk=1024)
+    _submit(sched, "a", 20000)
+    _submit(sched, "b", 12000)
+    assert sorted(len(c.tokens) for c in sched.plan().prefill) == [4096, 4096]
+    _submit(sched, "short", 500)
+    chunks = sched.plan().prefill
+    assert sorted((c.seq.id, len(c.tokens)) for c in chunks) == [
+        ("a", 1024), ("b", 1024), ("short", 500)]
+
+
 def test_prompts_that_fit_a_chunk_are_never_cut_to_long_chunks() -> None:
     sched = _prefill(8192, 4096, long_chunk=1024)
     _submit(sched, "a", 4096)

@@ -52,6 +52,35 @@ Future = concurrent.futures.Future
 # An idle instance whose ranks span pods runs an empty command this often: a rank gone on another
 # pod breaks it, and the leader exits (one pod watches its own rank processes instead).
 HEARTBEAT_S = 1.0
+# An idle prefill's first step waits for the rest of a burst (gather_burst): until nothing came
+# for BURST_QUIET_S, for at most BURST_MAX_S.
+BURST_QUIET_S = 0.001
+BURST_MAX_S = 0.02
+
+Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
+
+
+def gather_burst(inbox: Inbox, handle: Callable[[str, Any, Future[Any] | None], None],
+                 quiet_s: float = BURST_QUIET_S, max_s: float = BURST_MAX_S) -> int:
+    """Handle what keeps arriving until it pauses for ``quiet_s`` (or ``max_s`` passed); the
+    number handled.
+
+    Requests of a burst reach an idle prefill one by one as its HTTP loop reads them. Stepping
+    at the first would run most of the burst a step later, and the step's host work would
+    share the GIL with the loop still reading the rest, slowing both (64 prompts of 32 tokens
+    on one H200: 2-3 steps and a median 186 ms to the first token instead of one 69 ms step).
+    A lone request pays one ``quiet_s``.
+    """
+    deadline = time.monotonic() + max_s
+    n = 0
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            item = inbox.get(timeout=min(quiet_s, left))
+        except queue.Empty:
+            break
+        handle(*item)
+        n += 1
+    return n
 
 
 class InstanceDriver:
@@ -88,7 +117,7 @@ class InstanceDriver:
         # A finished pull wakes the loop at once instead of at its next poll (rank 0's pulls;
         # other ranks' results still come back with the next step, polled while any pull runs).
         worker.puller.on_pulled = self.wake
-        self._inbox: queue.Queue[tuple[str, Any, Future[Any] | None]] = queue.Queue()
+        self._inbox: Inbox = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
         self._last_collective = time.monotonic()
@@ -163,7 +192,10 @@ class InstanceDriver:
         try:
             self._warm_up()
             while True:
-                self._drain(block=not self._has_work())
+                idle = not self._has_work()
+                self._drain(block=idle)
+                if idle and self.role == "prefill" and self.scheduler.waiting:
+                    gather_burst(self._inbox, self._handle)
                 plan = self.scheduler.plan()
                 poll = self._poll_due()
                 if plan.has_forward or plan.pulls or self.scheduler.pulling or poll:

@@ -11,9 +11,9 @@ Policy (one place, pure Python, no torch):
   boundary once every rank has its chunks, and leave the moment they finish, freeing their blocks.
 - **Prefill** packs prompt chunks into a step of at most ``step_tokens`` tokens, several prompts
   per forward pass. A prompt runs in chunks of at most ``chunk_tokens``, each attending over the
-  cached latent of the earlier ones; while other prompts share its steps, a prompt longer than
-  a chunk (which needs several steps anyway) is cut to ``long_chunk_tokens`` a step, so the
-  steps of the others stay short. The prompts
+  cached latent of the earlier ones; while a prompt that fits one chunk shares its steps, a
+  prompt longer than a chunk (which needs several steps anyway) is cut to ``long_chunk_tokens``
+  a step, so the short prompt's step stays short. The prompts
   with the fewest tokens left go first, so a short prompt is not stuck behind a long one; the
   longest-running prompt always keeps a quarter of the budget, so short prompts arriving
   without pause cannot starve it either.
@@ -324,7 +324,8 @@ class Scheduler:
         bs = self.block_size
         budget = self.step_tokens
         oldest = running[0]
-        shared = len(running) > 1
+        # A prompt that one chunk holds shares these steps: long prompts keep them short.
+        shared = any(len(s.prompt) <= self.chunk_tokens for s in running)
         share = max(bs, budget // 4 // bs * bs)
         reserved = min(self._left(oldest), self._chunk_cap(oldest, shared), share, budget)
         budget -= reserved
@@ -343,8 +344,9 @@ class Scheduler:
         return len(seq.prompt) - seq.computed
 
     def _chunk_cap(self, seq: Sequence, shared: bool) -> int:
-        """A prompt longer than a chunk runs in whole chunks while it is alone (its fastest),
-        in long chunks while others share its steps (so theirs stay short)."""
+        """A prompt longer than a chunk runs in whole chunks while no short prompt waits on
+        its steps (alone, or beside other long ones: their TTFT is many steps anyway), in
+        long chunks while one does (so its first token comes after a short step)."""
         if shared and len(seq.prompt) > self.chunk_tokens:
             return self.long_chunk_tokens
         return self.chunk_tokens

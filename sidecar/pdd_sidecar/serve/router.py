@@ -76,7 +76,13 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         # a burst; tokenizing a long text or rendering a long chat goes off the loop.
         size = request.content_length  # None when sent in chunks: size unknown
         small = size is not None and size <= INLINE_PARSE_BYTES
-        req = parse_request(*args) if small else await asyncio.to_thread(parse_request, *args)
+        if small:
+            # A burst is checked, routed and sent on a few requests per loop turn (what runs
+            # up to the prefill's connection runs in the turn the gate let it in).
+            async with router.start_gate:
+                req = parse_request(*args)
+        else:
+            req = await asyncio.to_thread(parse_request, *args)
         router.check_capacity(req, "max_completion_tokens" if kind == "chat"
                               and body.get("max_completion_tokens") is not None
                               else "max_tokens")

@@ -1,0 +1,64 @@
+"""An idle prefill gathers a burst before its first step (engine/driver.py gather_burst)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from pdd_sidecar.engine.driver import Inbox, gather_burst
+
+pytestmark = pytest.mark.dataplane
+
+
+def _sender(inbox: Inbox, first: int, then_after_s: float, second: int) -> threading.Thread:
+    def send() -> None:
+        for i in range(first):
+            inbox.put(("submit", i, None))
+        time.sleep(then_after_s)
+        for i in range(second):
+            inbox.put(("submit", first + i, None))
+
+    return threading.Thread(target=send)
+
+
+def test_a_burst_is_gathered_up_to_its_pause() -> None:
+    inbox: Inbox = queue.Queue()
+    got: list[Any] = []
+    sender = _sender(inbox, 40, 1.0, 5)
+    sender.start()
+    n = gather_burst(inbox, lambda kind, payload, fut: got.append(payload),
+                     quiet_s=0.2, max_s=5.0)
+    sender.join()
+    assert n == 40 and got == list(range(40))  # not the 5 sent after the pause
+    assert inbox.qsize() == 5
+
+
+def test_gathering_stops_at_its_bound_while_work_keeps_coming() -> None:
+    inbox: Inbox = queue.Queue()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            inbox.put(("wake", None, None))
+            time.sleep(0.001)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    start = time.monotonic()
+    try:
+        n = gather_burst(inbox, lambda *item: None, quiet_s=0.5, max_s=0.1)
+    finally:
+        stop.set()
+        t.join()
+    assert n > 0 and time.monotonic() - start < 0.5  # the bound, not the quiet gap, ended it
+
+
+def test_nothing_more_coming_costs_one_quiet_gap() -> None:
+    inbox: Inbox = queue.Queue()
+    start = time.monotonic()
+    assert gather_burst(inbox, lambda *item: None, quiet_s=0.05, max_s=5.0) == 0
+    assert time.monotonic() - start < 1.0
