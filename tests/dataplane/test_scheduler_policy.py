@@ -39,10 +39,10 @@ def _advance(sched: Scheduler, chunks: list[PrefillChunk]) -> None:
 
 
 def test_budgets_follow_the_device_unless_set() -> None:
-    assert step_budget("cuda", None, None) == DEVICE_BUDGETS["cuda"] == (8192, 8192, 2048)
+    assert step_budget("cuda", None, None) == DEVICE_BUDGETS["cuda"] == (8192, 8192, 1024)
     assert step_budget("cpu", None, None) == DEVICE_BUDGETS["cpu"] == (2048, 512, 512)
     assert step_budget("mps", None, None) == DEVICE_BUDGETS["cpu"]
-    assert step_budget("cuda", 4096, None) == (4096, 8192, 2048)
+    assert step_budget("cuda", 4096, None) == (4096, 8192, 1024)
     assert step_budget("cpu", None, 128) == (2048, 128, 128)  # a long chunk never exceeds it
     assert step_budget("cuda", None, None, 4096) == (8192, 8192, 4096)
 

@@ -147,7 +147,7 @@ class StepBudget(NamedTuple):
     long_chunk: int  # that of a longer prompt while shorter ones share its steps
 
 
-DEVICE_BUDGETS: dict[str, StepBudget] = {"cuda": StepBudget(8192, 8192, 2048),
+DEVICE_BUDGETS: dict[str, StepBudget] = {"cuda": StepBudget(8192, 8192, 1024),
                                          "cpu": StepBudget(2048, 512, 512)}
 
 

@@ -593,9 +593,9 @@ def parser() -> argparse.ArgumentParser:
                    help="longest piece of one prompt in a step, whole blocks (default 8192 on "
                    "cuda, 512 on cpu)")
     p.add_argument("--long-chunk-tokens", type=int, default=None,
-                   help="while shorter prompts share its steps, a prompt longer than a chunk "
-                   "runs in pieces of this many, so theirs stay short (default 2048 on cuda, "
-                   "512 on cpu)")
+                   help="while a prompt that fits one chunk shares its steps, a prompt longer "
+                   "than a chunk runs in pieces of this many, so that one's stay short (default "
+                   "1024 on cuda, 512 on cpu)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from scratch (default: the prefill reuses the KV "
                    "of prompt prefixes it computed before)")

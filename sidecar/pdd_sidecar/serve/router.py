@@ -17,6 +17,7 @@ serve/upstreams.py; this module holds the aiohttp app, its handlers and the SSE 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -290,6 +291,11 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         router.probe_session = aiohttp.ClientSession(connector=fresh_dns_connector())
         await router.refresh()
         task = asyncio.create_task(router.health_loop())
+        # What lives as long as the process (the model's text tables, the app) is kept out of
+        # the collector's sight: a full collection under 256 streams would walk it on the loop
+        # (the instances freeze after their warm-up too).
+        gc.collect()
+        gc.freeze()
         yield
         task.cancel()
         await router.warm.stop()
