@@ -31,6 +31,12 @@ def _submit(sched: Scheduler, rid: str, n: int) -> Sequence:
     return seq
 
 
+def _planned(sched: Scheduler) -> tuple[list[PrefillChunk], list[tuple[str, int]]]:
+    """The next step's chunks, and (prompt, tokens) of each in order of prompt."""
+    chunks = sched.plan().prefill
+    return chunks, sorted((c.seq.id, len(c.tokens)) for c in chunks)
+
+
 def _advance(sched: Scheduler, chunks: list[PrefillChunk]) -> None:
     for c in chunks:
         sched.on_chunk_done(c)
@@ -70,22 +76,19 @@ def test_a_short_prompt_gets_the_next_step_and_the_long_one_keeps_every_other() 
 def test_long_prompts_beside_each_other_keep_whole_chunks() -> None:
     """Only a short prompt's TTFT gains from short steps; two long prompts fill the step."""
     sched = _prefill(8192, 4096, long_chunk=1024)
-    _submit(sched, "a", 20000)
-    _submit(sched, "b", 12000)
-    chunks = sched.plan().prefill
-    assert sorted(len(c.tokens) for c in chunks) == [4096, 4096]
+    for rid, n in (("a", 20000), ("b", 12000)):
+        _submit(sched, rid, n)
+    chunks, planned = _planned(sched)
+    assert planned == [("a", 4096), ("b", 4096)]
     _advance(sched, chunks)
-    _submit(sched, "short", 500)
-    _submit(sched, "short2", 600)
-    chunks = sched.plan().prefill
-    assert sorted((c.seq.id, len(c.tokens)) for c in chunks) == [("short", 500),
-                                                                 ("short2", 600)]
+    for rid, n in (("short", 500), ("short2", 600)):
+        _submit(sched, rid, n)
+    chunks, planned = _planned(sched)
+    assert planned == [("short", 500), ("short2", 600)]
     for c in chunks:  # still running: a prompt's last token is sampled after its step
         sched.on_chunk_done(c)
     _submit(sched, "short3", 700)
-    chunks = sched.plan().prefill
-    assert sorted((c.seq.id, len(c.tokens)) for c in chunks) == [
-        ("a", 1024), ("b", 1024), ("short3", 700)]
+    assert _planned(sched)[1] == [("a", 1024), ("b", 1024), ("short3", 700)]
 
 
 def test_prompts_that_fit_a_chunk_are_never_cut_to_long_chunks() -> None:

@@ -170,22 +170,20 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
             events.append(_sse(chunk(choice, **extra)))
         await response.write(b"".join(events))
 
+    # The stream's last events go out with its end, in one write.
     try:
         out = await router.generate(rid, req, trip, emit)
     except ApiError as exc:
         if not response.prepared:
             raise
-        await event(exc.body())
-        await event("[DONE]")
-        await response.write_eof()
+        await response.write_eof(_sse(exc.body()) + _sse("[DONE]"))
         return response
+    tail = b""
     if req.include_usage:
-        body = {"id": rid, "object": obj, "created": created,
-                "model": router.settings.model_name, "choices": [],
-                "usage": _usage(req, out, trip)}
-        await event(body)
-    await event("[DONE]")
-    await response.write_eof()
+        tail = _sse({"id": rid, "object": obj, "created": created,
+                     "model": router.settings.model_name, "choices": [],
+                     "usage": _usage(req, out, trip)})
+    await response.write_eof(tail + _sse("[DONE]"))
     return response
 
 

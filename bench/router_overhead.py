@@ -1,0 +1,192 @@
+"""The router's own CPU time per request, with upstreams that answer at once.
+
+Served on one H200 the router is one event loop in one process, and under a burst its
+per-request Python is what a request waits for (64:32:2's `to_client` stage, the router's
+`/readyz` at the start of 256 streams; docs/serving.md). This runs the real router
+(`python -m pdd_sidecar router`) against a stub prefill and decode in a process of their own
+(immediate answers, no engine), sends bursts of streaming completions, and reads the router
+process's CPU time from /proc: milliseconds of router CPU per request, and per streamed token.
+No GPU, no model weights (the built-in model's text tables).
+
+    python bench/router_overhead.py --bursts 64:32:2,64:32:32,256:1024:8 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sidecar"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from stream_client import stream_completion  # noqa: E402
+
+VOCAB = 200  # below the built-in model's vocabulary
+PLAN = "stub-plan"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stub_app(role: str) -> web.Application:
+    """A prefill or decode that answers at once, in the shapes the router reads."""
+
+    async def readyz(request: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "plan_digest": PLAN,
+                                  "kv_capacity_tokens": 1 << 20,
+                                  "load": {"running": 0, "waiting": 0, "free_blocks": 1 << 16,
+                                           "num_blocks": 1 << 16}})
+
+    async def prefill(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"request_id": body["request_id"], "first_token": 1,
+                                  "finish_reason": None, "cached_tokens": 0,
+                                  "kv_transfer_params": {"stub": body["request_id"]},
+                                  "timing": None})
+
+    async def release(request: web.Request) -> web.Response:
+        return web.json_response({"released": True})
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = int(body["max_new_tokens"])
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        if n:
+            await response.write(json.dumps({"token": 2, "timing": None}).encode() + b"\n"
+                                 + b"".join(b'{"token": %d}\n' % (3 + i % 90)
+                                            for i in range(n - 1)))
+        await response.write(json.dumps({"done": True, "finish_reason": "length",
+                                         "transfer": None}).encode() + b"\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    if role == "prefill":
+        app.router.add_post("/v1/prefill", prefill)
+        app.router.add_post("/v1/release", release)
+    else:
+        app.router.add_post("/v1/decode", decode)
+    return app
+
+
+def _run_stubs(prefill_port: int, decode_port: int) -> None:
+    async def main() -> None:
+        for role, port in (("prefill", prefill_port), ("decode", decode_port)):
+            runner = web.AppRunner(_stub_app(role), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(f"{url}/readyz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not ready in {timeout_s:.0f}s")
+            await asyncio.sleep(0.1)
+
+
+async def _bursts(url: str, pid: int, n: int, prompt: int, max_tokens: int,
+                  rounds: int) -> dict[str, Any]:
+    rng = random.Random(n * 7919 + prompt)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def burst() -> list[Any]:
+            prompts = [[rng.randrange(VOCAB) for _ in range(prompt)] for _ in range(n)]
+            return await asyncio.gather(*(stream_completion(session, url, p, max_tokens)
+                                          for p in prompts))
+
+        await burst()  # connections up, first-use costs paid
+        cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+        errors = 0
+        for _ in range(rounds):
+            errors += sum(isinstance(r, str) for r in await burst())
+        cpu, wall = _cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    requests = n * rounds
+    return {"burst": f"{n}:{prompt}:{max_tokens}", "requests": requests, "errors": errors,
+            "router_cpu_ms_per_request": 1e3 * cpu / requests,
+            "router_cpu_us_per_token": 1e6 * cpu / (requests * max_tokens),
+            "wall_ms_per_burst": 1e3 * wall / rounds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bursts", default="64:32:2,64:32:32,256:1024:8",
+                   help="concurrency:prompt:max_tokens, comma-separated")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--stubs", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.stubs:
+        _run_stubs(*args.stubs)
+        return 0
+    bursts = [tuple(int(x) for x in b.split(":")) for b in args.bursts.split(",")]
+    prefill_port, decode_port, port = _free_port(), _free_port(), _free_port()
+    stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(prefill_port),
+                              str(decode_port)])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sidecar"), "PDD_HTTP_PORT": str(port),
+           "PDD_BIND_HOST": "127.0.0.1",
+           "PDD_PREFILL_URLS": f"http://127.0.0.1:{prefill_port}",
+           "PDD_DECODE_URLS": f"http://127.0.0.1:{decode_port}", "PDD_LOG_LEVEL": "WARNING"}
+    router = subprocess.Popen([sys.executable, "-m", "pdd_sidecar", "router"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        asyncio.run(_ready(url))
+        print(f"{'burst':>14} {'reqs':>5} {'err':>4} {'router CPU ms/req':>18} "
+              f"{'µs/token':>9} {'wall ms/burst':>14}", flush=True)
+        for n, prompt, max_tokens in bursts:
+            r = asyncio.run(_bursts(url, router.pid, n, prompt, max_tokens, args.rounds))
+            results.append(r)
+            print(f"{r['burst']:>14} {r['requests']:>5} {r['errors']:>4} "
+                  f"{r['router_cpu_ms_per_request']:>18.3f} {r['router_cpu_us_per_token']:>9.1f} "
+                  f"{r['wall_ms_per_burst']:>14.1f}", flush=True)
+    finally:
+        for proc in (router, stubs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bursts": results}, indent=1))
+    return 1 if any(r["errors"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
