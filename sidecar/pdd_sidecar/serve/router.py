@@ -36,6 +36,7 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.discovery import fresh_dns_connector
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
+from pdd_sidecar.serve.start_gate import units_of
 from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
 from pdd_sidecar.serve.upstreams import Router, Step, Trip
 
@@ -78,10 +79,10 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         size = request.content_length  # None when sent in chunks: size unknown
         small = size is not None and size <= INLINE_PARSE_BYTES
         if small:
-            # A burst is checked, routed and sent on a few requests per loop turn (what runs
+            # A burst is checked, routed and sent on a bounded amount per loop turn (what runs
             # up to the prefill's connection runs in the turn the gate let it in).
-            async with router.start_gate:
-                req = parse_request(*args)
+            await router.start_gate.enter(units_of(size or 0))
+            req = parse_request(*args)
         else:
             req = await asyncio.to_thread(parse_request, *args)
         router.check_capacity(req, "max_completion_tokens" if kind == "chat"
