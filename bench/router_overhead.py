@@ -6,7 +6,8 @@ per-request Python is what a request waits for (64:32:2's `to_client` stage, the
 (`python -m pdd_sidecar router`) against a stub prefill and decode in a process of their own
 (immediate answers, no engine), sends bursts of streaming completions, and reads the router
 process's CPU time from /proc: milliseconds of router CPU per request, and per streamed token.
-No GPU, no model weights (the built-in model's text tables).
+No GPU, no model weights (the built-in model's text tables). /proc counts in clock ticks
+(10 ms): a figure needs hundreds of requests (`--rounds`) to mean something.
 
     python bench/router_overhead.py --bursts 64:32:2,64:32:32,256:1024:8 --rounds 5
 """
