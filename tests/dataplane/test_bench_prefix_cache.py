@@ -5,25 +5,17 @@ token's (off: the whole prompt's)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_fixtures import load_bench
 
 pytestmark = pytest.mark.dataplane
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_cache.py"
-
-
 def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_prefix_cache", BENCH)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look themselves up
-    spec.loader.exec_module(mod)
+    mod = load_bench("prefix_cache.py", monkeypatch)
     out = tmp_path / "prefix_cache.json"
     assert mod.main(["--quick", "--json", str(out)]) == 0
     res = json.loads(out.read_text())

@@ -3,25 +3,17 @@ request completes with its tokens, and the router's CPU time per request is meas
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_fixtures import load_bench
 
 pytestmark = pytest.mark.dataplane
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "router_overhead.py"
-
-
 def test_bursts_complete_and_the_router_cpu_is_counted(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_router_overhead", BENCH)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
+    mod = load_bench("router_overhead.py", monkeypatch)
     out = tmp_path / "router.json"
     assert mod.main(["--bursts", "16:16:3,4:64:1", "--rounds", "4", "--json", str(out)]) == 0
     bursts = json.loads(out.read_text())["bursts"]

@@ -3,30 +3,24 @@ request's TTFT breakdown is there and adds up to no more than the TTFT, the boun
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from bench_fixtures import load_bench
 
 from pdd_sidecar.engine.timing import STAGES
 
 pytestmark = pytest.mark.dataplane
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve_path.py"
 EPS_MS = 0.1  # each stage is rounded to a microsecond
 
 
 def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    spec = importlib.util.spec_from_file_location("bench_serve_path", BENCH)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look themselves up
-    spec.loader.exec_module(mod)
+    mod = load_bench("serve_path.py", monkeypatch)
     out = tmp_path / "serve_path.json"
     assert mod.main(["--quick", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
