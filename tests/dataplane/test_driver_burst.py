@@ -62,3 +62,13 @@ def test_nothing_more_coming_costs_one_quiet_gap() -> None:
     start = time.monotonic()
     assert gather_burst(inbox, lambda *item: None, quiet_s=0.05, max_s=5.0) == 0
     assert time.monotonic() - start < 1.0
+
+
+def test_gathering_stops_once_the_first_step_is_full() -> None:
+    inbox: Inbox = queue.Queue()
+    for i in range(40):
+        inbox.put(("submit", i, None))
+    got: list[Any] = []
+    n = gather_burst(inbox, lambda kind, payload, fut: got.append(payload),
+                     full=lambda: len(got) >= 8, quiet_s=1.0, max_s=5.0)
+    assert n == 8 and got == list(range(8)) and inbox.qsize() == 32

@@ -156,3 +156,18 @@ def test_chunks_end_on_block_boundaries_unless_they_end_the_prompt() -> None:
         seen += len(chunks)
         _advance(sched, chunks)
     assert seen >= 4
+
+
+def test_the_first_step_is_full_at_its_token_budget_or_its_slots() -> None:
+    sched = _prefill(2048, 512)
+    for i in range(3):
+        _submit(sched, f"a{i}", 600)  # 512 of each fits the first step
+    assert not sched.first_step_full()
+    _submit(sched, "a3", 600)
+    assert sched.first_step_full()
+    few_slots = Scheduler("prefill", PagedKVCache(4096, 1, BLOCK, 4), BLOCK, 1, 1,
+                          max_running=2, step_tokens=8192, chunk_tokens=512)
+    _submit(few_slots, "b0", 10)
+    assert not few_slots.first_step_full()
+    _submit(few_slots, "b1", 10)
+    assert few_slots.first_step_full()

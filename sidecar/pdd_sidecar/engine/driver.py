@@ -61,9 +61,10 @@ Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
 
 
 def gather_burst(inbox: Inbox, handle: Callable[[str, Any, Future[Any] | None], None],
-                 quiet_s: float = BURST_QUIET_S, max_s: float = BURST_MAX_S) -> int:
-    """Handle what keeps arriving until it pauses for ``quiet_s`` (or ``max_s`` passed); the
-    number handled.
+                 full: Callable[[], bool] = lambda: False, quiet_s: float = BURST_QUIET_S,
+                 max_s: float = BURST_MAX_S) -> int:
+    """Handle what keeps arriving until it pauses for ``quiet_s``, ``max_s`` passed, or the
+    first step is ``full`` (waiting longer would fill no more of it); the number handled.
 
     Requests of a burst reach an idle prefill one by one as its HTTP loop reads them. Stepping
     at the first would run most of the burst a step later, and the step's host work would
@@ -74,7 +75,7 @@ def gather_burst(inbox: Inbox, handle: Callable[[str, Any, Future[Any] | None], 
     """
     deadline = time.monotonic() + max_s
     n = 0
-    while (left := deadline - time.monotonic()) > 0:
+    while not full() and (left := deadline - time.monotonic()) > 0:
         try:
             item = inbox.get(timeout=min(quiet_s, left))
         except queue.Empty:
@@ -196,7 +197,7 @@ class InstanceDriver:
                 idle = not self._has_work()
                 self._drain(block=idle)
                 if idle and self.role == "prefill" and self.scheduler.waiting:
-                    gather_burst(self._inbox, self._handle)
+                    gather_burst(self._inbox, self._handle, self.scheduler.first_step_full)
                 plan = self.scheduler.plan()
                 poll = self._poll_due()
                 if plan.has_forward or plan.pulls or self.scheduler.pulling or poll:

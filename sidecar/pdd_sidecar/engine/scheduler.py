@@ -222,6 +222,14 @@ class Scheduler:
             self._finish(seq, "cancelled")
         return seq
 
+    def first_step_full(self) -> bool:
+        """The waiting prompts fill a step's budget or its running slots: an idle prefill
+        gathering a burst (engine/driver.py) starts at once."""
+        waiting = self.waiting
+        if len(waiting) >= self.max_running:
+            return True
+        return sum(min(len(s.prompt), self.chunk_tokens) for s in waiting) >= self.step_tokens
+
     def _fits_now(self, need: int) -> bool:
         """Would be admitted at the next step without waiting behind anyone."""
         return (not self.waiting and need <= self.allocator.num_free
