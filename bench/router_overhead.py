@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -35,14 +34,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from stream_client import stream_completion  # noqa: E402
 
+from pdd_sidecar.serve.local_stack import StackConfig, pick_ports, router_env  # noqa: E402
+
 VOCAB = 200  # below the built-in model's vocabulary
 PLAN = "stub-plan"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stub_app(role: str) -> web.Application:
@@ -156,15 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         _run_stubs(*args.stubs)
         return 0
     bursts = [tuple(int(x) for x in b.split(":")) for b in args.bursts.split(",")]
-    prefill_port, decode_port, port = _free_port(), _free_port(), _free_port()
-    stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(prefill_port),
-                              str(decode_port)])
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "sidecar"), "PDD_HTTP_PORT": str(port),
-           "PDD_BIND_HOST": "127.0.0.1",
-           "PDD_PREFILL_URLS": f"http://127.0.0.1:{prefill_port}",
-           "PDD_DECODE_URLS": f"http://127.0.0.1:{decode_port}", "PDD_LOG_LEVEL": "WARNING"}
+    # The router as `pdd serve` configures it, its upstreams the stubs.
+    cfg = StackConfig(port=0, log_level="WARNING")
+    ports = pick_ports(cfg)
+    stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(ports.prefill_http),
+                              str(ports.decode_http)])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "sidecar"), **router_env(cfg, ports)}
     router = subprocess.Popen([sys.executable, "-m", "pdd_sidecar", "router"], env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{ports.router}"
     results = []
     try:
         asyncio.run(_ready(url))

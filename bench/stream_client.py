@@ -113,7 +113,7 @@ def sample_probes(urls: dict[str, str], interval_s: float, stop: Any, results: A
                     latencies.append(ms)
                     if ms > worst.get(name, -1.0):
                         worst[name] = ms
-                        worst_at[name] = max(0.0, t - start) if start else 0.0
+                        worst_at[name] = t - start if start else 0.0
                     failures += not ok
                 if not polling.is_set():
                     start = time.perf_counter()

@@ -47,6 +47,7 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
 from pdd_sidecar.kv.cache import num_table_blocks
@@ -225,10 +226,9 @@ class Scheduler:
     def first_step_full(self) -> bool:
         """The waiting prompts fill a step's budget or its running slots: an idle prefill
         gathering a burst (engine/driver.py) starts at once."""
-        waiting = self.waiting
-        if len(waiting) >= self.max_running:
-            return True
-        return sum(min(len(s.prompt), self.chunk_tokens) for s in waiting) >= self.step_tokens
+        tokens = accumulate(min(len(s.prompt), self.chunk_tokens) for s in self.waiting)
+        return (len(self.waiting) >= self.max_running
+                or any(n >= self.step_tokens for n in tokens))
 
     def _fits_now(self, need: int) -> bool:
         """Would be admitted at the next step without waiting behind anyone."""

@@ -36,7 +36,7 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.discovery import fresh_dns_connector
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
-from pdd_sidecar.serve.start_gate import units_of
+from pdd_sidecar.serve.start_gate import StartGate, units_of
 from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
 from pdd_sidecar.serve.upstreams import Router, Step, Trip
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 
 ROUTER = web.AppKey("router", Router)
+START_GATE = web.AppKey("start_gate", StartGate)
 INLINE_PARSE_BYTES = 16 << 10
 
 
@@ -81,7 +82,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         if small:
             # A burst is checked, routed and sent on a bounded amount per loop turn (what runs
             # up to the prefill's connection runs in the turn the gate let it in).
-            await router.start_gate.enter(units_of(size or 0))
+            await request.app[START_GATE].enter(units_of(size or 0))
             req = parse_request(*args)
         else:
             req = await asyncio.to_thread(parse_request, *args)
@@ -273,6 +274,7 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
     router = Router(settings, model)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER] = router
+    app[START_GATE] = StartGate()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -30,7 +30,6 @@ from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
 from pdd_sidecar.serve.replica_pool import Pool
 from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
 from pdd_sidecar.serve.routing_policy import make_policy
-from pdd_sidecar.serve.start_gate import StartGate
 from pdd_sidecar.serve.text import ModelText
 from pdd_sidecar.serve.upstream_http import (
     CONNECT_TIMEOUT_S,
@@ -110,7 +109,6 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         self._probing: asyncio.Task[None] | None = None
         self.warm = WarmRoundTrip()
-        self.start_gate = StartGate()
 
     @property
     def pools_ready(self) -> bool:
