@@ -5,7 +5,8 @@ per-request Python is what a request waits for (64:32:2's `to_client` stage, the
 `/readyz` at the start of 256 streams; docs/serving.md). This runs the real router
 (`python -m pdd_sidecar router`) against a stub prefill and decode in a process of their own
 (immediate answers, no engine), sends bursts of streaming completions, and reads the router
-process's CPU time from /proc: milliseconds of router CPU per request, and per streamed token.
+process's CPU time from /proc: milliseconds of router CPU per request, and per streamed token,
+against the stubs' CPU for the same HTTP exchanges (bare aiohttp handlers: the baseline).
 No GPU, no model weights (the built-in model's text tables). /proc counts in clock ticks
 (10 ms): a figure needs hundreds of requests (`--rounds`) to mean something.
 
@@ -114,7 +115,7 @@ async def _ready(url: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _bursts(url: str, pid: int, n: int, prompt: int, max_tokens: int,
+async def _bursts(url: str, pid: int, stubs_pid: int, n: int, prompt: int, max_tokens: int,
                   rounds: int) -> dict[str, Any]:
     rng = random.Random(n * 7919 + prompt)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -127,15 +128,19 @@ async def _bursts(url: str, pid: int, n: int, prompt: int, max_tokens: int,
                                           for p in prompts))
 
         await burst()  # connections up, first-use costs paid
-        cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+        cpu0, base0, t0 = _cpu_seconds(pid), _cpu_seconds(stubs_pid), time.perf_counter()
         errors = 0
         for _ in range(rounds):
             errors += sum(isinstance(r, str) for r in await burst())
         cpu, wall = _cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+        base = _cpu_seconds(stubs_pid) - base0
     requests = n * rounds
     return {"burst": f"{n}:{prompt}:{max_tokens}", "requests": requests, "errors": errors,
             "router_cpu_ms_per_request": 1e3 * cpu / requests,
             "router_cpu_us_per_token": 1e6 * cpu / (requests * max_tokens),
+            # The baseline: the same HTTP exchanges answered by bare aiohttp handlers.
+            "stubs_cpu_ms_per_request": 1e3 * base / requests,
+            "router_over_stubs": cpu / base if base > 0 else float("nan"),
             "wall_ms_per_burst": 1e3 * wall / rounds}
 
 
@@ -163,12 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(_ready(url))
         print(f"{'burst':>14} {'reqs':>5} {'err':>4} {'router CPU ms/req':>18} "
-              f"{'µs/token':>9} {'wall ms/burst':>14}", flush=True)
+              f"{'µs/token':>9} {'stubs CPU ms/req':>17} {'router/stubs':>13} "
+              f"{'wall ms/burst':>14}", flush=True)
         for n, prompt, max_tokens in bursts:
-            r = asyncio.run(_bursts(url, router.pid, n, prompt, max_tokens, args.rounds))
+            r = asyncio.run(_bursts(url, router.pid, stubs.pid, n, prompt, max_tokens,
+                                    args.rounds))
             results.append(r)
             print(f"{r['burst']:>14} {r['requests']:>5} {r['errors']:>4} "
                   f"{r['router_cpu_ms_per_request']:>18.3f} {r['router_cpu_us_per_token']:>9.1f} "
+                  f"{r['stubs_cpu_ms_per_request']:>17.3f} {r['router_over_stubs']:>13.2f} "
                   f"{r['wall_ms_per_burst']:>14.1f}", flush=True)
     finally:
         for proc in (router, stubs):

@@ -21,5 +21,6 @@ def test_bursts_complete_and_the_router_cpu_is_counted(tmp_path: Path,
     for b in bursts:
         assert b["errors"] == 0 and b["requests"] == 4 * int(b["burst"].split(":")[0])
         assert b["router_cpu_ms_per_request"] >= 0 and b["wall_ms_per_burst"] > 0
+        assert b["stubs_cpu_ms_per_request"] >= 0
     # /proc counts CPU time in clock ticks (10 ms): 64 requests of ~1 ms are several
     assert bursts[0]["router_cpu_ms_per_request"] > 0
