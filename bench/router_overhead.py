@@ -1,12 +1,12 @@
 """The router's own CPU time per request, with upstreams that answer at once.
 
 Served on one H200 the router is one event loop in one process, and under a burst its
-per-request Python is what a request waits for (64:32:2's `to_client` stage, the router's
-`/readyz` at the start of 256 streams; docs/serving.md). This runs the real router
-(`python -m pdd_sidecar router`) against a stub prefill and decode in a process of their own
-(immediate answers, no engine), sends bursts of streaming completions, and reads the router
-process's CPU time from /proc: milliseconds of router CPU per request, and per streamed token,
-against the stubs' CPU for the same HTTP exchanges (bare aiohttp handlers: the baseline).
+per-request Python is what a request waits for (64:32:2's `to_client` and `decode_to_client`
+stages, the router's `/readyz` at the start of 256 streams; docs/serving.md). This runs the
+real router (`python -m pdd_sidecar router`) against a stub prefill and decode in a process of
+their own (immediate answers, no engine), sends bursts of streaming completions, and reads the
+router process's CPU time from /proc: milliseconds of router CPU per request, and per streamed
+token, against the stubs' CPU for the same HTTP exchanges (bare aiohttp handlers: the baseline).
 No GPU, no model weights (the built-in model's text tables). /proc counts in clock ticks
 (10 ms): a figure needs hundreds of requests (`--rounds`) to mean something.
 

@@ -109,6 +109,7 @@ class LevelResult:
     tokens_per_s: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    second_p50_ms: float  # the decode's first token: the hand-off done (NaN at max_tokens 1)
     tpot_p50_ms: float
     timing_p50_ms: dict[str, float]
     read_bytes: float
@@ -382,6 +383,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
               flush=True)
     tokens = sum(len(r.times) for r in ok)
     ttft = [(r.times[0] - r.start) * 1e3 for r in ok]
+    second = [(r.times[1] - r.start) * 1e3 for r in ok if len(r.times) > 1]
     tpot = [(r.times[-1] - r.times[0]) / (len(r.times) - 1) * 1e3 for r in ok
             if len(r.times) > 1]
     medians = stage_medians(r.timing for r in ok)
@@ -390,7 +392,8 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,
         max_tokens=spec.max_tokens, requests=len(results), errors=len(failures), wall_s=wall,
         output_tokens=tokens, tokens_per_s=tokens / wall if wall else 0.0,
-        ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), tpot_p50_ms=pct(tpot, 50),
+        ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), second_p50_ms=pct(second, 50),
+        tpot_p50_ms=pct(tpot, 50),
         timing_p50_ms=medians, read_bytes=rbytes, read_seconds=rsecs,
         read_GBps=rbytes / rsecs / 1e9 if rsecs > 0 else float("nan"),
         read_device_GBps=rbytes / rdev / 1e9 if rdev > 0 else float("nan"),
@@ -414,6 +417,7 @@ def level_bounds(r: LevelResult, spec: LevelSpec, b: dict[str, Any]) -> dict[str
     if t > 1:
         out["ttft_bound_ms"] = prefill + decode
         out["ttft_ratio"] = r.ttft_p50_ms / out["ttft_bound_ms"]
+        out["second_ratio"] = r.second_p50_ms / out["ttft_bound_ms"]
     else:
         out["wall_bound_ms"] = -(-r.requests // n) * prefill
         out["wall_ratio"] = r.wall_s * 1e3 / out["wall_bound_ms"]
@@ -453,8 +457,13 @@ def judge(r: LevelResult) -> dict[str, Any] | None:
     value = (r.tokens_per_s if higher else r.wall_s * 1e3 if r.max_tokens == 1
              else r.ttft_p50_ms)
     ratio = value / bound if bound else float("nan")
-    return {"what": what, "value": value, "bound": bound, "ratio": ratio, "target": target,
-            "holds": ratio >= target if higher else ratio <= target}
+    out = {"what": what, "value": value, "bound": bound, "ratio": ratio, "target": target,
+           "holds": ratio >= target if higher else ratio <= target}
+    if what.startswith("TTFT") and bound:
+        # The first token is the prefill's; the decode's first one shows the hand-off's cost
+        # against the same bound (the figure these targets were first set on).
+        out["second_token_ratio"] = r.second_p50_ms / bound
+    return out
 
 
 def kv_bytes_per_block(model: str, dtype: str, block_size: int) -> int:
@@ -479,8 +488,8 @@ def plan_levels(levels: list[LevelSpec], max_len: int, capacity_tokens: int
 
 
 HEADER = (f"{'level':>14} {'reqs':>4} {'err':>3} {'wall s':>7} {'tok/s':>8} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'TPOT p50':>8} {'READ GB/s':>9} | {'bound':>9} {'ratio':>6} "
-          "judged by: bound")
+          f"{'TTFT p99':>9} {'2nd p50':>8} {'TPOT p50':>8} {'READ GB/s':>9} | {'bound':>9} "
+          f"{'ratio':>6} judged by: bound")
 
 
 def row(r: LevelResult) -> str:
@@ -496,13 +505,15 @@ def row(r: LevelResult) -> str:
             "TTFT p50: prefill + step (ms)"
     return (f"{r.level:>14} {r.requests:>4} {r.errors:>3} {r.wall_s:>7.2f} "
             f"{r.tokens_per_s:>8.1f} {r.ttft_p50_ms:>9.1f} {r.ttft_p99_ms:>9.1f} "
-            f"{r.tpot_p50_ms:>8.2f} {r.read_GBps:>9.2f} | {bound:>9.2f} {ratio:>6.2f} {what}")
+            f"{r.second_p50_ms:>8.1f} {r.tpot_p50_ms:>8.2f} {r.read_GBps:>9.2f} | {bound:>9.2f} "
+            f"{ratio:>6.2f} {what}")
 
 
 SHORT = {"router_to_prefill": "r>P", "prefill_queue": "Pq", "prefill_compute": "Pc",
-         "prefill_to_router": "P>r", "grant_to_decode": "r>D", "decode_queue": "Dq",
-         "claim": "claim", "read": "read", "join": "join", "first_step": "step1",
-         "to_client": "r>cl", "ttft": "TTFT"}
+         "prefill_to_router": "P>r", "to_client": "r>cl", "ttft": "TTFT",
+         "grant_to_decode": "r>D", "decode_queue": "Dq", "claim": "claim", "read": "read",
+         "join": "join", "first_step": "step1", "decode_to_client": "D>cl",
+         "second_token": "2nd"}
 
 
 def timing_row(r: LevelResult) -> str:
@@ -663,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop()
         if not args.log_dir:
             stack.cleanup()
-    print("\nmedian of each TTFT stage per request (ms; pdd.timing, docs/serving.md):")
+    print("\nmedian of each stage per request (ms; pdd.timing, docs/serving.md): to the first "
+          "token (the prefill's), then the hand-off to the decode's first token (2nd)")
     print(timing_header())
     for r in results:
         print(timing_row(r))
@@ -690,9 +702,11 @@ def main(argv: list[str] | None = None) -> int:
     judged = {r.level: j for r in results if (j := judge(r)) is not None}
     for level, j in judged.items():
         sign = ">=" if TARGETS[level][3] else "<="
+        second = (f"; the decode's first token {j['second_token_ratio']:.2f}x"
+                  if "second_token_ratio" in j else "")
         print(f"{level:>14}: {j['what']}: {j['value']:.1f} / {j['bound']:.1f} = "
               f"{j['ratio']:.2f} (target {sign} {j['target']}) "
-              f"{'holds' if j['holds'] else 'MISSED'}")
+              f"{'holds' if j['holds'] else 'MISSED'}{second}")
     print("\nprobes during each level (/readyz of router, prefill, decode; decode /metrics; "
           "every 50 ms; target: each answer within 100 ms, all 200):")
     for r in results:

@@ -18,7 +18,7 @@ import aiohttp
 
 from pdd_sidecar.engine.timing import STAGES
 
-TIMING_NAMES = (*STAGES, "ttft")  # the keys of a completion's `pdd.timing`
+TIMING_NAMES = (*STAGES, "ttft", "second_token")  # the keys of a completion's `pdd.timing`
 
 _SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 

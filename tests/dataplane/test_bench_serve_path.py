@@ -1,5 +1,6 @@
 """bench/serve_path.py --quick runs a whole stack end to end: every level completes, each
-request's TTFT breakdown is there and adds up to no more than the TTFT, the bounds are real."""
+request's breakdown is there and adds up to no more than its TTFT (the prefill's token) and
+its second token (the decode's first), the bounds are real."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from bench_fixtures import load_bench
 
-from pdd_sidecar.engine.timing import STAGES
+from pdd_sidecar.engine.timing import STAGES, TTFT_STAGES
 
 pytestmark = pytest.mark.dataplane
 
@@ -33,21 +34,22 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     for lv in res["levels"]:
         assert lv["errors"] == 0 and lv["requests"] == max(lv["concurrency"], 4), lv["level"]
         assert lv["output_tokens"] == lv["requests"] * lv["max_tokens"]
-        assert lv["ttft_p50_ms"] > 0 and lv["tokens_per_s"] > 0
+        assert 0 < lv["ttft_p50_ms"] < lv["second_p50_ms"] and lv["tokens_per_s"] > 0
         assert lv["bounds"]["ttft_bound_ms"] > 0 and lv["bounds"]["ttft_ratio"] > 0
         assert lv["read_bytes"] > 0 and lv["read_GBps"] > 0
         assert len(lv["timings"]) == lv["requests"]
         for t in lv["timings"]:
-            assert set(t) == {*STAGES, "ttft"}, sorted(t)
+            assert set(t) == {*STAGES, "ttft", "second_token"}, sorted(t)
             assert all(math.isfinite(v) and v >= 0 for v in t.values()), t
-            assert sum(t[k] for k in STAGES) <= t["ttft"] + EPS_MS, t
-        assert set(lv["timing_p50_ms"]) == {*STAGES, "ttft"}
+            assert sum(t[k] for k in TTFT_STAGES) <= t["ttft"] + EPS_MS, t
+            assert sum(t[k] for k in STAGES) <= t["second_token"] + EPS_MS, t
+        assert set(lv["timing_p50_ms"]) == {*STAGES, "ttft", "second_token"}
         assert lv["probe_failures"] == 0 and lv["probe_max_ms"] > 0, lv["level"]
     first = res["first_after_ready"]
     assert first["first_ttft_ms"] > 0 and first["steady_ttft_ms"] > 0
     assert first["ratio"] == pytest.approx(first["first_ttft_ms"] / first["steady_ttft_ms"])
     mixed = res["long_then_short"]
     assert mixed["short_ttft_ms"] > 0 and mixed["long_ttft_ms"] > 0 and mixed["ratio"] > 0
-    assert set(mixed["short_timing"]) == {*STAGES, "ttft"}
+    assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token"}
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -325,11 +326,13 @@ def test_claims_and_releases_are_answered_while_a_slow_step_runs(cluster: LocalC
     assert slow_done.is_set()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_prefill_gone_before_the_claim_costs_the_client_nothing(
-        cluster: LocalCluster) -> None:
+        cluster: LocalCluster, stream: bool) -> None:
     """Two prefills; the one that ran a request dies before the decode claims its KV (pulls
-    are held back 4 s): the router runs the request again on the other prefill, and the
-    client gets the reference tokens, never a 502."""
+    are held back 4 s): the router runs the prompt again on the other prefill, and the
+    client gets the reference tokens, never a 502. A stream has the first token by then: the
+    decode is fed that one, and the stream goes on as if nothing happened."""
     routing = cluster.plan_file(_plan((1, 1), (1, 1)))
     prefills = [cluster.instance("prefill", 1, 1, routing, BLOCK, replica=i) for i in range(2)]
     decode = cluster.instance("decode", 1, 1, routing, BLOCK, PDD_FAULT_PULL_DELAY_S="4",
@@ -338,11 +341,22 @@ def test_a_prefill_gone_before_the_claim_costs_the_client_nothing(
     for p in (*prefills, decode, router):
         p.wait_ready()
     result: dict[str, Any] = {}
+    request = {"prompt": _prompt(40), "max_tokens": 4, "temperature": 0, "stream": stream}
 
     def complete() -> None:
-        result["answer"] = http("POST", f"{router.url}/v1/completions",
-                                {"prompt": _prompt(40), "max_tokens": 4, "temperature": 0},
-                                timeout=120)
+        if not stream:
+            result["answer"] = http("POST", f"{router.url}/v1/completions", request,
+                                    timeout=120)
+            return
+        req = urllib.request.Request(f"{router.url}/v1/completions", method="POST",
+                                     data=json.dumps(request).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                      if line.startswith("data: {")]
+        result["answer"] = (resp.status, {
+            "choices": [{"token_ids": [t for e in events for t in e["choices"][0]["token_ids"]]}],
+            "pdd": events[-1].get("pdd", {}), "errors": [e for e in events if "error" in e]})
 
     thread = threading.Thread(target=complete)
     thread.start()
@@ -360,5 +374,6 @@ def test_a_prefill_gone_before_the_claim_costs_the_client_nothing(
     thread.join(120)
     status, body = result["answer"]
     assert status == 200, body
+    assert not body.get("errors"), body
     assert body["choices"][0]["token_ids"] == _reference(40, 4)
     assert body["pdd"]["prefill"] != holder.url

@@ -62,6 +62,7 @@ class Script:
     fail_after: int | None = None  # decode: a transfer error line after this many tokens
     cached_tokens: int | None = None  # prefill: None answers without the field (older ones)
     split_bytes: int | None = None  # decode: the stream written in pieces of this many bytes
+    decode_gate: threading.Event | None = None  # decode: answers nothing until it is set
 
 
 class FakeInstance:
@@ -136,6 +137,8 @@ class FakeInstance:
         body = await request.json()
         self.decodes.append(body)
         s = self.script
+        while s.decode_gate is not None and not s.decode_gate.is_set():
+            await asyncio.sleep(0.01)
         if s.decode_status != 200:
             return self._error(s.decode_status, "decode refused")
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -535,11 +538,52 @@ def test_upstream_5xx_is_retried_on_another_prefill(stack: Stack, fake: FakeInst
 
 
 def test_decode_refusal_releases_the_prefill(stack: Stack, fake: FakeInstance) -> None:
+    """A decode's full queue: a whole answer is the 429 (Retry-After kept); a stream already
+    has the prefill's token, so the refusal is its error event. The prefill's blocks go back
+    either way."""
     fake.reset(decode_status=429, retry_after="1")
-    status, body, headers = _sse(f"{stack.routers['builtin']}/v1/completions",
-                                 {"prompt": [1], "max_tokens": 4, "stream": True})
-    assert status == 429 and headers.get("Retry-After") == "1"
+    status, answer = _post(f"{stack.routers['builtin']}/v1/completions",
+                           {"prompt": [1], "max_tokens": 4})
+    assert status == 429 and "decode refused" in answer["error"]["message"], answer
     assert _wait(lambda: fake.releases == [fake.prefills[0]["request_id"]])
+    fake.reset(decode_status=429, retry_after="1")
+    status, events, _ = _sse(f"{stack.routers['builtin']}/v1/completions",
+                             {"prompt": [1], "max_tokens": 4, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["token_ids"] == [fake.script.first]
+    assert events[-2]["error"]["code"] is None and "decode refused" in events[-2]["error"][
+        "message"], events
+    assert _wait(lambda: fake.releases == [fake.prefills[0]["request_id"]])
+
+
+def test_the_first_token_streams_while_the_hand_off_runs(stack: Stack,
+                                                       fake: FakeInstance) -> None:
+    """The prefill's token reaches the client before the decode has answered anything (here
+    it answers only once the client holds that token); the rest follows from the decode."""
+    gate = threading.Event()
+    fake.reset(decode_gate=gate)
+    u = urllib.parse.urlparse(stack.routers["builtin"])
+    conn = HTTPConnection(u.hostname, u.port, timeout=20)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": [1], "max_tokens": 3, "stream": True}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        line = resp.readline()  # blocks until the router writes: before the gate opens
+        assert not gate.is_set() and line.startswith(b"data: "), line
+        first = json.loads(line[len(b"data: "):])
+        assert first["choices"][0]["token_ids"] == [fake.script.first]
+        assert _wait(lambda: len(fake.decodes) == 1)  # the hand-off began meanwhile
+        gate.set()
+        rest = resp.read().decode()
+    finally:
+        gate.set()
+        conn.close()
+    events = [json.loads(b.strip()[len("data: "):]) for b in rest.split("\n\n")
+              if b.strip().startswith("data: {")]
+    tokens = [t for e in events for t in e["choices"][0]["token_ids"]]
+    assert tokens == list(b"el") and rest.rstrip().endswith("data: [DONE]")
 
 
 @pytest.mark.parametrize("v2", [True, False])

@@ -194,8 +194,9 @@ def test_a_full_decode_queue_answers_429_with_retry_after(cluster: LocalCluster)
     req = urllib.request.Request(url, data=long_body, method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
-        resp.readline()  # the long one is running
-        resp.readline()
+        events = 0
+        while events < 2:  # the prefill's token, then the decode's first: the long one runs
+            events += resp.readline().startswith(b"data:")
         refused = urllib.request.Request(url, method="POST",
                                          data=json.dumps({"prompt": [1, 2], "max_tokens": 5})
                                          .encode(), headers={"Content-Type": "application/json"})
@@ -289,8 +290,9 @@ def test_a_request_waiting_for_its_kv_does_not_stall_the_running_batch(
     stamps: list[float] = []
     late: dict[str, Any] = {}
     with urllib.request.urlopen(req, timeout=60) as resp:
-        resp.readline()
-        resp.readline()  # running now
+        events = 0
+        while events < 2:  # the prefill's token, then the decode's first: running now
+            events += resp.readline().startswith(b"data:")
         second = threading.Thread(target=lambda: late.update(answer=_complete(
             router, {"prompt": _prompt(12, 1), "max_tokens": 4, "temperature": 0})))
         start = time.monotonic()

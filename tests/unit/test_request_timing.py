@@ -1,5 +1,6 @@
 """The TTFT breakdown's arithmetic (engine/timing.py): stages laid end to end add up to the
-TTFT, remainders never go negative, and what an instance did not report is left out."""
+TTFT and to the decode's first token, remainders never go negative, and what an instance did
+not report is left out."""
 
 from __future__ import annotations
 
@@ -11,17 +12,32 @@ def stamps(**ms: float) -> dict[str, float]:
     return {k: v / 1e3 for k, v in ms.items()}
 
 
-def test_stages_add_up_to_the_ttft() -> None:
-    s = stamps(received=100, prefill_sent=102, prefill_got=150, decode_sent=151,
-               first_token=200)
+def test_stages_add_up_to_the_ttft_then_to_the_decode_token() -> None:
+    """The first token is the prefill's, handed over before the hand-off begins: the first
+    stages add up to the TTFT, all of them to the decode's first token."""
+    s = stamps(received=100, prefill_sent=102, prefill_got=150, first_token=151,
+               decode_sent=152, second_token=200)
     out = T.request_timing(s, {"queue": 5.0, "compute": 40.0},
                            {"queue": 1.0, "claim": 3.0, "read": 10.0, "join": 2.0,
                             "first_step": 20.0})
     assert out["router_to_prefill"] == 2.0 and out["prefill_to_router"] == 3.0
+    assert out["to_client"] == 1.0 and out["ttft"] == 51.0
     assert out["grant_to_decode"] == 1.0 and out["decode_queue"] == 1.0
-    assert out["to_client"] == 13.0 and out["ttft"] == 100.0
-    assert set(out) == {*T.STAGES, "ttft"}
-    assert abs(sum(v for k, v in out.items() if k != "ttft") - out["ttft"]) < 1e-6
+    assert out["decode_to_client"] == 12.0 and out["second_token"] == 100.0
+    assert set(out) == {*T.STAGES, "ttft", "second_token"}
+    assert abs(sum(out[k] for k in T.TTFT_STAGES) - out["ttft"]) < 1e-6
+    assert abs(sum(out[k] for k in T.STAGES) - out["second_token"]) < 1e-6
+
+
+def test_a_prompt_run_again_after_the_first_token_counts_in_the_hand_off() -> None:
+    """The prefill stamps of a second try come after the first token: they are not the TTFT's
+    stages, and the hand-off's first stage covers them."""
+    s = stamps(received=0, prefill_sent=60, prefill_got=90, first_token=40, decode_sent=91,
+               second_token=120)
+    out = T.request_timing(s, {"queue": 5.0, "compute": 20.0}, None)
+    assert out["ttft"] == 40.0 and out["grant_to_decode"] == 51.0
+    assert not {"router_to_prefill", "prefill_queue", "prefill_to_router", "to_client"} & set(out)
+    assert out["second_token"] == 120.0 and out["decode_to_client"] == 29.0
 
 
 def test_without_a_decode_or_instance_figures() -> None:
@@ -32,6 +48,10 @@ def test_without_a_decode_or_instance_figures() -> None:
     bogus = T.request_timing(s, {"queue": -4, "compute": True}, None)
     assert "prefill_queue" not in bogus and "prefill_compute" not in bogus
     assert T.request_timing({"received": 1.0}, None, None) == {}
+    # A decode that has not sent its first token yet: its stages, no remainder.
+    opened = T.request_timing({**s, "decode_sent": 0.032}, None, {"queue": 1.0})
+    assert opened["grant_to_decode"] == 1.0 and opened["decode_queue"] == 1.0
+    assert "decode_to_client" not in opened and "second_token" not in opened
 
 
 def test_instance_stamps() -> None:

@@ -1,4 +1,4 @@
-"""Where one request's time to first token went: the stamps, the stage names, the arithmetic.
+"""Where one request's time to its first tokens went: the stamps, the stage names, the arithmetic.
 
 Each process stamps ``time.monotonic()`` at fixed points (instances on ``Sequence.extra``, the
 router on its ``Trip``) and turns them into millisecond durations before they leave it: the
@@ -29,11 +29,17 @@ R_PREFILL_SENT = "prefill_sent"
 R_PREFILL_GOT = "prefill_got"
 R_DECODE_SENT = "decode_sent"
 R_FIRST_TOKEN = "first_token"
+R_SECOND_TOKEN = "second_token"  # the decode's first token, handed to the client
 
 PREFILL_STAGES = ("queue", "compute")
 DECODE_STAGES = ("queue", "claim", "read", "join", "first_step")
-STAGES = ("router_to_prefill", "prefill_queue", "prefill_compute", "prefill_to_router",
-          "grant_to_decode", "decode_queue", "claim", "read", "join", "first_step", "to_client")
+# The first token is the prefill's: the client has it while the hand-off runs. These add up to
+# ``ttft``; all of STAGES, laid end to end, to ``second_token``.
+TTFT_STAGES = ("router_to_prefill", "prefill_queue", "prefill_compute", "prefill_to_router",
+               "to_client")
+HANDOFF_STAGES = ("grant_to_decode", "decode_queue", "claim", "read", "join", "first_step",
+                  "decode_to_client")
+STAGES = TTFT_STAGES + HANDOFF_STAGES
 
 
 def _ms(seconds: float) -> float:
@@ -104,35 +110,41 @@ def _parts(reported: Any, names: tuple[str, ...]) -> dict[str, float]:
 
 def request_timing(stamps: Mapping[str, float], prefill: Any = None,
                    decode: Any = None) -> dict[str, float]:
-    """The router's breakdown of one request, in milliseconds (keys in ``STAGES`` plus ``ttft``).
+    """The router's breakdown of one request, in milliseconds (keys in ``STAGES`` plus ``ttft``
+    and, once the decode's first token reached the client, ``second_token``).
 
     ``prefill_to_router`` is the prefill round trip less the instance's queue and compute (both
-    hops, HTTP handling, signing the grant); ``to_client`` is the decode round trip less the
-    decode's stages (writing its first line, both hops) plus the router's own work up to
-    handing the first token to the client; with no decode (one token, or a stop at once), the
-    time from the prefill's answer to the first token. Stages the router could not time are
-    left out."""
+    hops, HTTP handling, signing the grant); ``to_client`` the router's work from the prefill's
+    answer to handing its token to the client. The hand-off runs after that: ``grant_to_decode``
+    until the decode request is sent, the decode's own stages, and ``decode_to_client``, the
+    decode round trip less those stages (writing its first line, both hops) plus the router's
+    work until the client has that token (a prompt run again on another prefill after a failed
+    hand-off counts in ``grant_to_decode``). Stages the router could not time are left out."""
     s = stamps
     out: dict[str, float] = {}
     if R_RECEIVED not in s or R_FIRST_TOKEN not in s:
         return out
     first = s[R_FIRST_TOKEN]
-    if R_PREFILL_SENT in s:
+    # After a hand-off that failed, the prompt ran again on another prefill once the client
+    # had its first token: that prefill's stamps are the hand-off's time, not the TTFT's.
+    again = s.get(R_PREFILL_GOT, first) > first
+    if R_PREFILL_SENT in s and not again:
         out["router_to_prefill"] = _ms(s[R_PREFILL_SENT] - s[R_RECEIVED])
-    if R_PREFILL_SENT in s and R_PREFILL_GOT in s:
+    if R_PREFILL_SENT in s and R_PREFILL_GOT in s and not again:
         pre = _parts(prefill, PREFILL_STAGES)
         for k, v in pre.items():
             out[f"prefill_{k}"] = v
         round_ms = _ms(s[R_PREFILL_GOT] - s[R_PREFILL_SENT])
         out["prefill_to_router"] = max(0.0, round(round_ms - sum(pre.values()), 3))
-        if R_DECODE_SENT in s:
-            out["grant_to_decode"] = _ms(s[R_DECODE_SENT] - s[R_PREFILL_GOT])
-            dec = _parts(decode, DECODE_STAGES)
-            for k, v in dec.items():
-                out["decode_queue" if k == "queue" else k] = v
-            rest = _ms(first - s[R_DECODE_SENT])
-            out["to_client"] = max(0.0, round(rest - sum(dec.values()), 3))
-        else:
-            out["to_client"] = _ms(first - s[R_PREFILL_GOT])
+        out["to_client"] = _ms(first - s[R_PREFILL_GOT])
     out["ttft"] = _ms(first - s[R_RECEIVED])
+    if R_DECODE_SENT in s and s[R_DECODE_SENT] >= first:
+        out["grant_to_decode"] = _ms(s[R_DECODE_SENT] - first)
+        dec = _parts(decode, DECODE_STAGES)
+        for k, v in dec.items():
+            out["decode_queue" if k == "queue" else k] = v
+        if R_SECOND_TOKEN in s:
+            rest = _ms(s[R_SECOND_TOKEN] - s[R_DECODE_SENT])
+            out["decode_to_client"] = max(0.0, round(rest - sum(dec.values()), 3))
+            out["second_token"] = _ms(s[R_SECOND_TOKEN] - s[R_RECEIVED])
     return out

@@ -134,8 +134,9 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
                   trip: Trip) -> web.StreamResponse:
     """Server-sent events in OpenAI's chunk formats, then `data: [DONE]`.
 
-    The response starts once the prefill answered, so errors before the first token keep
-    their HTTP status; later ones arrive as an `{"error": ...}` event.
+    The response starts with the prefill's token, before the hand-off to a decode: errors
+    before it keep their HTTP status, later ones (a decode refusing) arrive as an
+    `{"error": ...}` event.
     """
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})

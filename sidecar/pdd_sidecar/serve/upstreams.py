@@ -282,12 +282,13 @@ class Router:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
+        last: ApiError | None = None
         while True:
             url = await self._choose_decode(plan, tried, req.prompt_ids)
             if url is None:
-                raise ApiError(503, "no ready decode replica"
-                               + (f" running routing plan {plan}" if plan else ""),
-                               type_="server_error")
+                raise last or ApiError(503, "no ready decode replica"
+                                       + (f" running routing plan {plan}" if plan else ""),
+                                       type_="server_error")
             tried.add(url)
             self.decode.started(url)  # until the stream ends (Router.tokens)
             opened = False
@@ -297,12 +298,14 @@ class Router:
                 return resp
             except ApiError as exc:
                 # Another decode may take what this one did not start: an incompatible one
-                # (409), one not ready or draining before its exit (503), one not reachable.
-                if exc.status not in (409, 503) and not isinstance(exc, Unreachable):
+                # (409), one with a full queue (429), one not ready or draining before its exit
+                # (503), one not reachable.
+                if exc.status not in (409, 429, 503) and not isinstance(exc, Unreachable):
                     raise
-                if exc.status != 409:
+                if exc.status not in (409, 429):
                     self.decode.mark(url, False)  # until the next probe says ready
                 log.warning("decode replica refused the hand-off, trying another: %s", exc)
+                last = exc
             finally:
                 if not opened:
                     self.decode.finished(url)
@@ -438,40 +441,40 @@ class Router:
                 await inner.aclose()
             return
         # A prefill that went away between its answer and the decode's claim (a pod replaced
-        # during a roll) costs the request nothing the client sees: no token was sent yet, so
-        # it runs again on another prefill, while there is one.
+        # during a roll) costs the request nothing the client sees: no decode token was sent
+        # yet, so the prompt runs again on another prefill, while there is one, and the decode
+        # is fed the first token the client already has.
         skip: set[str] = set()
+        sent_first: int | None = None
         while True:
-            inner = self._tokens_pdd(rid, req, trip, skip)
+            inner = self._tokens_pdd(rid, req, trip, skip, sent_first)
             try:
-                first = await anext(inner)
+                async for batch in inner:
+                    if sent_first is None:
+                        sent_first = batch[0]
+                    yield batch
+                return
             except PrefillLost as lost:
-                await inner.aclose()
                 if self.prefill.pick(skip | {lost.url}, plans=self.decode.ready_plans()) is None:
                     raise lost.error from None
                 skip.add(lost.url)
-                log.warning("the hand-off from prefill %s failed before the first token; "
-                            "running the request on another prefill: %s", lost.url, lost.error)
-                continue
-            except StopAsyncIteration:
-                return
-            except BaseException:
-                await inner.aclose()
-                raise
-            try:
-                yield first
-                async for batch in inner:
-                    yield batch
+                log.warning("the hand-off from prefill %s failed before the decode's first "
+                            "token; running the prompt again on another prefill: %s",
+                            lost.url, lost.error)
             finally:
                 await inner.aclose()
-            return
 
-    async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip,
-                          skip: set[str]) -> AsyncGenerator[list[int], None]:
-        """One try of pdd's own flow: a prefill (not one in ``skip``), then a decode."""
+    async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip, skip: set[str],
+                          sent_first: int | None) -> AsyncGenerator[list[int], None]:
+        """One try of pdd's own flow: a prefill (not one in ``skip``), its token to the client
+        at once, then the hand-off to a decode. On a second try (``sent_first``: the client
+        has the first token) the prefill only has to hold the prompt's KV: its own token is
+        not used, and no stop may end it there."""
         prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
                         "max_tokens": req.max_tokens, "sampling": req.sampling,
                         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
+        if sent_first is not None:
+            prefill_body.update(stop_token_ids=[], ignore_eos=True)
         try:
             prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip)
             trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
@@ -485,25 +488,25 @@ class Router:
         if not is_int(pre.get("first_token")):
             self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
             raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
-        first = int(pre["first_token"])
+        first = int(pre["first_token"]) if sent_first is None else sent_first
         # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
-        finished = pre.get("finish_reason")
-        held = finished is None
+        finished = pre.get("finish_reason") if sent_first is None else None
+        held = pre.get("finish_reason") is None
         resp: aiohttp.ClientResponse | None = None
         complete = False
         decoded: list[int] = []
         try:
-            if finished is None and req.max_tokens > 1 and first not in req.local_stop_ids:
-                try:
-                    resp = await self._open_decode(rid, first, pre, req, trip)
-                except ApiError as exc:
-                    if exc.status == 502 and exc.type == "transfer":  # the KV could not be read
-                        raise PrefillLost(prefill_url, exc) from None
-                    raise
-            yield [first]
-            if resp is None:
+            if sent_first is None:
+                yield [first]
+            if finished is not None or req.max_tokens == 1 or first in req.local_stop_ids:
                 trip.finish = finished
                 return
+            try:
+                resp = await self._open_decode(rid, first, pre, req, trip)
+            except ApiError as exc:
+                if exc.status == 502 and exc.type == "transfer":  # the KV could not be read
+                    raise PrefillLost(prefill_url, exc) from None
+                raise
             # Every line that arrived is taken at once: while the router keeps up that is one
             # token, and when it falls behind the tokens go to the client in one write.
             pending = b""
@@ -592,6 +595,8 @@ class Router:
                         first_at = time.monotonic()
                         self.metrics.ttft_seconds.observe(first_at - start)
                         trip.stamps[timing.R_FIRST_TOKEN] = first_at
+                    elif count == 2:
+                        trip.stamps[timing.R_SECOND_TOKEN] = time.monotonic()
                     steps.append(([token], out.add(token), out.finish))
                     if out.stopped_by_string:
                         done = True
