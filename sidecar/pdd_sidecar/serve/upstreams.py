@@ -586,23 +586,25 @@ class Router:
             done = False
             async for batch in upstream:
                 steps: list[Step] = []
+                before = count
                 for token in batch:
                     if out.finish is not None:
                         done = True  # the instance goes on past this side's stop (pre-v2 do)
                         break
                     count += 1
-                    if first_at is None:
-                        first_at = time.monotonic()
-                        self.metrics.ttft_seconds.observe(first_at - start)
-                        trip.stamps[timing.R_FIRST_TOKEN] = first_at
-                    elif count == 2:
-                        trip.stamps[timing.R_SECOND_TOKEN] = time.monotonic()
                     steps.append(([token], out.add(token), out.finish))
                     if out.stopped_by_string:
                         done = True
                         break
                 if emit is not None and steps:
                     await emit(steps)
+                # Stamped once the client was handed them (written, when streamed).
+                if before < 2 <= count:
+                    trip.stamps[timing.R_SECOND_TOKEN] = time.monotonic()
+                if before == 0 and count:
+                    first_at = trip.stamps.get(timing.R_SECOND_TOKEN) or time.monotonic()
+                    self.metrics.ttft_seconds.observe(first_at - start)
+                    trip.stamps[timing.R_FIRST_TOKEN] = first_at
                 if done:
                     break
             else:
