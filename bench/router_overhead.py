@@ -41,8 +41,9 @@ VOCAB = 200  # below the built-in model's vocabulary
 PLAN = "stub-plan"
 
 
-def _stub_app(role: str) -> web.Application:
-    """A prefill or decode that answers at once, in the shapes the router reads."""
+def _stub_app(role: str, pace_s: float = 0.0) -> web.Application:
+    """A prefill or decode that answers at once, in the shapes the router reads; the decode's
+    tokens all in one write, or one every ``pace_s`` (as a decode's steps send them)."""
 
     async def readyz(request: web.Request) -> web.Response:
         return web.json_response({"ready": True, "plan_digest": PLAN,
@@ -65,10 +66,14 @@ def _stub_app(role: str) -> web.Application:
         n = int(body["max_new_tokens"])
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        if n:
-            await response.write(json.dumps({"token": 2, "timing": None}).encode() + b"\n"
-                                 + b"".join(b'{"token": %d}\n' % (3 + i % 90)
-                                            for i in range(n - 1)))
+        lines = [json.dumps({"token": 2, "timing": None}).encode() + b"\n",
+                 *(b'{"token": %d}\n' % (3 + i % 90) for i in range(n - 1))][:n]
+        if pace_s:
+            for line in lines:
+                await response.write(line)
+                await asyncio.sleep(pace_s)
+        elif lines:
+            await response.write(b"".join(lines))
         await response.write(json.dumps({"done": True, "finish_reason": "length",
                                          "transfer": None}).encode() + b"\n")
         await response.write_eof()
@@ -84,10 +89,10 @@ def _stub_app(role: str) -> web.Application:
     return app
 
 
-def _run_stubs(prefill_port: int, decode_port: int) -> None:
+def _run_stubs(prefill_port: int, decode_port: int, pace_s: float) -> None:
     async def main() -> None:
         for role, port in (("prefill", prefill_port), ("decode", decode_port)):
-            runner = web.AppRunner(_stub_app(role), access_log=None)
+            runner = web.AppRunner(_stub_app(role, pace_s), access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
@@ -149,18 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bursts", default="64:32:2,64:32:32,256:1024:8",
                    help="concurrency:prompt:max_tokens, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pace-ms", type=float, default=0.0,
+                   help="the stub decode writes one token per this many ms (0: all at once)")
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--stubs", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--stubs", nargs=3, type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stubs:
-        _run_stubs(*args.stubs)
+        _run_stubs(int(args.stubs[0]), int(args.stubs[1]), args.stubs[2])
         return 0
     bursts = [tuple(int(x) for x in b.split(":")) for b in args.bursts.split(",")]
     # The router as `pdd serve` configures it, its upstreams the stubs.
     cfg = StackConfig(port=0, log_level="WARNING")
     ports = pick_ports(cfg)
     stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(ports.prefill_http),
-                              str(ports.decode_http)])
+                              str(ports.decode_http), str(args.pace_ms / 1e3)])
     env = {**os.environ, "PYTHONPATH": str(ROOT / "sidecar"), **router_env(cfg, ports)}
     router = subprocess.Popen([sys.executable, "-m", "pdd_sidecar", "router"], env=env)
     url = f"http://127.0.0.1:{ports.router}"
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.wait()
     if args.json:
-        Path(args.json).write_text(json.dumps({"bursts": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"pace_ms": args.pace_ms, "bursts": results},
+                                              indent=1))
     return 1 if any(r["errors"] for r in results) else 0
 
 
