@@ -24,3 +24,17 @@ def test_bursts_complete_and_the_router_cpu_is_counted(tmp_path: Path,
         assert b["stubs_cpu_ms_per_request"] >= 0
     # /proc counts CPU time in clock ticks (10 ms): 64 requests of ~1 ms are several
     assert bursts[0]["router_cpu_ms_per_request"] > 0
+
+
+def test_a_paced_decode_streams_every_token(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--pace-ms`: the stub decode sends a token per interval; every request still gets all
+    its tokens, and a burst lasts at least the intervals its tokens were spaced by."""
+    mod = load_bench("router_overhead.py", monkeypatch)
+    out = tmp_path / "router.json"
+    assert mod.main(["--bursts", "8:16:4", "--rounds", "2", "--pace-ms", "5",
+                     "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    (burst,) = got["bursts"]
+    assert got["pace_ms"] == 5.0 and burst["errors"] == 0 and burst["requests"] == 16
+    assert burst["wall_ms_per_burst"] >= 3 * 5.0  # the decode's 3 tokens, 5 ms apart
