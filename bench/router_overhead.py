@@ -100,9 +100,29 @@ def _run_stubs(prefill_port: int, decode_port: int, pace_s: float) -> None:
     asyncio.run(main())
 
 
+def _stat(pid: int | str) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The process's CPU time and its children's (a router's workers), living ones counted as
+    they go and waited-for ones as the kernel adds them to their parent."""
+    pids = [pid]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != pid:
+            try:
+                if int(_stat(entry.name)[1]) == pid:
+                    pids.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    total = 0
+    for p in pids:
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 async def _ready(url: str, timeout_s: float = 60.0) -> None:
@@ -156,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pace-ms", type=float, default=0.0,
                    help="the stub decode writes one token per this many ms (0: all at once)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="router processes sharing its port (PDD_ROUTER_WORKERS)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--stubs", nargs=3, type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -164,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bursts = [tuple(int(x) for x in b.split(":")) for b in args.bursts.split(",")]
     # The router as `pdd serve` configures it, its upstreams the stubs.
-    cfg = StackConfig(port=0, log_level="WARNING")
+    cfg = StackConfig(port=0, log_level="WARNING", router_workers=args.workers)
     ports = pick_ports(cfg)
     stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(ports.prefill_http),
                               str(ports.decode_http), str(args.pace_ms / 1e3)])
@@ -194,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.wait()
     if args.json:
-        Path(args.json).write_text(json.dumps({"pace_ms": args.pace_ms, "bursts": results},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"pace_ms": args.pace_ms, "workers": args.workers,
+                                               "bursts": results}, indent=1))
     return 1 if any(r["errors"] for r in results) else 0
 
 

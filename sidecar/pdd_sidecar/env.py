@@ -94,6 +94,10 @@ PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
 PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
 PDD_ROUTER_READY_WAIT_S = "PDD_ROUTER_READY_WAIT_S"  # how long a request waits for a ready replica
+# Router processes sharing the port (serve/router_workers.py); each is a whole router.
+PDD_ROUTER_WORKERS = "PDD_ROUTER_WORKERS"
+MAX_ROUTER_WORKERS = 64
+PDD_ROUTER_WORKER = "PDD_ROUTER_WORKER"  # set by the router for its workers: this one's index
 # How the router picks replicas (serve/routing_policy.py): cache-aware (default), least-loaded
 # or round-robin.
 PDD_ROUTER_POLICY = keys.ENV_ROUTER_POLICY
@@ -376,6 +380,8 @@ class RouterSettings:
     ready_wait_s: float = 5.0
     router_policy: str = DEFAULT_ROUTER_POLICY
     block_size: int = 64  # the instances' (the prefix index keys whole blocks of prompts)
+    workers: int = 1  # processes serving the port, each a whole router
+    worker: int | None = None  # this process's index among them; None: not a worker
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -398,7 +404,12 @@ class RouterSettings:
             ready_wait_s=_float(env, PDD_ROUTER_READY_WAIT_S, 5.0),
             router_policy=_choice(env, PDD_ROUTER_POLICY, ROUTER_POLICIES),
             block_size=_int(env, PDD_BLOCK_SIZE, 64, 1),
+            workers=_int(env, PDD_ROUTER_WORKERS, 1, 1),
+            worker=_optional_int(env, PDD_ROUTER_WORKER, 0),
         )
+        if settings.workers > MAX_ROUTER_WORKERS:
+            raise ConfigError(f"{PDD_ROUTER_WORKERS}: must be <= {MAX_ROUTER_WORKERS}, got "
+                              f"{settings.workers}")
         if not (settings.prefill or settings.prefill_service):
             raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")
         if not (settings.decode or settings.decode_service):

@@ -1,13 +1,21 @@
 """Prometheus metrics of one instance or router, on a private registry.
 
 A private registry per process object keeps several instances in one test process (or a router
-and an instance) from colliding on the global default registry.
+and an instance) from colliding on the global default registry. A router of several worker
+processes (serve/router_workers.py) runs them in prometheus_client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, set for the workers before they start): whichever worker answers
+``/metrics`` reports the sums over all of them.
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
 
 __all__ = ["CONTENT_TYPE_LATEST", "InstanceMetrics", "RouterMetrics"]
 
@@ -110,14 +118,19 @@ class RouterMetrics:
             "pdd_router_tpot_seconds", "Time per output token after the first (per request)",
             buckets=_SECONDS, registry=r,
         )
+        # Across workers: what the latest probe of any of them said, the longest warm-up.
         self.healthy = Gauge(
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
-            ["role", "replica"], registry=r,
+            ["role", "replica"], registry=r, multiprocess_mode="mostrecent",
         )
         self.warmup_seconds = Gauge(
             "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
-            registry=r,
+            registry=r, multiprocess_mode="max",
         )
 
     def expose(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get(MULTIPROC_DIR):
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged)

@@ -58,6 +58,8 @@ PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=
         (["--max-num-seqs", "0"], "--max-num-seqs", "got 0"),
         (["--max-step-tokens", "0"], "--max-step-tokens", "got 0"),
         (["--chunk-tokens", "-4"], "--chunk-tokens", "got -4"),
+        (["--router-workers", "0"], "--router-workers", "between 1 and 64, got 0"),
+        (["--router-workers", "65"], "--router-workers", "got 65"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
@@ -173,6 +175,20 @@ def test_no_prefix_cache_flag_and_its_env(tmp_path: Path) -> None:
         for bad in ("2", "on", "true"):
             with pytest.raises(ConfigError, match=f"PDD_PREFIX_CACHE: must be 0 or 1, got '{bad}'"):
                 InstanceSettings.from_env({**env, "PDD_PREFIX_CACHE": bad})
+
+
+def test_router_workers_flag_and_its_env() -> None:
+    assert config_from_args(parser().parse_args([])).router_workers == 1
+    cfg = config_from_args(parser().parse_args(["--router-workers", "4"]))
+    env = router_env(cfg, PORTS)
+    assert env["PDD_ROUTER_WORKERS"] == "4"
+    settings = RouterSettings.from_env(env)
+    assert (settings.workers, settings.worker) == (4, None)
+    assert RouterSettings.from_env({**env, "PDD_ROUTER_WORKER": "2"}).worker == 2
+    for bad, says in (("0", "must be >= 1, got 0"), ("65", "must be <= 64, got 65"),
+                      ("two", "must be an integer, got 'two'")):
+        with pytest.raises(ConfigError, match=f"PDD_ROUTER_WORKERS: {says}"):
+            RouterSettings.from_env({**env, "PDD_ROUTER_WORKERS": bad})
 
 
 def test_gil_switch_interval_env(tmp_path: Path) -> None:

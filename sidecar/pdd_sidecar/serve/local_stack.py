@@ -15,7 +15,6 @@ anything.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import os
 import random
@@ -39,6 +38,7 @@ from pdd_api import keys
 from pdd_api.routing import plan_for_spec
 from pdd_api.validation import parse_spec, validate_spec
 from pdd_sidecar import env as E
+from pdd_sidecar.serve.router_workers import die_with_parent
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
@@ -81,6 +81,7 @@ class StackConfig:
     chunk_tokens: int | None = None  # longest prompt chunk; None: by device
     long_chunk_tokens: int | None = None  # a longer prompt's piece beside others; None: by device
     prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
+    router_workers: int = 1  # router processes sharing its port
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -166,6 +167,9 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
             out.append(f"{flag}: must be >= {least}, got {value}")
     if cfg.drain_s < 0:
         out.append(f"--drain-s: must be >= 0, got {cfg.drain_s}")
+    if not 1 <= cfg.router_workers <= E.MAX_ROUTER_WORKERS:
+        out.append(f"--router-workers: must be between 1 and {E.MAX_ROUTER_WORKERS}, got "
+                   f"{cfg.router_workers}")
     if out:
         return out
     out += [_flag_for(p) for p in validate_spec(deployment_spec(cfg))]
@@ -273,6 +277,7 @@ def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict
         E.PDD_MODEL_SOURCE: cfg.model,
         E.PDD_BLOCK_SIZE: str(cfg.block_size),
         E.PDD_LOG_LEVEL: cfg.log_level,
+        E.PDD_ROUTER_WORKERS: str(cfg.router_workers),
         keys.ENV_GRANT_KEY_FILE: grant_key_file,
     }
     env.update(cfg.extra_env)
@@ -346,14 +351,6 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 # ------------------------------------------------------------------ processes
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if `pdd serve` itself is killed outright (Linux; best effort)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _http_status(url: str, timeout: float = 2.0) -> int | None:
@@ -549,7 +546,7 @@ class LocalStack:
         with c.log_path.open("ab") as log:
             c.process = subprocess.Popen(
                 c.argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
 
 
@@ -599,6 +596,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from scratch (default: the prefill reuses the KV "
                    "of prompt prefixes it computed before)")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router processes sharing its port, each a whole router (default 1; "
+                   "more spread its per-request and per-token work over more cores)")
     p.add_argument("--log-dir", default=None,
                    help="folder for the logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO", help="log level of the processes")
@@ -618,7 +618,7 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         dtype=a.dtype, drain_s=a.drain_s, max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting, max_step_tokens=a.max_step_tokens,
         chunk_tokens=a.chunk_tokens, long_chunk_tokens=a.long_chunk_tokens,
-        prefix_cache=a.prefix_cache,
+        prefix_cache=a.prefix_cache, router_workers=a.router_workers,
         log_level=a.log_level.upper(),
     )
 

@@ -36,6 +36,7 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.discovery import fresh_dns_connector
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
+from pdd_sidecar.serve.router_workers import run_workers
 from pdd_sidecar.serve.start_gate import StartGate, units_of
 from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
 from pdd_sidecar.serve.upstreams import Router, Step, Trip
@@ -315,17 +316,21 @@ def main(env: Mapping[str, str] | None = None) -> int:
     except (ConfigError, TextConfigError) as exc:
         print(f"pdd-router: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
+    who = "router" if settings.worker is None else f"router[{settings.worker}]"
     logging.basicConfig(
         level=os.environ.get("PDD_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s router %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if settings.workers > 1 and settings.worker is None:
+        return run_workers(settings)
     log.info("router on %s:%d serving %s (%s, max length %d); prefill %s %s; decode %s %s",
              settings.bind_host, settings.port, settings.model_name, model.source,
              model.max_model_len, settings.prefill, settings.prefill_service, settings.decode,
              settings.decode_service)
     # handler_cancellation: a client that goes away cancels its handler at once, which closes
-    # the decode stream and releases the prefill (see Router.tokens).
+    # the decode stream and releases the prefill (see Router.tokens). Workers share the port.
     web.run_app(build_app(settings, model), host=settings.bind_host, port=settings.port,
-                print=None, access_log=None, handler_cancellation=True)
+                print=None, access_log=None, handler_cancellation=True,
+                reuse_port=settings.worker is not None)
     return 0

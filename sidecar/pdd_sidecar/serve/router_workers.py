@@ -1,0 +1,99 @@
+"""A router of several processes on one port (`PDD_ROUTER_WORKERS`).
+
+One router is one event loop: under hundreds of streams its per-token and per-request Python
+is what a request waits for (docs/serving.md), and it uses one core of a host that has many.
+With N workers, this process starts N whole routers that each bind the port with
+SO_REUSEPORT (the kernel spreads connections over them), and only supervises: it forwards
+SIGTERM/SIGINT, and when a worker dies on its own it stops the others and exits with that
+worker's status, so that whatever runs the router (a Deployment, `pdd serve`) sees it fail
+rather than serve with part of its workers. Workers die with it (PR_SET_PDEATHSIG).
+
+What each worker holds is its own: its probes of the replicas, its warm round trip, its routing
+policy's view (in-flight counts, the prefix index: cache-aware routing sees the requests of its
+own connections), its `max_concurrency`. Metrics are summed over the workers
+(pdd_sidecar/metrics.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+
+from pdd_sidecar.env import PDD_ROUTER_WORKER, RouterSettings
+from pdd_sidecar.metrics import MULTIPROC_DIR
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0
+
+
+def die_with_parent() -> None:
+    """A child gets SIGTERM when its parent dies, even killed outright (Linux; best effort)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_env(base: Mapping[str, str], index: int, metrics_dir: str) -> dict[str, str]:
+    return {**base, PDD_ROUTER_WORKER: str(index), MULTIPROC_DIR: metrics_dir}
+
+
+def run_workers(settings: RouterSettings) -> int:
+    metrics_dir = tempfile.mkdtemp(prefix="pdd-router-metrics-")
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(settings.workers):
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", "pdd_sidecar", "router"],
+                env=worker_env(os.environ, i, metrics_dir), preexec_fn=die_with_parent))
+        log.info("router: %d workers on port %d (pids %s)", len(workers), settings.port,
+                 ", ".join(str(w.pid) for w in workers))
+        status = _watch(workers, stopping)
+    finally:
+        _stop_all(workers)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
+
+
+def _watch(workers: list[subprocess.Popen[bytes]], stopping: list[int]) -> int:
+    """Until a signal asks to stop (0), or a worker exits on its own (its status, 1 at least:
+    a router that lost a worker is not the router it was started as)."""
+    while not stopping:
+        for i, w in enumerate(workers):
+            rc = w.poll()
+            if rc is not None:
+                log.error("router worker %d (pid %d) exited with status %d; stopping the "
+                          "others", i, w.pid, rc)
+                return rc or 1
+        time.sleep(0.1)
+    return 0
+
+
+def _stop_all(workers: list[subprocess.Popen[bytes]]) -> None:
+    for w in workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for w in workers:
+        try:
+            w.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
