@@ -32,7 +32,7 @@ from pdd_sidecar.metrics import MULTIPROC_DIR
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 65.0  # a worker's own graceful stop: aiohttp's 60 s shutdown timeout
 
 
 def die_with_parent() -> None:
@@ -48,7 +48,13 @@ def worker_env(base: Mapping[str, str], index: int, metrics_dir: str) -> dict[st
 
 
 def run_workers(settings: RouterSettings) -> int:
-    metrics_dir = tempfile.mkdtemp(prefix="pdd-router-metrics-")
+    try:
+        metrics_dir = tempfile.mkdtemp(prefix="pdd-router-metrics-")
+    except OSError as exc:
+        print(f"pdd-router: refusing to start: PDD_ROUTER_WORKERS={settings.workers} needs a "
+              f"writable temporary folder (TMPDIR) for its workers' metrics: {exc}",
+              file=sys.stderr, flush=True)
+        return 2
     stopping: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
