@@ -37,6 +37,7 @@ from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.discovery import fresh_dns_connector
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
 from pdd_sidecar.serve.router_workers import run_workers
+from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
 from pdd_sidecar.serve.start_gate import StartGate, units_of
 from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
 from pdd_sidecar.serve.upstreams import Router, Step, Trip
@@ -126,11 +127,6 @@ def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
             "pdd": trip.meta()}
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data)
-    return f"data: {payload}\n\n".encode()
-
-
 async def _stream(request: web.Request, router: Router, rid: str, req: GenRequest,
                   trip: Trip) -> web.StreamResponse:
     """Server-sent events in OpenAI's chunk formats, then `data: [DONE]`.
@@ -141,37 +137,18 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
     """
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    created = int(time.time())
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    sent = {"tokens": 0}
-
-    async def event(data: dict[str, Any] | str) -> None:
-        await response.write(_sse(data))
-
-    def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        body = {"id": rid, "object": obj, "created": created,
-                "model": router.settings.model_name, "choices": [choice]}
-        if req.include_usage:
-            body["usage"] = None
-        body.update(extra)
-        return body
+    fmt = ChunkFormat(rid, req.kind, int(time.time()), router.settings.model_name,
+                      req.include_usage)
 
     async def emit(steps: list[Step]) -> None:
+        events = []
         if not response.prepared:
             await response.prepare(request)
             if req.kind == "chat":
-                await event(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                   "token_ids": [], "logprobs": None, "finish_reason": None}))
-        events = []
+                events.append(fmt.role())
         for tokens, text, finish in steps:
-            sent["tokens"] += len(tokens)
-            if req.kind == "completion":
-                choice: dict[str, Any] = {"index": 0, "text": text}
-            else:
-                choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
-            choice.update(token_ids=tokens, logprobs=None, finish_reason=finish)
-            extra = {"pdd": trip.meta()} if finish else {}
-            events.append(_sse(chunk(choice, **extra)))
+            events.append(fmt.step(tokens, text, finish,
+                                   {"pdd": trip.meta()} if finish else None))
         await response.write(b"".join(events))
 
     # The stream's last events go out with its end, in one write.
@@ -180,14 +157,13 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
     except ApiError as exc:
         if not response.prepared:
             raise
-        await response.write_eof(_sse(exc.body()) + _sse("[DONE]"))
+        await response.write_eof(sse(exc.body()) + sse("[DONE]"))
         return response
     tail = b""
     if req.include_usage:
-        tail = _sse({"id": rid, "object": obj, "created": created,
-                     "model": router.settings.model_name, "choices": [],
-                     "usage": _usage(req, out, trip)})
-    await response.write_eof(tail + _sse("[DONE]"))
+        tail = sse({"id": rid, "object": fmt.obj, "created": fmt.created,
+                    "model": fmt.model, "choices": [], "usage": _usage(req, out, trip)})
+    await response.write_eof(tail + sse("[DONE]"))
     return response
 
 

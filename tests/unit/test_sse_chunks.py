@@ -1,0 +1,42 @@
+"""A stream's events from the template are byte for byte json.dumps of the reference chunk,
+for any text (quotes, escapes, non-ASCII, lone surrogates' replacements), any tokens, both
+kinds, with and without the usage field; a step that ends the stream carries its extras."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
+
+TEXTS = ["", " hello", 'say "hi"\n', "tab\there \\ back", "héllo ünïcode 日本語 🙂", "\x00\x1f",
+         "\ufffd", "</script>", "a" * 300]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_the_template_is_the_reference(kind: str, usage: bool) -> None:
+    rng = random.Random(len(kind) + usage)
+    fmt = ChunkFormat('cmpl-"x"\\1', kind, 1796180000, "deep/seek ü", usage)
+    for text in TEXTS:
+        for tokens in ([], [0], [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 9))]):
+            got = fmt.step(tokens, text, None)
+            assert got == sse(fmt.chunk(fmt.choice(tokens, text, None))), (text, tokens)
+            event = json.loads(got.decode()[len("data: "):])
+            assert event["choices"][0]["token_ids"] == tokens
+            assert ("usage" in event) == usage and event["object"] == fmt.obj
+            shown = event["choices"][0]["text" if kind == "completion" else "delta"]
+            assert shown == (text if kind == "completion" else {"content": text})
+
+
+def test_a_finishing_step_carries_its_extras_and_an_empty_chat_delta() -> None:
+    chat = ChunkFormat("c", "chat", 1, "m", False)
+    event = json.loads(chat.step([7], "", "stop", {"pdd": {"prefill": "p"}})[6:])
+    assert event["choices"][0]["delta"] == {} and event["choices"][0]["finish_reason"] == "stop"
+    assert event["pdd"] == {"prefill": "p"}
+    role = json.loads(chat.role()[6:])
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    done = json.loads(ChunkFormat("c", "completion", 1, "m", True).step([], "", "length")[6:])
+    assert done["choices"][0]["finish_reason"] == "length" and done["usage"] is None
