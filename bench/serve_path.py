@@ -548,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's PDD_MAX_STEP_TOKENS")
     p.add_argument("--kv-gib", type=float, default=None,
                    help="KV memory per instance at most (default 24 on cuda, 1 on cpu)")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router processes sharing its port (pdd serve --router-workers)")
     p.add_argument("--reps", type=int, default=10, help="timed decode steps per bound")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--log-dir", default=None, metavar="DIR",
@@ -578,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
           f"chunk {args.chunk_tokens} (long prompts {args.long_chunk_tokens}), "
           f"step {args.step_tokens}, KV {num_blocks} blocks per "
-          f"instance ({num_blocks * bs} tokens), cpus {os.cpu_count()}, load average "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+          f"instance ({num_blocks * bs} tokens), router workers {args.router_workers}, cpus "
+          f"{os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     for why in skipped:
         print(f"skipped {why}", flush=True)
     if not levels:
@@ -612,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     scfg = StackConfig(prefill_tp=1, prefill_dcp=1, decode_tp=1, decode_dcp=1, model=args.model,
                        device=args.device, port=0, block_size=bs, num_blocks=num_blocks,
                        dtype=dtype, max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
-                       log_level="WARNING", drain_s=1.0, extra_env=extra_env)
+                       log_level="WARNING", drain_s=1.0, extra_env=extra_env,
+                       router_workers=args.router_workers)
     found = check_config(scfg)
     if found:
         p.error("; ".join(found))
@@ -720,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                        "block_size": bs, "chunk_tokens": args.chunk_tokens,
                        "long_chunk_tokens": args.long_chunk_tokens,
                        "step_tokens": args.step_tokens, "num_blocks": num_blocks,
-                       "min_requests": min_requests, "cpus": os.cpu_count()},
+                       "min_requests": min_requests, "cpus": os.cpu_count(),
+                       "router_workers": args.router_workers},
             "skipped": skipped,
             "first_after_ready": first_after_ready,
             "targets": judged,
