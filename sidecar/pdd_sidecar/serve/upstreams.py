@@ -596,15 +596,17 @@ class Router:
                     if out.stopped_by_string:
                         done = True
                         break
-                if emit is not None and steps:
-                    await emit(steps)
-                # Stamped once the client was handed them (written, when streamed).
-                if before < 2 <= count:
-                    trip.stamps[timing.R_SECOND_TOKEN] = time.monotonic()
+                # Stamped as they are handed over: the event that ends a stream carries the
+                # timing, its own tokens' stamps included.
+                now = time.monotonic()
                 if before == 0 and count:
-                    first_at = trip.stamps.get(timing.R_SECOND_TOKEN) or time.monotonic()
+                    first_at = now
                     self.metrics.ttft_seconds.observe(first_at - start)
                     trip.stamps[timing.R_FIRST_TOKEN] = first_at
+                if before < 2 <= count:
+                    trip.stamps[timing.R_SECOND_TOKEN] = now
+                if emit is not None and steps:
+                    await emit(steps)
                 if done:
                     break
             else:
