@@ -117,6 +117,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "got 'Sometimes'"),
     ("router replicas", with_("router.replicas", 0),
      "spec.router.replicas: must be between 1 and 16, got 0"),
+    ("router workers", with_("router.workers", 65),
+     "spec.router.workers: must be between 1 and 64, got 65"),
     ("maxUnavailable", with_("rollout.maxUnavailable", 0),
      "spec.rollout.maxUnavailable: must be between 1 and 64, got 0"),
     ("tp bool", with_("prefill.tensorParallelSize", True),

@@ -79,3 +79,4 @@ DIST_PORT = 29500  # torch.distributed's customary rendezvous port
 # replicas (cache-aware, least-loaded or round-robin; pdd_api.models.ROUTER_POLICIES).
 ENV_PREFIX_CACHE = "PDD_PREFIX_CACHE"
 ENV_ROUTER_POLICY = "PDD_ROUTER_POLICY"
+ENV_ROUTER_WORKERS = "PDD_ROUTER_WORKERS"

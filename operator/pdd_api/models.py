@@ -224,6 +224,12 @@ class RouterSpec(_Strict):
         "(the user-facing /v1/completions endpoint).",
     )
     replicas: int = Field(default=1, description="Router pods.")
+    workers: int = Field(
+        default=1,
+        description="Router processes per pod sharing its port (PDD_ROUTER_WORKERS), each a "
+        "whole router: more spread the per-request and per-token work over more cores. Each "
+        "keeps its own routing view; metrics are summed over them.",
+    )
     policy: RouterPolicy = Field(
         default=DEFAULT_ROUTER_POLICY,
         description="How the router picks replicas (PDD_ROUTER_POLICY): cache-aware sends a "

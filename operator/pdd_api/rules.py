@@ -20,6 +20,7 @@ from pdd_api.models import (
 
 MAX_TP = 64
 MAX_REPLICAS = 64
+MAX_ROUTER_WORKERS = 64  # PDD_ROUTER_WORKERS, the router's bound too
 MAX_BLOCK_SIZE = 1024
 BLOCK_ALIGN = 16
 
@@ -476,6 +477,7 @@ def _rules() -> tuple[Rule, ...]:
         VllmRouterImageRule(),
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),
+        RangeRule("router.workers", 1, MAX_ROUTER_WORKERS),
         RangeRule("rollout.maxUnavailable", 1, MAX_REPLICAS),
     ]
     rules += [TemplateOwnedRule(role, part) for role in TEMPLATE_ROLES

@@ -477,6 +477,8 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         # Only another policy than the router's default, so existing routers keep their hash.
         *([_env(keys.ENV_ROUTER_POLICY, spec.router.policy)]
           if spec.router.policy != DEFAULT_ROUTER_POLICY else []),
+        *([_env(keys.ENV_ROUTER_WORKERS, spec.router.workers)]
+          if spec.router.workers != 1 else []),
         *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
         _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", spec.prefill.replicas)),
         _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", spec.decode.replicas)),

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pdd_api import keys
+from pdd_api import keys, rules
 from pdd_api.models import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 
 # --- contract (docs/architecture.md "Sidecar env") ---
@@ -95,8 +95,8 @@ PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies
 PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
 PDD_ROUTER_READY_WAIT_S = "PDD_ROUTER_READY_WAIT_S"  # how long a request waits for a ready replica
 # Router processes sharing the port (serve/router_workers.py); each is a whole router.
-PDD_ROUTER_WORKERS = "PDD_ROUTER_WORKERS"
-MAX_ROUTER_WORKERS = 64
+PDD_ROUTER_WORKERS = keys.ENV_ROUTER_WORKERS
+MAX_ROUTER_WORKERS = rules.MAX_ROUTER_WORKERS
 PDD_ROUTER_WORKER = "PDD_ROUTER_WORKER"  # set by the router for its workers: this one's index
 # How the router picks replicas (serve/routing_policy.py): cache-aware (default), least-loaded
 # or round-robin.

@@ -617,6 +617,19 @@ def test_prefix_cache_per_role_and_the_router_policy_reach_their_pods(
     assert [e["value"] for e in decode_env if e["name"] == keys.ENV_PREFIX_CACHE] == ["0"]
 
 
+def test_router_workers_reach_the_router_pods_only_when_not_one(doc: dict[str, Any]) -> None:
+    """One worker is the router's own default: nothing written, so existing routers keep their
+    pod hash; more reach the router container as PDD_ROUTER_WORKERS."""
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    assert keys.ENV_ROUTER_WORKERS not in env_of(desired.router_deployment["spec"]["template"])
+    doc["spec"]["router"] = {"workers": 4}
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    assert env_of(desired.router_deployment["spec"]["template"])[
+        keys.ENV_ROUTER_WORKERS] == "4"
+
+
 def test_webhook_certificate_renews_at_two_thirds() -> None:
     import datetime
 
