@@ -319,3 +319,54 @@ def test_an_overloaded_decode_loses_its_follow_up_turns_to_the_least_loaded() ->
     for _ in range(20):
         pool.finished("d0")
     assert pool.pick(prompt_ids=chat[1]) == "d0"
+
+
+def test_workers_of_one_router_send_a_conversation_to_the_same_replicas() -> None:
+    """Two workers, each its own index: a first turn on one and its next turn on the other go
+    to the same prefill and decode (rendezvous hashing on the first block), where two routers
+    that each pick a fresh prompt by load alone part ways; an overloaded choice still yields."""
+    urls = ["p0", "p1", "p2", "p3"]
+    rng = random.Random(3)
+
+    def workers(shared: bool) -> tuple[Pool, Pool]:
+        return tuple(Pool("prefill", urls, "", make_policy("cache-aware", BLOCK, shared))
+                     for _ in range(2))  # type: ignore[return-value]
+
+    def first_then_next(shared: bool) -> list[tuple[str, str]]:
+        a, b = workers(shared)
+        for pool in (a, b):
+            for u in urls:
+                pool.mark(u, True)
+        other = _prompt(99, rng)  # the other worker's connections brought it a prompt first
+        url = b.pick(prompt_ids=other)
+        assert url is not None
+        b.started(url, other)
+        b.finished(url)
+        pairs = []
+        for prefix in range(12):
+            first = _prompt(prefix, rng)
+            url_a = a.pick(prompt_ids=first)
+            assert url_a is not None
+            a.started(url_a, first)
+            a.finished(url_a)
+            nxt = first + [rng.randrange(50_000) for _ in range(2 * BLOCK)]
+            url_b = b.pick(prompt_ids=nxt)
+            assert url_b is not None
+            b.started(url_b, nxt)
+            b.finished(url_b)
+            pairs.append((url_a, url_b))
+        return pairs
+
+    shared = first_then_next(True)
+    assert all(x == y for x, y in shared), shared
+    assert len({x for x, _ in shared}) > 1  # the hash still spreads prefixes
+    assert any(x != y for x, y in first_then_next(False))
+    pool = Pool("prefill", urls, "", make_policy("cache-aware", BLOCK, True))
+    for u in urls:
+        pool.mark(u, True)
+    prompt = _prompt(0, rng)
+    chosen = pool.pick(prompt_ids=prompt)
+    assert chosen is not None
+    for _ in range(20):  # that replica's queue grows past the bound: the prompt goes elsewhere
+        pool.started(chosen)
+    assert pool.pick(prompt_ids=prompt) not in (chosen, None)

@@ -20,6 +20,12 @@ in flight there (fresh) and the running + waiting sequences the replica last rep
 blocks it last reported free (1 when unknown, at least `MIN_FREE_FRACTION`). A replica with a
 quarter of its blocks free thus takes about a quarter of the new sequences of an empty one.
 
+A router of several workers (`PDD_ROUTER_WORKERS`) has one index per worker, each seeing the
+requests of its own connections. There a prompt that matches nothing goes to the replica its
+first block hashes to among the candidates (rendezvous hashing, which every worker computes
+alike with no state shared), unless that one is overloaded: a conversation's next turn, on
+whichever worker it lands, goes where its first turn went.
+
 The prefix index is an approximate prefix tree flattened into hashes: block i of a prompt is
 keyed by the hash of (key of block i-1, its tokens), so one key stands for the whole prefix up
 to it. Each replica keeps the keys of the prompts routed there, least recently used first out,
@@ -29,6 +35,7 @@ at most as many as it has KV blocks (its `kv_capacity_tokens` over the block siz
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -63,6 +70,13 @@ class ReplicaLoad:
     @property
     def score(self) -> float:
         return (self.busy + 1) / self.free_fraction
+
+
+def rendezvous(url: str, key: int) -> int:
+    """The replica's weight for a key, the same in every process (str hashes are salted per
+    process; block keys, hashes of ints, are not)."""
+    digest = hashlib.blake2b(f"{url}#{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def block_keys(prompt_ids: Sequence[int], block_size: int) -> list[int]:
@@ -157,11 +171,12 @@ class CacheAware(LeastLoaded):
     name = "cache-aware"
 
     def __init__(self, block_size: int, balance_abs: int = 8, balance_rel: float = 1.5,
-                 max_blocks: int = DEFAULT_TRACKED_BLOCKS) -> None:
+                 max_blocks: int = DEFAULT_TRACKED_BLOCKS, shared: bool = False) -> None:
         super().__init__()
         self.index = PrefixIndex(block_size, max_blocks)
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.shared = shared  # one of several workers: fresh prompts by rendezvous hashing
 
     def _key(self, url: str, loads: Mapping[str, ReplicaLoad]) -> tuple[float, ...]:
         # Equally loaded: the replica tracking fewer blocks takes a new prefix, so the
@@ -181,9 +196,12 @@ class CacheAware(LeastLoaded):
         keys = self.index.keys(prompt_ids)
         matched = {u: self.index.match(u, keys) for u in candidates}
         longest = max(matched.values())
-        if longest == 0:
+        if longest:
+            url = self._least_loaded([u for u in candidates if matched[u] == longest], loads)
+        elif self.shared and keys:
+            url = max(candidates, key=lambda u: rendezvous(u, keys[0]))
+        else:
             return self._least_loaded(candidates, loads)
-        url = self._least_loaded([u for u in candidates if matched[u] == longest], loads)
         if self.overloaded(url, candidates, loads):
             return self._least_loaded(candidates, loads)
         return url
@@ -196,11 +214,12 @@ class CacheAware(LeastLoaded):
         self.index.forget(url)
 
 
-def make_policy(name: str, block_size: int) -> RoutingPolicy:
+def make_policy(name: str, block_size: int, shared: bool = False) -> RoutingPolicy:
+    """``shared``: the router is one of several workers on one port."""
     if name == "round-robin":
         return RoutingPolicy()
     if name == "least-loaded":
         return LeastLoaded()
     if name == "cache-aware":
-        return CacheAware(block_size)
+        return CacheAware(block_size, shared=shared)
     raise ValueError(f"routing policy: must be one of {', '.join(ROUTER_POLICIES)}, got {name!r}")

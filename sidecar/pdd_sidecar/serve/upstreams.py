@@ -97,10 +97,11 @@ class Router:
     def __init__(self, settings: RouterSettings, model: ModelText) -> None:
         self.settings = settings
         self.model = model
+        shared = settings.workers > 1
         self.prefill = Pool("prefill", settings.prefill, settings.prefill_service,
-                            make_policy(settings.router_policy, settings.block_size))
+                            make_policy(settings.router_policy, settings.block_size, shared))
         self.decode = Pool("decode", settings.decode, settings.decode_service,
-                           make_policy(settings.router_policy, settings.block_size))
+                           make_policy(settings.router_policy, settings.block_size, shared))
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None  # probes never queue behind work
