@@ -33,6 +33,15 @@ def _pool(role: str, urls: list[str], policy: str, plans: dict[str, str] | None 
     return pool
 
 
+def _route(pool: Pool, prompt: list[int]) -> str:
+    """One request through the pool, start to finish: where it went."""
+    url = pool.pick(prompt_ids=prompt)
+    assert url is not None
+    pool.started(url, prompt)
+    pool.finished(url)
+    return url
+
+
 class SimulatedCache:
     """An instance's prefix cache that holds `capacity` prefixes, least recently used out."""
 
@@ -96,12 +105,7 @@ def test_new_prefixes_spread_over_the_replicas() -> None:
     rng = random.Random(0)
     chosen = Counter()
     for prefix in range(8):
-        prompt = _prompt(prefix, rng)
-        url = pool.pick(prompt_ids=prompt)
-        assert url is not None
-        pool.started(url, prompt)
-        pool.finished(url)
-        chosen[url] += 1
+        chosen[_route(pool, _prompt(prefix, rng))] += 1
     assert chosen == {"p0": 4, "p1": 4}
 
 
@@ -337,24 +341,12 @@ def test_workers_of_one_router_send_a_conversation_to_the_same_replicas() -> Non
         for pool in (a, b):
             for u in urls:
                 pool.mark(u, True)
-        other = _prompt(99, rng)  # the other worker's connections brought it a prompt first
-        url = b.pick(prompt_ids=other)
-        assert url is not None
-        b.started(url, other)
-        b.finished(url)
+        _route(b, _prompt(99, rng))  # the other worker's connections brought it a prompt first
         pairs = []
         for prefix in range(12):
             first = _prompt(prefix, rng)
-            url_a = a.pick(prompt_ids=first)
-            assert url_a is not None
-            a.started(url_a, first)
-            a.finished(url_a)
             nxt = first + [rng.randrange(50_000) for _ in range(2 * BLOCK)]
-            url_b = b.pick(prompt_ids=nxt)
-            assert url_b is not None
-            b.started(url_b, nxt)
-            b.finished(url_b)
-            pairs.append((url_a, url_b))
+            pairs.append((_route(a, first), _route(b, nxt)))
         return pairs
 
     shared = first_then_next(True)
