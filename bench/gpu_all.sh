@@ -17,11 +17,14 @@
 #   serve_path  bench/serve_path.py on a random V2-Lite-width checkpoint of LAYERS layers
 #            (default 4) in /dev/shm: TTFT stages and the served path against same-run engine
 #            bounds (SERVE_PATH_ARGS adds flags, e.g. --levels); one GPU is enough
+#   serve_path_workers  the same with the router as ROUTER_WORKERS processes (default 4) on
+#            WORKERS_LEVELS (default 64:32:2,64:1024:128,256:1024:128), to set beside
+#            serve_path's one-process router from the same call
 #   prefix_cache  bench/prefix_cache.py on the same kind of checkpoint: shared system prompt and
 #            multi-turn chats, prefix cache off against on (PREFIX_CACHE_ARGS adds flags);
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
-# PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
+# SERVE_PATH_WORKERS_S 200, PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
 #   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
 #   handoff  bench/kv_transfer.py --same-device: the CUDA IPC READ of pdd serve on one GPU (two
 #            processes), idle and in the conditions of a served read; one GPU is enough
@@ -123,6 +126,16 @@ if want serve_path; then
         --log-dir /tmp/serve-path-logs ${SERVE_PATH_ARGS:-} 2>&1 | tee "$OUT/serve_path.log" || rc=1
     mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serve-path-logs /tmp/gpu-all-extra/ 2>/dev/null
     say "serve_path done"
+fi
+if want serve_path_workers; then
+    say "stage serve_path_workers"
+    checkpoint
+    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${SERVE_PATH_WORKERS_S:-200}" $PY \
+        bench/serve_path.py --device cuda --dtype bfloat16 --model "$CKPT" \
+        --router-workers "${ROUTER_WORKERS:-4}" \
+        --levels "${WORKERS_LEVELS:-64:32:2,64:1024:128,256:1024:128}" \
+        --json "$OUT/serve_path_workers.json" 2>&1 | tee "$OUT/serve_path_workers.log" || rc=1
+    say "serve_path_workers done"
 fi
 if want prefix_cache; then
     say "stage prefix_cache"
