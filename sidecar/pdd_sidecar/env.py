@@ -98,6 +98,7 @@ PDD_ROUTER_READY_WAIT_S = "PDD_ROUTER_READY_WAIT_S"  # how long a request waits 
 PDD_ROUTER_WORKERS = keys.ENV_ROUTER_WORKERS
 MAX_ROUTER_WORKERS = rules.MAX_ROUTER_WORKERS
 PDD_ROUTER_WORKER = "PDD_ROUTER_WORKER"  # set by the router for its workers: this one's index
+PDD_ROUTER_WORKERS_DIR = "PDD_ROUTER_WORKERS_DIR"  # likewise: the folder the workers share
 # How the router picks replicas (serve/routing_policy.py): cache-aware (default), least-loaded
 # or round-robin.
 PDD_ROUTER_POLICY = keys.ENV_ROUTER_POLICY
@@ -382,6 +383,7 @@ class RouterSettings:
     block_size: int = 64  # the instances' (the prefix index keys whole blocks of prompts)
     workers: int = 1  # processes serving the port, each a whole router
     worker: int | None = None  # this process's index among them; None: not a worker
+    workers_dir: str = ""  # a worker's: the folder its siblings share (metrics, warm marks)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -406,6 +408,7 @@ class RouterSettings:
             block_size=_int(env, PDD_BLOCK_SIZE, 64, 1),
             workers=_int(env, PDD_ROUTER_WORKERS, 1, 1),
             worker=_optional_int(env, PDD_ROUTER_WORKER, 0),
+            workers_dir=env.get(PDD_ROUTER_WORKERS_DIR, ""),
         )
         if settings.workers > MAX_ROUTER_WORKERS:
             raise ConfigError(f"{PDD_ROUTER_WORKERS}: must be <= {MAX_ROUTER_WORKERS}, got "

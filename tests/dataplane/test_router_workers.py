@@ -102,6 +102,8 @@ def test_workers_share_the_port_and_their_metrics(stubs: tuple[StackConfig, obje
     try:
         workers = children(router.pid)
         assert len(workers) == 2, workers
+        status, body = http("GET", f"{url}/readyz")  # ready: both workers' round trips ran
+        assert status == 200 and body["workers_warm"] == "2/2", body
         answers = [complete(url, [1 + i % 50, 2, 3]) for i in range(24)]
         assert all(status == 200 for status, _ in answers), answers
         assert all(a["choices"][0]["token_ids"] == [1, 2, 3] for _, a in answers), answers[0]

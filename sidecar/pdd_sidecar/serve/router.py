@@ -207,11 +207,17 @@ async def readyz(request: web.Request) -> web.Response:
         "prefill": {u: router.prefill.healthy.get(u, False) for u in router.prefill.urls},
         "decode": {u: router.decode.healthy.get(u, False) for u in router.decode.urls},
     }
+    workers = router.settings.workers
+    if workers > 1:
+        body["workers_warm"] = f"{router.workers_warm}/{workers}"
     if not router.ready:
         body["reason"] = ("no ready prefill with a ready decode of its routing plan"
                           if not router.pools_ready else
                           "warm round trip not done yet" + (f" (last: {router.warm.last_error})"
-                                                            if router.warm.last_error else ""))
+                                                            if router.warm.last_error else "")
+                          if not router.warm.done else
+                          f"{workers - router.workers_warm} of the {workers} workers have "
+                          "not run their warm round trip yet")
     return web.json_response(body, status=200 if router.ready else 503)
 
 

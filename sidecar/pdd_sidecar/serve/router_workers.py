@@ -26,8 +26,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
-from pdd_sidecar.env import PDD_ROUTER_WORKER, RouterSettings
+from pdd_sidecar.env import PDD_ROUTER_WORKER, PDD_ROUTER_WORKERS_DIR, RouterSettings
 from pdd_sidecar.metrics import MULTIPROC_DIR
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,23 @@ def die_with_parent() -> None:
         pass
 
 
-def worker_env(base: Mapping[str, str], index: int, metrics_dir: str) -> dict[str, str]:
-    return {**base, PDD_ROUTER_WORKER: str(index), MULTIPROC_DIR: metrics_dir}
+def worker_env(base: Mapping[str, str], index: int, shared_dir: str) -> dict[str, str]:
+    return {**base, PDD_ROUTER_WORKER: str(index), PDD_ROUTER_WORKERS_DIR: shared_dir,
+            MULTIPROC_DIR: shared_dir}
+
+
+WARM_MARK = "warm-{}"  # beside the metrics' *.db files, which are all their collector reads
+
+
+def mark_warm(shared_dir: str, index: int) -> None:
+    """This worker's warm round trip came back."""
+    (Path(shared_dir) / WARM_MARK.format(index)).touch()
+
+
+def warm_workers(shared_dir: str, workers: int) -> int:
+    """How many of the workers have run their warm round trip: the router is ready (and
+    `pdd serve` says so) only once all have, whichever worker a probe reaches."""
+    return sum((Path(shared_dir) / WARM_MARK.format(i)).exists() for i in range(workers))
 
 
 def run_workers(settings: RouterSettings) -> int:

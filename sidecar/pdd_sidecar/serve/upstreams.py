@@ -29,6 +29,7 @@ from pdd_sidecar.serve.discovery import replicas
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
 from pdd_sidecar.serve.replica_pool import Pool
 from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
+from pdd_sidecar.serve.router_workers import mark_warm, warm_workers
 from pdd_sidecar.serve.routing_policy import make_policy
 from pdd_sidecar.serve.text import ModelText
 from pdd_sidecar.serve.upstream_http import (
@@ -118,8 +119,22 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        """Routable, and one round trip has run (serve/router_warmup.py)."""
-        return self.warm.done and self.pools_ready
+        """Routable, and one round trip has run (serve/router_warmup.py), in every worker."""
+        return self.warm.done and self.pools_ready and self.workers_warm == self.settings.workers
+
+    @property
+    def workers_warm(self) -> int:
+        """The router's workers whose warm round trip came back (this one alone: 1 or 0)."""
+        s = self.settings
+        if s.worker is None or not s.workers_dir:
+            return int(self.warm.done)
+        return warm_workers(s.workers_dir, s.workers)
+
+    def _warmed(self, seconds: float) -> None:
+        self.metrics.warmup_seconds.set(seconds)
+        s = self.settings
+        if s.worker is not None and s.workers_dir:
+            mark_warm(s.workers_dir, s.worker)
 
     def warmup_request(self) -> GenRequest:
         return GenRequest(kind="completion", prompt_ids=warmup_prompt(self.model.vocab_size),
@@ -173,7 +188,7 @@ class Router:
                 self.metrics.healthy.labels(role=pool.role, replica=url).set(1 if ok else 0)
 
             await asyncio.gather(*(probe(u) for u in pool.urls))
-        self.warm.ensure(self, self.warmup_request, Trip, self.metrics.warmup_seconds.set)
+        self.warm.ensure(self, self.warmup_request, Trip, self._warmed)
 
     async def probe_now(self) -> None:
         """One probe round now, shared by every request that asks while it runs."""
