@@ -102,6 +102,8 @@ class InstanceMetrics:
 
 class RouterMetrics:
     def __init__(self) -> None:
+        # As prometheus_client itself decides, once: a worker's env is set before it starts.
+        self.multiprocess = bool(os.environ.get(MULTIPROC_DIR))
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -129,7 +131,7 @@ class RouterMetrics:
         )
 
     def expose(self) -> bytes:
-        if not os.environ.get(MULTIPROC_DIR):
+        if not self.multiprocess:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
         MultiProcessCollector(merged)

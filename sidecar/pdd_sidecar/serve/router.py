@@ -161,8 +161,7 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
         return response
     tail = b""
     if req.include_usage:
-        tail = sse({"id": rid, "object": fmt.obj, "created": fmt.created,
-                    "model": fmt.model, "choices": [], "usage": _usage(req, out, trip)})
+        tail = sse(fmt.usage(_usage(req, out, trip)))
     await response.write_eof(tail + sse("[DONE]"))
     return response
 
@@ -201,24 +200,25 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
+    ready = router.ready
     body: dict[str, Any] = {
-        "ready": router.ready,
+        "ready": ready,
         "warm": router.warm.done,
         "prefill": {u: router.prefill.healthy.get(u, False) for u in router.prefill.urls},
         "decode": {u: router.decode.healthy.get(u, False) for u in router.decode.urls},
     }
-    workers = router.settings.workers
+    workers, warm = router.settings.workers, router.workers_warm
     if workers > 1:
-        body["workers_warm"] = f"{router.workers_warm}/{workers}"
-    if not router.ready:
+        body["workers_warm"] = f"{warm}/{workers}"
+    if not ready:
         body["reason"] = ("no ready prefill with a ready decode of its routing plan"
                           if not router.pools_ready else
                           "warm round trip not done yet" + (f" (last: {router.warm.last_error})"
                                                             if router.warm.last_error else "")
                           if not router.warm.done else
-                          f"{workers - router.workers_warm} of the {workers} workers have "
-                          "not run their warm round trip yet")
-    return web.json_response(body, status=200 if router.ready else 503)
+                          f"{workers - warm} of the {workers} workers have not run their warm "
+                          "round trip yet")
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

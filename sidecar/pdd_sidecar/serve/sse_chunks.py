@@ -39,6 +39,11 @@ class ChunkFormat:
         body.update(extra)
         return body
 
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The chunk after the last choice, with the request's usage (include_usage)."""
+        return {"id": self.rid, "object": self.obj, "created": self.created,
+                "model": self.model, "choices": [], "usage": usage}
+
     def role(self) -> bytes:
         """A chat stream's first event: the assistant's role, no content yet."""
         return sse(self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""},

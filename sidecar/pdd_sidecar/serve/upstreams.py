@@ -111,6 +111,7 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         self._probing: asyncio.Task[None] | None = None
         self.warm = WarmRoundTrip()
+        self._all_warm = False  # once every worker is warm it stays so (one dying stops all)
 
     @property
     def pools_ready(self) -> bool:
@@ -128,7 +129,11 @@ class Router:
         s = self.settings
         if s.worker is None or not s.workers_dir:
             return int(self.warm.done)
-        return warm_workers(s.workers_dir, s.workers)
+        if self._all_warm:
+            return s.workers
+        warm = warm_workers(s.workers_dir, s.workers)
+        self._all_warm = warm == s.workers
+        return warm
 
     def _warmed(self, seconds: float) -> None:
         self.metrics.warmup_seconds.set(seconds)
