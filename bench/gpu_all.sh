@@ -26,6 +26,7 @@
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
 # SERVE_PATH_WORKERS_S 200, PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
 #   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
+#            (PROFILE_ARGS adds flags, e.g. "--trend 8 --nixl-agent": wall against CPU time a step)
 #   handoff  bench/kv_transfer.py --same-device: the CUDA IPC READ of pdd serve on one GPU (two
 #            processes), idle and in the conditions of a served read; one GPU is enough
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
@@ -150,7 +151,7 @@ if want profile; then
     say "stage profile"
     checkpoint
     timeout -k 10 "${PROFILE_S:-120}" $PY bench/prefill_profile.py --model "$CKPT" \
-        --tokens "${PROFILE_TOKENS:-1024}" 2>&1 | tee "$OUT/profile.log" || rc=1
+        --tokens "${PROFILE_TOKENS:-1024}" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || rc=1
     say "profile done"
 fi
 if want handoff; then

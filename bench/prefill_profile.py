@@ -4,14 +4,23 @@ profiler, the ops that cost the most device and host time, and the host syncs.
 A 1k-token prefill on one H200 takes ~50 ms where its matmuls need ~7: this prints what fills
 the rest (host-side launches, syncs that leave the device idle, small kernels).
 
+``--trend S`` instead steps the first length for S seconds and prints, every 15 steps, the wall
+and the process's CPU time per step (equal when the step is host-bound) and its voluntary
+context switches (a thread giving the GIL up); ``--nixl-agent`` then registers the KV cache with
+a NIXL agent, as a serving rank does, and goes on for S/2 more seconds with its progress thread.
+
     python bench/prefill_profile.py --model /dev/shm/pdd-random-v2lite-27 --tokens 1024
+    python bench/prefill_profile.py --model /dev/shm/pdd-random-v2lite-27 --trend 8 --nixl-agent
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1024", help="comma list of prompt lengths")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trend", type=float, default=0.0, metavar="S",
+                   help="step for S seconds and print wall and CPU time per step as it goes")
+    p.add_argument("--nixl-agent", action="store_true",
+                   help="with --trend: then S/2 more seconds with a NIXL agent on the KV cache")
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     dev = "cuda:0" if a.device == "cuda" else "cpu"
@@ -49,6 +62,25 @@ def main(argv: list[str] | None = None) -> int:
         if a.device == "cuda":
             torch.cuda.synchronize()
 
+    if a.trend:
+        n = lengths[0]
+        table = cache.allocate(-(-n // a.block_size))
+        chunk = [SeqChunk([(7 * i + 3) % vocab for i in range(n)], 0, table)]
+
+        def one() -> None:
+            eng.step(chunk)
+            sync()
+
+        for _ in range(5):
+            one()
+        trend(one, a.trend, f"{n} tokens")
+        if a.nixl_agent:
+            from pdd_sidecar.kv.transfer import KVTransferAgent
+
+            agent = KVTransferAgent("prefill-profile", cache.kv)
+            trend(one, a.trend / 2, f"{n} tokens, NIXL agent")
+            agent.close()
+        return 0
     for n in lengths:
         table = cache.allocate(-(-n // a.block_size))
         chunk = [SeqChunk([(7 * i + 3) % vocab for i in range(n)], 0, table)]
@@ -81,6 +113,24 @@ def main(argv: list[str] | None = None) -> int:
                       "host")
         cache.free(table)
     return 0
+
+
+def trend(step: Callable[[], None], seconds: float, label: str, per_line: int = 15) -> None:
+    """Wall against CPU time per step over time: a host-bound step moves with the host's speed."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        walls = []
+        for _ in range(per_line):
+            t0 = time.perf_counter()
+            step()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1e3
+        print(f"{label}: wall median {statistics.median(walls):6.1f} ms, min {min(walls):6.1f}; "
+              f"CPU {cpu / per_line:6.1f} ms a step; "
+              f"{(after.ru_nvcsw - before.ru_nvcsw) / per_line:5.0f} voluntary switches a step",
+              flush=True)
 
 
 if __name__ == "__main__":
