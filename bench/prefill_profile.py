@@ -7,7 +7,8 @@ the rest (host-side launches, syncs that leave the device idle, small kernels).
 ``--trend S`` instead steps the first length for S seconds and prints, every 15 steps, the wall
 and the process's CPU time per step (equal when the step is host-bound) and its voluntary
 context switches (a thread giving the GIL up); ``--nixl-agent`` then registers the KV cache with
-a NIXL agent, as a serving rank does, and goes on for S/2 more seconds with its progress thread.
+a NIXL agent, as a serving rank does, and goes on for S/2 seconds with its progress thread
+running every millisecond, then S/2 at its idle pace (kv/transfer.py ProgressPace).
 
     python bench/prefill_profile.py --model /dev/shm/pdd-random-v2lite-27 --tokens 1024
     python bench/prefill_profile.py --model /dev/shm/pdd-random-v2lite-27 --trend 8 --nixl-agent
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trend", type=float, default=0.0, metavar="S",
                    help="step for S seconds and print wall and CPU time per step as it goes")
     p.add_argument("--nixl-agent", action="store_true",
-                   help="with --trend: then S/2 more seconds with a NIXL agent on the KV cache")
+                   help="with --trend: then a NIXL agent on the KV cache, progressed every 1 ms "
+                   "and at its idle pace, S/2 seconds each")
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     dev = "cuda:0" if a.device == "cuda" else "cpu"
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             from pdd_sidecar.kv.transfer import KVTransferAgent
 
             agent = KVTransferAgent("prefill-profile", cache.kv)
-            trend(one, a.trend / 2, f"{n} tokens, NIXL agent")
+            trend(one, a.trend / 2, f"{n} tokens, NIXL agent progressed every 1 ms")
+            agent.pace.adaptive = True  # as a serving prefill's rank 0 with no READ claimed
+            trend(one, a.trend / 2, f"{n} tokens, NIXL agent at its idle pace")
             agent.close()
         return 0
     for n in lengths:

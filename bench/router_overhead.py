@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from stream_client import stream_completion  # noqa: E402
 
+from pdd_sidecar.processes import children, proc_stat  # noqa: E402
 from pdd_sidecar.serve.local_stack import StackConfig, pick_ports, router_env  # noqa: E402
 
 VOCAB = 200  # below the built-in model's vocabulary
@@ -100,25 +101,14 @@ def _run_stubs(prefill_port: int, decode_port: int, pace_s: float) -> None:
     asyncio.run(main())
 
 
-def _stat(pid: int | str) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
 def _cpu_seconds(pid: int) -> float:
     """The process's CPU time and its children's (a router's workers), living ones counted as
     they go and waited-for ones as the kernel adds them to their parent."""
-    pids = [pid]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != pid:
-            try:
-                if int(_stat(entry.name)[1]) == pid:
-                    pids.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
+    pids = [pid, *children(pid)]
     total = 0
     for p in pids:
         try:
-            fields = _stat(p)
+            fields = proc_stat(p)
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])

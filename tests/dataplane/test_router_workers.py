@@ -18,33 +18,13 @@ from pathlib import Path
 import pytest
 from runtime_fixtures import http
 
+from pdd_sidecar.processes import alive, children
 from pdd_sidecar.serve.local_stack import StackConfig, pick_ports, router_env
 
 pytestmark = pytest.mark.dataplane
 
 ROOT = Path(__file__).resolve().parents[2]
 OK_COUNT = re.compile(r'^pdd_router_requests_total\{outcome="ok"\} ([0-9.e+]+)$', re.M)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return stat[0] != "Z"
 
 
 def wait_for(cond: object, timeout: float) -> bool:

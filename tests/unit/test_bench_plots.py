@@ -117,12 +117,13 @@ def test_serve_path_series_are_the_json_points() -> None:
 @pytest.mark.parametrize("name,device", [("serve_path_cpu.json", "cpu"),
                                          ("serve_path_h200.json", "cuda")])
 def test_serve_path_json_holds_its_table(name: str, device: str) -> None:
-    """The level rows of the bench/serve_path.py output in docs/serving.md are the JSON's."""
+    """The level rows of the bench/serve_path.py output in docs/serving.md are the JSON's (the
+    first run printed for the device: the current one; older runs follow it)."""
     data = load(name)
     assert data["config"]["device"] == device
-    (block,) = [b for b in (DOCS / "serving.md").read_text().split("```")[1::2]
-                if b.lstrip().startswith("serve_path: ")
-                and f", {device} " in b.lstrip().splitlines()[0]]
+    block = next(b for b in (DOCS / "serving.md").read_text().split("```")[1::2]
+                 if b.lstrip().startswith("serve_path: ")
+                 and f", {device} " in b.lstrip().splitlines()[0])
     shown = {f[0]: f for ln in block.splitlines()
              if (f := ln.split()) and f[0] in {lv["level"] for lv in data["levels"]}
              and len(f) > 10 and f[1].isdigit()}

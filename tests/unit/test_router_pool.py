@@ -15,6 +15,7 @@ from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest
 from pdd_sidecar.serve.replica_pool import Pool
+from pdd_sidecar.serve.routing_policy import make_policy
 from pdd_sidecar.serve.upstreams import Router, Trip
 
 
@@ -264,3 +265,21 @@ def test_the_probe_reads_each_replicas_load() -> None:
     assert prefill is not None and (prefill.running, prefill.waiting, prefill.free_blocks,
                                      prefill.num_blocks) == (3, 2, 40, 100)
     assert prefill.busy == 5 and decode is None
+
+
+def test_readiness_checks_do_not_move_the_round_robin_turn() -> None:
+    """/readyz asks whether a request could be routed; asking must not choose a replica, or
+    probes between requests would decide which replica round robin gives the next one."""
+    router = Router.__new__(Router)
+    router.prefill = Pool("prefill", ["p1", "p2"], "", make_policy("round-robin", 16))
+    router.decode = _pool("decode", {"d": None})
+    for url in ("p1", "p2"):
+        router.prefill.mark(url, True)
+    chosen = []
+    for _ in range(6):
+        assert router.pools_ready  # a probe between two requests
+        chosen.append(router.prefill.pick(plans=router.decode.ready_plans()))
+    assert chosen == ["p1", "p2"] * 3
+    router.prefill.mark("p1", False)
+    router.prefill.mark("p2", False)
+    assert not router.pools_ready

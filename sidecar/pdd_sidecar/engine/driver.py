@@ -169,7 +169,10 @@ class InstanceDriver:
             fut.set_exception(RequestError(self.fatal, 503, "broken"))
             return fut
         with self._lease_lock:
-            fut.set_result(self.leases.claim(request_id, epoch, time.monotonic(), hold_s))
+            refused = self.leases.claim(request_id, epoch, time.monotonic(), hold_s)
+        if refused is None:
+            self.worker.agent.expect_read(request_id, hold_s)
+        fut.set_result(refused)
         return fut
 
     def wake(self) -> None:

@@ -166,7 +166,12 @@ class RankWorker:
             s, plan_text, plan, self.cache.num_layers, self.cache.latent_dim
         )
         self.agent_name = f"{s.role}-{s.replica}-r{rank}-{instance_id}"
-        self.agent = KVTransferAgent(self.agent_name, self.cache.kv)
+        # A prefill's rank 0 hears each claim before a READ of its memory, a decode reads and
+        # is read by no one: both progress their agent fast only when that may matter. The
+        # other prefill ranks hear no claims and keep progressing every millisecond.
+        self.agent = KVTransferAgent(self.agent_name, self.cache.kv,
+                                     adaptive_progress=s.role == "decode" or rank == 0,
+                                     notif_key=parse_notif)
         self.key = load_key(s.grant_key_file)
         self.transport = local_record(self.cache.kv)
         self.side = SideChannelServer(

@@ -8,40 +8,90 @@ KV. Any other failure is the prefill being unreachable.
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import threading
+import urllib.parse
 from typing import Any
 
 from pdd_sidecar.kv.transfer import TransferError
 
 CLAIM_MARGIN_S = 5.0  # pinned beyond the READ's own time bound
 
+# Each pull thread keeps one connection per prefill: a claim per READ on a fresh connection
+# cost both sides a connect, an accept and a close, and the prefill's HTTP loop does that
+# work between answering its own requests.
+_connections = threading.local()
+
 
 class ClaimRefused(RuntimeError):
     """The prefill no longer holds the granted blocks."""
 
 
-def claim(url: str, grant: dict[str, Any], hold_s: float, timeout_s: float) -> None:
-    request = urllib.request.Request(
-        f"{url}/v1/claim",
-        data=json.dumps({"kv_transfer_params": grant, "hold_s": hold_s}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            response.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
+def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+    """This thread's connection to ``url`` (whether it was used before)."""
+    pool: dict[str, http.client.HTTPConnection] = _connections.__dict__.setdefault("pool", {})
+    conn = pool.get(url)
+    if conn is not None:
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        return conn, True
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise TransferError(f"prefill {url}: not an http(s) URL for the claim")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=timeout_s)
+    pool[url] = conn
+    return conn, False
+
+
+# What using a connection the far side has closed raises (RemoteDisconnected is a
+# ConnectionResetError); a timeout is not among them: the claim may be running there.
+_CLOSED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+def _drop(url: str) -> None:
+    conn = _connections.__dict__.get("pool", {}).pop(url, None)
+    if conn is not None:
+        conn.close()
+
+
+def _post(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+    """One claim round trip. A connection the prefill closed while idle fails on its next use
+    before the claim was read: that one is tried again once on a new connection (a claim is
+    idempotent: pinning again only extends the pin)."""
+    for attempt in range(2):
+        conn, reused = _connection(url, timeout_s)
         try:
-            err = json.loads(detail)["error"]
-            detail = err["message"] if isinstance(err, dict) else str(err)
-        except (ValueError, KeyError, TypeError):
-            pass
-        if exc.code in (403, 410):
-            raise ClaimRefused(f"prefill {url} refused the claim: {detail}") from None
-        raise TransferError(f"prefill {url}: claim answered {exc.code}: {detail}") from None
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise TransferError(f"prefill {url} unreachable for the claim: {reason}") from None
+            conn.request("POST", "/v1/claim", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            data = response.read()
+        except (http.client.HTTPException, OSError) as exc:
+            _drop(url)
+            if reused and attempt == 0 and isinstance(exc, _CLOSED):
+                continue
+            raise
+        if response.will_close:
+            _drop(url)
+        return response.status, data
+    raise AssertionError("unreachable")
+
+
+def claim(url: str, grant: dict[str, Any], hold_s: float, timeout_s: float) -> None:
+    body = json.dumps({"kv_transfer_params": grant, "hold_s": hold_s}).encode()
+    try:
+        status, data = _post(url, body, timeout_s)
+    except (http.client.HTTPException, OSError) as exc:
+        raise TransferError(f"prefill {url} unreachable for the claim: {exc}") from None
+    if status < 300:
+        return
+    detail = data.decode(errors="replace")
+    try:
+        err = json.loads(detail)["error"]
+        detail = err["message"] if isinstance(err, dict) else str(err)
+    except (ValueError, KeyError, TypeError):
+        pass
+    if status in (403, 410):
+        raise ClaimRefused(f"prefill {url} refused the claim: {detail}") from None
+    raise TransferError(f"prefill {url}: claim answered {status}: {detail}") from None

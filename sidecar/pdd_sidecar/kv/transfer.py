@@ -45,6 +45,67 @@ class TransferError(RuntimeError):
     """A hand-off failed; the message names the peer."""
 
 
+FAST_PROGRESS_S = 0.001
+IDLE_PROGRESS_S = 0.02
+LINGER_S = 0.05  # fast this long after the agent's own READs and notifications
+
+
+class ProgressPace:
+    """How often an agent's progress thread runs: every millisecond while a peer may need it
+    (a claimed READ not yet notified done, this agent's own transfers just now), every
+    ``idle_s`` otherwise.
+
+    Each run takes the GIL from whatever Python the process is running: beside a prefill step
+    that launches its kernels from Python, 1 ms progress cost 107-162 thread switches and
+    ~2-4 ms of a 40-60 ms step on an H200 host (docs/serving.md, runs 14-15). A target needs to
+    progress while its memory is read (UCX over TCP or shared-memory rendezvous moves data
+    only when it does) and to answer a new connection; both follow a claim, which says a READ
+    is coming. Without ``adaptive`` it is always fast (a rank that sees no claims)."""
+
+    def __init__(self, adaptive: bool, fast_s: float = FAST_PROGRESS_S,
+                 idle_s: float = IDLE_PROGRESS_S) -> None:
+        self.adaptive = adaptive
+        self.fast_s = fast_s
+        self.idle_s = idle_s
+        self._busy_until = 0.0
+        # READs claimed and not yet notified done: key -> [how many, until when at most]. Each
+        # decode rank claims before it reads; a rank that notifies another prefill rank leaves
+        # its count here until the claim's pin runs out (fast longer, never too slow).
+        self._expected: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def kick(self, now: float, seconds: float = LINGER_S) -> None:
+        with self._lock:
+            self._busy_until = max(self._busy_until, now + seconds)
+
+    def expect(self, key: str, now: float, seconds: float) -> None:
+        """A READ of this agent's memory is coming (a claim, pinned for ``seconds``)."""
+        with self._lock:
+            entry = self._expected.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] = max(entry[1], now + seconds)
+
+    def settle(self, key: str | None) -> None:
+        """One of its readers said it is done (a notification)."""
+        if key is None:
+            return
+        with self._lock:
+            entry = self._expected.get(key)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    del self._expected[key]
+
+    def interval(self, now: float) -> float:
+        if not self.adaptive:
+            return self.fast_s
+        with self._lock:
+            for key in [k for k, (_, until) in self._expected.items() if until <= now]:
+                del self._expected[key]
+            busy = self._busy_until > now or bool(self._expected)
+        return self.fast_s if busy else self.idle_s
+
+
 @dataclass(frozen=True)
 class RegionInfo:
     """Where a rank's KV cache lives and how it is laid out; published on the side channel."""
@@ -311,12 +372,14 @@ class KVTransferAgent:
         kv: Any,
         backends: Sequence[str] = ("UCX",),
         max_levels: int = DEFAULT_MAX_LEVELS,
-        progress_interval_s: float = 0.001,
+        adaptive_progress: bool = False,
+        notif_key: Callable[[bytes], str | None] | None = None,
     ) -> None:
-        """The agent must progress even while its rank waits for work: UCX connection set-up
-        and notifications need the target side to answer. NIXL's own progress thread polls
-        without pause (a whole core per agent), so a thread of ours progresses the agent every
-        `progress_interval_s` instead, with the agent in strict thread-safe mode."""
+        """The agent must progress even while its rank waits for work: UCX connection set-up,
+        notifications and, on some transports, a peer's READ need the target side to answer.
+        NIXL's own progress thread polls without pause (a whole core per agent), so a thread
+        of ours progresses the agent, at the pace ``ProgressPace`` sets, with the agent in
+        strict thread-safe mode. ``notif_key`` names the READ a notification settles."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name
@@ -333,7 +396,9 @@ class KVTransferAgent:
         self._notifs: list[bytes] = []
         self._notif_lock = threading.Lock()
         self._closed = threading.Event()
-        self._progress_interval_s = progress_interval_s
+        self._wake = threading.Event()
+        self.pace = ProgressPace(adaptive_progress)
+        self._notif_key = notif_key
         self._progress = threading.Thread(
             target=self._progress_loop, name=f"nixl-progress-{name}", daemon=True
         )
@@ -346,18 +411,40 @@ class KVTransferAgent:
         self._remote_layouts: dict[str, PreppedBlocks] = {}
         self._progress.start()
         _OPEN_AGENTS.add(self)
+        log.info("agent %s: progress every %.0f ms%s", name, self.pace.fast_s * 1e3,
+                 f", every {self.pace.idle_s * 1e3:.0f} ms while no READ of it is claimed"
+                 if adaptive_progress else "")
 
     def _progress_loop(self) -> None:
-        while not self._closed.wait(self._progress_interval_s):
+        while True:
+            self._wake.wait(self.pace.interval(time.monotonic()))
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             try:
                 new = self.agent.get_new_notifs()
             except Exception as exc:
                 log.debug("agent %s progress: %s", self.name, exc)
                 continue
             if new:
+                messages = [m for ms in new.values() for m in ms]
+                self._settle(messages)
                 with self._notif_lock:
-                    for messages in new.values():
-                        self._notifs.extend(messages)
+                    self._notifs.extend(messages)
+
+    def _settle(self, messages: Iterable[bytes]) -> None:
+        if self._notif_key is not None:
+            for m in messages:
+                self.pace.settle(self._notif_key(m))
+
+    def expect_read(self, key: str, seconds: float) -> None:
+        """A peer claimed a READ of this agent's memory: progress fast until it notifies."""
+        self.pace.expect(key, time.monotonic(), seconds)
+        self._wake.set()
+
+    def _kick(self) -> None:
+        self.pace.kick(time.monotonic())
+        self._wake.set()
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -380,6 +467,7 @@ class KVTransferAgent:
                 f"(layers={self.region.num_layers}, block={self.region.block_size}, "
                 f"row={self.region.row_bytes}B)"
             )
+        self._kick()  # UCX sets the connection up with the peer's answers
         name = self.agent.add_remote_agent(metadata)
         agent_name = name.decode() if isinstance(name, bytes) else str(name)
         layout = PreppedBlocks(region.num_blocks, self.layout.levels)
@@ -514,6 +602,8 @@ class KVTransferAgent:
         finally:
             for p in posted:
                 self._release(p)
+            if posted:
+                self._kick()
         total.seconds = time.monotonic() - start
         return total
 
@@ -524,20 +614,22 @@ class KVTransferAgent:
             self.agent.send_notif(peer.agent_name, message)
         except Exception as exc:
             raise TransferError(f"peer {peer.key}: notification failed: {exc}") from exc
+        self._kick()  # a send UCX could not finish at once completes as the agent progresses
 
     def poll_notifs(self) -> list[bytes]:
         new = self.agent.get_new_notifs()
         with self._notif_lock:
             out, self._notifs = self._notifs, []
-        for messages in new.values():
-            out.extend(messages)
-        return out
+        fresh = [m for messages in new.values() for m in messages]
+        self._settle(fresh)
+        return out + fresh
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         _OPEN_AGENTS.discard(self)
         self._closed.set()
+        self._wake.set()
         self._progress.join(timeout=1)
         for key in list(self.peers):
             self.disconnect(key)

@@ -38,7 +38,7 @@ from pdd_api import keys
 from pdd_api.routing import plan_for_spec
 from pdd_api.validation import parse_spec, validate_spec
 from pdd_sidecar import env as E
-from pdd_sidecar.serve.router_workers import die_with_parent
+from pdd_sidecar.processes import die_with_parent
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")

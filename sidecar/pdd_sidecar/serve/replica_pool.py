@@ -31,12 +31,17 @@ class Pool:
         """The policy's choice among the ready replicas; with ``plan``, only among those
         running that routing plan (a prefill and a decode of different plans cannot hand KV
         over); with ``plans``, only among those running one of them."""
-        ok = [u for u in self.urls if self.healthy.get(u) and u not in exclude
-              and (plan is None or self.plans.get(u, plan) == plan)
-              and (plans is None or u not in self.plans or self.plans[u] in plans)]
+        ok = self.candidates(exclude, plan, plans)
         if not ok:
             return None
         return self.policy.choose(ok, self.load, prompt_ids)
+
+    def candidates(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+                   plan: str | None = None, plans: set[str] | None = None) -> list[str]:
+        """The ready replicas ``pick`` would choose among; asking moves no policy's turn."""
+        return [u for u in self.urls if self.healthy.get(u) and u not in exclude
+                and (plan is None or self.plans.get(u, plan) == plan)
+                and (plans is None or u not in self.plans or self.plans[u] in plans)]
 
     def mark(self, url: str, healthy: bool) -> None:
         if healthy and self.healthy.get(url) is False:

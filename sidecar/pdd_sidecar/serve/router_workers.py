@@ -16,7 +16,6 @@ own connections), its `max_concurrency`. Metrics are summed over the workers
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -30,18 +29,11 @@ from pathlib import Path
 
 from pdd_sidecar.env import PDD_ROUTER_WORKER, PDD_ROUTER_WORKERS_DIR, RouterSettings
 from pdd_sidecar.metrics import MULTIPROC_DIR
+from pdd_sidecar.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 65.0  # a worker's own graceful stop: aiohttp's 60 s shutdown timeout
-
-
-def die_with_parent() -> None:
-    """A child gets SIGTERM when its parent dies, even killed outright (Linux; best effort)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def worker_env(base: Mapping[str, str], index: int, shared_dir: str) -> dict[str, str]:

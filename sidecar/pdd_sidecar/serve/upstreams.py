@@ -116,7 +116,7 @@ class Router:
     @property
     def pools_ready(self) -> bool:
         # The rule requests are routed by: a ready prefill with a ready decode of its plan.
-        return self.prefill.pick(plans=self.decode.ready_plans()) is not None
+        return bool(self.prefill.candidates(plans=self.decode.ready_plans()))
 
     @property
     def ready(self) -> bool:

@@ -1,0 +1,118 @@
+"""The decode's claim client: one kept connection per thread and prefill, a prefill's idle close
+survived, refusals told apart from an unreachable prefill."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from pdd_sidecar.kv import claims
+from pdd_sidecar.kv.claims import ClaimRefused, claim
+from pdd_sidecar.kv.transfer import TransferError
+
+
+class Prefill(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.connections = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.status = 200
+        self.close_after_answer = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Prefill
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.connections += 1
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.bodies.append(json.loads(body))
+        status = self.server.status
+        out = json.dumps({"claimed": True} if status == 200 else
+                         {"error": {"message": f"refused with {status}"}}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+        if self.server.close_after_answer:  # as a server does when a kept connection idles out
+            self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def prefill() -> Iterator[Prefill]:
+    server = Prefill()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    claims._drop(server.url)
+
+
+GRANT = {"request_id": "r1", "epoch": 3}
+
+
+def test_claims_of_one_thread_share_a_connection(prefill: Prefill) -> None:
+    for _ in range(5):
+        claim(prefill.url, GRANT, 30.0, 5.0)
+    assert prefill.connections == 1
+    assert prefill.bodies == [{"kv_transfer_params": GRANT, "hold_s": 30.0}] * 5
+
+
+def test_each_thread_has_its_own_connection(prefill: Prefill) -> None:
+    claim(prefill.url, GRANT, 30.0, 5.0)
+    other = threading.Thread(target=claim, args=(prefill.url, GRANT, 30.0, 5.0))
+    other.start()
+    other.join()
+    claim(prefill.url, GRANT, 30.0, 5.0)
+    assert prefill.connections == 2
+    assert len(prefill.bodies) == 3
+
+
+def test_a_connection_the_prefill_closed_is_replaced(prefill: Prefill) -> None:
+    prefill.close_after_answer = True
+    for _ in range(3):
+        claim(prefill.url, GRANT, 30.0, 5.0)
+    assert len(prefill.bodies) == 3  # each claim ran once, none was lost or doubled
+    assert prefill.connections == 3
+
+
+def test_refusals_and_failures_say_what_the_prefill_said(prefill: Prefill) -> None:
+    prefill.status = 410
+    with pytest.raises(ClaimRefused, match="refused with 410"):
+        claim(prefill.url, GRANT, 30.0, 5.0)
+    prefill.status = 500
+    with pytest.raises(TransferError, match="claim answered 500: refused with 500"):
+        claim(prefill.url, GRANT, 30.0, 5.0)
+    prefill.status = 200
+    claim(prefill.url, GRANT, 30.0, 5.0)  # the connection outlived the refusals
+    assert prefill.connections == 1
+
+
+def test_an_unreachable_prefill_is_a_transfer_error(prefill: Prefill) -> None:
+    url = prefill.url
+    prefill.shutdown()
+    prefill.server_close()
+    with pytest.raises(TransferError, match="unreachable for the claim"):
+        claim(url, GRANT, 30.0, 2.0)
+    with pytest.raises(TransferError, match="not an http"):
+        claim("ftp://x", GRANT, 30.0, 2.0)
