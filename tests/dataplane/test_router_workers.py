@@ -10,12 +10,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 from runtime_fixtures import http
 
 from pdd_sidecar.processes import alive, children
@@ -25,15 +25,6 @@ pytestmark = pytest.mark.dataplane
 
 ROOT = Path(__file__).resolve().parents[2]
 OK_COUNT = re.compile(r'^pdd_router_requests_total\{outcome="ok"\} ([0-9.e+]+)$', re.M)
-
-
-def wait_for(cond: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -63,7 +54,7 @@ def start_router(cfg: StackConfig, ports: object) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-m", "pdd_sidecar", "router"], env=env,
                             start_new_session=True)
     url = f"http://127.0.0.1:{ports.router}"  # type: ignore[attr-defined]
-    assert wait_for(lambda: ready(url), 60), "router never ready"
+    wait_for("the router to be ready", lambda: ready(url), 60, 0.05)
     return proc
 
 
@@ -96,7 +87,7 @@ def test_workers_share_the_port_and_their_metrics(stubs: tuple[StackConfig, obje
         assert served == {24.0}, served
         router.send_signal(signal.SIGTERM)
         assert router.wait(timeout=40) == 0
-        assert wait_for(lambda: not any(alive(w) for w in workers), 10)
+        wait_for("every worker to stop", lambda: not any(alive(w) for w in workers), 10, 0.05)
     finally:
         if router.poll() is None:
             os.killpg(router.pid, signal.SIGKILL)
@@ -110,7 +101,8 @@ def test_a_worker_that_dies_takes_the_router_down(stubs: tuple[StackConfig, obje
         first, second = children(router.pid)
         os.kill(first, signal.SIGKILL)
         assert router.wait(timeout=40) != 0
-        assert wait_for(lambda: not alive(second), 10), "a worker outlived its router"
+        wait_for("the other worker to stop with the router", lambda: not alive(second), 10,
+                 0.05)
     finally:
         if router.poll() is None:
             os.killpg(router.pid, signal.SIGKILL)

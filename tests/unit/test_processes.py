@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
+
+from polling import wait_for
 
 from pdd_sidecar.processes import alive, children
 
@@ -19,15 +20,6 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
 print(child.pid, flush=True)
 time.sleep(60)
 """
-
-
-def _wait(cond: object, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_child_dies_with_its_parent_killed_outright() -> None:
@@ -42,7 +34,7 @@ def test_a_child_dies_with_its_parent_killed_outright() -> None:
         assert not alive(parent.pid)
         # Reparented and sent SIGTERM; whoever adopts it reaps it (or it stays a zombie,
         # which alive() counts as gone).
-        assert _wait(lambda: not alive(child)), "the child outlived its parent"
+        wait_for("the child to end with its parent", lambda: not alive(child), 10, 0.05)
     finally:
         parent.kill()
         parent.wait(timeout=10)

@@ -8,8 +8,11 @@ from pdd_sidecar.kv.transfer import FAST_PROGRESS_S, IDLE_PROGRESS_S, LINGER_S, 
 def test_idle_until_a_read_is_claimed_and_fast_until_it_is_notified() -> None:
     pace = ProgressPace(adaptive=True)
     assert pace.interval(0.0) == IDLE_PROGRESS_S
-    pace.expect("r1", now=1.0, seconds=30.0)
+    assert pace.expect("r1", now=1.0, seconds=30.0)  # was idle: the thread is woken
     assert pace.interval(1.0) == FAST_PROGRESS_S
+    assert not pace.expect("r2", now=1.1, seconds=30.0)  # already fast: no wake needed
+    assert not pace.kick(now=1.1)
+    pace.settle("r2")
     pace.settle("other")  # a notification for something else settles nothing
     assert pace.interval(1.5) == FAST_PROGRESS_S
     pace.settle("r1")
@@ -41,7 +44,7 @@ def test_a_claim_never_notified_stops_counting_when_its_pin_runs_out() -> None:
 
 def test_own_transfers_keep_it_fast_a_moment() -> None:
     pace = ProgressPace(adaptive=True)
-    pace.kick(now=5.0)
+    assert pace.kick(now=5.0)
     assert pace.interval(5.0 + LINGER_S / 2) == FAST_PROGRESS_S
     assert pace.interval(5.0 + LINGER_S) == IDLE_PROGRESS_S
 
@@ -49,6 +52,6 @@ def test_own_transfers_keep_it_fast_a_moment() -> None:
 def test_without_adaptive_always_fast() -> None:
     pace = ProgressPace(adaptive=False)
     assert pace.interval(0.0) == FAST_PROGRESS_S
-    pace.expect("r1", now=0.0, seconds=1.0)
+    assert not pace.expect("r1", now=0.0, seconds=1.0)  # never idle: never woken
     pace.settle("r1")
     assert pace.interval(100.0) == FAST_PROGRESS_S

@@ -74,16 +74,25 @@ class ProgressPace:
         self._expected: dict[str, list[float]] = {}
         self._lock = threading.Lock()
 
-    def kick(self, now: float, seconds: float = LINGER_S) -> None:
-        with self._lock:
-            self._busy_until = max(self._busy_until, now + seconds)
+    def _idle(self, now: float) -> bool:
+        return self.adaptive and self._busy_until <= now and not self._expected
 
-    def expect(self, key: str, now: float, seconds: float) -> None:
-        """A READ of this agent's memory is coming (a claim, pinned for ``seconds``)."""
+    def kick(self, now: float, seconds: float = LINGER_S) -> bool:
+        """Fast for ``seconds``; whether it was idle (the thread should be woken)."""
         with self._lock:
+            idle = self._idle(now)
+            self._busy_until = max(self._busy_until, now + seconds)
+        return idle
+
+    def expect(self, key: str, now: float, seconds: float) -> bool:
+        """A READ of this agent's memory is coming (a claim, pinned for ``seconds``); whether
+        it was idle."""
+        with self._lock:
+            idle = self._idle(now)
             entry = self._expected.setdefault(key, [0, 0.0])
             entry[0] += 1
             entry[1] = max(entry[1], now + seconds)
+        return idle
 
     def settle(self, key: str | None) -> None:
         """One of its readers said it is done (a notification)."""
@@ -439,12 +448,13 @@ class KVTransferAgent:
 
     def expect_read(self, key: str, seconds: float) -> None:
         """A peer claimed a READ of this agent's memory: progress fast until it notifies."""
-        self.pace.expect(key, time.monotonic(), seconds)
-        self._wake.set()
+        # Waking the thread costs the caller a notify; one already fast needs none.
+        if self.pace.expect(key, time.monotonic(), seconds):
+            self._wake.set()
 
     def _kick(self) -> None:
-        self.pace.kick(time.monotonic())
-        self._wake.set()
+        if self.pace.kick(time.monotonic()):
+            self._wake.set()
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
