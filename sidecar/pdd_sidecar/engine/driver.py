@@ -161,19 +161,16 @@ class InstanceDriver:
         fut.set_result(True)
         return fut
 
-    def claim(self, request_id: str, epoch: int, hold_s: float) -> Future[str | None]:
+    def claim(self, request_id: str, epoch: int, hold_s: float) -> str | None:
         """A decode is about to READ a held request: pin it, or say why it cannot be read.
         Answered on the caller's thread: a READ waits for no forward step."""
-        fut: Future[str | None] = concurrent.futures.Future()
         if self.fatal:
-            fut.set_exception(RequestError(self.fatal, 503, "broken"))
-            return fut
+            raise RequestError(self.fatal, 503, "broken")
         with self._lease_lock:
             refused = self.leases.claim(request_id, epoch, time.monotonic(), hold_s)
         if refused is None:
             self.worker.agent.expect_read(request_id, hold_s)
-        fut.set_result(refused)
-        return fut
+        return refused
 
     def wake(self) -> None:
         """Something the loop waits for happened off its thread (a KV pull finished)."""

@@ -61,21 +61,19 @@ def _post(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
     """One claim round trip. A connection the prefill closed while idle fails on its next use
     before the claim was read: that one is tried again once on a new connection (a claim is
     idempotent: pinning again only extends the pin)."""
-    for attempt in range(2):
-        conn, reused = _connection(url, timeout_s)
-        try:
-            conn.request("POST", "/v1/claim", body, {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            data = response.read()
-        except (http.client.HTTPException, OSError) as exc:
-            _drop(url)
-            if reused and attempt == 0 and isinstance(exc, _CLOSED):
-                continue
-            raise
-        if response.will_close:
-            _drop(url)
-        return response.status, data
-    raise AssertionError("unreachable")
+    conn, reused = _connection(url, timeout_s)
+    try:
+        conn.request("POST", "/v1/claim", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+    except (http.client.HTTPException, OSError) as exc:
+        _drop(url)
+        if reused and isinstance(exc, _CLOSED):
+            return _post(url, body, timeout_s)  # a new connection: not reused, not retried
+        raise
+    if response.will_close:
+        _drop(url)
+    return response.status, data
 
 
 def claim(url: str, grant: dict[str, Any], hold_s: float, timeout_s: float) -> None:

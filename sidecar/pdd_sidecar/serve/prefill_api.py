@@ -14,7 +14,6 @@ rank pinning the blocks right before its READ (410 once they were released or re
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -150,9 +149,7 @@ async def claim(request: web.Request) -> web.Response:
         if isinstance(hold_s, bool) or not isinstance(hold_s, int | float) or not (
                 0 < hold_s <= MAX_HOLD_S):
             raise bad(f"hold_s: must be a number in (0, {MAX_HOLD_S:.0f}], got {hold_s!r}")
-        pinned = state.driver.claim(grant.request_id, grant.epoch, float(hold_s))
-        # Answered on this thread: no hop through the loop's self-pipe for a settled future.
-        refused = pinned.result() if pinned.done() else await asyncio.wrap_future(pinned)
+        refused = state.driver.claim(grant.request_id, grant.epoch, float(hold_s))
         if refused:
             raise RequestError(refused, 410, "gone")
     except Exception as exc:
