@@ -58,6 +58,7 @@ from stream_client import (  # noqa: E402
 from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
+from pdd_sidecar.serve.event_loop import loop_kind, uvloop_installed  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
 DEFAULT_LEVELS = "1:1024:2,1:8192:2,1:32768:2,64:32:2,64:1024:1,64:1024:128,256:1024:128"
@@ -124,6 +125,9 @@ class LevelResult:
     probe_failures: int = 0
     probe_worst_ms: dict[str, float] = field(default_factory=dict)  # per probed URL
     probe_worst_at_s: dict[str, float] = field(default_factory=dict)  # when, into the level
+    # The client's TTFT less the router's (`pdd.timing` ttft), per request: the client sending
+    # the request, the router reading it before its clock starts, the token's way back.
+    outside_p50_ms: float = float("nan")
 
 
 # ------------------------------------------------------------------------- engine bounds
@@ -387,6 +391,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
     tpot = [(r.times[-1] - r.times[0]) / (len(r.times) - 1) * 1e3 for r in ok
             if len(r.times) > 1]
     medians = stage_medians(r.timing for r in ok)
+    outside = [(r.times[0] - r.start) * 1e3 - r.timing["ttft"] for r in ok if "ttft" in r.timing]
     rbytes, rsecs, rdev = after[0] - before[0], after[1] - before[1], after[2] - before[2]
     return LevelResult(
         level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,
@@ -400,7 +405,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         timings=[r.timing for r in ok], probe_p99_ms=pct(probes.latencies_ms, 99),
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
         probe_failures=probes.failures, probe_worst_ms=probes.worst_ms,
-        probe_worst_at_s=probes.worst_at_s)
+        probe_worst_at_s=probes.worst_at_s, outside_p50_ms=pct(outside, 50))
 
 
 # ------------------------------------------------------------------------- judging
@@ -519,11 +524,12 @@ SHORT = {"router_to_prefill": "r>P", "prefill_queue": "Pq", "prefill_compute": "
 def timing_row(r: LevelResult) -> str:
     cells = [f"{r.timing_p50_ms[k]:>{max(7, len(SHORT[k]))}.2f}" if k in r.timing_p50_ms
              else f"{'-':>{max(7, len(SHORT[k]))}}" for k in SHORT]
-    return f"{r.level:>14} " + " ".join(cells)
+    return f"{r.level:>14} " + " ".join(cells) + f" | {r.outside_p50_ms:>7.2f}"
 
 
 def timing_header() -> str:
-    return f"{'level':>14} " + " ".join(f"{v:>{max(7, len(v))}}" for v in SHORT.values())
+    return (f"{'level':>14} " + " ".join(f"{v:>{max(7, len(v))}}" for v in SHORT.values())
+            + f" | {'cl-TTFT':>7}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -577,11 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
     num_blocks = max(1, min(want + 8, budget))
     levels, skipped = plan_levels(levels, cfg.max_position_embeddings, num_blocks * bs)
+    loop = loop_kind(os.environ.get(E.PDD_EVENT_LOOP, "") or "auto", uvloop_installed())
     print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
           f"chunk {args.chunk_tokens} (long prompts {args.long_chunk_tokens}), "
           f"step {args.step_tokens}, KV {num_blocks} blocks per "
-          f"instance ({num_blocks * bs} tokens), router workers {args.router_workers}, cpus "
-          f"{os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"instance ({num_blocks * bs} tokens), router workers {args.router_workers}, "
+          f"event loop {loop}, cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}",
+          flush=True)
     for why in skipped:
         print(f"skipped {why}", flush=True)
     if not levels:
@@ -678,7 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.log_dir:
             stack.cleanup()
     print("\nmedian of each stage per request (ms; pdd.timing, docs/serving.md): to the first "
-          "token (the prefill's), then the hand-off to the decode's first token (2nd)")
+          "token (the prefill's), then the hand-off to the decode's first token (2nd); "
+          "cl-TTFT: the client's TTFT less the router's (sending, the router reading the "
+          "request, the token's way back)")
     print(timing_header())
     for r in results:
         print(timing_row(r))
@@ -724,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
                        "long_chunk_tokens": args.long_chunk_tokens,
                        "step_tokens": args.step_tokens, "num_blocks": num_blocks,
                        "min_requests": min_requests, "cpus": os.cpu_count(),
-                       "router_workers": args.router_workers},
+                       "router_workers": args.router_workers, "event_loop": loop},
             "skipped": skipped,
             "first_after_ready": first_after_ready,
             "targets": judged,

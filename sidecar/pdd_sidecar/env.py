@@ -60,6 +60,10 @@ PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"  # prompt + max_tokens limit; 0: the mod
 # setswitchinterval, in microseconds): every torch call of the engine and of a KV pull gives
 # the GIL up and waits this long to get it back while an HTTP thread runs
 PDD_GIL_SWITCH_INTERVAL_US = "PDD_GIL_SWITCH_INTERVAL_US"
+# The HTTP servers' event loop (serve/event_loop.py): auto (default: uvloop when installed,
+# else asyncio's own) | uvloop (refused at start when not installed) | asyncio.
+PDD_EVENT_LOOP = "PDD_EVENT_LOOP"
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
 PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
@@ -239,6 +243,7 @@ class InstanceSettings:
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
     fault_step_delay_s: float = 0.0
     kv_transport: str = "auto"
+    event_loop: str = "auto"
     group_size: int = 1  # pods holding this instance's ranks
     worker_index: int = 0  # this pod's place in the group; 0 holds rank 0 and serves HTTP
     leader_address: str = ""  # where rank 0's pod is reached (the rendezvous)
@@ -333,6 +338,7 @@ class InstanceSettings:
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
             fault_step_delay_s=_float(env, PDD_FAULT_STEP_DELAY_S, 0.0),
             kv_transport=transport,
+            event_loop=_choice(env, PDD_EVENT_LOOP, EVENT_LOOPS),
             group_size=group_size,
             worker_index=worker_index,
             leader_address=leader,
@@ -384,6 +390,7 @@ class RouterSettings:
     workers: int = 1  # processes serving the port, each a whole router
     worker: int | None = None  # this process's index among them; None: not a worker
     workers_dir: str = ""  # a worker's: the folder its siblings share (metrics, warm marks)
+    event_loop: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -409,6 +416,7 @@ class RouterSettings:
             workers=_int(env, PDD_ROUTER_WORKERS, 1, 1),
             worker=_optional_int(env, PDD_ROUTER_WORKER, 0),
             workers_dir=env.get(PDD_ROUTER_WORKERS_DIR, ""),
+            event_loop=_choice(env, PDD_EVENT_LOOP, EVENT_LOOPS),
         )
         if settings.workers > MAX_ROUTER_WORKERS:
             raise ConfigError(f"{PDD_ROUTER_WORKERS}: must be <= {MAX_ROUTER_WORKERS}, got "

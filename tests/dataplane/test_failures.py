@@ -234,6 +234,8 @@ def test_malformed_or_mismatched_routing_file_refuses_to_start(tmp_path: Path) -
     cases.append((json.dumps(good), {"PDD_BLOCK_SIZE": "64"},
                   "blockSize is 16, PDD_BLOCK_SIZE is 64"))
     cases.append((json.dumps(good), {"PDD_DCP_SIZE": "3"}, "PDD_DCP_SIZE: must be 1 or"))
+    cases.append((json.dumps(good), {"PDD_EVENT_LOOP": "trio"},
+                  "PDD_EVENT_LOOP: must be one of auto, uvloop, asyncio, got 'trio'"))
     for text, extra, message in cases:
         routing.write_text(text)
         done = _serve(_base_env(routing, **extra))

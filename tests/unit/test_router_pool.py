@@ -283,3 +283,45 @@ def test_readiness_checks_do_not_move_the_round_robin_turn() -> None:
     router.prefill.mark("p1", False)
     router.prefill.mark("p2", False)
     assert not router.pools_ready
+
+
+def test_a_burst_s_first_tokens_go_out_before_its_decode_streams_open() -> None:
+    """Prefill answers that arrive together are relayed to their clients before any of them
+    opens its decode stream: opening one costs the router's loop as much as a relay, and the
+    TTFT of the 64th request in a burst would otherwise carry 63 of them."""
+    settings = RouterSettings.from_env({"PDD_PREFILL_URLS": "http://p:1",
+                                        "PDD_DECODE_URLS": "http://d:1"})
+    router = Router(settings, SimpleNamespace(vocab_size=256))  # type: ignore[arg-type]
+    events: list[str] = []
+
+    async def run() -> None:
+        answered = asyncio.Event()
+
+        async def run_prefill(rid: str, body: dict[str, Any], trip: Trip,
+                              skip: Any = None) -> tuple[str, dict[str, Any]]:
+            await answered.wait()  # every answer arrives in the same loop turn
+            return "http://p:1", {"first_token": 7, "kv_transfer_params": {"pdd_grant": {}}}
+
+        async def open_decode(rid: str, *args: Any) -> Any:
+            events.append(f"open {rid}")
+            raise ApiError(400, "stop here")
+
+        router.run_prefill = run_prefill  # type: ignore[method-assign]
+        router._open_decode = open_decode  # type: ignore[method-assign]
+        router.release_soon = lambda *a, **k: None  # type: ignore[method-assign]
+
+        async def stream(rid: str) -> None:
+            req = GenRequest("completion", [1, 2, 3], 4, {}, [], [], True, True, False)
+            try:
+                async for batch in router.tokens(rid, req, Trip()):
+                    events.append(f"token {rid} {batch}")
+            except ApiError:
+                pass
+
+        tasks = [asyncio.create_task(stream(rid)) for rid in ("a", "b", "c")]
+        await asyncio.sleep(0)
+        answered.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert events == ["token a [7]", "token b [7]", "token c [7]", "open a", "open b", "open c"]

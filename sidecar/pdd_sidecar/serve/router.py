@@ -35,6 +35,7 @@ from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.discovery import fresh_dns_connector
+from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
 from pdd_sidecar.serve.router_workers import run_workers
 from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
@@ -295,6 +296,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     try:
         settings = RouterSettings.from_env(env)
         model = load_model_text(settings.model_source, settings.max_model_len or None)
+        loop_kind(settings.event_loop, uvloop_installed())
     except (ConfigError, TextConfigError) as exc:
         print(f"pdd-router: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -314,5 +316,6 @@ def main(env: Mapping[str, str] | None = None) -> int:
     # the decode stream and releases the prefill (see Router.tokens). Workers share the port.
     web.run_app(build_app(settings, model), host=settings.bind_host, port=settings.port,
                 print=None, access_log=None, handler_cancellation=True,
-                reuse_port=settings.worker is not None)
+                reuse_port=settings.worker is not None,
+                loop=new_event_loop(settings.event_loop, who))
     return 0

@@ -38,6 +38,7 @@ from pdd_sidecar.model.config import load_config
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve import decode_api, prefill_api, vllm_api
 from pdd_sidecar.serve.common import STATE, InstanceState
+from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +293,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         )
         load_key(settings.grant_key_file)
         load_config(settings.model_source)  # an unsupported checkpoint is refused by name
+        loop_kind(settings.event_loop, uvloop_installed())
     except (ConfigError, GrantError, ModelConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -323,5 +325,6 @@ def serve(env: Mapping[str, str] | None = None) -> int:
              settings.bind_host, settings.http_port,
              ", ".join(f"{h}:{p}" for h, p in worker.endpoints))
     web.run_app(build_app(state), host=settings.bind_host, port=settings.http_port,
-                print=None, handle_signals=False, access_log=None)
+                print=None, handle_signals=False, access_log=None,
+                loop=new_event_loop(settings.event_loop, f"{settings.role} instance"))
     return 0
