@@ -47,8 +47,12 @@ async def replicas(urls: list[str], service: str) -> list[str]:
     return await resolve_service(service) if service else []
 
 
-def fresh_dns_connector(limit: int = 100) -> aiohttp.TCPConnector:
+def fresh_dns_connector(limit: int = 100,
+                        keepalive_s: float | None = None) -> aiohttp.TCPConnector:
     """A connector that resolves names on each new connection: a replaced pod keeps its
     per-pod name but not its address, and aiohttp's cache would send requests to the old
-    address for up to 10 s (connections that stay open are reused as before)."""
-    return aiohttp.TCPConnector(limit=limit, use_dns_cache=False)
+    address for up to 10 s (connections that stay open are reused as before). Idle
+    connections are kept ``keepalive_s`` (aiohttp's 15 s when None)."""
+    if keepalive_s is None:
+        return aiohttp.TCPConnector(limit=limit, use_dns_cache=False)
+    return aiohttp.TCPConnector(limit=limit, use_dns_cache=False, keepalive_timeout=keepalive_s)

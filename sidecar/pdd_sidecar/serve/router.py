@@ -34,6 +34,7 @@ from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
+from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
 from pdd_sidecar.serve.discovery import fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
@@ -272,7 +273,11 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         router.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s or None),
             read_bufsize=1 << 22,
-            connector=fresh_dns_connector(limit=2 * settings.max_concurrency),
+            connector=fresh_dns_connector(
+                limit=2 * settings.max_concurrency,
+                # pdd instances keep idle connections longer than this (serve/
+                # connection_warmer.py); another server's own keep-alive is unknown
+                keepalive_s=KEEPALIVE_S if settings.upstream_protocol == "pdd" else None),
         )
         router.probe_session = aiohttp.ClientSession(connector=fresh_dns_connector())
         await router.refresh()
@@ -285,6 +290,8 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         yield
         task.cancel()
         await router.warm.stop()
+        if router.warmer is not None:
+            await router.warmer.stop()
         await router.session.close()
         await router.probe_session.close()
 

@@ -38,6 +38,7 @@ from pdd_sidecar.model.config import load_config
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve import decode_api, prefill_api, vllm_api
 from pdd_sidecar.serve.common import STATE, InstanceState
+from pdd_sidecar.serve.connection_warmer import INSTANCE_KEEPALIVE_S
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 
 log = logging.getLogger(__name__)
@@ -326,5 +327,6 @@ def serve(env: Mapping[str, str] | None = None) -> int:
              ", ".join(f"{h}:{p}" for h, p in worker.endpoints))
     web.run_app(build_app(state), host=settings.bind_host, port=settings.http_port,
                 print=None, handle_signals=False, access_log=None,
+                keepalive_timeout=INSTANCE_KEEPALIVE_S,
                 loop=new_event_loop(settings.event_loop, f"{settings.role} instance"))
     return 0

@@ -25,6 +25,7 @@ from pdd_sidecar.engine import timing
 from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
 from pdd_sidecar.serve.completion_output import Output
+from pdd_sidecar.serve.connection_warmer import WARM_CONNECTIONS, ConnectionWarmer
 from pdd_sidecar.serve.discovery import replicas
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
 from pdd_sidecar.serve.replica_pool import Pool
@@ -111,6 +112,10 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         self._probing: asyncio.Task[None] | None = None
         self.warm = WarmRoundTrip()
+        # Idle connections to each ready instance for bursts (pdd instances only: a vLLM
+        # server's keep-alive may be shorter than the pool's).
+        self.warmer = (ConnectionWarmer(min(WARM_CONNECTIONS, settings.max_concurrency))
+                       if settings.upstream_protocol == "pdd" else None)
         self._all_warm = False  # once every worker is warm it stays so (one dying stops all)
 
     @property
@@ -194,6 +199,9 @@ class Router:
 
             await asyncio.gather(*(probe(u) for u in pool.urls))
         self.warm.ensure(self, self.warmup_request, Trip, self._warmed)
+        if self.warmer is not None:
+            self.warmer.ensure(self.session, [u for pool in (self.prefill, self.decode)
+                                              for u in pool.urls if pool.healthy.get(u)])
 
     async def probe_now(self) -> None:
         """One probe round now, shared by every request that asks while it runs."""
