@@ -18,7 +18,7 @@ def test_due_names_instances_not_topped_up_within_the_interval() -> None:
 
 
 def test_warm_connections_are_what_a_burst_then_uses() -> None:
-    async def run() -> tuple[int, int, int, int]:
+    async def run() -> tuple[int, int, int, int, bool]:
         peers: set[object] = set()
 
         async def any_path(request: web.Request) -> web.Response:
@@ -45,15 +45,17 @@ def test_warm_connections_are_what_a_burst_then_uses() -> None:
                 await asyncio.gather(*warmer._tasks)
                 warmer.ensure(session, [url])  # not due again
                 pending = len(warmer._tasks)
+                warmer.ensure(session, [])  # not ready: forgotten, so due once ready again
+                forgotten = url not in warmer.last
                 await warmer.stop()
-                return answered, warmed, after_burst, pending
+                return answered, warmed, after_burst, pending, forgotten
         finally:
             await server.close()
 
-    answered, warmed, after_burst, pending = asyncio.run(run())
+    answered, warmed, after_burst, pending, forgotten = asyncio.run(run())
     assert (answered, warmed) == (8, 8)
     assert after_burst == 8  # the burst opened no connection of its own
-    assert pending == 0
+    assert pending == 0 and forgotten
 
 
 def test_an_unreachable_instance_is_counted_not_raised() -> None:

@@ -44,9 +44,13 @@ class ConnectionWarmer:
         self._tasks: set[asyncio.Task[int]] = set()
 
     def ensure(self, session: aiohttp.ClientSession | None, ready: Iterable[str]) -> None:
-        """Start a top-up for each ready instance that is due; it runs beside the requests."""
+        """Start a top-up for each ready instance that is due; it runs beside the requests.
+        One that was not ready since is due again when it is (restarted, its connections are
+        gone)."""
         if session is None or session.closed or self.connections <= 0:
             return
+        ready = list(ready)
+        self.last = {u: t for u, t in self.last.items() if u in ready}
         loop = asyncio.get_running_loop()
         for url in due(ready, self.last, loop.time()):
             self.last[url] = loop.time()
