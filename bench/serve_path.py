@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
     num_blocks = max(1, min(want + 8, budget))
     levels, skipped = plan_levels(levels, cfg.max_position_embeddings, num_blocks * bs)
-    loop = loop_kind(os.environ.get(E.PDD_EVENT_LOOP, "") or "auto", uvloop_installed())
+    loop = loop_kind(os.environ.get(E.PDD_EVENT_LOOP, "") or E.EVENT_LOOPS[0], uvloop_installed())
     print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
           f"chunk {args.chunk_tokens} (long prompts {args.long_chunk_tokens}), "
           f"step {args.step_tokens}, KV {num_blocks} blocks per "

@@ -35,13 +35,13 @@ def test_settings_read_and_check_the_choice() -> None:
 def test_auto_runs_on_uvloop_when_installed() -> None:
     import uvloop
 
-    loop = new_event_loop("auto", "test")
+    loop = new_event_loop(loop_kind("auto", True), "test")
     try:
         assert isinstance(loop, uvloop.Loop)
         assert loop.run_until_complete(asyncio.sleep(0, "ran")) == "ran"
     finally:
         loop.close()
-    plain = new_event_loop("asyncio", "test")
+    plain = new_event_loop(loop_kind("asyncio", True), "test")
     try:
         assert not isinstance(plain, uvloop.Loop)
     finally:

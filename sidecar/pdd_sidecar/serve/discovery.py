@@ -39,6 +39,9 @@ async def resolve_service(service: str) -> list[str]:
     return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
 
 
+DEFAULT_KEEPALIVE_S = 15.0  # aiohttp's own
+
+
 async def replicas(urls: list[str], service: str) -> list[str]:
     """Static URLs when configured (stable names, e.g. per-pod DNS), else the Service's pods:
     using both would list every pod twice, under its name and under its address."""
@@ -48,11 +51,9 @@ async def replicas(urls: list[str], service: str) -> list[str]:
 
 
 def fresh_dns_connector(limit: int = 100,
-                        keepalive_s: float | None = None) -> aiohttp.TCPConnector:
+                        keepalive_s: float = DEFAULT_KEEPALIVE_S) -> aiohttp.TCPConnector:
     """A connector that resolves names on each new connection: a replaced pod keeps its
     per-pod name but not its address, and aiohttp's cache would send requests to the old
     address for up to 10 s (connections that stay open are reused as before). Idle
-    connections are kept ``keepalive_s`` (aiohttp's 15 s when None)."""
-    if keepalive_s is None:
-        return aiohttp.TCPConnector(limit=limit, use_dns_cache=False)
+    connections are kept ``keepalive_s``."""
     return aiohttp.TCPConnector(limit=limit, use_dns_cache=False, keepalive_timeout=keepalive_s)

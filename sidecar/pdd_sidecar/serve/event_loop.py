@@ -36,14 +36,13 @@ def uvloop_installed() -> bool:
     return importlib.util.find_spec("uvloop") is not None
 
 
-def new_event_loop(choice: str, who: str) -> asyncio.AbstractEventLoop:
-    """A new loop of the kind ``choice`` selects, logged once as ``who``'s."""
-    kind = loop_kind(choice, uvloop_installed())
+def new_event_loop(kind: str, who: str) -> asyncio.AbstractEventLoop:
+    """A new loop of ``kind`` (what ``loop_kind`` resolved at start), logged as ``who``'s."""
     if kind == "uvloop":
         import uvloop
 
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     else:
         loop = asyncio.new_event_loop()
-    log.info("%s serves HTTP on the %s event loop (%s=%s)", who, kind, PDD_EVENT_LOOP, choice)
+    log.info("%s serves HTTP on the %s event loop (%s)", who, kind, PDD_EVENT_LOOP)
     return loop

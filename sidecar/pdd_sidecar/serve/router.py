@@ -35,7 +35,7 @@ from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
-from pdd_sidecar.serve.discovery import fresh_dns_connector
+from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
 from pdd_sidecar.serve.router_workers import run_workers
@@ -277,7 +277,8 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
                 limit=2 * settings.max_concurrency,
                 # pdd instances keep idle connections longer than this (serve/
                 # connection_warmer.py); another server's own keep-alive is unknown
-                keepalive_s=KEEPALIVE_S if settings.upstream_protocol == "pdd" else None),
+                keepalive_s=KEEPALIVE_S if settings.upstream_protocol == "pdd"
+                else DEFAULT_KEEPALIVE_S),
         )
         router.probe_session = aiohttp.ClientSession(connector=fresh_dns_connector())
         await router.refresh()
@@ -303,7 +304,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     try:
         settings = RouterSettings.from_env(env)
         model = load_model_text(settings.model_source, settings.max_model_len or None)
-        loop_kind(settings.event_loop, uvloop_installed())
+        loop = loop_kind(settings.event_loop, uvloop_installed())
     except (ConfigError, TextConfigError) as exc:
         print(f"pdd-router: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -324,5 +325,5 @@ def main(env: Mapping[str, str] | None = None) -> int:
     web.run_app(build_app(settings, model), host=settings.bind_host, port=settings.port,
                 print=None, access_log=None, handler_cancellation=True,
                 reuse_port=settings.worker is not None,
-                loop=new_event_loop(settings.event_loop, who))
+                loop=new_event_loop(loop, who))
     return 0

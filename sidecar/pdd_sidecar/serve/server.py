@@ -294,7 +294,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         )
         load_key(settings.grant_key_file)
         load_config(settings.model_source)  # an unsupported checkpoint is refused by name
-        loop_kind(settings.event_loop, uvloop_installed())
+        loop = loop_kind(settings.event_loop, uvloop_installed())
     except (ConfigError, GrantError, ModelConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -328,5 +328,5 @@ def serve(env: Mapping[str, str] | None = None) -> int:
     web.run_app(build_app(state), host=settings.bind_host, port=settings.http_port,
                 print=None, handle_signals=False, access_log=None,
                 keepalive_timeout=INSTANCE_KEEPALIVE_S,
-                loop=new_event_loop(settings.event_loop, f"{settings.role} instance"))
+                loop=new_event_loop(loop, f"{settings.role} instance"))
     return 0
