@@ -119,8 +119,9 @@ def run_same_device(token_counts: list[int], repeat: int) -> dict[str, Any]:
     import torch
 
     from pdd_sidecar.env import DEFAULT_GIL_SWITCH_INTERVAL_US
+    from pdd_sidecar.kv.device_copy import DeviceCopier
     from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Run
-    from pdd_sidecar.kv.transport import DeviceCopier, TransportRecord, open_peer_cache
+    from pdd_sidecar.kv.transport import TransportRecord, open_peer_cache
 
     max_blocks = max(-(-n // BLOCK) for n in token_counts)
     num_blocks = max_blocks + 8

@@ -1,9 +1,11 @@
 """The transport records on the side channel, the CUDA IPC handle's guarded unpickling, the device
-copy's block arithmetic (on CPU tensors), and the puller's pull results and wake-up hook."""
+copy's block arithmetic (on CPU tensors: torch's copies, and the raw spans with ``memmove``
+standing in for ``cudaMemcpyAsync``), and the puller's pull results and wake-up hook."""
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import os
 import pickle
 import threading
@@ -15,15 +17,21 @@ import torch
 from pdd_api.plan import SidePlan
 from pdd_api.routing import plan_routing
 from pdd_sidecar.env import InstanceSettings
-from pdd_sidecar.kv import transport
+from pdd_sidecar.kv import device_copy
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
+from pdd_sidecar.kv.device_copy import (
+    CudaRuntime,
+    copy_blocks,
+    copy_runs,
+    loaded_cuda_runtime,
+    raw_copyable,
+)
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.puller import KVPuller, PullJob
 from pdd_sidecar.kv.side_channel import PeerInfo, SideChannelServer, handshake, publication
 from pdd_sidecar.kv.transfer import ReadSpec, RegionInfo, Rows, Run, plan_read_specs
 from pdd_sidecar.kv.transport import (
     TransportRecord,
-    copy_blocks,
     handle_args,
     local_record,
 )
@@ -84,7 +92,7 @@ def test_the_ipc_handle_unpickles_only_the_torch_types_it_holds() -> None:
 @pytest.mark.parametrize("slice_runs", [64, 0])  # a slice copy per run; one gather + scatter
 def test_a_device_copy_moves_exactly_the_spec_blocks_and_row_ranges(
         slice_runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport, "MAX_SLICE_RUNS", slice_runs)
+    monkeypatch.setattr(device_copy, "MAX_SLICE_RUNS", slice_runs)
     src, dst = _cache(1), _cache()
     spec = ReadSpec(prefill_rank=0, runs=[Run(3, 0, 2), Run(8, 5, 1)],
                     partials=[Rows(2, 9, 1, 4), Rows(10, 7, 0, 2), Rows(11, 11, 1, 2)])
@@ -96,6 +104,56 @@ def test_a_device_copy_moves_exactly_the_spec_blocks_and_row_ranges(
     want[7, :, :2] = src[10, :, :2]
     want[11, :, 1:2] = src[11, :, 1:2]
     assert torch.equal(dst, want)
+
+
+def test_runs_copied_as_raw_spans_land_where_torch_s_slice_copies_put_them() -> None:
+    src = _cache(1)
+    runs = [Run(3, 0, 2), Run(8, 5, 1), Run(0, 9, 3)]
+    spec = ReadSpec(prefill_rank=0, runs=runs)
+    assert raw_copyable(_cache(), src, spec)
+    dst, want = _cache(), _cache()
+    copy_runs(dst, src, runs, ctypes.memmove)
+    copy_blocks(want, src, spec)
+    assert torch.equal(dst, want)
+    assert not torch.equal(dst, _cache())  # something moved
+
+
+def test_only_whole_blocks_between_caches_of_one_layout_go_as_raw_spans() -> None:
+    src, dst = _cache(1), _cache()
+    runs = [Run(3, 0, 2)]
+    assert raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=runs))
+    assert not raw_copyable(dst, src, ReadSpec(prefill_rank=0))  # nothing to copy
+    assert not raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=runs,
+                                               partials=[Rows(2, 9, 1, 4)]))
+    wide = [Run(2 * i, 2 * i, 1) for i in range(device_copy.MAX_SLICE_RUNS + 1)]
+    assert not raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=wide))
+    assert not raw_copyable(dst.to(torch.float64), src, ReadSpec(prefill_rank=0, runs=runs))
+    assert not raw_copyable(dst[:, :1], src[:, :1], ReadSpec(prefill_rank=0, runs=runs))
+    other = torch.zeros(NUM_BLOCKS, LAYERS, BLOCK, LATENT + 1)
+    assert not raw_copyable(other, src, ReadSpec(prefill_rank=0, runs=runs))
+
+
+def test_the_cuda_runtime_is_the_library_the_process_mapped(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r--p 00000000 08:01 42 /usr/lib/libc.so.6\n"
+        "7f02-7f03 rw-p 00000000 00:00 0 \n"
+        "7f04-7f05 r-xp 00001000 08:01 43 /opt/x/nvidia/cu13/lib/libcudart.so.13\n")
+    assert loaded_cuda_runtime(str(maps)) == "/opt/x/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text("7f00-7f01 r--p 00000000 08:01 42 /usr/lib/libc.so.6\n")
+    assert loaded_cuda_runtime(str(maps)) is None
+    assert loaded_cuda_runtime(str(tmp_path / "absent")) is None
+
+
+def test_a_failed_raw_copy_raises_naming_the_cuda_error() -> None:
+    path = loaded_cuda_runtime()  # torch, a CUDA build, mapped it on import
+    if path is None:
+        pytest.skip("this torch maps no CUDA runtime library")
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a CUDA device, where the call must fail")
+    memcpy = CudaRuntime(path).memcpy_on(0)
+    with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of 16 bytes failed: .+ \(error \d+\)"):
+        memcpy(0, 0, 16)
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [((1, 1), (1, 1)), ((2, 2), (1, 1)),

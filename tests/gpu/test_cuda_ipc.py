@@ -18,10 +18,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from pdd_sidecar.kv.device_copy import DeviceCopier  # noqa: E402
 from pdd_sidecar.kv.transfer import RegionInfo, plan_read_specs  # noqa: E402
 from pdd_sidecar.kv.transport import (  # noqa: E402
     CUDA_IPC,
-    DeviceCopier,
     TransportRecord,
     choose_transport,
     local_record,

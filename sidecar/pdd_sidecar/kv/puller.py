@@ -33,6 +33,7 @@ from pdd_api.plan import RoutingPlan
 from pdd_sidecar.env import InstanceSettings
 from pdd_sidecar.kv.claims import CLAIM_MARGIN_S, ClaimRefused, claim
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
+from pdd_sidecar.kv.device_copy import DeviceCopier
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.lease import notif_message
@@ -47,7 +48,6 @@ from pdd_sidecar.kv.transfer import (
 from pdd_sidecar.kv.transport import (
     CUDA_IPC,
     NIXL,
-    DeviceCopier,
     TransportRecord,
     TransportUnavailable,
     choose_transport,

@@ -24,12 +24,10 @@ import logging
 import os
 import pickle
 import socket
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdd_sidecar.kv.compat import CompatError
-from pdd_sidecar.kv.transfer import ReadSpec, ReadStats, RegionInfo, spec_bytes
 
 log = logging.getLogger(__name__)
 
@@ -188,76 +186,3 @@ def open_peer_cache(peer: TransportRecord, device: Any) -> Any:
             break
     torch.cuda.set_device(device)  # the handle opens in the current device's context
     return rebuild_cuda_tensor(*args)
-
-
-# ------------------------------------------------------------------ the copy
-
-
-# Runs up to this many are copied one slice each (a plain device-to-device copy at full
-# bandwidth); a table scattered wider goes through one gather and one scatter instead.
-MAX_SLICE_RUNS = 64
-
-
-def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
-    """One read spec as device copies: each run of consecutive blocks as one slice copy (the
-    blocks of a request mostly are a few runs), each chunk read in part as its row range.
-    Both caches are [blocks, layers, block_size, latent]."""
-    import torch
-
-    if 0 < len(spec.runs) <= MAX_SLICE_RUNS:
-        for r in spec.runs:
-            dst[r.local_start:r.local_start + r.n].copy_(
-                src[r.remote_start:r.remote_start + r.n], non_blocking=True)
-    elif spec.runs:
-        remote = [r.remote_start + i for r in spec.runs for i in range(r.n)]
-        local = [r.local_start + i for r in spec.runs for i in range(r.n)]
-        rows = src.index_select(0, torch.tensor(remote, device=src.device))
-        dst.index_copy_(0, torch.tensor(local, device=dst.device),
-                        rows.to(dst.device, non_blocking=True))
-    for p in spec.partials:
-        dst[p.local_block, :, p.lo:p.hi].copy_(src[p.remote_block, :, p.lo:p.hi],
-                                               non_blocking=True)
-
-
-class DeviceCopier:
-    """Reads peers' blocks as device copies on a stream of its own, beside the forward passes."""
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self.stream = torch.cuda.Stream(device)
-        self._scratch = torch.zeros(2, device=device)
-
-    def prepare_thread(self) -> None:
-        """A thread's first CUDA calls cost ~0.4 ms (measured served on an H200: entering the
-        device and the stream 0.23 ms, launching the first copy 0.18 ms, as long as the copy
-        of an 8k prompt itself); a pull thread pays that when it starts, not in a READ."""
-        import torch
-
-        with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
-            self._scratch[1:].copy_(self._scratch[:1], non_blocking=True)
-        self.stream.synchronize()
-
-    def read(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> ReadStats:
-        """Every peer's blocks copied, waited for before returning (the decode may attend over
-        them as soon as this reports done)."""
-        import torch
-
-        start = time.monotonic()
-        stats = ReadStats(path=CUDA_IPC)
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):
-            began.record(self.stream)
-            for src, spec in work:
-                if spec.empty:
-                    continue
-                copy_blocks(dst, src, spec)
-                stats.bytes += spec_bytes(spec, region)
-                stats.transfers += 1
-            ended.record(self.stream)
-        ended.synchronize()
-        for device in {src.device for src, _ in work} - {dst.device}:
-            torch.cuda.synchronize(device)  # a peer on another GPU read on that GPU's stream
-        stats.seconds = time.monotonic() - start
-        stats.device_seconds = began.elapsed_time(ended) / 1e3
-        return stats
