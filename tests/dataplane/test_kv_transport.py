@@ -21,8 +21,8 @@ from pdd_sidecar.kv import device_copy
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
 from pdd_sidecar.kv.device_copy import (
     CudaRuntime,
+    block_spans,
     copy_blocks,
-    copy_runs,
     loaded_cuda_runtime,
     raw_copyable,
 )
@@ -112,7 +112,8 @@ def test_runs_copied_as_raw_spans_land_where_torch_s_slice_copies_put_them() -> 
     spec = ReadSpec(prefill_rank=0, runs=runs)
     assert raw_copyable(_cache(), src, spec)
     dst, want = _cache(), _cache()
-    copy_runs(dst, src, runs, ctypes.memmove)
+    for span in block_spans(dst, src, runs):
+        ctypes.memmove(*span)
     copy_blocks(want, src, spec)
     assert torch.equal(dst, want)
     assert not torch.equal(dst, _cache())  # something moved

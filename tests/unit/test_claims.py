@@ -1,5 +1,6 @@
 """The decode's claim client: one kept connection per thread and prefill, a prefill's idle close
-survived, refusals told apart from an unreachable prefill."""
+survived, refusals told apart from an unreachable prefill, the READ's planning done while the
+claim is away."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class Prefill(ThreadingHTTPServer):
         self.bodies: list[dict[str, Any]] = []
         self.status = 200
         self.close_after_answer = False
+        self.answer_after: threading.Event | None = None  # the answer waits for it (2 s at most)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # answering a client that dropped its connection (as a failed planning does)
 
     @property
     def url(self) -> str:
@@ -42,6 +47,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.bodies.append(json.loads(body))
+        if self.server.answer_after is not None:
+            self.server.answer_after.wait(2.0)
         status = self.server.status
         out = json.dumps({"claimed": True} if status == 200 else
                          {"error": {"message": f"refused with {status}"}}).encode()
@@ -116,3 +123,42 @@ def test_an_unreachable_prefill_is_a_transfer_error(prefill: Prefill) -> None:
         claim(url, GRANT, 30.0, 2.0)
     with pytest.raises(TransferError, match="not an http"):
         claim("ftp://x", GRANT, 30.0, 2.0)
+
+
+def test_the_planning_runs_while_the_claim_is_away(prefill: Prefill) -> None:
+    """The prefill answers only once the planning ran: run after the answer, as it was, the
+    claim would wait 2 s and the planning would see no claim received."""
+    planned = threading.Event()
+    prefill.answer_after = planned
+    seen: list[int] = []
+
+    def plan() -> None:
+        for _ in range(200):  # the claim is in flight: the prefill gets it meanwhile
+            if prefill.bodies:
+                break
+            threading.Event().wait(0.005)
+        seen.append(len(prefill.bodies))
+        planned.set()
+
+    claim(prefill.url, GRANT, 30.0, 1.0, plan)
+    assert seen == [1]
+
+
+def test_a_failed_planning_is_raised_and_its_connection_not_reused(prefill: Prefill) -> None:
+    def plan() -> None:
+        raise ValueError("no such block")
+
+    with pytest.raises(ValueError, match="no such block"):
+        claim(prefill.url, GRANT, 30.0, 5.0, plan)
+    claim(prefill.url, GRANT, 30.0, 5.0)  # its answer unread, that connection was dropped
+    assert prefill.connections == 2
+    assert len(prefill.bodies) == 2
+
+
+def test_a_claim_sent_again_on_a_new_connection_plans_once(prefill: Prefill) -> None:
+    prefill.close_after_answer = True
+    claim(prefill.url, GRANT, 30.0, 5.0)  # leaves a kept connection the prefill closed
+    runs: list[int] = []
+    claim(prefill.url, GRANT, 30.0, 5.0, lambda: runs.append(1))
+    assert runs == [1]
+    assert len(prefill.bodies) == 2 and prefill.connections == 2

@@ -12,6 +12,7 @@ import http.client
 import json
 import threading
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from pdd_sidecar.kv.transfer import TransferError
@@ -57,29 +58,49 @@ def _drop(url: str) -> None:
         conn.close()
 
 
-def _post(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
-    """One claim round trip. A connection the prefill closed while idle fails on its next use
-    before the claim was read: that one is tried again once on a new connection (a claim is
-    idempotent: pinning again only extends the pin)."""
+def _post(url: str, body: bytes, timeout_s: float,
+          meanwhile: Callable[[], None] | None = None) -> tuple[int, bytes]:
+    """One claim round trip, ``meanwhile`` run once while the claim is away."""
     conn, reused = _connection(url, timeout_s)
     try:
         conn.request("POST", "/v1/claim", body, {"Content-Type": "application/json"})
+    except (http.client.HTTPException, OSError) as exc:
+        return _again_or_raise(url, body, timeout_s, meanwhile, reused, exc)
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            _drop(url)  # its answer is never read: the connection cannot serve another
+            raise
+    try:
         response = conn.getresponse()
         data = response.read()
     except (http.client.HTTPException, OSError) as exc:
-        _drop(url)
-        if reused and isinstance(exc, _CLOSED):
-            return _post(url, body, timeout_s)  # a new connection: not reused, not retried
-        raise
+        return _again_or_raise(url, body, timeout_s, None, reused, exc)
     if response.will_close:
         _drop(url)
     return response.status, data
 
 
-def claim(url: str, grant: dict[str, Any], hold_s: float, timeout_s: float) -> None:
+def _again_or_raise(url: str, body: bytes, timeout_s: float,
+                    meanwhile: Callable[[], None] | None, reused: bool,
+                    exc: Exception) -> tuple[int, bytes]:
+    """A connection the prefill closed while idle fails on its next use before the claim was
+    read: that one is tried again once on a new connection (a claim is idempotent: pinning
+    again only extends the pin); anything else is raised."""
+    _drop(url)
+    if reused and isinstance(exc, _CLOSED):
+        return _post(url, body, timeout_s, meanwhile)  # a new connection: not retried again
+    raise exc
+
+
+def claim(url: str, grant: dict[str, Any], hold_s: float, timeout_s: float,
+          meanwhile: Callable[[], None] | None = None) -> None:
+    """Pin the granted blocks, or raise why not. ``meanwhile`` (the READ's planning) runs
+    while the claim is on its way, not after its answer."""
     body = json.dumps({"kv_transfer_params": grant, "hold_s": hold_s}).encode()
     try:
-        status, data = _post(url, body, timeout_s)
+        status, data = _post(url, body, timeout_s, meanwhile)
     except (http.client.HTTPException, OSError) as exc:
         raise TransferError(f"prefill {url} unreachable for the claim: {exc}") from None
     if status < 300:

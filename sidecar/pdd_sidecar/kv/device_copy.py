@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdd_sidecar.kv.transfer import ReadSpec, ReadStats, RegionInfo, Run, spec_bytes
@@ -66,19 +67,14 @@ def raw_copyable(dst: Any, src: Any, spec: ReadSpec) -> bool:
             and dst.shape[1:] == src.shape[1:] and dst.is_contiguous() and src.is_contiguous())
 
 
-def run_spans(dst_base: int, src_base: int, block_bytes: int,
-              runs: Sequence[Run]) -> list[tuple[int, int, int]]:
-    """(destination address, source address, bytes) of each run of whole blocks."""
+def block_spans(dst: Any, src: Any, runs: Sequence[Run]) -> list[tuple[int, int, int]]:
+    """Each run of whole blocks as (destination address, source address, bytes), where
+    `raw_copyable` said the caches allow it: on the device each is one ``cudaMemcpyAsync``
+    (on the CPU, ``ctypes.memmove`` does the same with them)."""
+    block_bytes = dst.stride(0) * dst.element_size()
+    dst_base, src_base = dst.data_ptr(), src.data_ptr()
     return [(dst_base + r.local_start * block_bytes, src_base + r.remote_start * block_bytes,
              r.n * block_bytes) for r in runs]
-
-
-def copy_runs(dst: Any, src: Any, runs: Sequence[Run], memcpy: Memcpy) -> None:
-    """Each run as one ``memcpy`` of its bytes (``raw_copyable`` said they are spans): on the
-    device ``cudaMemcpyAsync`` on the copier's stream, on the CPU ``ctypes.memmove``."""
-    block_bytes = dst.stride(0) * dst.element_size()
-    for span in run_spans(dst.data_ptr(), src.data_ptr(), block_bytes, runs):
-        memcpy(*span)
 
 
 def loaded_cuda_runtime(maps: str = "/proc/self/maps") -> str | None:
@@ -124,6 +120,18 @@ class CudaRuntime:
         return memcpy
 
 
+@dataclass
+class CopyPlan:
+    """One READ's copies into ``dst``, ready to launch."""
+
+    dst: Any
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # one cudaMemcpyAsync each
+    through_torch: list[tuple[Any, ReadSpec]] = field(default_factory=list)  # (source, spec)
+    other_devices: set[int] = field(default_factory=set)  # peers' GPUs other than dst's
+    bytes: int = 0
+    transfers: int = 0
+
+
 class DeviceCopier:
     """Reads peers' blocks as device copies on a stream of its own, beside the forward passes."""
 
@@ -164,9 +172,27 @@ class DeviceCopier:
         ended.synchronize()
         self._thread.events = (began, ended)
 
-    def read(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> ReadStats:
-        """Every peer's blocks copied, waited for before returning (the decode may attend over
-        them as soon as this reports done)."""
+    def plan(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> CopyPlan:
+        """What `run` launches: the raw spans and what goes through torch. Made while the
+        claim is on its way (kv/puller.py), so a READ launches only copies."""
+        out = CopyPlan(dst)
+        memcpy = self._memcpy
+        for src, spec in work:
+            if spec.empty:
+                continue
+            if memcpy is not None and raw_copyable(dst, src, spec):
+                out.spans += block_spans(dst, src, spec.runs)
+            else:
+                out.through_torch.append((src, spec))
+            if src.get_device() != dst.get_device():
+                out.other_devices.add(src.get_device())
+            out.bytes += spec_bytes(spec, region)
+            out.transfers += 1
+        return out
+
+    def run(self, plan: CopyPlan) -> ReadStats:
+        """Every copy of ``plan`` launched and waited for before returning (the decode may
+        attend over the blocks as soon as this reports done)."""
         import torch
 
         start = time.monotonic()
@@ -175,23 +201,25 @@ class DeviceCopier:
             self.prepare_thread()
             events = self._thread.events
         began, ended = events
-        stats = ReadStats(path=CUDA_IPC)
-        memcpy = self._memcpy
         began.record(self.stream)
-        for src, spec in work:
-            if spec.empty:
-                continue
-            if memcpy is not None and raw_copyable(dst, src, spec):
-                copy_runs(dst, src, spec.runs, memcpy)
-            else:
-                with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):
+        if plan.spans:
+            memcpy = self._memcpy
+            assert memcpy is not None
+            for span in plan.spans:
+                memcpy(*span)
+        if plan.through_torch:
+            dst = plan.dst
+            with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):
+                for src, spec in plan.through_torch:
                     copy_blocks(dst, src, spec)
-            stats.bytes += spec_bytes(spec, region)
-            stats.transfers += 1
         ended.record(self.stream)
         ended.synchronize()
-        for device in {src.get_device() for src, _ in work} - {dst.get_device()}:
+        for device in plan.other_devices:
             torch.cuda.synchronize(device)  # a peer on another GPU read on that GPU's stream
-        stats.seconds = time.monotonic() - start
-        stats.device_seconds = began.elapsed_time(ended) / 1e3
-        return stats
+        return ReadStats(bytes=plan.bytes, transfers=plan.transfers,
+                         seconds=time.monotonic() - start,
+                         device_seconds=began.elapsed_time(ended) / 1e3, path=CUDA_IPC)
+
+    def read(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> ReadStats:
+        """`plan`, then `run`."""
+        return self.run(self.plan(dst, work, region))

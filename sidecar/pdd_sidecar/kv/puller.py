@@ -33,7 +33,7 @@ from pdd_api.plan import RoutingPlan
 from pdd_sidecar.env import InstanceSettings
 from pdd_sidecar.kv.claims import CLAIM_MARGIN_S, ClaimRefused, claim
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
-from pdd_sidecar.kv.device_copy import DeviceCopier
+from pdd_sidecar.kv.device_copy import CopyPlan, DeviceCopier
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.lease import notif_message
@@ -61,6 +61,14 @@ PULL_THREADS = 32
 
 # (decode sequence id, error or None, transfer stats)
 Pulled = tuple[str, dict[str, Any] | None, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """One pull's reads by path: (peer, spec) over NIXL, and the planned device copies."""
+
+    nixl: list[tuple[Any, ReadSpec]]
+    copies: CopyPlan | None
 
 
 @dataclass(frozen=True)
@@ -168,13 +176,18 @@ class KVPuller:
             if time.time() > float(src.expires_at) - GRANT_MARGIN_S:
                 raise ClaimRefused(f"the grant of request {job.seq_id!r} expired before its KV "
                                    f"could be read; no READ was started")
+            planned: list[_Reads] = []
+
+            def plan() -> None:  # while the claim is away
+                specs = plan_read_specs(self.plan.reads_of(self.rank), src.num_tokens,
+                                        s.block_size, src.dcp, s.dcp, src.block_ids,
+                                        job.blocks, job.start_token)
+                planned.append(self._plan_reads(peers, specs))
+
             claim(job.claim_url, src.to_grant(self.key), s.transfer_timeout_s + CLAIM_MARGIN_S,
-                  s.handshake_timeout_s)
+                  s.handshake_timeout_s, plan)
             claimed = time.monotonic()
-            specs = plan_read_specs(self.plan.reads_of(self.rank), src.num_tokens,
-                                    s.block_size, src.dcp, s.dcp, src.block_ids, job.blocks,
-                                    job.start_token)
-            stats = self._read(peers, specs)
+            stats = self._read(planned[0])
         except CompatError as exc:
             return {"error": str(exc), "status": 409, "kind": "incompatible"}, {}
         except ClaimRefused as exc:
@@ -198,24 +211,30 @@ class KVPuller:
                       "path": stats.path, "claim_seconds": claimed - started,
                       "device_seconds": stats.device_seconds}
 
-    def _read(self, peers: dict[int, Any], specs: list[ReadSpec]) -> ReadStats:
-        """NIXL READs for some peers, device copies for those chosen for cuda_ipc."""
-        s = self.settings
-        by_path: dict[str, list[ReadSpec]] = {NIXL: [], CUDA_IPC: []}
+    def _plan_reads(self, peers: dict[int, Any], specs: list[ReadSpec]) -> _Reads:
+        """Each spec on its peer's path: NIXL READs, or device copies planned for cuda_ipc."""
+        nixl: list[tuple[Any, ReadSpec]] = []
+        copies: list[tuple[Any, ReadSpec]] = []
         for spec in specs:
-            by_path[self.paths.get(peers[spec.prefill_rank].key, NIXL)].append(spec)
-        stats = ReadStats(path=CUDA_IPC if by_path[CUDA_IPC] and not by_path[NIXL] else NIXL)
-        if by_path[NIXL]:
-            stats = self.agent.read(
-                [(peers[spec.prefill_rank], spec) for spec in by_path[NIXL]],
-                s.transfer_timeout_s,
-                self._fault_gate if s.fault_read_gate else None,
-            )
-        if by_path[CUDA_IPC]:
+            peer = peers[spec.prefill_rank]
+            if self.paths.get(peer.key, NIXL) == CUDA_IPC:
+                copies.append((self._peer_caches[peer.key], spec))
+            else:
+                nixl.append((peer, spec))
+        if not copies:
+            return _Reads(nixl, None)
+        assert self._copier is not None
+        return _Reads(nixl, self._copier.plan(self.agent.kv, copies, self.agent.region))
+
+    def _read(self, reads: _Reads) -> ReadStats:
+        s = self.settings
+        stats = ReadStats(path=CUDA_IPC if reads.copies is not None and not reads.nixl else NIXL)
+        if reads.nixl:
+            stats = self.agent.read(reads.nixl, s.transfer_timeout_s,
+                                    self._fault_gate if s.fault_read_gate else None)
+        if reads.copies is not None:
             assert self._copier is not None
-            work = [(self._peer_caches[peers[spec.prefill_rank].key], spec)
-                    for spec in by_path[CUDA_IPC]]
-            stats.add(self._copier.read(self.agent.kv, work, self.agent.region))
+            stats.add(self._copier.run(reads.copies))
         return stats
 
     def _fault_gate(self) -> None:
