@@ -41,7 +41,11 @@ def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
     assert all(a["computed_tokens"] < b["computed_tokens"]
                for a, b in zip(chat[1:], [p for p in off if p["workload"] == "chat"][1:],
                                strict=True))
-    assert res["summary"]["shared"]["computed_ratio"] < 0.5
+    # A first round that runs as one prefill step computes every prompt whole (its prompts
+    # find nothing cached yet); the later rounds only their own tokens.
+    each, rounds = cfg["concurrency"] * (cfg["shared"] + cfg["unique"]), cfg["rounds"]
+    assert res["summary"]["shared"]["computed_ratio"] <= (
+        each + (rounds - 1) * cfg["concurrency"] * cfg["unique"]) / (rounds * each)
     # A later turn reads its new tokens and the answer's unfed last token, nothing of what the
     # turn before fed: the decode adopts the partial unit it left as well as the whole ones.
     turn = cfg["turn_tokens"]
