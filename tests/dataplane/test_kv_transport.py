@@ -25,6 +25,7 @@ from pdd_sidecar.kv.device_copy import (
     copy_blocks,
     loaded_cuda_runtime,
     raw_copyable,
+    waits_holding_gil,
 )
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.puller import KVPuller, PullJob
@@ -146,15 +147,28 @@ def test_the_cuda_runtime_is_the_library_the_process_mapped(tmp_path: Path) -> N
     assert loaded_cuda_runtime(str(tmp_path / "absent")) is None
 
 
-def test_a_failed_raw_copy_raises_naming_the_cuda_error() -> None:
+def test_a_failed_runtime_call_raises_naming_it_and_the_cuda_error() -> None:
     path = loaded_cuda_runtime()  # torch, a CUDA build, mapped it on import
     if path is None:
         pytest.skip("this torch maps no CUDA runtime library")
     if torch.cuda.is_available():
         pytest.skip("needs a machine without a CUDA device, where the call must fail")
-    memcpy = CudaRuntime(path).memcpy_on(0)
+    runtime = CudaRuntime(path)
     with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of 16 bytes failed: .+ \(error \d+\)"):
-        memcpy(0, 0, 16)
+        runtime.memcpy_on(0)(0, 0, 16)
+    with pytest.raises(RuntimeError, match=r"cudaEventRecord failed: .+ \(error \d+\)"):
+        runtime.event_record(0, 0)
+    with pytest.raises(RuntimeError, match=r"cudaEventSynchronize failed"):
+        runtime.event_synchronize(0)
+    with pytest.raises(RuntimeError, match=r"cudaEventElapsedTime failed"):
+        runtime.event_elapsed_s(0, 0)
+
+
+def test_a_read_waits_holding_the_gil_only_for_copies_shorter_than_a_switch_interval() -> None:
+    eight_k, thirty_two_k = 254_803_968, 1_019_215_872  # DeepSeek-V2-Lite's KV, bf16
+    assert waits_holding_gil(eight_k, 500e-6)  # pdd serve's switch interval
+    assert not waits_holding_gil(thirty_two_k, 500e-6)
+    assert waits_holding_gil(thirty_two_k, 5e-3)  # Python's default
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [((1, 1), (1, 1)), ((2, 2), (1, 1)),

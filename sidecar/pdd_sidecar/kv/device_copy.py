@@ -9,7 +9,9 @@ launching one slice copy through torch (slicing both caches, then ``copy_``). Th
 code cold. So each thread sets up its device and events once (`DeviceCopier.prepare_thread`),
 and a request's runs of whole blocks go out as one ``cudaMemcpyAsync`` each, called in the CUDA
 runtime torch loaded; rows of a block, a peer on another device and a table scattered wider than
-`MAX_SLICE_RUNS` runs go through torch as before.
+`MAX_SLICE_RUNS` runs go through torch as before. The READ's event records and, for copies
+shorter than a GIL switch interval, its wait are runtime calls too, made holding the GIL
+(`CudaRuntime` says why).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -94,30 +97,67 @@ def loaded_cuda_runtime(maps: str = "/proc/self/maps") -> str | None:
 
 
 class CudaRuntime:
-    """``cudaMemcpyAsync`` of the CUDA runtime at ``path``, called holding the GIL: the call
-    queues a copy in microseconds, and a thread that let the GIL go would wait for it back
-    behind the engine's Python (up to a switch interval)."""
+    """The calls of a READ in the CUDA runtime at ``path``, each made holding the GIL. torch's
+    event record and wait let the GIL go; served, the pull thread then waited for it back
+    behind another thread of the decode (up to a switch interval): in run 22 an event record
+    took 0.57-0.58 ms once in each of the 1k and 8k levels, the wait after it 0.44 ms for a
+    0.12 ms copy; `bench/kv_transfer.py`'s busy1@0.5 (one busy Python thread beside the READ)
+    gets an 8k READ at 19 % of the copy rate. A call here queues work or reads a state in
+    microseconds; the one that waits is `event_synchronize`, used only for copies shorter
+    than a switch interval (`waits_holding_gil`)."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.PyDLL(path)
-        self._memcpy = lib.cudaMemcpyAsync
-        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                 ctypes.c_int, ctypes.c_void_p]
-        self._memcpy.restype = ctypes.c_int
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._memcpy = self._bind(lib, "cudaMemcpyAsync", [p, p, ctypes.c_size_t, i, p])
+        self._record = self._bind(lib, "cudaEventRecord", [p, p])
+        self._synchronize = self._bind(lib, "cudaEventSynchronize", [p])
+        self._elapsed = self._bind(lib, "cudaEventElapsedTime",
+                                   [ctypes.POINTER(ctypes.c_float), p, p])
         self._error = lib.cudaGetErrorString
         self._error.argtypes = [ctypes.c_int]
         self._error.restype = ctypes.c_char_p
 
+    @staticmethod
+    def _bind(lib: Any, name: str, argtypes: list[Any]) -> Any:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return fn
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(f"{what} failed: {(self._error(rc) or b'?').decode()} "
+                               f"(error {rc})")
+
     def memcpy_on(self, stream: int) -> Memcpy:
         """A device-to-device ``memcpy`` queued on ``stream`` (a cudaStream_t)."""
-        fn, error = self._memcpy, self._error
+        fn, check = self._memcpy, self._check
 
         def memcpy(dst: int, src: int, n: int) -> None:
-            rc = fn(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, stream)
-            if rc:
-                raise RuntimeError(f"cudaMemcpyAsync of {n} bytes failed: "
-                                   f"{(error(rc) or b'?').decode()} (error {rc})")
+            check(fn(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, stream),
+                  f"cudaMemcpyAsync of {n} bytes")
         return memcpy
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._record(event, stream), "cudaEventRecord")
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self._synchronize(event), "cudaEventSynchronize")
+
+    def event_elapsed_s(self, began: int, ended: int) -> float:
+        ms = ctypes.c_float()
+        self._check(self._elapsed(ctypes.byref(ms), began, ended), "cudaEventElapsedTime")
+        return ms.value / 1e3
+
+
+# The rate at which a READ's copies are expected to run at the least (an H200 copies ~1,800
+# GB/s within one device): copies expected to take no longer than a GIL switch interval are
+# waited for holding the GIL, as letting it go could cost as long to get it back.
+HOLD_GIL_COPY_RATE_BPS = 1e12
+
+
+def waits_holding_gil(nbytes: int, switch_interval_s: float) -> bool:
+    return nbytes <= switch_interval_s * HOLD_GIL_COPY_RATE_BPS
 
 
 @dataclass
@@ -142,8 +182,10 @@ class DeviceCopier:
         self._scratch = torch.zeros(2, device=device)
         self._thread = threading.local()
         path = loaded_cuda_runtime()
-        self._memcpy = CudaRuntime(path).memcpy_on(self.stream.cuda_stream) if path else None
-        if self._memcpy is None:
+        self._runtime = CudaRuntime(path) if path else None
+        self._memcpy = (self._runtime.memcpy_on(self.stream.cuda_stream)
+                        if self._runtime is not None else None)
+        if self._runtime is None:
             log.warning("the CUDA runtime library is not mapped in this process; the KV copies "
                         "of cuda_ipc READs go through torch")
 
@@ -151,7 +193,8 @@ class DeviceCopier:
         """A thread's first CUDA calls cost ~0.4 ms (measured served on an H200: entering the
         device and the stream 0.23 ms, launching the first copy 0.18 ms, as long as the copy
         of an 8k prompt itself); a pull thread pays that when it starts, not in a READ. The
-        thread's device stays this copier's, and its two timing events are made here."""
+        thread's device stays this copier's, and its two timing events are made here. The
+        runtime's own calls are tried once here; should one fail, READs go through torch."""
         import torch
 
         torch.cuda.set_device(self.stream.device)
@@ -159,29 +202,36 @@ class DeviceCopier:
         began.record(self.stream)
         with torch.cuda.stream(self.stream):
             self._scratch[1:].copy_(self._scratch[:1], non_blocking=True)
-        if self._memcpy is not None:
-            try:
-                itemsize = self._scratch.element_size()
-                self._memcpy(self._scratch.data_ptr(), self._scratch.data_ptr() + itemsize,
-                             itemsize)
-            except Exception as exc:
-                log.warning("cudaMemcpyAsync failed (%s); the KV copies of cuda_ipc READs go "
-                            "through torch", exc)
-                self._memcpy = None
         ended.record(self.stream)
         ended.synchronize()
         self._thread.events = (began, ended)
+        rt, memcpy = self._runtime, self._memcpy
+        if rt is None or memcpy is None:
+            return
+        try:
+            stream = self.stream.cuda_stream
+            rt.event_record(began.cuda_event, stream)
+            n = self._scratch.element_size()
+            memcpy(self._scratch.data_ptr(), self._scratch.data_ptr() + n, n)
+            rt.event_record(ended.cuda_event, stream)
+            rt.event_synchronize(ended.cuda_event)
+            rt.event_elapsed_s(began.cuda_event, ended.cuda_event)
+        except Exception as exc:
+            log.warning("the CUDA runtime's calls failed (%s); the KV copies of cuda_ipc READs "
+                        "go through torch", exc)
+            self._runtime = self._memcpy = None
 
     def plan(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> CopyPlan:
         """What `run` launches: the raw spans and what goes through torch. Made while the
         claim is on its way (kv/puller.py), so a READ launches only copies; the stream is woken
         then too (`_wake`)."""
         out = CopyPlan(dst)
-        memcpy = self._memcpy
+        self._events()  # the thread set up: whether the runtime's calls work is known
+        raw = self._memcpy is not None
         for src, spec in work:
             if spec.empty:
                 continue
-            if memcpy is not None and raw_copyable(dst, src, spec):
+            if raw and raw_copyable(dst, src, spec):
                 out.spans += block_spans(dst, src, spec.runs)
             else:
                 out.through_torch.append((src, spec))
@@ -222,12 +272,17 @@ class DeviceCopier:
     def run(self, plan: CopyPlan, start: float | None = None) -> ReadStats:
         """Every copy of ``plan`` launched and waited for before returning (the decode may
         attend over the blocks as soon as this reports done); timed from ``start`` (default:
-        now)."""
+        now). Through the runtime's calls the GIL is held from the first to the last, the wait
+        included when the copies are short (`CudaRuntime`)."""
         import torch
 
         start = time.monotonic() if start is None else start
         began, ended = self._events()
-        began.record(self.stream)
+        rt, stream = self._runtime, self.stream.cuda_stream
+        if rt is not None:
+            rt.event_record(began.cuda_event, stream)
+        else:
+            began.record(self.stream)
         if plan.spans:
             memcpy = self._memcpy
             assert memcpy is not None
@@ -238,13 +293,22 @@ class DeviceCopier:
             with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):
                 for src, spec in plan.through_torch:
                     copy_blocks(dst, src, spec)
-        ended.record(self.stream)
-        ended.synchronize()
+        if rt is None:
+            ended.record(self.stream)
+            ended.synchronize()
+        else:
+            rt.event_record(ended.cuda_event, stream)
+            if waits_holding_gil(plan.bytes, sys.getswitchinterval()):
+                rt.event_synchronize(ended.cuda_event)
+            else:
+                ended.synchronize()
         for device in plan.other_devices:
             torch.cuda.synchronize(device)  # a peer on another GPU read on that GPU's stream
-        return ReadStats(bytes=plan.bytes, transfers=plan.transfers,
-                         seconds=time.monotonic() - start,
-                         device_seconds=began.elapsed_time(ended) / 1e3, path=CUDA_IPC)
+        seconds = time.monotonic() - start
+        device_s = (rt.event_elapsed_s(began.cuda_event, ended.cuda_event) if rt is not None
+                    else began.elapsed_time(ended) / 1e3)
+        return ReadStats(bytes=plan.bytes, transfers=plan.transfers, seconds=seconds,
+                         device_seconds=device_s, path=CUDA_IPC)
 
     def read(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> ReadStats:
         """`plan`, then `run`, timed together."""
