@@ -181,13 +181,17 @@ class DeviceCopier:
         self.stream = torch.cuda.Stream(device)
         self._scratch = torch.zeros(2, device=device)
         self._thread = threading.local()
+        self._runtime: CudaRuntime | None = None
         path = loaded_cuda_runtime()
-        self._runtime = CudaRuntime(path) if path else None
+        try:
+            self._runtime = CudaRuntime(path) if path else None
+        except (OSError, AttributeError) as exc:  # not loadable, or a call missing from it
+            log.warning("the CUDA runtime at %s cannot be used (%s)", path, exc)
         self._memcpy = (self._runtime.memcpy_on(self.stream.cuda_stream)
                         if self._runtime is not None else None)
         if self._runtime is None:
-            log.warning("the CUDA runtime library is not mapped in this process; the KV copies "
-                        "of cuda_ipc READs go through torch")
+            log.warning("the KV copies of cuda_ipc READs go through torch (no CUDA runtime "
+                        "library of this process to call)")
 
     def prepare_thread(self) -> None:
         """A thread's first CUDA calls cost ~0.4 ms (measured served on an H200: entering the
