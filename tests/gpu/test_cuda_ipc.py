@@ -68,14 +68,31 @@ def test_a_decode_maps_a_prefills_cache_and_copies_exactly_the_plans_blocks(
         copier = DeviceCopier(dst.device)
         done: list[Any] = []
 
-        def pull_thread() -> None:  # as a decode rank's pull thread: set up, then READ
-            copier.prepare_thread()
-            done.append(copier.read(dst, [(src, s) for s in specs], RegionInfo.of_tensor(dst)))
+        planned: list[Any] = []
+        busy = threading.Event()
 
+        def pull_thread() -> None:  # as a decode rank's pull thread: set up, plan, then READ
+            copier.prepare_thread()
+            plan = copier.plan(dst, [(src, s) for s in specs], RegionInfo.of_tensor(dst))
+            planned.append(plan)
+            done.append(copier.run(plan))
+
+        def other_thread() -> None:  # Python beside the READ, as the decode's other threads
+            while not busy.is_set():
+                sum(range(1000))
+
+        other = threading.Thread(target=other_thread)
+        other.start()
         t = threading.Thread(target=pull_thread)
         t.start()
         t.join()
-        (stats,) = done
+        busy.set()
+        other.join()
+        (stats,), (plan,) = done, planned
+        # On one device the runs go out as raw copies (the runtime torch loaded), across two
+        # through torch.
+        assert bool(plan.spans) == (peer_device == 0) and bool(plan.through_torch) == (
+            peer_device != 0)
         assert stats.path == CUDA_IPC and stats.bytes == num_tokens * LAYERS * LATENT * 2
 
         want = torch.zeros_like(dst, device="cpu")
