@@ -155,7 +155,7 @@ def test_a_failed_runtime_call_raises_naming_it_and_the_cuda_error() -> None:
         pytest.skip("needs a machine without a CUDA device, where the call must fail")
     runtime = CudaRuntime(path)
     with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of 16 bytes failed: .+ \(error \d+\)"):
-        runtime.memcpy_on(0)(0, 0, 16)
+        runtime.memcpy(0, 0, 16, 0)
     with pytest.raises(RuntimeError, match=r"cudaEventRecord failed: .+ \(error \d+\)"):
         runtime.event_record(0, 0)
     with pytest.raises(RuntimeError, match=r"cudaEventSynchronize failed"):

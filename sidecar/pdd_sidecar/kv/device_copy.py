@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +36,6 @@ log = logging.getLogger(__name__)
 MAX_SLICE_RUNS = 64
 
 _MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
-
-# (destination address, source address, bytes)
-Memcpy = Callable[[int, int, int], Any]
 
 
 def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
@@ -129,14 +126,10 @@ class CudaRuntime:
             raise RuntimeError(f"{what} failed: {(self._error(rc) or b'?').decode()} "
                                f"(error {rc})")
 
-    def memcpy_on(self, stream: int) -> Memcpy:
-        """A device-to-device ``memcpy`` queued on ``stream`` (a cudaStream_t)."""
-        fn, check = self._memcpy, self._check
-
-        def memcpy(dst: int, src: int, n: int) -> None:
-            check(fn(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, stream),
-                  f"cudaMemcpyAsync of {n} bytes")
-        return memcpy
+    def memcpy(self, dst: int, src: int, n: int, stream: int) -> None:
+        """A device-to-device copy of ``n`` bytes queued on ``stream`` (a cudaStream_t)."""
+        self._check(self._memcpy(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, stream),
+                    f"cudaMemcpyAsync of {n} bytes")
 
     def event_record(self, event: int, stream: int) -> None:
         self._check(self._record(event, stream), "cudaEventRecord")
@@ -187,8 +180,6 @@ class DeviceCopier:
             self._runtime = CudaRuntime(path) if path else None
         except (OSError, AttributeError) as exc:  # not loadable, or a call missing from it
             log.warning("the CUDA runtime at %s cannot be used (%s)", path, exc)
-        self._memcpy = (self._runtime.memcpy_on(self.stream.cuda_stream)
-                        if self._runtime is not None else None)
         if self._runtime is None:
             log.warning("the KV copies of cuda_ipc READs go through torch (no CUDA runtime "
                         "library of this process to call)")
@@ -209,21 +200,19 @@ class DeviceCopier:
         ended.record(self.stream)
         ended.synchronize()
         self._thread.events = (began, ended)
-        rt, memcpy = self._runtime, self._memcpy
-        if rt is None or memcpy is None:
+        if self._runtime is None:
             return
         try:
-            stream = self.stream.cuda_stream
-            rt.event_record(began.cuda_event, stream)
-            n = self._scratch.element_size()
-            memcpy(self._scratch.data_ptr(), self._scratch.data_ptr() + n, n)
-            rt.event_record(ended.cuda_event, stream)
-            rt.event_synchronize(ended.cuda_event)
-            rt.event_elapsed_s(began.cuda_event, ended.cuda_event)
+            self.run(CopyPlan(self._scratch, spans=[self._scratch_span()]))
         except Exception as exc:
             log.warning("the CUDA runtime's calls failed (%s); the KV copies of cuda_ipc READs "
                         "go through torch", exc)
-            self._runtime = self._memcpy = None
+            self._runtime = None
+
+    def _scratch_span(self) -> tuple[int, int, int]:
+        """A copy of one scratch value onto the other, to set up or wake the stream with."""
+        n = self._scratch.element_size()
+        return self._scratch.data_ptr() + n, self._scratch.data_ptr(), n
 
     def plan(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> CopyPlan:
         """What `run` launches: the raw spans and what goes through torch. Made while the
@@ -231,7 +220,7 @@ class DeviceCopier:
         then too (`_wake`)."""
         out = CopyPlan(dst)
         self._events()  # the thread set up: whether the runtime's calls work is known
-        raw = self._memcpy is not None
+        raw = self._runtime is not None
         for src, spec in work:
             if spec.empty:
                 continue
@@ -266,9 +255,8 @@ class DeviceCopier:
 
         began, _ = self._events()
         began.record(self.stream)
-        if self._memcpy is not None:
-            n = self._scratch.element_size()
-            self._memcpy(self._scratch.data_ptr() + n, self._scratch.data_ptr(), n)
+        if self._runtime is not None:
+            self._runtime.memcpy(*self._scratch_span(), self.stream.cuda_stream)
         else:
             with torch.cuda.stream(self.stream):
                 self._scratch[1:].copy_(self._scratch[:1], non_blocking=True)
@@ -288,10 +276,9 @@ class DeviceCopier:
         else:
             began.record(self.stream)
         if plan.spans:
-            memcpy = self._memcpy
-            assert memcpy is not None
+            assert rt is not None  # spans are planned only with the runtime
             for span in plan.spans:
-                memcpy(*span)
+                rt.memcpy(*span, stream)
         if plan.through_torch:
             dst = plan.dst
             with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):

@@ -346,7 +346,7 @@ class ReadStats:
     descriptors: int = 0
     seconds: float = 0.0
     transfers: int = 0
-    path: str = "nixl"  # nixl | cuda_ipc (kv/transport.py); both, joined by "+"
+    path: str = "nixl"  # nixl | cuda_ipc (kv/device_copy.py); both, joined by "+"
     # cuda_ipc: the copies' own time on the device (CUDA events), beside the wall time above,
     # which also holds the host's share (launches, the wait, the thread getting the GIL back)
     device_seconds: float = 0.0
