@@ -21,10 +21,11 @@ from pdd_sidecar.kv import device_copy
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
 from pdd_sidecar.kv.device_copy import (
     CudaRuntime,
-    block_spans,
+    Span,
     copy_blocks,
     loaded_cuda_runtime,
     raw_copyable,
+    spec_spans,
     waits_holding_gil,
 )
 from pdd_sidecar.kv.handoff import TransferParams
@@ -107,26 +108,50 @@ def test_a_device_copy_moves_exactly_the_spec_blocks_and_row_ranges(
     assert torch.equal(dst, want)
 
 
-def test_runs_copied_as_raw_spans_land_where_torch_s_slice_copies_put_them() -> None:
+def _memmove(span: Span) -> None:
+    """What ``cudaMemcpy2DAsync`` does with a span (``cudaMemcpyAsync`` for one row)."""
+    for row in range(span.height):
+        ctypes.memmove(span.dst + row * span.pitch, span.src + row * span.pitch, span.width)
+
+
+@pytest.mark.parametrize("partials", [[], [Rows(2, 8, 1, 4), Rows(10, 11, 0, 2)]])
+def test_a_spec_copied_as_raw_spans_lands_where_torch_s_copies_put_it(
+        partials: list[Rows]) -> None:
     src = _cache(1)
-    runs = [Run(3, 0, 2), Run(8, 5, 1), Run(0, 9, 3)]
-    spec = ReadSpec(prefill_rank=0, runs=runs)
+    runs = [Run(3, 0, 2), Run(8, 5, 1), Run(0, 9, 2)]
+    spec = ReadSpec(prefill_rank=0, runs=runs, partials=partials)
     assert raw_copyable(_cache(), src, spec)
     dst, want = _cache(), _cache()
-    for span in block_spans(dst, src, runs):
-        ctypes.memmove(*span)
+    spans = spec_spans(dst, src, spec)
+    assert [s.height for s in spans] == [1] * len(runs) + [LAYERS] * len(partials)
+    for span in spans:
+        _memmove(span)
     copy_blocks(want, src, spec)
     assert torch.equal(dst, want)
     assert not torch.equal(dst, _cache())  # something moved
 
 
-def test_only_whole_blocks_between_caches_of_one_layout_go_as_raw_spans() -> None:
+def test_a_chunk_read_in_part_as_a_span_copies_its_rows_of_each_layer_alone() -> None:
+    """Rows 1-2 of block 2 onto block 7 in every layer: rows 0 and 3, and every other block,
+    keep what the destination held."""
+    src, dst = _cache(1), _cache(2)
+    before = dst.clone()
+    (span,) = spec_spans(dst, src, ReadSpec(prefill_rank=0, partials=[Rows(2, 7, 1, 3)]))
+    _memmove(span)
+    assert torch.equal(dst[7, :, 1:3], src[2, :, 1:3])
+    keep = torch.ones_like(dst, dtype=torch.bool)
+    keep[7, :, 1:3] = False
+    assert torch.equal(dst[keep], before[keep])
+
+
+def test_which_specs_go_as_raw_spans() -> None:
     src, dst = _cache(1), _cache()
     runs = [Run(3, 0, 2)]
     assert raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=runs))
     assert not raw_copyable(dst, src, ReadSpec(prefill_rank=0))  # nothing to copy
-    assert not raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=runs,
-                                               partials=[Rows(2, 9, 1, 4)]))
+    assert raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=runs,
+                                           partials=[Rows(2, 9, 1, 4)]))
+    assert raw_copyable(dst, src, ReadSpec(prefill_rank=0, partials=[Rows(2, 9, 1, 4)]))
     wide = [Run(2 * i, 2 * i, 1) for i in range(device_copy.MAX_SLICE_RUNS + 1)]
     assert not raw_copyable(dst, src, ReadSpec(prefill_rank=0, runs=wide))
     assert not raw_copyable(dst.to(torch.float64), src, ReadSpec(prefill_rank=0, runs=runs))
@@ -156,6 +181,8 @@ def test_a_failed_runtime_call_raises_naming_it_and_the_cuda_error() -> None:
     runtime = CudaRuntime(path)
     with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of 16 bytes failed: .+ \(error \d+\)"):
         runtime.memcpy(0, 0, 16, 0)
+    with pytest.raises(RuntimeError, match=r"cudaMemcpy2DAsync of 27 x 16 bytes failed"):
+        runtime.memcpy_2d(0, 0, 16, 27, 64, 0)
     with pytest.raises(RuntimeError, match=r"cudaEventRecord failed: .+ \(error \d+\)"):
         runtime.event_record(0, 0)
     with pytest.raises(RuntimeError, match=r"cudaEventSynchronize failed"):

@@ -7,10 +7,11 @@ device) took 0.43-0.53 ms of wall time, nearly all of the rest on the pulling th
 launching one slice copy through torch (slicing both caches, then ``copy_``). The same code took
 ~0.02 ms for each when READs ran back to back: a pull thread wakes for one READ now and then, its
 code cold. So each thread sets up its device and events once (`DeviceCopier.prepare_thread`),
-and a request's runs of whole blocks go out as one ``cudaMemcpyAsync`` each, called in the CUDA
-runtime torch loaded; rows of a block, a peer on another device and a table scattered wider than
-`MAX_SLICE_RUNS` runs go through torch as before. The READ's event records and, for copies
-shorter than a GIL switch interval, its wait are runtime calls too, made holding the GIL
+and a request's runs of whole blocks go out as one ``cudaMemcpyAsync`` each, and the rows of a
+block a chunk fills in part (a prompt's last block, mostly) as one ``cudaMemcpy2DAsync`` over the
+layers, called in the CUDA runtime torch loaded; a peer on another device and a table scattered
+wider than `MAX_SLICE_RUNS` runs go through torch as before. The READ's event records and, for
+copies shorter than a GIL switch interval, its wait are runtime calls too, made holding the GIL
 (`CudaRuntime` says why).
 """
 
@@ -22,11 +23,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from pdd_sidecar.kv.transfer import ReadSpec, ReadStats, RegionInfo, Run, spec_bytes
+from pdd_sidecar.kv.transfer import ReadSpec, ReadStats, RegionInfo, spec_bytes
 from pdd_sidecar.kv.transport import CUDA_IPC
 
 log = logging.getLogger(__name__)
@@ -60,21 +60,38 @@ def copy_blocks(dst: Any, src: Any, spec: ReadSpec) -> None:
 
 
 def raw_copyable(dst: Any, src: Any, spec: ReadSpec) -> bool:
-    """Whether ``spec`` is whole-block runs only, few enough, between two caches of one layout on
-    one device, so that each run is one span of bytes in both."""
-    return (not spec.partials and 0 < len(spec.runs) <= MAX_SLICE_RUNS
+    """Whether ``spec`` has something to copy, in few enough runs, between two caches of one
+    layout on one device, so that each run and each chunk read in part is one `Span`."""
+    return (not spec.empty and len(spec.runs) <= MAX_SLICE_RUNS
             and dst.device == src.device and dst.dtype == src.dtype
             and dst.shape[1:] == src.shape[1:] and dst.is_contiguous() and src.is_contiguous())
 
 
-def block_spans(dst: Any, src: Any, runs: Sequence[Run]) -> list[tuple[int, int, int]]:
-    """Each run of whole blocks as (destination address, source address, bytes), where
-    `raw_copyable` said the caches allow it: on the device each is one ``cudaMemcpyAsync``
-    (on the CPU, ``ctypes.memmove`` does the same with them)."""
-    block_bytes = dst.stride(0) * dst.element_size()
+class Span(NamedTuple):
+    """``height`` rows of ``width`` bytes, ``pitch`` bytes apart in both caches: a run of whole
+    blocks is one row; a chunk read in part, its rows of the block in each layer."""
+
+    dst: int
+    src: int
+    width: int
+    height: int = 1
+    pitch: int = 0
+
+
+def spec_spans(dst: Any, src: Any, spec: ReadSpec) -> list[Span]:
+    """``spec``'s copies as spans of bytes, where `raw_copyable` said the caches allow it: on the
+    device each is one ``cudaMemcpyAsync`` (one row) or ``cudaMemcpy2DAsync``; on the CPU,
+    ``ctypes.memmove`` row by row does the same with them."""
+    size = dst.element_size()
+    block_bytes, layer_bytes, row_bytes = (dst.stride(i) * size for i in range(3))
     dst_base, src_base = dst.data_ptr(), src.data_ptr()
-    return [(dst_base + r.local_start * block_bytes, src_base + r.remote_start * block_bytes,
-             r.n * block_bytes) for r in runs]
+    spans = [Span(dst_base + r.local_start * block_bytes, src_base + r.remote_start * block_bytes,
+                  r.n * block_bytes) for r in spec.runs]
+    layers = dst.shape[1]
+    spans += [Span(dst_base + p.local_block * block_bytes + p.lo * row_bytes,
+                   src_base + p.remote_block * block_bytes + p.lo * row_bytes,
+                   p.n * row_bytes, layers, layer_bytes) for p in spec.partials]
+    return spans
 
 
 def loaded_cuda_runtime(maps: str = "/proc/self/maps") -> str | None:
@@ -106,7 +123,9 @@ class CudaRuntime:
     def __init__(self, path: str) -> None:
         lib = ctypes.PyDLL(path)
         p, i = ctypes.c_void_p, ctypes.c_int
-        self._memcpy = self._bind(lib, "cudaMemcpyAsync", [p, p, ctypes.c_size_t, i, p])
+        n = ctypes.c_size_t
+        self._memcpy = self._bind(lib, "cudaMemcpyAsync", [p, p, n, i, p])
+        self._memcpy_2d = self._bind(lib, "cudaMemcpy2DAsync", [p, n, p, n, n, n, i, p])
         self._record = self._bind(lib, "cudaEventRecord", [p, p])
         self._synchronize = self._bind(lib, "cudaEventSynchronize", [p])
         self._elapsed = self._bind(lib, "cudaEventElapsedTime",
@@ -130,6 +149,14 @@ class CudaRuntime:
         """A device-to-device copy of ``n`` bytes queued on ``stream`` (a cudaStream_t)."""
         self._check(self._memcpy(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, stream),
                     f"cudaMemcpyAsync of {n} bytes")
+
+    def memcpy_2d(self, dst: int, src: int, width: int, height: int, pitch: int,
+                  stream: int) -> None:
+        """``height`` rows of ``width`` bytes, ``pitch`` apart on both sides, queued on
+        ``stream``."""
+        self._check(self._memcpy_2d(dst, pitch, src, pitch, width, height,
+                                    _MEMCPY_DEVICE_TO_DEVICE, stream),
+                    f"cudaMemcpy2DAsync of {height} x {width} bytes")
 
     def event_record(self, event: int, stream: int) -> None:
         self._check(self._record(event, stream), "cudaEventRecord")
@@ -158,7 +185,7 @@ class CopyPlan:
     """One READ's copies into ``dst``, ready to launch."""
 
     dst: Any
-    spans: list[tuple[int, int, int]] = field(default_factory=list)  # one cudaMemcpyAsync each
+    spans: list[Span] = field(default_factory=list)  # one runtime copy each
     through_torch: list[tuple[Any, ReadSpec]] = field(default_factory=list)  # (source, spec)
     other_devices: set[int] = field(default_factory=set)  # peers' GPUs other than dst's
     bytes: int = 0
@@ -209,10 +236,10 @@ class DeviceCopier:
                         "go through torch", exc)
             self._runtime = None
 
-    def _scratch_span(self) -> tuple[int, int, int]:
+    def _scratch_span(self) -> Span:
         """A copy of one scratch value onto the other, to set up or wake the stream with."""
         n = self._scratch.element_size()
-        return self._scratch.data_ptr() + n, self._scratch.data_ptr(), n
+        return Span(self._scratch.data_ptr() + n, self._scratch.data_ptr(), n)
 
     def plan(self, dst: Any, work: list[tuple[Any, ReadSpec]], region: RegionInfo) -> CopyPlan:
         """What `run` launches: the raw spans and what goes through torch. Made while the
@@ -225,7 +252,7 @@ class DeviceCopier:
             if spec.empty:
                 continue
             if raw and raw_copyable(dst, src, spec):
-                out.spans += block_spans(dst, src, spec.runs)
+                out.spans += spec_spans(dst, src, spec)
             else:
                 out.through_torch.append((src, spec))
             if src.get_device() != dst.get_device():
@@ -256,7 +283,8 @@ class DeviceCopier:
         began, _ = self._events()
         began.record(self.stream)
         if self._runtime is not None:
-            self._runtime.memcpy(*self._scratch_span(), self.stream.cuda_stream)
+            span = self._scratch_span()
+            self._runtime.memcpy(span.dst, span.src, span.width, self.stream.cuda_stream)
         else:
             with torch.cuda.stream(self.stream):
                 self._scratch[1:].copy_(self._scratch[:1], non_blocking=True)
@@ -278,7 +306,11 @@ class DeviceCopier:
         if plan.spans:
             assert rt is not None  # spans are planned only with the runtime
             for span in plan.spans:
-                rt.memcpy(*span, stream)
+                if span.height == 1:
+                    rt.memcpy(span.dst, span.src, span.width, stream)
+                else:
+                    rt.memcpy_2d(span.dst, span.src, span.width, span.height, span.pitch,
+                                 stream)
         if plan.through_torch:
             dst = plan.dst
             with torch.cuda.device(dst.device), torch.cuda.stream(self.stream):
