@@ -168,3 +168,82 @@ def test_table_wider_than_the_bound_runs_eagerly() -> None:
     assert eng.padded_steps == 0
     eng.step([SeqChunk([1], 5, [3, 4])])
     assert eng.padded_steps == 1
+
+
+# Prefill graphs' twin: one fresh prompt padded to its prompt-length bucket.
+PREFILL_BUCKETS = (8, 16, 32)
+PROMPT_LENGTHS = [1, 3, 8, 9, 16, 21, 32, 40]  # 40: above the largest bucket (eager)
+
+
+def _prefill_run(rank: int, comm: Comm, tp: int, dcp: int, buckets: tuple[int, ...],
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Each prompt of ``PROMPT_LENGTHS`` prefilled alone, then one decode step of each (the
+    step reads the latents the prefill stored); per prompt the two steps' logits, the cache,
+    and how many prefills ran padded."""
+    model = load_rank_model("builtin", rank, tp, "float32", "cpu")
+    cache = new_cache(model, NUM_BLOCKS, BLOCK)
+    cache.kv.fill_(SENTINEL)
+    mode = "padded" if buckets else "eager"
+    eng = RankEngine(model, cache, comm, dcp, decode_mode=mode, prefill_buckets=buckets)
+    order = [0] + [b for b in range(NUM_BLOCKS - 1, 0, -1) if b % 3]
+    out: list[torch.Tensor] = []
+    for i, n in enumerate(PROMPT_LENGTHS):
+        table = order[i * 12:(i + 1) * 12]
+        first = eng.step([SeqChunk(_prompt(n, i), 0, table)])
+        assert first is not None and first.shape == (1, model.config.vocab_size)
+        nxt = eng.step([SeqChunk([int(first[0].argmax())], n, table)])
+        assert nxt is not None
+        out += [first[0].clone(), nxt[0].clone()]
+    return out, cache.kv.clone(), eng.padded_prefills
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 1), (2, 2)])
+def test_a_padded_prefill_equals_the_eager_one(tp: int, dcp: int) -> None:
+    def go(buckets: tuple[int, ...]) -> tuple:
+        res = run_threads(tp, lambda r, c: _prefill_run(r, c, tp, dcp, buckets))
+        return res[0][0], [r[1] for r in res], res[0][2]
+
+    (ref, ref_kv, ref_padded), (got, got_kv, got_padded) = go(()), go(PREFILL_BUCKETS)
+    assert ref_padded == 0
+    assert got_padded == sum(n <= PREFILL_BUCKETS[-1] for n in PROMPT_LENGTHS)
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert int(a.argmax()) == int(b.argmax()), i
+        assert float((a - b).abs().max()) <= TOL["float32"], i
+    for r, (a, b) in enumerate(zip(ref_kv, got_kv, strict=True)):
+        assert torch.equal(a == SENTINEL, b == SENTINEL), f"rank {r}: other slots written"
+        assert float((a - b).abs().max()) <= TOL["float32"], f"rank {r}"
+
+
+def test_a_padded_prefill_that_wrote_its_padding_would_be_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above sees padded rows that store their latents (all masked in): they land
+    on slot 0 of the prompt's first block (block id 0 for prompt 0), over a real token's."""
+    real = cuda_graphs.stage_prefill
+
+    def leaky(buf, chunk, block_size, dcp, rank):  # type: ignore[no-untyped-def]
+        real(buf, chunk, block_size, dcp, rank)
+        buf.write_mask.fill_(1)
+
+    monkeypatch.setattr("pdd_sidecar.engine.rank_engine.stage_prefill", leaky)
+    ref, ref_kv, _ = _prefill_run(0, _single(), 1, 1, ())
+    got, got_kv, _ = _prefill_run(0, _single(), 1, 1, PREFILL_BUCKETS)
+    assert float((ref_kv - got_kv).abs().max()) > 100 * TOL["float32"]
+    worst = max(float((a - b).abs().max()) for a, b in zip(ref, got, strict=True))
+    assert worst > 100 * TOL["float32"]
+
+
+def _single() -> Comm:
+    from pdd_sidecar.engine.comm import SingleComm
+
+    return SingleComm()
+
+
+def test_prefill_buckets_need_a_padded_mode() -> None:
+    model = load_rank_model("builtin", 0, 1, "float32", "cpu")
+    cache = new_cache(model, 8, BLOCK)
+    with pytest.raises(ValueError, match="prefill_buckets need decode_mode"):
+        RankEngine(model, cache, _single(), decode_mode="eager", prefill_buckets=(8,))
+    with pytest.raises(ValueError, match="graph buckets"):
+        RankEngine(model, cache, _single(), decode_mode="padded", prefill_buckets=(0, 8))
+    assert RankEngine(model, cache, _single(), decode_mode="padded").prefill_buckets == ()
+    assert cuda_graphs.PREFILL_BUCKETS == tuple(sorted(set(cuda_graphs.PREFILL_BUCKETS)))

@@ -1,8 +1,8 @@
-"""CUDA-graph decode in ``RankEngine`` against the eager step (run by hand on a CUDA machine;
-skipped without one): replay equals the padded eager step bit for bit and the unpadded eager
-step to rounding (greedy tokens identical), across buckets and across steps whose lengths, block
-tables and batch membership change; one capture per bucket; fallbacks; no host sync inside the
-captured step.
+"""CUDA-graph decode and prefill in ``RankEngine`` against the eager step (run by hand on a CUDA
+machine; skipped without one): replay equals the padded eager step bit for bit and the unpadded
+eager step to rounding (greedy tokens identical), across buckets and across steps whose lengths,
+block tables and batch membership change; one capture per bucket; fallbacks; no host sync
+inside the captured step.
 
     PYTHONPATH=sidecar python -m pytest tests/gpu/test_cuda_graphs.py -q
 """
@@ -50,7 +50,7 @@ class Pair:
     def __init__(self, model: RankModel, num_seqs: int, seed: int) -> None:
         self.engines = {
             m: RankEngine(model, new_cache(model, NUM_BLOCKS, BLOCK), SingleComm(),
-                          decode_mode=m, graph_buckets=BUCKETS)
+                          decode_mode=m, graph_buckets=BUCKETS, prefill_buckets=())
             for m in ("eager", "padded", "graph")
         }
         rng = random.Random(seed)
@@ -132,7 +132,8 @@ def test_graph_replay_matches_eager(kind: str, dtype: torch.dtype) -> None:
 def test_fallbacks_run_eagerly() -> None:
     model = _model("builtin", torch.float32)
     cache = new_cache(model, 512, BLOCK)
-    eng = RankEngine(model, cache, SingleComm(), decode_mode="graph", graph_buckets=(1, 2, 4))
+    eng = RankEngine(model, cache, SingleComm(), decode_mode="graph", graph_buckets=(1, 2, 4),
+                     prefill_buckets=())
     tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
     for t in tables:
         eng.step([SeqChunk([1, 2, 3], 0, t)])
@@ -154,6 +155,73 @@ def test_captured_step_has_no_host_sync() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         eng._decode_static(buf, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024)
+
+
+@pytest.mark.parametrize("kind", ["builtin", "small"])
+def test_prefill_graph_replay_matches_eager(kind: str) -> None:
+    """Fresh prompts of lengths around and between the buckets, each prefilled alone in bf16
+    by an eager engine, a padded one and a graph one (each its own cache, filled with a sentinel
+    first), then one decode step each over what the prefill stored."""
+    model = _model(kind, torch.bfloat16)
+    engines = {m: RankEngine(model, new_cache(model, NUM_BLOCKS, BLOCK), SingleComm(),
+                             decode_mode=m, graph_buckets=BUCKETS,
+                             prefill_buckets=() if m == "eager" else PREFILL_BUCKETS)
+               for m in ("eager", "padded", "graph")}
+    for e in engines.values():
+        e.cache.kv.fill_(7.25)
+    rng = random.Random(4)
+    ids = list(range(NUM_BLOCKS))
+    rng.shuffle(ids)
+    vocab = model.config.vocab_size
+    lengths = [1, 7, 31, 32, 33, 100, 255, 256, 257, 600, 1000, 1024, 1025]
+    flips = 0
+    for n in lengths:
+        table = [ids.pop() for _ in range(-(-(n + 1) // BLOCK))]
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        first = {m: e.step([SeqChunk(prompt, 0, table)]) for m, e in engines.items()}
+        tok = int(first["eager"][0].argmax())
+        second = {m: e.step([SeqChunk([tok], n, table)]) for m, e in engines.items()}
+        for out in (first, second):
+            eager, padded, graph = out["eager"], out["padded"], out["graph"]
+            assert graph.shape == eager.shape == (1, vocab)
+            assert torch.equal(graph.argmax(-1), padded.argmax(-1)), n
+            assert float((graph - padded).abs().max()) <= 1e-2, n
+            diff = float((graph - eager).abs().max())
+            assert diff <= 0.5, n
+            top2 = eager[0].topk(2).values
+            if int(graph.argmax()) != int(eager.argmax()):
+                assert float(top2[0] - top2[1]) <= 2 * diff, n  # only a near-tie may flip
+                flips += 1
+    g, p = engines["graph"], engines["padded"]
+    used = {next(b for b in PREFILL_BUCKETS if b >= n) for n in lengths if n <= 1024}
+    assert p.padded_prefills == g.padded_prefills == len(lengths) - 1  # 1025: eager
+    assert engines["eager"].padded_prefills == 0
+    # one capture per prefill bucket used, one for the decode bucket 1
+    assert g.graph_captures == len(used) + 1
+    caches = [e.cache.kv.float() for e in engines.values()]
+    written = [c != 7.25 for c in caches]
+    assert torch.equal(written[0], written[1]) and torch.equal(written[0], written[2])
+    assert float((caches[1] - caches[2]).abs().max()) <= 1e-2
+    assert float((caches[0] - caches[2]).abs().max()) <= 0.5
+    print(f"{kind}: prefill graphs {len(used)}, near-tie flips {flips}")
+
+
+def test_captured_prefill_has_no_host_sync() -> None:
+    model = _model("small", torch.bfloat16)
+    eng = RankEngine(model, new_cache(model, 256, BLOCK), SingleComm(), decode_mode="graph",
+                     prefill_buckets=(64,))
+    eng.step([SeqChunk(list(range(50)), 0, [5, 6, 7, 8])])
+    assert eng.graph_captures == 1
+    buf = eng._static_prefill[64]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng._prefill_static(buf, True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -8,7 +8,7 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +19,13 @@ from pdd_sidecar.engine.comm import Comm, SingleComm, TorchDistComm
 from pdd_sidecar.engine.cuda_graphs import (
     DECODE_MODES,
     DEFAULT_BUCKETS,
+    PREFILL_BUCKETS,
     StaticDecode,
+    StaticPrefill,
     check_buckets,
     default_decode_mode,
     stage,
+    stage_prefill,
     table_width,
 )
 from pdd_sidecar.engine.dcp import dcp_merge
@@ -194,7 +197,10 @@ class RankEngine:
     CUDA unless ``PDD_CUDA_GRAPHS=0``, eager elsewhere. ``max_table_blocks`` bounds the block
     table of a graphed sequence (default: what ``max_position_embeddings`` needs, at most the
     cache's blocks); steps beyond it, beyond the largest bucket, or with prompt chunks run
-    eagerly."""
+    eagerly. ``prefill_buckets`` (default: ``PREFILL_BUCKETS`` in graph mode, none otherwise)
+    are the prompt lengths a step of one fresh prompt is padded to, run as the decode steps
+    are (padded eagerly, or replayed); longer prompts, continuing chunks and steps of several
+    chunks run eagerly."""
 
     def __init__(
         self,
@@ -205,6 +211,7 @@ class RankEngine:
         decode_mode: str | None = None,
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_table_blocks: int | None = None,
+        prefill_buckets: Sequence[int] | None = None,
     ) -> None:
         cfg = model.config
         if comm.world_size != model.tp or comm.rank != model.rank:
@@ -243,16 +250,25 @@ class RankEngine:
             # none, so the first request of each prompt length costs what the next one does.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.buckets = check_buckets(graph_buckets)
+        if prefill_buckets is None:
+            prefill_buckets = PREFILL_BUCKETS if mode == "graph" else ()
+        if prefill_buckets and mode == "eager":
+            raise ValueError("prefill_buckets need decode_mode 'padded' or 'graph', not 'eager'")
+        self.prefill_buckets = check_buckets(prefill_buckets) if prefill_buckets else ()
         if max_table_blocks is not None and max_table_blocks < 1:
             raise ValueError(f"max_table_blocks must be >= 1, got {max_table_blocks}")
         self.table_width = max_table_blocks or table_width(
             cache.num_blocks, cfg.max_position_embeddings, cache.block_size, dcp)
         self._static: dict[int, StaticDecode] = {}
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        self._no_graph: set[tuple[int, bool]] = set()  # capture failed: padded eager instead
+        self._static_prefill: dict[int, StaticPrefill] = {}
+        # keyed (kind, bucket, want_logits), kind "decode" or "prefill"
+        self._graphs: dict[tuple[str, int, bool],
+                           tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._no_graph: set[tuple[str, int, bool]] = set()  # padded eager instead
         self._pool: Any = None
-        self.graph_captures = 0  # graphs captured so far (one per bucket and logits flag)
+        self.graph_captures = 0  # graphs captured so far (one per kind, bucket, logits flag)
         self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
+        self.padded_prefills = 0  # prefill steps that ran padded (replayed or eager)
 
     # --- public API ----------------------------------------------------------------------
 
@@ -264,6 +280,8 @@ class RankEngine:
             raise ValueError("empty step")
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
+        if self._prefill_paddable(chunks):
+            return self._prefill_padded(chunks[0], want_logits)
         hidden = self._forward(chunks)
         if not want_logits:
             return None
@@ -325,6 +343,10 @@ class RankEngine:
                 steps.append([rest, SeqChunk(more, len(one.tokens), one.block_ids)])
             for chunks in steps:
                 self.step(chunks, want_logits)
+        for n in self.prefill_buckets:  # each prefill graph captured before serving
+            if n <= prompt_tokens and kvc.num_table_blocks(
+                    n, self.cache.block_size, self.dcp) <= len(main):
+                self.step([SeqChunk(tokens[:n], 0, main)], want_logits)
         for n in batch_sizes:
             self.step([SeqChunk([1], 1, block_ids[:1]) for _ in range(n)], want_logits)
         if self.cache.device.type == "cuda":
@@ -610,29 +632,59 @@ class RankEngine:
             self._static[bucket] = buf
         stage(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_steps += 1
-        key = (bucket, want_logits)
+        logits, replayed = self._replay_or_run(
+            ("decode", bucket, want_logits), lambda: self._decode_static(buf, want_logits))
+        if logits is None:
+            return None
+        return logits[:n].clone() if replayed else logits[:n]
+
+    def _prefill_paddable(self, chunks: Sequence[SeqChunk]) -> bool:
+        return (bool(self.prefill_buckets) and len(chunks) == 1 and chunks[0].start == 0
+                and 0 < len(chunks[0].tokens) <= self.prefill_buckets[-1])
+
+    def _prefill_padded(self, chunk: SeqChunk, want_logits: bool) -> torch.Tensor | None:
+        self._check_tokens(chunk.tokens)
+        self._check_table(chunk.block_ids, len(chunk.tokens))
+        bucket = next(b for b in self.prefill_buckets if b >= len(chunk.tokens))
+        buf = self._static_prefill.get(bucket)
+        if buf is None:
+            buf = self._static_prefill[bucket] = StaticPrefill.empty(bucket, self.cache.device)
+        stage_prefill(buf, chunk, self.cache.block_size, self.dcp, self.rank)
+        self.padded_prefills += 1
+        logits, replayed = self._replay_or_run(
+            ("prefill", bucket, want_logits), lambda: self._prefill_static(buf, want_logits))
+        if logits is None:
+            return None
+        return logits.clone() if replayed else logits
+
+    def _replay_or_run(
+        self, key: tuple[str, int, bool], run: Callable[[], torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, bool]:
+        """A padded step's output: in graph mode its graph replayed (captured on first use),
+        else ``run()`` eagerly; and whether it was replayed (the output is then the graph's own
+        buffer, which the next replay overwrites)."""
+        kind, bucket, _ = key
         if (self.decode_mode == "graph" and key not in self._graphs
                 and key not in self._no_graph and not self._capturable(bucket)):
-            log.warning("decode bucket %d runs eagerly: its experts take the per-expert loop "
-                        "(dtype without grouped GEMMs at this batch)", bucket)
+            log.warning("%s bucket %d runs eagerly: its experts take the per-expert loop "
+                        "(dtype without grouped GEMMs at this batch)", kind, bucket)
             self._no_graph.add(key)
         if self.decode_mode == "graph" and key not in self._no_graph:
             if key not in self._graphs:
                 try:
-                    self._graphs[key] = self._capture(buf, want_logits)
+                    self._graphs[key] = self._capture(run)
                 except RuntimeError:
-                    log.warning("CUDA graph capture of decode bucket %d failed; that bucket "
-                                "runs eagerly", bucket, exc_info=True)
+                    log.warning("CUDA graph capture of %s bucket %d failed; that bucket runs "
+                                "eagerly", kind, bucket, exc_info=True)
                     self._no_graph.add(key)
             if key in self._graphs:
-                graph, logits = self._graphs[key]
+                graph, out = self._graphs[key]
                 graph.replay()
-                return None if logits is None else logits[:n].clone()
-        logits = self._decode_static(buf, want_logits)
-        return None if logits is None else logits[:n]
+                return out, True
+        return run(), False
 
     def _capturable(self, bucket: int) -> bool:
-        """Whether every MoE layer's experts run without a host sync at this batch size."""
+        """Whether every MoE layer's experts run without a host sync at this many tokens."""
         probe = torch.empty(bucket, self.cfg.hidden_size, dtype=self.model.dtype,
                             device=self.cache.device)
         return all(expert_path(probe, lw.moe, self.cfg.num_experts_per_tok) != "loop"
@@ -652,7 +704,7 @@ class RankEngine:
         return num_splits_for(bucket, groups, cap, sm_count(dev))
 
     def _capture(
-        self, buf: StaticDecode, want_logits: bool
+        self, run: Callable[[], torch.Tensor | None]
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
         """Warm up on a side stream (kernel compilation, library handles, NCCL), then capture.
         Both runs write the same latents to the same slots; the capture itself executes
@@ -663,12 +715,12 @@ class RankEngine:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self._decode_static(buf, want_logits)
+            run()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the KV pull threads may use CUDA while this thread captures
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._decode_static(buf, want_logits)
+            out = run()
         self.graph_captures += 1
         return graph, out
 
@@ -696,6 +748,25 @@ class RankEngine:
         if not want_logits:
             return None
         return self._logits(rms_norm(x, w.norm, cfg.rms_norm_eps))
+
+    def _prefill_static(self, buf: StaticPrefill, want_logits: bool) -> torch.Tensor | None:
+        """``_forward`` for one fresh prompt padded to its bucket, reading only ``buf``'s
+        tensors (capturable): every rank attends over the whole prompt, as the eager path does,
+        and stores its own chunks' latents. ``[1, V]`` logits of the prompt's last token."""
+        cfg, w = self.cfg, self.model.weights
+        cos, sin = self.model.rotary.cos_sin(buf.positions)
+        x = F.embedding(buf.tokens, w.embed)
+        for i, lw in enumerate(w.layers):
+            a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
+            latent = project_latent(a, lw.attn, cfg, cos, sin)
+            write_latents(self.cache.kv, i, buf.write_blocks, buf.write_offsets,
+                          buf.write_mask, latent)
+            o = prefill_attention(q_nope, q_pe, latent, lw.attn, cfg)
+            x = self._layer_rest(x, o, lw)
+        if not want_logits:
+            return None
+        return self._logits(rms_norm(x.index_select(0, buf.last), w.norm, cfg.rms_norm_eps))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()
