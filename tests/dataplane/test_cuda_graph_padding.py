@@ -170,16 +170,17 @@ def test_table_wider_than_the_bound_runs_eagerly() -> None:
     assert eng.padded_steps == 1
 
 
-# Prefill graphs' twin: one fresh prompt padded to its prompt-length bucket.
+# Prefill graphs' twin: steps of fresh prompts padded to their token bucket. Each group is one
+# step; 40 tokens is above the largest bucket (eager).
 PREFILL_BUCKETS = (8, 16, 32)
-PROMPT_LENGTHS = [1, 3, 8, 9, 16, 21, 32, 40]  # 40: above the largest bucket (eager)
+GROUPS = [[1], [3, 5], [9], [2, 2, 2, 2], [16], [10, 21], [32], [40], [20, 20]]
 
 
 def _prefill_run(rank: int, comm: Comm, tp: int, dcp: int, buckets: tuple[int, ...],
                  ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """Each prompt of ``PROMPT_LENGTHS`` prefilled alone, then one decode step of each (the
-    step reads the latents the prefill stored); per prompt the two steps' logits, the cache,
-    and how many prefills ran padded."""
+    """Each group of ``GROUPS`` prefilled as one step, then one decode step of its sequences
+    (it reads the latents the prefill stored); every logits row of both steps, the cache, and
+    how many prefill steps ran padded."""
     model = load_rank_model("builtin", rank, tp, "float32", "cpu")
     cache = new_cache(model, NUM_BLOCKS, BLOCK)
     cache.kv.fill_(SENTINEL)
@@ -187,13 +188,20 @@ def _prefill_run(rank: int, comm: Comm, tp: int, dcp: int, buckets: tuple[int, .
     eng = RankEngine(model, cache, comm, dcp, decode_mode=mode, prefill_buckets=buckets)
     order = [0] + [b for b in range(NUM_BLOCKS - 1, 0, -1) if b % 3]
     out: list[torch.Tensor] = []
-    for i, n in enumerate(PROMPT_LENGTHS):
-        table = order[i * 12:(i + 1) * 12]
-        first = eng.step([SeqChunk(_prompt(n, i), 0, table)])
-        assert first is not None and first.shape == (1, model.config.vocab_size)
-        nxt = eng.step([SeqChunk([int(first[0].argmax())], n, table)])
+    salt = 0
+    for lengths in GROUPS:
+        chunks = []
+        for n in lengths:
+            need = -(-(n + 1) // BLOCK)
+            chunks.append(SeqChunk(_prompt(n, salt), 0, order[:need]))
+            order = order[need:]
+            salt += 1
+        first = eng.step(chunks)
+        assert first is not None and first.shape == (len(chunks), model.config.vocab_size)
+        nxt = eng.step([SeqChunk([int(row.argmax())], len(c.tokens), c.block_ids)
+                        for row, c in zip(first, chunks, strict=True)])
         assert nxt is not None
-        out += [first[0].clone(), nxt[0].clone()]
+        out += [row.clone() for row in first] + [row.clone() for row in nxt]
     return out, cache.kv.clone(), eng.padded_prefills
 
 
@@ -205,7 +213,7 @@ def test_a_padded_prefill_equals_the_eager_one(tp: int, dcp: int) -> None:
 
     (ref, ref_kv, ref_padded), (got, got_kv, got_padded) = go(()), go(PREFILL_BUCKETS)
     assert ref_padded == 0
-    assert got_padded == sum(n <= PREFILL_BUCKETS[-1] for n in PROMPT_LENGTHS)
+    assert got_padded == sum(sum(g) <= PREFILL_BUCKETS[-1] for g in GROUPS)
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert int(a.argmax()) == int(b.argmax()), i
         assert float((a - b).abs().max()) <= TOL["float32"], i
@@ -217,7 +225,7 @@ def test_a_padded_prefill_equals_the_eager_one(tp: int, dcp: int) -> None:
 def test_a_padded_prefill_that_wrote_its_padding_would_be_caught(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparison above sees padded rows that store their latents (all masked in): they land
-    on slot 0 of the prompt's first block (block id 0 for prompt 0), over a real token's."""
+    on slot 0 of block 0, prompt 0's first token's."""
     real = cuda_graphs.stage_prefill
 
     def leaky(buf, chunk, block_size, dcp, rank):  # type: ignore[no-untyped-def]

@@ -14,12 +14,14 @@ does not hold are masked the same way. The only cost of padding is the padded ro
 The padded step also runs eagerly (``decode_mode="padded"``): that is the CPU twin of the graph
 path, which the dataplane tests check against the unpadded batch.
 
-A step of one fresh prompt of up to ``PREFILL_BUCKETS[-1]`` tokens is padded the same way, to the
-smallest prefill bucket that holds it, and replayed as a graph too. Eager, such a step is the host
-launching ~1,500 kernels: on an H200 a 1k-token prompt took 38-67 ms (the time drifting with the
-host's speed) for ~22 ms of device work. Padded tokens come after the prompt, so under causal
-attention no real token sees them; their latents are not written, and the logits are the last
-real token's.
+A step of fresh prompts only (up to ``PREFILL_MAX_PROMPTS`` of them, ``PREFILL_BUCKETS[-1]`` tokens
+in all) is padded the same way, to the smallest prefill bucket that holds its tokens, and replayed
+as a graph too. Eager, such a step is the host launching ~1,500 kernels: on an H200 a 1k-token
+prompt took 38-67 ms (the time drifting with the host's speed) for ~22 ms of device work, and a
+burst of 64 short prompts 53-120 ms. The prompts attend through the varlen kernel, each over
+itself (a segment start per token); padded tokens come after them as a segment of their own, so
+no real token sees them; their latents are not written, and the logits are each prompt's last
+token's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Prompt lengths of the prefill graphs: fine enough that padding wastes at most a third of a step,
 # up to where a step is device-bound (8k: 135 ms of device time, host launches hidden under it).
 PREFILL_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+PREFILL_MAX_PROMPTS = 64  # prompts of one graphed prefill step (logits rows it computes)
 DECODE_MODES = ("eager", "padded", "graph")
 
 
@@ -100,46 +103,59 @@ class StaticDecode:
 
 @dataclass
 class StaticPrefill:
-    """One prefill bucket's inputs (a fresh prompt padded to ``B`` tokens), on the device."""
+    """One prefill bucket's inputs (fresh prompts, ``B`` tokens in all with the padding, at most
+    ``P`` prompts), on the device."""
 
     tokens: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: each token's position in its prompt
+    seg_start: torch.Tensor  # [B] int32: the row of its prompt's first token
     write_blocks: torch.Tensor  # [B] int64
     write_offsets: torch.Tensor  # [B] int64
     write_mask: torch.Tensor  # [B] int32: 1 where this rank stores the token's latent
-    last: torch.Tensor  # [1] int64: the row of the prompt's last token
+    last: torch.Tensor  # [P] int64: the row of each prompt's last token (0 past the prompts)
 
     @classmethod
-    def empty(cls, tokens: int, device: torch.device) -> StaticPrefill:
+    def empty(cls, tokens: int, prompts: int, device: torch.device) -> StaticPrefill:
         def z(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
 
-        return cls(z(tokens), z(tokens), z(tokens), z(tokens), z(tokens, torch.int32), z(1))
+        return cls(z(tokens), z(tokens), z(tokens, torch.int32), z(tokens), z(tokens),
+                   z(tokens, torch.int32), z(prompts))
 
 
-def stage_prefill(buf: StaticPrefill, chunk: SeqChunk, block_size: int, dcp: int,
+def stage_prefill(buf: StaticPrefill, chunks: Sequence[SeqChunk], block_size: int, dcp: int,
                   rank: int) -> None:
-    """Fill ``buf`` for a fresh prompt (checked by the caller): the prompt's tokens at positions
-    0.., this rank's chunks' slots; padded rows get token 0 at position 0 and no slot."""
-    n, bucket = len(chunk.tokens), buf.tokens.shape[0]
-    pos = torch.arange(n, dtype=torch.int64)
-    chunk_ids = pos // block_size
-    mine = (chunk_ids % dcp == rank) if dcp > 1 else torch.ones(n, dtype=torch.bool)
-    table = torch.tensor(list(chunk.block_ids), dtype=torch.int64)
-    blocks = torch.where(mine, table[chunk_ids // dcp], 0)
-    head = torch.zeros(5, bucket, dtype=torch.int64)
-    head[0, :n] = torch.tensor(list(chunk.tokens), dtype=torch.int64)
-    head[1, :n] = pos
-    head[2, :n] = blocks
-    head[3, :n] = pos % block_size
-    head[4, :n] = mine.to(torch.int64)
+    """Fill ``buf`` for fresh prompts (checked by the caller): their tokens one after the other,
+    each at positions 0.. of its own segment, this rank's chunks' slots; the padded rows are one
+    segment after them, token 0 at position 0, with no slot."""
+    bucket = buf.tokens.shape[0]
+    head = torch.zeros(6, bucket, dtype=torch.int64)
+    last = torch.zeros(buf.last.shape[0], dtype=torch.int64)
+    row = 0
+    for i, c in enumerate(chunks):
+        n = len(c.tokens)
+        pos = torch.arange(n, dtype=torch.int64)
+        chunk_ids = pos // block_size
+        mine = (chunk_ids % dcp == rank) if dcp > 1 else torch.ones(n, dtype=torch.bool)
+        table = torch.tensor(list(c.block_ids), dtype=torch.int64)
+        rows = slice(row, row + n)
+        head[0, rows] = torch.tensor(list(c.tokens), dtype=torch.int64)
+        head[1, rows] = pos
+        head[2, rows] = row
+        head[3, rows] = torch.where(mine, table[chunk_ids // dcp], 0)
+        head[4, rows] = pos % block_size
+        head[5, rows] = mine.to(torch.int64)
+        row += n
+        last[i] = row - 1
+    head[2, row:] = row
     head = head.to(buf.tokens.device, non_blocking=True)
     buf.tokens.copy_(head[0])
     buf.positions.copy_(head[1])
-    buf.write_blocks.copy_(head[2])
-    buf.write_offsets.copy_(head[3])
-    buf.write_mask.copy_(head[4])
-    buf.last.fill_(n - 1)
+    buf.seg_start.copy_(head[2])
+    buf.write_blocks.copy_(head[3])
+    buf.write_offsets.copy_(head[4])
+    buf.write_mask.copy_(head[5])
+    buf.last.copy_(last.to(buf.last.device, non_blocking=True))
 
 
 def stage(
@@ -189,6 +205,7 @@ __all__ = [
     "DECODE_MODES",
     "DEFAULT_BUCKETS",
     "PREFILL_BUCKETS",
+    "PREFILL_MAX_PROMPTS",
     "StaticDecode",
     "StaticPrefill",
     "check_buckets",

@@ -20,6 +20,7 @@ from pdd_sidecar.engine.cuda_graphs import (
     DECODE_MODES,
     DEFAULT_BUCKETS,
     PREFILL_BUCKETS,
+    PREFILL_MAX_PROMPTS,
     StaticDecode,
     StaticPrefill,
     check_buckets,
@@ -198,9 +199,9 @@ class RankEngine:
     table of a graphed sequence (default: what ``max_position_embeddings`` needs, at most the
     cache's blocks); steps beyond it, beyond the largest bucket, or with prompt chunks run
     eagerly. ``prefill_buckets`` (default: ``PREFILL_BUCKETS`` in graph mode, none otherwise)
-    are the prompt lengths a step of one fresh prompt is padded to, run as the decode steps
-    are (padded eagerly, or replayed); longer prompts, continuing chunks and steps of several
-    chunks run eagerly."""
+    are the token counts a step of fresh prompts only (at most ``PREFILL_MAX_PROMPTS``) is
+    padded to, run as the decode steps are (padded eagerly, or replayed); more tokens or
+    prompts, and steps with a continuing chunk, run eagerly."""
 
     def __init__(
         self,
@@ -281,7 +282,7 @@ class RankEngine:
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
         if self._prefill_paddable(chunks):
-            return self._prefill_padded(chunks[0], want_logits)
+            return self._prefill_padded(chunks, want_logits)
         hidden = self._forward(chunks)
         if not want_logits:
             return None
@@ -639,23 +640,29 @@ class RankEngine:
         return logits[:n].clone() if replayed else logits[:n]
 
     def _prefill_paddable(self, chunks: Sequence[SeqChunk]) -> bool:
-        return (bool(self.prefill_buckets) and len(chunks) == 1 and chunks[0].start == 0
-                and 0 < len(chunks[0].tokens) <= self.prefill_buckets[-1])
+        return (bool(self.prefill_buckets) and len(chunks) <= PREFILL_MAX_PROMPTS
+                and all(c.start == 0 and c.tokens for c in chunks)
+                and sum(len(c.tokens) for c in chunks) <= self.prefill_buckets[-1])
 
-    def _prefill_padded(self, chunk: SeqChunk, want_logits: bool) -> torch.Tensor | None:
-        self._check_tokens(chunk.tokens)
-        self._check_table(chunk.block_ids, len(chunk.tokens))
-        bucket = next(b for b in self.prefill_buckets if b >= len(chunk.tokens))
+    def _prefill_padded(self, chunks: Sequence[SeqChunk], want_logits: bool
+                        ) -> torch.Tensor | None:
+        for c in chunks:
+            self._check_tokens(c.tokens)
+            self._check_table(c.block_ids, len(c.tokens))
+        total = sum(len(c.tokens) for c in chunks)
+        bucket = next(b for b in self.prefill_buckets if b >= total)
         buf = self._static_prefill.get(bucket)
         if buf is None:
-            buf = self._static_prefill[bucket] = StaticPrefill.empty(bucket, self.cache.device)
-        stage_prefill(buf, chunk, self.cache.block_size, self.dcp, self.rank)
+            buf = StaticPrefill.empty(bucket, min(bucket, PREFILL_MAX_PROMPTS), self.cache.device)
+            self._static_prefill[bucket] = buf
+        stage_prefill(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_prefills += 1
         logits, replayed = self._replay_or_run(
             ("prefill", bucket, want_logits), lambda: self._prefill_static(buf, want_logits))
         if logits is None:
             return None
-        return logits.clone() if replayed else logits
+        n = len(chunks)
+        return logits[:n].clone() if replayed else logits[:n]
 
     def _replay_or_run(
         self, key: tuple[str, int, bool], run: Callable[[], torch.Tensor | None]
@@ -750,9 +757,10 @@ class RankEngine:
         return self._logits(rms_norm(x, w.norm, cfg.rms_norm_eps))
 
     def _prefill_static(self, buf: StaticPrefill, want_logits: bool) -> torch.Tensor | None:
-        """``_forward`` for one fresh prompt padded to its bucket, reading only ``buf``'s
-        tensors (capturable): every rank attends over the whole prompt, as the eager path does,
-        and stores its own chunks' latents. ``[1, V]`` logits of the prompt's last token."""
+        """``_forward`` for fresh prompts padded to their bucket, reading only ``buf``'s
+        tensors (capturable): every rank attends over the whole prompts, as the eager path
+        does, and stores its own chunks' latents. ``[P, V]`` logits, a row per prompt's last
+        token (rows past the prompts: row 0's)."""
         cfg, w = self.cfg, self.model.weights
         cos, sin = self.model.rotary.cos_sin(buf.positions)
         x = F.embedding(buf.tokens, w.embed)
@@ -762,7 +770,7 @@ class RankEngine:
             latent = project_latent(a, lw.attn, cfg, cos, sin)
             write_latents(self.cache.kv, i, buf.write_blocks, buf.write_offsets,
                           buf.write_mask, latent)
-            o = prefill_attention(q_nope, q_pe, latent, lw.attn, cfg)
+            o = varlen_prefill_attention(q_nope, q_pe, latent, buf.seg_start, lw.attn, cfg)
             x = self._layer_rest(x, o, lw)
         if not want_logits:
             return None
