@@ -214,8 +214,15 @@ def test_prefill_graph_replay_matches_eager(kind: str) -> None:
     written = [c != 7.25 for c in caches]
     assert torch.equal(written[0], written[1]) and torch.equal(written[0], written[2])
     assert float((caches[1] - caches[2]).abs().max()) <= 1e-2
-    assert float((caches[0] - caches[2]).abs().max()) <= 0.5
-    print(f"{kind}: prefill graphs {len(prefills)}, near-tie flips {flips}")
+    # eager attends through SDPA (one prompt) where the graph uses the varlen kernel: each
+    # stored latent to bf16 rounding, as a relative error of its row (a row written wrong or
+    # from the wrong prompt is off by ~100 %)
+    rows = written[0].any(-1)
+    ref, got = caches[0][rows], caches[2][rows]
+    rel = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).max())
+    print(f"{kind}: prefill graphs {len(prefills)}, near-tie flips {flips}, latents' worst "
+          f"relative error {rel:.2e} over {int(rows.sum())} rows")
+    assert rel <= 0.05
 
 
 def test_captured_prefill_has_no_host_sync() -> None:
