@@ -214,15 +214,48 @@ def test_prefill_graph_replay_matches_eager(kind: str) -> None:
     written = [c != 7.25 for c in caches]
     assert torch.equal(written[0], written[1]) and torch.equal(written[0], written[2])
     assert float((caches[1] - caches[2]).abs().max()) <= 1e-2
-    # eager attends through SDPA (one prompt) where the graph uses the varlen kernel: each
-    # stored latent to bf16 rounding, as a relative error of its row (a row written wrong or
-    # from the wrong prompt is off by ~100 %)
-    rows = written[0].any(-1)
-    ref, got = caches[0][rows], caches[2][rows]
-    rel = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).max())
-    print(f"{kind}: prefill graphs {len(prefills)}, near-tie flips {flips}, latents' worst "
-          f"relative error {rel:.2e} over {int(rows.sum())} rows")
-    assert rel <= 0.05
+    # Eager attends through SDPA (one prompt) where the graph uses the varlen kernel. In bf16
+    # the stored latents drift apart with depth (in fp32 they agree to 1e-6: the test below):
+    # measured, each row's relative error 0 in layer 0, up to 1 % in layer 1, up to 9-25 %
+    # (median 0.6 %) deeper. A row written wrong or from another prompt is off by ~100 %.
+    rel = _row_errors(caches[0], caches[2], written[0])
+    print(f"{kind}: prefill graphs {len(prefills)}, near-tie flips {flips}, latents' relative "
+          f"error per row: median {float(rel.median()):.2e}, worst {float(rel.max()):.2e}")
+    assert float(rel.median()) <= 0.05 and float(rel.max()) <= 0.5
+
+
+def _row_errors(ref: torch.Tensor, got: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    """Each stored latent row's relative error (L2)."""
+    rows = written.any(-1)
+    a, b = ref[rows], got[rows]
+    return (b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)
+
+
+def test_padded_prefill_on_the_device_equals_eager_in_fp32() -> None:
+    """The padded prefill's kernels (the varlen attention, the masked store) against eager's
+    (SDPA) on the device in fp32, where rounding cannot hide a wrong row: fp32 experts have no
+    grouped GEMM, so these buckets run padded but eager."""
+    model = _model("builtin", torch.float32)
+    engines = [RankEngine(model, new_cache(model, 512, BLOCK), SingleComm(), decode_mode=m,
+                          prefill_buckets=b)
+               for m, b in (("eager", ()), ("padded", PREFILL_BUCKETS))]
+    for e in engines:
+        e.cache.kv.fill_(7.25)
+    rng = random.Random(1)
+    start = 0
+    for lengths in ([7], [100], [600], [1000], [5, 300, 17, 200]):
+        chunks = []
+        for n in lengths:
+            chunks.append(SeqChunk([rng.randrange(256) for _ in range(n)], 0,
+                                   list(range(start, start + n // BLOCK + 1))))
+            start += n // BLOCK + 1
+        eager, padded = (e.step(chunks) for e in engines)
+        assert float((eager - padded).abs().max()) <= 1e-4, lengths
+    assert engines[1].padded_prefills == 5
+    a, b = (e.cache.kv for e in engines)
+    written = a != 7.25
+    assert torch.equal(written, b != 7.25)
+    assert float(_row_errors(a, b, written).max()) <= 1e-5
 
 
 def test_captured_prefill_has_no_host_sync() -> None:
