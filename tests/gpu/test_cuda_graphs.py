@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -151,10 +152,15 @@ def test_captured_step_has_no_host_sync() -> None:
     pair.step(list(range(8)))  # captures bucket 8
     eng = pair.engines["padded"]
     buf = eng._static[8]
+    _without_host_sync(lambda: eng._decode_static(buf, True))
+
+
+def _without_host_sync(step: Callable[[], object]) -> None:
+    """``step`` run with torch's sync debug mode raising on any host sync."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        eng._decode_static(buf, True)
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -265,12 +271,7 @@ def test_captured_prefill_has_no_host_sync() -> None:
     eng.step([SeqChunk(list(range(50)), 0, [5, 6, 7, 8])])
     assert eng.graph_captures == 1
     buf = eng._static_prefill[64]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eng._prefill_static(buf, True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _without_host_sync(lambda: eng._prefill_static(buf, True))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

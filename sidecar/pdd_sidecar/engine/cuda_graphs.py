@@ -148,14 +148,17 @@ def stage_prefill(buf: StaticPrefill, chunks: Sequence[SeqChunk], block_size: in
         row += n
         last[i] = row - 1
     head[2, row:] = row
-    head = head.to(buf.tokens.device, non_blocking=True)
-    buf.tokens.copy_(head[0])
-    buf.positions.copy_(head[1])
-    buf.seg_start.copy_(head[2])
-    buf.write_blocks.copy_(head[3])
-    buf.write_offsets.copy_(head[4])
-    buf.write_mask.copy_(head[5])
+    _copy_rows(head, [buf.tokens, buf.positions, buf.seg_start, buf.write_blocks,
+                      buf.write_offsets, buf.write_mask])
     buf.last.copy_(last.to(buf.last.device, non_blocking=True))
+
+
+def _copy_rows(head: torch.Tensor, bufs: Sequence[torch.Tensor]) -> None:
+    """Row i of the host tensor ``head`` into ``bufs[i]``: one host-to-device copy, then a
+    copy on the device per buffer."""
+    head = head.to(bufs[0].device, non_blocking=True)
+    for row, buf in zip(head, bufs, strict=True):
+        buf.copy_(row)
 
 
 def stage(
@@ -188,13 +191,8 @@ def stage(
     head = torch.tensor([tok + zeros, pos + zeros, blk + zeros, off + zeros, mask + zeros,
                          lens + zeros], dtype=torch.int64)
     dev = buf.tokens.device
-    head = head.to(dev, non_blocking=True)
-    buf.tokens.copy_(head[0])
-    buf.positions.copy_(head[1])
-    buf.write_blocks.copy_(head[2])
-    buf.write_offsets.copy_(head[3])
-    buf.write_mask.copy_(head[4])
-    buf.seq_lens.copy_(head[5])
+    _copy_rows(head, [buf.tokens, buf.positions, buf.write_blocks, buf.write_offsets,
+                      buf.write_mask, buf.seq_lens])
     # Only the columns this step needs: a row never reads past its length, and padded rows have
     # length 0, so columns and rows beyond are never read and may hold an earlier step's ids.
     buf.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True))

@@ -738,11 +738,7 @@ class RankEngine:
         cos, sin = self.model.rotary.cos_sin(buf.positions)
         x = F.embedding(buf.tokens, w.embed)
         for i, lw in enumerate(w.layers):
-            a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-            q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
-            latent = project_latent(a, lw.attn, cfg, cos, sin)
-            write_latents(self.cache.kv, i, buf.write_blocks, buf.write_offsets,
-                          buf.write_mask, latent)
+            q_nope, q_pe, _ = self._stored_projections(x, i, lw, cos, sin, buf)
             q = absorb_q(q_nope, q_pe, lw.attn)
             if self.dcp > 1:
                 q = comm.all_gather(q, dim=1)
@@ -765,16 +761,26 @@ class RankEngine:
         cos, sin = self.model.rotary.cos_sin(buf.positions)
         x = F.embedding(buf.tokens, w.embed)
         for i, lw in enumerate(w.layers):
-            a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-            q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
-            latent = project_latent(a, lw.attn, cfg, cos, sin)
-            write_latents(self.cache.kv, i, buf.write_blocks, buf.write_offsets,
-                          buf.write_mask, latent)
+            q_nope, q_pe, latent = self._stored_projections(x, i, lw, cos, sin, buf)
             o = varlen_prefill_attention(q_nope, q_pe, latent, buf.seg_start, lw.attn, cfg)
             x = self._layer_rest(x, o, lw)
         if not want_logits:
             return None
         return self._logits(rms_norm(x.index_select(0, buf.last), w.norm, cfg.rms_norm_eps))
+
+    def _stored_projections(
+        self, x: torch.Tensor, layer: int, lw: LayerWeights, cos: torch.Tensor,
+        sin: torch.Tensor, buf: StaticDecode | StaticPrefill,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A padded step's layer up to attention: ``(q_nope, q_pe, latent)``, the latents
+        stored at the slots ``buf`` masks in."""
+        cfg = self.cfg
+        a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+        q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
+        latent = project_latent(a, lw.attn, cfg, cos, sin)
+        write_latents(self.cache.kv, layer, buf.write_blocks, buf.write_offsets, buf.write_mask,
+                      latent)
+        return q_nope, q_pe, latent
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()
