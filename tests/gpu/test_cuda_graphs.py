@@ -239,8 +239,8 @@ def _row_errors(ref: torch.Tensor, got: torch.Tensor, written: torch.Tensor) -> 
 
 def test_padded_prefill_on_the_device_equals_eager_in_fp32() -> None:
     """The padded prefill's kernels (the varlen attention, the masked store) against eager's
-    (SDPA) on the device in fp32, where rounding cannot hide a wrong row: fp32 experts have no
-    grouped GEMM, so these buckets run padded but eager."""
+    (SDPA) on the device in fp32 (``decode_mode="padded"``: padded, never captured), where
+    rounding cannot hide a wrong row."""
     model = _model("builtin", torch.float32)
     engines = [RankEngine(model, new_cache(model, 512, BLOCK), SingleComm(), decode_mode=m,
                           prefill_buckets=b)
@@ -262,6 +262,23 @@ def test_padded_prefill_on_the_device_equals_eager_in_fp32() -> None:
     written = a != 7.25
     assert torch.equal(written, b != 7.25)
     assert float(_row_errors(a, b, written).max()) <= 1e-5
+
+
+def test_a_prefill_bucket_that_cannot_be_captured_runs_unpadded() -> None:
+    """fp32 experts past the GEMV limit (the built-in model: 64 tokens x 2 experts) take the
+    per-expert loop, which syncs: such a bucket runs padded once, is known not capturable, and
+    its later steps run as given (the padding would buy nothing); a bucket the GEMVs serve is
+    captured and replayed."""
+    model = _model("builtin", torch.float32)
+    eng = RankEngine(model, new_cache(model, 512, BLOCK), SingleComm(), decode_mode="graph",
+                     prefill_buckets=(32, 256))
+    eng.step([SeqChunk(list(range(200)), 0, list(range(13)))])
+    assert (eng.padded_prefills, eng.graph_captures) == (1, 0)
+    eng.step([SeqChunk(list(range(190)), 0, list(range(20, 33)))])
+    assert eng.padded_prefills == 1  # unpadded now
+    for _ in range(2):
+        eng.step([SeqChunk(list(range(20)), 0, [40, 41])])
+    assert (eng.padded_prefills, eng.graph_captures) == (3, 1)
 
 
 def test_captured_prefill_has_no_host_sync() -> None:

@@ -281,7 +281,7 @@ class RankEngine:
             raise ValueError("empty step")
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
-        if self._prefill_paddable(chunks):
+        if self._prefill_paddable(chunks, want_logits):
             return self._prefill_padded(chunks, want_logits)
         hidden = self._forward(chunks)
         if not want_logits:
@@ -639,10 +639,17 @@ class RankEngine:
             return None
         return logits[:n].clone() if replayed else logits[:n]
 
-    def _prefill_paddable(self, chunks: Sequence[SeqChunk]) -> bool:
-        return (bool(self.prefill_buckets) and len(chunks) <= PREFILL_MAX_PROMPTS
+    def _prefill_paddable(self, chunks: Sequence[SeqChunk], want_logits: bool) -> bool:
+        """Fresh prompts that a bucket holds; in graph mode not a bucket known to run eagerly
+        (its experts need host syncs, or its capture failed): the padding would buy nothing
+        there, so such steps run as given."""
+        total = sum(len(c.tokens) for c in chunks)
+        if not (self.prefill_buckets and len(chunks) <= PREFILL_MAX_PROMPTS
                 and all(c.start == 0 and c.tokens for c in chunks)
-                and sum(len(c.tokens) for c in chunks) <= self.prefill_buckets[-1])
+                and total <= self.prefill_buckets[-1]):
+            return False
+        bucket = next(b for b in self.prefill_buckets if b >= total)
+        return self.decode_mode != "graph" or ("prefill", bucket, want_logits) not in self._no_graph
 
     def _prefill_padded(self, chunks: Sequence[SeqChunk], want_logits: bool
                         ) -> torch.Tensor | None:
