@@ -149,6 +149,27 @@ def test_admission_reserves_blocks_and_dcp_multiplies_what_fits() -> None:
         full.submit(Sequence("b", [], 4, 8))
 
 
+def test_the_queue_limit_counts_only_what_the_next_step_cannot_admit() -> None:
+    from pdd_sidecar.engine.scheduler import QueueFull, Scheduler, Sequence
+    from pdd_sidecar.kv.cache import PagedKVCache
+
+    # A burst that arrives between two steps: 2 running slots, 1 waiting place.
+    by_slots = Scheduler("decode", PagedKVCache(24, 1, BLOCK, 4), BLOCK, 1, 1, max_running=2,
+                         max_waiting=1)
+    for i in range(3):
+        by_slots.submit(Sequence(f"r{i}", [], 4, 8))
+    with pytest.raises(QueueFull, match="1 requests already waiting \\(limit 1\\)"):
+        by_slots.submit(Sequence("r3", [], 4, 8))
+    assert len(by_slots.plan().pulls) == 2 and len(by_slots.waiting) == 1
+    # Blocks for two (3 each), slots for all: the third waits, the fourth is refused.
+    by_blocks = Scheduler("decode", PagedKVCache(6, 1, BLOCK, 4), BLOCK, 1, 1, max_waiting=1)
+    for i in range(3):
+        by_blocks.submit(Sequence(f"r{i}", [], 4, 3 * BLOCK))
+    with pytest.raises(QueueFull):
+        by_blocks.submit(Sequence("r3", [], 4, 3 * BLOCK))
+    assert len(by_blocks.plan().pulls) == 2 and len(by_blocks.waiting) == 1
+
+
 def test_kv_capacity_bounds_the_running_batch_and_the_queue_answers_429(
         cluster: LocalCluster) -> None:
     # 12 blocks per rank, each request needs 3 chunks (dcp 1): at most 4 run at once.

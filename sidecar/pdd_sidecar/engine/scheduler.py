@@ -5,7 +5,8 @@ Policy (one place, pure Python, no torch):
   prompt + max_tokens), so a running sequence never runs out of KV and nothing is preempted. A
   sequence waits in a bounded FIFO queue until its blocks fit and a running slot is free; the
   head of the queue is never overtaken, so a long request cannot starve. More waiting than
-  ``max_waiting`` is refused (HTTP 429). A request that could never fit is refused at once (400).
+  ``max_waiting``, past those the next step admits, is refused (HTTP 429). A request that
+  could never fit is refused at once (400).
 - **Decode** sequences first pull their KV from the prefill (``PULLING``, vLLM's
   WAITING_FOR_REMOTE_KVS) without holding up the running batch; they join at the next step
   boundary once every rank has its chunks, and leave the moment they finish, freeing their blocks.
@@ -204,8 +205,9 @@ class Scheduler:
             )
         if seq.id in self.by_id:
             raise ValueError(f"request_id {seq.id!r} is already in flight on this instance")
-        if len(self.waiting) >= self.max_waiting and not self._fits_now(need):
-            raise QueueFull(f"{len(self.waiting)} requests already waiting (limit "
+        queued = self._queued_beyond_next_step(need)
+        if queued > self.max_waiting:
+            raise QueueFull(f"{queued - 1} requests already waiting (limit "
                             f"{self.max_waiting})")
         self.waiting.append(seq)
         self.by_id[seq.id] = seq
@@ -230,10 +232,19 @@ class Scheduler:
         return (len(self.waiting) >= self.max_running
                 or any(n >= self.step_tokens for n in tokens))
 
-    def _fits_now(self, need: int) -> bool:
-        """Would be admitted at the next step without waiting behind anyone."""
-        return (not self.waiting and need <= self.allocator.num_free
-                and len(self.running) + len(self.pulling) < self.max_running)
+    def _queued_beyond_next_step(self, need: int) -> int:
+        """How many of the waiting, with a newcomer needing ``need`` blocks at the back, the
+        next step could not admit: only those count against ``max_waiting``. A burst that
+        arrives between two steps is not refused for the places it is about to take."""
+        free = self.allocator.num_free
+        slots = self.max_running - len(self.running) - len(self.pulling)
+        needs = [*(self.blocks_needed(s.kv_tokens) for s in self.waiting), need]
+        for i, n in enumerate(needs):
+            if slots <= 0 or n > free:
+                return len(needs) - i
+            free -= n
+            slots -= 1
+        return 0
 
     # -- planning
 
@@ -242,10 +253,10 @@ class Scheduler:
         return bool(self.waiting or self.pulling or self.running)
 
     def _admit(self) -> list[Sequence]:
-        admitted = []
+        admitted: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
-            if len(self.running) + len(self.pulling) >= self.max_running:
+            if len(self.running) + len(self.pulling) + len(admitted) >= self.max_running:
                 break
             need = self.blocks_needed(seq.kv_tokens)
             if self.prefix_cache is not None:
