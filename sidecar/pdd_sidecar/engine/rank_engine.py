@@ -633,11 +633,8 @@ class RankEngine:
             self._static[bucket] = buf
         stage(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_steps += 1
-        logits, replayed = self._replay_or_run(
-            ("decode", bucket, want_logits), lambda: self._decode_static(buf, want_logits))
-        if logits is None:
-            return None
-        return logits[:n].clone() if replayed else logits[:n]
+        return self._replay_or_run(("decode", bucket, want_logits), n,
+                                   lambda: self._decode_static(buf, want_logits))
 
     def _prefill_paddable(self, chunks: Sequence[SeqChunk], want_logits: bool) -> bool:
         """Fresh prompts that a bucket holds; in graph mode not a bucket known to run eagerly
@@ -664,19 +661,15 @@ class RankEngine:
             self._static_prefill[bucket] = buf
         stage_prefill(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_prefills += 1
-        logits, replayed = self._replay_or_run(
-            ("prefill", bucket, want_logits), lambda: self._prefill_static(buf, want_logits))
-        if logits is None:
-            return None
-        n = len(chunks)
-        return logits[:n].clone() if replayed else logits[:n]
+        return self._replay_or_run(("prefill", bucket, want_logits), len(chunks),
+                                   lambda: self._prefill_static(buf, want_logits))
 
     def _replay_or_run(
-        self, key: tuple[str, int, bool], run: Callable[[], torch.Tensor | None]
-    ) -> tuple[torch.Tensor | None, bool]:
-        """A padded step's output: in graph mode its graph replayed (captured on first use),
-        else ``run()`` eagerly; and whether it was replayed (the output is then the graph's own
-        buffer, which the next replay overwrites)."""
+        self, key: tuple[str, int, bool], rows: int, run: Callable[[], torch.Tensor | None]
+    ) -> torch.Tensor | None:
+        """A padded step's first ``rows`` rows of output: in graph mode its graph replayed
+        (captured on first use), else ``run()`` eagerly. A replay's rows are copied out of the
+        graph's own buffer, which the next replay overwrites."""
         kind, bucket, _ = key
         if (self.decode_mode == "graph" and key not in self._graphs
                 and key not in self._no_graph and not self._capturable(bucket)):
@@ -694,8 +687,9 @@ class RankEngine:
             if key in self._graphs:
                 graph, out = self._graphs[key]
                 graph.replay()
-                return out, True
-        return run(), False
+                return None if out is None else out[:rows].clone()
+        out = run()
+        return None if out is None else out[:rows]
 
     def _capturable(self, bucket: int) -> bool:
         """Whether every MoE layer's experts run without a host sync at this many tokens."""
