@@ -3,13 +3,16 @@
 Instances are the real entry point (`pdd_sidecar.serve.server.serve`, what `python -m pdd_sidecar
 serve` runs) with their environment passed in. They are forked from a forkserver that imported
 torch once, because importing torch costs seconds of CPU per process on a small machine. Each
-instance runs in its own session, so a test can kill it with all its rank processes at once.
+instance runs in its own session, so a test can kill it with all its rank processes at once, and
+gets SIGTERM when the forkserver ends (it does when pytest ends, killed outright included), so a
+killed test run leaves no instance behind.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
 import signal
@@ -20,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdd_sidecar.processes import die_with_parent
 
 _CTX: Any = None
 
@@ -63,8 +68,21 @@ def free_ports(n: int) -> int:
             return base
 
 
-def _serve_entry(env: dict[str, str]) -> None:
+def detach() -> None:
+    """An instance's own session (killed with its ranks as one group), ended with its
+    forkserver. A forked child holds the forkserver's keep-alive pipe (so that it could fork
+    from it too), which would keep the forkserver, and so the instance, alive past a killed
+    test run: it lets go of it, as it never forks from there."""
     os.setsid()
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    die_with_parent()
+
+
+def _serve_entry(env: dict[str, str]) -> None:
+    detach()
     os.environ.update(env)
     from pdd_sidecar.serve.server import serve
 
@@ -72,7 +90,7 @@ def _serve_entry(env: dict[str, str]) -> None:
 
 
 def _router_entry(env: dict[str, str]) -> None:
-    os.setsid()
+    detach()
     os.environ.update(env)
     from pdd_sidecar.serve.router import main
 
