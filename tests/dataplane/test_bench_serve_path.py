@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,9 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     assert first["ratio"] == pytest.approx(first["first_ttft_ms"] / first["steady_ttft_ms"])
     mixed = res["long_then_short"]
     assert mixed["short_ttft_ms"] > 0 and mixed["long_ttft_ms"] > 0 and mixed["ratio"] > 0
+    assert mixed["worst_short_ttft_ms"] >= mixed["short_ttft_ms"] == statistics.median(
+        mixed["short_ttfts_ms"])
+    assert 1 <= mixed["shorts_sent"] and mixed["shorts_during"] <= mixed["shorts_sent"]
     assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token"}
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)
