@@ -401,11 +401,12 @@ class InstanceDriver:
         if not live or logits is None:
             return
         idx = [i for i, _ in live]
-        tokens = sample(
-            logits[idx],
-            [s.sampling for _, s in live],
-            [len(s.output) + (0 if s.source is None else 1) for _, s in live],
-        )
+        with self.worker.engine.logits_context():
+            tokens = sample(
+                logits[idx],
+                [s.sampling for _, s in live],
+                [len(s.output) + (0 if s.source is None else 1) for _, s in live],
+            )
         timing.mark_sampled((s for _, s in live), time.monotonic())
         for (_, seq), tok in zip(live, tokens, strict=True):
             if self.role == "prefill":

@@ -7,8 +7,10 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,7 @@ from pdd_sidecar.engine.cuda_graphs import (
     table_width,
 )
 from pdd_sidecar.engine.dcp import dcp_merge
+from pdd_sidecar.engine.overtaking import Overtaking
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
@@ -201,7 +204,10 @@ class RankEngine:
     eagerly. ``prefill_buckets`` (default: ``PREFILL_BUCKETS`` in graph mode, none otherwise)
     are the token counts a step of fresh prompts only (at most ``PREFILL_MAX_PROMPTS``) is
     padded to, run as the decode steps are (padded eagerly, or replayed); more tokens or
-    prompts, and steps with a continuing chunk, run eagerly."""
+    prompts, and steps with a continuing chunk, run eagerly. ``overtake`` (default: on a CUDA
+    cache of one rank with prefill buckets) runs those steps on a high-priority stream, ahead
+    of device work queued before them (engine/overtaking.py); read their logits inside
+    ``logits_context()``."""
 
     def __init__(
         self,
@@ -213,6 +219,7 @@ class RankEngine:
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_table_blocks: int | None = None,
         prefill_buckets: Sequence[int] | None = None,
+        overtake: bool | None = None,
     ) -> None:
         cfg = model.config
         if comm.world_size != model.tp or comm.rank != model.rank:
@@ -268,6 +275,18 @@ class RankEngine:
         self._no_graph: set[tuple[str, int, bool]] = set()  # padded eager instead
         self._pool: Any = None
         self.graph_captures = 0  # graphs captured so far (one per kind, bucket, logits flag)
+        if overtake is None:
+            overtake = (cache.device.type == "cuda" and self.tp == 1
+                        and bool(self.prefill_buckets))
+        if overtake and (cache.device.type != "cuda" or self.tp != 1
+                         or not self.prefill_buckets):
+            raise ValueError("overtake needs a CUDA cache, one rank and prefill buckets")
+        # engine/overtaking.py: graphed fresh-prompt steps on a high-priority stream
+        self.overtaking = Overtaking(cache.device) if overtake else None
+        if self.overtaking is not None:
+            log.info("steps of fresh prompts up to %d tokens overtake queued device work "
+                     "(a high-priority CUDA stream)", self.prefill_buckets[-1])
+        self.logits_stream: torch.cuda.Stream | None = None  # where the last logits were made
         self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
         self.padded_prefills = 0  # prefill steps that ran padded (replayed or eager)
 
@@ -279,15 +298,34 @@ class RankEngine:
         each chunk's last token (None without ``want_logits``: only rank 0 samples)."""
         if not chunks:
             raise ValueError("empty step")
+        if self._prefill_paddable(chunks, want_logits):
+            if self.overtaking is not None:
+                self.logits_stream = self.overtaking.stream
+                return self.overtaking.run(
+                    chunks, lambda: self._prefill_padded(chunks, want_logits))
+            return self._prefill_padded(chunks, want_logits)
+        self.logits_stream = None
+        out = self._step_in_order(chunks, want_logits)
+        if self.overtaking is not None:
+            self.overtaking.after_in_order(chunks)
+        return out
+
+    def _step_in_order(self, chunks: Sequence[SeqChunk], want_logits: bool
+                       ) -> torch.Tensor | None:
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
-        if self._prefill_paddable(chunks, want_logits):
-            return self._prefill_padded(chunks, want_logits)
         hidden = self._forward(chunks)
         if not want_logits:
             return None
         ends = torch.tensor([len(c.tokens) for c in chunks], device=hidden.device).cumsum(0)
         return self._logits(hidden[ends - 1])
+
+    def logits_context(self) -> AbstractContextManager[Any]:
+        """Where the last step's logits are read: an overtaking step's own stream, so that
+        sampling them waits for that step alone, not for the work it overtook."""
+        if self.logits_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.logits_stream)
 
     @torch.inference_mode()
     def prefill(

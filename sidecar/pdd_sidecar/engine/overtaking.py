@@ -1,0 +1,88 @@
+"""A short prefill step overtakes a long prompt's device work already queued.
+
+Why: the host enqueues a prefill step without waiting for it (it waits only when it samples),
+so a short prompt that arrives while a long prompt's chunk is queued waits on the device for
+that chunk too: on one H200 (run 27, docs/serving.md) a 1k prompt's 24 ms step sat behind up to
+~135 ms of a 32k prompt's 8,192-token chunk. On a single-rank CUDA instance a step of fresh
+prompts that a prefill graph bucket holds runs on a high-priority stream instead: the GPU gives
+its kernels SMs ahead of the queued chunk's, and sampling it waits for it alone.
+
+Everything that depends on the host's order keeps it:
+- the default stream waits (on the device) for each overtaking step, so every later step, copy
+  and hand-off sees its KV as if it had run in order;
+- an overtaking step waits for the default stream when one of its blocks may still be written
+  there (a cancelled long prompt's blocks, handed to the short one): the blocks of each default
+  step stay pending until the default stream is seen done (``BlockOrder``, pure Python).
+
+Several ranks keep the host's order throughout: their collectives must meet in one order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+import torch
+
+from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+T = TypeVar("T")
+
+
+class BlockOrder:
+    """The KV blocks that default-stream steps may still be writing."""
+
+    def __init__(self) -> None:
+        self._pending: set[int] = set()
+
+    def written_in_order(self, blocks: Iterable[int]) -> None:
+        self._pending.update(blocks)
+
+    def must_wait(self, blocks: Iterable[int], in_order_done: bool) -> bool:
+        """Whether a step that writes ``blocks`` must wait for the in-order work enqueued so
+        far; ``in_order_done``: that work is known finished (nothing is pending then)."""
+        if in_order_done:
+            self._pending.clear()
+            return False
+        return not self._pending.isdisjoint(blocks)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def _blocks(chunks: Sequence[SeqChunk]) -> list[int]:
+    return [b for c in chunks for b in c.block_ids]
+
+
+class Overtaking:
+    """The high-priority stream of one device and the order kept around it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self.order = BlockOrder()
+        self._in_order_done = torch.cuda.Event()
+        self._recorded = False
+        self.steps = 0  # overtaking steps run
+        self.waited = 0  # of those, the ones that waited for in-order work
+
+    def after_in_order(self, chunks: Sequence[SeqChunk]) -> None:
+        """An in-order step was enqueued on the default stream."""
+        self.order.written_in_order(_blocks(chunks))
+        self._in_order_done.record(torch.cuda.current_stream(self.device))
+        self._recorded = True
+
+    def run(self, chunks: Sequence[SeqChunk], step: Callable[[], T]) -> T:
+        default = torch.cuda.current_stream(self.device)
+        done = not self._recorded or self._in_order_done.query()
+        if self.order.must_wait(_blocks(chunks), done):
+            self.stream.wait_stream(default)
+            self.waited += 1
+        with torch.cuda.stream(self.stream):
+            out = step()
+        default.wait_stream(self.stream)
+        if isinstance(out, torch.Tensor):  # read in order too (not by the driver): kept till then
+            out.record_stream(default)
+        self.steps += 1
+        return out

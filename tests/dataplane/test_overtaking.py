@@ -1,0 +1,39 @@
+"""Overtaking prefill steps (engine/overtaking.py): the order kept around them, and when an
+engine uses them. The streams themselves need a CUDA device: tests/gpu/test_overtaking.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from pdd_sidecar.engine.comm import SingleComm
+from pdd_sidecar.engine.overtaking import BlockOrder
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+from pdd_sidecar.model.rank_model import load_rank_model
+
+pytestmark = pytest.mark.dataplane
+
+
+def test_a_block_written_in_order_holds_back_an_overtaking_step_until_that_work_is_done(
+        ) -> None:
+    order = BlockOrder()
+    assert not order.must_wait([1, 2], in_order_done=False)  # nothing written yet
+    order.written_in_order([1, 2, 3])
+    order.written_in_order([7])
+    assert not order.must_wait([4, 5, 6], in_order_done=False)  # other blocks: it overtakes
+    assert order.must_wait([6, 7], in_order_done=False)  # a block handed on while queued
+    assert order.pending == 4
+    assert not order.must_wait([1, 7], in_order_done=True)  # seen done: nothing pending
+    assert order.pending == 0 and not order.must_wait([1, 7], in_order_done=False)
+
+
+def test_only_a_single_rank_cuda_engine_with_prefill_graphs_overtakes() -> None:
+    model = load_rank_model("builtin", 0, 1, torch.float32, torch.device("cpu"))
+    eng = RankEngine(model, new_cache(model, 64, 16), SingleComm())
+    assert eng.overtaking is None and eng.logits_stream is None
+    assert isinstance(eng.logits_context(), contextlib.nullcontext)
+    with pytest.raises(ValueError, match="overtake needs a CUDA cache"):
+        RankEngine(model, new_cache(model, 64, 16), SingleComm(), decode_mode="padded",
+                   prefill_buckets=(32, 64), overtake=True)

@@ -1,0 +1,93 @@
+"""Overtaking prefill steps (engine/overtaking.py) on a CUDA device (run by hand; skipped
+without one): a graphed step of fresh prompts runs ahead of device work queued before it and
+sampling it waits for it alone; it gives the logits of the same step run in order; later
+in-order work sees its KV; and it waits after all when a block it writes may still be written
+by the queued work.
+
+    PYTHONPATH=sidecar python -m pytest tests/gpu/test_overtaking.py -q
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache  # noqa: E402
+from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
+from pdd_sidecar.model.rank_model import load_rank_model  # noqa: E402
+
+DEV = torch.device("cuda")
+BLOCK = 16
+SLEEP_CYCLES = 2_000_000_000  # about a second of queued device work at ~2 GHz
+
+
+def _engines() -> dict[bool, RankEngine]:
+    model = load_rank_model("builtin", 0, 1, torch.bfloat16, DEV)
+    return {o: RankEngine(model, new_cache(model, 256, BLOCK), SingleComm(), overtake=o)
+            for o in (False, True)}
+
+
+def _queued_work() -> tuple[torch.cuda.Event, float]:
+    """A second of device time on the default stream, and the host time it was enqueued."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    done = torch.cuda.Event()
+    done.record()
+    return done, time.perf_counter()
+
+
+def _warm(eng: RankEngine) -> None:
+    """Capture the 128-token bucket's graph now: a capture synchronizes the device."""
+    eng.step([SeqChunk([1] * 90, 0, list(range(200, 210)))])
+    torch.cuda.synchronize()
+
+
+def test_a_short_step_overtakes_queued_work_and_equals_the_in_order_step() -> None:
+    engines = _engines()
+    assert engines[True].overtaking is not None and engines[False].overtaking is None
+    prompt = [(3 * i + 1) % 100 for i in range(1200)]
+    head = SeqChunk(prompt[:600], 0, list(range(0, 80)))
+    tail = SeqChunk(prompt[600:], 600, head.block_ids)  # a continuing chunk runs in order
+    short = SeqChunk([(5 * i + 2) % 100 for i in range(100)], 0, list(range(100, 110)))
+    more = SeqChunk([7, 8, 9], 100, short.block_ids)
+    for eng in engines.values():
+        _warm(eng)
+    ref = engines[False]
+    ref_short = ref.step([short]).argmax(-1).tolist()
+    ref_more = ref.step([more])
+    eng = engines[True]
+    assert eng.overtaking is not None
+    eng.step([head])
+    eng.step([tail])
+    assert eng.logits_stream is None
+    done, t0 = _queued_work()
+    logits = eng.step([short])
+    assert eng.logits_stream is eng.overtaking.stream
+    with eng.logits_context():
+        tokens = logits.argmax(-1).tolist()
+    waited = time.perf_counter() - t0
+    assert not done.query(), f"sampling the short step waited for the queued work ({waited} s)"
+    assert tokens == ref_short and eng.overtaking.waited == 0
+    after = eng.step([more])  # in order again, reading the short prompt's KV
+    assert eng.logits_stream is None
+    torch.testing.assert_close(after, ref_more, rtol=0, atol=0)
+
+
+def test_an_overtaking_step_waits_when_its_blocks_may_still_be_written() -> None:
+    eng = _engines()[True]
+    assert eng.overtaking is not None
+    _warm(eng)
+    done, _ = _queued_work()
+    # as a cancelled prompt's chunk still queued would: its blocks then go to a new prompt
+    eng.overtaking.after_in_order([SeqChunk([1] * 600, 0, list(range(0, 40)))])
+    logits = eng.step([SeqChunk([(5 * i + 2) % 100 for i in range(100)], 0,
+                                list(range(30, 40)))])
+    with eng.logits_context():
+        logits.argmax(-1).tolist()
+    assert done.query() and eng.overtaking.waited == 1
