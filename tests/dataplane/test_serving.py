@@ -172,8 +172,10 @@ def test_the_queue_limit_counts_only_what_the_next_step_cannot_admit() -> None:
 
 def test_kv_capacity_bounds_the_running_batch_and_the_queue_answers_429(
         cluster: LocalCluster) -> None:
-    # 12 blocks per rank, each request needs 3 chunks (dcp 1): at most 4 run at once.
-    stack = _stack(cluster, (1, 1), (1, 1), PDD_NUM_BLOCKS=12, PDD_MAX_WAITING=4)
+    # 12 blocks per rank, each request needs 3 chunks (dcp 1): at most 4 run at once (the
+    # prefix cache off: one request's cached prompt would let a fifth share its blocks).
+    stack = _stack(cluster, (1, 1), (1, 1), PDD_NUM_BLOCKS=12, PDD_MAX_WAITING=4,
+                   PDD_PREFIX_CACHE="0")
     prompt = _prompt(20)
     peak = {"running": 0.0, "waiting": 0.0}
     stop = threading.Event()
