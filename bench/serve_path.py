@@ -332,6 +332,13 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
     shorts: list[Reply] = []
     error = None
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def overtaking() -> dict[str, float]:
+            async with session.get(f"{stack.prefill_url}/metrics") as resp:
+                got = parse_metrics(await resp.text())
+            return {w: got.get(f'pdd_overtaking_steps_total{{waited="{w}"}}', 0.0)
+                    for w in ("false", "true")}
+
+        before = await overtaking()
         long_task = asyncio.create_task(one_request(session, stack.url, long_prompt, 2))
         await asyncio.sleep(delay_s)
         while not shorts or (not long_task.done() and len(shorts) < MAX_SHORTS):
@@ -343,8 +350,11 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
             shorts.append(got)
             await asyncio.sleep(rng.uniform(0, SHORT_PAUSE_S))
         long = await long_task
+        after = await overtaking()
     out: dict[str, Any] = {"long_tokens": long_tokens, "short_tokens": short_tokens,
-                           "delay_ms": delay_s * 1e3}
+                           "delay_ms": delay_s * 1e3,
+                           "overtaking_steps": sum(after.values()) - sum(before.values()),
+                           "overtaking_waited": after["true"] - before["true"]}
     if error is not None:
         out["short_error"] = error
     if isinstance(long, str):
@@ -755,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{mixed.get('long_ttft_ms', float('nan')):.1f} ms")
         print("  each short prompt's TTFT (ms): "
               + ", ".join(f"{t:.1f}" for t in mixed["short_ttfts_ms"]))
+        print(f"  prefill steps that overtook queued device work (pdd_overtaking_steps_total): "
+              f"{mixed['overtaking_steps']:.0f}, of which waited {mixed['overtaking_waited']:.0f}")
         print("  short: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                       mixed.get("short_timing", {}).items()))
     print("\ntargets (one H200, same-run engine bounds):")

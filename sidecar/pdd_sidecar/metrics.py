@@ -95,6 +95,12 @@ class InstanceMetrics:
         self.warmup_seconds = Gauge(
             "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
         )
+        self.overtaking_steps = Counter(
+            "pdd_overtaking_steps",
+            "Prefill steps run ahead of device work queued before them (a high-priority CUDA "
+            "stream); waited: held back for queued work that may write one of their blocks",
+            ["waited"], registry=r,
+        )
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

@@ -54,6 +54,7 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     assert mixed["worst_short_ttft_ms"] >= mixed["short_ttft_ms"] == statistics.median(
         mixed["short_ttfts_ms"])
     assert 1 <= mixed["shorts_sent"] and mixed["shorts_during"] <= mixed["shorts_sent"]
+    assert mixed["overtaking_steps"] == mixed["overtaking_waited"] == 0  # a CPU never overtakes
     assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token"}
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdd_sidecar.engine.comm import SingleComm
-from pdd_sidecar.engine.overtaking import BlockOrder
+from pdd_sidecar.engine.overtaking import BlockOrder, steps_since
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
 from pdd_sidecar.model.rank_model import load_rank_model
 
@@ -37,3 +37,9 @@ def test_only_a_single_rank_cuda_engine_with_prefill_graphs_overtakes() -> None:
     with pytest.raises(ValueError, match="overtake needs a CUDA cache"):
         RankEngine(model, new_cache(model, 64, 16), SingleComm(), decode_mode="padded",
                    prefill_buckets=(32, 64), overtake=True)
+
+
+def test_the_counter_gains_the_steps_since_it_was_last_brought_up_to_date() -> None:
+    assert steps_since((0, 0), (5, 2)) == {"false": 3, "true": 2}
+    assert steps_since((5, 2), (7, 2)) == {"false": 2, "true": 0}
+    assert steps_since((7, 2), (8, 3)) == {"false": 0, "true": 1}

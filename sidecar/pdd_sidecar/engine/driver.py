@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd_sidecar.engine import timing
+from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
 from pdd_sidecar.engine.sampling import sample
 from pdd_sidecar.engine.scheduler import (
@@ -117,6 +118,7 @@ class InstanceDriver:
         # Every block comes and goes through here; with the cache, "free" drops a reference.
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
+        self._overtaking_seen = (0, 0)  # (steps, waited) of rank 0's engine, counted so far
         budget = step_budget(worker.cache.device.type, s.max_step_tokens, s.chunk_tokens,
                              s.long_chunk_tokens)
         self.scheduler = Scheduler(
@@ -208,6 +210,7 @@ class InstanceDriver:
     def _loop(self) -> None:
         try:
             self._warm_up()
+            self._overtaking_seen = self._overtaking_counts()  # warm-up steps are not served
             while True:
                 idle = not self._has_work()
                 self._drain(block=idle)
@@ -451,8 +454,17 @@ class InstanceDriver:
         self.scheduler.cancel(request_id)
         return False
 
+    def _overtaking_counts(self) -> tuple[int, int]:
+        ot = self.worker.engine.overtaking
+        return (0, 0) if ot is None else (ot.steps, ot.waited)
+
     def _update_gauges(self) -> None:
         m, sch = self.metrics, self.scheduler
+        now = self._overtaking_counts()
+        if now != self._overtaking_seen:
+            for waited, n in steps_since(self._overtaking_seen, now).items():
+                m.overtaking_steps.labels(waited=waited).inc(n)
+            self._overtaking_seen = now
         free = self.allocator.num_free
         for rank in range(self.settings.tp):
             m.blocks_free.labels(rank=str(rank)).set(free)

@@ -51,6 +51,12 @@ class BlockOrder:
         return len(self._pending)
 
 
+def steps_since(seen: tuple[int, int], now: tuple[int, int]) -> dict[str, int]:
+    """The overtaking steps between two (steps, waited) counts, by whether they waited: what
+    the ``pdd_overtaking_steps`` counter's ``waited`` labels gain."""
+    return {"false": (now[0] - now[1]) - (seen[0] - seen[1]), "true": now[1] - seen[1]}
+
+
 def _blocks(chunks: Sequence[SeqChunk]) -> list[int]:
     return [b for c in chunks for b in c.block_ids]
 
