@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from pdd_sidecar.engine.comm import SingleComm
-from pdd_sidecar.engine.overtaking import BlockOrder, steps_since
+from pdd_sidecar.engine.overtaking import BlockOrder, steps_since, written_blocks
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.model.rank_model import load_rank_model
 
 pytestmark = pytest.mark.dataplane
@@ -43,3 +44,11 @@ def test_the_counter_gains_the_steps_since_it_was_last_brought_up_to_date() -> N
     assert steps_since((0, 0), (5, 2)) == {"false": 3, "true": 2}
     assert steps_since((5, 2), (7, 2)) == {"false": 2, "true": 0}
     assert steps_since((7, 2), (8, 3)) == {"false": 0, "true": 1}
+
+
+def test_a_step_writes_the_blocks_of_its_tokens_positions_not_the_tables_it_reads() -> None:
+    table = [10, 11, 12, 13, 14, 15]
+    assert written_blocks([SeqChunk([1], 70, table)], 16) == [14]  # a decode token
+    assert written_blocks([SeqChunk([1] * 30, 20, table)], 16) == [11, 12, 13]
+    assert written_blocks([SeqChunk([1] * 16, 0, table), SeqChunk([2], 47, table[3:])],
+                          16) == [10, 15]

@@ -57,15 +57,20 @@ def steps_since(seen: tuple[int, int], now: tuple[int, int]) -> dict[str, int]:
     return {"false": (now[0] - now[1]) - (seen[0] - seen[1]), "true": now[1] - seen[1]}
 
 
-def _blocks(chunks: Sequence[SeqChunk]) -> list[int]:
-    return [b for c in chunks for b in c.block_ids]
+def written_blocks(chunks: Sequence[SeqChunk], block_size: int) -> list[int]:
+    """The blocks a step of one rank (no DCP) writes: those of its tokens' positions, not the
+    whole tables it reads (a decode step writes one block a sequence)."""
+    return [b for c in chunks
+            for b in c.block_ids[c.start // block_size:
+                                 (c.start + len(c.tokens) - 1) // block_size + 1]]
 
 
 class Overtaking:
     """The high-priority stream of one device and the order kept around it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device
+        self.block_size = block_size
         self.stream = torch.cuda.Stream(device=device, priority=-1)
         self.order = BlockOrder()
         self._in_order_done = torch.cuda.Event()
@@ -75,14 +80,14 @@ class Overtaking:
 
     def after_in_order(self, chunks: Sequence[SeqChunk]) -> None:
         """An in-order step was enqueued on the default stream."""
-        self.order.written_in_order(_blocks(chunks))
+        self.order.written_in_order(written_blocks(chunks, self.block_size))
         self._in_order_done.record(torch.cuda.current_stream(self.device))
         self._recorded = True
 
     def run(self, chunks: Sequence[SeqChunk], step: Callable[[], T]) -> T:
         default = torch.cuda.current_stream(self.device)
         done = not self._recorded or self._in_order_done.query()
-        if self.order.must_wait(_blocks(chunks), done):
+        if self.order.must_wait(written_blocks(chunks, self.block_size), done):
             self.stream.wait_stream(default)
             self.waited += 1
         with torch.cuda.stream(self.stream):

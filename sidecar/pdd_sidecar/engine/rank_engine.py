@@ -282,7 +282,7 @@ class RankEngine:
                          or not self.prefill_buckets):
             raise ValueError("overtake needs a CUDA cache, one rank and prefill buckets")
         # engine/overtaking.py: graphed fresh-prompt steps on a high-priority stream
-        self.overtaking = Overtaking(cache.device) if overtake else None
+        self.overtaking = Overtaking(cache.device, cache.block_size) if overtake else None
         if self.overtaking is not None:
             log.info("steps of fresh prompts up to %d tokens overtake queued device work "
                      "(a high-priority CUDA stream)", self.prefill_buckets[-1])

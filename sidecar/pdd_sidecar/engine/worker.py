@@ -161,7 +161,9 @@ class RankWorker:
             s.model_source, rank, s.tp, s.dtype, device, s.model_seed
         )
         self.cache = new_cache(self.model, s.num_blocks, s.block_size, device)
-        self.engine = RankEngine(self.model, self.cache, comm, s.dcp)
+        # A decode runs no fresh prompts: nothing of its would overtake
+        self.engine = RankEngine(self.model, self.cache, comm, s.dcp,
+                                 overtake=None if s.role == "prefill" else False)
         self.compat = compat_record(
             s, plan_text, plan, self.cache.num_layers, self.cache.latent_dim
         )
