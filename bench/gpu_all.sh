@@ -22,11 +22,15 @@
 #            serve_path's one-process router from the same call
 #   serve_path_asyncio  the same on asyncio's own event loop (PDD_EVENT_LOOP=asyncio) on
 #            ASYNCIO_LEVELS (default 64:32:2,64:1024:128): the baseline for uvloop, same call
+#   serve_path_in_order  the same with every prefill step in the host's order
+#            (PDD_OVERTAKING=0) on IN_ORDER_LEVELS (default 1:1024:2) and its long-then-short
+#            run: the baseline for overtaking prefill steps, same call
 #   prefix_cache  bench/prefix_cache.py on the same kind of checkpoint: shared system prompt and
 #            multi-turn chats, prefix cache off against on (PREFIX_CACHE_ARGS adds flags);
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
-# SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
+# SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, SERVE_PATH_IN_ORDER_S 150,
+# PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
 #   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
 #            (PROFILE_ARGS adds flags, e.g. "--trend 8 --nixl-agent": wall against CPU time a step)
 #   handoff  bench/kv_transfer.py --same-device: the CUDA IPC READ of pdd serve on one GPU (two
@@ -148,6 +152,15 @@ if want serve_path_asyncio; then
         --dtype bfloat16 --model "$CKPT" --levels "${ASYNCIO_LEVELS:-64:32:2,64:1024:128}" \
         --json "$OUT/serve_path_asyncio.json" 2>&1 | tee "$OUT/serve_path_asyncio.log" || rc=1
     say "serve_path_asyncio done"
+fi
+if want serve_path_in_order; then
+    say "stage serve_path_in_order"
+    checkpoint
+    PDD_OVERTAKING=0 PDD_ROUTER_REQUEST_TIMEOUT_S=600 \
+        timeout -k 10 "${SERVE_PATH_IN_ORDER_S:-150}" $PY bench/serve_path.py --device cuda \
+        --dtype bfloat16 --model "$CKPT" --levels "${IN_ORDER_LEVELS:-1:1024:2}" \
+        --json "$OUT/serve_path_in_order.json" 2>&1 | tee "$OUT/serve_path_in_order.log" || rc=1
+    say "serve_path_in_order done"
 fi
 if want prefix_cache; then
     say "stage prefix_cache"

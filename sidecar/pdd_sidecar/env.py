@@ -67,6 +67,10 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
 PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
+# 1 (default): on a single-rank CUDA prefill, graphed steps of fresh prompts run ahead of queued
+# device work (a high-priority stream); 0: every step in the host's order. Read by the engine
+# (engine/overtaking.py); checked everywhere, no effect on the CPU.
+PDD_OVERTAKING = "PDD_OVERTAKING"
 # How a decode reads KV: auto (default: a CUDA IPC device copy from a prefill on this host's
 # CUDA devices, NIXL otherwise) | nixl | cuda_ipc (refused at the handshake when it cannot work).
 PDD_KV_TRANSPORT = "PDD_KV_TRANSPORT"

@@ -8,6 +8,8 @@ import contextlib
 import pytest
 import torch
 
+from pdd_sidecar import env
+from pdd_sidecar.engine import overtaking
 from pdd_sidecar.engine.comm import SingleComm
 from pdd_sidecar.engine.overtaking import BlockOrder, steps_since, written_blocks
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
@@ -52,3 +54,17 @@ def test_a_step_writes_the_blocks_of_its_tokens_positions_not_the_tables_it_read
     assert written_blocks([SeqChunk([1] * 30, 20, table)], 16) == [11, 12, 13]
     assert written_blocks([SeqChunk([1] * 16, 0, table), SeqChunk([2], 47, table[3:])],
                           16) == [10, 15]
+
+
+def test_the_setting_is_checked_on_every_device_and_named_when_wrong(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert overtaking.PDD_OVERTAKING == env.PDD_OVERTAKING
+    model = load_rank_model("builtin", 0, 1, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("PDD_OVERTAKING", "yes")
+    with pytest.raises(ValueError, match="PDD_OVERTAKING: must be 0 or 1, got 'yes'"):
+        RankEngine(model, new_cache(model, 64, 16), SingleComm())
+    monkeypatch.setenv("PDD_OVERTAKING", "0")
+    assert not overtaking.overtaking_enabled()
+    assert RankEngine(model, new_cache(model, 64, 16), SingleComm()).overtaking is None
+    monkeypatch.delenv("PDD_OVERTAKING")
+    assert overtaking.overtaking_enabled() and overtaking.overtaking_enabled({})

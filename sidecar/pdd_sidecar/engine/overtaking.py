@@ -19,7 +19,8 @@ Several ranks keep the host's order throughout: their collectives must meet in o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -27,6 +28,19 @@ import torch
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 
 T = TypeVar("T")
+
+# Listed in env.py with every other variable; named here so the engine needs nothing else.
+PDD_OVERTAKING = "PDD_OVERTAKING"
+
+
+def overtaking_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``PDD_OVERTAKING``: ``1`` (default) or ``0`` (every step in the host's order, as a
+    baseline or a way out); anything else is a configuration error that names the variable."""
+    env = os.environ if env is None else env
+    raw = (env.get(PDD_OVERTAKING, "") or "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PDD_OVERTAKING}: must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 class BlockOrder:

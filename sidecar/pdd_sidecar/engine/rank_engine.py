@@ -32,7 +32,7 @@ from pdd_sidecar.engine.cuda_graphs import (
     table_width,
 )
 from pdd_sidecar.engine.dcp import dcp_merge
-from pdd_sidecar.engine.overtaking import Overtaking
+from pdd_sidecar.engine.overtaking import Overtaking, overtaking_enabled
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
@@ -205,9 +205,9 @@ class RankEngine:
     are the token counts a step of fresh prompts only (at most ``PREFILL_MAX_PROMPTS``) is
     padded to, run as the decode steps are (padded eagerly, or replayed); more tokens or
     prompts, and steps with a continuing chunk, run eagerly. ``overtake`` (default: on a CUDA
-    cache of one rank with prefill buckets) runs those steps on a high-priority stream, ahead
-    of device work queued before them (engine/overtaking.py); read their logits inside
-    ``logits_context()``."""
+    cache of one rank with prefill buckets, unless ``PDD_OVERTAKING=0``) runs those steps on a
+    high-priority stream, ahead of device work queued before them (engine/overtaking.py); read
+    their logits inside ``logits_context()``."""
 
     def __init__(
         self,
@@ -275,8 +275,8 @@ class RankEngine:
         self._no_graph: set[tuple[str, int, bool]] = set()  # padded eager instead
         self._pool: Any = None
         self.graph_captures = 0  # graphs captured so far (one per kind, bucket, logits flag)
-        if overtake is None:
-            overtake = (cache.device.type == "cuda" and self.tp == 1
+        if overtake is None:  # the setting is checked on every device: a typo fails on a CPU
+            overtake = (overtaking_enabled() and cache.device.type == "cuda" and self.tp == 1
                         and bool(self.prefill_buckets))
         if overtake and (cache.device.type != "cuda" or self.tp != 1
                          or not self.prefill_buckets):
