@@ -205,10 +205,12 @@ class Scheduler:
             )
         if seq.id in self.by_id:
             raise ValueError(f"request_id {seq.id!r} is already in flight on this instance")
-        queued = self._queued_beyond_next_step(need)
-        if queued > self.max_waiting:
-            raise QueueFull(f"{queued - 1} requests already waiting (limit "
-                            f"{self.max_waiting})")
+        # Below the limit nothing can be refused: the walk stays off a burst's path.
+        if len(self.waiting) >= self.max_waiting:
+            queued = self._queued_beyond_next_step(need)
+            if queued > self.max_waiting:
+                raise QueueFull(f"{queued - 1} requests already waiting (limit "
+                                f"{self.max_waiting})")
         self.waiting.append(seq)
         self.by_id[seq.id] = seq
 
