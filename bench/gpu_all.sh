@@ -134,34 +134,26 @@ if want serve_path; then
     mkdir -p /tmp/gpu-all-extra && cp -r /tmp/serve-path-logs /tmp/gpu-all-extra/ 2>/dev/null
     say "serve_path done"
 fi
-if want serve_path_workers; then
-    say "stage serve_path_workers"
+# A variant of serve_path set beside it from the same call: NAME LIMIT LEVELS, then VAR=VALUE
+# settings of its stack and, after --, more flags of the bench.
+serve_path_variant() {
+    local name=$1 limit=$2 levels=$3 vars=()
+    shift 3
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    say "stage $name"
     checkpoint
-    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${SERVE_PATH_WORKERS_S:-200}" $PY \
-        bench/serve_path.py --device cuda --dtype bfloat16 --model "$CKPT" \
-        --router-workers "${ROUTER_WORKERS:-4}" \
-        --levels "${WORKERS_LEVELS:-64:32:2,64:1024:128,256:1024:128}" \
-        --json "$OUT/serve_path_workers.json" 2>&1 | tee "$OUT/serve_path_workers.log" || rc=1
-    say "serve_path_workers done"
-fi
-if want serve_path_asyncio; then
-    say "stage serve_path_asyncio"
-    checkpoint
-    PDD_EVENT_LOOP=asyncio PDD_ROUTER_REQUEST_TIMEOUT_S=600 \
-        timeout -k 10 "${SERVE_PATH_ASYNCIO_S:-150}" $PY bench/serve_path.py --device cuda \
-        --dtype bfloat16 --model "$CKPT" --levels "${ASYNCIO_LEVELS:-64:32:2,64:1024:128}" \
-        --json "$OUT/serve_path_asyncio.json" 2>&1 | tee "$OUT/serve_path_asyncio.log" || rc=1
-    say "serve_path_asyncio done"
-fi
-if want serve_path_in_order; then
-    say "stage serve_path_in_order"
-    checkpoint
-    PDD_OVERTAKING=0 PDD_ROUTER_REQUEST_TIMEOUT_S=600 \
-        timeout -k 10 "${SERVE_PATH_IN_ORDER_S:-150}" $PY bench/serve_path.py --device cuda \
-        --dtype bfloat16 --model "$CKPT" --levels "${IN_ORDER_LEVELS:-1:1024:2}" \
-        --json "$OUT/serve_path_in_order.json" 2>&1 | tee "$OUT/serve_path_in_order.log" || rc=1
-    say "serve_path_in_order done"
-fi
+    env "${vars[@]}" PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "$limit" $PY \
+        bench/serve_path.py --device cuda --dtype bfloat16 --model "$CKPT" --levels "$levels" \
+        "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" || rc=1
+    say "$name done"
+}
+want serve_path_workers && serve_path_variant serve_path_workers "${SERVE_PATH_WORKERS_S:-200}" \
+    "${WORKERS_LEVELS:-64:32:2,64:1024:128,256:1024:128}" -- --router-workers "${ROUTER_WORKERS:-4}"
+want serve_path_asyncio && serve_path_variant serve_path_asyncio "${SERVE_PATH_ASYNCIO_S:-150}" \
+    "${ASYNCIO_LEVELS:-64:32:2,64:1024:128}" PDD_EVENT_LOOP=asyncio
+want serve_path_in_order && serve_path_variant serve_path_in_order \
+    "${SERVE_PATH_IN_ORDER_S:-150}" "${IN_ORDER_LEVELS:-1:1024:2}" PDD_OVERTAKING=0
 if want prefix_cache; then
     say "stage prefix_cache"
     checkpoint

@@ -263,6 +263,10 @@ class Reply:
     times: list[float]
     timing: dict[str, float]
 
+    @property
+    def ttft_ms(self) -> float:
+        return (self.times[0] - self.start) * 1e3
+
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
                       max_tokens: int) -> Reply | str:
@@ -360,20 +364,18 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
     if isinstance(long, str):
         out["long_error"] = long
     else:
-        out["long_ttft_ms"] = (long.times[0] - long.start) * 1e3
+        out["long_ttft_ms"] = long.ttft_ms
         out["long_timing"] = long.timing
-    during = ([r for r in shorts if r.start < long.times[0]] if not isinstance(long, str)
-              else shorts)
+    during = [r for r in shorts if isinstance(long, str) or r.start < long.times[0]]
     judged = during or shorts[:1]
     if judged:
-        ttfts = [(r.times[0] - r.start) * 1e3 for r in judged]
-        order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+        ttfts = [r.ttft_ms for r in judged]
         out["shorts_sent"] = len(shorts)
         out["shorts_during"] = len(during)
         out["short_ttfts_ms"] = ttfts
         out["short_ttft_ms"] = statistics.median(ttfts)
         out["worst_short_ttft_ms"] = max(ttfts)
-        out["short_timing"] = judged[order[len(order) // 2]].timing
+        out["short_timing"] = sorted(judged, key=lambda r: r.ttft_ms)[len(judged) // 2].timing
     return out
 
 
@@ -436,12 +438,12 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         print(f"  {spec.label}: {len(failures)} failed, e.g. {failures[0]}", file=sys.stderr,
               flush=True)
     tokens = sum(len(r.times) for r in ok)
-    ttft = [(r.times[0] - r.start) * 1e3 for r in ok]
+    ttft = [r.ttft_ms for r in ok]
     second = [(r.times[1] - r.start) * 1e3 for r in ok if len(r.times) > 1]
     tpot = [(r.times[-1] - r.times[0]) / (len(r.times) - 1) * 1e3 for r in ok
             if len(r.times) > 1]
     medians = stage_medians(r.timing for r in ok)
-    outside = [(r.times[0] - r.start) * 1e3 - r.timing["ttft"] for r in ok if "ttft" in r.timing]
+    outside = [r.ttft_ms - r.timing["ttft"] for r in ok if "ttft" in r.timing]
     rbytes, rsecs, rdev = after[0] - before[0], after[1] - before[1], after[2] - before[2]
     return LevelResult(
         level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,

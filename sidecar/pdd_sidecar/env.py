@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pdd_api import keys, rules
 from pdd_api.models import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+from pdd_sidecar.switch import switch
 
 # --- contract (docs/architecture.md "Sidecar env") ---
 PDD_ROLE = keys.ENV_ROLE
@@ -156,10 +157,10 @@ def _choice(env: Mapping[str, str], key: str, choices: tuple[str, ...]) -> str:
 
 
 def _switch(env: Mapping[str, str], key: str, default: bool) -> bool:
-    raw = (env.get(key, "") or ("1" if default else "0")).strip()
-    if raw not in ("0", "1"):
-        raise ConfigError(f"{key}: must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    try:
+        return switch(env, key, default)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _range(env: Mapping[str, str], key: str) -> tuple[float, float]:

@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 
 from pdd_sidecar.processes import alive, children
 
@@ -49,17 +49,14 @@ def test_instances_and_routers_end_when_the_test_run_is_killed_outright(tmp_path
         assert run.stdout is not None
         forked = [int(p) for p in run.stdout.readline().split()]
         prefill = forked[0]
-        deadline = time.monotonic() + 60
-        while len(_tree(prefill)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)  # its second rank forked: a grandchild of the run
+        # its second rank forked: a grandchild of the run
+        wait_for("the prefill's second rank", lambda: len(_tree(prefill)) >= 2, 60, 0.1)
         forked = [p for f in forked for p in _tree(f)]
-        assert len(forked) >= 3 and all(os.getpgid(p) == p for p in forked[:1]), forked
+        assert len(forked) >= 3 and os.getpgid(prefill) == prefill, forked
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in forked) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in forked if alive(p)], "outlived the killed test run"
+        wait_for("every forked process to end with the killed test run",
+                 lambda: not [p for p in forked if alive(p)], 30, 0.1)
     finally:
         run.kill()
         for p in forked:

@@ -34,6 +34,7 @@ import torch
 
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
+from pdd_sidecar.switch import switch
 
 # Listed in env.py with every other variable; named here too so the engine (and what imports it
 # on GPU machines: the benches, generate) needs nothing of the operator's packages.
@@ -49,11 +50,7 @@ DECODE_MODES = ("eager", "padded", "graph")
 def graphs_enabled(env: Mapping[str, str] | None = None) -> bool:
     """``PDD_CUDA_GRAPHS``: ``1`` (default) or ``0``; anything else is a configuration error
     that names the variable."""
-    env = os.environ if env is None else env
-    raw = (env.get(PDD_CUDA_GRAPHS, "") or "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{PDD_CUDA_GRAPHS}: must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return switch(os.environ if env is None else env, PDD_CUDA_GRAPHS, True)
 
 
 def default_decode_mode(device: torch.device, env: Mapping[str, str] | None = None) -> str:

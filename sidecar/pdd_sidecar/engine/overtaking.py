@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.switch import switch
 
 T = TypeVar("T")
 
@@ -36,11 +37,7 @@ PDD_OVERTAKING = "PDD_OVERTAKING"
 def overtaking_enabled(env: Mapping[str, str] | None = None) -> bool:
     """``PDD_OVERTAKING``: ``1`` (default) or ``0`` (every step in the host's order, as a
     baseline or a way out); anything else is a configuration error that names the variable."""
-    env = os.environ if env is None else env
-    raw = (env.get(PDD_OVERTAKING, "") or "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{PDD_OVERTAKING}: must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return switch(os.environ if env is None else env, PDD_OVERTAKING, True)
 
 
 class BlockOrder:

@@ -275,11 +275,10 @@ class RankEngine:
         self._no_graph: set[tuple[str, int, bool]] = set()  # padded eager instead
         self._pool: Any = None
         self.graph_captures = 0  # graphs captured so far (one per kind, bucket, logits flag)
+        can_overtake = cache.device.type == "cuda" and self.tp == 1 and bool(self.prefill_buckets)
         if overtake is None:  # the setting is checked on every device: a typo fails on a CPU
-            overtake = (overtaking_enabled() and cache.device.type == "cuda" and self.tp == 1
-                        and bool(self.prefill_buckets))
-        if overtake and (cache.device.type != "cuda" or self.tp != 1
-                         or not self.prefill_buckets):
+            overtake = overtaking_enabled() and can_overtake
+        elif overtake and not can_overtake:
             raise ValueError("overtake needs a CUDA cache, one rank and prefill buckets")
         # engine/overtaking.py: graphed fresh-prompt steps on a high-priority stream
         self.overtaking = Overtaking(cache.device, cache.block_size) if overtake else None
