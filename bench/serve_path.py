@@ -61,6 +61,7 @@ from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.event_loop import loop_kind, uvloop_installed  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
+LONG_PROMPT_TOKENS = 32768  # the long-then-short run's long prompt, where it fits
 DEFAULT_LEVELS = "1:1024:2,1:8192:2,1:32768:2,64:32:2,64:1024:1,64:1024:128,256:1024:128"
 QUICK_LEVELS = "1:64:2,4:32:2,4:64:8"
 LONG_HEAD_START_S = 0.15  # the long prompt's prefill is under way when the short one comes
@@ -633,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     per_block = kv_bytes_per_block(args.model, dtype, bs)
     budget = int((args.kv_gib or (24.0 if args.device == "cuda" else 1.0)) * 2**30 // per_block)
     want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
+    if not args.quick:  # the long-then-short run's long prompt fits whatever the levels are
+        want = max(want, 2 * -(-(min(LONG_PROMPT_TOKENS, cfg.max_position_embeddings) + 2) // bs))
     num_blocks = max(1, min(want + 8, budget))
     levels, skipped = plan_levels(levels, cfg.max_position_embeddings, num_blocks * bs)
     loop = loop_kind(os.environ.get(E.PDD_EVENT_LOOP, "") or E.EVENT_LOOPS[0], uvloop_installed())
@@ -724,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(row(r), flush=True)
         note_compiled("levels")
-        long_tokens = min(32768, cfg.max_position_embeddings - 2, num_blocks * bs // 2 - 2)
+        long_tokens = min(LONG_PROMPT_TOKENS, cfg.max_position_embeddings - 2,
+                          num_blocks * bs // 2 - 2)
         short_tokens = first_prompt
         idle = steady
         mixed = asyncio.run(long_then_short(stack, long_tokens, short_tokens, cfg.vocab_size,

@@ -96,6 +96,10 @@ PDD_RANKS_PER_POD = keys.ENV_RANKS_PER_POD
 PDD_FAULT_READ_GATE = "PDD_FAULT_READ_GATE"
 # Tests only: every forward step of the instance takes this many seconds more (a slow step).
 PDD_FAULT_STEP_DELAY_S = "PDD_FAULT_STEP_DELAY_S"
+# Tests only, CPU instances: each piece of work between two points the driver waits for (a step
+# done, tokens sampled) takes this many seconds on a pretend device, one after another: the CPU
+# twin of a device's queue.
+PDD_FAULT_DEVICE_LAG_S = "PDD_FAULT_DEVICE_LAG_S"
 
 # --- router (listens on PDD_HTTP_PORT; replicas from PDD_*_URLS and/or PDD_*_SERVICE) ---
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
@@ -247,6 +251,7 @@ class InstanceSettings:
     grant_key_file: str = ""
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
     fault_step_delay_s: float = 0.0
+    fault_device_lag_s: float = 0.0
     kv_transport: str = "auto"
     event_loop: str = "auto"
     group_size: int = 1  # pods holding this instance's ranks
@@ -342,6 +347,7 @@ class InstanceSettings:
                                      "shared by the deployment's prefill and decode pods"),
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
             fault_step_delay_s=_float(env, PDD_FAULT_STEP_DELAY_S, 0.0),
+            fault_device_lag_s=_float(env, PDD_FAULT_DEVICE_LAG_S, 0.0),
             kv_transport=transport,
             event_loop=_choice(env, PDD_EVENT_LOOP, EVENT_LOOPS),
             group_size=group_size,

@@ -7,9 +7,14 @@ will run, once, on every rank, so kernels are compiled and decode CUDA graphs ca
 Each turn drains the inbox (new sequences, cancellations, releases, probes), asks the scheduler
 for the next step, runs it on every rank in lockstep, samples the next token of every sequence
 that produced logits, and hands tokens and finished sequences back to the HTTP layer through
-callbacks. A prefill also polls transfer-done notifications and runs the leases of the blocks it
-holds for decodes. A decode's claim on held blocks is answered at once from the HTTP thread
-(the lease table has its own lock), never after the step that happens to be running.
+callbacks. A prefill's host does not wait for the device (engine/device_queue.py): it reads a
+step's first tokens once the device is past them and meanwhile plans and enqueues further
+steps, so a prompt that arrives during a long one's prefill is taken at once (and its step may
+overtake the queued work, engine/overtaking.py); at most ``IN_ORDER_AHEAD`` in-order steps wait
+on the device, so a cancelled long prompt stops within two chunks. A prefill also polls
+transfer-done notifications and runs the leases of the blocks it holds for decodes. A decode's
+claim on held blocks is answered at once from the HTTP thread (the lease table has its own
+lock), never after the step that happens to be running.
 """
 
 from __future__ import annotations
@@ -24,13 +29,18 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pdd_sidecar.engine import timing
+from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
-from pdd_sidecar.engine.sampling import sample
+from pdd_sidecar.engine.sampling import sample, sample_on_device
 from pdd_sidecar.engine.scheduler import (
     Allocator,
     NeverFits,
@@ -41,6 +51,7 @@ from pdd_sidecar.engine.scheduler import (
     StepPlan,
     step_budget,
 )
+from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.kv.lease import LeaseTable
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
@@ -58,7 +69,20 @@ HEARTBEAT_S = 1.0
 BURST_QUIET_S = 0.0015
 BURST_MAX_S = 0.05
 
+# In-order prefill steps enqueued but not yet done on the device, at most: one running, one
+# queued behind it, so the device never idles between two and a cancel stops within two.
+IN_ORDER_AHEAD = 2
+
 Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
+
+
+@dataclass(eq=False)
+class _Sampled:
+    """A prefill step's first tokens on their way to the host."""
+
+    live: list[tuple[int, Sequence]]
+    tokens: torch.Tensor  # on the host once ``mark`` is done
+    mark: Mark
 
 
 def gather_burst(inbox: Inbox, handle: Callable[[str, Any, Future[Any] | None], None],
@@ -137,6 +161,9 @@ class InstanceDriver:
         # other ranks' results still come back with the next step, polled while any pull runs).
         worker.puller.on_pulled = self.wake
         self._inbox: Inbox = queue.Queue()
+        self._marks = DeviceMarks(worker.cache.device, self.wake, s.fault_device_lag_s)
+        self._sampled: list[_Sampled] = []  # prefill: oldest first
+        self._in_order: deque[Mark] = deque()  # prefill: in-order steps not seen done
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
         self._last_collective = time.monotonic()
@@ -190,7 +217,8 @@ class InstanceDriver:
         return refused
 
     def wake(self) -> None:
-        """Something the loop waits for happened off its thread (a KV pull finished)."""
+        """Something the loop waits for happened off its thread (a KV pull finished, the
+        device passed a mark)."""
         self._inbox.put(("wake", None, None))
 
     def call(self, cmd: dict[str, Any]) -> Future[list[Any]]:
@@ -211,12 +239,18 @@ class InstanceDriver:
         try:
             self._warm_up()
             self._overtaking_seen = self._overtaking_counts()  # warm-up steps are not served
+            held = False
             while True:
+                self._collect()
                 idle = not self._has_work()
-                self._drain(block=idle)
+                self._drain(block=idle or held)
                 if idle and self.role == "prefill" and self.scheduler.waiting:
                     gather_burst(self._inbox, self._handle, self.scheduler.first_step_full)
                 plan = self.scheduler.plan()
+                held = self._device_behind(plan)
+                if held:  # planned again once the device is further on or something arrives
+                    self.scheduler.hold()
+                    plan.prefill = []
                 poll = self._poll_due()
                 if plan.has_forward or plan.pulls or self.scheduler.pulling or poll:
                     self._run_step(plan, poll)
@@ -280,7 +314,22 @@ class InstanceDriver:
                  self.role, self.warmup_seconds, prompt, sch.chunk_tokens, batches or "none")
 
     def _has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return self.scheduler.runnable
+
+    def _device_behind(self, plan: StepPlan) -> bool:
+        """An in-order prefill step would queue behind ``IN_ORDER_AHEAD`` others still on the
+        device; a step that overtakes them runs anyway."""
+        if not plan.prefill:
+            return False
+        while self._in_order and self._in_order[0].done():
+            self._in_order.popleft()
+        if len(self._in_order) < IN_ORDER_AHEAD:
+            return False
+        return not self.worker.engine.overtakes(self._seq_chunks(plan))
+
+    @staticmethod
+    def _seq_chunks(plan: StepPlan) -> list[SeqChunk]:
+        return [SeqChunk(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
 
     def _poll_due(self) -> bool:
         if self.role != "prefill" or len(self.leases) == 0:
@@ -359,8 +408,12 @@ class InstanceDriver:
             self._last_poll = time.monotonic()
         if self.settings.fault_step_delay_s and cmd["chunks"]:
             time.sleep(self.settings.fault_step_delay_s)
+        in_order = (self.role == "prefill" and bool(plan.prefill)
+                    and not self.worker.engine.overtakes(self._seq_chunks(plan)))
         results = self.worker.run_as_leader(cmd)
         self._last_collective = time.monotonic()
+        if in_order:
+            self._in_order.append(self._marks.mark())
         failed = next((r for r in results if r.get("error")), None)
         if cmd["chunks"]:
             self.metrics.batch_size.observe(len(cmd["chunks"]))
@@ -403,15 +456,31 @@ class InstanceDriver:
         live = [(i, s) for i, s in rows if s.state is State.RUNNING]
         if not live or logits is None:
             return
-        idx = [i for i, _ in live]
+        logits = logits[[i for i, _ in live]]
+        params = [s.sampling for _, s in live]
+        indices = [len(s.output) + (0 if s.source is None else 1) for _, s in live]
         with self.worker.engine.logits_context():
-            tokens = sample(
-                logits[idx],
-                [s.sampling for _, s in live],
-                [len(s.output) + (0 if s.source is None else 1) for _, s in live],
-            )
+            if self.role == "decode":  # its next step needs these tokens
+                self._deliver(live, sample(logits, params, indices))
+                return
+            on_device = sample_on_device(logits, params, indices)
+            self._sampled.append(_Sampled(live, on_device.to("cpu", non_blocking=True),
+                                          self._marks.mark()))
+
+    def _collect(self) -> None:
+        """The prefill's first tokens that reached the host: out, each sequence at once."""
+        if not any(s.mark.done() for s in self._sampled):
+            return
+        ready = [s for s in self._sampled if s.mark.done()]
+        self._sampled = [s for s in self._sampled if s not in ready]
+        for s in ready:
+            self._deliver(s.live, [int(t) for t in s.tokens.tolist()])
+
+    def _deliver(self, live: list[tuple[int, Sequence]], tokens: list[int]) -> None:
         timing.mark_sampled((s for _, s in live), time.monotonic())
         for (_, seq), tok in zip(live, tokens, strict=True):
+            if seq.state is not State.RUNNING:  # cancelled while its token was on the way
+                continue
             if self.role == "prefill":
                 self._prefilled(seq, tok)
             else:

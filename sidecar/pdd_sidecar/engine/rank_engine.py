@@ -32,6 +32,7 @@ from pdd_sidecar.engine.cuda_graphs import (
     table_width,
 )
 from pdd_sidecar.engine.dcp import dcp_merge
+from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
 from pdd_sidecar.engine.overtaking import Overtaking, overtaking_enabled
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
@@ -297,17 +298,23 @@ class RankEngine:
         each chunk's last token (None without ``want_logits``: only rank 0 samples)."""
         if not chunks:
             raise ValueError("empty step")
-        if self._prefill_paddable(chunks, want_logits):
-            if self.overtaking is not None:
-                self.logits_stream = self.overtaking.stream
-                return self.overtaking.run(
-                    chunks, lambda: self._prefill_padded(chunks, want_logits))
-            return self._prefill_padded(chunks, want_logits)
+        if self.overtakes(chunks, want_logits):
+            assert self.overtaking is not None
+            self.logits_stream = self.overtaking.stream
+            return self.overtaking.run(
+                chunks, lambda: self._prefill_padded(chunks, want_logits))
         self.logits_stream = None
+        if self._prefill_paddable(chunks, want_logits):
+            return self._prefill_padded(chunks, want_logits)
         out = self._step_in_order(chunks, want_logits)
         if self.overtaking is not None:
             self.overtaking.after_in_order(chunks)
         return out
+
+    def overtakes(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> bool:
+        """Whether ``step`` would run these chunks ahead of the device work queued before them
+        (engine/overtaking.py): the driver holds back in-order steps only."""
+        return self.overtaking is not None and self._prefill_paddable(chunks, want_logits)
 
     def _step_in_order(self, chunks: Sequence[SeqChunk], want_logits: bool
                        ) -> torch.Tensor | None:
@@ -316,7 +323,7 @@ class RankEngine:
         hidden = self._forward(chunks)
         if not want_logits:
             return None
-        ends = torch.tensor([len(c.tokens) for c in chunks], device=hidden.device).cumsum(0)
+        ends = to_device([len(c.tokens) for c in chunks], torch.long, hidden.device).cumsum(0)
         return self._logits(hidden[ends - 1])
 
     def logits_context(self) -> AbstractContextManager[Any]:
@@ -428,8 +435,7 @@ class RankEngine:
                     off.append(p % bs)
                 row += 1
         dev = self.cache.device
-        return tuple(torch.tensor(t, dtype=torch.long).to(dev)
-                     for t in (positions, mine, blk, off))
+        return tuple(to_device(t, torch.long, dev) for t in (positions, mine, blk, off))
 
     def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         cfg, w, dev = self.cfg, self.model.weights, self.model.device
@@ -447,7 +453,7 @@ class RankEngine:
         batch = self._fresh_rows(fresh, bounds, w.embed.dtype)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
-        x = F.embedding(torch.tensor(all_tokens, dtype=torch.long, device=dev), w.embed)
+        x = F.embedding(to_device(all_tokens, torch.long, dev), w.embed)
         for i, lw in enumerate(w.layers):
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
@@ -489,10 +495,10 @@ class RankEngine:
             a, b = bounds[s], bounds[s + 1]
             seg.extend([len(rows)] * (b - a))
             rows.extend(range(a, b))
-        seg_t = torch.tensor(seg, dtype=torch.int32).to(dev)
+        seg_t = to_device(seg, torch.int32, dev)
         if rows[-1] - rows[0] + 1 == len(rows):
             return slice(rows[0], rows[-1] + 1), seg_t
-        return torch.tensor(rows, dtype=torch.long).to(dev), seg_t
+        return to_device(rows, torch.long, dev), seg_t
 
     def _layer_rest(self, x: torch.Tensor, o: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """A layer after attention: output projection, residual, MLP or MoE, residual; shared by
@@ -536,7 +542,7 @@ class RankEngine:
                 if views.batch is not None:
                     continue
                 views.chunks.append(ChunkView(
-                    table=torch.tensor(list(c.block_ids), dtype=torch.long, device=dev),
+                    table=to_device(list(c.block_ids), torch.long, dev),
                     n_local=n_local,
                     q_pos=torch.arange(c.start, end, device=dev),
                     k_pos=kvc.local_positions(n_local, bs, self.dcp, self.rank, dev),
@@ -546,13 +552,13 @@ class RankEngine:
             decode_tables.append(c.block_ids)
             decode_lens.append(n_local)
         if chunk_rows:
-            views.chunk_rows = torch.tensor(chunk_rows).to(dev)
+            views.chunk_rows = to_device(chunk_rows, torch.long, dev)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
-            views.block_tables = torch.tensor(padded, dtype=torch.int32).to(dev)
-            views.seq_lens = torch.tensor(decode_lens, dtype=torch.int32).to(dev)
-            views.decode_rows = torch.tensor(decode_rows).to(dev)
+            views.block_tables = to_device(padded, torch.int32, dev)
+            views.seq_lens = to_device(decode_lens, torch.int32, dev)
+            views.decode_rows = to_device(decode_rows, torch.long, dev)
         return views
 
     def _chunk_batch(self, chunks: Sequence[SeqChunk]) -> ChunkBatch:
@@ -574,18 +580,18 @@ class RankEngine:
             q_lo.extend([base] * len(c.tokens))
             base += end + bs
         dev = self.cache.device
-        q_pos_t = torch.cat(q_pos).to(dev)
-        q_lo_t = torch.tensor(q_lo, dtype=torch.long).to(dev)
+        q_pos_t = tensor_to_device(torch.cat(q_pos), dev)
+        q_lo_t = to_device(q_lo, torch.long, dev)
         common = None
         if shared:
             common = SharedBlocks(
-                blocks=torch.tensor(list(chunks[0].block_ids[:shared]),
-                                    dtype=torch.long).to(dev),
-                k_pos=kvc.local_positions(shared * bs, bs, dcp, rank).to(dev),
+                blocks=to_device(list(chunks[0].block_ids[:shared]), torch.long, dev),
+                k_pos=tensor_to_device(kvc.local_positions(shared * bs, bs, dcp, rank), dev),
                 q_pos=q_pos_t - q_lo_t,  # each query's own position: its range starts at q_lo
             )
-        return ChunkBatch(blocks=torch.tensor(blocks, dtype=torch.long).to(dev), q_pos=q_pos_t,
-                          k_pos=torch.cat(k_pos).to(dev), q_lo=q_lo_t, shared=common)
+        return ChunkBatch(blocks=to_device(blocks, torch.long, dev), q_pos=q_pos_t,
+                          k_pos=tensor_to_device(torch.cat(k_pos), dev), q_lo=q_lo_t,
+                          shared=common)
 
     def _decode_attention(self, q: torch.Tensor, layer: int, views: CachedViews) -> torch.Tensor:
         """Absorbed ``q [N, Hl, L]`` of the step's decode tokens over their sequences' cached

@@ -107,15 +107,22 @@ def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           indices: Sequence[int]) -> list[int]:
-    """One token per row of ``logits [B, V]``; ``indices[b]`` is the completion index of the
+def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     indices: Sequence[int]) -> torch.Tensor:
+    """One token per row of ``logits [B, V]``, left on the logits' device (int64 ``[B]``): the
+    caller reads them when it chooses to wait. ``indices[b]`` is the completion index of the
     token being drawn for row ``b``."""
-    out = torch.argmax(logits, dim=-1).tolist()
+    out = torch.argmax(logits, dim=-1)
     for b, p in enumerate(params):
         if p.greedy:
             continue
         probs = _filtered(logits[b], p).softmax(-1)
         g = _generator(p.seed, indices[b], probs.device)
-        out[b] = int(torch.multinomial(probs, 1, generator=g))
-    return [int(t) for t in out]
+        out[b] = torch.multinomial(probs, 1, generator=g)[0]
+    return out
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           indices: Sequence[int]) -> list[int]:
+    """``sample_on_device``, read on the host now."""
+    return [int(t) for t in sample_on_device(logits, params, indices).tolist()]

@@ -189,6 +189,7 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}
         self.by_id: dict[str, Sequence] = {}
         self._long_ran: set[str] = set()  # prompts longer than a chunk in the last step
+        self._long_ran_before: set[str] = set()
 
     # -- intake
 
@@ -343,15 +344,32 @@ class Scheduler:
     def _prefill_chunks(self) -> list[PrefillChunk]:
         """This step's prompt chunks: fewest tokens left first, the oldest prompt's share kept
         (module docstring)."""
-        running = list(self.running.values())
+        # A prompt whose last chunk ran waits only for its token (sampled on the device).
+        running = [s for s in self.running.values() if self._left(s) > 0]
         # A prompt that one chunk holds shares these steps: long prompts keep them short, and
         # one that ran in the last step sits this one out, never two in a row.
         shared = any(self._fits_chunk(s) for s in running)
         if shared:
             running = [s for s in running if s.id not in self._long_ran]
         chunks = self._pack(running, shared)
+        self._long_ran_before = self._long_ran
         self._long_ran = {c.seq.id for c in chunks if not self._fits_chunk(c.seq)}
         return chunks
+
+    def hold(self) -> None:
+        """The driver did not run the last plan's prompt chunks: the next plan starts from
+        where that one did (admissions stand)."""
+        self._long_ran = self._long_ran_before
+
+    @property
+    def runnable(self) -> bool:
+        """A step has something to compute: requests waiting, running decodes, prompts with
+        chunks left (not those whose token is still being sampled)."""
+        if self.waiting:
+            return True
+        if self.role == "decode":
+            return bool(self.running)
+        return any(self._left(s) > 0 for s in self.running.values())
 
     def _fits_chunk(self, seq: Sequence) -> bool:
         return len(seq.prompt) <= self.chunk_tokens

@@ -1,0 +1,116 @@
+"""A prefill's host does not wait on the device's queue (engine/device_queue.py, driver.py):
+on a CPU instance that plays a device running each step in seconds, one after another
+(``PDD_FAULT_DEVICE_LAG_S``), a prompt that arrives while another's token is still on the
+device has its step enqueued at once, and in-order steps stop ``IN_ORDER_AHEAD`` ahead of the
+device, so a cancelled long prompt does not run to its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from runtime_fixtures import LocalCluster, http, plan_json, reference_tokens
+
+from pdd_sidecar.engine.device_queue import DeviceMarks, to_device
+from pdd_sidecar.engine.driver import IN_ORDER_AHEAD
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+LAG_S = 1.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 37 + salt) % 256 for i in range(n)]
+
+
+def _prefill(url: str, prompt: list[int], out: dict[str, Any]) -> None:
+    out["sent"] = time.monotonic()
+    out["status"], out["body"] = http("POST", f"{url}/v1/prefill",
+                                      {"prompt_ids": prompt, "max_tokens": 1}, timeout=120)
+    out["answered"] = time.monotonic()
+
+
+def _instance(cluster: LocalCluster, lag_s: float, **extra: Any) -> Any:
+    prefill = cluster.instance("prefill", 1, 1,
+                               cluster.plan_file(plan_json((1, 1), (1, 1), BLOCK)), BLOCK,
+                               PDD_FAULT_DEVICE_LAG_S=str(lag_s), PDD_PREFIX_CACHE="0", **extra)
+    prefill.wait_ready()
+    return prefill
+
+
+def test_a_prompt_arriving_while_a_token_is_on_the_device_is_enqueued_at_once(
+        cluster: LocalCluster) -> None:
+    """The first prompt's step and its token take a lag each on the device; the second prompt
+    comes a quarter lag in. A host that waited for the first token before planning again would
+    start the second's step 1.75 lags after it came."""
+    prefill = _instance(cluster, LAG_S)
+    first, second = _prompt(40, 3), _prompt(24, 11)
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    ta = threading.Thread(target=_prefill, args=(prefill.url, first, a))
+    ta.start()
+    time.sleep(LAG_S / 4)
+    _prefill(prefill.url, second, b)
+    ta.join()
+    for r, prompt in ((a, first), (b, second)):
+        assert r["status"] == 200, r["body"]
+        assert r["body"]["first_token"] == reference_tokens(prompt, 1, BLOCK)[0]
+        assert r["body"]["timing"]["compute"] >= 2 * LAG_S * 1000 * 0.9  # step, then token
+    assert b["body"]["timing"]["queue"] < LAG_S * 1000 / 2, b["body"]["timing"]
+    assert b["sent"] < a["answered"]
+
+
+def _steps_run(url: str) -> float:
+    status, text = http("GET", f"{url}/metrics")
+    assert status == 200
+    return sum(float(line.split()[-1]) for line in str(text).splitlines()
+               if line.startswith("pdd_batch_size_count"))
+
+
+def test_a_cancelled_long_prompt_stops_within_the_steps_enqueued_ahead(
+        cluster: LocalCluster) -> None:
+    """Eight chunks of a lag each on the device; the client leaves after 2.5 lags. The host ran
+    at most ``IN_ORDER_AHEAD`` steps ahead of the device, so about four steps ran, not eight
+    (a host that never waited would have enqueued all eight at once)."""
+    lag, chunks, chunk = 0.5, 8, 64
+    prefill = _instance(cluster, lag, PDD_CHUNK_TOKENS=str(chunk),
+                        PDD_MAX_STEP_TOKENS=str(chunk))
+    before = _steps_run(prefill.url)
+    with pytest.raises(OSError):  # the client gives up: the prefill cancels the prompt
+        http("POST", f"{prefill.url}/v1/prefill",
+             {"prompt_ids": _prompt(chunks * chunk, 5), "max_tokens": 1}, timeout=2.5 * lag)
+    time.sleep((chunks + 2) * lag)  # every step it enqueued is done by now
+    ran = _steps_run(prefill.url) - before
+    assert 2 <= ran < chunks and ran <= 2.5 + IN_ORDER_AHEAD + 1, ran
+    status, stats = http("GET", f"{prefill.url}/v1/stats")
+    assert status == 200 and stats["ranks"][0]["free_blocks"] == 256, stats
+
+
+def test_cpu_marks_are_passed_when_set_or_after_their_lag() -> None:
+    woken: list[float] = []
+    marks = DeviceMarks(torch.device("cpu"), lambda: woken.append(time.monotonic()))
+    assert marks.mark().done() and not woken
+    lagging = DeviceMarks(torch.device("cpu"), lambda: woken.append(time.monotonic()), 0.2)
+    set_at = time.monotonic()
+    m, after = lagging.mark(), lagging.mark()
+    assert not m.done()
+    deadline = set_at + 5
+    while not woken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert woken and woken[0] - set_at >= 0.19 and m.done()  # the loop is woken, not polling
+    assert not after.done()  # the second piece of work runs after the first
+    t = to_device([[1, 2], [3, 4]], torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
