@@ -1,8 +1,8 @@
 """A short prefill step overtakes a long prompt's device work already queued.
 
-Why: the host enqueues a prefill step without waiting for it (it waits only when it samples),
-so a short prompt that arrives while a long prompt's chunk is queued waits on the device for
-that chunk too: on one H200 (run 27, docs/serving.md) a 1k prompt's 24 ms step sat behind up to
+Why: the host enqueues a prefill step without waiting for it (engine/device_queue.py), so a
+short prompt that arrives while a long prompt's chunk is queued waits on the device for that
+chunk too: on one H200 (run 27, docs/serving.md) a 1k prompt's 24 ms step sat behind up to
 ~135 ms of a 32k prompt's 8,192-token chunk. On a single-rank CUDA instance a step of fresh
 prompts that a prefill graph bucket holds runs on a high-priority stream instead: the GPU gives
 its kernels SMs ahead of the queued chunk's, and sampling it waits for it alone.
