@@ -30,11 +30,13 @@
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
 # SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, SERVE_PATH_IN_ORDER_S 150,
-# PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120.
+# PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90.
 #   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
 #            (PROFILE_ARGS adds flags, e.g. "--trend 8 --nixl-agent": wall against CPU time a step)
 #   handoff  bench/kv_transfer.py --same-device: the CUDA IPC READ of pdd serve on one GPU (two
 #            processes), idle and in the conditions of a served read; one GPU is enough
+#   launch_queue  bench/launch_queue.py: how many launches a stream holds before the host
+#            stalls, and how many one eager prefill step makes (LAYERS layers); one GPU
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -175,6 +177,12 @@ if want handoff; then
     timeout -k 10 "${HANDOFF_S:-120}" $PY bench/kv_transfer.py --device cuda --same-device \
         --repeat 20 --json "$OUT/handoff.json" 2>&1 | tee "$OUT/handoff.log" || rc=1
     say "handoff done"
+fi
+if want launch_queue; then
+    say "stage launch_queue"
+    timeout -k 10 "${LAUNCH_QUEUE_S:-90}" $PY bench/launch_queue.py --layers "${LAYERS:-4}" \
+        2>&1 | tee "$OUT/launch_queue.log" || rc=1
+    say "launch_queue done"
 fi
 rm -rf "$CKPT"
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files

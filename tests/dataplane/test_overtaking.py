@@ -22,14 +22,27 @@ pytestmark = pytest.mark.dataplane
 def test_a_block_written_in_order_holds_back_an_overtaking_step_until_that_work_is_done(
         ) -> None:
     order = BlockOrder()
-    assert not order.must_wait([1, 2], in_order_done=False)  # nothing written yet
-    order.written_in_order([1, 2, 3])
-    order.written_in_order([7])
-    assert not order.must_wait([4, 5, 6], in_order_done=False)  # other blocks: it overtakes
-    assert order.must_wait([6, 7], in_order_done=False)  # a block handed on while queued
+    ran = {"first": False, "second": False}
+    assert not order.must_wait([1, 2])  # nothing written yet
+    order.written_in_order([1, 2, 3], lambda: ran["first"])
+    order.written_in_order([7], lambda: ran["second"])
+    assert not order.must_wait([4, 5, 6])  # other blocks: it overtakes
+    assert order.must_wait([6, 7]) and order.must_wait([2])  # a block handed on while queued
     assert order.pending == 4
-    assert not order.must_wait([1, 7], in_order_done=True)  # seen done: nothing pending
-    assert order.pending == 0 and not order.must_wait([1, 7], in_order_done=False)
+    ran["first"] = True  # the older step is done: its blocks no longer hold anything back
+    assert not order.must_wait([1, 2]) and order.must_wait([7]) and order.pending == 1
+    assert order.busy()
+    ran["second"] = True
+    assert not order.must_wait([1, 7]) and order.pending == 0 and not order.busy()
+
+
+def test_a_step_seen_done_is_dropped_though_a_later_one_still_runs() -> None:
+    """Blocks written by an earlier burst, long done, never hold back a short prompt while a
+    long prompt's chunk (other blocks) is still queued."""
+    order = BlockOrder()
+    order.written_in_order(range(100), lambda: True)
+    order.written_in_order([500, 501], lambda: False)
+    assert not order.must_wait([10, 11]) and order.pending == 2
 
 
 def test_only_a_single_rank_cuda_engine_with_prefill_graphs_overtakes() -> None:

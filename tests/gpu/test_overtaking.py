@@ -33,10 +33,13 @@ def _engines() -> dict[bool, RankEngine]:
             for o in (False, True)}
 
 
-def _queued_work() -> tuple[torch.cuda.Event, float]:
-    """A second of device time on the default stream, and the host time it was enqueued."""
+def _queued_work(eng: RankEngine | None = None) -> tuple[torch.cuda.Event, float]:
+    """A second of device time on the default stream, and the host time it was enqueued; with
+    ``eng``, known to its overtaking order as an in-order step (writing a block no test uses)."""
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
+    if eng is not None and eng.overtaking is not None:
+        eng.overtaking.after_in_order([SeqChunk([1], 0, [255])])
     done = torch.cuda.Event()
     done.record()
     return done, time.perf_counter()
@@ -66,7 +69,10 @@ def test_a_short_step_overtakes_queued_work_and_equals_the_in_order_step() -> No
     eng.step([head])
     eng.step([tail])
     assert eng.logits_stream is None
-    done, t0 = _queued_work()
+    torch.cuda.synchronize()
+    eng.step([short])  # nothing queued in order: nothing to overtake, it runs in order
+    assert eng.logits_stream is None and eng.overtaking.steps == 0
+    done, t0 = _queued_work(eng)
     logits = eng.step([short])
     assert eng.logits_stream is eng.overtaking.stream
     with eng.logits_context():

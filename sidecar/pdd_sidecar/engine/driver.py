@@ -11,7 +11,7 @@ callbacks. A prefill's host does not wait for the device (engine/device_queue.py
 step's first tokens once the device is past them and meanwhile plans and enqueues further
 steps, so a prompt that arrives during a long one's prefill is taken at once (and its step may
 overtake the queued work, engine/overtaking.py); at most ``IN_ORDER_AHEAD`` in-order steps wait
-on the device, so a cancelled long prompt stops within two chunks. A prefill also polls
+on the device, so a cancelled long prompt stops within a chunk. A prefill also polls
 transfer-done notifications and runs the leases of the blocks it holds for decodes. A decode's
 claim on held blocks is answered at once from the HTTP thread (the lease table has its own
 lock), never after the step that happens to be running.
@@ -69,9 +69,12 @@ HEARTBEAT_S = 1.0
 BURST_QUIET_S = 0.0015
 BURST_MAX_S = 0.05
 
-# In-order prefill steps enqueued but not yet done on the device, at most: one running, one
-# queued behind it, so the device never idles between two and a cancel stops within two.
-IN_ORDER_AHEAD = 2
+# In-order prefill steps enqueued but not yet done on the device, at most. One: a stream holds
+# about a thousand pending launches and an eager step of a 27-layer model launches more than
+# that, so a host that queued a second behind the first blocked inside its launches until the
+# device caught up (run 29: 1k prompts arriving during a 32k prefill waited a median 124 ms to
+# be planned), where waiting for the first to finish is a wait the loop can leave at once.
+IN_ORDER_AHEAD = 1
 
 Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
 

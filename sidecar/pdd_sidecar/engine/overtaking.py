@@ -4,15 +4,20 @@ Why: the host enqueues a prefill step without waiting for it (engine/device_queu
 short prompt that arrives while a long prompt's chunk is queued waits on the device for that
 chunk too: on one H200 (run 27, docs/serving.md) a 1k prompt's 24 ms step sat behind up to
 ~135 ms of a 32k prompt's 8,192-token chunk. On a single-rank CUDA instance a step of fresh
-prompts that a prefill graph bucket holds runs on a high-priority stream instead: the GPU gives
-its kernels SMs ahead of the queued chunk's, and sampling it waits for it alone.
+prompts that a prefill graph bucket holds runs on a high-priority stream instead, while in-order
+work is still queued: the GPU gives its kernels SMs ahead of the queued chunk's, and sampling it
+waits for it alone. With nothing to overtake the step runs in order (run 29: a burst of 64
+prompts in one step was 1.69x its bound on the high-priority stream, 1.35x in order).
 
 Everything that depends on the host's order keeps it:
 - the default stream waits (on the device) for each overtaking step, so every later step, copy
   and hand-off sees its KV as if it had run in order;
 - an overtaking step waits for the default stream when one of its blocks may still be written
   there (a cancelled long prompt's blocks, handed to the short one): the blocks of each default
-  step stay pending until the default stream is seen done (``BlockOrder``, pure Python).
+  step stay pending until that step is seen done (``BlockOrder``, pure Python). Until run 29 they
+  stayed until the whole default stream was seen done at an overtaking step's start, so blocks
+  written long ago by an earlier burst still counted, and a 1k prompt waited for a long chunk
+  it shared nothing with.
 
 Several ranks keep the host's order throughout: their collectives must meet in one order.
 """
@@ -20,6 +25,7 @@ Several ranks keep the host's order throughout: their collectives must meet in o
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -41,25 +47,34 @@ def overtaking_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 class BlockOrder:
-    """The KV blocks that default-stream steps may still be writing."""
+    """The KV blocks that default-stream steps may still be writing, step by step: a stream
+    finishes its steps in order, so the oldest are dropped as soon as they are seen done."""
 
     def __init__(self) -> None:
-        self._pending: set[int] = set()
+        self._steps: deque[tuple[Callable[[], bool], frozenset[int]]] = deque()
 
-    def written_in_order(self, blocks: Iterable[int]) -> None:
-        self._pending.update(blocks)
+    def written_in_order(self, blocks: Iterable[int], done: Callable[[], bool]) -> None:
+        """An in-order step that writes ``blocks`` was enqueued; ``done`` says when it ran."""
+        self._steps.append((done, frozenset(blocks)))
 
-    def must_wait(self, blocks: Iterable[int], in_order_done: bool) -> bool:
+    def busy(self) -> bool:
+        """Some in-order step is not yet seen done."""
+        while self._steps and self._steps[0][0]():
+            self._steps.popleft()
+        return bool(self._steps)
+
+    def must_wait(self, blocks: Iterable[int]) -> bool:
         """Whether a step that writes ``blocks`` must wait for the in-order work enqueued so
-        far; ``in_order_done``: that work is known finished (nothing is pending then)."""
-        if in_order_done:
-            self._pending.clear()
+        far: one of them belongs to an in-order step not yet seen done."""
+        if not self.busy():
             return False
-        return not self._pending.isdisjoint(blocks)
+        wanted = set(blocks)
+        return any(not wanted.isdisjoint(written) for _, written in self._steps)
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Blocks of the in-order steps not yet seen done."""
+        return sum(len(written) for _, written in self._steps)
 
 
 def steps_since(seen: tuple[int, int], now: tuple[int, int]) -> dict[str, int]:
@@ -84,21 +99,18 @@ class Overtaking:
         self.block_size = block_size
         self.stream = torch.cuda.Stream(device=device, priority=-1)
         self.order = BlockOrder()
-        self._in_order_done = torch.cuda.Event()
-        self._recorded = False
         self.steps = 0  # overtaking steps run
         self.waited = 0  # of those, the ones that waited for in-order work
 
     def after_in_order(self, chunks: Sequence[SeqChunk]) -> None:
         """An in-order step was enqueued on the default stream."""
-        self.order.written_in_order(written_blocks(chunks, self.block_size))
-        self._in_order_done.record(torch.cuda.current_stream(self.device))
-        self._recorded = True
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.order.written_in_order(written_blocks(chunks, self.block_size), done.query)
 
     def run(self, chunks: Sequence[SeqChunk], step: Callable[[], T]) -> T:
         default = torch.cuda.current_stream(self.device)
-        done = not self._recorded or self._in_order_done.query()
-        if self.order.must_wait(written_blocks(chunks, self.block_size), done):
+        if self.order.must_wait(written_blocks(chunks, self.block_size)):
             self.stream.wait_stream(default)
             self.waited += 1
         with torch.cuda.stream(self.stream):

@@ -313,8 +313,10 @@ class RankEngine:
 
     def overtakes(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> bool:
         """Whether ``step`` would run these chunks ahead of the device work queued before them
-        (engine/overtaking.py): the driver holds back in-order steps only."""
-        return self.overtaking is not None and self._prefill_paddable(chunks, want_logits)
+        (engine/overtaking.py): a graphed step of fresh prompts while in-order work is queued.
+        The driver holds back in-order steps only."""
+        return (self.overtaking is not None and self._prefill_paddable(chunks, want_logits)
+                and self.overtaking.order.busy())
 
     def _step_in_order(self, chunks: Sequence[SeqChunk], want_logits: bool
                        ) -> torch.Tensor | None:
