@@ -30,6 +30,7 @@ def stall_point(limit: int = 20_000) -> tuple[int, float]:
     """Launches enqueued behind a long kernel before one takes over 1 ms, and the host time
     until then."""
     x = torch.zeros(1, device="cuda")
+    x.add_(1)  # loaded once first: a kernel's first launch may wait for the device
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     start = time.perf_counter()

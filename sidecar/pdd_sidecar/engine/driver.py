@@ -70,10 +70,11 @@ BURST_QUIET_S = 0.0015
 BURST_MAX_S = 0.05
 
 # In-order prefill steps enqueued but not yet done on the device, at most. One: a stream holds
-# about a thousand pending launches and an eager step of a 27-layer model launches more than
-# that, so a host that queued a second behind the first blocked inside its launches until the
-# device caught up (run 29: 1k prompts arriving during a 32k prefill waited a median 124 ms to
-# be planned), where waiting for the first to finish is a wait the loop can leave at once.
+# about a thousand pending launches, so a host that queues a second eager step behind the first
+# blocks inside its launches until the device catches up, a wait the loop cannot leave; waiting
+# for the first to finish it can (run 29 with two: 1k prompts arriving during a 32k prefill
+# waited a median 124 ms to be planned; run 30 with one: 106 ms, since one eager step of a
+# 27-layer model, about 2,100 launches, fills the queue by itself: docs/serving.md).
 IN_ORDER_AHEAD = 1
 
 Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
