@@ -329,6 +329,22 @@ def test_seeded_sampling_is_reproducible_and_temperature_zero_is_greedy() -> Non
     assert drawn <= best and len(drawn) == 3
 
 
+def test_a_draw_is_the_one_torch_multinomial_makes_and_rows_are_picked_as_indexed() -> None:
+    """Sampling draws without multinomial's host-side check (a sync on CUDA) but draws the same
+    token from the same generator; rows are picked without a list index (another sync)."""
+    from pdd_sidecar.engine.sampling import _draw, _generator, pick_rows
+
+    torch.manual_seed(1)
+    for i in range(200):
+        probs = torch.randn(300).mul(3).softmax(-1)
+        probs[torch.randint(0, 300, (100,))] = 0
+        expected = torch.multinomial(probs, 1, generator=_generator(7, i, probs.device))
+        assert int(_draw(probs, _generator(7, i, probs.device))) == int(expected)
+    logits = torch.randn(5, 20)
+    assert pick_rows(logits, [0, 1, 2, 3, 4]) is logits
+    assert torch.equal(pick_rows(logits, [4, 0, 2]), logits[[4, 0, 2]])
+
+
 @pytest.mark.parametrize("raw,field", [
     ({"temperature": -1}, "sampling.temperature"),
     ({"temperature": "hot"}, "sampling.temperature"),

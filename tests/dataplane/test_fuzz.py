@@ -405,7 +405,8 @@ def test_hostile_bodies_get_4xx_and_leave_the_stack_whole(cluster: LocalCluster)
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-37])
 def test_a_vanishing_temperature_samples_the_greedy_token(temperature: float) -> None:
     """Logits divided by a denormal temperature overflow to inf, and inf - inf is nan, which
-    multinomial refuses: that one request would stop the instance's engine loop."""
+    torch.multinomial refuses (that one request would stop the instance's engine loop) and any
+    draw turns into a wrong token."""
     import torch
 
     from pdd_sidecar.engine.sampling import SamplingParams, sample

@@ -1,7 +1,7 @@
 """The host does not wait on the device's queue (engine/device_queue.py) on a CUDA device (run
-by hand; skipped without one): an eager prefill step (fresh, continuing and decode rows in one)
-and a greedy sample copied to the host synchronize nothing, and a mark wakes its waiter once
-the device passed it.
+by hand; skipped without one): an eager prefill step (fresh, continuing and decode rows in one),
+picking its rows and sampling them (greedy and seeded top-p/top-k) and copying the tokens to the
+host synchronize nothing, and a mark wakes its waiter once the device passed it.
 
     PYTHONPATH=sidecar python -m pytest tests/gpu/test_device_queue.py -q
 """
@@ -22,13 +22,20 @@ if not torch.cuda.is_available():
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
 from pdd_sidecar.engine.device_queue import DeviceMarks  # noqa: E402
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache  # noqa: E402
-from pdd_sidecar.engine.sampling import SamplingParams, sample, sample_on_device  # noqa: E402
+from pdd_sidecar.engine.sampling import (  # noqa: E402
+    SamplingParams,
+    pick_rows,
+    sample,
+    sample_on_device,
+)
 from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
 from pdd_sidecar.model.rank_model import load_rank_model  # noqa: E402
 
 T = TypeVar("T")
 DEV = torch.device("cuda")
 BLOCK = 16
+ROWS = [2, 0]  # rows picked as the driver picks the live ones
+PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)]
 
 
 def _without_host_sync(step: Callable[[], T]) -> T:
@@ -40,7 +47,7 @@ def _without_host_sync(step: Callable[[], T]) -> T:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_an_eager_step_and_its_greedy_tokens_synchronize_nothing() -> None:
+def test_an_eager_step_and_its_sampled_tokens_synchronize_nothing() -> None:
     model = load_rank_model("builtin", 0, 1, torch.bfloat16, DEV)
     eng = RankEngine(model, new_cache(model, 256, BLOCK), SingleComm(), decode_mode="eager",
                      prefill_buckets=())
@@ -55,7 +62,7 @@ def test_an_eager_step_and_its_greedy_tokens_synchronize_nothing() -> None:
                            SeqChunk([5], 60, list(range(40, 50))),  # a decode row
                            SeqChunk(long[:100], 0, list(range(60, 70)))])  # fresh
         assert logits is not None
-        tokens = sample_on_device(logits, [SamplingParams()] * 3, [0, 1, 0])
+        tokens = sample_on_device(pick_rows(logits, ROWS), PARAMS, [0, 1])
         return tokens.to("cpu", non_blocking=True)
 
     step()  # compiles the kernels of these shapes first
@@ -69,7 +76,7 @@ def test_an_eager_step_and_its_greedy_tokens_synchronize_nothing() -> None:
                      SeqChunk([5], 60, list(range(40, 50))),
                      SeqChunk(long[:100], 0, list(range(60, 70)))])
     assert ref is not None
-    assert on_host.tolist() == sample(ref, [SamplingParams()] * 3, [0, 1, 0])
+    assert on_host.tolist() == sample(ref[ROWS], PARAMS, [0, 1])
 
 
 def test_a_mark_wakes_its_waiter_once_the_device_passed_it() -> None:

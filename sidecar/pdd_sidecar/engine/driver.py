@@ -40,7 +40,7 @@ from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
-from pdd_sidecar.engine.sampling import sample, sample_on_device
+from pdd_sidecar.engine.sampling import pick_rows, sample, sample_on_device
 from pdd_sidecar.engine.scheduler import (
     Allocator,
     NeverFits,
@@ -70,11 +70,9 @@ BURST_QUIET_S = 0.0015
 BURST_MAX_S = 0.05
 
 # In-order prefill steps enqueued but not yet done on the device, at most. One: a stream holds
-# about a thousand pending launches, so a host that queues a second eager step behind the first
-# blocks inside its launches until the device catches up, a wait the loop cannot leave; waiting
-# for the first to finish it can (run 29 with two: 1k prompts arriving during a 32k prefill
-# waited a median 124 ms to be planned; run 30 with one: 106 ms, since one eager step of a
-# 27-layer model, about 2,100 launches, fills the queue by itself: docs/serving.md).
+# about a thousand pending launches and an eager step of a 27-layer model makes about 2,100, so
+# a host that queues a second step behind the first blocks inside its launches, a wait the loop
+# cannot leave; waiting for the first to finish it can (runs 29 and 30, docs/serving.md).
 IN_ORDER_AHEAD = 1
 
 Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
@@ -460,10 +458,13 @@ class InstanceDriver:
         live = [(i, s) for i, s in rows if s.state is State.RUNNING]
         if not live or logits is None:
             return
-        logits = logits[[i for i, _ in live]]
         params = [s.sampling for _, s in live]
         indices = [len(s.output) + (0 if s.source is None else 1) for _, s in live]
+        # On the logits' own stream: an overtaking step's rows picked on the default stream
+        # would wait for the work it overtook (runs 29 and 30 did, through a synchronizing
+        # list index).
         with self.worker.engine.logits_context():
+            logits = pick_rows(logits, [i for i, _ in live])
             if self.role == "decode":  # its next step needs these tokens
                 self._deliver(live, sample(logits, params, indices))
                 return

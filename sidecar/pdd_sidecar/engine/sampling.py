@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.engine.device_queue import to_device
+
 _MASK63 = (1 << 63) - 1
 _TINY = torch.finfo(torch.float32).tiny
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -92,7 +94,8 @@ def _generator(seed: int, index: int, device: torch.device) -> torch.Generator:
 def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """``logits [V]`` scaled by temperature with everything outside top-k / top-p at -inf."""
     # From the row's maximum down: a temperature as small as 5e-324 then gives 0 and -inf, never
-    # inf - inf = nan (which multinomial refuses, and that would stop the engine loop).
+    # inf - inf = nan (which torch.multinomial refuses, stopping the engine loop, and which any
+    # draw would turn into a wrong token).
     x = logits.float()
     x = (x - x.max()) / p.temperature
     if 0 < p.top_k < x.shape[-1]:
@@ -107,18 +110,33 @@ def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def pick_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """``logits[rows]`` without a host sync (a list index is copied to the device with one):
+    the rows go up asynchronously on the current stream; all rows in order need no copy."""
+    if list(rows) == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, to_device(list(rows), torch.long, logits.device))
+
+
+def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """One token from ``probs``: the draw ``torch.multinomial(probs, 1, generator=g)`` makes
+    (its one-sample path: the argmax of the probabilities over exponential noise), without its
+    check of the probabilities on the host, a sync; ``_filtered`` gives finite ones."""
+    noise = torch.empty_like(probs).exponential_(1, generator=g)
+    return torch.argmax(probs / noise)
+
+
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      indices: Sequence[int]) -> torch.Tensor:
-    """One token per row of ``logits [B, V]``, left on the logits' device (int64 ``[B]``): the
-    caller reads them when it chooses to wait. ``indices[b]`` is the completion index of the
-    token being drawn for row ``b``."""
+    """One token per row of ``logits [B, V]``, left on the logits' device (int64 ``[B]``) with
+    no host sync: the caller reads them when it chooses to wait. ``indices[b]`` is the
+    completion index of the token being drawn for row ``b``."""
     out = torch.argmax(logits, dim=-1)
     for b, p in enumerate(params):
         if p.greedy:
             continue
         probs = _filtered(logits[b], p).softmax(-1)
-        g = _generator(p.seed, indices[b], probs.device)
-        out[b] = torch.multinomial(probs, 1, generator=g)[0]
+        out[b] = _draw(probs, _generator(p.seed, indices[b], probs.device))
     return out
 
 
