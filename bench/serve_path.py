@@ -340,8 +340,13 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
         async def overtaking() -> dict[str, float]:
             async with session.get(f"{stack.prefill_url}/metrics") as resp:
                 got = parse_metrics(await resp.text())
-            return {w: got.get(f'pdd_overtaking_steps_total{{waited="{w}"}}', 0.0)
-                    for w in ("false", "true")}
+            out = {w: got.get(f'pdd_overtaking_steps_total{{waited="{w}"}}', 0.0)
+                   for w in ("false", "true")}
+            for order in ("in_order", "overtaking"):
+                for part in ("sum", "count"):
+                    out[f"{order}_{part}"] = got.get(
+                        f'pdd_step_enqueue_seconds_{part}{{order="{order}"}}', 0.0)
+            return out
 
         before = await overtaking()
         long_task = asyncio.create_task(one_request(session, stack.url, long_prompt, 2))
@@ -358,8 +363,14 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
         after = await overtaking()
     out: dict[str, Any] = {"long_tokens": long_tokens, "short_tokens": short_tokens,
                            "delay_ms": delay_s * 1e3,
-                           "overtaking_steps": sum(after.values()) - sum(before.values()),
+                           "overtaking_steps": (after["false"] + after["true"]
+                                                - before["false"] - before["true"]),
                            "overtaking_waited": after["true"] - before["true"]}
+    for order in ("in_order", "overtaking"):  # the prefill host's time enqueuing each kind
+        n = after[f"{order}_count"] - before[f"{order}_count"]
+        out[f"{order}_enqueued"] = n
+        out[f"{order}_enqueue_ms"] = ((after[f"{order}_sum"] - before[f"{order}_sum"]) * 1e3 / n
+                                      if n else float("nan"))
     if error is not None:
         out["short_error"] = error
     if isinstance(long, str):
@@ -773,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{t:.1f}" for t in mixed["short_ttfts_ms"]))
         print(f"  prefill steps that overtook queued device work (pdd_overtaking_steps_total): "
               f"{mixed['overtaking_steps']:.0f}, of which waited {mixed['overtaking_waited']:.0f}")
+        print(f"  the prefill host enqueuing a step (pdd_step_enqueue_seconds), mean: in order "
+              f"{mixed['in_order_enqueue_ms']:.1f} ms ({mixed['in_order_enqueued']:.0f} steps), "
+              f"overtaking {mixed['overtaking_enqueue_ms']:.1f} ms "
+              f"({mixed['overtaking_enqueued']:.0f})")
         print("  short: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                       mixed.get("short_timing", {}).items()))
     print("\ntargets (one H200, same-run engine bounds):")

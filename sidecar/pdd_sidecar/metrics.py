@@ -80,6 +80,13 @@ class InstanceMetrics:
             "pdd_batch_size", "Sequences per engine step",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
         )
+        self.step_enqueue_seconds = Histogram(
+            "pdd_step_enqueue_seconds",
+            "Host time a forward step takes to enqueue (on a GPU its launches, which wait for "
+            "the device once a stream holds about a thousand); order: in_order or overtaking",
+            ["order"], buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
         self.tokens = Counter("pdd_tokens", "Tokens processed", ["kind"], registry=r)
         self.prefix_queries = Counter(
             "pdd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r

@@ -55,6 +55,9 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
         mixed["short_ttfts_ms"])
     assert 1 <= mixed["shorts_sent"] and mixed["shorts_during"] <= mixed["shorts_sent"]
     assert mixed["overtaking_steps"] == mixed["overtaking_waited"] == 0  # a CPU never overtakes
+    # every prefill step of the run, enqueued in order: the long prompt's chunks and the shorts'
+    assert mixed["in_order_enqueued"] >= 1 + mixed["shorts_sent"]
+    assert mixed["in_order_enqueue_ms"] > 0 and mixed["overtaking_enqueued"] == 0
     assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token"}
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)

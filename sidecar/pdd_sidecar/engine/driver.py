@@ -410,11 +410,16 @@ class InstanceDriver:
             self._last_poll = time.monotonic()
         if self.settings.fault_step_delay_s and cmd["chunks"]:
             time.sleep(self.settings.fault_step_delay_s)
-        in_order = (self.role == "prefill" and bool(plan.prefill)
-                    and not self.worker.engine.overtakes(self._seq_chunks(plan)))
+        overtakes = (self.role == "prefill" and bool(plan.prefill)
+                     and self.worker.engine.overtakes(self._seq_chunks(plan)))
+        started = time.monotonic()
         results = self.worker.run_as_leader(cmd)
         self._last_collective = time.monotonic()
-        if in_order:
+        if cmd["chunks"]:
+            self.metrics.step_enqueue_seconds.labels(
+                order="overtaking" if overtakes else "in_order").observe(
+                self._last_collective - started)
+        if self.role == "prefill" and plan.prefill and not overtakes:
             self._in_order.append(self._marks.mark())
         failed = next((r for r in results if r.get("error")), None)
         if cmd["chunks"]:
