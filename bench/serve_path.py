@@ -337,7 +337,7 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
     shorts: list[Reply] = []
     error = None
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        async def overtaking() -> dict[str, float]:
+        async def prefill_counters() -> dict[str, float]:
             async with session.get(f"{stack.prefill_url}/metrics") as resp:
                 got = parse_metrics(await resp.text())
             out = {w: got.get(f'pdd_overtaking_steps_total{{waited="{w}"}}', 0.0)
@@ -348,7 +348,7 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
                         f'pdd_step_enqueue_seconds_{part}{{order="{order}"}}', 0.0)
             return out
 
-        before = await overtaking()
+        before = await prefill_counters()
         long_task = asyncio.create_task(one_request(session, stack.url, long_prompt, 2))
         await asyncio.sleep(delay_s)
         while not shorts or (not long_task.done() and len(shorts) < MAX_SHORTS):
@@ -360,7 +360,7 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
             shorts.append(got)
             await asyncio.sleep(rng.uniform(0, SHORT_PAUSE_S))
         long = await long_task
-        after = await overtaking()
+        after = await prefill_counters()
     out: dict[str, Any] = {"long_tokens": long_tokens, "short_tokens": short_tokens,
                            "delay_ms": delay_s * 1e3,
                            "overtaking_steps": (after["false"] + after["true"]

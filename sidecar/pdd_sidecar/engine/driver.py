@@ -78,7 +78,7 @@ IN_ORDER_AHEAD = 1
 Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
 
 
-@dataclass(eq=False)
+@dataclass
 class _Sampled:
     """A prefill step's first tokens on their way to the host."""
 
@@ -410,19 +410,18 @@ class InstanceDriver:
             self._last_poll = time.monotonic()
         if self.settings.fault_step_delay_s and cmd["chunks"]:
             time.sleep(self.settings.fault_step_delay_s)
-        overtakes = (self.role == "prefill" and bool(plan.prefill)
-                     and self.worker.engine.overtakes(self._seq_chunks(plan)))
         started = time.monotonic()
         results = self.worker.run_as_leader(cmd)
         self._last_collective = time.monotonic()
-        if cmd["chunks"]:
-            self.metrics.step_enqueue_seconds.labels(
-                order="overtaking" if overtakes else "in_order").observe(
-                self._last_collective - started)
-        if self.role == "prefill" and plan.prefill and not overtakes:
-            self._in_order.append(self._marks.mark())
         failed = next((r for r in results if r.get("error")), None)
         if cmd["chunks"]:
+            # What rank 0's engine did with the step, not a second guess at it beforehand.
+            overtook = self.worker.engine.logits_stream is not None
+            if self.role == "prefill" and not overtook:
+                self._in_order.append(self._marks.mark())
+            self.metrics.step_enqueue_seconds.labels(
+                order="overtaking" if overtook else "in_order").observe(
+                self._last_collective - started)
             self.metrics.batch_size.observe(len(cmd["chunks"]))
         for rank, r in enumerate(results):
             for rid, error, stats in r.get("pulled", ()):
@@ -479,12 +478,13 @@ class InstanceDriver:
 
     def _collect(self) -> None:
         """The prefill's first tokens that reached the host: out, each sequence at once."""
-        if not any(s.mark.done() for s in self._sampled):
-            return
-        ready = [s for s in self._sampled if s.mark.done()]
-        self._sampled = [s for s in self._sampled if s not in ready]
-        for s in ready:
-            self._deliver(s.live, [int(t) for t in s.tokens.tolist()])
+        waiting: list[_Sampled] = []
+        for s in self._sampled:
+            if s.mark.done():
+                self._deliver(s.live, [int(t) for t in s.tokens.tolist()])
+            else:
+                waiting.append(s)
+        self._sampled = waiting
 
     def _deliver(self, live: list[tuple[int, Sequence]], tokens: list[int]) -> None:
         timing.mark_sampled((s for _, s in live), time.monotonic())
