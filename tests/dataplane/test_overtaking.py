@@ -81,3 +81,23 @@ def test_the_setting_is_checked_on_every_device_and_named_when_wrong(
     assert RankEngine(model, new_cache(model, 64, 16), SingleComm()).overtaking is None
     monkeypatch.delenv("PDD_OVERTAKING")
     assert overtaking.overtaking_enabled() and overtaking.overtaking_enabled({})
+
+
+def test_an_in_order_step_calls_its_pacer_after_each_layer_and_computes_the_same() -> None:
+    """The engine's side of a paced launch (engine/launch_pacing.py): the hook sees every layer
+    but the step's result is the unpaced one, a continuing chunk's too."""
+    model = load_rank_model("builtin", 0, 1, torch.float32, torch.device("cpu"))
+    plain = RankEngine(model, new_cache(model, 64, 16), SingleComm())
+    paced = RankEngine(model, new_cache(model, 64, 16), SingleComm())
+    seen: list[tuple[int, int]] = []
+    paced.pacer = lambda layer, layers: seen.append((layer, layers))
+    prompt = [(7 * i + 3) % 100 for i in range(40)]
+    chunks = [SeqChunk(prompt[:32], 0, [0, 1, 2]), SeqChunk(prompt[:9], 0, [5])]
+    want = plain.step(chunks)
+    got = paced.step(chunks)
+    layers = model.config.num_hidden_layers
+    assert seen == [(i, layers) for i in range(layers)]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    more = [SeqChunk(prompt[32:], 32, [0, 1, 2])]
+    torch.testing.assert_close(paced.step(more), plain.step(more), rtol=0, atol=0)
+    assert len(seen) == 2 * layers

@@ -171,3 +171,30 @@ def test_the_first_step_is_full_at_its_token_budget_or_its_slots() -> None:
     assert not few_slots.first_step_full()
     _submit(few_slots, "b1", 10)
     assert few_slots.first_step_full()
+
+
+def test_while_a_step_is_launched_only_fresh_prompts_outside_it_are_planned() -> None:
+    """A long prompt's chunk and a short prompt share the step being launched; a fresh short
+    prompt arriving meanwhile is planned alone (nothing of the launching step twice, no long
+    prompt), and the long prompt's turn-taking stays as the step left it."""
+    sched = _prefill(8192, 4096, long_chunk=1024)
+    _submit(sched, "long", 20000)
+    _advance(sched, sched.plan().prefill)
+    _submit(sched, "short", 500)
+    _advance(sched, sched.plan().prefill)  # the short one's own step
+    _submit(sched, "mid", 700)
+    launching = sched.plan().prefill
+    assert sorted((c.seq.id, len(c.tokens)) for c in launching) == [("long", 1024),
+                                                                  ("mid", 700)]
+    _submit(sched, "new", 300)
+    _submit(sched, "big", 5000)  # more than a chunk: never in such a step
+    fresh = sched.plan_fresh({c.seq.id for c in launching}).prefill
+    assert [(c.seq.id, c.start, len(c.tokens)) for c in fresh] == [("new", 0, 300)]
+    _advance(sched, launching)
+    _advance(sched, fresh)
+    sched.cancel("big")
+    _submit(sched, "next", 200)
+    after = sched.plan().prefill  # the long prompt ran in the launching step: it sits out
+    assert [c.seq.id for c in after] == ["next"]
+    decode = Scheduler("decode", PagedKVCache(64, 1, BLOCK, 4), BLOCK, 1, 1)
+    assert decode.plan_fresh(set()).prefill == []

@@ -2,7 +2,8 @@
 without one): a graphed step of fresh prompts runs ahead of device work queued before it and
 sampling it waits for it alone; it gives the logits of the same step run in order; later
 in-order work sees its KV; and it waits after all when a block it writes may still be written
-by the queued work.
+by the queued work; and it overtakes an in-order step half-way through that step's paced launch
+(engine/launch_pacing.py).
 
     PYTHONPATH=sidecar python -m pytest tests/gpu/test_overtaking.py -q
 """
@@ -18,6 +19,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
+from pdd_sidecar.engine.device_queue import DeviceMarks, Mark  # noqa: E402
+from pdd_sidecar.engine.launch_pacing import LaunchPacer  # noqa: E402
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache  # noqa: E402
 from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
 from pdd_sidecar.model.rank_model import load_rank_model  # noqa: E402
@@ -39,7 +42,7 @@ def _queued_work(eng: RankEngine | None = None) -> tuple[torch.cuda.Event, float
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     if eng is not None and eng.overtaking is not None:
-        eng.overtaking.after_in_order([SeqChunk([1], 0, [255])])
+        eng.overtaking.in_order([SeqChunk([1], 0, [255])])()
     done = torch.cuda.Event()
     done.record()
     return done, time.perf_counter()
@@ -91,9 +94,48 @@ def test_an_overtaking_step_waits_when_its_blocks_may_still_be_written() -> None
     _warm(eng)
     done, _ = _queued_work()
     # as a cancelled prompt's chunk still queued would: its blocks then go to a new prompt
-    eng.overtaking.after_in_order([SeqChunk([1] * 600, 0, list(range(0, 40)))])
+    eng.overtaking.in_order([SeqChunk([1] * 600, 0, list(range(0, 40)))])()
     logits = eng.step([SeqChunk([(5 * i + 2) % 100 for i in range(100)], 0,
                                 list(range(30, 40)))])
     with eng.logits_context():
         logits.argmax(-1).tolist()
     assert done.query() and eng.overtaking.waited == 1
+
+
+def test_a_step_overtakes_an_in_order_step_half_way_through_its_paced_launch() -> None:
+    """The in-order step's launch stops after its first layer (the device is a second behind);
+    the pacer's wait launches a short prompt's step, whose tokens are read before the queued
+    work is done. Both give what they give unpaced, in order."""
+    engines = _engines()
+    prompt = [(3 * i + 1) % 100 for i in range(700)]
+    long = SeqChunk(prompt, 0, list(range(0, 50)))
+    short = SeqChunk([(5 * i + 2) % 100 for i in range(100)], 0, list(range(100, 110)))
+    for eng in engines.values():
+        _warm(eng)
+    ref = engines[False]
+    ref_long = ref.step([long])
+    ref_short = ref.step([short]).argmax(-1).tolist()
+    eng = engines[True]
+    assert eng.overtaking is not None
+    marks = DeviceMarks(DEV, lambda: None)
+    seen: dict[str, object] = {}
+
+    def serve(oldest: Mark) -> None:
+        if "short" not in seen:
+            logits = eng.step([short])
+            with eng.logits_context():
+                seen["short"] = logits.argmax(-1).tolist()
+            seen["queued_done"] = done.query()
+            seen["stream"] = eng.logits_stream
+        while not oldest.done():
+            time.sleep(0.001)
+
+    pacer = LaunchPacer(marks.mark, serve, slice_layers=1, ahead=1)
+    eng.pacer = pacer.after_layer
+    done, _ = _queued_work()
+    out = eng.step([long])
+    assert eng.logits_stream is None  # the long step's own logits, in order
+    torch.testing.assert_close(out, ref_long, rtol=0, atol=0)
+    assert seen["short"] == ref_short and seen["stream"] is eng.overtaking.stream
+    assert seen["queued_done"] is False, "the short step's tokens waited for the queued work"
+    assert pacer.waits >= 1 and eng.overtaking.steps == 1 and eng.overtaking.waited == 0

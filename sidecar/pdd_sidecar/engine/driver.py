@@ -38,6 +38,7 @@ import torch
 
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
+from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
 from pdd_sidecar.engine.sampling import pick_rows, sample, sample_on_device
@@ -166,6 +167,11 @@ class InstanceDriver:
         self._marks = DeviceMarks(worker.cache.device, self.wake, s.fault_device_lag_s)
         self._sampled: list[_Sampled] = []  # prefill: oldest first
         self._in_order: deque[Mark] = deque()  # prefill: in-order steps not seen done
+        # Sequences of the steps being launched (an in-order one, paced, and what overtakes it)
+        # and what arrived meanwhile that must wait for the launch's end (_between_slices).
+        self._launching: frozenset[str] = frozenset()
+        self._deferred: deque[tuple[str, Any, Future[Any] | None]] = deque()
+        self.pacer: LaunchPacer | None = None
         self._thread = threading.Thread(target=self._loop, name="driver", daemon=True)
         self._last_poll = 0.0
         self._last_collective = time.monotonic()
@@ -241,6 +247,9 @@ class InstanceDriver:
         try:
             self._warm_up()
             self._overtaking_seen = self._overtaking_counts()  # warm-up steps are not served
+            if self.role == "prefill" and self.worker.engine.overtaking is not None:
+                self.pacer = LaunchPacer(self._marks.mark, self._between_slices)
+                self.worker.engine.pacer = self.pacer.after_layer
             held = False
             while True:
                 self._collect()
@@ -339,6 +348,9 @@ class InstanceDriver:
         return time.monotonic() - self._last_poll >= self.settings.notif_poll_s
 
     def _drain(self, block: bool) -> None:
+        while self._deferred:
+            self._handle(*self._deferred.popleft())
+            block = False
         timeout = None
         # One rank: its finished pulls wake the loop (``wake``). Several: the others' results
         # arrive only with a step, so the loop polls while a pull runs.
@@ -395,6 +407,35 @@ class InstanceDriver:
                 raise SystemExit
             fut.set_result(self.worker.run_as_leader(payload))
 
+    def _between_slices(self, oldest: Mark) -> None:
+        """Rank 0's engine waits for the device before launching the next slice of an
+        in-order step (engine/launch_pacing.py). Until something happens (``oldest`` passed,
+        a request came), then: tokens on the host go out, new prompts are admitted, and a step
+        of fresh ones that overtakes the step being launched runs now. Everything else waits
+        for the launch's end: a cancel or a command would change blocks or ranks under it."""
+        items: list[tuple[str, Any, Future[Any] | None]] = []
+        if not oldest.done():
+            try:
+                items.append(self._inbox.get(timeout=0.5))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item[0] in ("submit", "wake"):
+                self._handle(*item)
+            else:
+                self._deferred.append(item)
+        self._collect()
+        if not self.scheduler.waiting and not self.scheduler.running:
+            return
+        plan = self.scheduler.plan_fresh(self._launching)
+        if plan.prefill and self.worker.engine.overtakes(self._seq_chunks(plan)):
+            self._run_step(plan, poll=False)
+
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
         cmd: dict[str, Any] = {
@@ -411,7 +452,12 @@ class InstanceDriver:
         if self.settings.fault_step_delay_s and cmd["chunks"]:
             time.sleep(self.settings.fault_step_delay_s)
         started = time.monotonic()
-        results = self.worker.run_as_leader(cmd)
+        outer = self._launching
+        self._launching = outer | {c.seq.id for c in plan.prefill}
+        try:
+            results = self.worker.run_as_leader(cmd)
+        finally:
+            self._launching = outer
         self._last_collective = time.monotonic()
         failed = next((r for r in results if r.get("error")), None)
         if cmd["chunks"]:

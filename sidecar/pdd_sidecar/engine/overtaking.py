@@ -102,11 +102,20 @@ class Overtaking:
         self.steps = 0  # overtaking steps run
         self.waited = 0  # of those, the ones that waited for in-order work
 
-    def after_in_order(self, chunks: Sequence[SeqChunk]) -> None:
-        """An in-order step was enqueued on the default stream."""
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        self.order.written_in_order(written_blocks(chunks, self.block_size), done.query)
+    def in_order(self, chunks: Sequence[SeqChunk]) -> Callable[[], None]:
+        """An in-order step is about to be enqueued on the default stream: its blocks count
+        from now (steps may overtake it half-way through its launch, engine/launch_pacing.py)
+        until the device has run it. Call what this returns once it is enqueued."""
+        end: list[torch.cuda.Event] = []
+
+        def enqueued() -> None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            end.append(event)
+
+        self.order.written_in_order(written_blocks(chunks, self.block_size),
+                                    lambda: bool(end) and bool(end[0].query()))
+        return enqueued
 
     def run(self, chunks: Sequence[SeqChunk], step: Callable[[], T]) -> T:
         default = torch.cuda.current_stream(self.device)

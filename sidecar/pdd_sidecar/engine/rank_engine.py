@@ -287,6 +287,9 @@ class RankEngine:
             log.info("steps of fresh prompts up to %d tokens overtake queued device work "
                      "(a high-priority CUDA stream)", self.prefill_buckets[-1])
         self.logits_stream: torch.cuda.Stream | None = None  # where the last logits were made
+        # Called after each layer an in-order eager step launches (engine/launch_pacing.py);
+        # the driver sets it on a prefill whose steps may overtake.
+        self.pacer: Callable[[int, int], None] | None = None
         self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
         self.padded_prefills = 0  # prefill steps that ran padded (replayed or eager)
 
@@ -300,15 +303,21 @@ class RankEngine:
             raise ValueError("empty step")
         if self.overtakes(chunks, want_logits):
             assert self.overtaking is not None
+            out = self.overtaking.run(chunks, lambda: self._prefill_padded(chunks, want_logits))
             self.logits_stream = self.overtaking.stream
-            return self.overtaking.run(
-                chunks, lambda: self._prefill_padded(chunks, want_logits))
-        self.logits_stream = None
+            return out
         if self._prefill_paddable(chunks, want_logits):
-            return self._prefill_padded(chunks, want_logits)
-        out = self._step_in_order(chunks, want_logits)
-        if self.overtaking is not None:
-            self.overtaking.after_in_order(chunks)
+            out = self._prefill_padded(chunks, want_logits)
+        else:
+            # Registered before its launch: a paced launch (``pacer``) lets steps overtake it
+            # half-way, and those must see the blocks it writes.
+            launched = (None if self.overtaking is None
+                        else self.overtaking.in_order(chunks))
+            out = self._step_in_order(chunks, want_logits)
+            if launched is not None:
+                launched()
+        # Set last: a step that overtook this one half-way set its own.
+        self.logits_stream = None
         return out
 
     def overtakes(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> bool:
@@ -322,7 +331,7 @@ class RankEngine:
                        ) -> torch.Tensor | None:
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
-        hidden = self._forward(chunks)
+        hidden = self._forward(chunks, self.pacer)
         if not want_logits:
             return None
         ends = to_device([len(c.tokens) for c in chunks], torch.long, hidden.device).cumsum(0)
@@ -439,7 +448,8 @@ class RankEngine:
         dev = self.cache.device
         return tuple(to_device(t, torch.long, dev) for t in (positions, mine, blk, off))
 
-    def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def _forward(self, chunks: Sequence[SeqChunk],
+                 after_layer: Callable[[int, int], None] | None = None) -> torch.Tensor:
         cfg, w, dev = self.cfg, self.model.weights, self.model.device
         all_tokens = [t for c in chunks for t in c.tokens]
         self._check_tokens(all_tokens)
@@ -478,6 +488,8 @@ class RankEngine:
                 r = views.chunk_rows
                 o[r] = self._chunk_attention(q_nope[r], q_pe[r], i, lw, views).to(x.dtype)
             x = self._layer_rest(x, o, lw)
+            if after_layer is not None:
+                after_layer(i, len(w.layers))
         return rms_norm(x, w.norm, cfg.rms_norm_eps)
 
     def _fresh_rows(

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
@@ -355,6 +355,22 @@ class Scheduler:
         self._long_ran_before = self._long_ran
         self._long_ran = {c.seq.id for c in chunks if not self._fits_chunk(c.seq)}
         return chunks
+
+    def plan_fresh(self, launching: Set[str]) -> StepPlan:
+        """A prefill step of prompts one chunk holds that no chunk of has run, for while the
+        step of ``launching`` (sequence ids) is still being launched (engine/launch_pacing.py):
+        only such a step may overtake it, and that step's chunks are not done yet. The
+        turn-taking of long prompts stays as the last plan left it."""
+        plan = StepPlan()
+        if self.role != "prefill":
+            return plan
+        for seq in self._admit():
+            seq.state = State.RUNNING
+            self.running[seq.id] = seq
+        fresh = [s for s in self.running.values()
+                 if s.id not in launching and s.computed == 0 and self._fits_chunk(s)]
+        plan.prefill = self._pack(fresh, shared=True)
+        return plan
 
     def hold(self) -> None:
         """The driver did not run the last plan's prompt chunks: the next plan starts from
