@@ -11,6 +11,7 @@ import torch
 from pdd_sidecar import env
 from pdd_sidecar.engine import overtaking
 from pdd_sidecar.engine.comm import SingleComm
+from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import BlockOrder, steps_since, written_blocks
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
 from pdd_sidecar.engine.seq_chunk import SeqChunk
@@ -84,20 +85,30 @@ def test_the_setting_is_checked_on_every_device_and_named_when_wrong(
 
 
 def test_an_in_order_step_calls_its_pacer_after_each_layer_and_computes_the_same() -> None:
-    """The engine's side of a paced launch (engine/launch_pacing.py): the hook sees every layer
-    but the step's result is the unpaced one, a continuing chunk's too."""
+    """The engine's side of a paced launch (engine/launch_pacing.py): a step of enough tokens
+    is launched in slices, a smaller one whole, and both compute what they do unpaced."""
     model = load_rank_model("builtin", 0, 1, torch.float32, torch.device("cpu"))
     plain = RankEngine(model, new_cache(model, 64, 16), SingleComm())
     paced = RankEngine(model, new_cache(model, 64, 16), SingleComm())
-    seen: list[tuple[int, int]] = []
-    paced.pacer = lambda layer, layers: seen.append((layer, layers))
+    seen: list[int] = []
+
+    class Passed:
+        def done(self) -> bool:
+            return True
+
+    def mark() -> Passed:
+        seen.append(len(seen))
+        return Passed()
+
+    paced.pacer = LaunchPacer(mark, lambda oldest: None, slice_layers=1, ahead=1,
+                              min_tokens=30)
     prompt = [(7 * i + 3) % 100 for i in range(40)]
     chunks = [SeqChunk(prompt[:32], 0, [0, 1, 2]), SeqChunk(prompt[:9], 0, [5])]
     want = plain.step(chunks)
     got = paced.step(chunks)
     layers = model.config.num_hidden_layers
-    assert seen == [(i, layers) for i in range(layers)]
+    assert len(seen) == layers - 1  # a mark after each layer but the last
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    more = [SeqChunk(prompt[32:], 32, [0, 1, 2])]
+    more = [SeqChunk(prompt[32:], 32, [0, 1, 2])]  # 8 tokens: launched whole
     torch.testing.assert_close(paced.step(more), plain.step(more), rtol=0, atol=0)
-    assert len(seen) == 2 * layers
+    assert len(seen) == layers - 1

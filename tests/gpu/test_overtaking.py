@@ -107,11 +107,13 @@ def test_a_step_overtakes_an_in_order_step_half_way_through_its_paced_launch() -
     the pacer's wait launches a short prompt's step, whose tokens are read before the queued
     work is done. Both give what they give unpaced, in order."""
     engines = _engines()
-    prompt = [(3 * i + 1) % 100 for i in range(700)]
-    long = SeqChunk(prompt, 0, list(range(0, 50)))
+    prompt = [(3 * i + 1) % 100 for i in range(1300)]
+    head = SeqChunk(prompt[:600], 0, list(range(0, 90)))
+    long = SeqChunk(prompt[600:], 600, head.block_ids)  # a continuing chunk: eager, in order
     short = SeqChunk([(5 * i + 2) % 100 for i in range(100)], 0, list(range(100, 110)))
     for eng in engines.values():
         _warm(eng)
+        eng.step([head])
     ref = engines[False]
     ref_long = ref.step([long])
     ref_short = ref.step([short]).argmax(-1).tolist()
@@ -130,8 +132,8 @@ def test_a_step_overtakes_an_in_order_step_half_way_through_its_paced_launch() -
         while not oldest.done():
             time.sleep(0.001)
 
-    pacer = LaunchPacer(marks.mark, serve, slice_layers=1, ahead=1)
-    eng.pacer = pacer.after_layer
+    pacer = LaunchPacer(marks.mark, serve, slice_layers=1, ahead=1, min_tokens=1)
+    eng.pacer = pacer
     done, _ = _queued_work()
     out = eng.step([long])
     assert eng.logits_stream is None  # the long step's own logits, in order

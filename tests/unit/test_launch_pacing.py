@@ -74,6 +74,12 @@ def test_serve_is_called_again_until_the_oldest_slice_is_done() -> None:
     assert calls == [1, 1, 1] and pacer.queued == 1
 
 
+def test_only_steps_of_many_tokens_are_paced() -> None:
+    device = _Device()
+    pacer = LaunchPacer(device.mark, lambda m: None, min_tokens=4096)
+    assert pacer.paces(4096) and pacer.paces(8192) and not pacer.paces(4095)
+
+
 def test_slices_and_lookahead_are_positive() -> None:
     device = _Device()
     with pytest.raises(ValueError, match="slice_layers 0"):

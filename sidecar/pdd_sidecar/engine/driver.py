@@ -249,7 +249,7 @@ class InstanceDriver:
             self._overtaking_seen = self._overtaking_counts()  # warm-up steps are not served
             if self.role == "prefill" and self.worker.engine.overtaking is not None:
                 self.pacer = LaunchPacer(self._marks.mark, self._between_slices)
-                self.worker.engine.pacer = self.pacer.after_layer
+                self.worker.engine.pacer = self.pacer
             held = False
             while True:
                 self._collect()

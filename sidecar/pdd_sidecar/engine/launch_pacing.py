@@ -20,11 +20,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pure Python: the marks are the driver's (engine/device_queue.py)
     from pdd_sidecar.engine.device_queue import Mark
 
-# About 79 launches a layer (bench/launch_queue.py, 2,048 tokens over a cached latent): three
-# slices of three layers are about 710 launches, under the queue, and two slices queued keep the
-# device busy (6 layers of an 8,192-token chunk: ~45 ms) while the host launches the next.
-SLICE_LAYERS = 3
-SLICES_AHEAD = 2
+# A layer is about 79 launches (bench/launch_queue.py) and, at 8,192 tokens on one H200, ~7 ms
+# of device time, against a millisecond or less to launch it. Whatever is queued when a short
+# prompt's step overtakes still shares the SMs with it (run 32: with up to nine layers queued,
+# slices of three, a 24 ms step took a median 81 ms), so the host stays one layer ahead.
+SLICE_LAYERS = 1
+SLICES_AHEAD = 1
+# Steps of fewer tokens are launched whole: their device time is short anyway (a 1k prompt's
+# step ~24 ms), and per-layer slices would leave the device idle between them.
+PACED_MIN_TOKENS = 4096
 
 
 class LaunchPacer:
@@ -33,15 +37,21 @@ class LaunchPacer:
     ``serve``, which returns once something happened (the oldest slice done or an arrival)."""
 
     def __init__(self, mark: Callable[[], Mark], serve: Callable[[Mark], None],
-                 slice_layers: int = SLICE_LAYERS, ahead: int = SLICES_AHEAD) -> None:
+                 slice_layers: int = SLICE_LAYERS, ahead: int = SLICES_AHEAD,
+                 min_tokens: int = PACED_MIN_TOKENS) -> None:
         if slice_layers < 1 or ahead < 1:
             raise ValueError(f"slice_layers {slice_layers} and ahead {ahead} must be >= 1")
         self._mark = mark
         self._serve = serve
         self.slice_layers = slice_layers
         self.ahead = ahead
+        self.min_tokens = min_tokens
         self._queued: deque[Mark] = deque()
         self.waits = 0  # times the host waited for the device between two slices
+
+    def paces(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens is launched in slices."""
+        return tokens >= self.min_tokens
 
     def after_layer(self, layer: int, layers: int) -> None:
         """After ``layer`` (0-based) of ``layers``; nothing after the last: what follows is

@@ -33,6 +33,7 @@ from pdd_sidecar.engine.cuda_graphs import (
 )
 from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
+from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import Overtaking, overtaking_enabled
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
@@ -289,7 +290,7 @@ class RankEngine:
         self.logits_stream: torch.cuda.Stream | None = None  # where the last logits were made
         # Called after each layer an in-order eager step launches (engine/launch_pacing.py);
         # the driver sets it on a prefill whose steps may overtake.
-        self.pacer: Callable[[int, int], None] | None = None
+        self.pacer: LaunchPacer | None = None
         self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
         self.padded_prefills = 0  # prefill steps that ran padded (replayed or eager)
 
@@ -331,7 +332,10 @@ class RankEngine:
                        ) -> torch.Tensor | None:
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
-        hidden = self._forward(chunks, self.pacer)
+        pacer = self.pacer
+        if pacer is not None and not pacer.paces(sum(len(c.tokens) for c in chunks)):
+            pacer = None
+        hidden = self._forward(chunks, None if pacer is None else pacer.after_layer)
         if not want_logits:
             return None
         ends = to_device([len(c.tokens) for c in chunks], torch.long, hidden.device).cumsum(0)
