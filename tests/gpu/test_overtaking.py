@@ -141,3 +141,13 @@ def test_a_step_overtakes_an_in_order_step_half_way_through_its_paced_launch() -
     assert seen["short"] == ref_short and seen["stream"] is eng.overtaking.stream
     assert seen["queued_done"] is False, "the short step's tokens waited for the queued work"
     assert pacer.waits >= 1 and eng.overtaking.steps == 1 and eng.overtaking.waited == 0
+
+
+def test_warm_up_runs_each_graphed_prefill_once_on_the_high_priority_stream() -> None:
+    """So that the first served step there finds the stream's memory and kernels ready."""
+    eng = _engines()[True]
+    assert eng.overtaking is not None
+    eng.warm_up(list(range(0, 64)), 300, 128, [], want_logits=True)
+    graphed = [n for n in eng.prefill_buckets if n <= 300]
+    assert graphed and eng.overtaking.steps == len(graphed) and eng.overtaking.waited == 0
+    assert eng.logits_stream is None
