@@ -143,11 +143,27 @@ def test_a_step_overtakes_an_in_order_step_half_way_through_its_paced_launch() -
     assert pacer.waits >= 1 and eng.overtaking.steps == 1 and eng.overtaking.waited == 0
 
 
-def test_warm_up_runs_each_graphed_prefill_once_on_the_high_priority_stream() -> None:
-    """So that the first served step there finds the stream's memory and kernels ready."""
-    eng = _engines()[True]
+def test_an_overtaking_step_waits_for_an_in_order_graph_still_queued() -> None:
+    """Graphs share one memory pool: a graph replayed in order behind queued work and an
+    overtaking one must not run at once. The overtaking step waits for it, and both give what
+    they give in order."""
+    engines = _engines()
+    first = SeqChunk([(3 * i + 1) % 100 for i in range(200)], 0, list(range(0, 13)))
+    second = SeqChunk([(5 * i + 2) % 100 for i in range(100)], 0, list(range(100, 110)))
+    for eng in engines.values():
+        _warm(eng)
+    ref = engines[False]
+    want_first, want_second = ref.step([first]).clone(), ref.step([second]).clone()
+    eng = engines[True]
     assert eng.overtaking is not None
-    eng.warm_up(list(range(0, 64)), 300, 128, [], want_logits=True)
-    graphed = [n for n in eng.prefill_buckets if n <= 300]
-    assert graphed and eng.overtaking.steps == len(graphed) and eng.overtaking.waited == 0
-    assert eng.logits_stream is None
+    eng.step([first])  # its graph captured, nothing queued: in order
+    torch.cuda.synchronize()
+    done, _ = _queued_work(eng)  # a second of in-order work: fresh steps would overtake it
+    got_first = eng._prefill_padded([first], True)  # an in-order graph behind that work
+    eng.overtaking.after_graph()
+    got_second = eng.step([second])
+    assert eng.logits_stream is eng.overtaking.stream and eng.overtaking.waited == 1
+    torch.cuda.synchronize()
+    assert done.query()
+    torch.testing.assert_close(got_first, want_first, rtol=0, atol=0)
+    torch.testing.assert_close(got_second, want_second, rtol=0, atol=0)

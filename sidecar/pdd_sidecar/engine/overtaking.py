@@ -17,7 +17,9 @@ Everything that depends on the host's order keeps it:
   step stay pending until that step is seen done (``BlockOrder``, pure Python). Until run 29 they
   stayed until the whole default stream was seen done at an overtaking step's start, so blocks
   written long ago by an earlier burst still counted, and a 1k prompt waited for a long chunk
-  it shared nothing with.
+  it shared nothing with;
+- an overtaking step waits (on the device) for the last in-order graph replayed: every graph
+  draws its scratch memory from one pool, which two graphs running at once would both write.
 
 Several ranks keep the host's order throughout: their collectives must meet in one order.
 """
@@ -101,6 +103,7 @@ class Overtaking:
         self.order = BlockOrder()
         self.steps = 0  # overtaking steps run
         self.waited = 0  # of those, the ones that waited for in-order work
+        self._graph_end: torch.cuda.Event | None = None
 
     def in_order(self, chunks: Sequence[SeqChunk]) -> Callable[[], None]:
         """An in-order step is about to be enqueued on the default stream: its blocks count
@@ -117,10 +120,18 @@ class Overtaking:
                                     lambda: bool(end) and bool(end[0].query()))
         return enqueued
 
+    def after_graph(self) -> None:
+        """An in-order graph was replayed on the default stream."""
+        self._graph_end = torch.cuda.Event()
+        self._graph_end.record(torch.cuda.current_stream(self.device))
+
     def run(self, chunks: Sequence[SeqChunk], step: Callable[[], T]) -> T:
         default = torch.cuda.current_stream(self.device)
         if self.order.must_wait(written_blocks(chunks, self.block_size)):
             self.stream.wait_stream(default)
+            self.waited += 1
+        elif self._graph_end is not None and not self._graph_end.query():
+            self.stream.wait_event(self._graph_end)
             self.waited += 1
         with torch.cuda.stream(self.stream):
             out = step()
