@@ -100,6 +100,9 @@ PDD_FAULT_STEP_DELAY_S = "PDD_FAULT_STEP_DELAY_S"
 # done, tokens sampled) takes this many seconds on a pretend device, one after another: the CPU
 # twin of a device's queue.
 PDD_FAULT_DEVICE_LAG_S = "PDD_FAULT_DEVICE_LAG_S"
+# Tests only, CPU prefills: "1" launches every in-order step a layer at a time, serving between
+# layers, as a CUDA prefill launches its long ones (engine/launch_pacing.py).
+PDD_FAULT_PACED_LAUNCH = "PDD_FAULT_PACED_LAUNCH"
 
 # --- router (listens on PDD_HTTP_PORT; replicas from PDD_*_URLS and/or PDD_*_SERVICE) ---
 PDD_ROUTER_HEALTH_INTERVAL_S = "PDD_ROUTER_HEALTH_INTERVAL_S"
@@ -252,6 +255,7 @@ class InstanceSettings:
     fault_pull_delay_s: tuple[float, float] = (0.0, 0.0)
     fault_step_delay_s: float = 0.0
     fault_device_lag_s: float = 0.0
+    fault_paced_launch: bool = False
     kv_transport: str = "auto"
     event_loop: str = "auto"
     group_size: int = 1  # pods holding this instance's ranks
@@ -348,6 +352,7 @@ class InstanceSettings:
             fault_pull_delay_s=_range(env, PDD_FAULT_PULL_DELAY_S),
             fault_step_delay_s=_float(env, PDD_FAULT_STEP_DELAY_S, 0.0),
             fault_device_lag_s=_float(env, PDD_FAULT_DEVICE_LAG_S, 0.0),
+            fault_paced_launch=_switch(env, PDD_FAULT_PACED_LAUNCH, False),
             kv_transport=transport,
             event_loop=_choice(env, PDD_EVENT_LOOP, EVENT_LOOPS),
             group_size=group_size,

@@ -118,3 +118,47 @@ def test_cpu_marks_are_passed_when_set_or_after_their_lag() -> None:
     assert not after.done()  # the second piece of work runs after the first
     t = to_device([[1, 2], [3, 4]], torch.int32, torch.device("cpu"))
     assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
+
+
+def _enqueue_seconds(url: str) -> tuple[float, float]:
+    """The prefill host's time enqueuing in-order steps, and how many it enqueued."""
+    status, text = http("GET", f"{url}/metrics")
+    assert status == 200
+    got = {line.split()[0]: float(line.split()[-1]) for line in str(text).splitlines()
+           if line.startswith("pdd_step_enqueue_seconds_") and 'order="in_order"' in line}
+    return (got.get('pdd_step_enqueue_seconds_sum{order="in_order"}', 0.0),
+            got.get('pdd_step_enqueue_seconds_count{order="in_order"}', 0.0))
+
+
+def test_a_paced_launch_serves_between_its_layers_and_loses_nothing(
+        cluster: LocalCluster) -> None:
+    """The CPU twin of a paced launch (engine/launch_pacing.py, ``PDD_FAULT_PACED_LAUNCH``):
+    every in-order step is launched a layer at a time, each layer a lag on the pretend device,
+    the host one layer ahead, so each step's launch waits for the device (the enqueue time
+    shows it) while the driver serves: prompts arrive and are admitted, a client that leaves
+    mid-launch has its prompt cancelled once the launch is over. Every answer is right and
+    every block comes back."""
+    lag, chunk = 0.2, 64
+    prefill = _instance(cluster, lag, PDD_FAULT_PACED_LAUNCH="1", PDD_CHUNK_TOKENS=str(chunk),
+                        PDD_MAX_STEP_TOKENS=str(chunk))
+    before = _enqueue_seconds(prefill.url)
+    long, short = _prompt(4 * chunk, 9), _prompt(24, 13)
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    ta = threading.Thread(target=_prefill, args=(prefill.url, long, a))
+    ta.start()
+    time.sleep(0.5 * lag)  # the long prompt's first step is being launched
+    tb = threading.Thread(target=_prefill, args=(prefill.url, short, b))
+    tb.start()
+    with pytest.raises(OSError):  # leaves while steps are launched: cancelled
+        http("POST", f"{prefill.url}/v1/prefill",
+             {"prompt_ids": _prompt(3 * chunk, 21), "max_tokens": 1}, timeout=3 * lag)
+    ta.join()
+    tb.join()
+    for r, prompt in ((a, long), (b, short)):
+        assert r["status"] == 200, r["body"]
+        assert r["body"]["first_token"] == reference_tokens(prompt, 1, BLOCK)[0]
+    spent, steps = (x - y for x, y in zip(_enqueue_seconds(prefill.url), before, strict=True))
+    assert steps >= 5 and spent >= 0.8 * lag * steps, (spent, steps)  # each waited a layer
+    wait_for("every block back", lambda: http("GET", f"{prefill.url}/v1/stats")[1]
+             ["ranks"][0]["free_blocks"] == 256, 30, 0.05)

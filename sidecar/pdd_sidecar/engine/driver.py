@@ -247,9 +247,7 @@ class InstanceDriver:
         try:
             self._warm_up()
             self._overtaking_seen = self._overtaking_counts()  # warm-up steps are not served
-            if self.role == "prefill" and self.worker.engine.overtaking is not None:
-                self.pacer = LaunchPacer(self._marks.mark, self._between_slices)
-                self.worker.engine.pacer = self.pacer
+            self._start_pacing()
             held = False
             while True:
                 self._collect()
@@ -323,6 +321,18 @@ class InstanceDriver:
         self.warm = True
         log.info("%s warm in %.2fs (prompt %d tokens in chunks of %d, decode batches %s)",
                  self.role, self.warmup_seconds, prompt, sch.chunk_tokens, batches or "none")
+
+    def _start_pacing(self) -> None:
+        """A prefill whose steps may overtake launches its long in-order steps in slices; a
+        CPU prefill under ``PDD_FAULT_PACED_LAUNCH`` (tests) every one of them."""
+        engine = self.worker.engine
+        if self.role != "prefill":
+            return
+        if engine.overtaking is not None:
+            self.pacer = LaunchPacer(self._marks.mark, self._between_slices)
+        elif self.settings.fault_paced_launch:
+            self.pacer = LaunchPacer(self._marks.mark, self._between_slices, min_tokens=1)
+        engine.pacer = self.pacer
 
     def _has_work(self) -> bool:
         return self.scheduler.runnable
