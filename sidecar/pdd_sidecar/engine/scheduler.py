@@ -20,7 +20,10 @@ Policy (one place, pure Python, no torch):
   held up two steps in a row. The prompts
   with the fewest tokens left go first, so a short prompt is not stuck behind a long one; the
   longest-running prompt always keeps a quarter of the budget, so short prompts arriving
-  without pause cannot starve it either.
+  without pause cannot starve it either. While a long step is still being launched (the
+  driver serves between its layers, engine/launch_pacing.py), only a step of fresh prompts
+  that one chunk holds is planned (``plan_fresh``): it may overtake the long step on the
+  device, and it leaves the long prompts' turn-taking as it was.
 - **Budgets follow the device** (``step_budget``): a GPU runs an 8,192-token step in about the
   time a CPU runs a few hundred tokens, and a step's fixed costs (launches, host work) only pay
   off in large steps; small budgets stay on the CPU, where one step of 8k tokens would hold a
