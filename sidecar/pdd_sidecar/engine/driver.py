@@ -369,17 +369,21 @@ class InstanceDriver:
             timeout = max(self.settings.notif_poll_s, 0.001)
         elif block:
             timeout = 0.5
-        first = True
-        while True:
-            try:
-                if first and block:
-                    item = self._inbox.get(timeout=timeout)
-                else:
-                    item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            first = False
+        for item in self._received(block, timeout):
             self._handle(*item)
+
+    def _received(self, wait: bool, timeout: float | None
+                  ) -> list[tuple[str, Any, Future[Any] | None]]:
+        """What is in the inbox; with ``wait``, the first item waited for up to ``timeout``."""
+        items = []
+        try:
+            if wait:
+                items.append(self._inbox.get(timeout=timeout))
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return items
 
     def _handle(self, kind: str, payload: Any, fut: Future[Any] | None) -> None:
         if kind == "cancel":
@@ -423,25 +427,12 @@ class InstanceDriver:
         a request came), then: tokens on the host go out, new prompts are admitted, and a step
         of fresh ones that overtakes the step being launched runs now. Everything else waits
         for the launch's end: a cancel or a command would change blocks or ranks under it."""
-        items: list[tuple[str, Any, Future[Any] | None]] = []
-        if not oldest.done():
-            try:
-                items.append(self._inbox.get(timeout=0.5))
-            except queue.Empty:
-                pass
-        while True:
-            try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        for item in items:
+        for item in self._received(not oldest.done(), 0.5):
             if item[0] in ("submit", "wake"):
                 self._handle(*item)
             else:
                 self._deferred.append(item)
         self._collect()
-        if not self.scheduler.waiting and not self.scheduler.running:
-            return
         plan = self.scheduler.plan_fresh(self._launching)
         if plan.prefill and self.worker.engine.overtakes(self._seq_chunks(plan)):
             self._run_step(plan, poll=False)

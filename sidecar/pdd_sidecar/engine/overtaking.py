@@ -93,6 +93,26 @@ def written_blocks(chunks: Sequence[SeqChunk], block_size: int) -> list[int]:
                                  (c.start + len(c.tokens) - 1) // block_size + 1]]
 
 
+def _default_stream_end(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class _InOrderStep:
+    """Done once enqueued and then run by the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.end: torch.cuda.Event | None = None
+
+    def enqueued(self) -> None:
+        self.end = _default_stream_end(self.device)
+
+    def done(self) -> bool:
+        return self.end is not None and bool(self.end.query())
+
+
 class Overtaking:
     """The high-priority stream of one device and the order kept around it."""
 
@@ -109,21 +129,13 @@ class Overtaking:
         """An in-order step is about to be enqueued on the default stream: its blocks count
         from now (steps may overtake it half-way through its launch, engine/launch_pacing.py)
         until the device has run it. Call what this returns once it is enqueued."""
-        end: list[torch.cuda.Event] = []
-
-        def enqueued() -> None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            end.append(event)
-
-        self.order.written_in_order(written_blocks(chunks, self.block_size),
-                                    lambda: bool(end) and bool(end[0].query()))
-        return enqueued
+        step = _InOrderStep(self.device)
+        self.order.written_in_order(written_blocks(chunks, self.block_size), step.done)
+        return step.enqueued
 
     def after_graph(self) -> None:
         """An in-order graph was replayed on the default stream."""
-        self._graph_end = torch.cuda.Event()
-        self._graph_end.record(torch.cuda.current_stream(self.device))
+        self._graph_end = _default_stream_end(self.device)
 
     def run(self, chunks: Sequence[SeqChunk], step: Callable[[], T]) -> T:
         default = torch.cuda.current_stream(self.device)

@@ -327,22 +327,24 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
-        for seq in self._admit():
-            if self.role == "decode":
+        if self.role == "decode":
+            for seq in self._admit():
                 seq.state = State.PULLING
                 self.pulling[seq.id] = seq
                 plan.pulls.append(seq)
-            else:
-                seq.state = State.RUNNING
-                self.running[seq.id] = seq
-        if self.role == "decode":
             for seq in self.running.values():
                 fed = seq.output[-1] if seq.output else seq.first_token
                 assert fed is not None
                 plan.decode.append(DecodeEntry(seq, fed, seq.context + len(seq.output)))
             return plan
+        self._admit_prompts()
         plan.prefill = self._prefill_chunks()
         return plan
+
+    def _admit_prompts(self) -> None:
+        for seq in self._admit():
+            seq.state = State.RUNNING
+            self.running[seq.id] = seq
 
     def _prefill_chunks(self) -> list[PrefillChunk]:
         """This step's prompt chunks: fewest tokens left first, the oldest prompt's share kept
@@ -367,9 +369,7 @@ class Scheduler:
         plan = StepPlan()
         if self.role != "prefill":
             return plan
-        for seq in self._admit():
-            seq.state = State.RUNNING
-            self.running[seq.id] = seq
+        self._admit_prompts()
         fresh = [s for s in self.running.values()
                  if s.id not in launching and s.computed == 0 and self._fits_chunk(s)]
         plan.prefill = self._pack(fresh, shared=True)
