@@ -323,6 +323,11 @@ class ProbeSampler:
         self.failures = got["failures"]
 
 
+# A short prompt's time in the prefill during the long one, and the host's share of it.
+SHORT_PREFILL_PARTS = ("prefill_queue", "prefill_inbox", "prefill_compute", "prefill_launch",
+                       "prefill_to_host")
+
+
 async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int,
                           vocab: int, delay_s: float) -> dict[str, Any]:
     """Short prompts sent one after another while a long one is being prefilled, each a new
@@ -391,6 +396,8 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
         out["short_timing"] = sorted(judged, key=lambda r: r.ttft_ms)[len(judged) // 2].timing
         out["worst_short_timing"] = max(judged, key=lambda r: r.ttft_ms).timing
         out["short_sent_ms"] = [(r.start - long_start) * 1000 for r in judged]
+        out["short_prefill_ms"] = [{k: r.timing[k] for k in SHORT_PREFILL_PARTS if k in r.timing}
+                                   for r in judged]
     return out
 
 
@@ -797,6 +804,10 @@ def main(argv: list[str] | None = None) -> int:
                                       mixed.get("worst_short_timing", {}).items()))
         print("  each short prompt sent at (ms into the long prompt's prefill): "
               + ", ".join(f"{t:.0f}" for t in mixed.get("short_sent_ms", [])))
+        print("  each short prompt in the prefill (ms): queue (of it the driver taking it in), "
+              "compute (of it the host launching, then the device and the token's way back)")
+        for t in mixed.get("short_prefill_ms", []):
+            print("    " + ", ".join(f"{k.removeprefix('prefill_')} {t[k]:.1f}" for k in t))
     print("\ntargets (one H200, same-run engine bounds):")
     judged = {r.level: j for r in results if (j := judge(r)) is not None}
     for level, j in judged.items():

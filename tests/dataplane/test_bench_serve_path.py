@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 from bench_fixtures import load_bench
 
-from pdd_sidecar.engine.timing import STAGES, TTFT_STAGES
+from pdd_sidecar.engine.timing import PREFILL_DETAIL, STAGES, TTFT_STAGES
 
 pytestmark = pytest.mark.dataplane
 
 EPS_MS = 0.1  # each stage is rounded to a microsecond
+
+DETAIL = {f"prefill_{k}" for k in PREFILL_DETAIL}
 
 
 def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
@@ -40,7 +42,10 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
         assert lv["read_bytes"] > 0 and lv["read_GBps"] > 0
         assert len(lv["timings"]) == lv["requests"]
         for t in lv["timings"]:
-            assert set(t) == {*STAGES, "ttft", "second_token"}, sorted(t)
+            assert set(t) == {*STAGES, "ttft", "second_token", *DETAIL}, sorted(t)
+            assert t["prefill_inbox"] <= t["prefill_queue"] + EPS_MS, t
+            assert abs(t["prefill_launch"] + t["prefill_to_host"]
+                       - t["prefill_compute"]) <= EPS_MS, t
             assert all(math.isfinite(v) and v >= 0 for v in t.values()), t
             assert sum(t[k] for k in TTFT_STAGES) <= t["ttft"] + EPS_MS, t
             assert sum(t[k] for k in STAGES) <= t["second_token"] + EPS_MS, t
@@ -58,6 +63,8 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     # every prefill step of the run, enqueued in order: the long prompt's chunks and the shorts'
     assert mixed["in_order_enqueued"] >= 1 + mixed["shorts_sent"]
     assert mixed["in_order_enqueue_ms"] > 0 and mixed["overtaking_enqueued"] == 0
-    assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token"}
+    assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token", *DETAIL}
+    assert len(mixed["short_prefill_ms"]) == len(mixed["short_ttfts_ms"])
+    assert all(set(t) == set(mod.SHORT_PREFILL_PARTS) for t in mixed["short_prefill_ms"])
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)

@@ -159,7 +159,8 @@ def test_an_overtaking_step_waits_for_an_in_order_graph_still_queued() -> None:
     eng.step([first])  # its graph captured, nothing queued: in order
     torch.cuda.synchronize()
     done, _ = _queued_work(eng)  # a second of in-order work: fresh steps would overtake it
-    got_first = eng._prefill_padded([first], True)  # an in-order graph behind that work
+    with torch.inference_mode():  # as step() replays it: an in-order graph behind that work
+        got_first = eng._prefill_padded([first], True)
     eng.overtaking.after_graph()
     got_second = eng.step([second])
     assert eng.logits_stream is eng.overtaking.stream and eng.overtaking.waited == 1

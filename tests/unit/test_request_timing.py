@@ -29,6 +29,15 @@ def test_stages_add_up_to_the_ttft_then_to_the_decode_token() -> None:
     assert abs(sum(out[k] for k in T.STAGES) - out["second_token"]) < 1e-6
 
 
+def test_the_prefill_detail_is_passed_on_beside_its_stages_not_added_to_them() -> None:
+    s = stamps(received=100, prefill_sent=102, prefill_got=150, first_token=151)
+    out = T.request_timing(s, {"queue": 5.0, "compute": 40.0, "inbox": 1.0, "launch": 2.5,
+                               "to_host": -3, "other": 9.0}, None)
+    assert out["prefill_inbox"] == 1.0 and out["prefill_launch"] == 2.5
+    assert "prefill_to_host" not in out and "prefill_other" not in out
+    assert out["prefill_to_router"] == 3.0 and out["ttft"] == 51.0
+
+
 def test_a_prompt_run_again_after_the_first_token_counts_in_the_hand_off() -> None:
     """The prefill stamps of a second try come after the first token: they are not the TTFT's
     stages, and the hand-off's first stage covers them."""
@@ -63,6 +72,10 @@ def test_instance_stamps() -> None:
     T.mark_sampled([seq], 11.25)
     T.mark_sampled([seq], 12.0)
     assert T.prefill_timing(seq.extra) == {"queue": 500.0, "compute": 750.0}
+    seq.extra[T.HANDLED] = 10.125
+    seq.extra[T.LAUNCHED] = 11.0625
+    assert T.prefill_timing(seq.extra) == {"queue": 500.0, "compute": 750.0, "inbox": 125.0,
+                                           "launch": 562.5, "to_host": 187.5}
 
     dec = Sequence("b", [], 4, 3, source=object(), first_token=7)
     dec.extra[T.RECEIVED] = 1.0

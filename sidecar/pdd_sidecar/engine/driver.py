@@ -409,6 +409,7 @@ class InstanceDriver:
                 return
             try:
                 self.scheduler.submit(seq)
+                seq.extra[timing.HANDLED] = time.monotonic()
             except QueueFull as exc:
                 fut.set_exception(RequestError(str(exc), 429, "overloaded", retry_after=1.0))
             except NeverFits as exc:
@@ -462,6 +463,8 @@ class InstanceDriver:
         finally:
             self._launching = outer
         self._last_collective = time.monotonic()
+        for c in plan.prefill:
+            c.seq.extra[timing.LAUNCHED] = self._last_collective
         failed = next((r for r in results if r.get("error")), None)
         if cmd["chunks"]:
             # What rank 0's engine did with the step, not a second guess at it beforehand.

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 # Sequence.extra keys (instance side).
 RECEIVED = "t_received"  # the HTTP handler took the request
 ADMITTED = "t_admitted"  # decode: blocks allocated, pull handed to the ranks
+HANDLED = "t_handled"  # prefill: the driver took it into its scheduler
 STEP_START = "t_step_start"  # the first step that ran this sequence began
+LAUNCHED = "t_launched"  # prefill: the host finished launching the step that chose its token
 STEP_END = "t_step_end"  # the step that chose its first token ended, sampling included
 CLAIM_SECONDS = "claim_seconds"  # in a rank's pull stats: pull started -> claim answered
 
@@ -32,6 +34,11 @@ R_FIRST_TOKEN = "first_token"
 R_SECOND_TOKEN = "second_token"  # the decode's first token, handed to the client
 
 PREFILL_STAGES = ("queue", "compute")
+# Within those two (not laid end to end with the rest): the queue's wait for the driver to take
+# the request (``inbox``), and the compute's host launch (``launch``: first step's start until
+# the last step was enqueued) and what followed it (``to_host``: the device finishing, the token
+# copied back and the driver hearing of it). Where the host, not the device, held a prompt.
+PREFILL_DETAIL = ("inbox", "launch", "to_host")
 DECODE_STAGES = ("queue", "claim", "read", "join", "first_step")
 # The first token is the prefill's: the client has it while the hand-off runs. These add up to
 # ``ttft``; all of STAGES, laid end to end, to ``second_token``.
@@ -70,6 +77,12 @@ def prefill_timing(extra: Mapping[str, Any]) -> dict[str, float]:
         out["queue"] = _ms(extra[STEP_START] - extra[RECEIVED])
     if STEP_START in extra and STEP_END in extra:
         out["compute"] = _ms(extra[STEP_END] - extra[STEP_START])
+    if RECEIVED in extra and HANDLED in extra:
+        out["inbox"] = _ms(extra[HANDLED] - extra[RECEIVED])
+    if STEP_START in extra and LAUNCHED in extra:
+        out["launch"] = _ms(extra[LAUNCHED] - extra[STEP_START])
+    if LAUNCHED in extra and STEP_END in extra:
+        out["to_host"] = _ms(extra[STEP_END] - extra[LAUNCHED])
     return out
 
 
@@ -111,7 +124,8 @@ def _parts(reported: Any, names: tuple[str, ...]) -> dict[str, float]:
 def request_timing(stamps: Mapping[str, float], prefill: Any = None,
                    decode: Any = None) -> dict[str, float]:
     """The router's breakdown of one request, in milliseconds (keys in ``STAGES`` plus ``ttft``
-    and, once the decode's first token reached the client, ``second_token``).
+    and, once the decode's first token reached the client, ``second_token``; the prefill's
+    ``PREFILL_DETAIL`` as ``prefill_inbox`` and so on, parts of its queue and compute).
 
     ``prefill_to_router`` is the prefill round trip less the instance's queue and compute (both
     hops, HTTP handling, signing the grant); ``to_client`` the router's work from the prefill's
@@ -132,7 +146,7 @@ def request_timing(stamps: Mapping[str, float], prefill: Any = None,
         out["router_to_prefill"] = _ms(s[R_PREFILL_SENT] - s[R_RECEIVED])
     if R_PREFILL_SENT in s and R_PREFILL_GOT in s and not again:
         pre = _parts(prefill, PREFILL_STAGES)
-        for k, v in pre.items():
+        for k, v in {**pre, **_parts(prefill, PREFILL_DETAIL)}.items():
             out[f"prefill_{k}"] = v
         round_ms = _ms(s[R_PREFILL_GOT] - s[R_PREFILL_SENT])
         out["prefill_to_router"] = max(0.0, round(round_ms - sum(pre.values()), 3))
