@@ -263,6 +263,7 @@ class Reply:
     start: float
     times: list[float]
     timing: dict[str, float]
+    cached_tokens: int | None = None  # with usage asked for: the prefill's prefix-cache hit
 
     @property
     def ttft_ms(self) -> float:
@@ -270,11 +271,14 @@ class Reply:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                      max_tokens: int) -> Reply | str:
-    got = await stream_completion(session, url, prompt, max_tokens)
+                      max_tokens: int, usage: bool = False) -> Reply | str:
+    got = await stream_completion(session, url, prompt, max_tokens, include_usage=usage)
     if isinstance(got, str):
         return got
-    return Reply(got.start, got.times, got.pdd.get("timing") or {})
+    cached = None
+    if got.usage is not None:
+        cached = int((got.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return Reply(got.start, got.times, got.pdd.get("timing") or {}, cached)
 
 
 class ProbeSampler:
@@ -323,6 +327,11 @@ class ProbeSampler:
         self.failures = got["failures"]
 
 
+# Not a level's seed (1, 2, ...) nor the first requests' (1000 + i): the long prompt and the short
+# ones are new to the prefix cache. Until run 37 it was 7, the seventh level's, so the first
+# short prompt was that level's 33rd prompt, found cached: a 16-token eager step, not a fresh
+# one (docs/serving.md, runs 35-37).
+LONG_THEN_SHORT_SEED = 7_000
 # A short prompt's time in the prefill during the long one, and the host's share of it.
 SHORT_PREFILL_PARTS = ("prefill_queue", "prefill_inbox", "prefill_compute", "prefill_launch",
                        "prefill_to_host")
@@ -336,7 +345,7 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
     ones). One short prompt says little, as its wait depends on where in the long prompt's
     step it lands (runs 24-27, one each: 1.49-3.60x); the median and the worst of those sent
     before the long prompt's first token say how a stream of them fares."""
-    rng = random.Random(7)
+    rng = random.Random(LONG_THEN_SHORT_SEED)
     long_prompt = [rng.randrange(vocab) for _ in range(long_tokens)]
     timeout = aiohttp.ClientTimeout(total=900)
     shorts: list[Reply] = []
@@ -355,11 +364,13 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
 
         before = await prefill_counters()
         long_start = time.perf_counter()
-        long_task = asyncio.create_task(one_request(session, stack.url, long_prompt, 2))
+        long_task = asyncio.create_task(one_request(session, stack.url, long_prompt, 2,
+                                                    usage=True))
         await asyncio.sleep(delay_s)
         while not shorts or (not long_task.done() and len(shorts) < MAX_SHORTS):
             got = await one_request(session, stack.url,
-                                    [rng.randrange(vocab) for _ in range(short_tokens)], 2)
+                                    [rng.randrange(vocab) for _ in range(short_tokens)], 2,
+                                    usage=True)
             if isinstance(got, str):
                 error = got
                 break
@@ -384,6 +395,7 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
     else:
         out["long_ttft_ms"] = long.ttft_ms
         out["long_timing"] = long.timing
+        out["long_cached_tokens"] = long.cached_tokens
     during = [r for r in shorts if isinstance(long, str) or r.start < long.times[0]]
     judged = during or shorts[:1]
     if judged:
@@ -396,6 +408,7 @@ async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int
         out["short_timing"] = sorted(judged, key=lambda r: r.ttft_ms)[len(judged) // 2].timing
         out["worst_short_timing"] = max(judged, key=lambda r: r.ttft_ms).timing
         out["short_sent_ms"] = [(r.start - long_start) * 1000 for r in judged]
+        out["short_cached_tokens"] = [r.cached_tokens for r in judged]
         out["short_prefill_ms"] = [{k: r.timing[k] for k in SHORT_PREFILL_PARTS if k in r.timing}
                                    for r in judged]
     return out
@@ -804,6 +817,9 @@ def main(argv: list[str] | None = None) -> int:
                                       mixed.get("worst_short_timing", {}).items()))
         print("  each short prompt sent at (ms into the long prompt's prefill): "
               + ", ".join(f"{t:.0f}" for t in mixed.get("short_sent_ms", [])))
+        print("  prompt tokens found in the prefix cache (usage.cached_tokens): long "
+              f"{mixed.get('long_cached_tokens')}, short "
+              + ", ".join(str(t) for t in mixed.get("short_cached_tokens", [])))
         print("  each short prompt in the prefill (ms): queue (of it the driver taking it in), "
               "compute (of it the host launching, then the device and the token's way back)")
         for t in mixed.get("short_prefill_ms", []):

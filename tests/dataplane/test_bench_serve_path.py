@@ -65,6 +65,9 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     assert mixed["in_order_enqueue_ms"] > 0 and mixed["overtaking_enqueued"] == 0
     assert set(mixed["short_timing"]) == {*STAGES, "ttft", "second_token", *DETAIL}
     assert len(mixed["short_prefill_ms"]) == len(mixed["short_ttfts_ms"])
+    # new prompts, as the run says (the prefix cache is on): no level sent them before
+    assert mixed["long_cached_tokens"] == 0
+    assert mixed["short_cached_tokens"] == [0] * len(mixed["short_ttfts_ms"])
     assert all(set(t) == set(mod.SHORT_PREFILL_PARTS) for t in mixed["short_prefill_ms"])
     many = [lv for lv in res["levels"] if lv["max_tokens"] >= mod.MANY_TOKENS]
     assert all(lv["bounds"]["tokens_per_s_bound"] > 0 for lv in many)
