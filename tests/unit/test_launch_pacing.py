@@ -74,48 +74,6 @@ def test_serve_is_called_again_until_the_oldest_slice_is_done() -> None:
     assert calls == [1, 1, 1] and pacer.queued == 1
 
 
-def test_the_next_slice_waits_for_a_step_that_overtook() -> None:
-    """Slices launched beside an overtaking step would share the SMs with it throughout."""
-    device = _Device()
-    overtook: list[_Mark] = []
-    served: list[int] = []
-
-    def serve(waited: _Mark) -> None:
-        served.append(waited.n)
-        if len(served) == 2:
-            device.ran = waited.n
-
-    pacer = LaunchPacer(device.mark, serve, slice_layers=1, ahead=4,
-                        overtaking=lambda: overtook[-1] if overtook else None)
-    pacer.after_layer(0, 6)
-    assert served == [] and pacer.yields == 0
-    overtook.append(device.mark())  # mark 2: an overtaking step's end
-    pacer.after_layer(1, 6)  # mark 3, then waits until mark 2 passed
-    assert served == [2, 2] and pacer.yields == 2 and pacer.waits == 0
-    pacer.after_layer(2, 6)  # the step that overtook is done: no wait
-    assert served == [2, 2] and device.set == 4
-
-
-def test_steps_that_overtake_during_the_wait_do_not_stop_the_long_one() -> None:
-    """However many short steps arrive, each lets the long step go on by a slice."""
-    device = _Device()
-    overtook: list[_Mark] = []
-    per_slice: list[int] = []
-
-    def serve(waited: _Mark) -> None:
-        overtook.append(device.mark())  # another arrival overtakes during every wait
-        device.ran = waited.n
-
-    pacer = LaunchPacer(device.mark, serve, slice_layers=1, ahead=8,
-                        overtaking=lambda: overtook[-1] if overtook else None)
-    overtook.append(device.mark())
-    for layer in range(5):
-        before = pacer.yields
-        pacer.after_layer(layer, 6)
-        per_slice.append(pacer.yields - before)
-    assert per_slice == [1, 1, 1, 1, 1]
-
-
 def test_only_steps_of_many_tokens_are_paced() -> None:
     device = _Device()
     pacer = LaunchPacer(device.mark, lambda m: None, min_tokens=4096)

@@ -167,7 +167,6 @@ class InstanceDriver:
         self._marks = DeviceMarks(worker.cache.device, self.wake, s.fault_device_lag_s)
         self._sampled: list[_Sampled] = []  # prefill: oldest first
         self._in_order: deque[Mark] = deque()  # prefill: in-order steps not seen done
-        self._overtook: Mark | None = None  # prefill: the end of the last step that overtook
         # Sequences of the steps being launched (an in-order one, paced, and what overtakes it)
         # and what arrived meanwhile that must wait for the launch's end (_between_slices).
         self._launching: frozenset[str] = frozenset()
@@ -330,8 +329,7 @@ class InstanceDriver:
         if self.role != "prefill":
             return
         if engine.overtaking is not None:
-            self.pacer = LaunchPacer(self._marks.mark, self._between_slices,
-                                     overtaking=lambda: self._overtook)
+            self.pacer = LaunchPacer(self._marks.mark, self._between_slices)
         elif self.settings.fault_paced_launch:
             self.pacer = LaunchPacer(self._marks.mark, self._between_slices, min_tokens=1)
         engine.pacer = self.pacer
@@ -469,10 +467,7 @@ class InstanceDriver:
         if cmd["chunks"]:
             # What rank 0's engine did with the step, not a second guess at it beforehand.
             overtook = self.worker.engine.logits_stream is not None
-            if self.role == "prefill" and overtook:
-                with self.worker.engine.logits_context():
-                    self._overtook = self._marks.mark()
-            elif self.role == "prefill":
+            if self.role == "prefill" and not overtook:
                 self._in_order.append(self._marks.mark())
             self.metrics.step_enqueue_seconds.labels(
                 order="overtaking" if overtook else "in_order").observe(

@@ -8,10 +8,7 @@ mean 114 ms to enqueue such a step, and a 1k prompt that arrived meanwhile had i
 step planned, or its sampled token read, only after that (median 5.0x its idle TTFT during a
 32k prefill). Paced, the host launches the next slice of layers only while at most ``ahead``
 slices wait on the device, and spends the wait in the driver (``serve``): sampled tokens go out,
-arriving prompts are admitted, and a step of them overtakes the rest of the long one. While such a
-step runs, the next slice waits for it: slices launched beside it share the SMs with it for its
-whole length (run 33: the one short prompt that overtook an 8,192-token chunk took 2.07x its idle
-TTFT, those beside 1,024-token steps a median 1.23x).
+arriving prompts are admitted, and a step of them overtakes the rest of the long one.
 """
 
 from __future__ import annotations
@@ -34,33 +31,23 @@ SLICES_AHEAD = 1
 PACED_MIN_TOKENS = 4096
 
 
-def _nothing_overtaking() -> Mark | None:
-    return None
-
-
 class LaunchPacer:
     """Called after each layer an in-order step launches (``after_layer``): at a slice's end it
-    sets a mark after it, and while more than ``ahead`` slices are queued, or a step that
-    overtook is still on the device (``overtaking``: its end, or None), it hands the wait to
-    ``serve``, which returns once something happened (the mark waited for passed or an
-    arrival). A step that overtakes during that wait is not waited for before the next slice:
-    the long step goes on by at least a slice per overtaking step, however many arrive."""
+    sets a mark after it, and while more than ``ahead`` slices are queued it hands the wait to
+    ``serve``, which returns once something happened (the oldest slice done or an arrival)."""
 
     def __init__(self, mark: Callable[[], Mark], serve: Callable[[Mark], None],
                  slice_layers: int = SLICE_LAYERS, ahead: int = SLICES_AHEAD,
-                 min_tokens: int = PACED_MIN_TOKENS,
-                 overtaking: Callable[[], Mark | None] = _nothing_overtaking) -> None:
+                 min_tokens: int = PACED_MIN_TOKENS) -> None:
         if slice_layers < 1 or ahead < 1:
             raise ValueError(f"slice_layers {slice_layers} and ahead {ahead} must be >= 1")
         self._mark = mark
         self._serve = serve
-        self._overtaking = overtaking
         self.slice_layers = slice_layers
         self.ahead = ahead
         self.min_tokens = min_tokens
         self._queued: deque[Mark] = deque()
         self.waits = 0  # times the host waited for the device between two slices
-        self.yields = 0  # times it waited for an overtaking step before the next slice
 
     def paces(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens is launched in slices."""
@@ -75,10 +62,6 @@ class LaunchPacer:
         while self.queued > self.ahead:
             self.waits += 1
             self._serve(self._queued[0])
-        running = self._overtaking()
-        while running is not None and not running.done():
-            self.yields += 1
-            self._serve(running)
 
     @property
     def queued(self) -> int:
