@@ -3,7 +3,7 @@ without one): a graphed step of fresh prompts runs ahead of device work queued b
 sampling it waits for it alone; it gives the logits of the same step run in order; later
 in-order work sees its KV; and it waits after all when a block it writes may still be written
 by the queued work; and it overtakes an in-order step half-way through that step's paced launch
-(engine/launch_pacing.py); warm-up replays each prefill graph on its stream.
+(engine/launch_pacing.py).
 
     PYTHONPATH=sidecar python -m pytest tests/gpu/test_overtaking.py -q
 """
@@ -168,22 +168,3 @@ def test_an_overtaking_step_waits_for_an_in_order_graph_still_queued() -> None:
     assert done.query()
     torch.testing.assert_close(got_first, want_first, rtol=0, atol=0)
     torch.testing.assert_close(got_second, want_second, rtol=0, atol=0)
-
-
-def test_warm_up_replays_each_prefill_graph_on_the_overtaking_stream() -> None:
-    """So that the first step to overtake in serving is not the stream's first use of its
-    graph; the graphs still give what they give in order afterwards."""
-    engines = _engines()
-    for eng in engines.values():
-        eng.warm_up(list(range(0, 80)), 1100, 1024, [], want_logits=True)
-    eng, ref = engines[True], engines[False]
-    assert eng.overtaking is not None and ref.overtaking is None
-    graphed = [n for n in eng.prefill_buckets if n <= 1100]
-    assert graphed and eng.overtaking.steps == len(graphed) and eng.overtaking.waited == 0
-    short = SeqChunk([(5 * i + 2) % 100 for i in range(300)], 0, list(range(100, 120)))
-    want = ref.step([short]).clone()
-    done, _ = _queued_work(eng)
-    got = eng.step([short])
-    assert eng.logits_stream is eng.overtaking.stream and not done.query()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(got, want, rtol=0, atol=0)

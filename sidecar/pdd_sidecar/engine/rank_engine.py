@@ -8,7 +8,6 @@ collectives on ``comm`` (the TP group, which is also the DCP group since dcp is 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -36,7 +35,6 @@ from pdd_sidecar.engine.dcp import dcp_merge
 from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import Overtaking, overtaking_enabled
-from pdd_sidecar.engine.sampling import SamplingParams, sample_on_device
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
@@ -407,34 +405,14 @@ class RankEngine:
                 steps.append([rest, SeqChunk(more, len(one.tokens), one.block_ids)])
             for chunks in steps:
                 self.step(chunks, want_logits)
-        graphed = [SeqChunk(tokens[:n], 0, main) for n in self.prefill_buckets
-                   if n <= prompt_tokens
-                   and kvc.num_table_blocks(n, self.cache.block_size, self.dcp) <= len(main)]
-        for chunk in graphed:  # each prefill graph captured before serving
-            self.step([chunk], want_logits)
-        if self.overtaking is not None and want_logits:
-            self._warm_overtaking(graphed)
+        for n in self.prefill_buckets:  # each prefill graph captured before serving
+            if n <= prompt_tokens and kvc.num_table_blocks(
+                    n, self.cache.block_size, self.dcp) <= len(main):
+                self.step([SeqChunk(tokens[:n], 0, main)], want_logits)
         for n in batch_sizes:
             self.step([SeqChunk([1], 1, block_ids[:1]) for _ in range(n)], want_logits)
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
-
-    def _warm_overtaking(self, chunks: Sequence[SeqChunk]) -> None:
-        """Each graphed prefill once on the high-priority stream, its token drawn there as the
-        driver draws it. The first step that overtook in serving took 60-77 ms where the
-        next ones took 27-34 (runs 28-36, docs/serving.md), nearly all of it the host's
-        launch: the stream's first use of each graph and of its own pool in torch's
-        allocator. The device is idle around each replay: graphs share one scratch pool, and
-        one replayed beside an in-order replay still queued corrupts it (run 34)."""
-        assert self.overtaking is not None
-        for chunk in chunks:
-            torch.cuda.synchronize(self.cache.device)
-            logits = self.overtaking.run(
-                [chunk], functools.partial(self._prefill_padded, [chunk], True))
-            assert logits is not None
-            with torch.cuda.stream(self.overtaking.stream):
-                sample_on_device(logits, [SamplingParams()], [0]).to("cpu", non_blocking=True)
-        torch.cuda.synchronize(self.cache.device)
 
     # --- internals -----------------------------------------------------------------------
 
