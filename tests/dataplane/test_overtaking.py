@@ -112,3 +112,24 @@ def test_an_in_order_step_calls_its_pacer_after_each_layer_and_computes_the_same
     more = [SeqChunk(prompt[32:], 32, [0, 1, 2])]  # 8 tokens: launched whole
     torch.testing.assert_close(paced.step(more), plain.step(more), rtol=0, atol=0)
     assert len(seen) == layers - 1
+
+
+def test_an_in_order_step_refused_half_way_still_ends_its_registration() -> None:
+    """An in-order step counts in the overtaking order from before its launch; one refused
+    during it (a token id out of range) must still be seen done, or it and every step
+    registered after it would stay pending for good."""
+    model = load_rank_model("builtin", 0, 1, torch.float32, torch.device("cpu"))
+    eng = RankEngine(model, new_cache(model, 64, 16), SingleComm())
+    ended: list[list[SeqChunk]] = []
+
+    class Order:  # the engine's side of engine/overtaking.py, without a CUDA stream
+        def in_order(self, chunks: list[SeqChunk]) -> object:
+            return lambda: ended.append(chunks)
+
+    eng.overtaking = Order()  # type: ignore[assignment]
+    bad = [SeqChunk([1, 2, model.config.vocab_size], 0, [0])]
+    with pytest.raises(ValueError, match="token"):
+        eng.step(bad)
+    assert ended == [bad]
+    good = [SeqChunk([1, 2, 3], 0, [1])]
+    assert eng.step(good) is not None and ended == [bad, good]

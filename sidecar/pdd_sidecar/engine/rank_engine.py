@@ -313,12 +313,16 @@ class RankEngine:
                 self.overtaking.after_graph()
         else:
             # Registered before its launch: a paced launch (``pacer``) lets steps overtake it
-            # half-way, and those must see the blocks it writes.
+            # half-way, and those must see the blocks it writes. Ended whatever happens: a
+            # step refused half-way (a bad token id) would otherwise stay pending for good,
+            # and every step registered after it with it.
             launched = (None if self.overtaking is None
                         else self.overtaking.in_order(chunks))
-            out = self._step_in_order(chunks, want_logits)
-            if launched is not None:
-                launched()
+            try:
+                out = self._step_in_order(chunks, want_logits)
+            finally:
+                if launched is not None:
+                    launched()
         # Set last: a step that overtook this one half-way set its own.
         self.logits_stream = None
         return out
