@@ -131,6 +131,62 @@ class LevelResult:
     # The client's TTFT less the router's (`pdd.timing` ttft), per request: the client sending
     # the request, the router reading it before its clock starts, the token's way back.
     outside_p50_ms: float = float("nan")
+    # CPU seconds each process (with the processes it started) ran during the level: which
+    # core's Python a burst waited for, beside the stages above.
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------- host CPU
+CPU_OF = ("router", "prefill", "decode")
+
+
+def _task_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid``: schedstat's nanoseconds where the kernel keeps
+    them, else stat's clock ticks (10 ms steps, coarse for a level of 0.2 s)."""
+    total, exact = 0.0, True
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            exact = False
+            break
+    if exact:
+        return total
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and of every live process below it (ranks, router workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += _task_cpu_s(p)
+        todo += children.get(p, [])
+    return total
+
+
+def stack_cpu_s(stack: LocalStack) -> dict[str, float]:
+    """Each process of the stack, CPU seconds so far."""
+    return {name: tree_cpu_s(stack.child(name).pid) for name in CPU_OF}
 
 
 # ------------------------------------------------------------------------- engine bounds
@@ -333,8 +389,8 @@ class ProbeSampler:
 # one (docs/serving.md, runs 35-37).
 LONG_THEN_SHORT_SEED = 7_000
 # A short prompt's time in the prefill during the long one, and the host's share of it.
-SHORT_PREFILL_PARTS = ("prefill_queue", "prefill_inbox", "prefill_compute", "prefill_launch",
-                       "prefill_to_host")
+SHORT_PREFILL_PARTS = ("prefill_queue", "prefill_inbox", "prefill_gather", "prefill_compute",
+                       "prefill_launch", "prefill_to_host")
 
 
 async def long_then_short(stack: LocalStack, long_tokens: int, short_tokens: int,
@@ -463,9 +519,12 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
                                                  spec.max_tokens))
 
         with ProbeSampler(stack) as probes:  # polling before the clock starts
+            cpu0 = stack_cpu_s(stack)
+            cpu0["client"] = _task_cpu_s(os.getpid())
             t0 = time.perf_counter()
             await asyncio.gather(*(client() for _ in range(spec.concurrency)))
             wall = time.perf_counter() - t0
+            cpu1 = {"client": _task_cpu_s(os.getpid()), **stack_cpu_s(stack)}
         after = await scrape()
     ok = [r for r in results if isinstance(r, Reply)]
     failures = [r for r in results if isinstance(r, str)]
@@ -492,7 +551,8 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         timings=[r.timing for r in ok], probe_p99_ms=pct(probes.latencies_ms, 99),
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
         probe_failures=probes.failures, probe_worst_ms=probes.worst_ms,
-        probe_worst_at_s=probes.worst_at_s, outside_p50_ms=pct(outside, 50))
+        probe_worst_at_s=probes.worst_at_s, outside_p50_ms=pct(outside, 50),
+        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0})
 
 
 # ------------------------------------------------------------------------- judging
@@ -783,6 +843,11 @@ def main(argv: list[str] | None = None) -> int:
     print(timing_header())
     for r in results:
         print(timing_row(r))
+    print("\nhost CPU during each level (CPU seconds of each process and those it started, "
+          "as cores busy on average over the level's wall time):")
+    for r in results:
+        print(f"{r.level:>14}: " + ", ".join(
+            f"{k} {v * 1e3:7.1f} ms ({v / r.wall_s:4.2f})" for k, v in r.cpu_s.items()))
     copy = bounds.get("copy_GBps")
     print("\nKV hand-off (decode /metrics: pdd_kv_transfer_bytes, pdd_kv_transfer_seconds)"
           + (f" against the device copy rate {copy:.1f} GB/s:" if copy else ":"))
@@ -820,8 +885,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  prompt tokens found in the prefix cache (usage.cached_tokens): long "
               f"{mixed.get('long_cached_tokens')}, short "
               + ", ".join(str(t) for t in mixed.get("short_cached_tokens", [])))
-        print("  each short prompt in the prefill (ms): queue (of it the driver taking it in), "
-              "compute (of it the host launching, then the device and the token's way back)")
+        print("  each short prompt in the prefill (ms): queue (of it the driver taking it in, "
+              "then its first plan), compute (of it the host launching, then the device and "
+              "the token's way back)")
         for t in mixed.get("short_prefill_ms", []):
             print("    " + ", ".join(f"{k.removeprefix('prefill_')} {t[k]:.1f}" for k in t))
     print("\ntargets (one H200, same-run engine bounds):")

@@ -76,6 +76,9 @@ def test_instance_stamps() -> None:
     seq.extra[T.LAUNCHED] = 11.0625
     assert T.prefill_timing(seq.extra) == {"queue": 500.0, "compute": 750.0, "inbox": 125.0,
                                            "launch": 562.5, "to_host": 187.5}
+    T.mark_planned(plan, 10.375)
+    T.mark_planned(StepPlan(prefill=[PrefillChunk(seq, 2, [3])]), 10.75)  # the first plan stays
+    assert T.prefill_timing(seq.extra)["gather"] == 250.0
 
     dec = Sequence("b", [], 4, 3, source=object(), first_token=7)
     dec.extra[T.RECEIVED] = 1.0

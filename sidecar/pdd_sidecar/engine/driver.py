@@ -256,6 +256,7 @@ class InstanceDriver:
                 if idle and self.role == "prefill" and self.scheduler.waiting:
                     gather_burst(self._inbox, self._handle, self.scheduler.first_step_full)
                 plan = self.scheduler.plan()
+                timing.mark_planned(plan, time.monotonic())
                 held = self._device_behind(plan)
                 if held:  # planned again once the device is further on or something arrives
                     self.scheduler.hold()
@@ -435,6 +436,7 @@ class InstanceDriver:
                 self._deferred.append(item)
         self._collect()
         plan = self.scheduler.plan_fresh(self._launching)
+        timing.mark_planned(plan, time.monotonic())
         if plan.prefill and self.worker.engine.overtakes(self._seq_chunks(plan)):
             self._run_step(plan, poll=False)
 

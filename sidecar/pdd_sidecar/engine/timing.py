@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 RECEIVED = "t_received"  # the HTTP handler took the request
 ADMITTED = "t_admitted"  # decode: blocks allocated, pull handed to the ranks
 HANDLED = "t_handled"  # prefill: the driver took it into its scheduler
+PLANNED = "t_planned"  # prefill: the first step plan that holds a chunk of it was made
 STEP_START = "t_step_start"  # the first step that ran this sequence began
 LAUNCHED = "t_launched"  # prefill: the host finished launching the step that chose its token
 STEP_END = "t_step_end"  # the step that chose its first token ended, sampling included
@@ -35,10 +36,11 @@ R_SECOND_TOKEN = "second_token"  # the decode's first token, handed to the clien
 
 PREFILL_STAGES = ("queue", "compute")
 # Within those two (not laid end to end with the rest): the queue's wait for the driver to take
-# the request (``inbox``), and the compute's host launch (``launch``: first step's start until
+# the request (``inbox``), then for its first step's plan (``gather``: the rest of a burst
+# arriving, steps ahead of it), and the compute's host launch (``launch``: first step's start until
 # the last step was enqueued) and what followed it (``to_host``: the device finishing, the token
 # copied back and the driver hearing of it). Where the host, not the device, held a prompt.
-PREFILL_DETAIL = ("inbox", "launch", "to_host")
+PREFILL_DETAIL = ("inbox", "gather", "launch", "to_host")
 DECODE_STAGES = ("queue", "claim", "read", "join", "first_step")
 # The first token is the prefill's: the client has it while the hand-off runs. These add up to
 # ``ttft``; all of STAGES, laid end to end, to ``second_token``.
@@ -64,6 +66,12 @@ def mark_step_start(plan: StepPlan, now: float) -> None:
         entry.seq.extra.setdefault(STEP_START, now)
 
 
+def mark_planned(plan: StepPlan, now: float) -> None:
+    """Called as a prefill plan is made, before the driver decides to run it."""
+    for chunk in plan.prefill:
+        chunk.seq.extra.setdefault(PLANNED, now)
+
+
 def mark_sampled(seqs: Iterable[Sequence], now: float) -> None:
     """Called once tokens are chosen, before anyone is told of them."""
     for seq in seqs:
@@ -79,6 +87,8 @@ def prefill_timing(extra: Mapping[str, Any]) -> dict[str, float]:
         out["compute"] = _ms(extra[STEP_END] - extra[STEP_START])
     if RECEIVED in extra and HANDLED in extra:
         out["inbox"] = _ms(extra[HANDLED] - extra[RECEIVED])
+    if HANDLED in extra and PLANNED in extra:
+        out["gather"] = _ms(extra[PLANNED] - extra[HANDLED])
     if STEP_START in extra and LAUNCHED in extra:
         out["launch"] = _ms(extra[LAUNCHED] - extra[STEP_START])
     if LAUNCHED in extra and STEP_END in extra:
