@@ -17,9 +17,10 @@
 #   serve_path  bench/serve_path.py on a random V2-Lite-width checkpoint of LAYERS layers
 #            (default 4) in /dev/shm: TTFT stages and the served path against same-run engine
 #            bounds (SERVE_PATH_ARGS adds flags, e.g. --levels); one GPU is enough
-#   serve_path_workers  the same with the router as ROUTER_WORKERS processes (default 4) on
+#   serve_path_workers  the same with the router as ROUTER_WORKERS processes (default 1) on
 #            WORKERS_LEVELS (default 64:32:2,64:1024:128,256:1024:128), to set beside
-#            serve_path's one-process router from the same call
+#            serve_path's router of pdd serve's default processes (auto: 4 on 16 CPUs) from the
+#            same call
 #   serve_path_asyncio  the same on asyncio's own event loop (PDD_EVENT_LOOP=asyncio) on
 #            ASYNCIO_LEVELS (default 64:32:2,64:1024:128): the baseline for uvloop, same call
 #   serve_path_in_order  the same with every prefill step in the host's order
@@ -151,7 +152,7 @@ serve_path_variant() {
     say "$name done"
 }
 want serve_path_workers && serve_path_variant serve_path_workers "${SERVE_PATH_WORKERS_S:-200}" \
-    "${WORKERS_LEVELS:-64:32:2,64:1024:128,256:1024:128}" -- --router-workers "${ROUTER_WORKERS:-4}"
+    "${WORKERS_LEVELS:-64:32:2,64:1024:128,256:1024:128}" -- --router-workers "${ROUTER_WORKERS:-1}"
 want serve_path_asyncio && serve_path_variant serve_path_asyncio "${SERVE_PATH_ASYNCIO_S:-150}" \
     "${ASYNCIO_LEVELS:-64:32:2,64:1024:128}" PDD_EVENT_LOOP=asyncio
 want serve_path_in_order && serve_path_variant serve_path_in_order \

@@ -58,8 +58,14 @@ from stream_client import (  # noqa: E402
 from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
+from pdd_sidecar.processes import cpu_seconds, tree_cpu_seconds  # noqa: E402
 from pdd_sidecar.serve.event_loop import loop_kind, uvloop_installed  # noqa: E402
-from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
+from pdd_sidecar.serve.local_stack import (  # noqa: E402
+    LocalStack,
+    StackConfig,
+    check_config,
+    router_workers_arg,
+)
 
 LONG_PROMPT_TOKENS = 32768  # the long-then-short run's long prompt, where it fits
 DEFAULT_LEVELS = "1:1024:2,1:8192:2,1:32768:2,64:32:2,64:1024:1,64:1024:128,256:1024:128"
@@ -140,53 +146,9 @@ class LevelResult:
 CPU_OF = ("router", "prefill", "decode")
 
 
-def _task_cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of ``pid``: schedstat's nanoseconds where the kernel keeps
-    them, else stat's clock ticks (10 ms steps, coarse for a level of 0.2 s)."""
-    total, exact = 0.0, True
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for tid in tasks:
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            exact = False
-            break
-    if exact:
-        return total
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of ``pid`` and of every live process below it (ranks, router workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(text[text.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += _task_cpu_s(p)
-        todo += children.get(p, [])
-    return total
-
-
 def stack_cpu_s(stack: LocalStack) -> dict[str, float]:
     """Each process of the stack, CPU seconds so far."""
-    return {name: tree_cpu_s(stack.child(name).pid) for name in CPU_OF}
+    return {name: tree_cpu_seconds(stack.child(name).pid) for name in CPU_OF}
 
 
 # ------------------------------------------------------------------------- engine bounds
@@ -520,11 +482,11 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
 
         with ProbeSampler(stack) as probes:  # polling before the clock starts
             cpu0 = stack_cpu_s(stack)
-            cpu0["client"] = _task_cpu_s(os.getpid())
+            cpu0["client"] = cpu_seconds(os.getpid())
             t0 = time.perf_counter()
             await asyncio.gather(*(client() for _ in range(spec.concurrency)))
             wall = time.perf_counter() - t0
-            cpu1 = {"client": _task_cpu_s(os.getpid()), **stack_cpu_s(stack)}
+            cpu1 = {"client": cpu_seconds(os.getpid()), **stack_cpu_s(stack)}
         after = await scrape()
     ok = [r for r in results if isinstance(r, Reply)]
     failures = [r for r in results if isinstance(r, str)]
@@ -701,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's PDD_MAX_STEP_TOKENS")
     p.add_argument("--kv-gib", type=float, default=None,
                    help="KV memory per instance at most (default 24 on cuda, 1 on cpu)")
-    p.add_argument("--router-workers", type=int, default=1,
-                   help="router processes sharing its port (pdd serve --router-workers)")
+    p.add_argument("--router-workers", type=router_workers_arg, default="auto",
+                   help="router processes sharing its port (pdd serve --router-workers; "
+                   "default auto, as pdd serve's)")
     p.add_argument("--reps", type=int, default=10, help="timed decode steps per bound")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--log-dir", default=None, metavar="DIR",

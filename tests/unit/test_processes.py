@@ -7,10 +7,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
+import pytest
 from polling import wait_for
 
-from pdd_sidecar.processes import alive, children
+from pdd_sidecar.processes import (
+    alive,
+    children,
+    cpu_seconds,
+    quota_cpus,
+    tree_cpu_seconds,
+    usable_cpus,
+)
 
 PARENT = """
 import subprocess, sys, time
@@ -49,3 +58,50 @@ def test_children_and_alive_follow_a_process() -> None:
         sleeper.kill()
         sleeper.wait(timeout=10)
     assert not alive(sleeper.pid)
+
+
+@pytest.mark.parametrize(("v2", "v1", "cpus"), [
+    ("max 100000\n", None, None),
+    ("200000 100000\n", None, 2),
+    ("150000 100000", None, 2),
+    ("50000 100000", None, 1),
+    ("garbage", None, None),
+    (None, ("-1\n", "100000\n"), None),
+    (None, ("400000", "100000"), 4),
+    (None, ("x", "100000"), None),
+    (None, None, None),
+])
+def test_a_cgroup_quota_in_cpus(v2: str | None, v1: tuple[str, str] | None,
+                                cpus: int | None) -> None:
+    assert quota_cpus(v2, *(v1 or (None, None))) == cpus
+
+
+def test_usable_cpus_are_at_most_the_affinity() -> None:
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+SPIN_THEN_SLEEP = "import time\\nend = time.monotonic() + 0.4\\n" \
+    "while time.monotonic() < end: pass\\ntime.sleep(60)"
+BUSY_CHILD = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "{SPIN_THEN_SLEEP}"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_cpu_seconds_count_a_process_and_those_below_it() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", BUSY_CHILD], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        time.sleep(0.6)  # the child's 0.4 s of spinning is over
+        own, below = cpu_seconds(parent.pid), cpu_seconds(child)
+        assert below >= 0.3
+        assert tree_cpu_seconds(parent.pid) >= own + below - 0.01
+        assert tree_cpu_seconds(parent.pid) < own + below + 0.2
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+    assert cpu_seconds(parent.pid) == 0.0  # gone

@@ -19,10 +19,12 @@ from pdd_sidecar.env import (
     InstanceSettings,
     RouterSettings,
 )
+from pdd_sidecar.processes import usable_cpus
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve.local_stack import (
     Ports,
     StackConfig,
+    auto_router_workers,
     check_config,
     config_from_args,
     deployment_spec,
@@ -178,7 +180,10 @@ def test_no_prefix_cache_flag_and_its_env(tmp_path: Path) -> None:
 
 
 def test_router_workers_flag_and_its_env() -> None:
-    assert config_from_args(parser().parse_args([])).router_workers == 1
+    auto = auto_router_workers(usable_cpus())
+    assert config_from_args(parser().parse_args([])).router_workers == auto
+    assert config_from_args(parser().parse_args(["--router-workers", "auto"])).router_workers \
+        == auto
     cfg = config_from_args(parser().parse_args(["--router-workers", "4"]))
     env = router_env(cfg, PORTS)
     assert env["PDD_ROUTER_WORKERS"] == "4"
@@ -245,3 +250,18 @@ def test_pdd_help_lists_serve_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-m", "pdd_cli.main", "--help"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert "serve" in out
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4),
+                                               (128, 4)])
+def test_auto_router_workers_by_usable_cpus(cpus: int, workers: int) -> None:
+    assert auto_router_workers(cpus) == workers
+
+
+def test_router_workers_neither_auto_nor_a_number_exits_2_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--router-workers", "many"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--router-workers: must be auto or a number of processes, got 'many'" in err, err
