@@ -7,8 +7,9 @@ real router (`python -m pdd_sidecar router`) against a stub prefill and decode i
 their own (immediate answers, no engine), sends bursts of streaming completions, and reads the
 router process's CPU time from /proc: milliseconds of router CPU per request, and per streamed
 token, against the stubs' CPU for the same HTTP exchanges (bare aiohttp handlers: the baseline).
-No GPU, no model weights (the built-in model's text tables). /proc counts in clock ticks
-(10 ms): a figure needs hundreds of requests (`--rounds`) to mean something.
+No GPU, no model weights (the built-in model's text tables). /proc counts each thread's
+nanoseconds (schedstat) where the kernel keeps them, else clock ticks (10 ms): then a figure
+needs hundreds of requests (`--rounds`) to mean something.
 
     python bench/router_overhead.py --bursts 64:32:2,64:32:32,256:1024:8 --rounds 5
 """
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from stream_client import stream_completion  # noqa: E402
 
-from pdd_sidecar.processes import children, proc_stat  # noqa: E402
+from pdd_sidecar.processes import tree_cpu_seconds  # noqa: E402
 from pdd_sidecar.serve.local_stack import StackConfig, pick_ports, router_env  # noqa: E402
 
 VOCAB = 200  # below the built-in model's vocabulary
@@ -101,20 +102,6 @@ def _run_stubs(prefill_port: int, decode_port: int, pace_s: float) -> None:
     asyncio.run(main())
 
 
-def _cpu_seconds(pid: int) -> float:
-    """The process's CPU time and its children's (a router's workers), living ones counted as
-    they go and waited-for ones as the kernel adds them to their parent."""
-    pids = [pid, *children(pid)]
-    total = 0
-    for p in pids:
-        try:
-            fields = proc_stat(p)
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 async def _ready(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
@@ -143,12 +130,12 @@ async def _bursts(url: str, pid: int, stubs_pid: int, n: int, prompt: int, max_t
                                           for p in prompts))
 
         await burst()  # connections up, first-use costs paid
-        cpu0, base0, t0 = _cpu_seconds(pid), _cpu_seconds(stubs_pid), time.perf_counter()
+        cpu0, base0, t0 = tree_cpu_seconds(pid), tree_cpu_seconds(stubs_pid), time.perf_counter()
         errors = 0
         for _ in range(rounds):
             errors += sum(isinstance(r, str) for r in await burst())
-        cpu, wall = _cpu_seconds(pid) - cpu0, time.perf_counter() - t0
-        base = _cpu_seconds(stubs_pid) - base0
+        cpu, wall = tree_cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+        base = tree_cpu_seconds(stubs_pid) - base0
     requests = n * rounds
     return {"burst": f"{n}:{prompt}:{max_tokens}", "requests": requests, "errors": errors,
             "router_cpu_ms_per_request": 1e3 * cpu / requests,
