@@ -100,8 +100,9 @@ class StackConfig:
 
 # `pdd serve --router-workers auto`: one router process per this many usable CPUs, at most
 # AUTO_ROUTER_WORKERS_MAX. A lone router's Python is what a burst waits for: on a 16-CPU host
-# with one H200, 64 prompts of 32 tokens had a TTFT 1.80x their engine bound through one
-# router and 0.99-1.17x through four (docs/serving.md, run 39). The rest of the host is the
+# with one H200, 64 prompts of 32 tokens had a TTFT 1.37-1.80x their engine bound through one
+# router and 0.99-1.27x through four, the client's share 5.6-11.6 ms against 1.0-1.1
+# (docs/serving.md, runs 39-40). The rest of the host is the
 # instances': the decode keeps a core busy under load, the prefill up to one, each with its
 # HTTP thread. Past four, no level gained (run 14: throughput is the engine's there).
 CPUS_PER_ROUTER_WORKER = 4
