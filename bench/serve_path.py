@@ -57,6 +57,7 @@ from stream_client import (  # noqa: E402
 
 from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.engine.scheduler import step_budget  # noqa: E402
+from pdd_sidecar.gc_pauses import PauseTimer, freeze_heap  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.processes import cpu_seconds, tree_cpu_seconds  # noqa: E402
 from pdd_sidecar.serve.event_loop import loop_kind, uvloop_installed  # noqa: E402
@@ -140,10 +141,50 @@ class LevelResult:
     # CPU seconds each process (with the processes it started) ran during the level: which
     # core's Python a burst waited for, beside the stages above.
     cpu_s: dict[str, float] = field(default_factory=dict)
+    # Garbage-collector pauses per process during the level: [collections, seconds, collections
+    # over 5 ms] (instances' and router's /metrics, the client's own gc.callbacks).
+    gc_pauses: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------- host CPU
 CPU_OF = ("router", "prefill", "decode")
+
+
+GC_LONG_S = 0.005  # a bucket bound of gc_pauses.BUCKETS
+
+
+def gc_totals(metrics: dict[str, float]) -> tuple[float, float, float]:
+    """(collections, seconds, collections over GC_LONG_S) in a process's /metrics so far."""
+    n = secs = short = 0.0
+    for key, v in metrics.items():
+        name = key.split("{")[0]
+        if name.endswith("gc_pause_seconds_count"):
+            n += v
+        elif name.endswith("gc_pause_seconds_sum"):
+            secs += v
+        elif name.endswith("gc_pause_seconds_bucket") and f'le="{GC_LONG_S}"' in key:
+            short += v
+    return n, secs, n - short
+
+
+class _PauseList:
+    """The client's own collections, kept as the instances' histogram keeps theirs."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+
+    def labels(self, *_: str) -> _PauseList:
+        return self
+
+    def observe(self, amount: float) -> None:
+        self.pauses.append(amount)
+
+    def totals(self) -> tuple[float, float, float]:
+        return (len(self.pauses), sum(self.pauses),
+                sum(1 for p in self.pauses if p > GC_LONG_S))
+
+
+CLIENT_GC = _PauseList()
 
 
 def stack_cpu_s(stack: LocalStack) -> dict[str, float]:
@@ -465,9 +506,13 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
     timeout = aiohttp.ClientTimeout(total=900)
     conn = aiohttp.TCPConnector(limit=spec.concurrency + 4)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        async def scrape() -> tuple[float, float, float]:
-            async with session.get(f"{stack.decode_url}/metrics") as resp:
-                return transfer_totals(parse_metrics(await resp.text()))
+        async def scrape() -> dict[str, dict[str, float]]:
+            out = {}
+            for name in CPU_OF:
+                url = stack.url if name == "router" else stack.child(name).url
+                async with session.get(f"{url}/metrics") as resp:
+                    out[name] = parse_metrics(await resp.text())
+            return out
 
         before = await scrape()
         await open_connections(session, stack.url, spec.concurrency)
@@ -483,11 +528,18 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         with ProbeSampler(stack) as probes:  # polling before the clock starts
             cpu0 = stack_cpu_s(stack)
             cpu0["client"] = cpu_seconds(os.getpid())
+            client_gc0 = CLIENT_GC.totals()
             t0 = time.perf_counter()
             await asyncio.gather(*(client() for _ in range(spec.concurrency)))
             wall = time.perf_counter() - t0
+            client_gc1 = CLIENT_GC.totals()
             cpu1 = {"client": cpu_seconds(os.getpid()), **stack_cpu_s(stack)}
         after = await scrape()
+    gc_pauses = {name: [a - b for a, b in zip(gc_totals(after[name]), gc_totals(before[name]),
+                                              strict=True)] for name in CPU_OF}
+    gc_pauses["client"] = [a - b for a, b in zip(client_gc1, client_gc0, strict=True)]
+    transfer_after, transfer_before = (transfer_totals(after["decode"]),
+                                       transfer_totals(before["decode"]))
     ok = [r for r in results if isinstance(r, Reply)]
     failures = [r for r in results if isinstance(r, str)]
     if failures:
@@ -500,7 +552,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
             if len(r.times) > 1]
     medians = stage_medians(r.timing for r in ok)
     outside = [r.ttft_ms - r.timing["ttft"] for r in ok if "ttft" in r.timing]
-    rbytes, rsecs, rdev = after[0] - before[0], after[1] - before[1], after[2] - before[2]
+    rbytes, rsecs, rdev = (a - b for a, b in zip(transfer_after, transfer_before, strict=True))
     return LevelResult(
         level=spec.label, concurrency=spec.concurrency, prompt=spec.prompt,
         max_tokens=spec.max_tokens, requests=len(results), errors=len(failures), wall_s=wall,
@@ -514,7 +566,7 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
         probe_failures=probes.failures, probe_worst_ms=probes.worst_ms,
         probe_worst_at_s=probes.worst_at_s, outside_p50_ms=pct(outside, 50),
-        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0})
+        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0}, gc_pauses=gc_pauses)
 
 
 # ------------------------------------------------------------------------- judging
@@ -749,6 +801,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         print(f"stack ready in {time.perf_counter() - t0:.0f}s (logs {stack.log_dir})",
               flush=True)
+        # The client's heap frozen as the servers' are: its own collections would count in
+        # the TTFTs it measures. Its pauses are timed as theirs.
+        freeze_heap()
+        PauseTimer(CLIENT_GC).install()
         known = triton_kernels()
 
         def note_compiled(when: str) -> None:
@@ -811,6 +867,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r.level:>14}: " + ", ".join(
             f"{k} {v * 1e3:7.1f} ms ({v / r.wall_s:4.2f})" for k, v in r.cpu_s.items()))
+    print("\ngarbage-collector pauses during each level (collections, their total, those over "
+          f"{GC_LONG_S * 1e3:.0f} ms; the instances' and the router's pdd_*gc_pause_seconds, "
+          "the client's own):")
+    for r in results:
+        print(f"{r.level:>14}: " + ", ".join(
+            f"{k} {int(n)} / {secs * 1e3:.1f} ms / {int(long)}"
+            for k, (n, secs, long) in r.gc_pauses.items()))
     copy = bounds.get("copy_GBps")
     print("\nKV hand-off (decode /metrics: pdd_kv_transfer_bytes, pdd_kv_transfer_seconds)"
           + (f" against the device copy rate {copy:.1f} GB/s:" if copy else ":"))

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pdd_sidecar.gc_pauses import BUCKETS as _GC_BUCKETS
+
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
 
 __all__ = ["CONTENT_TYPE_LATEST", "InstanceMetrics", "RouterMetrics"]
@@ -102,6 +104,11 @@ class InstanceMetrics:
         self.warmup_seconds = Gauge(
             "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
         )
+        self.gc_pause_seconds = Histogram(
+            "pdd_gc_pause_seconds", "Garbage-collector pauses of the instance's leader process "
+            "(every thread waits), by generation", ["generation"], buckets=_GC_BUCKETS,
+            registry=r,
+        )
         self.overtaking_steps = Counter(
             "pdd_overtaking_steps",
             "Prefill steps run ahead of device work queued before them (a high-priority CUDA "
@@ -132,6 +139,10 @@ class RouterMetrics:
         self.tpot_seconds = Histogram(
             "pdd_router_tpot_seconds", "Time per output token after the first (per request)",
             buckets=_SECONDS, registry=r,
+        )
+        self.gc_pause_seconds = Histogram(
+            "pdd_router_gc_pause_seconds", "Garbage-collector pauses of the router (its loop "
+            "waits), by generation", ["generation"], buckets=_GC_BUCKETS, registry=r,
         )
         # Across workers: what the latest probe of any of them said, the longest warm-up.
         self.healthy = Gauge(

@@ -51,6 +51,11 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
             assert sum(t[k] for k in STAGES) <= t["second_token"] + EPS_MS, t
         assert set(lv["timing_p50_ms"]) == {*STAGES, "ttft", "second_token"}
         assert lv["probe_failures"] == 0 and lv["probe_max_ms"] > 0, lv["level"]
+        assert set(lv["cpu_s"]) == set(lv["gc_pauses"]) == {"router", "prefill", "decode",
+                                                           "client"}, lv["level"]
+        assert all(v > 0 for v in lv["cpu_s"].values()), lv["cpu_s"]
+        for n, secs, long in lv["gc_pauses"].values():
+            assert n >= 0 and secs >= 0 and 0 <= long <= n, lv["gc_pauses"]
     first = res["first_after_ready"]
     assert first["first_ttft_ms"] > 0 and first["steady_ttft_ms"] > 0
     assert first["ratio"] == pytest.approx(first["first_ttft_ms"] / first["steady_ttft_ms"])

@@ -308,6 +308,12 @@ def _metric(url: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def _samples(url: str) -> set[str]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return {line.rsplit(" ", 1)[0] for line in resp.read().decode().splitlines()
+                if line and not line.startswith("#")}
+
+
 def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
     serves: list[Serve], tmp_path: Path
 ) -> None:
@@ -331,3 +337,9 @@ def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
         assert 0 <= load["free_blocks"] <= load["num_blocks"], load
         assert load["running"] >= 0 and load["waiting"] >= 0, load
     assert _metric(decode, "pdd_kv_transfer_bytes_total", '{rank="0"}') > 0
+    # Garbage-collector pauses are timed in every process, each generation.
+    for name, where in (("pdd_router_gc_pause_seconds", url), ("pdd_gc_pause_seconds", prefill),
+                        ("pdd_gc_pause_seconds", decode)):
+        samples = _samples(where)
+        for g in range(3):
+            assert f'{name}_count{{generation="{g}"}}' in samples, (where, name, g)

@@ -20,7 +20,6 @@ lock), never after the step that happens to be running.
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import itertools
 import logging
 import os
@@ -54,6 +53,7 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.worker import RankWorker, RequestError
+from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.kv.lease import LeaseTable
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
 from pdd_sidecar.metrics import InstanceMetrics
@@ -315,8 +315,7 @@ class InstanceDriver:
         # Everything alive now (model, kernels, graphs) lives as long as the process: out of the
         # collector's sight, a full collection during serving no longer walks it (a pause of
         # tens of ms on a request's path otherwise; vLLM freezes after graph capture too).
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
         self.warmup_seconds = time.monotonic() - start
         self.metrics.warmup_seconds.set(self.warmup_seconds)
         self.warm = True

@@ -17,7 +17,6 @@ serve/upstreams.py; this module holds the aiohttp app, its handlers and the SSE 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from aiohttp import web
 
 from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
+from pdd_sidecar.gc_pauses import PauseTimer, freeze_heap
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
@@ -286,9 +286,10 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         # What lives as long as the process (the model's text tables, the app) is kept out of
         # the collector's sight: a full collection under 256 streams would walk it on the loop
         # (the instances freeze after their warm-up too).
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
+        pauses = PauseTimer(router.metrics.gc_pause_seconds).install()
         yield
+        pauses.remove()
         task.cancel()
         await router.warm.stop()
         if router.warmer is not None:
