@@ -180,11 +180,13 @@ class _PauseList:
         self.pauses.append(amount)
 
     def totals(self) -> tuple[float, float, float]:
+        CLIENT_GC_TIMER.flush()
         return (len(self.pauses), sum(self.pauses),
                 sum(1 for p in self.pauses if p > GC_LONG_S))
 
 
 CLIENT_GC = _PauseList()
+CLIENT_GC_TIMER = PauseTimer(CLIENT_GC)
 
 
 def stack_cpu_s(stack: LocalStack) -> dict[str, float]:
@@ -804,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         # The client's heap frozen as the servers' are: its own collections would count in
         # the TTFTs it measures. Its pauses are timed as theirs.
         freeze_heap()
-        PauseTimer(CLIENT_GC).install()
+        CLIENT_GC_TIMER.install()
         known = triton_kernels()
 
         def note_compiled(when: str) -> None:

@@ -7,16 +7,19 @@ is frozen out of the collector's sight (as vLLM does after its start-up): in a p
 torch, a full collection walks about 230,000 objects, 87 ms on a 2-core machine. What serving
 makes is still collected, and each collection lands on some request: `pdd_gc_pause_seconds`
 (instances) and `pdd_router_gc_pause_seconds` (the router) time every one, by generation, so
-that a latency spike can be held against them.
+that a latency spike can be held against them. They reach the histogram when it is scraped, and
+between scrapes with the driver's loop (instances) or each probe round (router workers).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import Any, Protocol
 
 GENERATIONS = ("0", "1", "2")
+MAX_PENDING = 100_000  # pauses kept between two flushes; older ones dropped
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -36,20 +39,33 @@ def freeze_heap() -> None:
 
 
 class PauseTimer:
-    """A ``gc.callbacks`` entry observing each collection's length into ``histogram`` (labelled
-    by generation). Collections never overlap within a process, so one start time suffices."""
+    """A ``gc.callbacks`` entry timing each collection, its length observed into ``histogram``
+    (labelled by generation) at the next ``flush``. The callback itself only appends: it runs
+    in whichever thread allocated, maybe one inside a metric's lock (prometheus_client's
+    multiprocess values share one lock and allocate under it), which observing there would
+    take again. Collections never overlap within a process, so one start time suffices."""
 
     def __init__(self, histogram: _Labelled) -> None:
         self._by_generation = {int(g): histogram.labels(g) for g in GENERATIONS}
         self._start = 0.0
+        self._pending: deque[tuple[int, float]] = deque(maxlen=MAX_PENDING)
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
-            return
-        observer = self._by_generation.get(info.get("generation", -1))
-        if observer is not None:
-            observer.observe(time.perf_counter() - self._start)
+        else:
+            self._pending.append((info.get("generation", -1), time.perf_counter() - self._start))
+
+    def flush(self) -> None:
+        """Observe the pauses timed since the last flush (any thread, outside a collection)."""
+        while True:
+            try:
+                generation, seconds = self._pending.popleft()
+            except IndexError:
+                return
+            observer = self._by_generation.get(generation)
+            if observer is not None:
+                observer.observe(seconds)
 
     def install(self) -> PauseTimer:
         if self not in gc.callbacks:
@@ -59,3 +75,4 @@ class PauseTimer:
     def remove(self) -> None:
         if self in gc.callbacks:
             gc.callbacks.remove(self)
+        self.flush()

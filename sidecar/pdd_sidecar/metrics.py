@@ -16,6 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdd_sidecar.gc_pauses import BUCKETS as _GC_BUCKETS
+from pdd_sidecar.gc_pauses import PauseTimer
 
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
 
@@ -109,6 +110,7 @@ class InstanceMetrics:
             "(every thread waits), by generation", ["generation"], buckets=_GC_BUCKETS,
             registry=r,
         )
+        self.gc_pauses = PauseTimer(self.gc_pause_seconds)  # installed by the process's main
         self.overtaking_steps = Counter(
             "pdd_overtaking_steps",
             "Prefill steps run ahead of device work queued before them (a high-priority CUDA "
@@ -117,6 +119,7 @@ class InstanceMetrics:
         )
 
     def expose(self) -> bytes:
+        self.gc_pauses.flush()
         return generate_latest(self.registry)
 
 
@@ -144,6 +147,7 @@ class RouterMetrics:
             "pdd_router_gc_pause_seconds", "Garbage-collector pauses of the router (its loop "
             "waits), by generation", ["generation"], buckets=_GC_BUCKETS, registry=r,
         )
+        self.gc_pauses = PauseTimer(self.gc_pause_seconds)  # installed by the app's lifecycle
         # Across workers: what the latest probe of any of them said, the longest warm-up.
         self.healthy = Gauge(
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
@@ -155,6 +159,7 @@ class RouterMetrics:
         )
 
     def expose(self) -> bytes:
+        self.gc_pauses.flush()
         if not self.multiprocess:
             return generate_latest(self.registry)
         merged = CollectorRegistry()

@@ -590,6 +590,7 @@ class InstanceDriver:
 
     def _update_gauges(self) -> None:
         m, sch = self.metrics, self.scheduler
+        m.gc_pauses.flush()
         now = self._overtaking_counts()
         if now != self._overtaking_seen:
             for waited, n in steps_since(self._overtaking_seen, now).items():

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
-from pdd_sidecar.gc_pauses import PauseTimer, freeze_heap
+from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
@@ -287,9 +287,9 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         # the collector's sight: a full collection under 256 streams would walk it on the loop
         # (the instances freeze after their warm-up too).
         freeze_heap()
-        pauses = PauseTimer(router.metrics.gc_pause_seconds).install()
+        router.metrics.gc_pauses.install()
         yield
-        pauses.remove()
+        router.metrics.gc_pauses.remove()
         task.cancel()
         await router.warm.stop()
         if router.warmer is not None:

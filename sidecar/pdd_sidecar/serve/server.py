@@ -30,7 +30,6 @@ from aiohttp import web
 from pdd_sidecar.engine.driver import InstanceDriver
 from pdd_sidecar.engine.worker import RankWorker
 from pdd_sidecar.env import ConfigError, InstanceSettings
-from pdd_sidecar.gc_pauses import PauseTimer
 from pdd_sidecar.kv.grants import GrantError, load_key
 from pdd_sidecar.kv.side_channel import handshake
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
@@ -319,7 +318,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
             p.kill()
         return 1
     metrics_ = InstanceMetrics(settings.role)
-    PauseTimer(metrics_.gc_pause_seconds).install()
+    metrics_.gc_pauses.install()
     driver = InstanceDriver(worker, metrics_)
     driver.start()
     state = InstanceState(worker, driver, metrics_)

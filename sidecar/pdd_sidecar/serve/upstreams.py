@@ -218,6 +218,7 @@ class Router:
                 await self.refresh()
             except Exception as exc:  # keep probing whatever happened
                 log.warning("health probe round failed: %s", exc)
+            self.metrics.gc_pauses.flush()  # a scrape may reach another worker
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def _pick(self, pick: Callable[[set[str]], str | None],
