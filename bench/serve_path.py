@@ -167,26 +167,27 @@ def gc_totals(metrics: dict[str, float]) -> tuple[float, float, float]:
     return n, secs, n - short
 
 
-class _PauseList:
-    """The client's own collections, kept as the instances' histogram keeps theirs."""
+class ClientPauses:
+    """The client's own collections, timed as the servers' are (its timer observes into this
+    list, as theirs into a histogram)."""
 
     def __init__(self) -> None:
         self.pauses: list[float] = []
+        self.timer = PauseTimer(self)
 
-    def labels(self, *_: str) -> _PauseList:
+    def labels(self, *_: str) -> ClientPauses:
         return self
 
     def observe(self, amount: float) -> None:
         self.pauses.append(amount)
 
     def totals(self) -> tuple[float, float, float]:
-        CLIENT_GC_TIMER.flush()
+        self.timer.flush()
         return (len(self.pauses), sum(self.pauses),
                 sum(1 for p in self.pauses if p > GC_LONG_S))
 
 
-CLIENT_GC = _PauseList()
-CLIENT_GC_TIMER = PauseTimer(CLIENT_GC)
+CLIENT_GC = ClientPauses()
 
 
 def stack_cpu_s(stack: LocalStack) -> dict[str, float]:
@@ -806,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         # The client's heap frozen as the servers' are: its own collections would count in
         # the TTFTs it measures. Its pauses are timed as theirs.
         freeze_heap()
-        CLIENT_GC_TIMER.install()
+        CLIENT_GC.timer.install()
         known = triton_kernels()
 
         def note_compiled(when: str) -> None:

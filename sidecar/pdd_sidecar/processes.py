@@ -24,17 +24,21 @@ def proc_stat(pid: int | str) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` now."""
-    out = []
+def parents() -> dict[int, list[int]]:
+    """Every process's children now, by parent pid (one pass over /proc)."""
+    out: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int(proc_stat(entry.name)[1]) == pid:
-                    out.append(int(entry.name))
+                out.setdefault(int(proc_stat(entry.name)[1]), []).append(int(entry.name))
             except (OSError, IndexError, ValueError):
                 continue
     return out
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now."""
+    return parents().get(pid, [])
 
 
 def alive(pid: int) -> bool:
@@ -100,9 +104,10 @@ def cpu_seconds(pid: int) -> float:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU time of ``pid`` and of every live process below it."""
+    below = parents()
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
         total += cpu_seconds(p)
-        todo += children(p)
+        todo += below.get(p, [])
     return total

@@ -41,6 +41,10 @@ PREFILL_STAGES = ("queue", "compute")
 # the last step was enqueued) and what followed it (``to_host``: the device finishing, the token
 # copied back and the driver hearing of it). Where the host, not the device, held a prompt.
 PREFILL_DETAIL = ("inbox", "gather", "launch", "to_host")
+# Each of PREFILL_STAGES and PREFILL_DETAIL: from one stamp to another.
+PREFILL_SPANS = (("queue", RECEIVED, STEP_START), ("compute", STEP_START, STEP_END),
+                 ("inbox", RECEIVED, HANDLED), ("gather", HANDLED, PLANNED),
+                 ("launch", STEP_START, LAUNCHED), ("to_host", LAUNCHED, STEP_END))
 DECODE_STAGES = ("queue", "claim", "read", "join", "first_step")
 # The first token is the prefill's: the client has it while the hand-off runs. These add up to
 # ``ttft``; all of STAGES, laid end to end, to ``second_token``.
@@ -80,20 +84,8 @@ def mark_sampled(seqs: Iterable[Sequence], now: float) -> None:
 
 def prefill_timing(extra: Mapping[str, Any]) -> dict[str, float]:
     """The prefill instance's part: received -> first chunk's step, then -> last chunk sampled."""
-    out: dict[str, float] = {}
-    if RECEIVED in extra and STEP_START in extra:
-        out["queue"] = _ms(extra[STEP_START] - extra[RECEIVED])
-    if STEP_START in extra and STEP_END in extra:
-        out["compute"] = _ms(extra[STEP_END] - extra[STEP_START])
-    if RECEIVED in extra and HANDLED in extra:
-        out["inbox"] = _ms(extra[HANDLED] - extra[RECEIVED])
-    if HANDLED in extra and PLANNED in extra:
-        out["gather"] = _ms(extra[PLANNED] - extra[HANDLED])
-    if STEP_START in extra and LAUNCHED in extra:
-        out["launch"] = _ms(extra[LAUNCHED] - extra[STEP_START])
-    if LAUNCHED in extra and STEP_END in extra:
-        out["to_host"] = _ms(extra[STEP_END] - extra[LAUNCHED])
-    return out
+    return {name: _ms(extra[end] - extra[start]) for name, start, end in PREFILL_SPANS
+            if start in extra and end in extra}
 
 
 def slowest_pull(transfer: Mapping[Any, Any]) -> tuple[float, float] | None:
