@@ -80,3 +80,11 @@ DIST_PORT = 29500  # torch.distributed's customary rendezvous port
 ENV_PREFIX_CACHE = "PDD_PREFIX_CACHE"
 ENV_ROUTER_POLICY = "PDD_ROUTER_POLICY"
 ENV_ROUTER_WORKERS = "PDD_ROUTER_WORKERS"
+
+# KV memory (issue 38): the share of a GPU's memory an instance may fill (weights, activations,
+# graphs and KV; the pool gets what is left), an explicit pool size that overrides it, and the
+# pinned host-memory tier under the prefix cache, in GiB (0: none).
+ENV_GPU_MEMORY_UTILIZATION = "PDD_GPU_MEMORY_UTILIZATION"
+ENV_NUM_BLOCKS = "PDD_NUM_BLOCKS"
+ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
