@@ -39,7 +39,12 @@ PDD_MODEL_SOURCE = keys.ENV_MODEL_SOURCE  # Hugging Face DeepSeek-V2 directory; 
 PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
 PDD_DTYPE = keys.ENV_DTYPE  # float32 | bfloat16
 PDD_DEVICE = "PDD_DEVICE"  # auto | cpu | cuda (rank r uses cuda:r); auto: cuda if tp GPUs are seen
-PDD_NUM_BLOCKS = "PDD_NUM_BLOCKS"  # KV cache blocks per rank
+PDD_NUM_BLOCKS = keys.ENV_NUM_BLOCKS  # KV cache blocks per rank
+# Share of the GPU's memory the instance may fill (weights, activations, graphs, KV): the pool
+# gets what is left after warm-up (kv/pool_sizing.py); PDD_NUM_BLOCKS, when set, wins.
+PDD_GPU_MEMORY_UTILIZATION = keys.ENV_GPU_MEMORY_UTILIZATION
+# GiB of pinned host memory under the prefix cache, per rank (0: no host tier).
+PDD_HOST_KV_CACHE_GIB = keys.ENV_HOST_KV_CACHE_GIB
 # Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
 # or a slow hand-off could read blocks the lease already gave to another request.
 PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"
@@ -206,6 +211,14 @@ def _float(env: Mapping[str, str], key: str, default: float, positive: bool = Fa
     return value
 
 
+def _fraction(env: Mapping[str, str], key: str, default: float) -> float:
+    """A share of something: in (0, 1]."""
+    value = _float(env, key, default)
+    if not 0 < value <= 1:
+        raise ConfigError(f"{key}: must be in (0, 1], got {env.get(key)!r}")
+    return value
+
+
 def parse_urls(raw: str | None) -> list[str]:
     """`http://a:8000,b:8000` -> base URLs without trailing slash; a bare host:port gets http."""
     out = []
@@ -261,6 +274,8 @@ class InstanceSettings:
     group_size: int = 1  # pods holding this instance's ranks
     worker_index: int = 0  # this pod's place in the group; 0 holds rank 0 and serves HTTP
     leader_address: str = ""  # where rank 0's pod is reached (the rendezvous)
+    gpu_memory_utilization: float = keys.DEFAULT_GPU_MEMORY_UTILIZATION
+    host_kv_cache_gib: float = 0.0
 
     @property
     def ranks_per_pod(self) -> int:
@@ -358,6 +373,9 @@ class InstanceSettings:
             group_size=group_size,
             worker_index=worker_index,
             leader_address=leader,
+            gpu_memory_utilization=_fraction(env, PDD_GPU_MEMORY_UTILIZATION,
+                                             keys.DEFAULT_GPU_MEMORY_UTILIZATION),
+            host_kv_cache_gib=_float(env, PDD_HOST_KV_CACHE_GIB, 0.0),
         )
 
 
