@@ -31,7 +31,10 @@
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
 # SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, SERVE_PATH_IN_ORDER_S 150,
-# PREFIX_CACHE_S 300, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90.
+# PREFIX_CACHE_S 300, KV_TIERS_S 420, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90.
+#   kv_tiers bench/kv_tiers.py on the same kind of checkpoint: the KV pool's defaults against
+#            explicit pools, the host tier, no reuse, a burst sharing one prefix
+#            (KV_TIERS_ARGS adds flags, e.g. --parts a,d); one GPU is enough
 #   profile  bench/prefill_profile.py on that checkpoint: where a short prefill step's time goes
 #            (PROFILE_ARGS adds flags, e.g. "--trend 8 --nixl-agent": wall against CPU time a step)
 #   handoff  bench/kv_transfer.py --same-device: the CUDA IPC READ of pdd serve on one GPU (two
@@ -165,6 +168,15 @@ if want prefix_cache; then
         --json "$OUT/prefix_cache.json" ${PREFIX_CACHE_ARGS:-} 2>&1 \
         | tee "$OUT/prefix_cache.log" || rc=1
     say "prefix_cache done"
+fi
+if want kv_tiers; then
+    say "stage kv_tiers"
+    checkpoint
+    PDD_ROUTER_REQUEST_TIMEOUT_S=900 timeout -k 10 "${KV_TIERS_S:-420}" $PY bench/kv_tiers.py \
+        --device cuda --dtype bfloat16 --model "$CKPT" --json "$OUT/kv_tiers.json" \
+        --log-dir /tmp/kv-tiers-logs ${KV_TIERS_ARGS:-} 2>&1 | tee "$OUT/kv_tiers.log" || rc=1
+    mkdir -p /tmp/gpu-all-extra && cp -r /tmp/kv-tiers-logs /tmp/gpu-all-extra/ 2>/dev/null
+    say "kv_tiers done"
 fi
 if want profile; then
     say "stage profile"
