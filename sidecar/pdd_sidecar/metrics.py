@@ -98,6 +98,12 @@ class InstanceMetrics:
             "pdd_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
             registry=r,
         )
+        self.prefix_recomputed = Counter(
+            "pdd_prefix_cache_recomputed",
+            "Prompt tokens found in the prefix cache and computed again in a prefill graph, "
+            "where that step is faster than the rest of the prompt run eagerly "
+            "(engine/graphed_hits.py)", registry=r,
+        )
         self.prefix_cached_blocks = Gauge(
             "pdd_prefix_cache_blocks", "KV blocks (table entries) held by the prefix cache",
             registry=r,

@@ -67,11 +67,13 @@ def _metric(url: str, name: str) -> float:
 
 
 def _all_blocks_back(*urls: str, within_s: float = 10.0) -> None:
-    """Free (cached but unreferenced counts as free) equals the total on every rank."""
+    """Free (cached but unreferenced counts as free) equals the total on every rank, less the
+    blocks the driver keeps for itself."""
     deadline = time.monotonic() + within_s
     while True:
         states = [http("GET", f"{u}/v1/stats")[1] for u in urls]
-        if all(r["free_blocks"] == s["num_blocks"] for s in states for r in s["ranks"]):
+        if all(r["free_blocks"] + s["reserved_blocks"] == s["num_blocks"]
+               for s in states for r in s["ranks"]):
             return
         assert time.monotonic() < deadline, f"blocks still held: {states}"
         time.sleep(0.1)
@@ -422,3 +424,23 @@ def test_decode_prompt_ids_are_checked_against_the_grant_and_the_vocabulary(
     assert [pre["first_token"], *out["token_ids"]] == _reference(prompt, 4)
     assert out["cached_tokens"] == 0 and out["transfer"]["bytes"] == 40 * ROW_BYTES
     _all_blocks_back(prefill, decode)
+
+
+@pytest.mark.parametrize("p,d", [((1, 1), (1, 1)), ((2, 2), (2, 2))])
+def test_hits_recomputed_in_a_prefill_graph_give_the_tokens_of_a_run_from_scratch(
+        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
+    """With the graphs' padded twin (PDD_CUDA_GRAPHS=padded), a short prompt that hits runs as
+    its whole prompt in a padded prefill step (engine/graphed_hits.py): the tokens of a run
+    from scratch, the hit still reported, the recomputed tokens counted, every block back."""
+    stack = _stack(cluster, p, d, PDD_CUDA_GRAPHS="padded")
+    router, prefill = stack["router"].url, stack["prefill"].url
+    unit = BLOCK * p[1]
+    system = _tokens(SHARED, 1)
+    shared = SHARED // unit * unit
+    assert _run(router, [system + _tokens(9, 2)], 5) == [0]
+    prompts = [system + _tokens(5 + 7 * i, 20 + i) for i in range(4)]
+    assert _run(router, prompts, 5) == [shared] * 4
+    recomputed = _metric(prefill, "pdd_prefix_cache_recomputed_total")
+    assert recomputed == 4 * shared
+    assert _metric(prefill, "pdd_prefix_cache_hits_total") == 4 * shared
+    _all_blocks_back(prefill, stack["decode"].url)

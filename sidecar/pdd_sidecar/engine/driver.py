@@ -37,6 +37,7 @@ import torch
 
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
+from pdd_sidecar.engine.graphed_hits import prefix_blocks, recompute_in_graph, scratch_blocks_needed
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
@@ -145,6 +146,7 @@ class InstanceDriver:
         # Every block comes and goes through here; with the cache, "free" drops a reference.
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
+        self._scratch: list[int] = []  # where recomputed prefixes are written (graphed_hits.py)
         self._overtaking_seen = (0, 0)  # (steps, waited) of rank 0's engine, counted so far
         budget = step_budget(worker.cache.device.type, s.max_step_tokens, s.chunk_tokens,
                              s.long_chunk_tokens)
@@ -246,6 +248,7 @@ class InstanceDriver:
     def _loop(self) -> None:
         try:
             self._warm_up()
+            self._reserve_scratch()
             self._overtaking_seen = self._overtaking_counts()  # warm-up steps are not served
             self._start_pacing()
             held = False
@@ -348,9 +351,35 @@ class InstanceDriver:
             return False
         return not self.worker.engine.overtakes(self._seq_chunks(plan))
 
-    @staticmethod
-    def _seq_chunks(plan: StepPlan) -> list[SeqChunk]:
-        return [SeqChunk(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
+    def _seq_chunks(self, plan: StepPlan) -> list[SeqChunk]:
+        """The step's prompt chunks as the ranks run them: prefix-cache hits recomputed in a
+        prefill graph where that is the faster step (engine/graphed_hits.py)."""
+        chunks = [SeqChunk(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
+        if not self._scratch or not chunks:
+            return chunks
+        engine = self.worker.engine
+        unit = self.scheduler.block_size * self.scheduler.dcp
+        order = engine.overtaking.order if engine.overtaking is not None else None
+        if order is not None and order.must_wait(prefix_blocks(chunks, unit)):
+            # Still being written in order: a step that overtook it would hand off its prompt
+            # before the prefix's KV is there. The continuing chunk reads it in order instead.
+            return chunks
+        graphed = recompute_in_graph(chunks, [c.seq.prompt for c in plan.prefill], unit,
+                                     self._scratch, engine.runs_padded)
+        return chunks if graphed is None else graphed
+
+    def _reserve_scratch(self) -> None:
+        """A prefill whose fresh prompts run in graphs keeps the blocks recomputed prefixes are
+        written to, for good (a few dozen: the largest bucket's tokens in whole units, at most
+        a quarter of the pool)."""
+        buckets = self.worker.engine.prefill_buckets
+        if self.role != "prefill" or not buckets or self.prefix_cache is None:
+            return
+        n = min(scratch_blocks_needed(buckets[-1], self.scheduler.block_size * self.scheduler.dcp),
+                self.allocator.num_free // 4)  # a small pool recomputes shorter prefixes only
+        if n > 0:
+            self._scratch = self.allocator.allocate(n)
+            self.scheduler.reserved_blocks = n
 
     def _poll_due(self) -> bool:
         if self.role != "prefill" or len(self.leases) == 0:
@@ -441,9 +470,14 @@ class InstanceDriver:
 
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
+        chunks = self._seq_chunks(plan)
+        recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
+                                                                       strict=True))
+        if recomputed:
+            self.metrics.prefix_recomputed.inc(recomputed)
         cmd: dict[str, Any] = {
             "op": "step",
-            "chunks": [(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
+            "chunks": [(list(c.tokens), c.start, list(c.block_ids)) for c in chunks]
             + [([d.token], d.position, d.seq.blocks) for d in plan.decode],
             "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks,
                        "claim_url": s.extra["claim_url"],

@@ -261,7 +261,9 @@ class RankEngine:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.buckets = check_buckets(graph_buckets)
         if prefill_buckets is None:
-            prefill_buckets = PREFILL_BUCKETS if mode == "graph" else ()
+            # PDD_CUDA_GRAPHS=padded (the CPU twin of graphs) pads prefills as graphs would
+            twin = decode_mode is None and mode == "padded"
+            prefill_buckets = PREFILL_BUCKETS if mode == "graph" or twin else ()
         if prefill_buckets and mode == "eager":
             raise ValueError("prefill_buckets need decode_mode 'padded' or 'graph', not 'eager'")
         self.prefill_buckets = check_buckets(prefill_buckets) if prefill_buckets else ()
@@ -702,6 +704,10 @@ class RankEngine:
         self.padded_steps += 1
         return self._replay_or_run(("decode", bucket, want_logits), n,
                                    lambda: self._decode_static(buf, want_logits))
+
+    def runs_padded(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> bool:
+        """Whether a step of these chunks runs as a padded (on CUDA: graphed) prefill."""
+        return self._prefill_paddable(chunks, want_logits)
 
     def _prefill_paddable(self, chunks: Sequence[SeqChunk], want_logits: bool) -> bool:
         """Fresh prompts that a bucket holds; in graph mode not a bucket known to run eagerly

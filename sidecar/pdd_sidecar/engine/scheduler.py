@@ -193,6 +193,9 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}
         self._long_ran: set[str] = set()  # prompts longer than a chunk in the last step
         self._long_ran_before: set[str] = set()
+        # Blocks the driver keeps for itself (engine/graphed_hits.py's scratch): never a
+        # sequence's, so a request needing them would wait for good.
+        self.reserved_blocks = 0
 
     # -- intake
 
@@ -201,11 +204,11 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         need = self.blocks_needed(seq.kv_tokens)
-        if need > self.allocator.num_blocks:
+        usable = self.allocator.num_blocks - self.reserved_blocks
+        if need > usable:
             raise NeverFits(
                 f"the request needs {need} KV blocks of {self.block_size} tokens per rank "
-                f"({seq.kv_tokens} tokens, dcp {self.dcp}); this instance has "
-                f"{self.allocator.num_blocks}"
+                f"({seq.kv_tokens} tokens, dcp {self.dcp}); this instance has {usable}"
             )
         if seq.id in self.by_id:
             raise ValueError(f"request_id {seq.id!r} is already in flight on this instance")

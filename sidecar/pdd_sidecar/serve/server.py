@@ -87,6 +87,8 @@ async def stats(request: web.Request) -> web.Response:
         "ranks": [{"rank": r, "free_blocks": free, "held_requests": len(leases)}
                   for r in range(state.settings.tp)],
         "num_blocks": state.settings.num_blocks,
+        # kept by the driver for itself, never free (engine/graphed_hits.py's scratch)
+        "reserved_blocks": sched.reserved_blocks,
         "running": len(sched.running) + len(sched.pulling),
         "waiting": len(sched.waiting),
         "leases": {"held": len(leases), "expired_total": leases.expired_total,
