@@ -12,7 +12,8 @@ Every stack is `pdd serve` as a library, configured through `pdd serve`'s own pa
     times the device prefix capacity (the device pool set small with ``--b-num-blocks``),
     revisited at random with a short question each; TTFT p50 with the host tier and without,
     and the host->device load rate against the same run's pinned copy rate.
-(c) **no reuse**: the closed loop of (a) on fresh prompts, the host tier on against off.
+(c) **no reuse**: the closed loop of (a) on fresh prompts in (b)'s small pool, where every
+    eviction is an offload: the host tier on against off.
 (d) **a burst sharing one uncached prefix**: 64 x 2,048 tokens sharing their first 1,536;
     prompt tokens computed (prompt - cached) over the distinct tokens, and the TTFT p50 over
     that of the same burst without the shared part (64 x 512 fresh, plus one 1,536 prompt).
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-gib", type=float, default=None,
                    help="--host-kv-cache-gib of the tier runs (default 32; quick 0.25)")
     p.add_argument("--b-num-blocks", type=int, default=None,
-                   help="device pool of part (b), per rank (default 2048 of 64; quick 256 of 16)")
+                   help="device pool of parts (b) and (c), per rank (default 1024 of 64; quick 256 "
+                   "of 16)")
     p.add_argument("--working-set", type=float, default=3.0,
                    help="(b) documents' tokens over the device prefix capacity (default 3)")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -317,14 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     args.loop_requests, args.loop_in_flight = (32, 8) if q else (256, 64)
     args.doc_tokens = (256, 512) if q else (8192, 32768)
     args.question_tokens = 16 if q else 64
-    args.revisits = 16 if q else 64
+    args.revisits = 16 if q else 32
     args.b_in_flight = 4 if q else 8
     args.d_shared, args.d_own, args.d_burst = (192, 64, 8) if q else (1536, 512, 64)
     explicit = args.explicit or ("--num-blocks 4096" if q else "--block-size 64 --num-blocks 3000")
     explicit_sets = [s.split() for s in explicit.split(";") if s.strip()]
     longs = [int(x) for x in (args.long or ("2048,6144" if q else "32768,131072")).split(",")]
     host_gib = args.host_gib if args.host_gib is not None else (0.25 if q else 32.0)
-    b_blocks = args.b_num_blocks or (256 if q else 2048)
+    b_blocks = args.b_num_blocks or (256 if q else 1024)
     b_block = 16 if q and args.device == "cpu" else 64
     parts = set(args.parts.split(","))
     span, base = 256, 0
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = pinned_copy_rate(args.device)
 
     async def main_async() -> None:
-        if "a" in parts or "c" in parts or "d" in parts:
+        if "a" in parts or "d" in parts:
             async def defaults(session: aiohttp.ClientSession, stack: LocalStack) -> None:
                 if "a" in parts:
                     for load in await part_a_loads(session, stack, "defaults", args, prompts, 1):
@@ -349,12 +351,6 @@ def main(argv: list[str] | None = None) -> int:
                                               [(prompts.make(n, 31 + n), 2)], 1)
                         run.loads.append(load)
                         show(load)
-                if "c" in parts:
-                    work = closed_loop_work(prompts, args.loop_requests, 501, q)
-                    load = await run_load(session, stack.url, "defaults", "no reuse",
-                                          work, args.loop_in_flight)
-                    run.loads.append(load)
-                    show(load)
                 if "d" in parts:
                     for load in await part_d_loads(session, stack, "defaults", args, prompts):
                         run.loads.append(load)
@@ -370,25 +366,26 @@ def main(argv: list[str] | None = None) -> int:
                         run.loads.append(load)
                         show(load)
                 await on_stack(args, run, name, flags, explicit_body)
-        if "c" in parts:
-            async def tier_on(session: aiohttp.ClientSession, stack: LocalStack) -> None:
-                work = closed_loop_work(prompts, args.loop_requests, 501, q)
-                load = await run_load(session, stack.url, "host tier", "no reuse", work,
-                                      args.loop_in_flight)
-                run.loads.append(load)
-                show(load)
-            await on_stack(args, run, "host tier", ["--host-kv-cache-gib", str(host_gib)],
-                           tier_on)
-        if "b" in parts:
+        if "b" in parts or "c" in parts:
+            # (b) and (c) share two stacks: a device pool small enough that the documents fill
+            # --working-set times it, without and with the host tier. No reuse (c) in a small
+            # pool evicts all the time: every eviction is an offload, the tier's worst case.
             bflags = ["--block-size", str(b_block), "--num-blocks", str(b_blocks)]
-            # The device prefix capacity is the prefill's pool; documents fill working-set x it
             mean_doc = sum(args.doc_tokens) / 2 + args.question_tokens
             docs = max(2, math.ceil(args.working_set * b_blocks * b_block / mean_doc))
             for name, flags in (("small pool", bflags),
                                 ("small pool + host tier",
                                  [*bflags, "--host-kv-cache-gib", str(host_gib)])):
-                async def b_body(session: aiohttp.ClientSession, stack: LocalStack,
-                                 name: str = name) -> None:
+                async def bc_body(session: aiohttp.ClientSession, stack: LocalStack,
+                                  name: str = name) -> None:
+                    if "c" in parts:
+                        work = closed_loop_work(prompts, args.loop_requests, 501, q)
+                        load = await run_load(session, stack.url, name, "no reuse", work,
+                                              args.loop_in_flight)
+                        run.loads.append(load)
+                        show(load)
+                    if "b" not in parts:
+                        return
                     before = await metrics(session, stack.prefill_url)
                     for load in await part_b_loads(session, stack, name, args, prompts, docs):
                         run.loads.append(load)
@@ -400,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "offload seconds")}
                     run.stacks[name]["host_tier_delta"] = moved
                     run.stacks[name]["documents"] = docs
-                await on_stack(args, run, name, flags, b_body)
+                    print(f"  [{name}] host tier over (b): {moved}", flush=True)
+                await on_stack(args, run, name, flags, bc_body)
 
     asyncio.run(main_async())
     run.summary = summarize(run, copy_rate)
@@ -447,7 +445,8 @@ def summarize(run: Run, copy_rate: float) -> dict[str, Any]:
                                 f"{on.cached_tokens} of {on.prompt_tokens}; load rate "
                                 f"{rate / 1e9:.1f} GB/s = {rate / copy_rate:.2f} of pinned copy "
                                 f"{copy_rate / 1e9:.1f} GB/s (target >= 0.80)")
-    c_off, c_on = by.get(("defaults", "no reuse")), by.get(("host tier", "no reuse"))
+    c_off = by.get(("small pool", "no reuse"))
+    c_on = by.get(("small pool + host tier", "no reuse"))
     if c_off and c_on:
         out["(c) no reuse"] = (f"tier on {c_on.tok_s:,.0f} / off {c_off.tok_s:,.0f} tok/s = "
                                f"{c_on.tok_s / c_off.tok_s:.3f} (target >= 0.97)")
