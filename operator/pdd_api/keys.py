@@ -88,3 +88,9 @@ ENV_GPU_MEMORY_UTILIZATION = "PDD_GPU_MEMORY_UTILIZATION"
 ENV_NUM_BLOCKS = "PDD_NUM_BLOCKS"
 ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+# API keys on the router (issue 39): keys in the env, or a file/folder of them (the mounted
+# Secret of spec.router.apiKeySecretRef), read again when it changes.
+ENV_API_KEY = "PDD_API_KEY"
+ENV_API_KEY_FILE = "PDD_API_KEY_FILE"
+API_KEY_MOUNT_DIR = "/etc/pdd-api-keys"

@@ -127,6 +127,10 @@ PDD_ROUTER_POLICY = keys.ENV_ROUTER_POLICY
 # proxy flow on /v1/completions, which pdd instances and vLLM servers both speak)
 PDD_ROUTER_UPSTREAM_PROTOCOL = "PDD_ROUTER_UPSTREAM_PROTOCOL"
 UPSTREAM_PROTOCOLS = ("pdd", "vllm")
+# API keys (serve/api_keys.py): comma-separated keys, and/or a file or folder of files holding
+# one key per line, read again when it changes (a mounted Secret rotates without a restart).
+PDD_API_KEY = keys.ENV_API_KEY
+PDD_API_KEY_FILE = keys.ENV_API_KEY_FILE
 # Longest prompt + completion the router accepts; unset: the checkpoint's max_position_embeddings.
 PDD_MAX_MODEL_LEN = "PDD_MAX_MODEL_LEN"
 
@@ -425,6 +429,8 @@ class RouterSettings:
     worker: int | None = None  # this process's index among them; None: not a worker
     workers_dir: str = ""  # a worker's: the folder its siblings share (metrics, warm marks)
     event_loop: str = "auto"
+    api_keys: tuple[str, ...] = ()
+    api_key_file: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -451,6 +457,8 @@ class RouterSettings:
             worker=_optional_int(env, PDD_ROUTER_WORKER, 0),
             workers_dir=env.get(PDD_ROUTER_WORKERS_DIR, ""),
             event_loop=_choice(env, PDD_EVENT_LOOP, EVENT_LOOPS),
+            api_keys=tuple(k.strip() for k in env.get(PDD_API_KEY, "").split(",") if k.strip()),
+            api_key_file=env.get(PDD_API_KEY_FILE, ""),
         )
         if settings.workers > MAX_ROUTER_WORKERS:
             raise ConfigError(f"{PDD_ROUTER_WORKERS}: must be <= {MAX_ROUTER_WORKERS}, got "

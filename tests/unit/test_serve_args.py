@@ -62,6 +62,9 @@ PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=
         (["--chunk-tokens", "-4"], "--chunk-tokens", "got -4"),
         (["--router-workers", "0"], "--router-workers", "between 1 and 64, got 0"),
         (["--router-workers", "65"], "--router-workers", "got 65"),
+        (["--api-key", "a,b"], "--api-key", "without spaces or commas"),
+        (["--api-key", ""], "--api-key", "must be non-empty"),
+        (["--api-key-file", "/no/such/keys"], "--api-key-file", "cannot read /no/such/keys"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
@@ -194,6 +197,21 @@ def test_router_workers_flag_and_its_env() -> None:
                       ("two", "must be an integer, got 'two'")):
         with pytest.raises(ConfigError, match=f"PDD_ROUTER_WORKERS: {says}"):
             RouterSettings.from_env({**env, "PDD_ROUTER_WORKERS": bad})
+
+
+def test_api_key_flags_reach_the_router_alone(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file\n")
+    cfg = config_from_args(parser().parse_args(
+        ["--api-key", "sk-1", "--api-key", "sk-2", "--api-key-file", str(keys)]))
+    assert check_config(replace(cfg, port=0)) == []
+    settings = RouterSettings.from_env(router_env(cfg, PORTS))
+    assert settings.api_keys == ("sk-1", "sk-2") and settings.api_key_file == str(keys)
+    for role in ("prefill", "decode"):
+        env = instance_env(cfg, role, PORTS, "/r.json", "/k")
+        assert not any(k.startswith("PDD_API_KEY") for k in env), role
+    plain = router_env(config_from_args(parser().parse_args([])), PORTS)
+    assert RouterSettings.from_env(plain).api_keys == ()
 
 
 def test_gil_switch_interval_env(tmp_path: Path) -> None:

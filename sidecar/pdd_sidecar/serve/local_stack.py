@@ -84,6 +84,8 @@ class StackConfig:
     router_workers: int = 1  # router processes sharing its port
     log_level: str = "INFO"
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    api_keys: tuple[str, ...] = ()  # the router's (serve/api_keys.py); none: open
+    api_key_file: str = ""
 
     @property
     def resolved_dtype(self) -> str:
@@ -196,6 +198,10 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
     if not 1 <= cfg.router_workers <= E.MAX_ROUTER_WORKERS:
         out.append(f"--router-workers: must be between 1 and {E.MAX_ROUTER_WORKERS}, got "
                    f"{cfg.router_workers}")
+    for key in cfg.api_keys:
+        if not key or key != key.strip() or "," in key or any(c.isspace() for c in key):
+            out.append("--api-key: must be non-empty, without spaces or commas, got "
+                       f"{len(key)} characters")
     if out:
         return out
     out += [_flag_for(p) for p in validate_spec(deployment_spec(cfg))]
@@ -306,6 +312,10 @@ def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict
         E.PDD_ROUTER_WORKERS: str(cfg.router_workers),
         keys.ENV_GRANT_KEY_FILE: grant_key_file,
     }
+    if cfg.api_keys:
+        env[keys.ENV_API_KEY] = ",".join(cfg.api_keys)
+    if cfg.api_key_file:
+        env[keys.ENV_API_KEY_FILE] = cfg.api_key_file
     env.update(cfg.extra_env)
     return env
 
@@ -627,6 +637,12 @@ def parser() -> argparse.ArgumentParser:
                    "its per-request and per-token work over more cores (default auto: one per "
                    f"{CPUS_PER_ROUTER_WORKER} CPUs this process may use, 1 to "
                    f"{AUTO_ROUTER_WORKERS_MAX})")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=[], metavar="KEY",
+                   help="a key clients must send as `Authorization: Bearer KEY` (repeat for "
+                   "several; default: none, the router is open)")
+    p.add_argument("--api-key-file", default="", metavar="PATH",
+                   help="a file (or folder of files) of keys, one per line, read again when "
+                   "it changes")
     p.add_argument("--log-dir", default=None,
                    help="folder for the logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO", help="log level of the processes")
@@ -648,6 +664,7 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         chunk_tokens=a.chunk_tokens, long_chunk_tokens=a.long_chunk_tokens,
         prefix_cache=a.prefix_cache, router_workers=a.router_workers,
         log_level=a.log_level.upper(),
+        api_keys=tuple(a.api_keys), api_key_file=a.api_key_file,
     )
 
 
@@ -658,6 +675,13 @@ def check_config(cfg: StackConfig, env: Mapping[str, str] | None = None) -> list
         return found
     if cfg.model != "builtin" and not Path(cfg.model).is_dir():
         return [f"--model: {cfg.model!r} is neither 'builtin' nor a directory"]
+    if cfg.api_key_file:
+        from pdd_sidecar.serve.api_keys import KeyFileError, read_key_file
+
+        try:
+            read_key_file(cfg.api_key_file)
+        except KeyFileError as exc:
+            return [f"--api-key-file: {str(exc).partition(': ')[2]}"]
     try:
         heads = attention_heads(cfg.model)
     except ValueError as exc:

@@ -33,6 +33,7 @@ from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
+from pdd_sidecar.serve.api_keys import ApiKeys, KeyFileError, key_check
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
 from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, fresh_dns_connector
@@ -258,7 +259,9 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
     if model is None:
         model = load_model_text(settings.model_source, settings.max_model_len or None)
     router = Router(settings, model)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    keys = ApiKeys(settings.api_keys, settings.api_key_file)  # KeyFileError: refuse to start
+    middlewares = [key_check(keys), openai_errors] if keys.enabled else [openai_errors]
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[ROUTER] = router
     app[START_GATE] = StartGate()
     app.router.add_post("/v1/completions", completions)
@@ -306,7 +309,9 @@ def main(env: Mapping[str, str] | None = None) -> int:
         settings = RouterSettings.from_env(env)
         model = load_model_text(settings.model_source, settings.max_model_len or None)
         loop = loop_kind(settings.event_loop, uvloop_installed())
-    except (ConfigError, TextConfigError) as exc:
+        if settings.api_key_file:
+            ApiKeys((), settings.api_key_file)
+    except (ConfigError, TextConfigError, KeyFileError) as exc:
         print(f"pdd-router: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     who = "router" if settings.worker is None else f"router[{settings.worker}]"
