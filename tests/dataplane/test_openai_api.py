@@ -614,6 +614,11 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}], "top_k": "2"}, "top_k"),
     ("chat/completions", {"messages": []}, "messages"),
+    # Fields that would change the answer and are not implemented, or unknown: never ignored.
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"prompt": [1], "guided_json": {"type": "object"}}, "guided_json"),
+    ("completions", {"prompt": [1], "temprature": 0}, "temprature"),
 ]
 
 

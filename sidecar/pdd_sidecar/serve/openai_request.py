@@ -1,7 +1,9 @@
 """The router's reading of an OpenAI completion or chat request, and its errors in OpenAI's shape.
 
-Bad input is refused here, before any replica works on it, with error JSON naming the field;
-what passes is a `GenRequest` in the terms the prefill and decode instances speak.
+Bad input is refused here, before any replica works on it, with error JSON naming the field
+(and so is a field that would change the answer and is not implemented, or is unknown: the
+table of serve/openai_fields.py); what passes is a `GenRequest` in the terms the prefill and
+decode instances speak.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -215,9 +218,6 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), f"messages[{i}].content")
         conv.append(msg)
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise bad(f"{key}: tool calling is not supported", key)
     add_gen = _opt_bool(body, "add_generation_prompt", True)
     codec = _need_codec(model, "messages")
     try:
@@ -232,6 +232,9 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
 def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenRequest:
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", None)
+    refused = refusal(kind, body)
+    if refused is not None:
+        raise bad(refused[1], refused[0])
     for key, value in body.items():
         _check_strings(value, key, key)
     name = body.get("model")
@@ -240,19 +243,6 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
     if name not in (None, "", served):
         raise ApiError(404, f"the model {brief_repr(name)} does not exist; this server serves "
                        f"{served!r}", "model", "not_found_error", "model_not_found")
-    n = body.get("n")
-    if n is not None and (not is_int(n) or n != 1):
-        raise bad(f"n must be 1 (one choice per request), got {brief_repr(n)}", "n")
-    for key in ("best_of",):
-        if body.get(key) not in (None, 1):
-            raise bad(f"{key} must be 1, got {brief_repr(body[key])}", key)
-    if kind == "completion":
-        if body.get("echo"):
-            raise bad("echo is not supported", "echo")
-        if body.get("suffix"):
-            raise bad("suffix is not supported", "suffix")
-    if body.get("logprobs") not in (None, False):
-        raise bad("logprobs are not supported", "logprobs")
     stream = _opt_bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
