@@ -40,11 +40,6 @@ ASKING = [
     ("chat", "guided_choice", ["yes", "no"]),
     ("completion", "guided_grammar", "root ::= 'a'"),
     ("chat", "structured_outputs", {"json": {}}),
-    ("completion", "presence_penalty", 0.5),
-    ("chat", "frequency_penalty", -1),
-    ("completion", "repetition_penalty", 1.2),
-    ("chat", "logit_bias", {"5": 100}),
-    ("completion", "min_tokens", 3),
     ("completion", "min_p", 0.1),
     ("completion", "logprobs", 0),  # the sampled token's log probability
     ("completion", "logprobs", 5),
@@ -164,3 +159,50 @@ def test_the_docs_list_the_same_table() -> None:
     for title, effect in want.items():
         table = {name for name, f in FIELDS.items() if f.effect == effect}
         assert sections[title] == table, title
+
+
+# ---------------------------------------------------------------- the sampling controls
+BAD_CONTROLS = [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": True}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.5}, "repetition_penalty"),
+    ({"repetition_penalty": 1e309}, "repetition_penalty"),  # inf, as json reads it
+    ({"logit_bias": {"256": 1}}, "logit_bias"),  # outside the byte vocabulary
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": [[5, 1]]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),  # above the default max_tokens (16)
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field"), BAD_CONTROLS,
+                         ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_CONTROLS)])
+def test_out_of_range_controls_are_400s_naming_the_field(extra: dict[str, Any],
+                                                         field: str) -> None:
+    err = _refused("completion", extra)
+    assert (err.status, err.param) == (400, field)
+    assert field in err.message and len(err.message) < 300
+
+
+def test_controls_travel_in_sampling_only_when_they_ask_for_something() -> None:
+    req = _parse("completion", {"presence_penalty": 0.5, "frequency_penalty": -1,
+                                "repetition_penalty": 1.3, "logit_bias": {"7": 100, "9": 0,
+                                                                          "10": -2.5},
+                                "min_tokens": 4, "max_tokens": 8})
+    assert {k: v for k, v in req.sampling.items() if k not in ("seed",)} == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.5,
+        "frequency_penalty": -1.0, "repetition_penalty": 1.3,
+        "logit_bias": {"7": 100.0, "10": -2.5}, "min_tokens": 4}
+    assert req.min_tokens == 4
+    chat = _parse("chat", {"min_tokens": 3, "max_completion_tokens": 3})
+    assert chat.sampling["min_tokens"] == 3 and chat.min_tokens == 3
+

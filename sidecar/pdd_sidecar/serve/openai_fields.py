@@ -4,7 +4,7 @@ refused unless it asks for nothing.
 Why: a field that changes the answer and is not acted on would come back as a 200 that ignored
 it, a wrong answer. So each field OpenAI's API (completions and chat) and vLLM's extensions
 define is here with what pdd does with it; a refused field still passes when its value asks
-for what pdd does anyway (`presence_penalty: 0`, `n: 1`, `response_format: {"type": "text"}`),
+for what pdd does anyway (`min_p: 0`, `n: 1`, `response_format: {"type": "text"}`),
 and null always does (OpenAI reads null as absent). A field not in the table is refused as
 OpenAI refuses it: a misspelt `temprature` or another server's extension must not pass
 silently. docs/openai-api.md lists the same table for users; a unit test keeps the two equal.
@@ -79,6 +79,11 @@ FIELDS: dict[str, Field] = {
     "stream": _H,
     "stream_options": _H,
     "add_generation_prompt": Field(HONOURED, CHAT),
+    "presence_penalty": _H,  # the sampling controls: engine/sampling.py
+    "frequency_penalty": _H,
+    "repetition_penalty": _H,
+    "logit_bias": _H,
+    "min_tokens": _H,
     # Accepted and without effect on the answer.
     "user": _N,
     "metadata": _N,
@@ -107,11 +112,6 @@ FIELDS: dict[str, Field] = {
     "logprobs": _refused("log probabilities are not supported", _off_values(False)),
     "top_logprobs": _refused("log probabilities are not supported", _off_number(0), CHAT),
     "prompt_logprobs": _refused("prompt log probabilities are not supported"),
-    "presence_penalty": _refused("presence_penalty is not supported", _off_number(0)),
-    "frequency_penalty": _refused("frequency_penalty is not supported", _off_number(0)),
-    "repetition_penalty": _refused("repetition_penalty is not supported", _off_number(1)),
-    "logit_bias": _refused("logit_bias is not supported", _off_values({})),
-    "min_tokens": _refused("min_tokens is not supported", _off_number(0)),
     "min_p": _refused("min_p is not supported", _off_number(0)),
     "allowed_token_ids": _refused("allowed_token_ids is not supported"),
     "bad_words": _refused("bad_words is not supported", _off_values([])),
@@ -165,10 +165,11 @@ def _quoted(v: Any) -> str:
 def refusal(kind: str, body: Mapping[str, Any], unknown: bool = True) -> tuple[str, str] | None:
     """``(field, message)`` for the first field of ``body`` that ``kind``'s endpoint does not
     honour and that asks for something, else None. ``unknown=False`` lets fields the table
-    does not know pass (an instance behind a proxy that adds its own)."""
+    does not know for this endpoint pass (an instance behind a proxy that adds its own, or
+    sets ``max_completion_tokens`` on a completion)."""
     for name, value in body.items():
         field = FIELDS.get(name)
-        if field is None and not unknown:
+        if (field is None or kind not in field.kinds) and not unknown:
             continue
         if field is None or kind not in field.kinds:
             where = ENDPOINT[kind]

@@ -67,6 +67,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     local_stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0  # stop strings are looked for only after this many tokens
 
 
 def brief_repr(v: Any, limit: int = 80) -> str:
@@ -142,6 +143,44 @@ def _opt_number(body: Mapping[str, Any], key: str, default: float, lo: float, hi
     if not _is_number(v) or (v <= lo if lo_open else v < lo) or v > hi:
         raise bad(f"{key} must be a number in {what}, got {brief_repr(v)}", key)
     return float(v)
+
+
+def _logit_bias(body: Mapping[str, Any], model: ModelText) -> dict[str, float]:
+    """OpenAI's ``{"token id": bias}``; zero biases are dropped (they ask for nothing)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad(f"logit_bias must be an object mapping token ids to biases, got "
+                  f"{brief_repr(raw)}", "logit_bias")
+    out = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20
+                and int(key) < model.vocab_size):
+            raise bad(f"logit_bias: keys must be token ids in [0, {model.vocab_size}) (the "
+                      f"model's vocabulary), got {brief_repr(key)}", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise bad(f"logit_bias: biases must be numbers in [-100, 100], got "
+                      f"{brief_repr(value)} for token {key}", "logit_bias")
+        out[str(int(key))] = float(value)
+    return {k: v for k, v in out.items() if v}
+
+
+def _controls(body: Mapping[str, Any], model: ModelText) -> dict[str, Any]:
+    """The sampling controls that ask for something (engine/sampling.py applies them); a
+    request without any sends the instances what it sent before they existed."""
+    out: dict[str, Any] = {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = _opt_number(body, key, 0.0, -2.0, 2.0, False, "[-2, 2]")
+        if v:
+            out[key] = v
+    rep = _opt_number(body, "repetition_penalty", 1.0, 0.0, math.inf, True, "(0, inf)")
+    if rep != 1.0:
+        out["repetition_penalty"] = rep
+    bias = _logit_bias(body, model)
+    if bias:
+        out["logit_bias"] = bias
+    return out
 
 
 def _ids(value: Any, model: ModelText, param: str) -> list[int] | None:
@@ -255,6 +294,7 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
     temperature = _opt_number(body, "temperature", 1.0, 0.0, 2.0, False, "[0, 2]")
     top_p = _opt_number(body, "top_p", 1.0, 0.0, 1.0, True, "(0, 1]")
     top_k = _opt_int(body, "top_k", 0, -1, None, " (-1 or 0 = off, else >= 1)")
+    controls = _controls(body, model)
     seed = _opt_int(body, "seed", None, INT64[0], INT64[1], " in the signed 64-bit range")
     if seed is None:
         seed = secrets.randbits(63)
@@ -302,11 +342,19 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
         raise bad(f"{key}: this model's maximum context length is {limit} tokens; the request "
                   f"asks for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, "
                   f"{max_tokens} for the completion)", key)
+    min_tokens = _opt_int(body, "min_tokens", 0, 0, None, " >= 0")
+    assert min_tokens is not None
+    if min_tokens > max_tokens:
+        raise bad(f"min_tokens must be at most {key} ({max_tokens}), got {min_tokens}",
+                  "min_tokens")
+    if min_tokens:
+        controls["min_tokens"] = min_tokens
     local = set(stop_token_ids)
     if not ignore_eos:
         local |= model.eos_token_ids
     return GenRequest(
         kind=kind, prompt_ids=prompt, max_tokens=max_tokens,
-        sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                  **controls},
         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
-        include_usage=include_usage, local_stop_ids=frozenset(local))
+        include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens)

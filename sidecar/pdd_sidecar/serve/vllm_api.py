@@ -39,6 +39,8 @@ from pdd_sidecar.serve.prefill_api import run_prefill
 from pdd_sidecar.serve.text import Codec, TextConfigError, load_model_text
 
 GRANT = "pdd_grant"
+CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+            "min_tokens")
 FIRST_TOKEN = "pdd_first_token"
 _CODEC = web.AppKey("codec", dict[str, Any])
 
@@ -109,7 +111,8 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     if n != 1:
         raise bad(f"n: only 1 is supported, got {n!r}")
     sampling = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-                "top_k": body.get("top_k", 0), "seed": body.get("seed")}
+                "top_k": body.get("top_k", 0), "seed": body.get("seed"),
+                **{k: body[k] for k in CONTROLS if body.get(k) is not None}}
     return {"sampling": sampling, "stop_token_ids": body.get("stop_token_ids") or [],
             "ignore_eos": body.get("ignore_eos", False)}
 
