@@ -659,7 +659,8 @@ def test_no_5xx_for_any_odd_field_value(stack: Stack, fake: FakeInstance) -> Non
            ["\ud800"], [[1, 2], [3]], [1.0]]
     fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
               "stop_token_ids", "stream", "ignore_eos", "n", "model", "stream_options",
-              "logprobs", "echo"]
+              "logprobs", "echo", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "min_tokens", "response_format"]
     for f in fields:
         for v in odd:
             body = {"prompt": [1], "max_tokens": 2, f: v}

@@ -177,6 +177,7 @@ def test_the_prompt_goes_to_the_device_once_per_sequence() -> None:
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),
     ({"logit_bias": {"97": 1}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"1": -100.5}}, "logit_bias"),

@@ -170,6 +170,8 @@ BAD_CONTROLS = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": -1.5}, "repetition_penalty"),
     ({"repetition_penalty": 1e309}, "repetition_penalty"),  # inf, as json reads it
+    ({"repetition_penalty": 1e7}, "repetition_penalty"),  # float32 logits would overflow
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"logit_bias": {"256": 1}}, "logit_bias"),  # outside the byte vocabulary
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {"a": 1}}, "logit_bias"),

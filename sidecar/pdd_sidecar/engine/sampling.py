@@ -32,6 +32,11 @@ _TINY = torch.finfo(torch.float32).tiny
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+# repetition_penalty is > 0 (vLLM, transformers); beyond these a float32 logit divided or
+# multiplied by it may overflow, and inf - inf is a NaN draw.
+REPETITION_RANGE = (1e-6, 1e6)
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
@@ -143,9 +148,8 @@ class SamplingParams:
             seed = random.getrandbits(63)
         presence = _finite(raw, "presence_penalty", 0.0, -2.0, 2.0, "[-2, 2]")
         frequency = _finite(raw, "frequency_penalty", 0.0, -2.0, 2.0, "[-2, 2]")
-        repetition = _finite(raw, "repetition_penalty", 1.0, 0.0, math.inf, "(0, inf)")
-        if repetition <= 0.0:
-            raise SamplingError(f"sampling.repetition_penalty: must be > 0, got {repetition}")
+        repetition = _finite(raw, "repetition_penalty", 1.0, *REPETITION_RANGE,
+                             "[1e-6, 1e6] (> 0; the bounds keep float32 logits finite)")
         min_tokens = _integer(raw, "min_tokens", 0)
         assert min_tokens is not None
         if min_tokens < 0:

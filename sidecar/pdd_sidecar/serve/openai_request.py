@@ -174,7 +174,8 @@ def _controls(body: Mapping[str, Any], model: ModelText) -> dict[str, Any]:
         v = _opt_number(body, key, 0.0, -2.0, 2.0, False, "[-2, 2]")
         if v:
             out[key] = v
-    rep = _opt_number(body, "repetition_penalty", 1.0, 0.0, math.inf, True, "(0, inf)")
+    rep = _opt_number(body, "repetition_penalty", 1.0, 1e-6, 1e6, False,
+                      "[1e-6, 1e6] (> 0; the bounds keep the logits finite)")
     if rep != 1.0:
         out["repetition_penalty"] = rep
     bias = _logit_bias(body, model)
