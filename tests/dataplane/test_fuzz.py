@@ -137,7 +137,8 @@ def _mutate(rng: random.Random, body: dict[str, Any], target: Target, key: bytes
             inner = body.get(f) if isinstance(body.get(f), dict) else {}
             inner = dict(inner)
             inner[rng.choice(["temperature", "top_p", "top_k", "seed", "include_usage",
-                              "role", "content", "x"])] = rng.choice(values)
+                              "role", "content", "x", "logit_bias", "min_tokens",
+                              "repetition_penalty", "presence_penalty"])] = rng.choice(values)
             body[f] = inner
             done.append(f"{f}.*={_label(inner)}")
         elif op < 0.75:
@@ -145,7 +146,8 @@ def _mutate(rng: random.Random, body: dict[str, Any], target: Target, key: bytes
                             "stop_token_ids", "ignore_eos", "stream", "logprobs", "echo",
                             "model", "max_completion_tokens", "hold_s", "request_id",
                             "first_token", "max_new_tokens", "kv_transfer_params", "tools",
-                            "suffix", "add_generation_prompt", "\ud800"])
+                            "suffix", "add_generation_prompt", "logit_bias", "min_tokens",
+                            "frequency_penalty", "repetition_penalty", "\ud800"])
             body[f] = rng.choice(values)
             done.append(f"{f}={_label(body[f])}")
         elif target.grant_field and isinstance(body.get("kv_transfer_params"), dict):

@@ -614,6 +614,11 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}], "top_k": "2"}, "top_k"),
     ("chat/completions", {"messages": []}, "messages"),
+    # Fields that would change the answer and are not implemented, or unknown: never ignored.
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"prompt": [1], "guided_json": {"type": "object"}}, "guided_json"),
+    ("completions", {"prompt": [1], "temprature": 0}, "temprature"),
 ]
 
 
@@ -654,7 +659,8 @@ def test_no_5xx_for_any_odd_field_value(stack: Stack, fake: FakeInstance) -> Non
            ["\ud800"], [[1, 2], [3]], [1.0]]
     fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
               "stop_token_ids", "stream", "ignore_eos", "n", "model", "stream_options",
-              "logprobs", "echo"]
+              "logprobs", "echo", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "min_tokens", "response_format"]
     for f in fields:
         for v in odd:
             body = {"prompt": [1], "max_tokens": 2, f: v}

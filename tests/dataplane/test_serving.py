@@ -424,6 +424,14 @@ def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalClus
         assert status == 400 and field in error_text(answer), answer
     status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, "stop": ["x"]})
     assert status == 400 and "stop" in error_text(answer)
+    # The sampling controls reach both legs; what pdd does not implement is refused.
+    forced = next(t for t in range(1, 100) if t not in _reference(prompt, 7))
+    status, body = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_tokens": 7,
+                                                 "temperature": 0,
+                                                 "logit_bias": {str(forced): 100}})
+    assert status == 200 and body["choices"][0]["token_ids"] == [forced] * 7, body
+    status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, "min_p": 0.1})
+    assert status == 400 and "min_p" in error_text(answer)
     _all_blocks_back(prefill, decode)
 
 

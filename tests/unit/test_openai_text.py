@@ -268,6 +268,17 @@ def test_output_truncates_before_a_stop_string_and_keeps_its_tokens() -> None:
     assert bytes(out.token_ids) == b"one two STOP"
 
 
+def test_stop_strings_are_looked_for_only_after_min_tokens() -> None:
+    out = _output(["ab"], 50)
+    out.req.min_tokens = 4
+    # The first four tokens' text is shown as it is; the search starts in the fifth's.
+    shown = _feed(out, b"abxabyabz")
+    assert shown == out.text == "abxaby" and out.finish == "stop"
+    assert bytes(out.token_ids) == b"abxabyab"
+    out = _output(["ab"], 50)
+    assert _feed(out, b"abxab") == "" and bytes(out.token_ids) == b"ab"
+
+
 def test_output_finishes_on_length_and_on_stop_ids() -> None:
     out = _output(["zz"], 5)
     shown = _feed(out, b"abcdzzz")

@@ -41,8 +41,15 @@ from pdd_sidecar.engine.graphed_hits import prefix_blocks, recompute_in_graph, s
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
-from pdd_sidecar.engine.sampling import pick_rows, sample, sample_on_device
+from pdd_sidecar.engine.sampling import (
+    TokenHistory,
+    needs_history,
+    pick_rows,
+    sample,
+    sample_on_device,
+)
 from pdd_sidecar.engine.scheduler import (
+    PENALTY_PROMPT,
     Allocator,
     NeverFits,
     QueueFull,
@@ -549,15 +556,17 @@ class InstanceDriver:
             return
         params = [s.sampling for _, s in live]
         indices = [len(s.output) + (0 if s.source is None else 1) for _, s in live]
+        histories = ([_history(s) if s.sampling.adjusts else None for _, s in live]
+                     if needs_history(params) else None)
         # On the logits' own stream: an overtaking step's rows picked on the default stream
         # would wait for the work it overtook (runs 29 and 30 did, through a synchronizing
         # list index).
         with self.worker.engine.logits_context():
             logits = pick_rows(logits, [i for i, _ in live])
             if self.role == "decode":  # its next step needs these tokens
-                self._deliver(live, sample(logits, params, indices))
+                self._deliver(live, sample(logits, params, indices, histories))
                 return
-            on_device = sample_on_device(logits, params, indices)
+            on_device = sample_on_device(logits, params, indices, histories)
             self._sampled.append(_Sampled(live, on_device.to("cpu", non_blocking=True),
                                           self._marks.mark()))
 
@@ -643,6 +652,15 @@ class InstanceDriver:
             m.prefix_hits.inc(pc.hit_tokens - hit)
             self._prefix_seen = (pc.queried_tokens, pc.hit_tokens)
             m.prefix_cached_blocks.set(pc.cached_blocks)
+
+
+def _history(seq: Sequence) -> TokenHistory:
+    """What ``seq``'s sampling controls look at. A decode generated its first token on the
+    prefill; its prompt is the one the request named (kept for repetition_penalty when the
+    prefix cache is off and ``seq.prompt`` is empty)."""
+    generated = seq.output if seq.first_token is None else [seq.first_token, *seq.output]
+    return TokenHistory(seq.extra.get(PENALTY_PROMPT, seq.prompt), generated, seq.stop_ids,
+                        seq.extra)
 
 
 class _LoopDelivery:

@@ -1,25 +1,40 @@
-"""Choosing the next token on rank 0: greedy, or temperature / top-k / top-p with a seed.
+"""Choosing the next token on rank 0: greedy, or temperature / top-k / top-p with a seed, after
+the controls clients send (logit_bias, min_tokens, repetition / frequency / presence penalties).
 
 Token ``i`` of a completion is drawn from a generator seeded by ``(seed, i)`` alone, so the
 prefill (which draws token 0) and the decode (tokens 1..) sample one reproducible stream without
 handing generator state across instances, and a request samples the same tokens whatever else
 shares its batch.
+
+The controls follow vLLM (and, for the penalties, OpenAI's documented formula), in vLLM's order:
+``logit_bias`` is added by token id; while fewer than ``min_tokens`` tokens were generated the
+request's stop ids (EOS unless ignored, and its ``stop_token_ids``) are at -inf; then a token in
+the prompt or the generated text has its logit divided by ``repetition_penalty`` when positive,
+multiplied when not (transformers' RepetitionPenaltyLogitsProcessor), and a token generated
+``c`` times loses ``c * frequency_penalty + (c > 0) * presence_penalty``. Temperature, top-k and
+top-p apply after. A batch in which no row asks for a control does no extra work at all.
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
-from pdd_sidecar.engine.device_queue import to_device
+from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
 
 _MASK63 = (1 << 63) - 1
 _TINY = torch.finfo(torch.float32).tiny
 _GOLDEN = 0x9E3779B97F4A7C15
+
+
+# repetition_penalty is > 0 (vLLM, transformers); beyond these a float32 logit divided or
+# multiplied by it may overflow, and inf - inf is a NaN draw.
+REPETITION_RANGE = (1e-6, 1e6)
 
 
 class SamplingError(ValueError):
@@ -48,12 +63,60 @@ def _integer(raw: Mapping[str, Any], key: str, default: int | None) -> int | Non
     return value
 
 
+def _finite(raw: Mapping[str, Any], key: str, default: float, lo: float, hi: float,
+            what: str) -> float:
+    value = _number(raw, key, default)
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise SamplingError(f"sampling.{key}: must be in {what}, got {value}")
+    return value
+
+
+def _logit_bias(raw: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (JSON keys are strings), biases in [-100, 100]; of two
+    keys naming one id ("5", "05") the last counts, as in the router's reading."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise SamplingError(f"sampling.logit_bias: must be an object of token id -> bias, "
+                            f"got {type(raw).__name__}")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20
+        tid = int(key) if digits else -1
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise SamplingError(f"sampling.logit_bias: keys must be token ids in {where}, "
+                                f"got {str(key)[:40]!r}")
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not -100 <= value <= 100):
+            raise SamplingError(f"sampling.logit_bias: biases must be numbers in [-100, 100], "
+                                f"got {str(value)[:40]} for token {tid}")
+        out[tid] = float(value)
+    return tuple(sorted((t, v) for t, v in out.items() if v))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
+    min_tokens: int = 0
+    # Computed once: whether the row's logits change before the choice, and whether the
+    # penalties need its token counts.
+    adjusts: bool = field(init=False, repr=False, compare=False)
+    penalizes: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        penalizes = bool(self.presence_penalty or self.frequency_penalty
+                         or self.repetition_penalty != 1.0)
+        object.__setattr__(self, "penalizes", penalizes)
+        object.__setattr__(self, "adjusts",
+                           penalizes or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
@@ -62,9 +125,10 @@ class SamplingParams:
         return self.temperature < _TINY or self.top_k == 1
 
     @classmethod
-    def parse(cls, raw: Any) -> SamplingParams:
+    def parse(cls, raw: Any, vocab_size: int | None = None) -> SamplingParams:
         """From the instance API's ``sampling`` object; absent means greedy. Without a seed one is
-        drawn here, once per request, so the request's own stream is still consistent."""
+        drawn here, once per request, so the request's own stream is still consistent.
+        ``vocab_size`` bounds logit_bias's token ids."""
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
@@ -82,7 +146,97 @@ class SamplingParams:
         seed = _integer(raw, "seed", None)
         if seed is None:
             seed = random.getrandbits(63)
-        return cls(temperature, top_p, max(top_k, 0), seed & _MASK63)
+        presence = _finite(raw, "presence_penalty", 0.0, -2.0, 2.0, "[-2, 2]")
+        frequency = _finite(raw, "frequency_penalty", 0.0, -2.0, 2.0, "[-2, 2]")
+        repetition = _finite(raw, "repetition_penalty", 1.0, *REPETITION_RANGE,
+                             "[1e-6, 1e6] (> 0; the bounds keep float32 logits finite)")
+        min_tokens = _integer(raw, "min_tokens", 0)
+        assert min_tokens is not None
+        if min_tokens < 0:
+            raise SamplingError(f"sampling.min_tokens: must be >= 0, got {min_tokens}")
+        return cls(temperature, top_p, max(top_k, 0), seed & _MASK63, presence, frequency,
+                   repetition, _logit_bias(raw.get("logit_bias"), vocab_size), min_tokens)
+
+
+class TokenHistory(NamedTuple):
+    """What a row's controls look at: the prompt (repetition_penalty), the tokens generated so
+    far (the penalties; min_tokens counts them), the ids min_tokens holds back. ``cache``, the
+    sequence's own dict, keeps the prompt's ids on the device from one step to the next (a
+    long prompt is not copied up again every step)."""
+
+    prompt: Sequence[int]
+    generated: Sequence[int]
+    stop_ids: Collection[int]
+    cache: dict[str, Any] | None = None
+
+
+_PROMPT_IDS = "sampling_prompt_ids"
+
+
+def _prompt_on(h: TokenHistory, dev: torch.device) -> torch.Tensor:
+    t = h.cache.get(_PROMPT_IDS) if h.cache is not None else None
+    if t is None or t.device != dev:
+        t = to_device(sorted(set(h.prompt)), torch.long, dev)
+        if h.cache is not None:
+            h.cache[_PROMPT_IDS] = t
+    return t
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[TokenHistory | None]) -> torch.Tensor:
+    """``logits [B, V]`` in float32 with each row's controls applied (module docstring); the
+    input is left as it was. Only the rows that ask for a control are touched, all of them at
+    once; everything goes to the device asynchronously (no host sync)."""
+    x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    vocab = x.shape[-1]
+    dev = x.device
+    flat = x.view(-1)
+    bias_at: list[int] = []
+    bias: list[float] = []
+    banned: list[int] = []
+    for b, p in enumerate(params):
+        if not p.adjusts:
+            continue
+        for t, v in p.logit_bias:
+            bias_at.append(b * vocab + t)
+            bias.append(v)
+        h = histories[b]
+        assert h is not None, "a row that adjusts needs its history"
+        if len(h.generated) < p.min_tokens:
+            banned.extend(b * vocab + t for t in h.stop_ids if 0 <= t < vocab)
+    if bias_at:
+        flat.index_add_(0, to_device(bias_at, torch.long, dev),
+                        tensor_to_device(torch.tensor(bias, dtype=torch.float32), dev))
+    if banned:
+        flat.index_fill_(0, to_device(banned, torch.long, dev), float("-inf"))
+    rows = [b for b, p in enumerate(params) if p.penalizes]
+    if not rows:
+        return x
+    counted: list[int] = []
+    for r, b in enumerate(rows):
+        h = histories[b]
+        assert h is not None
+        counted.extend(r * vocab + t for t in h.generated)
+    idx = to_device(rows, torch.long, dev)
+    sub = x.index_select(0, idx)
+    counts = torch.zeros_like(sub)
+    if counted:
+        counts.view(-1).index_add_(0, to_device(counted, torch.long, dev),
+                                   torch.ones(len(counted), dtype=torch.float32, device=dev))
+    scalars = tensor_to_device(torch.tensor(
+        [[params[b].repetition_penalty, params[b].frequency_penalty, params[b].presence_penalty]
+         for b in rows], dtype=torch.float32), dev)
+    rep, freq, pres = scalars[:, 0:1], scalars[:, 1:2], scalars[:, 2:3]
+    generated = counts > 0
+    in_prompt = torch.zeros_like(generated)
+    for r, b in enumerate(rows):
+        h = histories[b]
+        if params[b].repetition_penalty != 1.0 and h is not None and h.prompt:
+            in_prompt[r].index_fill_(0, _prompt_on(h, dev), True)
+    factor = torch.where(generated | in_prompt, rep, 1.0)
+    sub = torch.where(sub > 0, sub / factor, sub * factor)
+    sub = sub - freq * counts - pres * generated
+    return x.index_copy_(0, idx, sub)
 
 
 def _generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -127,10 +281,15 @@ def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     indices: Sequence[int]) -> torch.Tensor:
+                     indices: Sequence[int],
+                     histories: Sequence[TokenHistory | None] | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``, left on the logits' device (int64 ``[B]``) with
     no host sync: the caller reads them when it chooses to wait. ``indices[b]`` is the
-    completion index of the token being drawn for row ``b``."""
+    completion index of the token being drawn for row ``b``. ``histories`` (per row; None for a
+    row that asks for no control) is given when some row ``adjusts`` (``needs_history``), and
+    only then is anything adjusted."""
+    if histories is not None:
+        logits = adjust_logits(logits, params, histories)
     out = torch.argmax(logits, dim=-1)
     for b, p in enumerate(params):
         if p.greedy:
@@ -140,7 +299,12 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           indices: Sequence[int]) -> list[int]:
+def needs_history(params: Sequence[SamplingParams]) -> bool:
+    """Some row asks for a control: the batch's histories must be built and passed."""
+    return any(p.adjusts for p in params)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int],
+           histories: Sequence[TokenHistory | None] | None = None) -> list[int]:
     """``sample_on_device``, read on the host now."""
-    return [int(t) for t in sample_on_device(logits, params, indices).tolist()]
+    return [int(t) for t in sample_on_device(logits, params, indices, histories).tolist()]

@@ -59,6 +59,8 @@ from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
 
 UNIT_KEYS = "prefix_unit_keys"  # seq.extra: the prompt's prefix-cache keys, computed once
 CACHED_TOKENS = "cached_tokens"  # seq.extra: prompt tokens whose KV came from the cache
+# seq.extra: a decode's prompt ids for its repetition_penalty, where seq.prompt is empty
+PENALTY_PROMPT = "penalty_prompt"
 
 
 class State(enum.Enum):

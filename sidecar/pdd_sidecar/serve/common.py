@@ -186,7 +186,7 @@ def token_ids(state: InstanceState, value: Any, key: str, allow_empty: bool = Fa
 def sequence_options(state: InstanceState, body: dict[str, Any]) -> dict[str, Any]:
     """Sampling and stop settings shared by prefill and decode requests."""
     try:
-        sampling = SamplingParams.parse(body.get("sampling"))
+        sampling = SamplingParams.parse(body.get("sampling"), state.vocab_size)
     except SamplingError as exc:
         raise bad(str(exc)) from None
     stops = set(token_ids(state, body.get("stop_token_ids") or [], "stop_token_ids", True))

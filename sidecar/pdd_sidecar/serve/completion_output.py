@@ -29,6 +29,11 @@ class Output:
         return self.finish == "stop" and self.stops.hit
 
     def _emit(self, delta: str) -> str:
+        if len(self.token_ids) <= self.req.min_tokens:
+            # As vLLM: no stop string ends the text before min_tokens tokens (the engine
+            # holds stop ids back as long).
+            self.text += delta
+            return delta
         out, hit = self.stops.feed(delta)
         if hit:
             self.finish = "stop"

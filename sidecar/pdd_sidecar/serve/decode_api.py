@@ -11,7 +11,8 @@ tokens), notifies the prefill ranks the plan names,
 and the sequence joins the batch until a stop id, EOS or `max_new_tokens`. With
 `"stream": true` the answer is NDJSON, one `{"token": id}` line per token and a final line with
 the totals (`cached_tokens`: the prompt tokens whose KV was not pulled); an error before the
-first token is a plain HTTP error. A client that disconnects cancels its sequence.
+first token is a plain HTTP error. A client that disconnects cancels its sequence. A
+`sampling.repetition_penalty` needs `prompt_ids` (it penalizes the prompt's tokens too).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, PENALTY_PROMPT, Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
@@ -78,10 +79,16 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
                   f"({max_new}) = {total} exceeds the maximum model length "
                   f"{state.max_model_len}")
     prompt = _prompt_ids(state, body, src)
+    options = sequence_options(state, body)
+    penalizes_prompt = options["sampling"].repetition_penalty != 1.0
+    if penalizes_prompt and not prompt:
+        raise bad("prompt_ids: sampling.repetition_penalty looks at the prompt's tokens; send "
+                  "the prompt's token ids")
     seq = Sequence(request_id(body, lambda: uuid.uuid4().hex),
                    prompt if state.settings.prefix_cache else [], max_new,
-                   src.num_tokens + max_new, source=src, first_token=first,
-                   **sequence_options(state, body))
+                   src.num_tokens + max_new, source=src, first_token=first, **options)
+    if penalizes_prompt and not state.settings.prefix_cache:
+        seq.extra[PENALTY_PROMPT] = prompt
     seq.extra["source"] = src
     seq.extra["claim_url"] = claim_url
     return seq

@@ -1,7 +1,9 @@
 """The router's reading of an OpenAI completion or chat request, and its errors in OpenAI's shape.
 
-Bad input is refused here, before any replica works on it, with error JSON naming the field;
-what passes is a `GenRequest` in the terms the prefill and decode instances speak.
+Bad input is refused here, before any replica works on it, with error JSON naming the field
+(and so is a field that would change the answer and is not implemented, or is unknown: the
+table of serve/openai_fields.py); what passes is a `GenRequest` in the terms the prefill and
+decode instances speak.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -64,6 +67,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     local_stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0  # stop strings are looked for only after this many tokens
 
 
 def brief_repr(v: Any, limit: int = 80) -> str:
@@ -141,6 +145,45 @@ def _opt_number(body: Mapping[str, Any], key: str, default: float, lo: float, hi
     return float(v)
 
 
+def _logit_bias(body: Mapping[str, Any], model: ModelText) -> dict[str, float]:
+    """OpenAI's ``{"token id": bias}``; zero biases are dropped (they ask for nothing)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad(f"logit_bias must be an object mapping token ids to biases, got "
+                  f"{brief_repr(raw)}", "logit_bias")
+    out = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20
+                and int(key) < model.vocab_size):
+            raise bad(f"logit_bias: keys must be token ids in [0, {model.vocab_size}) (the "
+                      f"model's vocabulary), got {brief_repr(key)}", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise bad(f"logit_bias: biases must be numbers in [-100, 100], got "
+                      f"{brief_repr(value)} for token {key}", "logit_bias")
+        out[str(int(key))] = float(value)
+    return {k: v for k, v in out.items() if v}
+
+
+def _controls(body: Mapping[str, Any], model: ModelText) -> dict[str, Any]:
+    """The sampling controls that ask for something (engine/sampling.py applies them); a
+    request without any sends the instances what it sent before they existed."""
+    out: dict[str, Any] = {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = _opt_number(body, key, 0.0, -2.0, 2.0, False, "[-2, 2]")
+        if v:
+            out[key] = v
+    rep = _opt_number(body, "repetition_penalty", 1.0, 1e-6, 1e6, False,
+                      "[1e-6, 1e6] (> 0; the bounds keep the logits finite)")
+    if rep != 1.0:
+        out["repetition_penalty"] = rep
+    bias = _logit_bias(body, model)
+    if bias:
+        out["logit_bias"] = bias
+    return out
+
+
 def _ids(value: Any, model: ModelText, param: str) -> list[int] | None:
     """A list of token ids, validated against the vocabulary; None if it is not a list of ints."""
     if not isinstance(value, list):
@@ -215,9 +258,6 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), f"messages[{i}].content")
         conv.append(msg)
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise bad(f"{key}: tool calling is not supported", key)
     add_gen = _opt_bool(body, "add_generation_prompt", True)
     codec = _need_codec(model, "messages")
     try:
@@ -232,6 +272,9 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
 def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenRequest:
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", None)
+    refused = refusal(kind, body)
+    if refused is not None:
+        raise bad(refused[1], refused[0])
     for key, value in body.items():
         _check_strings(value, key, key)
     name = body.get("model")
@@ -240,19 +283,6 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
     if name not in (None, "", served):
         raise ApiError(404, f"the model {brief_repr(name)} does not exist; this server serves "
                        f"{served!r}", "model", "not_found_error", "model_not_found")
-    n = body.get("n")
-    if n is not None and (not is_int(n) or n != 1):
-        raise bad(f"n must be 1 (one choice per request), got {brief_repr(n)}", "n")
-    for key in ("best_of",):
-        if body.get(key) not in (None, 1):
-            raise bad(f"{key} must be 1, got {brief_repr(body[key])}", key)
-    if kind == "completion":
-        if body.get("echo"):
-            raise bad("echo is not supported", "echo")
-        if body.get("suffix"):
-            raise bad("suffix is not supported", "suffix")
-    if body.get("logprobs") not in (None, False):
-        raise bad("logprobs are not supported", "logprobs")
     stream = _opt_bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -265,6 +295,7 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
     temperature = _opt_number(body, "temperature", 1.0, 0.0, 2.0, False, "[0, 2]")
     top_p = _opt_number(body, "top_p", 1.0, 0.0, 1.0, True, "(0, 1]")
     top_k = _opt_int(body, "top_k", 0, -1, None, " (-1 or 0 = off, else >= 1)")
+    controls = _controls(body, model)
     seed = _opt_int(body, "seed", None, INT64[0], INT64[1], " in the signed 64-bit range")
     if seed is None:
         seed = secrets.randbits(63)
@@ -312,11 +343,19 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
         raise bad(f"{key}: this model's maximum context length is {limit} tokens; the request "
                   f"asks for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, "
                   f"{max_tokens} for the completion)", key)
+    min_tokens = _opt_int(body, "min_tokens", 0, 0, None, " >= 0")
+    assert min_tokens is not None
+    if min_tokens > max_tokens:
+        raise bad(f"min_tokens must be at most {key} ({max_tokens}), got {min_tokens}",
+                  "min_tokens")
+    if min_tokens:
+        controls["min_tokens"] = min_tokens
     local = set(stop_token_ids)
     if not ignore_eos:
         local |= model.eos_token_ids
     return GenRequest(
         kind=kind, prompt_ids=prompt, max_tokens=max_tokens,
-        sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                  **controls},
         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
-        include_usage=include_usage, local_stop_ids=frozenset(local))
+        include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens)

@@ -34,10 +34,13 @@ from pdd_sidecar.serve.common import (
     sequence_tokens,
 )
 from pdd_sidecar.serve.decode_api import decode_sequence
+from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.prefill_api import run_prefill
 from pdd_sidecar.serve.text import Codec, TextConfigError, load_model_text
 
 GRANT = "pdd_grant"
+CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+            "min_tokens")
 FIRST_TOKEN = "pdd_first_token"
 _CODEC = web.AppKey("codec", dict[str, Any])
 
@@ -94,7 +97,13 @@ def _prompt_ids(request: web.Request, body: dict[str, Any]) -> list[int]:
 
 
 def _options(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI request fields to the instance API's (whose parsers check types and ranges)."""
+    """OpenAI request fields to the instance API's (whose parsers check types and ranges).
+    A field that would change the answer and that pdd does not implement is refused, as the
+    router refuses it (serve/openai_fields.py); fields it does not know pass, since a proxy
+    may add its own."""
+    refused = refusal("completion", body, unknown=False)
+    if refused is not None:
+        raise bad(refused[1])
     if body.get("stop"):
         raise bad("stop: stop strings are not supported by pdd instances in vLLM's protocol; "
                   "use stop_token_ids, or pdd's router")
@@ -102,7 +111,8 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     if n != 1:
         raise bad(f"n: only 1 is supported, got {n!r}")
     sampling = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-                "top_k": body.get("top_k", 0), "seed": body.get("seed")}
+                "top_k": body.get("top_k", 0), "seed": body.get("seed"),
+                **{k: body[k] for k in CONTROLS if body.get(k) is not None}}
     return {"sampling": sampling, "stop_token_ids": body.get("stop_token_ids") or [],
             "ignore_eos": body.get("ignore_eos", False)}
 

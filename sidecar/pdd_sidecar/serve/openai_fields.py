@@ -1,0 +1,184 @@
+"""Every request field the router knows, in one table: honoured, accepted without effect, or
+refused unless it asks for nothing.
+
+Why: a field that changes the answer and is not acted on would come back as a 200 that ignored
+it, a wrong answer. So each field OpenAI's API (completions and chat) and vLLM's extensions
+define is here with what pdd does with it; a refused field still passes when its value asks
+for what pdd does anyway (`min_p: 0`, `n: 1`, `response_format: {"type": "text"}`),
+and null always does (OpenAI reads null as absent). A field not in the table is refused as
+OpenAI refuses it: a misspelt `temprature` or another server's extension must not pass
+silently. docs/openai-api.md lists the same table for users; a unit test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+HONOURED = "honoured"
+NO_EFFECT = "no effect"
+REFUSED = "refused"
+
+COMPLETION = frozenset({"completion"})
+CHAT = frozenset({"chat"})
+BOTH = COMPLETION | CHAT
+ENDPOINT = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _is_number(v: Any, x: float) -> bool:
+    return (not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+            and v == x)
+
+
+def _off_number(x: float) -> Callable[[Any], bool]:
+    return lambda v: _is_number(v, x)
+
+
+def _off_values(*values: Any) -> Callable[[Any], bool]:
+    """Equal to one of ``values`` and of its type (``False`` is not ``0``, ``[]`` not ``{}``)."""
+    return lambda v: any(type(v) is type(w) and v == w for w in values)
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Field:
+    effect: str  # HONOURED | NO_EFFECT | REFUSED
+    kinds: frozenset[str] = BOTH
+    off: Callable[[Any], bool] = _never  # REFUSED: the values that ask for nothing (null aside)
+    why: str = ""  # REFUSED: what is not supported, for the error message
+
+
+def _refused(why: str, off: Callable[[Any], bool] = _never,
+             kinds: frozenset[str] = BOTH) -> Field:
+    return Field(REFUSED, kinds, off, why)
+
+
+_H = Field(HONOURED)
+_N = Field(NO_EFFECT)
+_NOT_TOOLS = _off_values("none", "auto")
+
+FIELDS: dict[str, Field] = {
+    # What the request asks for (serve/openai_request.py parses and checks these).
+    "model": _H,
+    "prompt": Field(HONOURED, COMPLETION),
+    "messages": Field(HONOURED, CHAT),
+    "max_tokens": _H,
+    "max_completion_tokens": Field(HONOURED, CHAT),
+    "temperature": _H,
+    "top_p": _H,
+    "top_k": _H,
+    "seed": _H,
+    "stop": _H,
+    "stop_token_ids": _H,
+    "ignore_eos": _H,
+    "stream": _H,
+    "stream_options": _H,
+    "add_generation_prompt": Field(HONOURED, CHAT),
+    "presence_penalty": _H,  # the sampling controls: engine/sampling.py
+    "frequency_penalty": _H,
+    "repetition_penalty": _H,
+    "logit_bias": _H,
+    "min_tokens": _H,
+    # Accepted and without effect on the answer.
+    "user": _N,
+    "metadata": _N,
+    "store": _N,
+    "service_tier": _N,
+    "prompt_cache_key": _N,
+    "safety_identifier": _N,
+    "prediction": _N,  # a latency hint: the answer is the same
+    "parallel_tool_calls": _N,  # only qualifies tools, refused below
+    "priority": _N,  # vLLM's scheduling priority: pdd schedules first come, first served
+    "request_id": _N,  # the router names its requests itself
+    "return_token_ids": _N,  # every choice carries token_ids anyway
+    "return_tokens_as_token_ids": _N,  # only shapes logprobs, refused below
+    "guided_decoding_backend": _N,  # only qualifies guided_* fields, refused below
+    "guided_whitespace_pattern": _N,
+    "spaces_between_special_tokens": _N,  # special tokens are never shown
+    # Refused unless they ask for nothing.
+    "n": _refused("several choices per request are not supported (send n 1)",
+                  _off_number(1)),
+    "best_of": _refused("best_of above 1 is not supported", _off_number(1), COMPLETION),
+    "use_beam_search": _refused("beam search is not supported", _off_values(False)),
+    "length_penalty": _refused("length_penalty (beam search) is not supported",
+                               _off_number(1)),
+    "echo": _refused("echoing the prompt is not supported", _off_values(False)),
+    "suffix": _refused("suffix (insertion) is not supported", _off_values(""), COMPLETION),
+    "logprobs": _refused("log probabilities are not supported", _off_values(False)),
+    "top_logprobs": _refused("log probabilities are not supported", _off_number(0), CHAT),
+    "prompt_logprobs": _refused("prompt log probabilities are not supported"),
+    "min_p": _refused("min_p is not supported", _off_number(0)),
+    "allowed_token_ids": _refused("allowed_token_ids is not supported"),
+    "bad_words": _refused("bad_words is not supported", _off_values([])),
+    "logits_processors": _refused("custom logits processors are not supported",
+                                  _off_values([])),
+    "include_stop_str_in_output": _refused("stop strings are always cut from the text",
+                                           _off_values(False)),
+    "skip_special_tokens": _refused("special tokens are always left out of the text",
+                                    _off_values(True)),
+    "add_special_tokens": _refused(
+        "a text prompt is always encoded with the tokenizer's special tokens", _off_values(True),
+        COMPLETION),
+    "truncate_prompt_tokens": _refused("prompt truncation is not supported"),
+    "response_format": _refused("structured output is not supported",
+                                _off_values({"type": "text"})),
+    "guided_json": _refused("structured output is not supported"),
+    "guided_regex": _refused("structured output is not supported"),
+    "guided_choice": _refused("structured output is not supported"),
+    "guided_grammar": _refused("structured output is not supported"),
+    "structured_outputs": _refused("structured output is not supported"),
+    "tools": _refused("tool calling is not supported", _off_values([]), CHAT),
+    "tool_choice": _refused("tool calling is not supported", _NOT_TOOLS, CHAT),
+    "functions": _refused("tool calling is not supported", _off_values([]), CHAT),
+    "function_call": _refused("tool calling is not supported", _NOT_TOOLS, CHAT),
+    "continue_final_message": _refused("continuing the final message is not supported",
+                                       _off_values(False), CHAT),
+    "chat_template": _refused("the checkpoint's own chat template is always used", _never,
+                              CHAT),
+    "chat_template_kwargs": _refused("chat template arguments are not supported",
+                                     _off_values({}), CHAT),
+    "documents": _refused("documents for the chat template are not supported",
+                          _off_values([]), CHAT),
+    "reasoning_effort": _refused("reasoning_effort is not supported", _never, CHAT),
+    "verbosity": _refused("verbosity is not supported", _never, CHAT),
+    "modalities": _refused("only text output is supported", _off_values(["text"]), CHAT),
+    "audio": _refused("audio output is not supported", _never, CHAT),
+    "web_search_options": _refused("web search is not supported", _never, CHAT),
+    "mm_processor_kwargs": _refused("multimodal input is not supported", _off_values({})),
+    "prompt_embeds": _refused("prompt embeddings are not supported"),
+    "cache_salt": _refused("the prefix cache is shared by every request (no per-tenant salt)"),
+    "vllm_xargs": _refused("vLLM's extra arguments are not supported", _off_values({})),
+}
+
+
+def _quoted(v: Any) -> str:
+    """The value in the message when it is short; a long one is left out (it may be a schema)."""
+    text = repr(v)
+    return f" (got {text})" if len(text) <= 60 else ""
+
+
+def refusal(kind: str, body: Mapping[str, Any], unknown: bool = True) -> tuple[str, str] | None:
+    """``(field, message)`` for the first field of ``body`` that ``kind``'s endpoint does not
+    honour and that asks for something, else None. ``unknown=False`` lets fields the table
+    does not know for this endpoint pass (an instance behind a proxy that adds its own, or
+    sets ``max_completion_tokens`` on a completion)."""
+    for name, value in body.items():
+        field = FIELDS.get(name)
+        if (field is None or kind not in field.kinds) and not unknown:
+            continue
+        if field is None or kind not in field.kinds:
+            where = ENDPOINT[kind]
+            shown = name if len(name) <= 60 else name[:60] + "..."
+            if field is not None:
+                return name, f"{shown}: not a field of {where}"
+            return name, (f"{shown}: unrecognized request argument for {where} (the fields "
+                          "pdd takes are listed in docs/openai-api.md)")
+        if field.effect != REFUSED or value is None or field.off(value):
+            continue
+        return name, f"{name}: {field.why}{_quoted(value)}"
+    return None
