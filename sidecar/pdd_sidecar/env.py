@@ -39,7 +39,8 @@ PDD_MODEL_SOURCE = keys.ENV_MODEL_SOURCE  # Hugging Face DeepSeek-V2 directory; 
 PDD_MODEL_SEED = "PDD_MODEL_SEED"  # seed of the built-in tiny model
 PDD_DTYPE = keys.ENV_DTYPE  # float32 | bfloat16
 PDD_DEVICE = "PDD_DEVICE"  # auto | cpu | cuda (rank r uses cuda:r); auto: cuda if tp GPUs are seen
-PDD_NUM_BLOCKS = keys.ENV_NUM_BLOCKS  # KV cache blocks per rank
+# KV cache blocks per rank; unset: sized from memory on a GPU (kv/pool_sizing.py), 1024 on a CPU
+PDD_NUM_BLOCKS = keys.ENV_NUM_BLOCKS
 # Share of the GPU's memory the instance may fill (weights, activations, graphs, KV): the pool
 # gets what is left after warm-up (kv/pool_sizing.py); PDD_NUM_BLOCKS, when set, wins.
 PDD_GPU_MEMORY_UTILIZATION = keys.ENV_GPU_MEMORY_UTILIZATION
@@ -251,7 +252,7 @@ class InstanceSettings:
     model_seed: int
     dtype: str
     device: str
-    num_blocks: int
+    num_blocks: int | None  # None: from memory on a GPU, a fixed default on a CPU (kv/pool_sizing)
     lease_seconds: float
     transfer_timeout_s: float
     handshake_timeout_s: float
@@ -348,7 +349,7 @@ class InstanceSettings:
             model_seed=_int(env, PDD_MODEL_SEED, 1234),
             dtype=dtype,
             device=device,
-            num_blocks=_int(env, PDD_NUM_BLOCKS, 1024, 1),
+            num_blocks=_optional_int(env, PDD_NUM_BLOCKS, 1),
             lease_seconds=_float(env, PDD_LEASE_SECONDS, 60.0),
             transfer_timeout_s=_float(env, PDD_TRANSFER_TIMEOUT_S, 20.0),
             handshake_timeout_s=_float(env, PDD_HANDSHAKE_TIMEOUT_S, 5.0),

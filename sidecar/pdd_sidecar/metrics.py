@@ -71,6 +71,15 @@ class InstanceMetrics:
         )
         self.blocks_free = Gauge("pdd_kv_blocks_free", "Free KV blocks", ["rank"], registry=r)
         self.blocks_total = Gauge("pdd_kv_blocks_total", "KV blocks", ["rank"], registry=r)
+        # The pool as sized at start (kv/pool_sizing.py): from memory on a GPU unless set.
+        self.pool_bytes = Gauge("pdd_kv_pool_bytes", "Device bytes of the KV pool", ["rank"],
+                                registry=r)
+        self.pool_tokens = Gauge(
+            "pdd_kv_pool_tokens", "Tokens of KV the instance holds: blocks x block size x DCP "
+            "(one sequence may use all of them)", registry=r)
+        self.pool_longest = Gauge(
+            "pdd_kv_pool_longest_sequence_tokens", "The longest sequence the instance can "
+            "hold: its KV tokens, at most the model's maximum length", registry=r)
         self.running = Gauge(
             "pdd_running_sequences", "Sequences admitted (running or pulling their KV)",
             registry=r,

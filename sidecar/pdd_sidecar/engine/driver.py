@@ -40,7 +40,6 @@ from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
 from pdd_sidecar.engine.graphed_hits import prefix_blocks, recompute_in_graph, scratch_blocks_needed
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import steps_since
-from pdd_sidecar.engine.rank_engine import WARMUP_FRESH_BLOCKS
 from pdd_sidecar.engine.sampling import (
     TokenHistory,
     needs_history,
@@ -60,6 +59,7 @@ from pdd_sidecar.engine.scheduler import (
     step_budget,
 )
 from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.engine.warmup_shape import warmup_shape
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.kv.lease import LeaseTable
@@ -187,8 +187,12 @@ class InstanceDriver:
         self._heartbeat_s = HEARTBEAT_S if s.spans_pods else 0.0
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
+        pool = worker.pool
         for rank in range(s.tp):
-            metrics.blocks_total.labels(rank=str(rank)).set(s.num_blocks)
+            metrics.blocks_total.labels(rank=str(rank)).set(pool.blocks)
+            metrics.pool_bytes.labels(rank=str(rank)).set(pool.bytes)
+        metrics.pool_tokens.set(pool.tokens)
+        metrics.pool_longest.set(pool.longest)
         self._update_gauges()
 
     # -- called from the HTTP threads
@@ -294,23 +298,11 @@ class InstanceDriver:
         bucket up to its running limit. Scratch blocks, freed after; nothing is sampled."""
         start = time.monotonic()
         sch = self.scheduler
-        bs, dcp = sch.block_size, sch.dcp
-        prompt = 0
-        batches: list[int] = []
-        if self.role == "prefill":
-            # A chunk, then a ragged continuation: the cached-latent path and the shapes Triton
-            # specializes on (lengths divisible by 16 or not) are all compiled.
-            spare = 2 * WARMUP_FRESH_BLOCKS
-            prompt = min(sch.chunk_tokens + bs // 2 + 1,
-                         max(1, self.cache.num_blocks - spare) * bs * dcp)
-            need = sch.blocks_needed(prompt) + spare
-        else:
-            limit = next((b for b in self.worker.engine.buckets if b >= sch.max_running),
-                         self.worker.engine.buckets[-1])
-            batches = [b for b in self.worker.engine.buckets if b <= limit]
-            if self.worker.engine.decode_mode == "eager":  # nothing to capture per bucket
-                batches = batches[:1]
-            need = 1
+        engine = self.worker.engine
+        shape = warmup_shape(self.role, self.cache.num_blocks, sch.block_size, sch.dcp,
+                             sch.chunk_tokens, sch.max_running, engine.buckets,
+                             engine.decode_mode == "eager")
+        prompt, batches, need = shape.prompt_tokens, shape.batch_sizes, shape.blocks
         blocks = self.allocator.allocate(need)
         try:
             results = self.worker.run_as_leader({

@@ -36,6 +36,7 @@ from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import Overtaking, overtaking_enabled
 from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.engine.warmup_shape import WARMUP_FRESH_BLOCKS
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
@@ -94,9 +95,6 @@ def shared_prefix_entries(chunks: Sequence[SeqChunk], unit: int) -> int:
 
 FreshRows = tuple[slice | torch.Tensor, torch.Tensor]
 
-# Table blocks of each of the two small fresh prompts a prefill's warm-up runs (up to 2 blocks
-# plus a few tokens each, at any DCP).
-WARMUP_FRESH_BLOCKS = 3
 WARMUP_SHORTEST = 64
 
 

@@ -170,6 +170,12 @@ def step_budget(device_type: str, step_tokens: int | None, chunk_tokens: int | N
     return StepBudget(step_tokens or d.step, chunk, min(long_chunk_tokens or d.long_chunk, chunk))
 
 
+def whole_chunk(tokens: int, block_size: int) -> int:
+    """A chunk budget in whole blocks (at least one), so each chunk's KV lands in whole
+    blocks."""
+    return max(block_size, tokens // block_size * block_size)
+
+
 class Scheduler:
     def __init__(self, role: str, allocator: Allocator, block_size: int, dcp: int,
                  tp: int, max_running: int = 256, max_waiting: int = 256,
@@ -185,10 +191,9 @@ class Scheduler:
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.step_tokens = step_tokens
-        # Chunks end on block boundaries, so each chunk's KV lands in whole blocks.
-        self.chunk_tokens = max(block_size, chunk_tokens // block_size * block_size)
+        self.chunk_tokens = whole_chunk(chunk_tokens, block_size)
         long_chunk = min(long_chunk_tokens or chunk_tokens, chunk_tokens)
-        self.long_chunk_tokens = max(block_size, long_chunk // block_size * block_size)
+        self.long_chunk_tokens = whole_chunk(long_chunk, block_size)
         self.waiting: deque[Sequence] = deque()
         self.pulling: dict[str, Sequence] = {}
         self.running: dict[str, Sequence] = {}

@@ -6,7 +6,8 @@ step over a gloo control group, every rank executes it, and small per-rank resul
 rank 0. Rank 0 alone allocates blocks and samples tokens; the commands carry block tables and the
 tokens to feed, so nothing else has to agree.
 
-Each rank owns its KV cache, one NIXL agent with the cache registered, a side channel on
+Each rank owns its KV cache (on a GPU sized from memory at start, every rank agreeing:
+engine/memory_probe.py), one NIXL agent with the cache registered, a side channel on
 PDD_SIDE_CHANNEL_PORT + rank and, on a decode, a KVPuller (kv/puller.py): KV READs run on its
 threads, beside the forward passes, so a request waiting for its KV never stalls the batch.
 
@@ -116,6 +117,7 @@ class RankWorker:
         import torch
 
         from pdd_sidecar.engine.comm import SingleComm, TorchDistComm
+        from pdd_sidecar.engine.memory_probe import oom_error, size_rank_pool
         from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
         from pdd_sidecar.model.rank_model import load_rank_model
 
@@ -157,10 +159,22 @@ class RankWorker:
         instance_id = str(met[0][0])
         self.instance_id = instance_id
         self.endpoints: list[tuple[str, int]] = [(str(h), int(p)) for _, h, p in met]
-        self.model = load_rank_model(
-            s.model_source, rank, s.tp, s.dtype, device, s.model_seed
-        )
-        self.cache = new_cache(self.model, s.num_blocks, s.block_size, device)
+        # On a GPU a start that runs out of memory says which setting to change, not where.
+        dev = torch.device(device)
+        free_at_start, total = torch.cuda.mem_get_info(dev) if cuda else (0, 0)
+        stage = "loading the weights"
+        try:
+            self.model = load_rank_model(
+                s.model_source, rank, s.tp, s.dtype, device, s.model_seed
+            )
+            stage = "running the warm-up on a scratch cache to size the KV pool"
+            self.pool = size_rank_pool(self.model, comm, s, dev, rank, self.lockstep.all_gather)
+            stage = f"allocating the KV pool ({self.pool.blocks} blocks)"
+            self.cache = new_cache(self.model, self.pool.blocks, s.block_size, device)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise oom_error(stage, dev, free_at_start, total, s) from exc
+        if rank == 0:
+            log.info("%s %d: %s", s.role, s.replica, self.pool.describe())
         # A decode runs no fresh prompts: nothing of its would overtake
         self.engine = RankEngine(self.model, self.cache, comm, s.dcp,
                                  overtake=None if s.role == "prefill" else False)

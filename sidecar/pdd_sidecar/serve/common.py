@@ -19,6 +19,7 @@ from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.kv.grants import GrantError, GrantExpired
 from pdd_sidecar.kv.handoff import MalformedGrant
+from pdd_sidecar.kv.pool_sizing import PoolSize
 from pdd_sidecar.metrics import InstanceMetrics
 from pdd_sidecar.model.generation import eos_token_ids
 
@@ -97,7 +98,10 @@ class InstanceState:
             "compat": self.worker.compat.to_dict(),
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
-            "num_blocks": s.num_blocks,
+            "num_blocks": self.worker.pool.blocks,
+            "kv_capacity_tokens": self.worker.pool.tokens,
+            # The pool as sized at start (kv/pool_sizing.py), also on /metrics (pdd_kv_pool_*).
+            "kv_pool": pool_info(self.worker.pool),
             "ready": self.ready,
         }
 
@@ -107,6 +111,12 @@ class InstanceState:
 
 
 STATE = web.AppKey("state", InstanceState)
+
+
+def pool_info(pool: PoolSize) -> dict[str, Any]:
+    return {"blocks": pool.blocks, "block_size": pool.block_size, "dcp": pool.dcp,
+            "tokens": pool.tokens, "bytes_per_rank": pool.bytes,
+            "longest_sequence_tokens": pool.longest, "sized_by": pool.source}
 
 
 def error_response(exc: BaseException) -> web.Response:

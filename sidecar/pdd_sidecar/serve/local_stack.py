@@ -50,6 +50,11 @@ ROLE_FLAGS = {
     "spec.blockSize": "--block-size",
     "spec.model.dtype": "--dtype",
 }
+# Tokens per KV block when --block-size is not given: on a GPU the PDDeployment's default, the
+# size the MLA decode kernels are tuned for; on a CPU smaller, so short test prompts span blocks.
+DEFAULT_BLOCK_SIZES = {"cuda": 64, "cpu": 16}
+# Where a prefill and a decode share a GPU, the prefill's part of --gpu-memory-utilization.
+DEFAULT_PREFILL_MEMORY_SHARE = 0.5
 # Below Linux's ephemeral range, where gloo, UCX and client sockets take ports between our check
 # and the child's bind.
 PORT_RANGE = (10000, 32000)
@@ -69,7 +74,7 @@ class StackConfig:
     device: str = "cpu"
     port: int = 8000  # the router's; 0 picks a free one
     host: str = "127.0.0.1"
-    block_size: int = 16
+    block_size: int | None = None  # None: the device's (DEFAULT_BLOCK_SIZES)
     num_blocks: int | None = None  # KV blocks per rank, both roles; None: the instance default
     prefill_num_blocks: int | None = None
     decode_num_blocks: int | None = None
@@ -83,6 +88,10 @@ class StackConfig:
     prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
     router_workers: int = 1  # router processes sharing its port
     log_level: str = "INFO"
+    # Share of each GPU's memory the stack's instances fill, and the prefill's part of it where
+    # a prefill and a decode share a GPU (memory_utilizations)
+    gpu_memory_utilization: float = keys.DEFAULT_GPU_MEMORY_UTILIZATION
+    prefill_memory_share: float = DEFAULT_PREFILL_MEMORY_SHARE
     extra_env: Mapping[str, str] = field(default_factory=dict)
     api_keys: tuple[str, ...] = ()  # the router's (serve/api_keys.py); none: open
     api_key_file: str = ""
@@ -90,6 +99,10 @@ class StackConfig:
     @property
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
+    def resolved_block_size(self) -> int:
+        return self.block_size or DEFAULT_BLOCK_SIZES.get(self.device, DEFAULT_BLOCK_SIZES["cpu"])
 
     def layout(self) -> str:
         return (f"prefill tp{self.prefill_tp}/dcp{self.prefill_dcp}, "
@@ -148,7 +161,7 @@ def deployment_spec(cfg: StackConfig) -> dict[str, Any]:
     return {
         "model": model,
         "image": "local",
-        "blockSize": cfg.block_size,
+        "blockSize": cfg.resolved_block_size,
         "prefill": {"tensorParallelSize": cfg.prefill_tp,
                     "decodeContextParallelSize": cfg.prefill_dcp},
         "decode": {"tensorParallelSize": cfg.decode_tp,
@@ -195,6 +208,12 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
             out.append(f"{flag}: must be >= {least}, got {value}")
     if cfg.drain_s < 0:
         out.append(f"--drain-s: must be >= 0, got {cfg.drain_s}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:  # nan fails too
+        out.append(f"--gpu-memory-utilization: must be in (0, 1], got "
+                   f"{cfg.gpu_memory_utilization}")
+    if not 0 < cfg.prefill_memory_share < 1:
+        out.append(f"--prefill-memory-share: must be in (0, 1) (each role keeps some of a "
+                   f"shared GPU), got {cfg.prefill_memory_share}")
     if not 1 <= cfg.router_workers <= E.MAX_ROUTER_WORKERS:
         out.append(f"--router-workers: must be between 1 and {E.MAX_ROUTER_WORKERS}, got "
                    f"{cfg.router_workers}")
@@ -245,14 +264,42 @@ def gpu_lists(prefill_tp: int, decode_tp: int,
     return prefill, decode
 
 
+def memory_utilizations(utilization: float, prefill_share: float,
+                        instances: Sequence[tuple[str, Sequence[str]]]) -> list[float]:
+    """Each instance's PDD_GPU_MEMORY_UTILIZATION, from ``(role, its GPUs)`` per instance.
+
+    On a GPU that prefill and decode instances share, the prefills split ``utilization x
+    prefill_share`` evenly and the decodes ``utilization x (1 - prefill_share)``; on a GPU of
+    one role, its instances split ``utilization`` (one alone gets all of it). An instance on
+    several GPUs (TP ranks) takes its smallest part: one setting holds for all its ranks.
+    """
+    count: dict[str, dict[str, int]] = {}
+    for role, gpus in instances:
+        for g in set(gpus):
+            count.setdefault(g, {"prefill": 0, "decode": 0})[role] += 1
+    out = []
+    for role, gpus in instances:
+        parts = []
+        for g in gpus:
+            on = count[g]
+            part = 1.0
+            if on["prefill"] and on["decode"]:
+                part = prefill_share if role == "prefill" else 1.0 - prefill_share
+            parts.append(utilization * part / on[role])
+        out.append(min(parts) if parts else utilization)
+    return out
+
+
 def connect_host(host: str) -> str:
     """The address clients (and the decode's side-channel reads) use for a bind address."""
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
 def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
-                 gpus: Sequence[str] | None = None, grant_key_file: str = "") -> dict[str, str]:
-    """The PDD_* environment of one instance: what the operator writes into a pod."""
+                 gpus: Sequence[str] | None = None, grant_key_file: str = "",
+                 utilization: float | None = None) -> dict[str, str]:
+    """The PDD_* environment of one instance: what the operator writes into a pod.
+    ``utilization``: its share of its GPUs (memory_utilizations); cuda only."""
     tp, dcp = ((cfg.prefill_tp, cfg.prefill_dcp) if role == "prefill"
                else (cfg.decode_tp, cfg.decode_dcp))
     http, side, dist = ((ports.prefill_http, ports.prefill_side, ports.prefill_dist)
@@ -263,7 +310,7 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
         E.PDD_REPLICA: "0",
         E.PDD_TP_SIZE: str(tp),
         E.PDD_DCP_SIZE: str(dcp),
-        E.PDD_BLOCK_SIZE: str(cfg.block_size),
+        E.PDD_BLOCK_SIZE: str(cfg.resolved_block_size),
         E.PDD_ROUTING_FILE: routing_file,
         E.PDD_SIDE_CHANNEL_PORT: str(side),
         E.POD_IP: connect_host(cfg.host),
@@ -292,6 +339,9 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
         env[E.PDD_PREFILL_URLS] = f"http://{connect_host(cfg.host)}:{ports.prefill_http}"
     if cfg.device == "cuda" and gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    if cfg.device == "cuda":
+        env[E.PDD_GPU_MEMORY_UTILIZATION] = str(
+            cfg.gpu_memory_utilization if utilization is None else utilization)
     env.update(cfg.extra_env)
     return env
 
@@ -307,7 +357,7 @@ def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict
         E.PDD_ROUTER_HEALTH_INTERVAL_S: "0.5",
         E.PDD_MODEL_NAME: model_name(cfg.model),
         E.PDD_MODEL_SOURCE: cfg.model,
-        E.PDD_BLOCK_SIZE: str(cfg.block_size),
+        E.PDD_BLOCK_SIZE: str(cfg.resolved_block_size),
         E.PDD_LOG_LEVEL: cfg.log_level,
         E.PDD_ROUTER_WORKERS: str(cfg.router_workers),
         keys.ENV_GRANT_KEY_FILE: grant_key_file,
@@ -482,22 +532,26 @@ class LocalStack:
         key_file.write_text(secrets.token_hex(32))
         self.ports = ports = pick_ports(cfg)
         p_gpus = d_gpus = None
+        p_util = d_util = None
         if cfg.device == "cuda":
             try:
                 p_gpus, d_gpus = gpu_lists(cfg.prefill_tp, cfg.decode_tp,
                                            visible_gpus(os.environ))
             except ValueError as exc:
                 raise StackError(f"--device cuda: {exc}") from None
+            p_util, d_util = memory_utilizations(
+                cfg.gpu_memory_utilization, cfg.prefill_memory_share,
+                [("prefill", p_gpus), ("decode", d_gpus)])
         host = connect_host(cfg.host)
         serve_argv = [sys.executable, "-m", "pdd_sidecar", "serve"]
         self.children = [
             Child("prefill", serve_argv,
                   instance_env(cfg, "prefill", ports, str(routing_file), p_gpus,
-                               str(key_file)),
+                               str(key_file), p_util),
                   f"http://{host}:{ports.prefill_http}", self.log_dir / "prefill.log"),
             Child("decode", serve_argv,
                   instance_env(cfg, "decode", ports, str(routing_file), d_gpus,
-                               str(key_file)),
+                               str(key_file), d_util),
                   f"http://{host}:{ports.decode_http}", self.log_dir / "decode.log"),
             Child("router", [sys.executable, "-m", "pdd_sidecar", "router"],
                   router_env(cfg, ports, str(key_file)), self.url, self.log_dir / "router.log"),
@@ -607,13 +661,29 @@ def parser() -> argparse.ArgumentParser:
                    help="default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--port", type=int, default=8000, help="router port, 0 for any (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default 64 on cuda, the PDDeployment's default and "
+                   "what the MLA decode kernels want; 16 on cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks per rank on both roles (default: the instance's)")
+                   help="KV blocks per rank on both roles (default: on cuda as many as "
+                   "--gpu-memory-utilization leaves room for after the weights and the warm-up, "
+                   "1024 on cpu); overrides the sizing from memory")
     p.add_argument("--prefill-num-blocks", type=int, default=None,
                    help="KV blocks per prefill rank (overrides --num-blocks)")
     p.add_argument("--decode-num-blocks", type=int, default=None,
                    help="KV blocks per decode rank (overrides --num-blocks)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=keys.DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
+                   help="share of each GPU's memory the instances fill: weights, activations, "
+                   "CUDA graphs and the KV pool, which gets what is left (default "
+                   f"{keys.DEFAULT_GPU_MEMORY_UTILIZATION}; in (0, 1]; no effect on cpu). An "
+                   "instance alone on its GPUs gets F; where prefill and decode instances share "
+                   "a GPU, see --prefill-memory-share (docs/kv-memory.md)")
+    p.add_argument("--prefill-memory-share", type=float, default=DEFAULT_PREFILL_MEMORY_SHARE,
+                   metavar="S",
+                   help="on a GPU that prefill and decode instances share, the prefills split "
+                   "F x S and the decodes F x (1 - S) (default "
+                   f"{DEFAULT_PREFILL_MEMORY_SHARE}; in (0, 1))")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences an instance admits at once (default: the instance's)")
     p.add_argument("--max-waiting", type=int, default=None,
@@ -665,6 +735,8 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         prefix_cache=a.prefix_cache, router_workers=a.router_workers,
         log_level=a.log_level.upper(),
         api_keys=tuple(a.api_keys), api_key_file=a.api_key_file,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        prefill_memory_share=a.prefill_memory_share,
     )
 
 
@@ -716,7 +788,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     stack = LocalStack(cfg, a.log_dir)
-    print(f"pdd serve: starting {cfg.layout()} on {cfg.device}, router of "
+    memory = (f", GPU memory {cfg.gpu_memory_utilization:g} (prefill share "
+              f"{cfg.prefill_memory_share:g} of a shared GPU)" if cfg.device == "cuda" else "")
+    print(f"pdd serve: starting {cfg.layout()} on {cfg.device}, KV blocks of "
+          f"{cfg.resolved_block_size} tokens{memory}, router of "
           f"{cfg.router_workers} process{'es' if cfg.router_workers > 1 else ''}; logs in "
           f"{stack.log_dir}", flush=True)
     try:

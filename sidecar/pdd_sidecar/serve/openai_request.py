@@ -269,7 +269,10 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
     return ids
 
 
-def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenRequest:
+def parse_request(kind: str, body: Any, model: ModelText, served: str,
+                  served_len: int | None = None) -> GenRequest:
+    """``served_len``: the length the instances can hold (the router's /v1/models
+    ``max_model_len``), the default completion of a chat that sets none runs up to."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", None)
     refused = refusal(kind, body)
@@ -336,7 +339,8 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str) -> GenReq
     key = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         key = "max_completion_tokens"
-    default = 16 if kind == "completion" else limit - len(prompt)
+    default = 16 if kind == "completion" else max(1, min(limit, served_len or limit)
+                                                  - len(prompt))
     max_tokens = _opt_int(body, key, default, 1, None, " >= 1")
     assert max_tokens is not None
     if len(prompt) + max_tokens > limit:

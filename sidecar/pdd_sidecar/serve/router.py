@@ -78,7 +78,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     outcome = "error"
     try:
         body = await _read_body(request)
-        args = (kind, body, router.model, router.settings.model_name)
+        args = (kind, body, router.model, router.settings.model_name, router.max_model_len())
         # A small body (a prompt of a thousand token ids) is checked in ~0.1 ms, less than the
         # hop to a thread, whose GIL contention would hold up this loop (and its probes) under
         # a burst; tokenizing a long text or rendering a long chat goes off the loop.
@@ -180,7 +180,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 def _model_card(router: Router) -> dict[str, Any]:
     return {"id": router.settings.model_name, "object": "model", "created": router.created,
             "owned_by": "pdd", "root": router.model.source,
-            "max_model_len": router.model.max_model_len}
+            "max_model_len": router.max_model_len()}
 
 
 async def models(request: web.Request) -> web.Response:

@@ -31,6 +31,7 @@ from pdd_sidecar.engine.driver import InstanceDriver
 from pdd_sidecar.engine.worker import RankWorker
 from pdd_sidecar.env import ConfigError, InstanceSettings
 from pdd_sidecar.kv.grants import GrantError, load_key
+from pdd_sidecar.kv.pool_sizing import SizingError
 from pdd_sidecar.kv.side_channel import handshake
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from pdd_sidecar.model.config import ConfigError as ModelConfigError
@@ -86,7 +87,7 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({
         "ranks": [{"rank": r, "free_blocks": free, "held_requests": len(leases)}
                   for r in range(state.settings.tp)],
-        "num_blocks": state.settings.num_blocks,
+        "num_blocks": state.worker.pool.blocks,
         # kept by the driver for itself, never free (engine/graphed_hits.py's scratch)
         "reserved_blocks": sched.reserved_blocks,
         "running": len(sched.running) + len(sched.pulling),
@@ -197,6 +198,9 @@ def _child(rank: int, settings: InstanceSettings, plan_text: str, instance_id: s
         worker = RankWorker(rank, settings, RoutingPlan.from_json(plan_text), plan_text,
                             instance_id)
         worker.follow()
+    except SizingError as exc:
+        log.critical("rank %d refusing to start: %s", rank, exc)
+        os._exit(1)
     except BaseException:
         time.sleep(0.2)  # rank 0 gone closes our sockets a moment before we are reparented
         if os.getppid() != parent:  # rank 0 is gone; its collectives broke, nothing to report
@@ -314,6 +318,12 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         threading.Thread(target=_watch_children, args=(children,), daemon=True).start()
     try:
         worker = RankWorker(0, settings, plan, plan_text, instance_id)
+    except SizingError as exc:  # the memory settings do not fit this GPU: a setting to change
+        for p in children:
+            p.kill()
+        log.critical("refusing to start: %s", exc)
+        print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
+        return 2
     except Exception:
         log.critical("rank 0 failed to start: %s", traceback.format_exc())
         for p in children:

@@ -95,6 +95,20 @@ class PrefillLost(Exception):
         self.error = error
 
 
+def served_max_model_len(model_limit: int, prefill_tokens: int | None,
+                         decode_tokens: int | None) -> int:
+    """The longest prompt + completion that is served whatever its split: the checkpoint's
+    limit (or PDD_MAX_MODEL_LEN), and what the ready instances hold (None: not known yet). A
+    prefill holds the prompt, at most one token shorter than the whole; a decode the prompt and
+    every generated token but the last, which is never fed back: so each holds one token less
+    than the length it serves."""
+    limit = model_limit
+    for held in (prefill_tokens, decode_tokens):
+        if held is not None:
+            limit = min(limit, held + 1)
+    return limit
+
+
 class Router:
     def __init__(self, settings: RouterSettings, model: ModelText) -> None:
         self.settings = settings
@@ -117,6 +131,7 @@ class Router:
         self.warmer = (ConnectionWarmer(min(WARM_CONNECTIONS, settings.max_concurrency))
                        if settings.upstream_protocol == "pdd" else None)
         self._all_warm = False  # once every worker is warm it stays so (one dying stops all)
+        self._served_len = model.max_model_len  # last logged by refresh
 
     @property
     def pools_ready(self) -> bool:
@@ -151,6 +166,12 @@ class Router:
                           max_tokens=WARMUP_MAX_TOKENS, sampling={"temperature": 0.0, "seed": 0},
                           stop=[], stop_token_ids=[], ignore_eos=True, stream=False,
                           include_usage=False)
+
+    def max_model_len(self) -> int:
+        """What /v1/models reports: ``served_max_model_len`` over the ready replicas (the
+        largest of each role, as ``check_capacity`` judges a request)."""
+        return served_max_model_len(self.model.max_model_len, self.prefill.largest_capacity(),
+                                    self.decode.largest_capacity())
 
     def check_capacity(self, req: GenRequest, key: str) -> None:
         """Refuse (400) what no instance could ever hold, before a prefill spends work on it:
@@ -198,6 +219,13 @@ class Router:
                 self.metrics.healthy.labels(role=pool.role, replica=url).set(1 if ok else 0)
 
             await asyncio.gather(*(probe(u) for u in pool.urls))
+        served = self.max_model_len()
+        if served != self._served_len:
+            log.info("serving max_model_len %d (the model's %d; KV tokens a sequence can hold "
+                     "on the largest ready prefill %s, decode %s)", served,
+                     self.model.max_model_len, self.prefill.largest_capacity(),
+                     self.decode.largest_capacity())
+            self._served_len = served
         self.warm.ensure(self, self.warmup_request, Trip, self._warmed)
         if self.warmer is not None:
             self.warmer.ensure(self.session, [u for pool in (self.prefill, self.decode)

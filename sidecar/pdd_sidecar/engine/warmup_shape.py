@@ -1,0 +1,62 @@
+"""What an instance's warm-up runs, from its settings alone: the driver's warm-up before
+``/readyz`` and the start-up memory probe (engine/memory_probe.py) run the same steps, so the
+probe measures the memory serving will take."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdd_sidecar.kv.pool_sizing import blocks_for
+
+# Table blocks of each of the two small fresh prompts a prefill's warm-up runs (up to 2 blocks
+# plus a few tokens each, at any DCP).
+WARMUP_FRESH_BLOCKS = 3
+
+
+@dataclass(frozen=True)
+class WarmupShape:
+    """A prefill's warm-up runs a ``prompt_tokens`` prompt in chunks of the scheduler's chunk
+    size (and shorter fresh prompts in the blocks it leaves); a decode's, a decode step at each
+    of ``batch_sizes``. ``blocks``: what it allocates from the cache."""
+
+    prompt_tokens: int
+    blocks: int
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def warmup_shape(role: str, num_blocks: int, block_size: int, dcp: int, chunk_tokens: int,
+                 max_running: int, buckets: Sequence[int], eager_decode: bool) -> WarmupShape:
+    """A prefill: a chunk-sized prompt and a ragged continuation of it (the cached-latent path
+    and the shapes Triton specializes on, lengths divisible by 16 or not), as much of it as the
+    cache holds. A decode: every CUDA-graph bucket up to its running limit (the first alone
+    when decode steps run eagerly: nothing to capture per bucket)."""
+    if role == "prefill":
+        spare = 2 * WARMUP_FRESH_BLOCKS
+        prompt = min(chunk_tokens + block_size // 2 + 1,
+                     max(1, num_blocks - spare) * block_size * dcp)
+        return WarmupShape(prompt, blocks_for(prompt, block_size, dcp) + spare)
+    limit = next((b for b in buckets if b >= max_running), buckets[-1])
+    batches = [b for b in buckets if b <= limit]
+    if eager_decode:
+        batches = batches[:1]
+    return WarmupShape(0, 1, batches)
+
+
+def unbounded_warmup_blocks(role: str, block_size: int, dcp: int, chunk_tokens: int) -> int:
+    """Blocks a warm-up needs when the cache does not cut its prompt short: the scratch cache
+    the memory probe runs it on."""
+    if role != "prefill":
+        return 1
+    prompt = chunk_tokens + block_size // 2 + 1
+    return blocks_for(prompt, block_size, dcp) + 2 * WARMUP_FRESH_BLOCKS
+
+
+def largest_step_prompts(role: str, step_tokens: int, chunk_tokens: int) -> list[int]:
+    """Fresh prompts of one prefill step at its token budget, when that budget is more than a
+    chunk (the warm-up's largest step): the memory probe runs it too, so the pool leaves room
+    for the activations of the largest step serving can plan. Empty otherwise."""
+    if role != "prefill" or step_tokens <= chunk_tokens:
+        return []
+    whole, rest = divmod(step_tokens, chunk_tokens)
+    return [chunk_tokens] * whole + ([rest] if rest else [])
