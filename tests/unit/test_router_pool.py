@@ -16,7 +16,9 @@ from pdd_sidecar.metrics import RouterMetrics
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest
 from pdd_sidecar.serve.replica_pool import Pool
 from pdd_sidecar.serve.routing_policy import make_policy
-from pdd_sidecar.serve.upstreams import Router, Trip
+from pdd_sidecar.serve.upstreams import Router, Trip, served_max_model_len
+
+MODEL = SimpleNamespace(vocab_size=256, max_model_len=4096)
 
 
 def _pool(role: str, plans: dict[str, str | None]) -> Pool:
@@ -250,7 +252,7 @@ def test_the_probe_reads_each_replicas_load() -> None:
         quiet_server, quiet = await _serve([("GET", "/readyz", _ready_decode)])
         settings = RouterSettings.from_env({"PDD_PREFILL_URLS": url,
                                             "PDD_DECODE_URLS": quiet})
-        router = Router(settings, SimpleNamespace(vocab_size=256))  # type: ignore[arg-type]
+        router = Router(settings, MODEL)  # type: ignore[arg-type]
         router.warm.done = True
         try:
             async with aiohttp.ClientSession() as session:
@@ -291,7 +293,7 @@ def test_a_burst_s_first_tokens_go_out_before_its_decode_streams_open() -> None:
     TTFT of the 64th request in a burst would otherwise carry 63 of them."""
     settings = RouterSettings.from_env({"PDD_PREFILL_URLS": "http://p:1",
                                         "PDD_DECODE_URLS": "http://d:1"})
-    router = Router(settings, SimpleNamespace(vocab_size=256))  # type: ignore[arg-type]
+    router = Router(settings, MODEL)  # type: ignore[arg-type]
     events: list[str] = []
 
     async def run() -> None:
@@ -325,3 +327,50 @@ def test_a_burst_s_first_tokens_go_out_before_its_decode_streams_open() -> None:
 
     asyncio.run(run())
     assert events == ["token a [7]", "token b [7]", "token c [7]", "open a", "open b", "open c"]
+
+
+def test_served_max_model_len_is_the_least_of_the_model_and_what_each_role_holds() -> None:
+    """A prefill holds the prompt (at most one token less than the whole), a decode all but the
+    last generated token: each serves one token more than the KV it holds."""
+    assert served_max_model_len(4096, None, None) == 4096
+    assert served_max_model_len(4096, 1000, None) == 1001
+    assert served_max_model_len(4096, None, 511) == 512
+    assert served_max_model_len(4096, 1000, 511) == 512
+    assert served_max_model_len(300, 1000, 2000) == 300
+
+
+def test_models_reports_the_length_the_ready_instances_hold() -> None:
+    """Through a probe round: the largest ready replica of each role counts, a replica not
+    ready does not, and one that says nothing leaves the model's own limit."""
+
+    def readyz(capacity: int | None, ready: bool = True) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            body: dict[str, Any] = {"ready": ready, "plan_digest": "plan"}
+            if capacity is not None:
+                body["kv_capacity_tokens"] = capacity
+            return web.json_response(body, status=200 if ready else 503)
+        return handler
+
+    async def run(prefills: list[Any], decodes: list[Any]) -> int:
+        servers, urls = [], {"prefill": [], "decode": []}
+        for role, handlers in (("prefill", prefills), ("decode", decodes)):
+            for h in handlers:
+                server, url = await _serve([("GET", "/readyz", h)])
+                servers.append(server)
+                urls[role].append(url)
+        settings = RouterSettings.from_env({"PDD_PREFILL_URLS": ",".join(urls["prefill"]),
+                                            "PDD_DECODE_URLS": ",".join(urls["decode"])})
+        router = Router(settings, MODEL)  # type: ignore[arg-type]
+        router.warm.done = True
+        try:
+            async with aiohttp.ClientSession() as session:
+                router.probe_session = session
+                await router.refresh()
+        finally:
+            for server in servers:
+                await server.close()
+        return router.max_model_len()
+
+    assert asyncio.run(run([readyz(2048), readyz(1024)], [readyz(8192)])) == 2049
+    assert asyncio.run(run([readyz(9000)], [readyz(700), readyz(99999, ready=False)])) == 701
+    assert asyncio.run(run([readyz(None)], [readyz(100000)])) == 4096

@@ -30,6 +30,7 @@ from pdd_sidecar.serve.local_stack import (
     deployment_spec,
     gpu_lists,
     instance_env,
+    memory_utilizations,
     parser,
     pick_ports,
     problems,
@@ -65,6 +66,12 @@ PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=
         (["--api-key", "a,b"], "--api-key", "without spaces or commas"),
         (["--api-key", ""], "--api-key", "must be non-empty"),
         (["--api-key-file", "/no/such/keys"], "--api-key-file", "cannot read /no/such/keys"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization",
+         "must be in (0, 1], got 0.0"),
+        (["--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization", "got 1.2"),
+        (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization", "got nan"),
+        (["--prefill-memory-share", "1"], "--prefill-memory-share", "must be in (0, 1)"),
+        (["--prefill-memory-share", "0"], "--prefill-memory-share", "got 0.0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
@@ -283,3 +290,64 @@ def test_router_workers_neither_auto_nor_a_number_exits_2_naming_the_flag(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--router-workers: must be auto or a number of processes, got 'many'" in err, err
+
+
+@pytest.mark.parametrize(
+    ("share", "instances", "want"),
+    [
+        # P TP1 + D TP1 on one GPU: the split
+        (0.5, [("prefill", ["0"]), ("decode", ["0"])], [0.45, 0.45]),
+        (0.25, [("prefill", ["0"]), ("decode", ["0"])], [0.225, 0.675]),
+        # each alone on its GPU: all of it
+        (0.5, [("prefill", ["0"]), ("decode", ["1"])], [0.9, 0.9]),
+        # P TP1 + D TP2 on 2 GPUs: the decode's rank on GPU 0 shares it, so the decode takes
+        # its smaller part on every rank
+        (0.5, [("prefill", ["0"]), ("decode", ["1", "0"])], [0.45, 0.45]),
+        # two prefills beside a decode split the prefills' part
+        (0.5, [("prefill", ["0"]), ("prefill", ["0"]), ("decode", ["0"])], [0.225, 0.225, 0.45]),
+        # two decodes alone on a GPU split all of it
+        (0.5, [("decode", ["0"]), ("decode", ["0"])], [0.45, 0.45]),
+    ],
+)
+def test_memory_split_between_instances_on_a_gpu(
+        share: float, instances: list[tuple[str, list[str]]], want: list[float]) -> None:
+    got = memory_utilizations(0.9, share, instances)
+    assert got == pytest.approx(want)
+    per_gpu: dict[str, float] = {}
+    for (_, gpus), u in zip(instances, got, strict=True):
+        for g in gpus:
+            per_gpu[g] = per_gpu.get(g, 0.0) + u
+    assert all(total <= 0.9 + 1e-9 for total in per_gpu.values()), per_gpu
+
+
+def test_memory_flags_reach_the_instances_on_cuda_only() -> None:
+    a = parser().parse_args(["--device", "cuda", "--gpu-memory-utilization", "0.8",
+                             "--prefill-memory-share", "0.3"])
+    cfg = config_from_args(a)
+    assert (cfg.gpu_memory_utilization, cfg.prefill_memory_share) == (0.8, 0.3)
+    p_util, d_util = memory_utilizations(0.8, 0.3, [("prefill", ["0"]), ("decode", ["0"])])
+    env = instance_env(cfg, "prefill", PORTS, "/r.json", ["0"], "/k", p_util)
+    s = InstanceSettings.from_env(env)
+    assert s.gpu_memory_utilization == pytest.approx(0.24) and s.num_blocks is None
+    env = instance_env(cfg, "decode", PORTS, "/r.json", ["0"], "/k", d_util)
+    assert InstanceSettings.from_env(env).gpu_memory_utilization == pytest.approx(0.56)
+    cpu = config_from_args(parser().parse_args([]))
+    assert "PDD_GPU_MEMORY_UTILIZATION" not in instance_env(cpu, "decode", PORTS, "/r.json")
+    assert (cpu.gpu_memory_utilization, cpu.prefill_memory_share) == (0.9, 0.5)
+
+
+def test_block_size_defaults_by_device_and_the_flag_wins() -> None:
+    cuda = config_from_args(parser().parse_args(["--device", "cuda"]))
+    cpu = config_from_args(parser().parse_args([]))
+    assert (cuda.resolved_block_size, cpu.resolved_block_size) == (64, 16)
+    assert deployment_spec(cuda)["blockSize"] == 64
+    assert instance_env(cuda, "decode", PORTS, "/r.json")["PDD_BLOCK_SIZE"] == "64"
+    assert router_env(cpu, PORTS)["PDD_BLOCK_SIZE"] == "16"
+    explicit = config_from_args(parser().parse_args(["--device", "cuda", "--block-size", "32",
+                                                     "--num-blocks", "3000"]))
+    env = instance_env(explicit, "prefill", PORTS, "/r.json")
+    assert (env["PDD_BLOCK_SIZE"], env["PDD_NUM_BLOCKS"]) == ("32", "3000")
+    text = parser().format_help()
+    for words in ("default 64 on cuda", "16 on cpu", "--gpu-memory-utilization F",
+                  "--prefill-memory-share S", "F x S", "F x (1 - S)"):
+        assert words in " ".join(text.split()), words

@@ -37,6 +37,7 @@ from pdd_sidecar.kv.pool_sizing import (
     MemoryReport,
     PoolSize,
     SizingError,
+    agree,
     blocks_for,
     gib,
     min_sequence,
@@ -169,15 +170,6 @@ def rank_blocks(model: RankModel, comm: Comm, settings: InstanceSettings,
     min_tokens, why = min_sequence(max_positions(s, model))
     return size_pool(report, s.gpu_memory_utilization, bytes_per_block(model, s.block_size),
                      s.block_size, s.dcp, min_tokens, why)
-
-
-def agree(results: list[tuple[int | None, str | None]]) -> int:
-    """Every rank's (blocks, error) -> the instance's block count: the smallest; the first
-    rank's error, named by rank, when any failed."""
-    for rank, (_, error) in enumerate(results):
-        if error:
-            raise SizingError(f"rank {rank}: {error}")
-    return min(int(b) for b, _ in results if b is not None)
 
 
 def size_rank_pool(model: RankModel, comm: Comm, settings: InstanceSettings,

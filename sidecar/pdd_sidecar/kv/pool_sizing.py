@@ -166,3 +166,12 @@ def min_sequence(max_positions: int) -> tuple[int, str]:
         return max_positions, "the model's maximum length"
     return MIN_USEFUL_TOKENS, ("the shortest sequence worth serving: a chat turn with its "
                                "history, a short document")
+
+
+def agree(results: list[tuple[int | None, str | None]]) -> int:
+    """Every rank's ``(blocks, error)`` -> the instance's block count: the smallest (ranks
+    share one block table); the first failing rank's error, named by rank, when any failed."""
+    for rank, (_, error) in enumerate(results):
+        if error:
+            raise SizingError(f"rank {rank}: {error}")
+    return min(int(b) for b, _ in results if b is not None)
