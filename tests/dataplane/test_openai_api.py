@@ -63,6 +63,7 @@ class Script:
     cached_tokens: int | None = None  # prefill: None answers without the field (older ones)
     split_bytes: int | None = None  # decode: the stream written in pieces of this many bytes
     decode_gate: threading.Event | None = None  # decode: answers nothing until it is set
+    kv_capacity_tokens: int | None = None  # /readyz: KV tokens a sequence can hold (None: unsaid)
 
 
 class FakeInstance:
@@ -92,7 +93,9 @@ class FakeInstance:
         return app
 
     async def readyz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ready": True})
+        capacity = self.script.kv_capacity_tokens
+        return web.json_response({"ready": True} if capacity is None
+                                 else {"ready": True, "kv_capacity_tokens": capacity})
 
     def _error(self, status: int, message: str) -> web.Response:
         s = self.script
@@ -337,6 +340,35 @@ def test_models_lists_the_served_model(stack: Stack) -> None:
     assert status == 200 and card == body["data"][0]
     status, card = http("GET", f"{stack.routers['hf']}/v1/models/org/other")
     assert status == 404 and card["error"]["param"] == "model"
+
+
+def test_models_reports_the_length_the_instances_hold(stack: Stack) -> None:
+    """An instance whose pool holds fewer tokens than the model's limit lowers the
+    max_model_len /v1/models reports (one more than it holds: the last generated token is
+    never fed back); a chat that sets no max_tokens runs up to it; a longer prompt is a 400."""
+    small = FakeInstance()
+    small.url = stack.loop.serve(small.app())
+    small.script.kv_capacity_tokens = 100
+    env = {"PDD_PREFILL_URLS": small.url, "PDD_DECODE_URLS": small.url,
+           "PDD_MODEL_NAME": "served", "PDD_MODEL_SOURCE": "builtin",
+           "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2"}
+    router = stack.loop.serve(build_app(RouterSettings.from_env(env)))
+    status, body = http("GET", f"{router}/v1/models")
+    assert status == 200 and body["data"][0]["max_model_len"] == 101, body
+    status, card = http("GET", f"{router}/v1/models/served")
+    assert status == 200 and card["max_model_len"] == 101
+    status, out = _post(f"{router}/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, out
+    (dec,) = [d for d in small.decodes if d["request_id"] == out["id"]]  # not the warm trip's
+    prompt = out["usage"]["prompt_tokens"]
+    assert dec["max_new_tokens"] == 101 - prompt - 1  # the prefill's token is the first
+    status, err = _post(f"{router}/v1/completions", {"prompt": [5] * 101, "max_tokens": 1})
+    assert status == 400 and err["error"]["param"] == "prompt", err
+    assert "hold at most 100 tokens of KV" in err["error"]["message"], err
+    small.script.kv_capacity_tokens = 50  # a smaller pool after a restart: seen at a probe
+    assert _wait(lambda: http("GET", f"{router}/v1/models")[1]["data"][0]["max_model_len"]
+                 == 51)
 
 
 def test_completion_sends_the_instance_api_and_answers_openai(stack: Stack,

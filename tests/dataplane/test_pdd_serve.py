@@ -336,6 +336,13 @@ def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
         assert set(load) == {"running", "waiting", "free_blocks", "num_blocks"}, load
         assert 0 <= load["free_blocks"] <= load["num_blocks"], load
         assert load["running"] >= 0 and load["waiting"] >= 0, load
+        # No --num-blocks: a CPU instance keeps the small fixed pool
+        status, info = http("GET", f"{inst}/v1/info")
+        pool = info["kv_pool"]
+        assert (pool["blocks"], pool["sized_by"], pool["block_size"]) == (
+            1024, "cpu default", BLOCK), pool
+        assert pool["tokens"] == info["kv_capacity_tokens"] == 1024 * BLOCK
+        assert pool["longest_sequence_tokens"] == min(1024 * BLOCK, info["max_model_len"])
     assert _metric(decode, "pdd_kv_transfer_bytes_total", '{rank="0"}') > 0
     # Garbage-collector pauses are timed in every process, each generation.
     for name, where in (("pdd_router_gc_pause_seconds", url), ("pdd_gc_pause_seconds", prefill),

@@ -269,6 +269,25 @@ def test_a_request_no_decode_can_hold_is_refused_before_any_prefill(
         return sum(v for labels, v in _metric(prefill, "pdd_requests_total")
                    if 'endpoint="prefill"' in labels)
 
+    # The pools as set at start (the fixture's 256 blocks on the prefill); /v1/models serves
+    # what the decode holds (every block of both DCP ranks, and the unfed last token).
+    _, dec_info = http("GET", f"{stack['decode'].url}/v1/info")
+    _, pre_info = http("GET", f"{prefill}/v1/info")
+    assert dec_info["kv_pool"] == {"blocks": 8, "block_size": BLOCK, "dcp": 2, "tokens": 256,
+                                   "bytes_per_rank": dec_info["kv_pool"]["bytes_per_rank"],
+                                   "longest_sequence_tokens": 256, "sized_by": "explicit"}
+    assert pre_info["kv_pool"]["blocks"] == pre_info["num_blocks"] == 256
+    assert pre_info["kv_capacity_tokens"] == pre_info["kv_pool"]["tokens"] == 256 * BLOCK
+    assert pre_info["kv_pool"]["bytes_per_rank"] == 32 * dec_info["kv_pool"]["bytes_per_rank"]
+    assert dict(_metric(stack["decode"].url, "pdd_kv_pool_tokens")) == {"": 256.0}
+    assert dict(_metric(stack["decode"].url, "pdd_kv_pool_longest_sequence_tokens")) == {
+        "": 256.0}
+    assert dict(_metric(stack["decode"].url, "pdd_kv_blocks_total")) == {
+        '{rank="0"}': 8.0, '{rank="1"}': 8.0}
+    assert dict(_metric(prefill, "pdd_kv_pool_bytes"))['{rank="0"}'] == pre_info["kv_pool"][
+        "bytes_per_rank"]
+    _, models = http("GET", f"{router}/v1/models")
+    assert models["data"][0]["max_model_len"] == 257, models
     before = prefills()
     status, body = _complete(router, {"prompt": _prompt(250), "max_tokens": 8})
     assert status == 400, body
