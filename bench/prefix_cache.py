@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "sidecar"))
@@ -42,13 +43,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 import aiohttp  # noqa: E402
 from stream_client import (  # noqa: E402
     TIMING_NAMES,
+    instance_pool,
     parse_metrics,
     stage_medians,
     stream_completion,
 )
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
-from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
+from pdd_sidecar.serve.local_stack import (  # noqa: E402
+    DEFAULT_BLOCK_SIZES,
+    LocalStack,
+    StackConfig,
+    check_config,
+)
 
 
 @dataclass
@@ -188,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-dcp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--decode-dcp", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: pdd serve's, 64 on cuda, 16 on cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks per rank of each instance (default: what fits the run)")
+                   help="KV blocks per rank of each instance (default: pdd serve's, sized from "
+                   "GPU memory on cuda, 1024 on cpu)")
     p.add_argument("--shared", type=int, default=None, help="system prompt tokens (2048)")
     p.add_argument("--unique", type=int, default=None, help="tokens of each request (128)")
     p.add_argument("--concurrency", type=int, default=None, help="requests at once (64)")
@@ -213,22 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.model != "builtin":
         vocab = load_config(args.model).vocab_size
         span, base = min(1000, vocab // 2), min(100, vocab // 4)
-    longest = max(args.shared + args.unique,
-                  args.turns * (args.turn_tokens + args.max_tokens)) + args.max_tokens
-    per_seq = -(-longest // args.block_size)
-    blocks = args.num_blocks or per_seq * (args.rounds * args.concurrency + 2 * args.chats) + 64
+    args.block_size = args.block_size or DEFAULT_BLOCK_SIZES[args.device]
+    blocks = (f"{args.num_blocks} blocks per rank" if args.num_blocks
+              else "pdd serve's KV pools")
     print(f"prefix cache: P tp{args.prefill_tp}/dcp{args.prefill_dcp} -> D tp{args.decode_tp}/"
           f"dcp{args.decode_dcp}, model {args.model}, {args.device}, block {args.block_size}, "
-          f"{blocks} blocks per rank; shared {args.shared} + {args.unique} x {args.concurrency} "
+          f"{blocks}; shared {args.shared} + {args.unique} x {args.concurrency} "
           f"x {args.rounds} rounds; {args.chats} chats x {args.turns} turns of "
           f"{args.turn_tokens} + {args.max_tokens}; cpus {os.cpu_count()}, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     results: list[Phase] = []
+    pools: dict[bool, dict[str, Any]] = {}
     for cache in (False, True):
         cfg = StackConfig(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
                           decode_tp=args.decode_tp, decode_dcp=args.decode_dcp,
                           model=args.model, device=args.device, port=0,
-                          block_size=args.block_size, num_blocks=blocks, dtype=args.dtype,
+                          block_size=args.block_size, num_blocks=args.num_blocks,
+                          dtype=args.dtype,
                           max_num_seqs=256, max_waiting=512, log_level="WARNING", drain_s=1.0,
                           prefix_cache=cache)
         found = check_config(cfg)
@@ -239,8 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             t0 = time.perf_counter()
             stack.start()
+            pool = pools[cache] = {role: instance_pool(url) for role, url in (
+                ("prefill", stack.prefill_url), ("decode", stack.decode_url))}
             print(f"cache {'on' if cache else 'off'}: stack ready in "
-                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+                  f"{time.perf_counter() - t0:.0f}s; KV pools: " + "; ".join(
+                      f"{role} {kv['blocks']} blocks ({kv['tokens']} tokens, {kv['sized_by']})"
+                      for role, kv in pool.items()), flush=True)
             results += asyncio.run(run_stack(stack, args, cache, span, base))
             stack.raise_if_dead()
         finally:
@@ -290,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['chat']['kv_over_new_max_after_first']:.2f} (<= 1.1)")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "config": vars(args) | {"num_blocks": blocks}, "kv_bytes_per_token": token_kv,
+            "config": vars(args) | {"pools": pools[True], "pools_cache_off": pools[False]},
+            "kv_bytes_per_token": token_kv,
             "phases": [asdict(r) for r in results], "summary": summary}, indent=2) + "\n")
     return 0
 

@@ -11,6 +11,8 @@ model, in a separate process before the stack starts, loading the model as the s
 (`load_rank_model`, `new_cache`, `RankEngine`, CUDA graphs as the engine defaults): the prompt's
 prefill in one pass and chunked as the scheduler chunks it (the stack's chunk and step budgets,
 the scheduler itself packing the steps), and a decode step at each batch size the levels use.
+The stack runs with pdd serve's defaults, as a user gets them (block size, KV pools sized from
+memory on a GPU), unless --block-size or --num-blocks say otherwise.
 
 - concurrency 1: TTFT p50 / (chunked prefill of the prompt + decode step at batch 1);
 - N > 1, a few tokens: TTFT p50 / (N prompts through the scheduler's steps + decode step at N);
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
 from stream_client import (  # noqa: E402
+    instance_pool,
     parse_metrics,
     sample_probes,
     stage_medians,
@@ -62,6 +65,7 @@ from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.processes import cpu_seconds, tree_cpu_seconds  # noqa: E402
 from pdd_sidecar.serve.event_loop import loop_kind, uvloop_installed  # noqa: E402
 from pdd_sidecar.serve.local_stack import (  # noqa: E402
+    DEFAULT_BLOCK_SIZES,
     LocalStack,
     StackConfig,
     check_config,
@@ -69,6 +73,10 @@ from pdd_sidecar.serve.local_stack import (  # noqa: E402
 )
 
 LONG_PROMPT_TOKENS = 32768  # the long-then-short run's long prompt, where it fits
+QUICK_LONG_PROMPT_TOKENS = 256  # --quick's, so that a CPU run stays short
+# KV memory of the engine-bound process's own cache at most (the stack's pools are the
+# product's: sized from memory on a GPU, unless --num-blocks)
+BOUNDS_KV_GIB = {"cuda": 24.0, "cpu": 1.0}
 DEFAULT_LEVELS = "1:1024:2,1:8192:2,1:32768:2,64:32:2,64:1024:1,64:1024:128,256:1024:128"
 QUICK_LEVELS = "1:64:2,4:32:2,4:64:8"
 LONG_HEAD_START_S = 0.15  # the long prompt's prefill is under way when the short one comes
@@ -709,15 +717,17 @@ def main(argv: list[str] | None = None) -> int:
                    f"{DEFAULT_LEVELS}; --quick {QUICK_LEVELS})")
     p.add_argument("--min-requests", type=int, default=None,
                    help="requests per level: max(concurrency, this) (default 8; --quick 4)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: pdd serve's, 64 on cuda, 16 on cpu)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="the stack's PDD_CHUNK_TOKENS (default: the device's, as serving)")
     p.add_argument("--long-chunk-tokens", type=int, default=None,
                    help="the stack's PDD_LONG_CHUNK_TOKENS (default: the device's)")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="the stack's PDD_MAX_STEP_TOKENS")
-    p.add_argument("--kv-gib", type=float, default=None,
-                   help="KV memory per instance at most (default 24 on cuda, 1 on cpu)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per rank of each instance (default: pdd serve's, sized from "
+                   "GPU memory on cuda, 1024 on cpu); levels that do not fit are skipped")
     p.add_argument("--router-workers", type=router_workers_arg, default="auto",
                    help="router processes sharing its port (pdd serve --router-workers; "
                    "default auto, as pdd serve's)")
@@ -741,20 +751,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     min_requests = args.min_requests or (4 if args.quick else 8)
-    bs = args.block_size
+    bs = args.block_size or DEFAULT_BLOCK_SIZES[args.device]
     cfg = load_config(args.model)
     per_block = kv_bytes_per_block(args.model, dtype, bs)
-    budget = int((args.kv_gib or (24.0 if args.device == "cuda" else 1.0)) * 2**30 // per_block)
+    # The engine bounds' own cache holds every level (within BOUNDS_KV_GIB)
+    budget = int(BOUNDS_KV_GIB[args.device] * 2**30 // per_block)
     want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
-    if not args.quick:  # the long-then-short run's long prompt fits whatever the levels are
-        want = max(want, 2 * -(-(min(LONG_PROMPT_TOKENS, cfg.max_position_embeddings) + 2) // bs))
-    num_blocks = max(1, min(want + 8, budget))
-    levels, skipped = plan_levels(levels, cfg.max_position_embeddings, num_blocks * bs)
+    bound_blocks = max(1, min(want + 8, budget))
+    levels, skipped = plan_levels(levels, cfg.max_position_embeddings, bound_blocks * bs)
     loop = loop_kind(os.environ.get(E.PDD_EVENT_LOOP, "") or E.EVENT_LOOPS[0], uvloop_installed())
     print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
           f"chunk {args.chunk_tokens} (long prompts {args.long_chunk_tokens}), "
-          f"step {args.step_tokens}, KV {num_blocks} blocks per "
-          f"instance ({num_blocks * bs} tokens), router workers {args.router_workers}, "
+          f"step {args.step_tokens}, KV "
+          + (f"{args.num_blocks} blocks per rank" if args.num_blocks else "pdd serve's pools")
+          + f", router workers {args.router_workers}, "
           f"event loop {loop}, cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}",
           flush=True)
     for why in skipped:
@@ -765,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                  E.PDD_LONG_CHUNK_TOKENS: str(args.long_chunk_tokens),
                  E.PDD_MAX_STEP_TOKENS: str(args.step_tokens)}
     req = {"model": args.model, "device": args.device, "dtype": dtype, "block_size": bs,
-           "num_blocks": num_blocks, "chunk_tokens": args.chunk_tokens,
+           "num_blocks": bound_blocks, "chunk_tokens": args.chunk_tokens,
            "long_chunk_tokens": args.long_chunk_tokens,
            "step_tokens": args.step_tokens, "reps": args.reps,
            "prefills": sorted({(lv.concurrency, lv.prompt) for lv in levels}),
@@ -787,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
               "GB/s", flush=True)
     top = max(lv.concurrency for lv in levels)
     scfg = StackConfig(prefill_tp=1, prefill_dcp=1, decode_tp=1, decode_dcp=1, model=args.model,
-                       device=args.device, port=0, block_size=bs, num_blocks=num_blocks,
+                       device=args.device, port=0, block_size=bs, num_blocks=args.num_blocks,
                        dtype=dtype, max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
                        log_level="WARNING", drain_s=1.0, extra_env=extra_env,
                        router_workers=args.router_workers)
@@ -804,6 +814,19 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         print(f"stack ready in {time.perf_counter() - t0:.0f}s (logs {stack.log_dir})",
               flush=True)
+        pools = {role: instance_pool(url) for role, url in (("prefill", stack.prefill_url),
+                                                            ("decode", stack.decode_url))}
+        capacity = min(pool["tokens"] for pool in pools.values())
+        print("KV pools: " + "; ".join(
+            f"{role} {pool['blocks']} blocks of {pool['block_size']} tokens ({pool['tokens']} "
+            f"tokens, {pool['bytes_per_rank'] / 2**30:.2f} GiB a rank, {pool['sized_by']})"
+            for role, pool in pools.items()), flush=True)
+        levels, too_long = plan_levels(levels, cfg.max_position_embeddings, capacity)
+        for why in too_long:
+            print(f"skipped {why}", flush=True)
+        skipped += too_long
+        if not levels:
+            raise SystemExit("serve_path: every level was skipped: the pools are too small")
         # The client's heap frozen as the servers' are: its own collections would count in
         # the TTFTs it measures. Its pauses are timed as theirs.
         freeze_heap()
@@ -818,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f": {', '.join(new)}" if new else ""), flush=True)
 
         # Ready means warm: the first request after ready against the same request's steady TTFT.
-        first_prompt = min(1024, cfg.max_position_embeddings - 2, num_blocks * bs - 2)
+        first_prompt = min(1024, cfg.max_position_embeddings - 2, capacity - 2)
         first = [asyncio.run(run_level(stack, LevelSpec(1, first_prompt, 2), 1,
                                        cfg.vocab_size, 1000 + i)) for i in range(4)]
         steady = statistics.median(r.ttft_p50_ms for r in first[1:])
@@ -843,8 +866,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(row(r), flush=True)
         note_compiled("levels")
-        long_tokens = min(LONG_PROMPT_TOKENS, cfg.max_position_embeddings - 2,
-                          num_blocks * bs // 2 - 2)
+        long_tokens = min(QUICK_LONG_PROMPT_TOKENS if args.quick else LONG_PROMPT_TOKENS,
+                          cfg.max_position_embeddings - 2, capacity // 2 - 2)
         short_tokens = first_prompt
         idle = steady
         mixed = asyncio.run(long_then_short(stack, long_tokens, short_tokens, cfg.vocab_size,
@@ -940,7 +963,8 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"model": args.model, "device": args.device, "dtype": dtype,
                        "block_size": bs, "chunk_tokens": args.chunk_tokens,
                        "long_chunk_tokens": args.long_chunk_tokens,
-                       "step_tokens": args.step_tokens, "num_blocks": num_blocks,
+                       "step_tokens": args.step_tokens, "num_blocks": args.num_blocks,
+                       "bounds_num_blocks": bound_blocks, "pools": pools,
                        "min_requests": min_requests, "cpus": os.cpu_count(),
                        "router_workers": args.router_workers, "event_loop": loop},
             "skipped": skipped,

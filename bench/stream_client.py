@@ -1,7 +1,7 @@
 """The serving benchmarks' client side: one streaming completion through the router, timed per
-token, the median of each TTFT stage it reports, an instance's /metrics as numbers, and a probe
-sampler's process (bench/serving.py, bench/serve_path.py, bench/prefix_cache.py). The benches
-put sidecar/ on sys.path before importing it."""
+token, the median of each TTFT stage it reports, an instance's /metrics as numbers and its KV
+pool, and a probe sampler's process (bench/serving.py, bench/serve_path.py,
+bench/prefix_cache.py). The benches put sidecar/ on sys.path before importing it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import re
 import statistics
 import time
+import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,14 @@ def stage_medians(timings: Iterable[Mapping[str, float]]) -> dict[str, float]:
     timings = list(timings)
     return {k: statistics.median(vals) for k in TIMING_NAMES
             if (vals := [t[k] for t in timings if k in t])}
+
+
+def instance_pool(url: str) -> dict[str, Any]:
+    """The KV pool an instance sized at start (its /v1/info ``kv_pool``): blocks, block_size,
+    dcp, tokens, bytes_per_rank, longest_sequence_tokens, sized_by."""
+    with urllib.request.urlopen(f"{url}/v1/info", timeout=10) as resp:
+        pool: dict[str, Any] = json.loads(resp.read())["kv_pool"]
+    return pool
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -20,6 +20,8 @@ def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
     assert mod.main(["--quick", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     cfg = res["config"]
+    assert cfg["num_blocks"] is None and {pool["sized_by"] for pool in cfg["pools"].values()} \
+        == {"cpu default"}  # the stack a user gets
     phases = res["phases"]
     off = [p for p in phases if not p["cache"]]
     on = [p for p in phases if p["cache"]]

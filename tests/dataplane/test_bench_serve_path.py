@@ -29,6 +29,11 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
     assert mod.main(["--quick", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["config"]["device"] == "cpu" and res["config"]["model"] == "builtin"
+    # the stack a user gets: pdd serve's block size and pools, not sized for the run
+    assert res["config"]["block_size"] == 16 and res["config"]["num_blocks"] is None
+    assert {role: (pool["blocks"], pool["sized_by"]) for role, pool in
+            res["config"]["pools"].items()} == {"prefill": (1024, "cpu default"),
+                                                "decode": (1024, "cpu default")}
     assert [lv["level"] for lv in res["levels"]] == mod.QUICK_LEVELS.split(",")
     bounds = res["bounds"]
     values = [*bounds["prefill_ms"].values(), *bounds["prefill_one_pass_ms"].values(),
