@@ -17,7 +17,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -100,28 +100,70 @@ def nvml_process_bytes(device: torch.device) -> int | None:
             pass
 
 
-def probe(model: RankModel, comm: Comm, settings: InstanceSettings, device: torch.device,
-          rank: int, nvml: Callable[[torch.device], int | None] = nvml_process_bytes
-          ) -> MemoryReport:
-    """Run the warm-up on a scratch cache and measure; everything it made is freed after."""
-    from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+class DeviceMemory(Protocol):
+    """What the probe reads of a device's memory; ``CudaMemory`` on a GPU, a fake in the CPU
+    tests that run the same probe."""
 
+    def settle(self) -> None: ...  # work done, garbage collected, cached blocks returned
+
+    def reserved(self) -> int: ...  # this process's torch reservation now
+
+    def reset_peak(self) -> None: ...
+
+    def peak(self) -> int: ...  # torch's peak reservation since reset_peak
+
+    def free_total(self) -> tuple[int, int]: ...
+
+    def process_used(self) -> int | None: ...  # everything this process holds (NVML)
+
+
+class CudaMemory:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def free_total(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def process_used(self) -> int | None:
+        return nvml_process_bytes(self.device)
+
+
+def probe(model: RankModel, comm: Comm, settings: InstanceSettings, device: torch.device,
+          rank: int, memory: DeviceMemory | None = None) -> MemoryReport:
+    """Run the warm-up on a scratch cache and measure; everything it made is freed after."""
+    from pdd_sidecar.engine import rank_engine
+
+    mem = CudaMemory(device) if memory is None else memory
     s = settings
     bs, dcp = s.block_size, s.dcp
-    budget = step_budget("cuda", s.max_step_tokens, s.chunk_tokens, s.long_chunk_tokens)
+    budget = step_budget(device.type, s.max_step_tokens, s.chunk_tokens, s.long_chunk_tokens)
     chunk = whole_chunk(budget.chunk, bs)
     extra = largest_step_prompts(s.role, budget.step, chunk)
     scratch_blocks = (unbounded_warmup_blocks(s.role, bs, dcp, chunk)
                       + sum(blocks_for(n, bs, dcp) for n in extra))
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    resident = torch.cuda.memory_reserved(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    mem.settle()
+    resident = mem.reserved()
+    mem.reset_peak()
     held: dict[str, Any] = {}
     try:
-        cache = held["cache"] = new_cache(model, scratch_blocks, bs, device)
-        engine = held["engine"] = RankEngine(
+        cache = held["cache"] = rank_engine.new_cache(model, scratch_blocks, bs, device)
+        engine = held["engine"] = rank_engine.RankEngine(
             model, cache, comm, dcp, overtake=None if s.role == "prefill" else False,
             max_table_blocks=blocks_for(max_positions(s, model), bs, dcp))
         shape = warmup_shape(s.role, scratch_blocks, bs, dcp, chunk, s.max_num_seqs,
@@ -134,19 +176,16 @@ def probe(model: RankModel, comm: Comm, settings: InstanceSettings, device: torc
             chunks = [SeqChunk([(7 * i + 3) % vocab for i in range(n)], 0,
                                cache.allocate(blocks_for(n, bs, dcp))) for n in extra]
             engine.step(chunks, want_logits=rank == 0)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_reserved(device)
+        peak = mem.peak()
         scratch = cache.kv.numel() * cache.kv.element_size()
-        used = nvml(device)
-        non_torch = non_torch_bytes(used, torch.cuda.memory_reserved(device))
+        used = mem.process_used()
+        non_torch = non_torch_bytes(used, mem.reserved())
     finally:
         held.clear()
         cache = engine = None  # type: ignore[assignment]
-        gc.collect()
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    leftover = max(0, torch.cuda.memory_reserved(device) - resident)
-    free, total = torch.cuda.mem_get_info(device)
+        mem.settle()
+    leftover = max(0, mem.reserved() - resident)
+    free, total = mem.free_total()
     report = MemoryReport(total=total, free=free, torch_peak=peak, scratch=scratch,
                           non_torch=non_torch, resident=resident, leftover=leftover)
     log.info("rank %d memory probe on %s: total %s, free %s after it; torch peak %s (scratch "
@@ -163,10 +202,10 @@ def probe(model: RankModel, comm: Comm, settings: InstanceSettings, device: torc
 
 
 def rank_blocks(model: RankModel, comm: Comm, settings: InstanceSettings,
-                device: torch.device, rank: int) -> int:
+                device: torch.device, rank: int, memory: DeviceMemory | None = None) -> int:
     """This rank's block count sized from memory (SizingError when it cannot be)."""
     s = settings
-    report = probe(model, comm, s, device, rank)
+    report = probe(model, comm, s, device, rank, memory)
     min_tokens, why = min_sequence(max_positions(s, model))
     return size_pool(report, s.gpu_memory_utilization, bytes_per_block(model, s.block_size),
                      s.block_size, s.dcp, min_tokens, why)
