@@ -171,7 +171,7 @@ async def pool_info(session: aiohttp.ClientSession, stack: LocalStack) -> dict[s
     for role, url in (("prefill", stack.prefill_url), ("decode", stack.decode_url)):
         m = await metrics(session, url)
         info[role] = {k.split("{")[0]: v for k, v in m.items()
-                      if k.startswith(("pdd_kv_cache_", "pdd_blocks_total", "pdd_kv_blocks"))}
+                      if k.startswith(("pdd_kv_cache_", "pdd_kv_pool_", "pdd_kv_blocks"))}
     return info
 
 

@@ -75,11 +75,12 @@ class InstanceMetrics:
         self.pool_bytes = Gauge("pdd_kv_pool_bytes", "Device bytes of the KV pool", ["rank"],
                                 registry=r)
         self.pool_tokens = Gauge(
-            "pdd_kv_pool_tokens", "Tokens of KV the instance holds: blocks x block size x DCP "
-            "(one sequence may use all of them)", registry=r)
+            "pdd_kv_pool_tokens", "Tokens of KV the instance holds: blocks x block size x DCP",
+            registry=r)
         self.pool_longest = Gauge(
             "pdd_kv_pool_longest_sequence_tokens", "The longest sequence the instance can "
-            "hold: its KV tokens, at most the model's maximum length", registry=r)
+            "hold: its KV tokens but the blocks it keeps for itself, at most the model's "
+            "maximum length", registry=r)
         self.running = Gauge(
             "pdd_running_sequences", "Sequences admitted (running or pulling their KV)",
             registry=r,

@@ -275,7 +275,8 @@ def test_a_request_no_decode_can_hold_is_refused_before_any_prefill(
     _, pre_info = http("GET", f"{prefill}/v1/info")
     assert dec_info["kv_pool"] == {"blocks": 8, "block_size": BLOCK, "dcp": 2, "tokens": 256,
                                    "bytes_per_rank": dec_info["kv_pool"]["bytes_per_rank"],
-                                   "longest_sequence_tokens": 256, "sized_by": "explicit"}
+                                   "reserved_blocks": 0, "longest_sequence_tokens": 256,
+                                   "sized_by": "explicit"}
     assert pre_info["kv_pool"]["blocks"] == pre_info["num_blocks"] == 256
     assert pre_info["kv_capacity_tokens"] == pre_info["kv_pool"]["tokens"] == 256 * BLOCK
     assert pre_info["kv_pool"]["bytes_per_rank"] == 32 * dec_info["kv_pool"]["bytes_per_rank"]

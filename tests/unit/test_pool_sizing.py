@@ -96,6 +96,9 @@ def test_dcp_and_block_size_in_the_pool_report() -> None:
     assert (pool.tokens, pool.bytes, pool.longest) == (256000, 1000 * PER_BLOCK, 163840)
     short = PoolSize(100, 16, 1, 1024, 4096, "explicit")
     assert (short.tokens, short.longest) == (1600, 1600)
+    # blocks a prefill keeps for itself (graphed prefix hits' scratch) are no sequence's
+    kept = PoolSize(100, 16, 2, 1024, 4096, "explicit", reserved=10)
+    assert (kept.tokens, kept.sequence_tokens, kept.longest) == (3200, 2880, 2880)
     text = pool.describe()
     assert "1000 blocks of 64 tokens" in text and "256000 tokens at dcp 4" in text
     assert "longest sequence 163840 tokens" in text and "(memory)" in text

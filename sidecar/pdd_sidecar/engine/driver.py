@@ -20,6 +20,7 @@ lock), never after the step that happens to be running.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -187,12 +188,7 @@ class InstanceDriver:
         self._heartbeat_s = HEARTBEAT_S if s.spans_pods else 0.0
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
-        pool = worker.pool
-        for rank in range(s.tp):
-            metrics.blocks_total.labels(rank=str(rank)).set(pool.blocks)
-            metrics.pool_bytes.labels(rank=str(rank)).set(pool.bytes)
-        metrics.pool_tokens.set(pool.tokens)
-        metrics.pool_longest.set(pool.longest)
+        self._pool_gauges()
         self._update_gauges()
 
     # -- called from the HTTP threads
@@ -379,6 +375,17 @@ class InstanceDriver:
         if n > 0:
             self._scratch = self.allocator.allocate(n)
             self.scheduler.reserved_blocks = n
+            self.worker.pool = dataclasses.replace(self.worker.pool, reserved=n)
+            self._pool_gauges()
+
+    def _pool_gauges(self) -> None:
+        """The pool as sized at start (engine/memory_probe.py), less what the driver keeps."""
+        m, pool = self.metrics, self.worker.pool
+        for rank in range(self.settings.tp):
+            m.blocks_total.labels(rank=str(rank)).set(pool.blocks)
+            m.pool_bytes.labels(rank=str(rank)).set(pool.bytes)
+        m.pool_tokens.set(pool.tokens)
+        m.pool_longest.set(pool.longest)
 
     def _poll_due(self) -> bool:
         if self.role != "prefill" or len(self.leases) == 0:

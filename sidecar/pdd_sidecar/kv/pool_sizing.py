@@ -64,8 +64,10 @@ class MemoryReport:
 
 @dataclass(frozen=True)
 class PoolSize:
-    """A rank's pool: ``blocks`` of ``block_size`` tokens; one sequence may use every block of
-    every DCP rank, so it holds ``tokens``; ``longest`` is capped by the model's length."""
+    """A rank's pool: ``blocks`` of ``block_size`` tokens, ``tokens`` over every DCP rank. One
+    sequence may use every block but the ``reserved`` ones (the prefill's scratch for graphed
+    prefix hits, engine/graphed_hits.py): ``sequence_tokens``; ``longest`` is that, capped by
+    the model's length."""
 
     blocks: int
     block_size: int
@@ -73,10 +75,15 @@ class PoolSize:
     bytes_per_block: int
     max_positions: int
     source: str  # "memory" | "explicit" | "cpu default"
+    reserved: int = 0
 
     @property
     def tokens(self) -> int:
         return self.blocks * self.block_size * self.dcp
+
+    @property
+    def sequence_tokens(self) -> int:
+        return max(0, self.blocks - self.reserved) * self.block_size * self.dcp
 
     @property
     def bytes(self) -> int:
@@ -84,7 +91,8 @@ class PoolSize:
 
     @property
     def longest(self) -> int:
-        return min(self.tokens, self.max_positions) if self.max_positions > 0 else self.tokens
+        held = self.sequence_tokens
+        return min(held, self.max_positions) if self.max_positions > 0 else held
 
     def describe(self) -> str:
         return (f"KV pool: {self.blocks} blocks of {self.block_size} tokens per rank "

@@ -99,7 +99,7 @@ class InstanceState:
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_blocks": self.worker.pool.blocks,
-            "kv_capacity_tokens": self.worker.pool.tokens,
+            "kv_capacity_tokens": self.worker.pool.sequence_tokens,
             # The pool as sized at start (kv/pool_sizing.py), also on /metrics (pdd_kv_pool_*).
             "kv_pool": pool_info(self.worker.pool),
             "ready": self.ready,
@@ -116,7 +116,8 @@ STATE = web.AppKey("state", InstanceState)
 def pool_info(pool: PoolSize) -> dict[str, Any]:
     return {"blocks": pool.blocks, "block_size": pool.block_size, "dcp": pool.dcp,
             "tokens": pool.tokens, "bytes_per_rank": pool.bytes,
-            "longest_sequence_tokens": pool.longest, "sized_by": pool.source}
+            "reserved_blocks": pool.reserved, "longest_sequence_tokens": pool.longest,
+            "sized_by": pool.source}
 
 
 def error_response(exc: BaseException) -> web.Response:

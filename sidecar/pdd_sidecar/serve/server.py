@@ -56,9 +56,10 @@ async def readyz(request: web.Request) -> web.Response:
     sched = state.driver.scheduler
     body = {"ready": state.ready, "peers": state.peer_status,
             "plan_digest": state.worker.compat.plan_digest,
-            # What one sequence can hold at most (every block of every DCP rank), so a router
-            # refuses a request no instance could ever hold before any prefill runs it.
-            "kv_capacity_tokens": sched.allocator.num_blocks * sched.block_size * sched.dcp,
+            # What one sequence can hold at most (every block of every DCP rank but those the
+            # driver keeps), so a router refuses a request no instance could ever hold before
+            # any prefill runs it, and reports the max_model_len really served.
+            "kv_capacity_tokens": state.worker.pool.sequence_tokens,
             # What the router weighs replicas by (serve/routing_policy.py); cheap to read.
             "load": {"running": len(sched.running) + len(sched.pulling),
                      "waiting": len(sched.waiting), "free_blocks": sched.allocator.num_free,
