@@ -165,3 +165,20 @@ def test_the_pool_explicit_on_a_cpu_or_agreed_from_memory(
 def test_the_smallest_useful_sequence_of_the_builtin_model(model: Any) -> None:
     assert min_sequence(model.config.max_position_embeddings)[0] == min(
         4096, model.config.max_position_embeddings)
+
+
+def test_running_out_of_memory_at_start_names_the_setting_and_the_numbers() -> None:
+    s = settings("prefill", PDD_GPU_MEMORY_UTILIZATION="0.45")
+    err = memory_probe.oom_error("loading the weights", torch.device("cuda", 1), 3 * GIB,
+                                 140 * GIB, s)
+    text = str(err)
+    assert isinstance(err, SizingError)
+    assert "CUDA out of memory while loading the weights on cuda:1" in text
+    assert "3.00 GiB of 140.00 GiB free" in text
+    assert "PDD_GPU_MEMORY_UTILIZATION" in text and "--gpu-memory-utilization" in text
+    assert "now 0.45" in text and "--prefill-memory-share" in text
+
+
+def test_nvml_not_there_means_the_documented_fallback() -> None:
+    """Here (no pynvml, or no GPU for NVML) the bytes outside torch come from the fallback."""
+    assert memory_probe.nvml_process_bytes(torch.device("cpu")) is None
