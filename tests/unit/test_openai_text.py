@@ -164,6 +164,22 @@ def test_length_limit_names_the_limit() -> None:
     assert "32" in err.value.message
 
 
+def test_a_chat_without_max_tokens_runs_up_to_the_length_served() -> None:
+    """The instances may hold less than the checkpoint's limit: a chat that sets no max_tokens
+    gets what the router serves (/v1/models), not a default every instance would refuse."""
+    limit = BUILTIN.max_model_len
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    whole = parse_request("chat", chat, BUILTIN, "m")
+    prompt = len(whole.prompt_ids)
+    assert whole.max_tokens == limit - prompt
+    assert parse_request("chat", chat, BUILTIN, "m", 100).max_tokens == 100 - prompt
+    assert parse_request("chat", chat, BUILTIN, "m", limit + 500).max_tokens == limit - prompt
+    assert parse_request("chat", chat, BUILTIN, "m", 2).max_tokens == 1  # refused later, by KV
+    set_one = parse_request("chat", {**chat, "max_tokens": 7}, BUILTIN, "m", 100)
+    assert set_one.max_tokens == 7
+    assert parse_request("completion", {"prompt": [1, 2]}, BUILTIN, "m", 100).max_tokens == 16
+
+
 def test_unknown_model_is_a_404_and_the_served_name_is_accepted() -> None:
     with pytest.raises(ApiError) as err:
         _parse({"prompt": [1], "model": "other"})
