@@ -49,7 +49,17 @@ def lone(**changes: int) -> MemoryReport:
 
 def blocks(report: MemoryReport, utilization: float = 0.9, dcp: int = 1,
            min_tokens: int = 4096) -> int:
-    return size_pool(report, utilization, PER_BLOCK, BS, dcp, min_tokens, "a test's reason")
+    return size_pool(report, utilization, PER_BLOCK, BS, dcp, min_tokens,
+                     "a test's reason").blocks
+
+
+def test_the_pool_it_sizes() -> None:
+    pool = size_pool(lone(), 0.9, PER_BLOCK, BS, 2, 4096, "why", 163840)
+    assert (pool.blocks, pool.source, pool.dcp, pool.block_size) == (68 * 256, "memory", 2, BS)
+    assert pool.tokens == 68 * 256 * BS * 2 and pool.bytes == 68 * GIB
+    assert pool.longest == 163840  # the model's length caps it
+    small_model = size_pool(lone(), 0.9, PER_BLOCK, BS, 1, 512, "why", 512)
+    assert small_model.longest == 512
 
 
 def test_a_gpu_of_its_own_gives_the_pool_utilization_less_weights_warm_up_and_context() -> None:

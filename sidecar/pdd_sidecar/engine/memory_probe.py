@@ -206,9 +206,10 @@ def rank_blocks(model: RankModel, comm: Comm, settings: InstanceSettings,
     """This rank's block count sized from memory (SizingError when it cannot be)."""
     s = settings
     report = probe(model, comm, s, device, rank, memory)
-    min_tokens, why = min_sequence(max_positions(s, model))
+    longest = max_positions(s, model)
+    min_tokens, why = min_sequence(longest)
     return size_pool(report, s.gpu_memory_utilization, bytes_per_block(model, s.block_size),
-                     s.block_size, s.dcp, min_tokens, why)
+                     s.block_size, s.dcp, min_tokens, why, longest).blocks
 
 
 def size_rank_pool(model: RankModel, comm: Comm, settings: InstanceSettings,

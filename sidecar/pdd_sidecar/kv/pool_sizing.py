@@ -144,10 +144,11 @@ def kv_budget(report: MemoryReport, utilization: float,
 
 
 def size_pool(report: MemoryReport, utilization: float, bytes_per_block: int, block_size: int,
-              dcp: int, min_tokens: int, why: str,
-              setting: str = UTILIZATION_SETTING) -> int:
-    """Blocks per rank of a pool sized from memory; SizingError when it cannot hold one
-    sequence of ``min_tokens`` tokens (``why`` says why that length)."""
+              dcp: int, min_tokens: int, why: str, max_positions: int = 0,
+              setting: str = UTILIZATION_SETTING) -> PoolSize:
+    """A rank's pool sized from memory; SizingError when it cannot hold one sequence of
+    ``min_tokens`` tokens (``why`` says why that length). ``max_positions``: the model's
+    length, which caps the longest sequence it reports."""
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
     share, room = kv_budget(report, utilization, setting)
@@ -165,7 +166,7 @@ def size_pool(report: MemoryReport, utilization: float, bytes_per_block: int, bl
             f"tokens ({blocks * block_size * dcp} tokens, {gib(budget)}: {where}); one "
             f"sequence of {min_tokens} tokens ({why}) needs {need} blocks per rank at dcp "
             f"{dcp}; raise it, free the GPU, or set PDD_NUM_BLOCKS (pdd serve --num-blocks)")
-    return blocks
+    return PoolSize(blocks, block_size, dcp, bytes_per_block, max_positions, "memory")
 
 
 def min_sequence(max_positions: int) -> tuple[int, str]:
