@@ -118,6 +118,26 @@ class InstanceMetrics:
             "pdd_prefix_cache_blocks", "KV blocks (table entries) held by the prefix cache",
             registry=r,
         )
+        self.host_kv_hits = Counter(
+            "pdd_host_kv_hits", "Prompt tokens whose KV was loaded from the host tier (part of "
+            "pdd_prefix_cache_hits)", registry=r,
+        )
+        self.host_kv_blocks = Gauge(
+            "pdd_host_kv_blocks", "Host KV blocks (slots, per rank) holding evicted units",
+            registry=r,
+        )
+        self.host_kv_blocks_total = Gauge(
+            "pdd_host_kv_blocks_total", "Host KV blocks (slots, per rank) of the tier",
+            registry=r,
+        )
+        self.host_kv_copy_bytes = Counter(
+            "pdd_host_kv_copy_bytes", "Bytes copied by the host tier; kind: load (host to "
+            "device) or offload", ["kind", "rank"], registry=r,
+        )
+        self.host_kv_copy_seconds = Counter(
+            "pdd_host_kv_copy_seconds", "Time of the host tier's copies (on CUDA by events on "
+            "its stream); kind: load or offload", ["kind", "rank"], registry=r,
+        )
         self.warmup_seconds = Gauge(
             "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
         )
@@ -133,6 +153,12 @@ class InstanceMetrics:
             "stream); waited: held back for queued work that may write one of their blocks",
             ["waited"], registry=r,
         )
+
+    def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
+        """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
+        labels = {"kind": kind, "rank": str(rank)}
+        self.host_kv_copy_bytes.labels(**labels).inc(copied.get("bytes", 0))
+        self.host_kv_copy_seconds.labels(**labels).inc(copied.get("seconds", 0.0))
 
     def expose(self) -> bytes:
         self.gc_pauses.flush()
@@ -169,10 +195,36 @@ class RouterMetrics:
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
             ["role", "replica"], registry=r, multiprocess_mode="mostrecent",
         )
+        self.host_kv_hits = Counter(
+            "pdd_host_kv_hits", "Prompt tokens whose KV was loaded from the host tier (part of "
+            "pdd_prefix_cache_hits)", registry=r,
+        )
+        self.host_kv_blocks = Gauge(
+            "pdd_host_kv_blocks", "Host KV blocks (slots, per rank) holding evicted units",
+            registry=r,
+        )
+        self.host_kv_blocks_total = Gauge(
+            "pdd_host_kv_blocks_total", "Host KV blocks (slots, per rank) of the tier",
+            registry=r,
+        )
+        self.host_kv_copy_bytes = Counter(
+            "pdd_host_kv_copy_bytes", "Bytes copied by the host tier; kind: load (host to "
+            "device) or offload", ["kind", "rank"], registry=r,
+        )
+        self.host_kv_copy_seconds = Counter(
+            "pdd_host_kv_copy_seconds", "Time of the host tier's copies (on CUDA by events on "
+            "its stream); kind: load or offload", ["kind", "rank"], registry=r,
+        )
         self.warmup_seconds = Gauge(
             "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
             registry=r, multiprocess_mode="max",
         )
+
+    def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
+        """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
+        labels = {"kind": kind, "rank": str(rank)}
+        self.host_kv_copy_bytes.labels(**labels).inc(copied.get("bytes", 0))
+        self.host_kv_copy_seconds.labels(**labels).inc(copied.get("seconds", 0.0))
 
     def expose(self) -> bytes:
         self.gc_pauses.flush()

@@ -63,6 +63,7 @@ from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.warmup_shape import warmup_shape
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.gc_pauses import freeze_heap
+from pdd_sidecar.kv.host_tier import HostTier
 from pdd_sidecar.kv.lease import LeaseTable
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
 from pdd_sidecar.metrics import InstanceMetrics
@@ -151,6 +152,12 @@ class InstanceDriver:
                                          chain_root({**worker.compat.to_dict(), "tp": s.tp,
                                                      "dcp": s.dcp}))
                              if s.prefix_cache else None)
+        # Under the prefix cache, the units it evicts go to host memory (kv/host_tier.py).
+        self.host_tier = (HostTier(worker.host_tier.num_slots, s.block_size * s.dcp)
+                          if worker.host_tier is not None and self.prefix_cache else None)
+        if self.prefix_cache is not None and self.host_tier is not None:
+            self.prefix_cache.on_evict = self.host_tier.spill
+        self._host_seen = 0
         # Every block comes and goes through here; with the cache, "free" drops a reference.
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
@@ -162,7 +169,7 @@ class InstanceDriver:
             s.role, worker.cache, s.block_size, s.dcp, s.tp,
             max_running=s.max_num_seqs, max_waiting=s.max_waiting,
             step_tokens=budget.step, chunk_tokens=budget.chunk, prefix_cache=self.prefix_cache,
-            long_chunk_tokens=budget.long_chunk,
+            long_chunk_tokens=budget.long_chunk, host_tier=self.host_tier,
         )
         expected = {p.rank: p.expected_notifications for p in worker.plan.prefill_ranks}
         self.leases = LeaseTable(s.lease_seconds, expected)
@@ -189,6 +196,8 @@ class InstanceDriver:
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
         self._pool_gauges()
+        if self.host_tier is not None:
+            metrics.host_kv_blocks_total.set(self.host_tier.num_slots)
         self._update_gauges()
 
     # -- called from the HTTP threads
@@ -490,6 +499,8 @@ class InstanceDriver:
                        "start_token": self.scheduler.start_token(s)} for s in plan.pulls],
             "poll": poll,
         }
+        if self.host_tier is not None and self.host_tier.pending():
+            cmd["tier"] = self.host_tier.take().to_command()
         if poll:
             self._last_poll = time.monotonic()
         if self.settings.fault_step_delay_s and cmd["chunks"]:
@@ -515,6 +526,8 @@ class InstanceDriver:
                 self._last_collective - started)
             self.metrics.batch_size.observe(len(cmd["chunks"]))
         for rank, r in enumerate(results):
+            for kind, copied in r.get("tier", {}).items():
+                self.metrics.host_kv_copied(kind, rank, copied)
             for rid, error, stats in r.get("pulled", ()):
                 seq = self.scheduler.pulling.get(rid)
                 if seq is not None:
@@ -651,6 +664,12 @@ class InstanceDriver:
             m.prefix_hits.inc(pc.hit_tokens - hit)
             self._prefix_seen = (pc.queried_tokens, pc.hit_tokens)
             m.prefix_cached_blocks.set(pc.cached_blocks)
+        tier = self.host_tier
+        if tier is not None:
+            m.prefix_hits.inc(tier.hit_tokens - self._host_seen)
+            m.host_kv_hits.inc(tier.hit_tokens - self._host_seen)
+            self._host_seen = tier.hit_tokens
+            m.host_kv_blocks.set(tier.used_slots)
 
 
 def _history(seq: Sequence) -> TokenHistory:

@@ -55,6 +55,7 @@ from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
 from pdd_sidecar.kv.cache import num_table_blocks
+from pdd_sidecar.kv.host_tier import HostTier, load_from_host
 from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
 
 UNIT_KEYS = "prefix_unit_keys"  # seq.extra: the prompt's prefix-cache keys, computed once
@@ -181,8 +182,10 @@ class Scheduler:
                  tp: int, max_running: int = 256, max_waiting: int = 256,
                  step_tokens: int = 2048, chunk_tokens: int = 512,
                  prefix_cache: PrefixCache | None = None,
-                 long_chunk_tokens: int | None = None) -> None:
+                 long_chunk_tokens: int | None = None,
+                 host_tier: HostTier | None = None) -> None:
         self.role = role
+        self.host_tier = host_tier if prefix_cache is not None else None
         self.allocator: Allocator = prefix_cache if prefix_cache is not None else allocator
         self.prefix_cache = prefix_cache
         self.block_size = block_size
@@ -297,17 +300,27 @@ class Scheduler:
             keys = seq.extra[UNIT_KEYS] = pc.keys(seq.prompt)
         unit = pc.unit_tokens
         usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
-        hits = pc.lookup(keys[:max(usable, 0) // unit])
-        tail = None
-        if self.role == "decode" and len(hits) < need:
-            start = len(hits) * unit
-            tail = pc.lookup_tail(keys[len(hits) - 1] if hits else pc.root,
-                                  seq.prompt[start:start + unit])
+        whole = keys[:max(usable, 0) // unit]
+        hits = pc.lookup(whole)
+        ht = self.host_tier  # the chain goes on in host memory (kv/host_tier.py)
+        host = ht.lookup(whole[len(hits):]) if ht is not None else []
+        found = len(hits) + len(host)
+        tail = host_tail = None
+        if self.role == "decode" and found < need:
+            start = found * unit
+            parent = keys[found - 1] if found else pc.root
+            tail = pc.lookup_tail(parent, seq.prompt[start:start + unit])
+            if tail is None and ht is not None:
+                host_tail = ht.lookup_tail(parent, seq.prompt[start:start + unit])
         n_new = need - len(hits) - (tail is not None)
         if not pc.fits(hits, n_new, tail):
             return False
-        seq.blocks = pc.acquire(hits, n_new, len(seq.prompt), tail)
-        seq.extra[CACHED_TOKENS] = len(hits) * unit + (tail.tokens if tail else 0)
+        if ht is None:
+            seq.blocks = pc.acquire(hits, n_new, len(seq.prompt), tail)
+        else:
+            seq.blocks = load_from_host(pc, ht, seq.prompt, hits, host, n_new, tail, host_tail)
+        seq.extra[CACHED_TOKENS] = found * unit + (
+            tail.tokens if tail else host_tail.tokens if host_tail else 0)
         if self.role != "decode":
             seq.computed = seq.extra[CACHED_TOKENS]
         return True

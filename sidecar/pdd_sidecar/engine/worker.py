@@ -117,6 +117,7 @@ class RankWorker:
         import torch
 
         from pdd_sidecar.engine.comm import SingleComm, TorchDistComm
+        from pdd_sidecar.engine.host_tier import RankHostTier
         from pdd_sidecar.engine.memory_probe import oom_error, size_rank_pool
         from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
         from pdd_sidecar.model.rank_model import load_rank_model
@@ -178,6 +179,7 @@ class RankWorker:
         # A decode runs no fresh prompts: nothing of its would overtake
         self.engine = RankEngine(self.model, self.cache, comm, s.dcp,
                                  overtake=None if s.role == "prefill" else False)
+        self.host_tier = RankHostTier.for_rank(self.cache, self.engine, s)
         self.compat = compat_record(
             s, plan_text, plan, self.cache.num_layers, self.cache.latent_dim
         )
@@ -246,9 +248,14 @@ class RankWorker:
     # -- the step
 
     def _step(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        tier = cmd.get("tier")
+        if tier and self.host_tier is not None:
+            self.host_tier.run(tier, before_reads=bool(cmd.get("pulls")))
         for job in cmd.get("pulls", ()):
             self.puller.submit(PullJob.from_command(job))
         out: dict[str, Any] = {}
+        if self.host_tier is not None and (copied := self.host_tier.take_stats()):
+            out["tier"] = copied
         chunks = [SeqChunk(tokens, start, blocks) for tokens, start, blocks in cmd["chunks"]]
         self.logits = None
         if chunks:

@@ -31,7 +31,7 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -95,6 +95,11 @@ class PrefixCache:
         self._tails: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # Told of the units ``(key, block)`` and tails ``(parent, tokens, block)`` that
+        # eviction takes, before their blocks go back: the host tier copies them out
+        # (kv/host_tier.py). ``clear`` tells nobody.
+        self.on_evict: Callable[[list[tuple[bytes, int]],
+                                 list[tuple[bytes, tuple[int, ...], int]]], None] | None = None
 
     # -- the Allocator protocol
 
@@ -246,20 +251,27 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every cached unit and tail; unreferenced ones go back to the allocator."""
-        self._evict(len(self._tails) + len(self._evictable))
+        self._evict(len(self._tails) + len(self._evictable), tell=False)
         self._by_key.clear()
         self._key_of.clear()
 
-    def _evict(self, n: int) -> None:
+    def _evict(self, n: int, tell: bool = True) -> None:
         """Tails go first: each holds less than a unit, and only one request can use it."""
         gone = []
+        units: list[tuple[bytes, int]] = []
+        tails: list[tuple[bytes, tuple[int, ...], int]] = []
         for _ in range(n):
             if self._tails:
-                _parent, (b, _tokens) = self._tails.popitem(last=False)
+                parent, (b, tokens) = self._tails.popitem(last=False)
+                tails.append((parent, tokens, b))
             else:
                 b, _none = self._evictable.popitem(last=False)
-                del self._by_key[self._key_of.pop(b)]
+                key = self._key_of.pop(b)
+                del self._by_key[key]
+                units.append((key, b))
             gone.append(b)
+        if tell and self.on_evict is not None and gone:
+            self.on_evict(units, tails)
         if gone:
             self.allocator.free(sorted(gone))
 

@@ -86,6 +86,7 @@ class StackConfig:
     chunk_tokens: int | None = None  # longest prompt chunk; None: by device
     long_chunk_tokens: int | None = None  # a longer prompt's piece beside others; None: by device
     prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
+    host_kv_cache_gib: float = 0.0  # host memory per rank under the prefix cache; 0: off
     router_workers: int = 1  # router processes sharing its port
     log_level: str = "INFO"
     # Share of each GPU's memory the stack's instances fill, and the prefill's part of it where
@@ -214,6 +215,8 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
     if not 0 < cfg.prefill_memory_share < 1:
         out.append(f"--prefill-memory-share: must be in (0, 1) (each role keeps some of a "
                    f"shared GPU), got {cfg.prefill_memory_share}")
+    if not 0 <= cfg.host_kv_cache_gib < float("inf"):
+        out.append(f"--host-kv-cache-gib: must be a number >= 0, got {cfg.host_kv_cache_gib}")
     if not 1 <= cfg.router_workers <= E.MAX_ROUTER_WORKERS:
         out.append(f"--router-workers: must be between 1 and {E.MAX_ROUTER_WORKERS}, got "
                    f"{cfg.router_workers}")
@@ -335,6 +338,8 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
             env[key] = str(value)
     if not cfg.prefix_cache:
         env[E.PDD_PREFIX_CACHE] = "0"
+    if cfg.host_kv_cache_gib:
+        env[E.PDD_HOST_KV_CACHE_GIB] = str(cfg.host_kv_cache_gib)
     if role == "decode":
         env[E.PDD_PREFILL_URLS] = f"http://{connect_host(cfg.host)}:{ports.prefill_http}"
     if cfg.device == "cuda" and gpus is not None:
@@ -702,6 +707,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from scratch (default: the prefill reuses the KV "
                    "of prompt prefixes it computed before)")
+    p.add_argument("--host-kv-cache-gib", type=float, default=0.0,
+                   help="GiB of host memory per rank, on both roles, that keep the KV the "
+                   "prefix cache evicts, loaded back instead of computed again (pinned on "
+                   "cuda; default 0: off; docs/host-kv-tier.md)")
     p.add_argument("--router-workers", type=router_workers_arg, default="auto",
                    help="router processes sharing its port, each a whole router; more spread "
                    "its per-request and per-token work over more cores (default auto: one per "
@@ -733,6 +742,7 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         max_waiting=a.max_waiting, max_step_tokens=a.max_step_tokens,
         chunk_tokens=a.chunk_tokens, long_chunk_tokens=a.long_chunk_tokens,
         prefix_cache=a.prefix_cache, router_workers=a.router_workers,
+        host_kv_cache_gib=a.host_kv_cache_gib,
         log_level=a.log_level.upper(),
         api_keys=tuple(a.api_keys), api_key_file=a.api_key_file,
         gpu_memory_utilization=a.gpu_memory_utilization,
