@@ -1,0 +1,273 @@
+"""The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on
+a GPU): copies are bit-exact both ways; a load is never raced by the reuse of its host slot or
+device block; through a running stack, prompts evicted from the device come back from host
+memory with the tokens of a run from scratch, for every layout; and a chat whose KV the decode
+evicted still pulls only its new tokens (and the last answer's last token)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nixl  # noqa: F401  (the tier needs it; never skip)
+import pytest
+import torch
+from runtime_fixtures import LocalCluster, Proc, http, plan_json, reference_tokens
+
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence, State
+from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.kv.host_pool import HostKVPool
+from pdd_sidecar.kv.host_tier import HostTier
+from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+pytestmark = pytest.mark.dataplane
+
+BLOCK = 16
+ROW_BYTES = 3 * 40 * 4  # one token's KV: the builtin model's layers x latent x float32
+BLOCK_BYTES = BLOCK * ROW_BYTES
+HOST_GIB = 160 * BLOCK_BYTES / (1 << 30)  # 160 host blocks per rank
+
+
+def _tokens(n: int, salt: int) -> list[int]:
+    return [(i * 53 + salt * 29 + 7) % 256 for i in range(n)]
+
+
+# -- the copies ---------------------------------------------------------------------------
+
+
+def _random_cache(num_blocks: int, dtype: torch.dtype) -> PagedKVCache:
+    cache = PagedKVCache(num_blocks, 3, 4, 8, dtype=dtype)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(3)))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_runs", [16, 0])  # a copy per run of slots; one host gather
+def test_offload_then_load_round_trips_bit_exact(dtype: torch.dtype, max_runs: int) -> None:
+    cache = _random_cache(12, dtype)
+    before = cache.kv.clone()
+    pool = HostKVPool(cache, 8, max_load_runs=max_runs)
+    pool.run([(5, 0), (2, 1), (9, 2), (3, 6), (0, 7)], [])  # two runs of slots
+    assert torch.equal(pool.host[[0, 1, 2, 6, 7]], before[[5, 2, 9, 3, 0]])
+    cache.kv.zero_()
+    pool.run([], [(6, 11), (0, 4), (1, 1), (7, 8), (2, 10)])
+    for slot, block in ((6, 11), (0, 4), (1, 1), (7, 8), (2, 10)):
+        assert torch.equal(cache.kv[block], pool.host[slot]), (slot, block)
+    untouched = [b for b in range(12) if b not in (11, 4, 1, 8, 10)]
+    assert not cache.kv[untouched].any()
+    stats = pool.take_stats()
+    assert stats["offload"]["bytes"] == stats["load"]["bytes"] == 5 * cache.bytes_per_block
+    assert stats["load"]["blocks"] == 5 and stats["load"]["seconds"] >= 0
+    assert pool.take_stats() == {}  # counted once
+
+
+def test_a_block_offloaded_and_loaded_into_in_one_command_is_read_first() -> None:
+    """An evicted block is handed out in the same plan: its offload runs before the load that
+    fills it for its new owner, and a slot that load reads was written by an earlier command."""
+    cache = _random_cache(4, torch.float32)
+    pool = HostKVPool(cache, 4)
+    pool.run([(1, 0)], [])
+    held = cache.kv[1].clone()
+    pool.host[3].fill_(7)
+    pool.run([(1, 2)], [(3, 1)])
+    assert torch.equal(pool.host[2], held) and bool((cache.kv[1] == 7).all())
+
+
+def test_big_batches_go_through_the_staging_in_pieces() -> None:
+    cache = _random_cache(40, torch.float32)
+    pool = HostKVPool(cache, 40)
+    pool.stage_blocks = 3
+    before = cache.kv.clone()
+    pool.run([(b, 39 - b) for b in range(40)], [])
+    cache.kv.zero_()
+    pool.run([], [(39 - b, b) for b in range(40)])
+    assert torch.equal(cache.kv, before)
+
+
+# -- the scheduler, the index and a pool together ------------------------------------------
+
+
+class _Prefill:
+    """A prefill scheduler over a real cache, prefix cache, host index and pool; a step runs
+    the command's copies, then checks every row a chunk reads and writes its own rows (the KV
+    of token t at position p is (t, p, 1, 2)), as a rank does."""
+
+    def __init__(self, num_blocks: int, slots: int) -> None:
+        self.cache = PagedKVCache(num_blocks, 1, BLOCK, 4)
+        self.pc = PrefixCache(self.cache, BLOCK, chain_root({"dcp": 1}))
+        self.tier = HostTier(slots, BLOCK)
+        self.pc.on_evict = self.tier.spill
+        self.pool = HostKVPool(self.cache, slots)
+        self.sched = Scheduler("prefill", self.cache, BLOCK, 1, 1, prefix_cache=self.pc,
+                               host_tier=self.tier)
+
+    def submit(self, rid: str, prompt: list[int]) -> Sequence:
+        seq = Sequence(rid, prompt, 1, len(prompt))
+        self.sched.submit(seq)
+        return seq
+
+    def step(self) -> None:
+        plan = self.sched.plan()
+        ops = self.tier.take()
+        self.pool.run(ops.offloads, ops.loads)
+        for c in plan.prefill:
+            seq = c.seq
+            for p in range(c.start + len(c.tokens)):
+                b, o = seq.blocks[p // BLOCK], p % BLOCK
+                if p < c.start:
+                    want = torch.tensor([seq.prompt[p], p, 1, 2], dtype=torch.float32)
+                    assert torch.equal(self.cache.kv[b, 0, o], want), (seq.id, p)
+                else:
+                    self.cache.kv[b, 0, o] = torch.tensor([seq.prompt[p], p, 1, 2])
+            self.sched.on_chunk_done(c)
+            if c.last:
+                self.sched.finish_prefill(seq, keep_blocks=False)
+
+    def run(self, rid: str, prompt: list[int]) -> int:
+        seq = self.submit(rid, prompt)
+        while seq.state is not State.FINISHED:
+            self.step()
+        return int(seq.extra[CACHED_TOKENS])
+
+
+def test_prompts_evicted_from_the_device_come_back_from_host_memory() -> None:
+    f = _Prefill(num_blocks=8, slots=32)
+    a = _tokens(4 * BLOCK + 3, 1)
+    assert f.run("a", a) == 0
+    for i in range(3):  # 5 blocks each: a's units leave the device
+        f.run(f"x{i}", _tokens(4 * BLOCK + 5, 10 + i))
+    assert f.pc.lookup(f.pc.keys(a)) == []
+    assert f.run("a2", a + _tokens(9, 2)) == 4 * BLOCK  # every whole unit, from host memory
+    assert f.tier.hit_tokens == 4 * BLOCK
+    assert f.run("a3", a) == 4 * BLOCK  # now on the device again
+    assert f.tier.hit_tokens == 4 * BLOCK
+
+
+def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
+    """The host holds a's four units and has four slots free; the device is full of b's cached
+    units. One plan admits two prompts continuing a: each gets four loads into fresh blocks,
+    b's, evicted (and spilled) by that very admission. b's blocks are copied out before a's KV
+    is loaded into them; the spills of the second admission find the host full and must not
+    take a's slots while they are being loaded (unpinned, a's would be the oldest by then); and
+    the second prompt loads its own copy of a, since a block being loaded is in no index."""
+    f = _Prefill(num_blocks=10, slots=8)
+    a = _tokens(4 * BLOCK + 3, 1)
+    f.run("a", a)
+    b = _tokens(9 * BLOCK + 1, 2)
+    f.run("b", b)  # 10 blocks: evicts all of a into 4 slots; b's 9 units cached
+    assert len(f.tier.lookup(f.pc.keys(a))) == 4 and f.tier.used_slots == 4
+    x = f.submit("x", a + _tokens(5, 3))
+    y = f.submit("y", a + _tokens(7, 4))
+    f.sched.plan()  # admits both: 2 x 5 fresh blocks, from b's 9 cached units and 1 free
+    f.sched.hold()
+    assert x.extra[CACHED_TOKENS] == y.extra[CACHED_TOKENS] == 4 * BLOCK
+    assert not set(x.blocks) & set(y.blocks)
+    tables = (x.blocks[:4], y.blocks[:4])
+    assert f.pc.lookup(f.pc.keys(a)) == []  # being loaded: in no index yet
+    assert f.tier.used_slots == 8  # 9 of b's units spilled into 4 slots: a's were pinned
+    f.step()  # the copies (offloads first), then every loaded row is checked
+    for u, key in enumerate(f.pc.keys(b)):
+        for slot in f.tier.lookup([key]):  # b's units that made it to host memory
+            rows = f.pool.host[slot, 0, :, :2]
+            want = [[b[p], p] for p in range(u * BLOCK, (u + 1) * BLOCK)]
+            assert rows.tolist() == want, u
+    while x.state is not State.FINISHED or y.state is not State.FINISHED:
+        f.step()
+    assert f.pc.lookup(f.pc.keys(a)) in tables  # cached once computed after
+
+
+# -- through a running stack ----------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],
+           prefill_env: dict[str, Any], decode_env: dict[str, Any]) -> dict[str, Proc]:
+    routing = cluster.plan_file(plan_json(p, d, BLOCK), f"routing-{len(cluster.procs)}.json")
+    prefill = cluster.instance("prefill", p[0], p[1], routing, BLOCK, **prefill_env)
+    decode = cluster.instance("decode", d[0], d[1], routing, BLOCK, PDD_PREFILL_URLS=prefill.url,
+                              **decode_env)
+    router = cluster.router([prefill], [decode], PDD_BLOCK_SIZE=BLOCK)
+    for proc in (prefill, decode, router):
+        proc.wait_ready()
+    return {"prefill": prefill, "decode": decode, "router": router}
+
+
+def _complete(router: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    status, body = http("POST", f"{router}/v1/completions",
+                        {"prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
+                         "ignore_eos": True}, timeout=300)
+    assert status == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+def _metrics(url: str, name: str) -> float:
+    """The sum of a metric's samples (every label)."""
+    _, text = http("GET", f"{url}/metrics")
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("p,d", [((1, 1), (1, 1)), ((2, 2), (2, 2)), ((1, 1), (2, 2))])
+def test_prefixes_evicted_on_the_prefill_load_back_with_the_same_tokens(
+        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
+    """16 blocks a prefill rank: 12 prompts of 3-5 units turn the device cache over; asked
+    again, each oldest prompt's whole units come from host memory, and every answer is the
+    one a run from scratch gives."""
+    stack = _stack(cluster, p, d, {"PDD_NUM_BLOCKS": 16, "PDD_HOST_KV_CACHE_GIB": HOST_GIB}, {})
+    router, prefill = stack["router"].url, stack["prefill"].url
+    unit = BLOCK * p[1]
+    prompts = [_tokens(2 * unit + 7 + 9 * (i % 3), 100 + i) for i in range(12)]
+    for q in prompts:
+        body = _complete(router, q, 3)
+        assert body["choices"][0]["token_ids"] == reference_tokens(q, 3, BLOCK)
+    assert _metrics(prefill, "pdd_host_kv_copy_bytes_total") > 0  # offloads happened
+    for q in prompts[:4]:  # the first ones left the device long ago
+        body = _complete(router, q, 3)
+        assert body["choices"][0]["token_ids"] == reference_tokens(q, 3, BLOCK)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+            (len(q) - 1) // unit * unit)
+    hits = _metrics(prefill, "pdd_host_kv_hits_total")
+    assert hits >= 4 * 2 * unit
+    assert _metrics(prefill, "pdd_prefix_cache_hits_total") >= hits
+    assert _metrics(prefill, "pdd_host_kv_blocks") > 0
+    assert _metrics(prefill, "pdd_host_kv_blocks_total") == 160
+    loads = re.findall(r'^pdd_host_kv_copy_bytes_total\{kind="load",rank="(\d)"\} (\S+)$',
+                       http("GET", f"{prefill}/metrics")[1], re.M)
+    assert sorted(int(r) for r, _ in loads) == list(range(p[0]))  # every rank loads its shard
+    assert all(float(v) > 0 for _, v in loads)
+
+
+TURNS, FIRST, NEW, MAX_TOKENS = 3, 40, 9, 10
+
+
+@pytest.mark.parametrize("p,d", [((1, 1), (1, 1)), ((2, 2), (2, 2)), ((1, 1), (2, 2))])
+def test_a_chat_after_decode_side_eviction_pulls_only_its_new_tokens(
+        cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int]) -> None:
+    """Between the turns of a chat, other requests turn the decode's device cache over, the
+    chat's units and partial last unit with it: the next turn loads them back from host memory
+    and reads from the prefill exactly its new tokens and the last answer's last token."""
+    stack = _stack(cluster, p, d, {},
+                   {"PDD_NUM_BLOCKS": 12, "PDD_HOST_KV_CACHE_GIB": HOST_GIB})
+    router, decode = stack["router"].url, stack["decode"].url
+    unit = BLOCK * d[1]
+    prompt = _tokens(FIRST, 5)
+    for k in range(TURNS):
+        body = _complete(router, prompt, MAX_TOKENS)
+        done = body["choices"][0]["token_ids"]
+        assert done == reference_tokens(prompt, MAX_TOKENS, BLOCK), k
+        moved = body["pdd"]["transfer"]["bytes"]
+        if k:
+            assert moved == (1 + NEW) * ROW_BYTES, (k, moved)
+        for j in range(3):  # 3 x ~7 units through a 12-block decode: the chat's leave
+            _complete(router, _tokens(5 * unit + 3, 50 + 3 * k + j), 2)
+        prompt = prompt + done + _tokens(NEW, 20 + k)
+    assert _metrics(decode, "pdd_host_kv_hits_total") >= (TURNS - 1) * FIRST
+    loads = _metrics(decode, "pdd_host_kv_copy_bytes_total")
+    assert loads > 0
