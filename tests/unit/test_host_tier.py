@@ -3,11 +3,23 @@ over slots, pins, tails, the prefix cache's spills and the table a host hit buil
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from tests.unit.test_prefix_cache import RECORD, Blocks
+
+from pdd_cli.main import main
+from pdd_sidecar.env import ConfigError, InstanceSettings
 from pdd_sidecar.kv.host_tier import GIB, HostTier, host_slots, load_from_host
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root, unit_keys
-from tests.unit.test_prefix_cache import RECORD, Blocks
+from pdd_sidecar.serve.local_stack import (
+    Ports,
+    StackConfig,
+    config_from_args,
+    instance_env,
+    parser,
+    routing_plan_json,
+)
 
 UNIT = 4
 
@@ -169,3 +181,24 @@ def test_slots_looked_up_are_pinned_while_the_allocation_spills() -> None:
     ops = tier.take()
     assert ops.loads == [(0, table[0])] and ops.offloads == []
     assert tier.dropped_blocks == 1 and tier.lookup(k[:1]) == [0]
+
+
+def test_serve_flag_reaches_both_roles_and_bad_sizes_name_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert config_from_args(parser().parse_args([])).host_kv_cache_gib == 0
+    cfg = config_from_args(parser().parse_args(["--host-kv-cache-gib", "2.5"]))
+    f = tmp_path / "routing.json"
+    f.write_text(routing_plan_json(cfg))
+    ports = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=13000,
+                  decode_http=14000, decode_side=15000, decode_dist=16000)
+    for role in ("prefill", "decode"):
+        env = instance_env(cfg, role, ports, str(f), None, "/k")
+        assert InstanceSettings.from_env(env).host_kv_cache_gib == 2.5
+        assert "PDD_HOST_KV_CACHE_GIB" not in instance_env(
+            StackConfig(), role, ports, str(f), None, "/k")
+        with pytest.raises(ConfigError, match="PDD_HOST_KV_CACHE_GIB: must be >= 0, got -1"):
+            InstanceSettings.from_env({**env, "PDD_HOST_KV_CACHE_GIB": "-1"})
+    for bad in ("-1", "nan"):
+        assert main(["serve", "--host-kv-cache-gib", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"pdd serve: --host-kv-cache-gib: must be a number >= 0, got {bad}" in err, err

@@ -50,11 +50,12 @@ STAGE_BYTES = 128 << 20
 def pin(t: torch.Tensor) -> None:
     """Page-lock ``t`` where it is. ``pin_memory=True`` would go through torch's caching host
     allocator, which rounds each allocation up to a power of two (100 GiB would lock 128)."""
-    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    nbytes = t.numel() * t.element_size()
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
     if rc != 0:
-        raise RuntimeError(f"cudaHostRegister of the host KV pool ({t.numel() * t.element_size()} "
-                           f"bytes) failed with CUDA error {rc}: is the memory lock limit "
-                           "(ulimit -l) or the pod's memory limit lower than PDD_HOST_KV_CACHE_GIB?")
+        raise RuntimeError(f"cudaHostRegister of the host KV pool ({nbytes} bytes) failed with "
+                           f"CUDA error {rc}: is the memory lock limit (ulimit -l) or the pod's "
+                           "memory limit lower than PDD_HOST_KV_CACHE_GIB?")
 
 
 @dataclass
@@ -115,7 +116,7 @@ class HostKVPool:
                 blocks, slots = zip(*pairs[a:a + k], strict=True)
                 self._timed("offload", len(slots),
                             lambda b=blocks, s=slots: self._offload(b, s))
-            pairs = sorted(loads)
+            pairs = sorted(loads, key=lambda p: p[0])
             for a in range(0, len(pairs), k):
                 slots, blocks = zip(*pairs[a:a + k], strict=True)
                 self._timed("load", len(slots), lambda b=blocks, s=slots: self._load(s, b))
