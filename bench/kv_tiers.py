@@ -149,8 +149,11 @@ async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 
 def summed(m: dict[str, float], *parts: str) -> float:
-    """The sum of every sample whose name holds all of ``parts``."""
-    return sum(v for k, v in m.items() if all(p in k.split("{")[0] for p in parts))
+    """The sum of every sample whose name holds all of ``parts`` as words (``load`` is not a
+    word of ``pdd_host_kv_offload_bytes_total``), counters' ``_created`` stamps left out."""
+    words = {k: k.split("{")[0].split("_") for k in m}
+    return sum(v for k, v in m.items()
+               if words[k][-1] != "created" and all(p in words[k] for p in parts))
 
 
 def stack_config(args: argparse.Namespace, flags: Sequence[str]) -> StackConfig:

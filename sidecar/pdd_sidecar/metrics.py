@@ -130,14 +130,16 @@ class InstanceMetrics:
             "pdd_host_kv_blocks_total", "Host KV blocks (slots, per rank) of the tier",
             registry=r,
         )
-        self.host_kv_copy_bytes = Counter(
-            "pdd_host_kv_copy_bytes", "Bytes copied by the host tier; kind: load (host to "
-            "device) or offload", ["kind", "rank"], registry=r,
-        )
-        self.host_kv_copy_seconds = Counter(
-            "pdd_host_kv_copy_seconds", "Time of the host tier's copies (on CUDA by events on "
-            "its stream); kind: load or offload", ["kind", "rank"], registry=r,
-        )
+        # One name per kind (not a label): the bench and dashboards read a rate as bytes over
+        # seconds of the same name's samples.
+        self.host_kv_bytes = {kind: Counter(
+            f"pdd_host_kv_{kind}_bytes", f"Bytes the host tier copied ({what})", ["rank"],
+            registry=r) for kind, what in (("load", "host to device"), ("offload",
+                                                                        "device to host"))}
+        self.host_kv_seconds = {kind: Counter(
+            f"pdd_host_kv_{kind}_seconds", f"Time of the host tier's copies ({what}; on CUDA "
+            "by events on its stream)", ["rank"], registry=r)
+            for kind, what in (("load", "host to device"), ("offload", "device to host"))}
         self.warmup_seconds = Gauge(
             "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
         )
@@ -156,9 +158,8 @@ class InstanceMetrics:
 
     def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
         """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
-        labels = {"kind": kind, "rank": str(rank)}
-        self.host_kv_copy_bytes.labels(**labels).inc(copied.get("bytes", 0))
-        self.host_kv_copy_seconds.labels(**labels).inc(copied.get("seconds", 0.0))
+        self.host_kv_bytes[kind].labels(rank=str(rank)).inc(copied.get("bytes", 0))
+        self.host_kv_seconds[kind].labels(rank=str(rank)).inc(copied.get("seconds", 0.0))
 
     def expose(self) -> bytes:
         self.gc_pauses.flush()
@@ -207,14 +208,16 @@ class RouterMetrics:
             "pdd_host_kv_blocks_total", "Host KV blocks (slots, per rank) of the tier",
             registry=r,
         )
-        self.host_kv_copy_bytes = Counter(
-            "pdd_host_kv_copy_bytes", "Bytes copied by the host tier; kind: load (host to "
-            "device) or offload", ["kind", "rank"], registry=r,
-        )
-        self.host_kv_copy_seconds = Counter(
-            "pdd_host_kv_copy_seconds", "Time of the host tier's copies (on CUDA by events on "
-            "its stream); kind: load or offload", ["kind", "rank"], registry=r,
-        )
+        # One name per kind (not a label): the bench and dashboards read a rate as bytes over
+        # seconds of the same name's samples.
+        self.host_kv_bytes = {kind: Counter(
+            f"pdd_host_kv_{kind}_bytes", f"Bytes the host tier copied ({what})", ["rank"],
+            registry=r) for kind, what in (("load", "host to device"), ("offload",
+                                                                        "device to host"))}
+        self.host_kv_seconds = {kind: Counter(
+            f"pdd_host_kv_{kind}_seconds", f"Time of the host tier's copies ({what}; on CUDA "
+            "by events on its stream)", ["rank"], registry=r)
+            for kind, what in (("load", "host to device"), ("offload", "device to host"))}
         self.warmup_seconds = Gauge(
             "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
             registry=r, multiprocess_mode="max",
@@ -222,9 +225,8 @@ class RouterMetrics:
 
     def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
         """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
-        labels = {"kind": kind, "rank": str(rank)}
-        self.host_kv_copy_bytes.labels(**labels).inc(copied.get("bytes", 0))
-        self.host_kv_copy_seconds.labels(**labels).inc(copied.get("seconds", 0.0))
+        self.host_kv_bytes[kind].labels(rank=str(rank)).inc(copied.get("bytes", 0))
+        self.host_kv_seconds[kind].labels(rank=str(rank)).inc(copied.get("seconds", 0.0))
 
     def expose(self) -> bytes:
         self.gc_pauses.flush()
