@@ -86,6 +86,29 @@ def test_big_batches_go_through_the_staging_in_pieces() -> None:
     assert torch.equal(cache.kv, before)
 
 
+def _settings(**env: str) -> Any:
+    from pdd_sidecar.env import InstanceSettings
+
+    return InstanceSettings.from_env({
+        "PDD_ROLE": "prefill", "PDD_TP_SIZE": "1", "PDD_BLOCK_SIZE": str(BLOCK),
+        "PDD_ROUTING_FILE": "/r.json", "PDD_GRANT_KEY_FILE": "/k", **env})
+
+
+def test_a_rank_sizes_its_pool_from_the_setting_and_refuses_one_that_holds_no_block(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from pdd_sidecar.engine.host_tier import tier_slots
+
+    assert tier_slots(_settings(), BLOCK_BYTES) == 0  # off by default
+    assert tier_slots(_settings(PDD_HOST_KV_CACHE_GIB=str(HOST_GIB)), BLOCK_BYTES) == 160
+    assert tier_slots(_settings(PDD_HOST_KV_CACHE_GIB="1"), BLOCK_BYTES) == (1 << 30) // 7680
+    with pytest.raises(ValueError, match=r"PDD_HOST_KV_CACHE_GIB=1e-06 holds no KV block "
+                                         r"\(7680 bytes per rank\)"):
+        tier_slots(_settings(PDD_HOST_KV_CACHE_GIB="0.000001"), BLOCK_BYTES)
+    off = _settings(PDD_HOST_KV_CACHE_GIB="1", PDD_PREFIX_CACHE="0")
+    assert tier_slots(off, BLOCK_BYTES) == 0
+    assert "PDD_HOST_KV_CACHE_GIB=1.0 is ignored: the prefix cache is off" in caplog.text
+
+
 # -- the scheduler, the index and a pool together ------------------------------------------
 
 
