@@ -3,10 +3,10 @@ over slots, pins, tails, the prefix cache's spills and the table a host hit buil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from tests.unit.test_prefix_cache import RECORD, Blocks
 
 from pdd_cli.main import main
 from pdd_sidecar.env import ConfigError, InstanceSettings
@@ -22,6 +22,30 @@ from pdd_sidecar.serve.local_stack import (
 )
 
 UNIT = 4
+RECORD = {"model": "tiny:builtin(seed=1)", "dtype": "float32", "block_size": 4,
+          "cache_layout": "L2xB4xD8", "plan_version": 1, "plan_digest": "abc", "dcp": 1}
+
+
+class Blocks:
+    """A plain allocator: lowest free ids, strict about double frees."""
+
+    def __init__(self, n: int) -> None:
+        self.num_blocks = n
+        self.free_ids = set(range(n))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free_ids), f"requested {n}"
+        ids = sorted(self.free_ids)[:n]
+        self.free_ids -= set(ids)
+        return ids
+
+    def free(self, ids: Sequence[int]) -> None:
+        assert not set(ids) & self.free_ids, f"double free {ids}"
+        self.free_ids |= set(ids)
 
 
 def keys(n_units: int, salt: int = 0, record: dict | None = None) -> list[bytes]:
