@@ -30,6 +30,14 @@ def gpu(role: str, kind: str, tp: int, value: Any) -> dict[str, Any]:
     return spec
 
 
+def host_tier(role: str, gib: float, memory: Any, tp: int = 4, **more: Any) -> dict[str, Any]:
+    """A role with a host KV tier and a memory limit (DCP 1, so any TP is valid)."""
+    spec = copy.deepcopy(BASE)
+    spec[role] = {"tensorParallelSize": tp, "hostKVCacheGiB": gib,
+                  "resources": {"limits": {"memory": memory}}, **more}
+    return spec
+
+
 # engine vllm: the router runs a pdd image of its own (spec.image is then a vLLM image).
 VLLM: dict[str, Any] = {**BASE, "engine": "vllm", "image": "vllm/vllm-openai:v0.33.0",
                         "router": {"image": "pdd:0.1.0"}}
@@ -145,6 +153,44 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "got 'random'"),
     ("prefixCache type", with_("prefill.prefixCache", "yes"),
      "spec.prefill.prefixCache: must be a boolean, got 'yes'"),
+    ("D gpuMemoryUtilization 1.5", with_("decode.gpuMemoryUtilization", 1.5),
+     "spec.decode.gpuMemoryUtilization: must be in (0, 1], got 1.5"),
+    ("P gpuMemoryUtilization 0", with_("prefill.gpuMemoryUtilization", 0),
+     "spec.prefill.gpuMemoryUtilization: must be in (0, 1], got 0"),
+    ("D gpuMemoryUtilization -0.25", with_("decode.gpuMemoryUtilization", -0.25),
+     "spec.decode.gpuMemoryUtilization: must be in (0, 1], got -0.25"),
+    ("P gpuMemoryUtilization 90", with_("prefill.gpuMemoryUtilization", 90),
+     "spec.prefill.gpuMemoryUtilization: must be in (0, 1], got 90"),
+    ("D gpuMemoryUtilization string", with_("decode.gpuMemoryUtilization", "0.9"),
+     "spec.decode.gpuMemoryUtilization: must be a number, got '0.9'"),
+    ("P hostKVCacheGiB -1", with_("prefill.hostKVCacheGiB", -1),
+     "spec.prefill.hostKVCacheGiB: must be between 0 and 4096, got -1"),
+    ("D hostKVCacheGiB in bytes", with_("decode.hostKVCacheGiB", 17179869184),
+     "spec.decode.hostKVCacheGiB: must be between 0 and 4096, got 1.7179869184e+10"),
+    ("P hostKVCacheGiB bool", with_("prefill.hostKVCacheGiB", True),
+     "spec.prefill.hostKVCacheGiB: must be a number, got True"),
+    ("P kvCacheBlocks 0", with_("prefill.kvCacheBlocks", 0),
+     "spec.prefill.kvCacheBlocks: must be between 1 and 16777216, got 0"),
+    ("D kvCacheBlocks 2^24+1", with_("decode.kvCacheBlocks", 2**24 + 1),
+     "spec.decode.kvCacheBlocks: must be between 1 and 16777216, got 16777217"),
+    ("D kvCacheBlocks fraction", with_("decode.kvCacheBlocks", 1.5),
+     "spec.decode.kvCacheBlocks: must be an integer, got 1.5"),
+    ("D host tier over the memory limit", host_tier("decode", 8, "16Gi"),
+     "spec.decode.resources.limits.memory: 16Gi is less than the host KV cache needs "
+     "(hostKVCacheGiB 8 × 4 ranks per pod = 32Gi)"),
+    ("P host tier over the memory limit per pod",
+     host_tier("prefill", 8, "15Gi", gpusPerPod=2),
+     "spec.prefill.resources.limits.memory: 15Gi is less than the host KV cache needs "
+     "(hostKVCacheGiB 8 × 2 ranks per pod = 16Gi)"),
+    ("D host tier over a limit in bytes", host_tier("decode", 0.5, 536870911, tp=1),
+     "spec.decode.resources.limits.memory: 536870911 is less than the host KV cache needs "
+     "(hostKVCacheGiB 0.5 × 1 rank per pod = 0.5Gi)"),
+    ("P host tier over a decimal limit", host_tier("prefill", 1.5, "6G"),
+     "spec.prefill.resources.limits.memory: 6G is less than the host KV cache needs "
+     "(hostKVCacheGiB 1.5 × 4 ranks per pod = 6Gi)"),
+    ("vllm host tier", {**VLLM, "decode": {"tensorParallelSize": 4, "hostKVCacheGiB": 8}},
+     "spec.decode.hostKVCacheGiB: with engine vllm, must be 0 (the host KV cache tier is "
+     "served by pdd sidecars only), got 8"),
     ("vllm router image missing", {**VLLM, "router": {}}, VLLM_ROUTER_IMAGE),
     ("vllm router image empty", {**VLLM, "router": {"image": "", "enabled": True}},
      VLLM_ROUTER_IMAGE),
@@ -179,6 +225,20 @@ VALID_EDGES = [
     {**VLLM, "prefill": {"tensorParallelSize": 2, "decodeContextParallelSize": 2},
      "decode": {"tensorParallelSize": 8, "decodeContextParallelSize": 1}},
     {**VLLM, "router": {"enabled": False}},
+    # KV memory: the GPU's share in (0, 1], a fixed pool, a host tier the limit holds.
+    with_("decode.gpuMemoryUtilization", 1),
+    with_("prefill.gpuMemoryUtilization", 0.05),
+    with_("prefill.kvCacheBlocks", 1),
+    with_("decode.kvCacheBlocks", 2**24),
+    with_("decode.hostKVCacheGiB", 4096),
+    with_("prefill.hostKVCacheGiB", 0),
+    host_tier("decode", 8, "32Gi"),
+    host_tier("decode", 8, 34359738368),
+    host_tier("prefill", 8, "16Gi", gpusPerPod=2),
+    host_tier("prefill", 1.5, "6442450944"),
+    host_tier("decode", 0.25, "1Gi", tp=1),
+    {**VLLM, "prefill": {"tensorParallelSize": 4, "gpuMemoryUtilization": 0.8,
+                         "kvCacheBlocks": 4096, "hostKVCacheGiB": 0}},
     # Multi-node instances (LeaderWorkerSet groups): the GPU count is per pod.
     {**BASE, "prefill": {"tensorParallelSize": 4, "decodeContextParallelSize": 4,
                          "gpusPerPod": 2},

@@ -7,6 +7,7 @@ GitOps health checks) relies on them, so they change only with a version bump.
 from __future__ import annotations
 
 from pdd_api.models import API_GROUP
+from pdd_api.models import DEFAULT_GPU_MEMORY_UTILIZATION as DEFAULT_GPU_MEMORY_UTILIZATION
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -87,7 +88,8 @@ ENV_ROUTER_WORKERS = "PDD_ROUTER_WORKERS"
 ENV_GPU_MEMORY_UTILIZATION = "PDD_GPU_MEMORY_UTILIZATION"
 ENV_NUM_BLOCKS = "PDD_NUM_BLOCKS"
 ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# DEFAULT_GPU_MEMORY_UTILIZATION (imported above from the models: the CRD's default is the
+# sidecars').
 
 # API keys on the router (issue 39): keys in the env, or a file/folder of them (the mounted
 # Secret of spec.router.apiKeySecretRef), read again when it changes.

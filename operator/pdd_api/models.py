@@ -23,6 +23,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 RouterPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 DEFAULT_ROUTER_POLICY: RouterPolicy = "cache-aware"  # first of ROUTER_POLICIES
+# The share of a GPU's memory an instance fills unless told otherwise (vLLM's default too);
+# keys.py re-exports it for the sidecars.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 # CRD-only schema hints carried on fields (see crd.py).
 PRESERVE_UNKNOWN: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
@@ -208,6 +211,31 @@ class RoleSpec(_Strict):
         description="Keep the KV blocks of each prompt for later prompts that begin the same "
         "way, so their shared prefix is not computed again (PDD_PREFIX_CACHE; with engine "
         "vllm, false adds --no-enable-prefix-caching).",
+    )
+    gpuMemoryUtilization: float = Field(
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        description="Share of each GPU's memory an instance may fill, in (0, 1]: weights, "
+        "activations, CUDA graphs and the KV cache. The KV pool gets what is left once the "
+        "weights are loaded and warm-up has run, the same number of blocks on every rank (the "
+        "smallest any rank has room for). Lower it when something else uses the GPUs "
+        "(PDD_GPU_MEMORY_UTILIZATION; with engine vllm, --gpu-memory-utilization). "
+        "kvCacheBlocks, when set, wins.",
+    )
+    kvCacheBlocks: int | None = Field(
+        default=None,
+        description="KV cache blocks per rank (blockSize tokens each), a fixed pool instead "
+        "of one sized from gpuMemoryUtilization (PDD_NUM_BLOCKS; with engine vllm, "
+        "--num-gpu-blocks-override). Absent: sized from memory.",
+    )
+    hostKVCacheGiB: float = Field(
+        default=0.0,
+        description="GiB of pinned host memory per rank under the prefix cache: blocks "
+        "evicted from the GPU are kept there, and a prompt that starts like an earlier one "
+        "loads them back instead of computing them again (PDD_HOST_KV_CACHE_GIB). 0: no host "
+        "tier. Counts against the pod's memory: the operator adds hostKVCacheGiB x ranks per "
+        "pod to the sidecar's memory request and limit (a request of just that when "
+        "resources give no memory); a memory limit below that amount alone is refused. Not "
+        "with engine vllm.",
     )
     template: PodTemplate | None = Field(
         default=None,

@@ -5,8 +5,10 @@ message, so a GitOps dry run, the webhook and the CLI agree word for word.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Protocol
 
 from pdd_api.models import (
@@ -17,12 +19,17 @@ from pdd_api.models import (
     ROLES,
     PDDeploymentSpec,
 )
+from pdd_api.quantity import GIB, parse_quantity
 
 MAX_TP = 64
 MAX_REPLICAS = 64
 MAX_ROUTER_WORKERS = 64  # PDD_ROUTER_WORKERS, the router's bound too
 MAX_BLOCK_SIZE = 1024
 BLOCK_ALIGN = 16
+MAX_KV_CACHE_BLOCKS = 1 << 24  # per rank; far beyond any GPU, short of overflowing anything
+# GiB of host KV per rank: a node's memory shared by its GPUs, with room to spare; a byte count
+# typed into the field (17179869184 for 16Gi) is caught here instead of at scheduling.
+MAX_HOST_KV_CACHE_GIB = 4096
 
 
 def default_of(path: str) -> Any:
@@ -55,6 +62,35 @@ def lookup(spec: Mapping[str, Any], path: str) -> Any:
 def _int(spec: Mapping[str, Any], path: str) -> int | None:
     v = lookup(spec, path)
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _number(spec: Mapping[str, Any], path: str) -> float | None:
+    v = lookup(spec, path)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def cel_double(x: float) -> str:
+    """A double as CEL's `string(double)` and `'%s'.format([double])` write it (Go's
+    strconv 'g' with the shortest precision): 1 -> `1`, 0.9 -> `0.9`, 1e6 -> `1e+06`."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    sign = "-" if math.copysign(1.0, x) < 0 else ""
+    if x == 0:
+        return sign + "0"
+    t = Decimal(repr(abs(x))).normalize().as_tuple()
+    digits = "".join(map(str, t.digits))
+    nd, dp = len(digits), len(digits) + int(t.exponent)
+    e = dp - 1
+    if e < -4 or e >= 6:
+        mantissa = digits[0] + (f".{digits[1:]}" if nd > 1 else "")
+        return f"{sign}{mantissa}e{'+' if e >= 0 else '-'}{abs(e):02d}"
+    if dp <= 0:
+        return f"{sign}0.{'0' * -dp}{digits}"
+    if dp >= nd:
+        return sign + digits + "0" * (dp - nd)
+    return f"{sign}{digits[:dp]}.{digits[dp:]}"
 
 
 def _cel(field: str, rule: str, message: str, reason: str = "FieldValueInvalid") -> dict[str, str]:
@@ -381,6 +417,136 @@ class NonEmptyRule:
         )
 
 
+@dataclass(frozen=True)
+class NumberRangeRule:
+    """A number (a double in CEL) in [lo, hi], or in (lo, hi] with ``open_low``."""
+
+    field: str
+    lo: float
+    hi: float
+    open_low: bool = False
+    reads: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def _range(self) -> str:
+        lo, hi = cel_double(self.lo), cel_double(self.hi)
+        return f"in ({lo}, {hi}]" if self.open_low else f"between {lo} and {hi}"
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        v = _number(spec, self.field)
+        if v is None or ((self.lo < v if self.open_low else self.lo <= v) and v <= self.hi):
+            return None
+        return f"spec.{self.field}: must be {self._range}, got {cel_double(v)}"
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        low = ">" if self.open_low else ">="
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}({f} {low} {float(self.lo)!r} && "
+            f"{f} <= {float(self.hi)!r})",
+            _fmt(f"spec.{self.field}: must be {self._range}, got %s", f),
+        )
+
+
+@dataclass(frozen=True)
+class VllmHostTierRule:
+    """The host KV tier is pdd's sidecars' own. vLLM's CPU offloading is a KV connector of its
+    own, and the one connector pdd's vLLM pods get is NixlConnector (the P/D hand-off)."""
+
+    role: str
+    reads: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.hostKVCacheGiB"
+
+    @property
+    def _words(self) -> str:
+        return (f"spec.{self.field}: with engine vllm, must be 0 (the host KV cache tier is "
+                "served by pdd sidecars only), got")
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        v = _number(spec, self.field)
+        if not _vllm(spec) or v is None or v == 0:
+            return None
+        return f"{self._words} {cel_double(v)}"
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        return _cel(self.field, f"{_CEL_NOT_VLLM}{_cel_guard(self.field)}{f} == 0.0",
+                    _fmt(f"{self._words} %s", f))
+
+
+@dataclass(frozen=True)
+class HostKVMemoryRule:
+    """The host tier is pinned memory in the sidecar's container: the operator adds
+    hostKVCacheGiB x ranks per pod to the memory the spec gives it. A memory limit below the
+    tier alone is refused: it was written as the pod's total, tier included, and would leave
+    the tier room only with the rest of the container squeezed out. Quantities are compared
+    as the API server's CEL compares them (quantity.py)."""
+
+    role: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.resources.limits.memory"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(f"{self.role}.tensorParallelSize"), _path(f"{self.role}.gpusPerPod"))
+
+    def _head(self) -> str:
+        return f"spec.{self.field}:"
+
+    def reads_in(self, spec: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+        """The memory limit is read only where there is a host tier (the rule's first
+        clauses): only there does an integral float in it fail CEL (`pdd validate` then keeps
+        it a float, which the models refuse, as for every integer a rule reads)."""
+        gib = _number(spec, f"{self.role}.hostKVCacheGiB")
+        return (_path(self.field),) if gib is not None and gib > 0 else ()
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        gib = _number(spec, f"{self.role}.hostKVCacheGiB")
+        limits = lookup(spec, f"{self.role}.resources.limits")
+        if gib is None or not gib > 0 or not isinstance(limits, Mapping):
+            return None
+        raw = limits.get("memory")
+        per_pod = _int(spec, f"{self.role}.gpusPerPod")
+        ranks = per_pod if per_pod is not None else _int(
+            spec, f"{self.role}.tensorParallelSize")
+        if isinstance(raw, bool) or not isinstance(raw, int | str) or ranks is None:
+            return None
+        limit = parse_quantity(str(raw))
+        if limit is None or limit.approximate_float() >= gib * float(ranks) * float(GIB):
+            return None
+        return (f"{self._head()} {raw} is less than the host KV cache needs (hostKVCacheGiB "
+                f"{cel_double(gib)} × {ranks} {'rank' if ranks == 1 else 'ranks'} per pod = "
+                f"{cel_double(gib * float(ranks))}Gi)")
+
+    def cel(self) -> dict[str, str]:
+        r = f"self.{self.role}"
+        limits = f"{r}.resources.limits"
+        memory = f"string({limits}['memory'])"
+        ranks = f"(has({r}.gpusPerPod) ? {r}.gpusPerPod : {r}.tensorParallelSize)"
+        need = f"{r}.hostKVCacheGiB * double({ranks})"
+        return _cel(
+            self.field,
+            f"!has({r}) || !has({r}.hostKVCacheGiB) || {r}.hostKVCacheGiB <= 0.0 || "
+            f"!has({r}.resources) || !has({limits}) || !('memory' in {limits}) || "
+            f"!has({r}.tensorParallelSize) || !isQuantity({memory}) || "
+            f"quantity({memory}).asApproximateFloat() >= {need} * {float(GIB)!r}",
+            _fmt(f"{self._head()} %s is less than the host KV cache needs (hostKVCacheGiB %s "
+                 "× %d %s per pod = %sGi)", memory, f"{r}.hostKVCacheGiB", ranks,
+                 f"{ranks} == 1 ? 'rank' : 'ranks'", need),
+        )
+
+
+def conditional_reads(spec: Mapping[str, Any]) -> frozenset[tuple[str, ...]]:
+    """Integers a CEL rule reads in this spec beyond every rule's `reads`."""
+    return frozenset(p for role in ROLES for p in HostKVMemoryRule(role).reads_in(spec))
+
+
 TEMPLATE_ROLES = (*ROLES, "router")
 MAIN_CONTAINER = {"prefill": "sidecar", "decode": "sidecar", "router": "router"}
 _LABEL_PREFIXES = ("app.kubernetes.io/", f"{API_GROUP}/")
@@ -468,6 +634,11 @@ def _rules() -> tuple[Rule, ...]:
             VllmOnePodRule(role),
             GpuRule(role, "limits"),
             GpuRule(role, "requests"),
+            NumberRangeRule(f"{role}.gpuMemoryUtilization", 0, 1, open_low=True),
+            RangeRule(f"{role}.kvCacheBlocks", 1, MAX_KV_CACHE_BLOCKS),
+            NumberRangeRule(f"{role}.hostKVCacheGiB", 0, MAX_HOST_KV_CACHE_GIB),
+            VllmHostTierRule(role),
+            HostKVMemoryRule(role),
         ]
     rules += [
         DivideEitherWayRule("decode.decodeContextParallelSize",

@@ -18,7 +18,7 @@ from functools import cache
 from typing import Any
 
 from pdd_api.crd import spec_schema
-from pdd_api.rules import RULES
+from pdd_api.rules import RULES, conditional_reads
 
 Path = tuple[str | int, ...]
 
@@ -74,23 +74,24 @@ def normalize(spec: Mapping[str, Any], prefix: str = "spec") -> tuple[dict[str, 
     """The spec as the API server would validate it, and the schema problems pydantic cannot
     see (bounds of a free-form overlay, integers beyond 64 bits)."""
     problems: list[str] = []
-    out = _walk(spec, _schema(), (), prefix, problems, free=False)
+    reads = _cel_integers() | conditional_reads(spec)
+    out = _walk(spec, _schema(), (), prefix, problems, reads, free=False)
     return out, problems
 
 
 def _walk(
     value: Any, schema: Mapping[str, Any], path: Path, prefix: str, problems: list[str],
-    *, free: bool,
+    reads: frozenset[Path], *, free: bool,
 ) -> Any:
     kind = schema.get("type")
     if schema.get("x-kubernetes-int-or-string") or kind == "integer":
-        return _number(value, path, prefix, problems)
+        return _number(value, path, prefix, problems, reads)
     if kind == "object" and isinstance(value, Mapping):
-        return _object(value, schema, path, prefix, problems, free=free)
+        return _object(value, schema, path, prefix, problems, reads, free=free)
     if kind == "array" and isinstance(value, list):
         items = schema.get("items", {})
         child_free = free or bool(items.get("x-kubernetes-preserve-unknown-fields"))
-        out = [_walk(v, items, (*path, i), prefix, problems, free=child_free)
+        out = [_walk(v, items, (*path, i), prefix, problems, reads, free=child_free)
                for i, v in enumerate(value)]
         limit = schema.get("maxItems")
         if limit is not None and len(out) > limit:
@@ -120,10 +121,11 @@ def _is(kind: str, value: Any) -> bool:
     return isinstance(value, Mapping)
 
 
-def _number(value: Any, path: Path, prefix: str, problems: list[str]) -> Any:
+def _number(value: Any, path: Path, prefix: str, problems: list[str],
+            reads: frozenset[Path]) -> Any:
     if isinstance(value, bool):
         return value
-    if isinstance(value, float) and json_integer(value) and path not in _cel_integers():
+    if isinstance(value, float) and json_integer(value) and path not in reads:
         return round(value)
     if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
         problems.append(f"{dotted(prefix, path)}: must be an integer between {INT64_MIN} and "
@@ -133,7 +135,7 @@ def _number(value: Any, path: Path, prefix: str, problems: list[str]) -> Any:
 
 def _object(
     value: Mapping[str, Any], schema: Mapping[str, Any], path: Path, prefix: str,
-    problems: list[str], *, free: bool,
+    problems: list[str], reads: frozenset[Path], *, free: bool,
 ) -> dict[str, Any]:
     props: Mapping[str, Any] = schema.get("properties", {})
     extra = schema.get("additionalProperties")
@@ -144,7 +146,7 @@ def _object(
         if sub is None:
             out[key] = v  # unknown: pydantic refuses it, or a free-form overlay keeps it
         elif v is not None or sub.get("nullable"):
-            out[key] = _walk(v, sub, (*path, key), prefix, problems, free=child_free)
+            out[key] = _walk(v, sub, (*path, key), prefix, problems, reads, free=child_free)
     if free:
         problems += [f"{dotted(prefix, (*path, r))}: required"
                      for r in schema.get("required", ()) if r not in out]

@@ -44,6 +44,7 @@ def _structural(spec: Any, prefix: str) -> list[str]:
 _UNION_TAGS = {"int", "str"}  # pydantic names the member of `int | str` that failed
 _TYPE_WORDS = {
     "int_type": "an integer",
+    "float_type": "a number",
     "string_type": "a string",
     "bool_type": "a boolean",
     "dict_type": "an object",
