@@ -182,3 +182,8 @@ def format_bytes(amount: Fraction | int) -> str:
 def gib_bytes(gib: float) -> Fraction:
     """GiB (as the spec writes them, possibly fractional) in bytes, exactly."""
     return Fraction(gib) * GIB
+
+
+def plain_number(x: float) -> str:
+    """A number for an environment variable or a flag: `1`, `0.85`, `1.5`."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))

@@ -10,12 +10,14 @@ from __future__ import annotations
 import base64
 import copy
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal
 
 from pdd_api import keys
 from pdd_api.models import (
     API_GROUP,
     API_VERSION,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_ROUTER_POLICY,
     GPU_RESOURCE,
     KIND,
@@ -23,8 +25,10 @@ from pdd_api.models import (
     PodTemplate,
     ResourceRequirements,
     RoleSpec,
+    gpus_per_pod,
 )
 from pdd_api.plan import RoutingPlan
+from pdd_api.quantity import format_bytes, gib_bytes, parse_quantity, plain_number
 from pdd_api.routing import plan_for_spec
 from pdd_operator import builders_vllm
 from pdd_operator.hashing import content_hash
@@ -50,6 +54,8 @@ CONTRACT_ENV = frozenset(
         keys.ENV_HTTP_PORT, keys.ENV_MODEL_NAME, keys.ENV_MODEL_SOURCE, keys.ENV_DTYPE,
         keys.ENV_POD_NAME, keys.ENV_NAMESPACE, keys.ENV_GRANT_KEY_FILE,
         keys.ENV_PREFILL_SERVICE, keys.ENV_PLAN_HASH, keys.ENV_PREFIX_CACHE,
+        # Set through the role's fields only: the host tier's memory is accounted from them.
+        keys.ENV_GPU_MEMORY_UTILIZATION, keys.ENV_NUM_BLOCKS, keys.ENV_HOST_KV_CACHE_GIB,
     }
 )
 
@@ -275,13 +281,35 @@ def _quantities(amounts: dict[str, int | str] | None) -> dict[str, str]:
     return {k: str(v) for k, v in (amounts or {}).items()}
 
 
+def host_kv_cache_bytes(role_spec: RoleSpec) -> Fraction:
+    """Pinned host memory of one pod's host KV tiers: hostKVCacheGiB for each of its ranks."""
+    return gib_bytes(role_spec.hostKVCacheGiB) * gpus_per_pod(role_spec)
+
+
+def _plus(amount: str, extra: Fraction) -> str:
+    """A memory quantity grown by `extra` bytes; one that is not a quantity is left for the
+    API server to refuse with the pod."""
+    q = parse_quantity(amount)
+    return amount if q is None else format_bytes(q.exact + extra)
+
+
 def role_resources(role_spec: RoleSpec) -> Obj:
-    """One GPU per TP rank, as limit and request (extended resources need both equal)."""
+    """One GPU per TP rank, as limit and request (extended resources need both equal). The
+    host KV tier is pinned memory the kernel cannot reclaim: it is added to the memory the spec
+    gives the sidecar (request and limit), and with no memory given it is the request, so the
+    scheduler reserves it."""
     res = role_spec.resources or ResourceRequirements()
     limits, requests = _quantities(res.limits), _quantities(res.requests)
     gpus = str(role_spec.tensorParallelSize)
     limits[GPU_RESOURCE] = gpus
     requests[GPU_RESOURCE] = gpus
+    tier = host_kv_cache_bytes(role_spec)
+    if tier > 0:
+        for amounts in (limits, requests):
+            if "memory" in amounts:
+                amounts["memory"] = _plus(amounts["memory"], tier)
+        if "memory" not in limits and "memory" not in requests:
+            requests["memory"] = format_bytes(tier)
     return {"limits": limits, "requests": requests}
 
 
@@ -311,6 +339,13 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
     # Written only when off (the sidecar's default is on), so existing pods keep their hash.
     if not r.prefixCache:
         env.append(_env(keys.ENV_PREFIX_CACHE, "0"))
+    # KV memory, likewise only where it differs from the sidecar's own default.
+    if r.gpuMemoryUtilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+        env.append(_env(keys.ENV_GPU_MEMORY_UTILIZATION, plain_number(r.gpuMemoryUtilization)))
+    if r.kvCacheBlocks is not None:
+        env.append(_env(keys.ENV_NUM_BLOCKS, r.kvCacheBlocks))
+    if r.hostKVCacheGiB > 0:
+        env.append(_env(keys.ENV_HOST_KV_CACHE_GIB, plain_number(r.hostKVCacheGiB)))
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))

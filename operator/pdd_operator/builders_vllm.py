@@ -15,7 +15,8 @@ import json
 from typing import Any
 
 from pdd_api import keys
-from pdd_api.models import PDDeploymentSpec, RoleSpec
+from pdd_api.models import DEFAULT_GPU_MEMORY_UTILIZATION, PDDeploymentSpec, RoleSpec
+from pdd_api.quantity import plain_number
 
 Obj = dict[str, Any]
 
@@ -54,6 +55,11 @@ def serve_args(spec: PDDeploymentSpec, role_spec: RoleSpec) -> list[str]:
         args += ["--served-model-name", spec.model.name]
     if not role_spec.prefixCache:  # vLLM caches prefixes unless told not to
         args += ["--no-enable-prefix-caching"]
+    # vLLM's default share is pdd's (0.9): written only when another is asked for.
+    if role_spec.gpuMemoryUtilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+        args += ["--gpu-memory-utilization", plain_number(role_spec.gpuMemoryUtilization)]
+    if role_spec.kvCacheBlocks is not None:
+        args += ["--num-gpu-blocks-override", str(role_spec.kvCacheBlocks)]
     return args + list(role_spec.extraArgs or [])
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from pdd_api import keys
 from pdd_api.models import PDDeploymentSpec
-from pdd_api.validation import parse_spec
+from pdd_api.validation import InvalidSpecError, parse_spec
 from pdd_operator.builders import Owner, build, is_subset, plan_of
 from pdd_operator.rollout import effective_max_unavailable, plan_role, pod_info
 
@@ -159,6 +159,9 @@ def _hash(doc: dict[str, Any], role: str = "decode") -> str:
     ("decode.decodeContextParallelSize", 1),
     ("decode.extraArgs", ["--x"]),
     ("decode.prefixCache", False),
+    ("decode.gpuMemoryUtilization", 0.8),
+    ("decode.kvCacheBlocks", 4096),
+    ("decode.hostKVCacheGiB", 8),
 ])
 def test_spec_hash_changes_with_what_needs_a_restart(doc: dict[str, Any], path: str,
                                                      value: Any) -> None:
@@ -615,6 +618,87 @@ def test_prefix_cache_per_role_and_the_router_policy_reach_their_pods(
     decode_env = desired.pods["decode"][0]["spec"]["containers"][0]["env"]
     # The field wins over a user env of the same name, as for every contract key.
     assert [e["value"] for e in decode_env if e["name"] == keys.ENV_PREFIX_CACHE] == ["0"]
+
+
+def test_kv_memory_fields_reach_their_role_only_and_defaults_write_nothing(
+        doc: dict[str, Any]) -> None:
+    memory_env = (keys.ENV_GPU_MEMORY_UTILIZATION, keys.ENV_NUM_BLOCKS,
+                  keys.ENV_HOST_KV_CACHE_GIB)
+    before = {role: _hash(doc, role) for role in ("prefill", "decode")}
+    desired = build(OWNER, spec_of(doc))
+    for role in ("prefill", "decode"):
+        assert not set(memory_env) & set(env_of(desired.pods[role][0]))
+    # The defaults written out are the defaults: same pods, same hash (no roll on upgrade).
+    doc["spec"]["prefill"].update({"gpuMemoryUtilization": 0.9, "hostKVCacheGiB": 0})
+    assert _hash(doc, "prefill") == before["prefill"]
+    doc["spec"]["decode"].update({"gpuMemoryUtilization": 0.85, "kvCacheBlocks": 3000,
+                                  "hostKVCacheGiB": 1.5})
+    # A user env of the same names is dropped: the fields are the one way to set them.
+    doc["spec"]["decode"]["env"] = [{"name": keys.ENV_NUM_BLOCKS, "value": "1"},
+                                    {"name": keys.ENV_HOST_KV_CACHE_GIB, "value": "99"}]
+    desired = build(OWNER, spec_of(doc))
+    decode = desired.pods["decode"][0]["spec"]["containers"][0]["env"]
+    assert [(e["name"], e["value"]) for e in decode if e["name"] in memory_env] == [
+        (keys.ENV_GPU_MEMORY_UTILIZATION, "0.85"), (keys.ENV_NUM_BLOCKS, "3000"),
+        (keys.ENV_HOST_KV_CACHE_GIB, "1.5")]
+    assert not set(memory_env) & set(env_of(desired.pods["prefill"][0]))
+    assert _hash(doc, "prefill") == before["prefill"]
+    # Not part of the routing plan: only the decode pods roll.
+    assert plan_of(spec_of(doc)).to_json() == desired.plan.to_json()
+    assert desired.pods["prefill"][0]["metadata"]["labels"][keys.LABEL_PLAN_HASH] == \
+        desired.pods["decode"][0]["metadata"]["labels"][keys.LABEL_PLAN_HASH]
+
+
+def _resources(doc: dict[str, Any], role: str = "decode") -> dict[str, Any]:
+    return build(OWNER, spec_of(doc)).pods[role][0]["spec"]["containers"][0]["resources"]
+
+
+@pytest.mark.parametrize(("tp", "gib", "given", "want"), [
+    # TP4, 8 GiB per rank: 32Gi of host tier on top of what the spec gives the sidecar.
+    (4, 8, {"limits": {"memory": "64Gi"}, "requests": {"memory": "48Gi"}},
+     {"limits": {"memory": "96Gi"}, "requests": {"memory": "80Gi"}}),
+    # Only a limit: Kubernetes defaults the request to the (grown) limit.
+    (4, 8, {"limits": {"memory": "64Gi"}}, {"limits": {"memory": "96Gi"}, "requests": {}}),
+    (4, 8, {"requests": {"memory": "16Gi"}}, {"limits": {}, "requests": {"memory": "48Gi"}}),
+    # No memory at all: the tier is the request, so the scheduler reserves it.
+    (4, 8, {}, {"limits": {}, "requests": {"memory": "32Gi"}}),
+    (2, 1.5, {}, {"limits": {}, "requests": {"memory": "3Gi"}}),
+    (1, 0.75, {"limits": {"memory": "1Gi"}}, {"limits": {"memory": "1792Mi"}, "requests": {}}),
+    # Decimal units and plain bytes: summed exactly, in the largest unit that holds the sum.
+    (1, 1, {"limits": {"memory": "100G"}}, {"limits": {"memory": "98704826Ki"}, "requests": {}}),
+    (1, 1, {"requests": {"memory": 1000}}, {"limits": {}, "requests": {"memory": "1073742824"}}),
+    # No host tier: the spec's memory as written.
+    (4, 0, {"limits": {"memory": "64Gi"}}, {"limits": {"memory": "64Gi"}, "requests": {}}),
+])
+def test_host_tier_is_added_to_the_sidecars_memory(doc: dict[str, Any], tp: int, gib: float,
+                                                    given: dict[str, Any],
+                                                    want: dict[str, Any]) -> None:
+    doc["spec"]["decode"] = {"tensorParallelSize": tp, "hostKVCacheGiB": gib,
+                             "resources": copy.deepcopy(given)}
+    got = _resources(doc)
+    for kind in ("limits", "requests"):
+        assert got[kind].pop("nvidia.com/gpu") == str(tp)
+    assert got == want
+
+
+def test_host_tier_counts_the_ranks_of_one_pod_not_of_the_instance(
+        doc: dict[str, Any]) -> None:
+    doc["spec"]["prefill"] = {"tensorParallelSize": 4, "decodeContextParallelSize": 4,
+                              "gpusPerPod": 2, "hostKVCacheGiB": 10}
+    # The LWS template is built from the pod builder: 2 ranks per pod, 20Gi.
+    assert _resources(doc, "prefill")["requests"]["memory"] == "20Gi"
+
+
+def test_a_memory_limit_the_host_tier_does_not_fit_in_is_refused(doc: dict[str, Any]) -> None:
+    doc["spec"]["decode"] = {"tensorParallelSize": 4, "hostKVCacheGiB": 8,
+                             "resources": {"limits": {"memory": "16Gi"}}}
+    with pytest.raises(InvalidSpecError) as info:
+        spec_of(doc)
+    assert info.value.problems == [
+        "spec.decode.resources.limits.memory: 16Gi is less than the host KV cache needs "
+        "(hostKVCacheGiB 8 × 4 ranks per pod = 32Gi)"]
+    doc["spec"]["decode"]["resources"]["limits"]["memory"] = "32Gi"
+    assert _resources(doc)["limits"]["memory"] == "64Gi"
 
 
 def test_router_workers_reach_the_router_pods_only_when_not_one(doc: dict[str, Any]) -> None:

@@ -111,6 +111,37 @@ def test_hash_follows_what_a_group_runs_not_the_counts() -> None:
     assert bl.lws_objects(desired(cut))[0]["spec"]["leaderWorkerTemplate"]["size"] == 4
 
 
+def test_kv_memory_reaches_every_pod_of_a_group_and_the_host_tier_counts_its_ranks() -> None:
+    spec = copy.deepcopy(SPEC)
+    spec["prefill"].update({"gpuMemoryUtilization": 0.8, "kvCacheBlocks": 2048,
+                            "hostKVCacheGiB": 4, "resources": {"limits": {"memory": "64Gi"}}})
+    [lws] = bl.lws_objects(desired(spec))
+    for part in ("leaderTemplate", "workerTemplate"):
+        t = lws["spec"]["leaderWorkerTemplate"][part]
+        e = env(t)
+        assert (e[keys.ENV_GPU_MEMORY_UTILIZATION], e[keys.ENV_NUM_BLOCKS],
+                e[keys.ENV_HOST_KV_CACHE_GIB]) == ("0.8", "2048", "4")
+        # Two ranks per pod of the TP4 instance: 2 x 4 GiB on top of the 64Gi given.
+        assert t["spec"]["containers"][0]["resources"]["limits"] == {
+            "memory": "72Gi", "nvidia.com/gpu": "2"}
+    before = lws["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH]
+    spec["prefill"]["hostKVCacheGiB"] = 8
+    [lws] = bl.lws_objects(desired(spec))
+    assert lws["metadata"]["annotations"][keys.ANNOTATION_SPEC_HASH] != before  # groups roll
+
+
+def test_a_group_pods_memory_limit_is_checked_against_its_own_ranks() -> None:
+    doc = {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+           "metadata": {"name": "v3"}, "spec": copy.deepcopy(SPEC)}
+    doc["spec"]["prefill"].update({"hostKVCacheGiB": 4,
+                                   "resources": {"limits": {"memory": "8Gi"}}})
+    assert validate_document(doc) == []  # 2 ranks per pod: 8Gi holds 2 x 4 GiB
+    doc["spec"]["prefill"]["resources"]["limits"]["memory"] = "7Gi"
+    assert validate_document(doc) == [
+        "spec.prefill.resources.limits.memory: 7Gi is less than the host KV cache needs "
+        "(hostKVCacheGiB 4 × 2 ranks per pod = 8Gi)"]
+
+
 @pytest.mark.parametrize("per_pod", [None, 4])
 def test_one_pod_per_instance_renders_no_lws(per_pod: int | None) -> None:
     spec = copy.deepcopy(SPEC)

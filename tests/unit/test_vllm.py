@@ -87,6 +87,40 @@ def test_prefix_cache_off_is_vllms_flag_on_that_role_only() -> None:
         desired.pods["prefill"][0])["command"]
 
 
+def test_gpu_memory_share_and_a_fixed_pool_are_vllms_flags_on_that_role_only() -> None:
+    desired = build(OWNER, parse_spec(vllm_spec((2, 2), (2, 1))))
+    for role in ("prefill", "decode"):  # vLLM's default share is pdd's: nothing written
+        argv = main_container(desired.pods[role][0])["command"]
+        assert flag(argv, "--gpu-memory-utilization") is None
+        assert flag(argv, "--num-gpu-blocks-override") is None
+    raw = vllm_spec((2, 2), (2, 1))
+    raw["decode"].update({"gpuMemoryUtilization": 0.75, "kvCacheBlocks": 5000,
+                          "extraArgs": ["--max-num-seqs", "64"]})
+    desired = build(OWNER, parse_spec(raw))
+    argv = main_container(desired.pods["decode"][0])["command"]
+    assert flag(argv, "--gpu-memory-utilization") == "0.75"
+    assert flag(argv, "--num-gpu-blocks-override") == "5000"
+    assert argv[-2:] == ["--max-num-seqs", "64"]
+    assert flag(main_container(desired.pods["prefill"][0])["command"],
+                "--gpu-memory-utilization") is None
+    # pdd's sidecar env means nothing to vLLM and is not rendered.
+    names = {e["name"] for e in main_container(desired.pods["decode"][0])["env"]}
+    assert not names & {keys.ENV_GPU_MEMORY_UTILIZATION, keys.ENV_NUM_BLOCKS}
+
+
+def test_a_host_tier_is_refused_with_engine_vllm_and_zero_is_not() -> None:
+    raw = vllm_spec((2, 2), (2, 1))
+    raw["prefill"]["hostKVCacheGiB"] = 0.5
+    assert validate_spec(raw) == [
+        "spec.prefill.hostKVCacheGiB: with engine vllm, must be 0 (the host KV cache tier is "
+        "served by pdd sidecars only), got 0.5"]
+    raw["prefill"]["hostKVCacheGiB"] = 0
+    assert validate_spec(raw) == []
+    raw["engine"] = "pdd"
+    raw["prefill"]["hostKVCacheGiB"] = 0.5
+    assert validate_spec(raw) == []
+
+
 def test_env_probes_ports_and_what_is_not_mounted() -> None:
     raw = vllm_spec((4, 4), (2, 2), kvTransfer={"sideChannelPort": 6100})
     raw["decode"]["env"] = [{"name": "UCX_TLS", "value": "tcp"},

@@ -70,6 +70,7 @@ def test_rendered_command_lines_parse_as_vllm_reads_them(
     model = {**VLLM["model"], **({"source": source} if source else {})}
     raw = vllm_spec(p, d, blockSize=block, model=model)
     raw["decode"]["extraArgs"] = ["--max-model-len", "8192"]
+    raw["decode"].update({"gpuMemoryUtilization": 0.8, "kvCacheBlocks": 4096})
     spec = parse_spec(raw)
     for role, (tp, dcp) in (("prefill", p), ("decode", d)):
         argv = build(OWNER, spec).pods[role][0]["spec"]["containers"][0]["command"]
@@ -89,6 +90,8 @@ def test_rendered_command_lines_parse_as_vllm_reads_them(
         if source:
             assert list(engine.served_model_name or []) == [spec.model.name]
         assert engine.max_model_len == (8192 if role == "decode" else None)
+        assert engine.gpu_memory_utilization == (0.8 if role == "decode" else 0.9)
+        assert engine.num_gpu_blocks_override == (4096 if role == "decode" else None)
 
 
 def test_a_misspelt_flag_is_what_the_parser_refuses() -> None:
