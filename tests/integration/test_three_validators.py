@@ -57,12 +57,17 @@ STRINGS = ["", "x", "4", "pdd:0.2.0", "true", "null", "ünïcode", "a" * 300, "1
 HOSTILE: list[Any] = [None, None, None, True, False, [], [1], ["a"], {}, {"a": 1}, *FLOATS,
                       *INTS[::3], *STRINGS[::2]]
 QUANTITIES: list[Any] = [1, 4, "4", "500m", "1Gi", 2.0, 1.5, "", None, True, 2**63]
+# Numbers (a double in CEL) and memory quantities, around the KV memory rules' edges.
+NUMBERS: list[Any] = [0, 0.0, 0.05, 0.3, 0.5, 0.9, 1, 1.0, 1.5, -0.25, 2, 8, 4096, 4097, 1e20]
+MEMORY: list[Any] = ["16Gi", "32Gi", "64Gi", "1Gi", "6G", 34359738368, "lots", "", 2.0, 1.5,
+                     34359738368.0, None]
 
 
 @dataclass(frozen=True)
 class Leaf:
     path: Path_
-    kind: str  # int | str | bool | enum | map_str | map_q | list_str | free | obj | list_obj
+    kind: str  # int | number | str | bool | enum | map_str | map_q | quantity | memory
+    # | list_str | free | obj | list_obj
     values: tuple[Any, ...] = ()
 
 
@@ -104,6 +109,9 @@ def _leaves() -> list[Leaf]:
             Leaf((r, "extraArgs", 0), "str"),
             Leaf((r, "imagePullPolicy"), "enum", ("Always", "IfNotPresent", "Never", "never")),
             Leaf((r, "priorityClassName"), "str"), Leaf((r, "prefixCache"), "bool"),
+            Leaf((r, "gpuMemoryUtilization"), "number"), Leaf((r, "kvCacheBlocks"), "int"),
+            Leaf((r, "hostKVCacheGiB"), "number"),
+            Leaf((r, "resources", "limits", "memory"), "memory"),
         ]
     for r in TEMPLATED:
         t = (r, "template")
@@ -133,6 +141,10 @@ def _plausible(r: random.Random, leaf: Leaf) -> Any:
     k = leaf.kind
     if k == "int":
         return r.choice(INTS)
+    if k == "number":
+        return r.choice(NUMBERS)
+    if k == "memory":
+        return r.choice(MEMORY)
     if k == "str":
         return r.choice(STRINGS)
     if k == "bool":
@@ -228,6 +240,12 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
             node["resources"] = {"limits": {"nvidia.com/gpu": r.choice([per_pod, str(per_pod)]),
                                             "memory": "64Gi"}}
         if r.random() < 0.2:
+            node["gpuMemoryUtilization"] = r.choice([0.5, 0.8, 0.9, 1])
+        if r.random() < 0.1:
+            node["kvCacheBlocks"] = r.choice([1, 1000, 2**24])
+        if r.random() < 0.2:  # a host tier the 64Gi limit (when given) holds
+            node["hostKVCacheGiB"] = r.choice([g for g in (0, 0.5, 4, 8) if g * per_pod <= 64])
+        if r.random() < 0.2:
             node["nodeSelector"] = {"pool": "gpu"}
         if r.random() < 0.2:
             node["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
@@ -258,6 +276,8 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
                                  for role, tp in (("prefill", p_tp), ("decode", d_tp))):
         spec["engine"] = "vllm"
         spec.setdefault("router", {})["image"] = "pdd:0.1.0"
+        for role in ROLES:  # the host tier is pdd's sidecars' only
+            spec[role].pop("hostKVCacheGiB", None)
     return spec
 
 
