@@ -251,7 +251,11 @@ def test_deepseek_v3_example_is_two_lws_of_two_8_gpu_pods_per_instance() -> None
         assert tmpl["size"] == 2
         for part in ("leaderTemplate", "workerTemplate"):
             main = tmpl[part]["spec"]["containers"][0]
-            assert main["resources"]["limits"] == {"nvidia.com/gpu": "8", "memory": "400Gi"}
+            # 400Gi for the sidecar and its host KV tier on top: 8 GiB x 8 ranks of the pod.
+            assert main["resources"] == {"limits": {"nvidia.com/gpu": "8", "memory": "464Gi"},
+                                         "requests": {"nvidia.com/gpu": "8", "cpu": "32",
+                                                      "memory": "464Gi"}}
+            assert env(tmpl[part])[keys.ENV_HOST_KV_CACHE_GIB] == "8"
             assert env(tmpl[part])[keys.ENV_TP_SIZE] == "16"
             assert {"name": "models", "mountPath": "/models", "readOnly": True} in main[
                 "volumeMounts"]
