@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from pdd_api import keys
-from pdd_api.models import API_GROUP, API_VERSION
+from pdd_api.models import API_GROUP, API_VERSION, DEFAULT_GPU_MEMORY_UTILIZATION
 from pdd_api.plan import RoutingPlan
+from pdd_api.quantity import plain_number
 from pdd_cli.diagram import chunk_label, render_diagram, sides_title
 
 Obj = Mapping[str, Any]
@@ -135,6 +136,16 @@ def _age_key(event: Obj) -> str:
                or _meta(event).get("creationTimestamp") or "")
 
 
+def kv_memory(role_spec: Obj) -> tuple[str, str]:
+    """How a role's KV pool is sized (`90%-of-GPU`, `4096-blocks`) and its host tier per rank
+    (`8GiB/rank`, `-`): one word each, as the table splits on spaces."""
+    blocks = role_spec.get("kvCacheBlocks")
+    share = role_spec.get("gpuMemoryUtilization", DEFAULT_GPU_MEMORY_UTILIZATION)
+    pool = f"{blocks}-blocks" if blocks is not None else f"{float(share) * 100:g}%-of-GPU"
+    gib = role_spec.get("hostKVCacheGiB") or 0
+    return pool, (f"{plain_number(gib)}GiB/rank" if gib > 0 else "-")
+
+
 def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: int = 10) -> str:
     meta, spec, st = _meta(pdd), pdd.get("spec") or {}, pdd.get("status") or {}
     gen, seen = meta.get("generation"), st.get("observedGeneration")
@@ -143,13 +154,13 @@ def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: i
     if st.get("routingCase"):
         lines.append(f"routing: {st['routingCase']}: {st.get('routingSummary', '')}")
     lines += ["", "ROLES"]
-    rows = [["ROLE", "TP", "DCP", "DESIRED", "PODS", "READY", "UPDATED"]]
+    rows = [["ROLE", "TP", "DCP", "DESIRED", "PODS", "READY", "UPDATED", "KV-POOL", "HOST-KV"]]
     for role in ROLES:
         rs, rst = spec.get(role) or {}, st.get(role) or {}
         rows.append([role, str(rs.get("tensorParallelSize", "?")),
                      str(rs.get("decodeContextParallelSize", "?")), str(rs.get("replicas", 1)),
                      str(rst.get("replicas", 0)), str(rst.get("readyReplicas", 0)),
-                     str(rst.get("updatedReplicas", 0))])
+                     str(rst.get("updatedReplicas", 0)), *kv_memory(rs)])
     lines += _table(rows)
     lines += ["", "PODS"]
     rows = [["NAME", "ROLE", "REPLICA", "PHASE", "READY", "IP", "NODE"]]

@@ -117,7 +117,23 @@ def test_status_report_shows_roles_pods_conditions_and_latest_events() -> None:
     shown = [f"Step{i}" for i in range(15) if f"Step{i} " in out]
     assert shown == ["Step11", "Step12", "Step13", "Step14"]
     decode_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["decode"])
-    assert decode_row.split()[3:] == [str(doc["spec"]["decode"]["replicas"]), "0", "0", "0"]
+    assert decode_row.split()[3:] == [str(doc["spec"]["decode"]["replicas"]), "0", "0", "0",
+                                      "90%-of-GPU", "-"]
+
+
+@pytest.mark.parametrize(("role_spec", "shown"), [
+    ({}, ("90%-of-GPU", "-")),
+    ({"gpuMemoryUtilization": 0.85, "hostKVCacheGiB": 0}, ("85%-of-GPU", "-")),
+    ({"gpuMemoryUtilization": 0.85, "kvCacheBlocks": 4096, "hostKVCacheGiB": 1.5},
+     ("4096-blocks", "1.5GiB/rank")),
+])
+def test_status_report_shows_how_each_roles_kv_memory_is_sized(
+        role_spec: dict[str, Any], shown: tuple[str, str]) -> None:
+    doc, _ = _objects()
+    doc["spec"]["prefill"].update(role_spec)
+    out = kp.status_report(doc, [], [])
+    prefill_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["prefill"])
+    assert tuple(prefill_row.split()[-2:]) == shown
 
 
 def test_validate_is_pdd_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
