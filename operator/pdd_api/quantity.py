@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
@@ -20,6 +21,9 @@ _DIGITS = frozenset("0123456789")
 _NANO = 9  # the finest scale ParseQuantity keeps (it rounds up to it)
 _MAX_INT64 = 2**63 - 1
 _MAX_INT64_FACTORS = 18
+# Powers of ten past a double's range all read as +Inf (Go's Pow10 is +Inf beyond 308): a
+# larger exponent is held at this one, so `1e2000000000` costs nothing to hold.
+_BEYOND_DOUBLE = 400
 GIB = 2**30
 
 
@@ -107,7 +111,10 @@ def _interpret(suffix: str) -> tuple[int, int, str] | None:
         body = digits[1:] if digits[:1] in ("+", "-") else digits
         if not body or not set(body) <= _DIGITS:
             return None
-        parsed = int(digits)
+        body = body.lstrip("0") or "0"
+        if len(body) > 19:  # beyond int64: ParseInt fails
+            return None
+        parsed = -int(body) if digits.startswith("-") else int(body)
         if not -(2**63) <= parsed <= _MAX_INT64:
             return None
         return 10, _int32(parsed), "DecimalExponent"
@@ -115,11 +122,11 @@ def _interpret(suffix: str) -> tuple[int, int, str] | None:
 
 
 def _decimal(value: str) -> tuple[int, int]:
-    """inf.Dec.SetString of `[+-]digits[.digits]`: (unscaled, scale)."""
-    sign = -1 if value.startswith("-") else 1
-    body = value.lstrip("+-")
-    whole, _, frac = body.partition(".")
-    return sign * int((whole + frac) or "0"), len(frac)
+    """inf.Dec.SetString of `[+-]digits[.digits]`: (unscaled, scale). Through Decimal, which
+    has no limit on the digits it converts."""
+    sign, digits, exponent = Decimal(value).as_tuple()
+    assert isinstance(exponent, int)
+    return int(Decimal((sign, digits, 0))), -exponent
 
 
 def parse_quantity(text: str) -> Quantity | None:
@@ -151,18 +158,23 @@ def parse_quantity(text: str) -> Quantity | None:
         if scale >= -_NANO:
             result = int(num + denom) * mantissa
             if result <= _MAX_INT64:
-                return Quantity(result if positive else -result, -scale)
+                return Quantity(result if positive else -result, -min(scale, _BEYOND_DOUBLE))
+    if not _DIGITS & set(value):  # inf.Dec reads no number from `-`, `.` or nothing
+        return None
     unscaled, dec_scale = _decimal(value)
     if base == 10:
         dec_scale -= exponent
     else:
         unscaled <<= exponent
     magnitude = abs(unscaled)
-    if magnitude != 0:
-        if dec_scale > _NANO:
-            magnitude = -(-magnitude // 10 ** (dec_scale - _NANO))
+    if magnitude != 0:  # rounded up to nano units, as ParseQuantity does
+        down = dec_scale - _NANO
+        if down > 0:
+            # ceil(m / 10**down) is 1 when 10**down exceeds m: no power that size is formed.
+            fits = down > magnitude.bit_length() * 0.30103 + 1
+            magnitude = 1 if fits else -(-magnitude // 10**down)
         else:
-            magnitude *= 10 ** (_NANO - dec_scale)
+            magnitude *= 10 ** min(-down, _BEYOND_DOUBLE)
         dec_scale = _NANO
     if fmt == "BinarySI" and Fraction(magnitude) / Fraction(10) ** dec_scale > _MAX_INT64:
         magnitude, dec_scale = _MAX_INT64, 0
