@@ -20,6 +20,7 @@ _SUFFIX_CHARS = frozenset("eEinumkKMGTP")
 _DIGITS = frozenset("0123456789")
 _NANO = 9  # the finest scale ParseQuantity keeps (it rounds up to it)
 _MAX_INT64 = 2**63 - 1
+MAX_BYTES = _MAX_INT64  # the most Kubernetes counts of a resource
 _MAX_INT64_FACTORS = 18
 # Powers of ten past a double's range all read as +Inf (Go's Pow10 is +Inf beyond 308): a
 # larger exponent is held at this one, so `1e2000000000` costs nothing to hold.
@@ -34,6 +35,7 @@ class Quantity:
 
     @property
     def exact(self) -> Fraction:
+        """The value (an absurd exponent held at _BEYOND_DOUBLE)."""
         return Fraction(self.unscaled) / Fraction(10) ** self.scale
 
     def approximate_float(self) -> float:

@@ -28,7 +28,7 @@ from pdd_api.models import (
     gpus_per_pod,
 )
 from pdd_api.plan import RoutingPlan
-from pdd_api.quantity import format_bytes, gib_bytes, parse_quantity, plain_number
+from pdd_api.quantity import MAX_BYTES, format_bytes, gib_bytes, parse_quantity, plain_number
 from pdd_api.routing import plan_for_spec
 from pdd_operator import builders_vllm
 from pdd_operator.hashing import content_hash
@@ -287,10 +287,12 @@ def host_kv_cache_bytes(role_spec: RoleSpec) -> Fraction:
 
 
 def _plus(amount: str, extra: Fraction) -> str:
-    """A memory quantity grown by `extra` bytes; one that is not a quantity is left for the
-    API server to refuse with the pod."""
+    """A memory quantity grown by `extra` bytes. One that is not a quantity, or is beyond what
+    Kubernetes counts in bytes (int64), is left as written for the API server to judge."""
     q = parse_quantity(amount)
-    return amount if q is None else format_bytes(q.exact + extra)
+    if q is None or abs(q.exact) > MAX_BYTES:
+        return amount
+    return format_bytes(q.exact + extra)
 
 
 def role_resources(role_spec: RoleSpec) -> Obj:

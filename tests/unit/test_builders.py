@@ -667,6 +667,10 @@ def _resources(doc: dict[str, Any], role: str = "decode") -> dict[str, Any]:
     # Decimal units and plain bytes: summed exactly, in the largest unit that holds the sum.
     (1, 1, {"limits": {"memory": "100G"}}, {"limits": {"memory": "98704826Ki"}, "requests": {}}),
     (1, 1, {"requests": {"memory": 1000}}, {"limits": {}, "requests": {"memory": "1073742824"}}),
+    # Not a quantity, or beyond int64 bytes: left as written for the API server to judge.
+    (1, 1, {"requests": {"memory": "lots"}}, {"limits": {}, "requests": {"memory": "lots"}}),
+    (1, 1, {"requests": {"memory": "9" * 5000}},
+     {"limits": {}, "requests": {"memory": "9" * 5000}}),
     # No host tier: the spec's memory as written.
     (4, 0, {"limits": {"memory": "64Gi"}}, {"limits": {"memory": "64Gi"}, "requests": {}}),
 ])
