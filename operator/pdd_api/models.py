@@ -245,6 +245,15 @@ class RoleSpec(_Strict):
     )
 
 
+class SecretKeyRef(_Strict):
+    name: str = Field(description="A Secret in the PDDeployment's namespace.")
+    key: str | None = Field(
+        default=None,
+        description="The one data key holding the API keys; absent: every data key of the "
+        "Secret holds some (one API key per line).",
+    )
+
+
 class RouterSpec(_Strict):
     enabled: bool = Field(
         default=True,
@@ -275,6 +284,13 @@ class RouterSpec(_Strict):
     )
     template: PodTemplate | None = Field(
         default=None, description="Pod template overlay of the router pods (as for the roles)."
+    )
+    apiKeySecretRef: SecretKeyRef | None = Field(
+        default=None,
+        description="API keys clients must send as `Authorization: Bearer <key>`, one per line "
+        "in the Secret's data (several keys, several lines or data keys). The Secret is mounted "
+        "as a folder and read again when it changes, so keys rotate without a restart. Absent: "
+        "the router is open. Health, readiness and metrics stay open (docs/openai-api.md).",
     )
 
 

@@ -40,6 +40,7 @@ SIDECAR_SERVE = ["python", "-m", "pdd_sidecar", "serve"]
 SIDECAR_ROUTER = ["python", "-m", "pdd_sidecar", "router"]
 ROUTING_VOLUME = "routing"
 GRANT_VOLUME = "grant-key"
+API_KEY_VOLUME = "api-keys"
 SHM_VOLUME = "dshm"
 # PodSecurity `restricted` by default; a template may relax it (e.g. a root-only image).
 POD_SECURITY: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
@@ -217,6 +218,24 @@ def _grant_volume(owner: Owner) -> Obj:
 
 def _grant_mount() -> Obj:
     return {"name": GRANT_VOLUME, "mountPath": keys.GRANT_MOUNT_DIR, "readOnly": True}
+
+
+def _api_key_volumes(spec: PDDeploymentSpec) -> list[Obj]:
+    """The router's API keys as a folder (never subPath: the kubelet updates a mounted Secret
+    in place only as a whole volume, which is how keys rotate without a restart)."""
+    ref = spec.router.apiKeySecretRef
+    if ref is None:
+        return []
+    secret: Obj = {"secretName": ref.name}
+    if ref.key is not None:
+        secret["items"] = [{"key": ref.key, "path": "keys"}]
+    return [{"name": API_KEY_VOLUME, "secret": secret}]
+
+
+def _api_key_mounts(spec: PDDeploymentSpec) -> list[Obj]:
+    if spec.router.apiKeySecretRef is None:
+        return []
+    return [{"name": API_KEY_VOLUME, "mountPath": keys.API_KEY_MOUNT_DIR, "readOnly": True}]
 
 
 def build_network_policies(owner: Owner, spec: PDDeploymentSpec) -> list[Obj]:
@@ -524,6 +543,8 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         _env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE),
         _field_env(keys.ENV_POD_IP, "status.podIP"),
         *(builders_vllm.router_env() if spec.engine == "vllm" else []),
+        *([_env(keys.ENV_API_KEY_FILE, keys.API_KEY_MOUNT_DIR)]
+          if spec.router.apiKeySecretRef is not None else []),
     ]
     container: Obj = {
         "name": keys.ROUTER_CONTAINER_NAME,
@@ -531,7 +552,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         "command": SIDECAR_ROUTER,
         "env": env,
         "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}],
-        "volumeMounts": [_grant_mount()],
+        "volumeMounts": [_grant_mount(), *_api_key_mounts(spec)],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", 5, 3),
@@ -547,7 +568,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [container],
-        "volumes": [_grant_volume(owner)],
+        "volumes": [_grant_volume(owner), *_api_key_volumes(spec)],
     }
     apply_template(tmeta, tspec, spec.router.template)
     deployment: Obj = {

@@ -452,6 +452,29 @@ def test_grant_key_mounted_in_prefill_decode_and_router(doc: dict[str, Any]) -> 
     assert base64.b64decode(secret["data"]["grant.key"]) == b"k" * 32
 
 
+@pytest.mark.parametrize("key", [None, "tokens"])
+def test_api_keys_mounted_as_a_folder_in_the_router_alone(doc: dict[str, Any],
+                                                          key: str | None) -> None:
+    plain = build(OWNER, spec_of(doc)).router_deployment
+    assert plain is not None
+    pod = plain["spec"]["template"]["spec"]
+    assert keys.ENV_API_KEY_FILE not in env_of({"spec": pod})
+    doc["spec"].setdefault("router", {})["apiKeySecretRef"] = {
+        "name": "llm-keys", **({"key": key} if key else {})}
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    ps = desired.router_deployment["spec"]["template"]["spec"]
+    assert env_of({"spec": ps})[keys.ENV_API_KEY_FILE] == keys.API_KEY_MOUNT_DIR
+    (mount,) = [m for m in ps["containers"][0]["volumeMounts"]
+                if m["mountPath"] == keys.API_KEY_MOUNT_DIR]
+    assert mount["readOnly"] is True and "subPath" not in mount  # rotates in place
+    secret = {v["name"]: v for v in ps["volumes"]}[mount["name"]]["secret"]
+    assert secret["secretName"] == "llm-keys"
+    assert secret.get("items") == ([{"key": key, "path": "keys"}] if key else None)
+    for role in ("prefill", "decode"):
+        assert keys.ENV_API_KEY_FILE not in env_of(desired.pods[role][0])
+
+
 def test_network_policies_isolate_dataplane_and_open_router(doc: dict[str, Any]) -> None:
     desired = build(OWNER, spec_of(doc))
     by_name = {p["metadata"]["name"]: p for p in desired.network_policies}
