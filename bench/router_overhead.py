@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     # The router as `pdd serve` configures it, its upstreams the stubs.
     cfg = StackConfig(port=0, log_level="WARNING", router_workers=args.workers)
     ports = pick_ports(cfg)
-    stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(ports.prefill_http),
-                              str(ports.decode_http), str(args.pace_ms / 1e3)])
+    stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(ports.prefill[0].http),
+                              str(ports.decode[0].http), str(args.pace_ms / 1e3)])
     env = {**os.environ, "PYTHONPATH": str(ROOT / "sidecar"), **router_env(cfg, ports)}
     router = subprocess.Popen([sys.executable, "-m", "pdd_sidecar", "router"], env=env)
     url = f"http://127.0.0.1:{ports.router}"

@@ -33,7 +33,8 @@ def stubs() -> Iterator[tuple[StackConfig, object]]:
     cfg = StackConfig(port=0, log_level="WARNING", router_workers=2)
     ports = pick_ports(cfg)
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "router_overhead.py"),
-                             "--stubs", str(ports.prefill_http), str(ports.decode_http), "0"])
+                             "--stubs", str(ports.prefill[0].http), str(ports.decode[0].http),
+                             "0"])
     try:
         yield cfg, ports
     finally:

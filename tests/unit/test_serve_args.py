@@ -22,6 +22,7 @@ from pdd_sidecar.env import (
 from pdd_sidecar.processes import usable_cpus
 from pdd_sidecar.routing_file import load_routing_file
 from pdd_sidecar.serve.local_stack import (
+    InstancePorts,
     Ports,
     StackConfig,
     auto_router_workers,
@@ -36,10 +37,12 @@ from pdd_sidecar.serve.local_stack import (
     problems,
     router_env,
     routing_plan_json,
+    stack_gpus,
+    stack_memory,
 )
 
-PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=13000,
-              decode_http=14000, decode_side=15000, decode_dist=16000)
+PORTS = Ports(router=8000, prefill=(InstancePorts(http=11000, side=12000, dist=13000),),
+              decode=(InstancePorts(http=14000, side=15000, dist=16000),))
 
 
 @pytest.mark.parametrize(
@@ -72,6 +75,8 @@ PORTS = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=
         (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization", "got nan"),
         (["--prefill-memory-share", "1"], "--prefill-memory-share", "must be in (0, 1)"),
         (["--prefill-memory-share", "0"], "--prefill-memory-share", "got 0.0"),
+        (["--prefill-replicas", "0"], "--prefill-replicas", "between 1 and 16, got 0"),
+        (["--decode-replicas", "17"], "--decode-replicas", "between 1 and 16, got 17"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
@@ -252,17 +257,17 @@ def test_cuda_env_and_wildcard_host() -> None:
 
 def test_ports_do_not_overlap_and_skip_busy_ones() -> None:
     busy = set(range(10000, 32000, 10))
-    cfg = StackConfig(prefill_tp=4, decode_tp=8, decode_dcp=8, port=0)
+    cfg = StackConfig(prefill_tp=4, decode_tp=8, decode_dcp=8, port=0, prefill_replicas=3,
+                      decode_replicas=2)
     ports = pick_ports(cfg, lambda port: port not in busy, random.Random(7))
-    spans = [range(ports.router, ports.router + 1),
-             range(ports.prefill_http, ports.prefill_http + 1),
-             range(ports.prefill_side, ports.prefill_side + 4),
-             range(ports.prefill_dist, ports.prefill_dist + 1),
-             range(ports.decode_http, ports.decode_http + 1),
-             range(ports.decode_side, ports.decode_side + 8),
-             range(ports.decode_dist, ports.decode_dist + 1)]
+    assert (len(ports.prefill), len(ports.decode)) == (3, 2)
+    spans = [range(ports.router, ports.router + 1)]
+    for role, tp in (("prefill", 4), ("decode", 8)):
+        for inst in ports.of(role):
+            spans += [range(inst.http, inst.http + 1), range(inst.side, inst.side + tp),
+                      range(inst.dist, inst.dist + 1)]
     used = [port for span in spans for port in span]
-    assert len(used) == len(set(used)) == 17
+    assert len(used) == len(set(used)) == 1 + 3 * (4 + 2) + 2 * (8 + 2)
     assert not busy.intersection(used)
     assert pick_ports(StackConfig(port=8123), lambda port: True).router == 8123
 
@@ -351,3 +356,54 @@ def test_block_size_defaults_by_device_and_the_flag_wins() -> None:
     for words in ("default 64 on cuda", "16 on cpu", "--gpu-memory-utilization F",
                   "--prefill-memory-share S", "F x S", "F x (1 - S)"):
         assert words in " ".join(text.split()), words
+
+
+def test_replicas_each_their_own_ports_and_replica_index_every_decode_reads_every_prefill(
+        tmp_path: Path) -> None:
+    cfg = config_from_args(parser().parse_args(["--prefill-replicas", "2", "--decode-replicas",
+                                                "3", "--prefill-tp", "2"]))
+    assert (cfg.prefill_replicas, cfg.decode_replicas) == (2, 3)
+    assert config_from_args(parser().parse_args([])).prefill_replicas == 1
+    assert cfg.layout() == "2 x prefill tp2/dcp1, 3 x decode tp1/dcp1"
+    assert cfg.names("prefill") == ["prefill-0", "prefill-1"]
+    assert StackConfig().names("decode") == ["decode"]  # one: the names and logs of before
+    f = tmp_path / "routing.json"
+    f.write_text(routing_plan_json(cfg))
+    ports = pick_ports(cfg, lambda port: True, random.Random(3))
+    prefills = [f"http://127.0.0.1:{p.http}" for p in ports.prefill]
+    decodes = [f"http://127.0.0.1:{p.http}" for p in ports.decode]
+    seen = set()
+    for role, n in (("prefill", 2), ("decode", 3)):
+        for i in range(n):
+            s = InstanceSettings.from_env(instance_env(cfg, role, ports, str(f), None, "/k",
+                                                       replica=i))
+            own = ports.of(role)[i]
+            assert (s.replica, s.http_port, s.side_channel_port, s.dist_port) == (
+                i, own.http, own.side, own.dist)
+            seen.add(s.http_port)
+            if role == "decode":
+                assert s.prefill_urls == prefills
+    assert len(seen) == 5
+    r = RouterSettings.from_env(router_env(cfg, ports))
+    assert (r.prefill, r.decode) == (prefills, decodes)
+
+
+def test_replicas_take_the_next_gpus_in_turn() -> None:
+    cfg = StackConfig(device="cuda", prefill_replicas=2, decode_replicas=2, decode_tp=2)
+    assert stack_gpus(cfg, [str(g) for g in range(8)]) == (
+        [["0"], ["1"]], [["2", "3"], ["4", "5"]])
+    assert stack_gpus(cfg, ["0", "1"]) == ([["0"], ["1"]], [["0", "1"], ["0", "1"]])
+    one = StackConfig(device="cuda", prefill_replicas=3, decode_replicas=2)
+    assert stack_gpus(one, ["7"]) == ([["7"]] * 3, [["7"]] * 2)  # all share the one GPU
+    with pytest.raises(ValueError, match="tp 2"):
+        stack_gpus(cfg, ["0"])
+
+
+def test_replicas_sharing_a_gpu_split_its_memory() -> None:
+    cfg = StackConfig(device="cuda", prefill_replicas=2, decode_replicas=1,
+                      gpu_memory_utilization=0.9, prefill_memory_share=0.5)
+    p, d = stack_gpus(cfg, ["0"])
+    assert stack_memory(cfg, p, d) == pytest.approx(([0.225, 0.225], [0.45]))
+    p, d = stack_gpus(cfg, ["0", "1", "2"])  # each alone on its GPU
+    assert stack_memory(cfg, p, d) == pytest.approx(([0.9, 0.9], [0.9]))
+

@@ -1,8 +1,11 @@
-"""`pdd serve`: a prefill instance, a decode instance and the router as local processes.
+"""`pdd serve`: prefill instances, decode instances and the router as local processes.
 
 The processes are the ones pods run (`python -m pdd_sidecar serve` and `python -m pdd_sidecar
 router`, configured by environment), so a completion goes through a real NIXL hand-off; only the
-routing plan, the ports and the GPUs come from here instead of the operator. Each child runs in
+routing plan, the ports and the GPUs come from here instead of the operator. There are
+``--prefill-replicas`` prefills and ``--decode-replicas`` decodes (xPyD, one of each by
+default), each with its own ports and log, all behind the one router; every decode reads from
+every prefill, as in a cluster. Each child runs in
 its own session, so stopping one with its rank processes is one `killpg`, and a Ctrl-C typed at
 the terminal reaches `pdd serve` alone, which then stops the children in order.
 
@@ -70,6 +73,8 @@ class StackConfig:
     prefill_dcp: int = 1
     decode_tp: int = 1
     decode_dcp: int = 1
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
     model: str = "builtin"
     device: str = "cpu"
     port: int = 8000  # the router's; 0 picks a free one
@@ -106,8 +111,20 @@ class StackConfig:
         return self.block_size or DEFAULT_BLOCK_SIZES.get(self.device, DEFAULT_BLOCK_SIZES["cpu"])
 
     def layout(self) -> str:
-        return (f"prefill tp{self.prefill_tp}/dcp{self.prefill_dcp}, "
-                f"decode tp{self.decode_tp}/dcp{self.decode_dcp}")
+        def times(n: int) -> str:
+            return f"{n} x " if n != 1 else ""
+
+        return (f"{times(self.prefill_replicas)}prefill tp{self.prefill_tp}/dcp{self.prefill_dcp}"
+                f", {times(self.decode_replicas)}decode tp{self.decode_tp}/dcp{self.decode_dcp}")
+
+    def replicas(self, role: str) -> int:
+        return self.prefill_replicas if role == "prefill" else self.decode_replicas
+
+    def names(self, role: str) -> list[str]:
+        """The instances' names (and log files): ``prefill``, or ``prefill-0``, ``prefill-1``
+        ... when there are several."""
+        n = self.replicas(role)
+        return [role] if n == 1 else [f"{role}-{i}" for i in range(n)]
 
     def blocks(self, role: str) -> int | None:
         own = self.prefill_num_blocks if role == "prefill" else self.decode_num_blocks
@@ -140,15 +157,26 @@ def router_workers_arg(text: str) -> int:
             f"must be auto or a number of processes, got {text!r}") from None
 
 
+# Replicas per role `pdd serve` starts at most: each is a process (and tp rank processes) on
+# this host.
+MAX_REPLICAS = 16
+
+
+@dataclass(frozen=True)
+class InstancePorts:
+    http: int
+    side: int  # rank r listens on side + r
+    dist: int
+
+
 @dataclass(frozen=True)
 class Ports:
     router: int
-    prefill_http: int
-    prefill_side: int  # rank r listens on prefill_side + r
-    prefill_dist: int
-    decode_http: int
-    decode_side: int
-    decode_dist: int
+    prefill: tuple[InstancePorts, ...]  # one per replica
+    decode: tuple[InstancePorts, ...]
+
+    def of(self, role: str) -> tuple[InstancePorts, ...]:
+        return self.prefill if role == "prefill" else self.decode
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -217,6 +245,10 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
                    f"shared GPU), got {cfg.prefill_memory_share}")
     if not 0 <= cfg.host_kv_cache_gib < float("inf"):
         out.append(f"--host-kv-cache-gib: must be a number >= 0, got {cfg.host_kv_cache_gib}")
+    for flag, value in (("--prefill-replicas", cfg.prefill_replicas),
+                        ("--decode-replicas", cfg.decode_replicas)):
+        if not 1 <= value <= MAX_REPLICAS:
+            out.append(f"{flag}: must be between 1 and {MAX_REPLICAS}, got {value}")
     if not 1 <= cfg.router_workers <= E.MAX_ROUTER_WORKERS:
         out.append(f"--router-workers: must be between 1 and {E.MAX_ROUTER_WORKERS}, got "
                    f"{cfg.router_workers}")
@@ -249,21 +281,30 @@ def routing_plan_json(cfg: StackConfig) -> str:
     return plan_for_spec(parse_spec(deployment_spec(cfg))).to_json()
 
 
-def gpu_lists(prefill_tp: int, decode_tp: int,
-              gpus: Sequence[str]) -> tuple[list[str], list[str]]:
-    """CUDA_VISIBLE_DEVICES entries per role: prefill ranks first, then decode, wrapping around.
+def instance_gpus(tps: Sequence[int], gpus: Sequence[str]) -> list[list[str]]:
+    """CUDA_VISIBLE_DEVICES entries of instances of these tps, in order: each takes the next
+    GPUs, wrapping around.
 
-    Ranks of one instance always get distinct GPUs (so tp <= len(gpus)); the two instances may
-    share some, which lets 2 GPUs host P TP1 + D TP2.
+    Ranks of one instance always get distinct GPUs (so tp <= len(gpus)); instances may share
+    some, which lets 2 GPUs host P TP1 + D TP2, and one GPU any number of TP1 instances.
     """
     n = len(gpus)
     if n == 0:
         raise ValueError("no GPUs to assign")
-    if max(prefill_tp, decode_tp) > n:
-        raise ValueError(f"an instance of tp {max(prefill_tp, decode_tp)} needs that many "
-                         f"distinct GPUs, {n} visible")
-    prefill = [gpus[i % n] for i in range(prefill_tp)]
-    decode = [gpus[(prefill_tp + i) % n] for i in range(decode_tp)]
+    if max(tps, default=1) > n:
+        raise ValueError(f"an instance of tp {max(tps)} needs that many distinct GPUs, "
+                         f"{n} visible")
+    out, first = [], 0
+    for tp in tps:
+        out.append([gpus[(first + i) % n] for i in range(tp)])
+        first += tp
+    return out
+
+
+def gpu_lists(prefill_tp: int, decode_tp: int,
+              gpus: Sequence[str]) -> tuple[list[str], list[str]]:
+    """CUDA_VISIBLE_DEVICES entries of one prefill and one decode: prefill ranks first."""
+    prefill, decode = instance_gpus([prefill_tp, decode_tp], gpus)
     return prefill, decode
 
 
@@ -293,24 +334,47 @@ def memory_utilizations(utilization: float, prefill_share: float,
     return out
 
 
+def stack_gpus(cfg: StackConfig, gpus: Sequence[str]) -> tuple[list[list[str]], list[list[str]]]:
+    """Per replica of each role: the prefills' ranks first, then the decodes', wrapping around."""
+    tps = [cfg.prefill_tp] * cfg.prefill_replicas + [cfg.decode_tp] * cfg.decode_replicas
+    lists = instance_gpus(tps, gpus)
+    return lists[:cfg.prefill_replicas], lists[cfg.prefill_replicas:]
+
+
 def connect_host(host: str) -> str:
     """The address clients (and the decode's side-channel reads) use for a bind address."""
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
+def stack_memory(cfg: StackConfig, prefill_gpus: Sequence[Sequence[str]],
+                 decode_gpus: Sequence[Sequence[str]]) -> tuple[list[float], list[float]]:
+    """Each replica's GPU memory utilization, per role: instances sharing a GPU split it
+    (memory_utilizations)."""
+    shares = memory_utilizations(
+        cfg.gpu_memory_utilization, cfg.prefill_memory_share,
+        [("prefill", g) for g in prefill_gpus] + [("decode", g) for g in decode_gpus])
+    return shares[:len(prefill_gpus)], shares[len(prefill_gpus):]
+
+
+def urls(cfg: StackConfig, ports: Ports, role: str) -> list[str]:
+    """Where each replica of a role answers HTTP."""
+    host = connect_host(cfg.host)
+    return [f"http://{host}:{p.http}" for p in ports.of(role)]
+
+
 def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
                  gpus: Sequence[str] | None = None, grant_key_file: str = "",
-                 utilization: float | None = None) -> dict[str, str]:
-    """The PDD_* environment of one instance: what the operator writes into a pod.
-    ``utilization``: its share of its GPUs (memory_utilizations); cuda only."""
+                 utilization: float | None = None, replica: int = 0) -> dict[str, str]:
+    """The PDD_* environment of one instance (replica ``replica`` of its role): what the
+    operator writes into a pod. ``utilization``: its share of its GPUs (memory_utilizations);
+    cuda only."""
     tp, dcp = ((cfg.prefill_tp, cfg.prefill_dcp) if role == "prefill"
                else (cfg.decode_tp, cfg.decode_dcp))
-    http, side, dist = ((ports.prefill_http, ports.prefill_side, ports.prefill_dist)
-                        if role == "prefill"
-                        else (ports.decode_http, ports.decode_side, ports.decode_dist))
+    own = ports.of(role)[replica]
+    http, side, dist = own.http, own.side, own.dist
     env = {
         E.PDD_ROLE: role,
-        E.PDD_REPLICA: "0",
+        E.PDD_REPLICA: str(replica),
         E.PDD_TP_SIZE: str(tp),
         E.PDD_DCP_SIZE: str(dcp),
         E.PDD_BLOCK_SIZE: str(cfg.resolved_block_size),
@@ -341,7 +405,7 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
     if cfg.host_kv_cache_gib:
         env[E.PDD_HOST_KV_CACHE_GIB] = str(cfg.host_kv_cache_gib)
     if role == "decode":
-        env[E.PDD_PREFILL_URLS] = f"http://{connect_host(cfg.host)}:{ports.prefill_http}"
+        env[E.PDD_PREFILL_URLS] = ",".join(urls(cfg, ports, "prefill"))
     if cfg.device == "cuda" and gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if cfg.device == "cuda":
@@ -353,12 +417,11 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
 
 def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict[str, str]:
     """What the operator gives the router Deployment, with local URLs."""
-    host = connect_host(cfg.host)
     env = {
         E.PDD_HTTP_PORT: str(ports.router),
         E.PDD_BIND_HOST: cfg.host,
-        E.PDD_PREFILL_URLS: f"http://{host}:{ports.prefill_http}",
-        E.PDD_DECODE_URLS: f"http://{host}:{ports.decode_http}",
+        E.PDD_PREFILL_URLS: ",".join(urls(cfg, ports, "prefill")),
+        E.PDD_DECODE_URLS: ",".join(urls(cfg, ports, "decode")),
         E.PDD_ROUTER_HEALTH_INTERVAL_S: "0.5",
         E.PDD_MODEL_NAME: model_name(cfg.model),
         E.PDD_MODEL_SOURCE: cfg.model,
@@ -403,9 +466,12 @@ def pick_ports(cfg: StackConfig, is_free: Callable[[int], bool] = port_free,
         raise StackError(f"no {n} consecutive free ports in {PORT_RANGE[0]}..{PORT_RANGE[1]}")
 
     router = cfg.port or run(1)
-    return Ports(router=router, prefill_http=run(1), prefill_side=run(cfg.prefill_tp),
-                 prefill_dist=run(1), decode_http=run(1), decode_side=run(cfg.decode_tp),
-                 decode_dist=run(1))
+
+    def instances(n: int, tp: int) -> tuple[InstancePorts, ...]:
+        return tuple(InstancePorts(http=run(1), side=run(tp), dist=run(1)) for _ in range(n))
+
+    return Ports(router=router, prefill=instances(cfg.prefill_replicas, cfg.prefill_tp),
+                 decode=instances(cfg.decode_replicas, cfg.decode_tp))
 
 
 def visible_gpus(env: Mapping[str, str]) -> list[str]:
@@ -490,7 +556,7 @@ class Child:
 
 
 class LocalStack:
-    """One prefill instance, one decode instance and a router; `with` stops them all."""
+    """Prefill instances, decode instances and a router; `with` stops them all."""
 
     def __init__(self, cfg: StackConfig, log_dir: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -511,13 +577,26 @@ class LocalStack:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def role_children(self, role: str) -> list[Child]:
+        names = self.cfg.names(role)
+        return [c for c in self.children if c.name in names]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [c.url for c in self.role_children("prefill")]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [c.url for c in self.role_children("decode")]
+
     @property
     def prefill_url(self) -> str:
-        return self.child("prefill").url
+        """The first prefill's."""
+        return self.prefill_urls[0]
 
     @property
     def decode_url(self) -> str:
-        return self.child("decode").url
+        return self.decode_urls[0]
 
     def start(self, timeout_s: float = 600.0,
               should_stop: Callable[[], bool] = lambda: False) -> bool:
@@ -536,31 +615,28 @@ class LocalStack:
         key_file.touch(mode=0o600)
         key_file.write_text(secrets.token_hex(32))
         self.ports = ports = pick_ports(cfg)
-        p_gpus = d_gpus = None
-        p_util = d_util = None
+        gpus: dict[str, list[list[str]] | list[None]] = {
+            "prefill": [None] * cfg.prefill_replicas, "decode": [None] * cfg.decode_replicas}
+        utils: dict[str, list[float | None]] = {role: [None] * len(gpus[role]) for role in gpus}
         if cfg.device == "cuda":
             try:
-                p_gpus, d_gpus = gpu_lists(cfg.prefill_tp, cfg.decode_tp,
-                                           visible_gpus(os.environ))
+                p_gpus, d_gpus = stack_gpus(cfg, visible_gpus(os.environ))
             except ValueError as exc:
                 raise StackError(f"--device cuda: {exc}") from None
-            p_util, d_util = memory_utilizations(
-                cfg.gpu_memory_utilization, cfg.prefill_memory_share,
-                [("prefill", p_gpus), ("decode", d_gpus)])
-        host = connect_host(cfg.host)
+            gpus["prefill"], gpus["decode"] = p_gpus, d_gpus
+            p_util, d_util = stack_memory(cfg, p_gpus, d_gpus)
+            utils["prefill"], utils["decode"] = list(p_util), list(d_util)
         serve_argv = [sys.executable, "-m", "pdd_sidecar", "serve"]
         self.children = [
-            Child("prefill", serve_argv,
-                  instance_env(cfg, "prefill", ports, str(routing_file), p_gpus,
-                               str(key_file), p_util),
-                  f"http://{host}:{ports.prefill_http}", self.log_dir / "prefill.log"),
-            Child("decode", serve_argv,
-                  instance_env(cfg, "decode", ports, str(routing_file), d_gpus,
-                               str(key_file), d_util),
-                  f"http://{host}:{ports.decode_http}", self.log_dir / "decode.log"),
-            Child("router", [sys.executable, "-m", "pdd_sidecar", "router"],
-                  router_env(cfg, ports, str(key_file)), self.url, self.log_dir / "router.log"),
+            Child(name, serve_argv,
+                  instance_env(cfg, role, ports, str(routing_file), gpus[role][i],
+                               str(key_file), utils[role][i], replica=i),
+                  urls(cfg, ports, role)[i], self.log_dir / f"{name}.log")
+            for role in ("prefill", "decode") for i, name in enumerate(cfg.names(role))
         ]
+        self.children.append(
+            Child("router", [sys.executable, "-m", "pdd_sidecar", "router"],
+                  router_env(cfg, ports, str(key_file)), self.url, self.log_dir / "router.log"))
         for c in self.children:
             self._spawn(c)
         deadline = time.monotonic() + timeout_s
@@ -651,14 +727,20 @@ class LocalStack:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdd serve",
-        description="Run a prefill instance, a decode instance and the router as local "
-        "processes (no cluster) until Ctrl-C or SIGTERM. Any other PDD_* setting of the "
-        "instances can be given in the environment.",
+        description="Run prefill instances, decode instances (one of each by default) and the "
+        "router as local processes (no cluster) until Ctrl-C or SIGTERM. Any other PDD_* "
+        "setting of the instances can be given in the environment.",
     )
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (default 1)")
     p.add_argument("--prefill-dcp", type=int, default=1, help="1 or --prefill-tp (default 1)")
     p.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks (default 1)")
     p.add_argument("--decode-dcp", type=int, default=1, help="1 or --decode-tp (default 1)")
+    p.add_argument("--prefill-replicas", type=int, default=1,
+                   help="prefill instances behind the router, each with its own ports, log and "
+                   "(on cuda) the next GPUs in turn (default 1)")
+    p.add_argument("--decode-replicas", type=int, default=1,
+                   help="decode instances behind the router, each reading from every prefill "
+                   "(default 1)")
     p.add_argument("--model", default="builtin",
                    help="Hugging Face DeepSeek-V2/V3 checkpoint directory, or 'builtin'")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="default cpu")
@@ -735,7 +817,8 @@ def parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> StackConfig:
     return StackConfig(
         prefill_tp=a.prefill_tp, prefill_dcp=a.prefill_dcp, decode_tp=a.decode_tp,
-        decode_dcp=a.decode_dcp, model=a.model, device=a.device, port=a.port, host=a.host,
+        decode_dcp=a.decode_dcp, prefill_replicas=a.prefill_replicas,
+        decode_replicas=a.decode_replicas, model=a.model, device=a.device, port=a.port, host=a.host,
         block_size=a.block_size, num_blocks=a.num_blocks,
         prefill_num_blocks=a.prefill_num_blocks, decode_num_blocks=a.decode_num_blocks,
         dtype=a.dtype, drain_s=a.drain_s, max_num_seqs=a.max_num_seqs,
