@@ -114,6 +114,10 @@ class InstanceMetrics:
             "where that step is faster than the rest of the prompt run eagerly "
             "(engine/graphed_hits.py)", registry=r,
         )
+        self.prefill_computed_tokens = Counter(
+            "pdd_prefill_computed_tokens", "Prompt tokens a prefill ran through the model (not "
+            "taken from its prefix cache, warm-up not counted)", registry=r,
+        )
         self.prefix_cached_blocks = Gauge(
             "pdd_prefix_cache_blocks", "KV blocks (table entries) held by the prefix cache",
             registry=r,

@@ -207,6 +207,99 @@ def test_shared_blocks_keep_the_hand_off_rules(cluster: LocalCluster) -> None:
     _all_blocks_back(prefill.url, decode.url)
 
 
+
+def _prefill_scheduler(num_blocks: int = 64, chunk: int = 32, dcp: int = 1) -> tuple[Any, Any]:
+    """(prefix cache, prefill scheduler over it) with chunks of ``chunk`` tokens."""
+    from pdd_sidecar.engine.scheduler import Scheduler
+    from pdd_sidecar.kv.cache import PagedKVCache
+    from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
+
+    cache = PagedKVCache(num_blocks, 1, BLOCK, 4)
+    pc = PrefixCache(cache, BLOCK * dcp, chain_root({"dcp": dcp}))
+    return pc, Scheduler("prefill", cache, BLOCK, dcp, 1, prefix_cache=pc, chunk_tokens=chunk,
+                         step_tokens=4 * chunk)
+
+
+def _step(sched: Any) -> dict[str, tuple[int, int]]:
+    """Plan a step and run it: each prompt's chunk (start, end) in it."""
+    chunks = sched.plan().prefill
+    for c in chunks:
+        sched.on_chunk_done(c)
+        if c.last:
+            sched.finish_prefill(c.seq, keep_blocks=False)
+    return {c.seq.id: (c.start, c.start + len(c.tokens)) for c in chunks}
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_a_prompt_whose_prefix_is_mid_prefill_waits_for_it_and_holds_up_nobody(dcp: int) -> None:
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
+
+    unit = BLOCK * dcp
+    pc, sched = _prefill_scheduler(chunk=2 * unit, dcp=dcp)
+    long = _tokens(6 * unit + 4, 1)
+    a = Sequence("a", long, 2, len(long))
+    sched.submit(a)
+    assert _step(sched) == {"a": (0, 2 * unit)}
+    shared = 5 * unit  # b shares a's first five units, two of them computed by now
+    b = Sequence("b", long[:shared] + _tokens(9, 2), 2, shared + 9)
+    c = Sequence("c", _tokens(3 * unit, 3), 2, 3 * unit)  # behind b, sharing nothing
+    sched.submit(b)
+    sched.submit(c)
+    ran = _step(sched)
+    assert "b" not in ran and ran["c"][0] == 0 and ran["a"] == (2 * unit, 4 * unit)
+    assert [s.id for s in sched.waiting] == ["b"] and b.blocks == []
+    ran = _step(sched)  # a computes unit 4, the last b shares, in this step
+    assert "b" not in ran and ran["a"] == (4 * unit, 6 * unit)
+    ran = _step(sched)
+    assert ran["b"] == (shared, len(b.prompt)) and b.extra[CACHED_TOKENS] == shared
+    computed = len(a.prompt) + len(c.prompt) + len(b.prompt) - shared
+    assert sched.computed_tokens == computed
+    _step(sched)
+    assert not sched.busy and not sched._pending
+
+
+def test_prompts_that_arrive_together_compute_their_prefix_once() -> None:
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
+
+    pc, sched = _prefill_scheduler(num_blocks=128, chunk=64)
+    system = _tokens(3 * BLOCK, 4)
+    seqs = [Sequence(f"s{i}", system + _tokens(BLOCK, 10 + i), 2, 4 * BLOCK) for i in range(16)]
+    for s in seqs:
+        sched.submit(s)
+    ran = _step(sched)
+    assert list(ran) == ["s0"]  # the others wait for its three shared units
+    while sched.busy:
+        _step(sched)
+    assert [s.extra[CACHED_TOKENS] for s in seqs] == [0] + [3 * BLOCK] * 15
+    assert sched.computed_tokens == 3 * BLOCK + 16 * BLOCK  # the distinct tokens
+    assert all(s.finish_reason == "length" for s in seqs)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+def test_nobody_waits_for_a_prefix_whose_prompt_went_away(how: str) -> None:
+    """A prompt cancelled (or failed: the driver cancels it with its error) mid-prefill takes
+    its pending units with it: the waiter takes what was computed and computes the rest."""
+    from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
+
+    pc, sched = _prefill_scheduler(chunk=2 * BLOCK)
+    long = _tokens(8 * BLOCK, 5)
+    a = Sequence("a", long, 2, len(long))
+    sched.submit(a)
+    _step(sched)
+    b = Sequence("b", long[:6 * BLOCK] + [1, 2, 3], 2, 6 * BLOCK + 3)
+    sched.submit(b)
+    assert "b" not in _step(sched)
+    if how == "failed":
+        a.error = {"error": "step failed", "status": 500, "kind": "internal_error"}
+    sched.cancel("a")
+    assert a.finish_reason == "cancelled" and not sched._pending
+    ran = _step(sched)
+    assert ran["b"] == (4 * BLOCK, 4 * BLOCK + 2 * BLOCK) and b.extra[CACHED_TOKENS] == 4 * BLOCK
+    while sched.busy:
+        _step(sched)
+    assert b.finish_reason == "length" and pc.num_free == pc.num_blocks
+
+
 def _decode_scheduler(dcp: int, num_blocks: int, tp: int) -> tuple[Any, Any, Any]:
     """(cache, prefix cache, decode scheduler over it) for ``dcp`` and ``tp`` ranks."""
     from pdd_sidecar.engine.scheduler import Scheduler

@@ -162,6 +162,7 @@ class InstanceDriver:
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
         self._scratch: list[int] = []  # where recomputed prefixes are written (graphed_hits.py)
+        self._computed_seen = 0  # the scheduler's computed prompt tokens, counted so far
         self._overtaking_seen = (0, 0)  # (steps, waited) of rank 0's engine, counted so far
         budget = step_budget(worker.cache.device.type, s.max_step_tokens, s.chunk_tokens,
                              s.long_chunk_tokens)
@@ -657,6 +658,8 @@ class InstanceDriver:
         m.running.set(len(sch.running) + len(sch.pulling))
         m.waiting.set(len(sch.waiting))
         m.held_requests.set(len(self.leases))
+        m.prefill_computed_tokens.inc(sch.computed_tokens - self._computed_seen)
+        self._computed_seen = sch.computed_tokens
         pc = self.prefix_cache
         if pc is not None:
             queried, hit = self._prefix_seen

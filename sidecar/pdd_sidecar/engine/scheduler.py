@@ -32,7 +32,12 @@ Policy (one place, pure Python, no torch):
 - **Prefix cache** (prefill, when on): admission looks the prompt's whole units up; the cached
   ones join the table shared (``seq.computed`` starts after them) and only the rest is reserved
   and computed. At least the prompt's last token always runs: its logits give the first token.
-  Each finished chunk caches the whole units it completed.
+  Each finished chunk caches the whole units it completed, never before: until then the units
+  an admitted prompt will compute are *pending* under it. A prompt whose cached run ends at a
+  pending unit (its requests arrived together, or while the prefix was mid-prefill) waits in
+  the queue, without holding up those behind it, until that unit is computed, then takes it as
+  a hit: a prefix is computed once. A prompt that is cancelled or fails takes its pending
+  units with it, and whoever waited on them computes them itself.
 - **Prefix cache** (decode, when on and the request names its prompt): admission shares the
   cached whole units of the prompt (all of it may be) and adopts the cached partial unit after
   them when the prompt continues it (kv/prefix_cache.py, tails); the pull reads only the tokens
@@ -59,6 +64,7 @@ from pdd_sidecar.kv.host_tier import HostTier, load_from_host
 from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
 
 UNIT_KEYS = "prefix_unit_keys"  # seq.extra: the prompt's prefix-cache keys, computed once
+PENDING = "prefix_pending"  # seq.extra: the units [first, end) pending under this prefill
 CACHED_TOKENS = "cached_tokens"  # seq.extra: prompt tokens whose KV came from the cache
 # seq.extra: a decode's prompt ids for its repetition_penalty, where seq.prompt is empty
 PENALTY_PROMPT = "penalty_prompt"
@@ -206,6 +212,9 @@ class Scheduler:
         # Blocks the driver keeps for itself (engine/graphed_hits.py's scratch): never a
         # sequence's, so a request needing them would wait for good.
         self.reserved_blocks = 0
+        # prefill: unit key -> id of the running prompt that will compute it (not cached yet)
+        self._pending: dict[bytes, str] = {}
+        self.computed_tokens = 0  # prefill: prompt tokens run (not taken from the cache)
 
     # -- intake
 
@@ -272,14 +281,21 @@ class Scheduler:
         return bool(self.waiting or self.pulling or self.running)
 
     def _admit(self) -> list[Sequence]:
+        """The head of the queue first, and nobody past one that does not fit; a prompt
+        waiting for a pending prefix keeps its place but holds nobody up."""
         admitted: list[Sequence] = []
+        deferred: list[Sequence] = []
+        pc = self.prefix_cache
         while self.waiting:
             seq = self.waiting[0]
             if len(self.running) + len(self.pulling) + len(admitted) >= self.max_running:
                 break
             need = self.blocks_needed(seq.kv_tokens)
-            if self.prefix_cache is not None:
-                if not self._reserve_cached(seq, self.prefix_cache, need):
+            if pc is not None:
+                if self._awaits_pending(seq, pc):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                if not self._reserve_cached(seq, pc, need):
                     break
             elif need > self.allocator.num_free:
                 break
@@ -287,7 +303,52 @@ class Scheduler:
                 seq.blocks = self.allocator.allocate(need)
             self.waiting.popleft()
             admitted.append(seq)
+        self.waiting.extendleft(reversed(deferred))
         return admitted
+
+    def _unit_keys(self, seq: Sequence, pc: PrefixCache) -> list[bytes]:
+        keys = seq.extra.get(UNIT_KEYS)
+        if keys is None:
+            keys = seq.extra[UNIT_KEYS] = pc.keys(seq.prompt)
+        return keys  # type: ignore[no-any-return]
+
+    def _usable_units(self, seq: Sequence, pc: PrefixCache) -> int:
+        """Whole units a hit may cover: a prefill always runs the prompt's last token (its
+        logits give the first token); a decode feeds the first token itself."""
+        usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
+        return max(usable, 0) // pc.unit_tokens
+
+    def _awaits_pending(self, seq: Sequence, pc: PrefixCache) -> bool:
+        """The prompt's cached run ends at a unit a running prefill is computing now."""
+        if not self._pending:
+            return False
+        keys = self._unit_keys(seq, pc)[:self._usable_units(seq, pc)]
+        n = len(pc.lookup(keys))
+        return n < len(keys) and keys[n] in self._pending
+
+    def _mark_pending(self, seq: Sequence, keys: list[bytes], first: int) -> None:
+        """The units from ``first`` on, which ``seq`` is about to compute, are pending under it
+        (those another prompt computes already stay that one's)."""
+        for k in keys[first:]:
+            self._pending.setdefault(k, seq.id)
+        seq.extra[PENDING] = (first, len(keys))
+
+    def _settle_pending(self, seq: Sequence, upto: int | None = None) -> None:
+        """Units of ``seq`` no longer pending: computed (those before unit ``upto``), or all of
+        them (the prompt finished, was cancelled or failed)."""
+        span = seq.extra.get(PENDING)
+        if span is None:
+            return
+        first, end = span
+        stop = end if upto is None else min(upto, end)
+        keys = seq.extra[UNIT_KEYS]
+        for k in keys[first:stop]:
+            if self._pending.get(k) == seq.id:
+                del self._pending[k]
+        if stop >= end:
+            del seq.extra[PENDING]
+        else:
+            seq.extra[PENDING] = (stop, end)
 
     def _reserve_cached(self, seq: Sequence, pc: PrefixCache, need: int) -> bool:
         """Reserve ``seq``'s table with its cached units shared; False when it does not fit.
@@ -295,12 +356,9 @@ class Scheduler:
         A prefill always runs the prompt's last token (its logits give the first token); a
         decode may share the whole prompt, since it feeds the first token itself, and adopts
         the tail its prompt continues as its next table entry."""
-        keys = seq.extra.get(UNIT_KEYS)
-        if keys is None:
-            keys = seq.extra[UNIT_KEYS] = pc.keys(seq.prompt)
+        keys = self._unit_keys(seq, pc)
         unit = pc.unit_tokens
-        usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
-        whole = keys[:max(usable, 0) // unit]
+        whole = keys[:self._usable_units(seq, pc)]
         hits = pc.lookup(whole)
         ht = self.host_tier  # the chain goes on in host memory (kv/host_tier.py)
         host = ht.lookup(whole[len(hits):]) if ht is not None else []
@@ -323,6 +381,7 @@ class Scheduler:
             tail.tokens if tail else host_tail.tokens if host_tail else 0)
         if self.role != "decode":
             seq.computed = seq.extra[CACHED_TOKENS]
+            self._mark_pending(seq, keys, len(hits))
         return True
 
     def start_token(self, seq: Sequence) -> int:
@@ -486,10 +545,12 @@ class Scheduler:
     def on_chunk_done(self, chunk: PrefillChunk) -> None:
         seq = chunk.seq
         seq.computed = chunk.start + len(chunk.tokens)
+        self.computed_tokens += len(chunk.tokens)
         if self.prefix_cache is not None and seq.blocks:
             keys = seq.extra[UNIT_KEYS]
-            self.prefix_cache.insert(keys[:seq.computed // self.prefix_cache.unit_tokens],
-                                     seq.blocks)
+            done = seq.computed // self.prefix_cache.unit_tokens
+            self.prefix_cache.insert(keys[:done], seq.blocks)
+            self._settle_pending(seq, done)
 
     def on_token(self, seq: Sequence, token: int) -> None:
         """A token was chosen for ``seq``; stop on a stop id or at max_tokens."""
@@ -511,11 +572,13 @@ class Scheduler:
             return
         self.running.pop(seq.id, None)
         self.by_id.pop(seq.id, None)
+        self._settle_pending(seq)
         seq.state = State.FINISHED
         if seq.on_done is not None:
             seq.on_done(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._settle_pending(seq)
         seq.state = State.FINISHED
         if seq.finish_reason is None or reason in ("error", "cancelled"):
             seq.finish_reason = reason
