@@ -7,8 +7,10 @@ command, the instances, their forked rank processes and the router.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import queue
+import random
 import re
 import signal
 import subprocess
@@ -19,11 +21,12 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
 import torch  # noqa: F401  (the tier needs it; never skip)
-from runtime_fixtures import http
+from runtime_fixtures import http, reference_tokens
 
 pytestmark = pytest.mark.dataplane
 
@@ -350,3 +353,90 @@ def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
         samples = _samples(where)
         for g in range(3):
             assert f'{name}_count{{generation="{g}"}}' in samples, (where, name, g)
+
+
+def _completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    status, body = http("POST", f"{url}/v1/completions",
+                        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True}, timeout=300)
+    assert status == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+ROW_BYTES = 3 * 40 * 4  # one token's KV in the built-in model: layers x latent x float32
+
+
+def test_xpyd_routes_each_prefix_and_each_conversation_to_the_instance_holding_it(
+    serves: list[Serve], tmp_path: Path
+) -> None:
+    """`pdd serve --prefill-replicas 2 --decode-replicas 2`: four instances and a router, each
+    instance its own log; 8 prefixes x 8 requests in random order, 8 at a time, find their
+    prefix on the prefill that computed it (the instances' own hit counters: >= 90 % of what
+    one shared cache would hit), both prefills take some; a conversation's next turn goes to
+    the decode that served its first and moves only its new tokens' KV. Without the prompt in
+    the router's prefill choice or in what it records as routed, the prefixes land on both
+    prefills and miss; without what the decodes served, the turns land on either decode."""
+    s, url = _start(serves, tmp_path, "--prefill-replicas", "2", "--decode-replicas", "2",
+                    "--router-workers", "1", "--block-size", str(BLOCK))
+    assert s.stdout[-1].endswith("(2 x prefill tp1/dcp1, 2 x decode tp1/dcp1)"), s.stdout
+    pids, pgids, tree = _snapshot(s)
+    assert sorted(tree.values()) == ["decode", "decode", "prefill", "prefill", "router"], tree
+    assert len(pgids) == 5
+    logs = tmp_path / "logs0"
+    assert {p.name for p in logs.iterdir()} >= {"prefill-0.log", "prefill-1.log",
+                                                "decode-0.log", "decode-1.log", "router.log"}
+    status, ready = http("GET", f"{url}/readyz")
+    assert status == 200 and len(ready["prefill"]) == len(ready["decode"]) == 2, ready
+    assert all(ready["prefill"].values()) and all(ready["decode"].values()), ready
+    prefills, decodes = list(ready["prefill"]), list(ready["decode"])
+    assert len(set(prefills + decodes)) == 4
+
+    rng = random.Random(38)
+    shared = 4 * BLOCK
+    prefixes = [[(i * 41 + p * 67 + 5) % 256 for i in range(shared)] for p in range(8)]
+    prompts = [prefixes[p] + [(j * 13 + p * 7 + k * 3 + 1) % 256 for k in range(3 + j)]
+               for p in range(8) for j in range(8)]
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+
+    def hits_and_queries() -> list[tuple[float, float]]:
+        return [(_metric(p, "pdd_prefix_cache_hits_total"),
+                 _metric(p, "pdd_prefix_cache_queries_total")) for p in prefills]
+
+    before = hits_and_queries()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        bodies = dict(zip(order, pool.map(lambda i: _completion(url, prompts[i], 3), order),
+                          strict=True))
+    after = hits_and_queries()
+    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    assert sum(queries) == sum(len(p) for p in prompts)
+    assert all(q > 0 for q in queries), queries  # the prefixes spread over both prefills
+    # One shared cache would hit each prefix for its 7 later requests (the rest is unique).
+    ratio = sum(hits) / (8 * 7 * shared)
+    assert 0.9 <= ratio <= 1.0, (ratio, hits, queries)
+    for p in range(8):  # each prefix lives on one prefill
+        assert len({bodies[p * 8 + j]["pdd"]["prefill"] for j in range(8)}) == 1, p
+    for i in rng.sample(range(len(prompts)), 12):
+        assert bodies[i]["choices"][0]["token_ids"] == reference_tokens(prompts[i], 3, BLOCK), i
+
+    # Conversations of their own (a decode keeps one partial last unit per parent, so chats
+    # sharing a prefix would replace each other's): the first turn, then the next in another
+    # order.
+    first = {c: [(c * 89 + k * 31 + 3) % 256 for k in range(40)] for c in range(8)}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        turn1 = dict(zip(first, pool.map(lambda c: _completion(url, first[c], 3), first),
+                         strict=True))
+    follow = {c: first[c] + turn1[c]["choices"][0]["token_ids"] + [9, 8, 7, 6, 5] for c in first}
+    again = list(first)
+    rng.shuffle(again)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        turn2 = dict(zip(again, pool.map(lambda c: _completion(url, follow[c], 3), again),
+                         strict=True))
+    for c in first:
+        assert turn2[c]["pdd"]["decode"] == turn1[c]["pdd"]["decode"], c
+        # the first turn's last token was never fed; the rest of its KV stayed on the decode
+        assert turn2[c]["pdd"]["transfer"]["bytes"] == (1 + 5) * ROW_BYTES, (c, turn2[c]["pdd"])
+    assert len({b["pdd"]["decode"] for b in [*bodies.values(), *turn1.values()]}) == 2
+
+    _stop_and_check(s, signal.SIGINT, pids, pgids)
