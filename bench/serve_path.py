@@ -152,6 +152,9 @@ class LevelResult:
     # Garbage-collector pauses per process during the level: [collections, seconds, collections
     # over 5 ms] (instances' and router's /metrics, the client's own gc.callbacks).
     gc_pauses: dict[str, list[float]] = field(default_factory=dict)
+    # The same since each process installed its timer (an instance before its warm-up, the
+    # router and the client once ready), at the level's end.
+    gc_since_start: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------- host CPU
@@ -549,6 +552,8 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
     gc_pauses = {name: [a - b for a, b in zip(gc_totals(after[name]), gc_totals(before[name]),
                                               strict=True)] for name in CPU_OF}
     gc_pauses["client"] = [a - b for a, b in zip(client_gc1, client_gc0, strict=True)]
+    gc_since_start = {name: list(gc_totals(after[name])) for name in CPU_OF}
+    gc_since_start["client"] = list(client_gc1)
     transfer_after, transfer_before = (transfer_totals(after["decode"]),
                                        transfer_totals(before["decode"]))
     ok = [r for r in results if isinstance(r, Reply)]
@@ -577,7 +582,8 @@ async def run_level(stack: LocalStack, spec: LevelSpec, n_requests: int, vocab: 
         probe_max_ms=max(probes.latencies_ms, default=float("nan")),
         probe_failures=probes.failures, probe_worst_ms=probes.worst_ms,
         probe_worst_at_s=probes.worst_at_s, outside_p50_ms=pct(outside, 50),
-        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0}, gc_pauses=gc_pauses)
+        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0}, gc_pauses=gc_pauses,
+        gc_since_start=gc_since_start)
 
 
 # ------------------------------------------------------------------------- judging

@@ -59,8 +59,16 @@ def test_quick_run_reports_every_level_with_its_breakdown(tmp_path: Path,
         assert set(lv["cpu_s"]) == set(lv["gc_pauses"]) == {"router", "prefill", "decode",
                                                            "client"}, lv["level"]
         assert all(v > 0 for v in lv["cpu_s"].values()), lv["cpu_s"]
+        since = lv["gc_since_start"]
+        assert set(since) == set(lv["gc_pauses"]), since
         for n, secs, long in lv["gc_pauses"].values():
-            assert n >= 0 and secs >= 0 and 0 <= long <= n, lv["gc_pauses"]
+            assert 0 <= long <= n and secs >= 0, lv["gc_pauses"]
+    # Every server times its collections: an instance's warm-up ends in one, and the router
+    # collects while it relays tokens. A process that never installed its timer reports none.
+    last = res["levels"][-1]["gc_since_start"]
+    for name in ("router", "prefill", "decode"):
+        n, secs, long = last[name]
+        assert n >= 1 and secs > 0 and long <= n, (name, last)
     first = res["first_after_ready"]
     assert first["first_ttft_ms"] > 0 and first["steady_ttft_ms"] > 0
     assert first["ratio"] == pytest.approx(first["first_ttft_ms"] / first["steady_ttft_ms"])
