@@ -9,8 +9,9 @@ prompt is the previous turn's prompt, its answer and ``--turn-tokens`` new user 
 Each workload runs on a whole local stack (`pdd serve` as a library: prefill, decode, router,
 real NIXL hand-offs), once with the cache on and once started with ``--no-prefix-cache``'s
 setting. Completions stream with ``stream_options.include_usage``; per phase (a round, a turn)
-the table gives TTFT p50/p99, the prompt tokens the prefill computed (prompt -
-``usage.prompt_tokens_details.cached_tokens``) and the KV bytes the decode READ
+the table gives TTFT p50/p99, the prompt tokens the prefill computed (its own
+``pdd_prefill_computed_tokens`` counter; the answers' ``usage.prompt_tokens_details.cached_tokens``
+give those it took from its cache) and the KV bytes the decode READ
 (``pdd_kv_transfer_bytes`` on its /metrics), also over the KV of the phase's new tokens (those
 the decode has not held yet: a turn's new user tokens, a round's own tokens; all of the first
 phase's prompt), at the bytes per token the cache-off run moved. The prefill's cache saves
@@ -74,6 +75,7 @@ class Phase:
     new_tokens: int  # prompt tokens the decode has not held before this phase
     kv_over_new: float = float("nan")  # kv_bytes_read / the new tokens' KV (set at the end)
     timing_p50_ms: dict[str, float] = field(default_factory=dict)  # pdd.timing stage medians
+    tokens: list[list[int]] = field(default_factory=list)  # each answer's, [] for a failed one
 
 
 @dataclass
@@ -102,19 +104,30 @@ async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
                   dict(got.pdd.get("timing") or {}))
 
 
-async def kv_bytes(session: aiohttp.ClientSession, decode_url: str) -> float:
-    async with session.get(f"{decode_url}/metrics") as resp:
+async def counter(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    """The sum of a counter's samples on an instance's /metrics."""
+    async with session.get(f"{url}/metrics") as resp:
         metrics = parse_metrics(await resp.text())
-    return sum(v for k, v in metrics.items() if k.startswith("pdd_kv_transfer_bytes_total"))
+    return sum(v for k, v in metrics.items() if k.split("{")[0] == name)
+
+
+async def kv_bytes(session: aiohttp.ClientSession, decode_url: str) -> float:
+    return await counter(session, decode_url, "pdd_kv_transfer_bytes_total")
+
+
+async def computed(session: aiohttp.ClientSession, prefill_url: str) -> float:
+    return await counter(session, prefill_url, "pdd_prefill_computed_tokens_total")
 
 
 async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str, cache: bool,
                 number: int, prompts: list[list[int]], max_tokens: int,
                 new: list[int]) -> tuple[Phase, list[Answer | str]]:
     before = await kv_bytes(session, stack.decode_url)
+    ran_before = await computed(session, stack.prefill_url)
     answers = await asyncio.gather(*(complete(session, stack.url, p, max_tokens)
                                      for p in prompts))
     moved = await kv_bytes(session, stack.decode_url) - before
+    ran = await computed(session, stack.prefill_url) - ran_before
     ok = [(p, a) for p, a in zip(prompts, answers, strict=True) if isinstance(a, Answer)]
     failed = [a for a in answers if isinstance(a, str)]
     if failed:
@@ -125,8 +138,10 @@ async def phase(stack: LocalStack, session: aiohttp.ClientSession, workload: str
     new_tokens = sum(n for n, a in zip(new, answers, strict=True) if isinstance(a, Answer))
     stages = stage_medians(a.timing for _, a in ok)
     return Phase(workload, cache, number, len(prompts), len(failed), prompt_tokens,
-                 prompt_tokens - cached, cached, pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3,
-                 moved, new_tokens, timing_p50_ms=stages), list(answers)
+                 int(ran), cached, pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3,
+                 moved, new_tokens, timing_p50_ms=stages,
+                 tokens=[a.tokens if isinstance(a, Answer) else [] for a in answers]
+                 ), list(answers)
 
 
 def tokens(n: int, salt: int, span: int, base: int) -> list[int]:

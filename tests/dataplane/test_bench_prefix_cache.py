@@ -1,7 +1,9 @@
-"""bench/prefix_cache.py --quick runs cache off and on end to end: no request fails, the cache
-computes the shared system prompt once, every chat turn after the first computes less, and the
-decode reads, from the second turn on, only the new tokens' KV and the previous answer's last
-token's (off: the whole prompt's)."""
+"""bench/prefix_cache.py --quick runs cache off and on end to end: no request fails, the answers
+are the same token for token, the prefill's own count of tokens it computed and the answers'
+cached tokens add up to the prompts, the cache computes the shared system prompt once (its first
+round's requests, sent together, wait for the one computing it), every chat turn after the first
+computes less, and the decode reads, from the second turn on, only the new tokens' KV and the
+previous answer's last token's (off: the whole prompt's)."""
 
 from __future__ import annotations
 
@@ -31,11 +33,17 @@ def test_quick_run_compares_cache_off_and_on(tmp_path: Path,
         assert a["errors"] == b["errors"] == 0
         assert a["prompt_tokens"] == b["prompt_tokens"]
         assert a["computed_tokens"] == a["prompt_tokens"] and a["cached_tokens"] == 0
+        # the prefill's counter against what the answers say came from its cache
         assert b["computed_tokens"] + b["cached_tokens"] == b["prompt_tokens"]
+        assert a["tokens"] == b["tokens"], (a["workload"], a["phase"])
+        assert [len(t) for t in a["tokens"]] == [cfg["max_tokens"]] * a["requests"]
         assert a["kv_bytes_read"] >= b["kv_bytes_read"] > 0
         assert a["kv_bytes_read"] == a["prompt_tokens"] * res["kv_bytes_per_token"]
         assert b["ttft_p50_ms"] > 0
     shared = [p for p in on if p["workload"] == "shared"]
+    # The first round's requests arrive together: one computes the system prompt, the rest
+    # wait for it and compute only their own tokens.
+    assert shared[0]["computed_tokens"] == cfg["shared"] + cfg["concurrency"] * cfg["unique"]
     # After the first round every request finds the system prompt (whole blocks) cached.
     assert all(p["computed_tokens"] == cfg["concurrency"] * cfg["unique"] for p in shared[1:])
     chat = [p for p in on if p["workload"] == "chat"]
