@@ -109,6 +109,26 @@ def test_new_prefixes_spread_over_the_replicas() -> None:
     assert chosen == {"p0": 4, "p1": 4}
 
 
+
+def test_a_burst_sharing_a_new_prefix_follows_its_first_request_while_in_flight() -> None:
+    """Nothing of the prefix is computed yet: the first request records it when sent, so the
+    next ones, all still in flight, go where it went (its prefill computes the prefix once)
+    until that one is busier than the idle one by more than the allowance."""
+    rng = random.Random(2)
+    pool = _pool("prefill", ["p0", "p1"], "cache-aware")
+    policy = pool.policy
+    assert isinstance(policy, CacheAware)
+    picks = []
+    for _ in range(policy.balance_abs + 3):
+        prompt = _prompt(5, rng)
+        url = pool.pick(prompt_ids=prompt)
+        assert url is not None
+        pool.started(url, prompt)  # none finishes
+        picks.append(url)
+    first = picks[0]
+    assert picks[:policy.balance_abs + 1] == [first] * (policy.balance_abs + 1)
+    assert first not in picks[policy.balance_abs + 1:]
+
 @pytest.mark.parametrize("policy", ["cache-aware", "least-loaded"])
 def test_an_overloaded_replica_stops_receiving_new_requests(policy: str) -> None:
     """p0 holds the prefix every request shares, but its queue grows past the bound: new
