@@ -36,6 +36,7 @@ from pdd_sidecar.serve.local_stack import (
     pick_ports,
     problems,
     router_env,
+    router_sees,
     routing_plan_json,
     stack_gpus,
     stack_memory,
@@ -402,8 +403,17 @@ def test_replicas_take_the_next_gpus_in_turn() -> None:
 def test_replicas_sharing_a_gpu_split_its_memory() -> None:
     cfg = StackConfig(device="cuda", prefill_replicas=2, decode_replicas=1,
                       gpu_memory_utilization=0.9, prefill_memory_share=0.5)
-    p, d = stack_gpus(cfg, ["0"])
-    assert stack_memory(cfg, p, d) == pytest.approx(([0.225, 0.225], [0.45]))
-    p, d = stack_gpus(cfg, ["0", "1", "2"])  # each alone on its GPU
-    assert stack_memory(cfg, p, d) == pytest.approx(([0.9, 0.9], [0.9]))
+    p_util, d_util = stack_memory(cfg, *stack_gpus(cfg, ["0"]))
+    assert (p_util, d_util) == (pytest.approx([0.225, 0.225]), pytest.approx([0.45]))
+    p_util, d_util = stack_memory(cfg, *stack_gpus(cfg, ["0", "1", "2"]))  # each on its own
+    assert (p_util, d_util) == (pytest.approx([0.9, 0.9]), pytest.approx([0.9]))
 
+
+def test_the_stack_is_ready_once_its_router_sees_every_instance_ready() -> None:
+    p, d = ["http://h:1", "http://h:2"], ["http://h:3"]
+    seen = {"ready": True, "prefill": {p[0]: True, p[1]: True}, "decode": {d[0]: True}}
+    assert router_sees(seen, p, d)
+    assert not router_sees({**seen, "prefill": {p[0]: True, p[1]: False}}, p, d)
+    assert not router_sees({**seen, "prefill": {p[0]: True}}, p, d)  # not probed yet
+    assert not router_sees({**seen, "ready": False}, p, d)
+    assert not router_sees(None, p, d)

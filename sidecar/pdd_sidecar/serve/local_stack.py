@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import secrets
@@ -520,6 +521,23 @@ def _http_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
+def _http_json(url: str, timeout: float = 2.0) -> Any:
+    """The JSON body of a 200 answer; None for anything else."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read()) if resp.status == 200 else None
+    except (OSError, ValueError):
+        return None
+
+
+def router_sees(body: Any, prefills: Sequence[str], decodes: Sequence[str]) -> bool:
+    """A router's /readyz body says ready with every one of these instances ready."""
+    if not isinstance(body, dict) or body.get("ready") is not True:
+        return False
+    return all(isinstance(body.get(role), dict) and body[role].get(u) is True
+               for role, want in (("prefill", prefills), ("decode", decodes)) for u in want)
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -645,7 +663,7 @@ class LocalStack:
             if should_stop():
                 return False
             self.raise_if_dead()
-            pending = [c for c in pending if _http_status(f"{c.url}/readyz") != 200]
+            pending = [c for c in pending if not self._ready(c)]
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
                 self.stop()
@@ -654,6 +672,13 @@ class LocalStack:
             if pending:
                 time.sleep(0.3)
         return True
+
+    def _ready(self, c: Child) -> bool:
+        """An instance answers /readyz 200; the router too, having seen every instance ready
+        (its probes run on their own clock), so the first requests are routed over all."""
+        if c.name != "router":
+            return _http_status(f"{c.url}/readyz") == 200
+        return router_sees(_http_json(f"{c.url}/readyz"), self.prefill_urls, self.decode_urls)
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.exit_code() is not None]
