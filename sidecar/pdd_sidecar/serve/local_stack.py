@@ -5,9 +5,9 @@ router`, configured by environment), so a completion goes through a real NIXL ha
 routing plan, the ports and the GPUs come from here instead of the operator. There are
 ``--prefill-replicas`` prefills and ``--decode-replicas`` decodes (xPyD, one of each by
 default), each with its own ports and log, all behind the one router; every decode reads from
-every prefill, as in a cluster. Each child runs in
-its own session, so stopping one with its rank processes is one `killpg`, and a Ctrl-C typed at
-the terminal reaches `pdd serve` alone, which then stops the children in order.
+every prefill, as in a cluster. Each child runs in its own session, so stopping one with its
+rank processes is one `killpg`, and a Ctrl-C typed at the terminal reaches `pdd serve` alone,
+which then stops the children in order.
 
 Nothing here imports torch or aiohttp: `pdd --help` and argument errors stay fast, and the
 benchmark can drive stacks from a light process. The pure helpers (argument checks, plan, env,
