@@ -13,6 +13,7 @@ from pdd_sidecar.env import ConfigError, InstanceSettings
 from pdd_sidecar.kv.host_tier import GIB, HostTier, host_slots, load_from_host
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root, unit_keys
 from pdd_sidecar.serve.local_stack import (
+    InstancePorts,
     Ports,
     StackConfig,
     config_from_args,
@@ -213,8 +214,8 @@ def test_serve_flag_reaches_both_roles_and_bad_sizes_name_it(
     cfg = config_from_args(parser().parse_args(["--host-kv-cache-gib", "2.5"]))
     f = tmp_path / "routing.json"
     f.write_text(routing_plan_json(cfg))
-    ports = Ports(router=8000, prefill_http=11000, prefill_side=12000, prefill_dist=13000,
-                  decode_http=14000, decode_side=15000, decode_dist=16000)
+    ports = Ports(router=8000, prefill=(InstancePorts(http=11000, side=12000, dist=13000),),
+                  decode=(InstancePorts(http=14000, side=15000, dist=16000),))
     for role in ("prefill", "decode"):
         env = instance_env(cfg, role, ports, str(f), None, "/k")
         assert InstanceSettings.from_env(env).host_kv_cache_gib == 2.5

@@ -381,7 +381,9 @@ class Scheduler:
             tail.tokens if tail else host_tail.tokens if host_tail else 0)
         if self.role != "decode":
             seq.computed = seq.extra[CACHED_TOKENS]
-            self._mark_pending(seq, keys, len(hits))
+            # Units loaded from the host are in no index until their chunk is done: a prompt
+            # sharing them meanwhile loads its own copy (kv/host_tier.py), it does not wait.
+            self._mark_pending(seq, keys, found)
         return True
 
     def start_token(self, seq: Sequence) -> int:
