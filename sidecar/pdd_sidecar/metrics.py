@@ -200,37 +200,10 @@ class RouterMetrics:
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
             ["role", "replica"], registry=r, multiprocess_mode="mostrecent",
         )
-        self.host_kv_hits = Counter(
-            "pdd_host_kv_hits", "Prompt tokens whose KV was loaded from the host tier (part of "
-            "pdd_prefix_cache_hits)", registry=r,
-        )
-        self.host_kv_blocks = Gauge(
-            "pdd_host_kv_blocks", "Host KV blocks (slots, per rank) holding evicted units",
-            registry=r,
-        )
-        self.host_kv_blocks_total = Gauge(
-            "pdd_host_kv_blocks_total", "Host KV blocks (slots, per rank) of the tier",
-            registry=r,
-        )
-        # One name per kind (not a label): the bench and dashboards read a rate as bytes over
-        # seconds of the same name's samples.
-        self.host_kv_bytes = {kind: Counter(
-            f"pdd_host_kv_{kind}_bytes", f"Bytes the host tier copied ({what})", ["rank"],
-            registry=r) for kind, what in (("load", "host to device"), ("offload",
-                                                                        "device to host"))}
-        self.host_kv_seconds = {kind: Counter(
-            f"pdd_host_kv_{kind}_seconds", f"Time of the host tier's copies ({what}; on CUDA "
-            "by events on its stream)", ["rank"], registry=r)
-            for kind, what in (("load", "host to device"), ("offload", "device to host"))}
         self.warmup_seconds = Gauge(
             "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
             registry=r, multiprocess_mode="max",
         )
-
-    def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
-        """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
-        self.host_kv_bytes[kind].labels(rank=str(rank)).inc(copied.get("bytes", 0))
-        self.host_kv_seconds[kind].labels(rank=str(rank)).inc(copied.get("seconds", 0.0))
 
     def expose(self) -> bytes:
         self.gc_pauses.flush()

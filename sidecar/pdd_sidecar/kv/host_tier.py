@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pdd_sidecar.kv.prefix_cache import PrefixCache, TailHit
+from pdd_sidecar.kv.prefix_cache import PrefixCache, TailHit, longest_run
 
 GIB = 1 << 30
 
@@ -103,13 +103,7 @@ class HostTier:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of the longest run of ``keys`` from the first; takes nothing."""
-        slots: list[int] = []
-        for k in keys:
-            s = self._by_key.get(k)
-            if s is None:
-                break
-            slots.append(s)
-        return slots
+        return longest_run(self._by_key, keys)
 
     def lookup_tail(self, parent: bytes, tokens: Sequence[int]) -> HostTail | None:
         """The host tail under ``parent`` when ``tokens`` start with at least one of its."""

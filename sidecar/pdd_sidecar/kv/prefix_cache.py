@@ -78,6 +78,18 @@ class TailHit:
     tokens: int
 
 
+def longest_run(index: Mapping[bytes, int], keys: Sequence[bytes]) -> list[int]:
+    """What ``index`` holds for ``keys`` from the first, up to the first it lacks: a chain
+    hit is a prefix of the chain (the device cache and the host tier alike)."""
+    out: list[int] = []
+    for k in keys:
+        v = index.get(k)
+        if v is None:
+            break
+        out.append(v)
+    return out
+
+
 class PrefixCache:
     """An allocator (same protocol as PagedKVCache's) whose blocks can outlive their request."""
 
@@ -162,13 +174,7 @@ class PrefixCache:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached run of ``keys`` from the first; takes no reference."""
-        hits: list[int] = []
-        for k in keys:
-            b = self._by_key.get(k)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return longest_run(self._by_key, keys)
 
     def lookup_tail(self, parent: bytes, tokens: Sequence[int]) -> TailHit | None:
         """The tail under ``parent`` when ``tokens`` (the prompt after the whole-unit hits)
