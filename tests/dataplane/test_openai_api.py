@@ -648,8 +648,10 @@ BAD = [
     ("chat/completions", {"messages": []}, "messages"),
     # Fields that would change the answer and are not implemented, or unknown: never ignored.
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "response_format": {"type": "json_object"}}, "response_format"),
-    ("completions", {"prompt": [1], "guided_json": {"type": "object"}}, "guided_json"),
+                          "response_format": {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    ("completions", {"prompt": [1], "guided_json": {"type": "object"}, "guided_regex": "a"},
+     "guided_regex"),
     ("completions", {"prompt": [1], "temprature": 0}, "temprature"),
 ]
 

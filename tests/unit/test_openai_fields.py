@@ -32,14 +32,6 @@ def _refused(kind: str, extra: dict[str, Any]) -> ApiError:
 # What the issue found accepted and ignored, and what clients send beside it: each asks for
 # something pdd does not do, and must be a 400 naming the field.
 ASKING = [
-    ("completion", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x",
-                                                                        "schema": {}}}),
-    ("completion", "guided_json", {"type": "object"}),
-    ("chat", "guided_regex", "[a-z]+"),
-    ("chat", "guided_choice", ["yes", "no"]),
-    ("completion", "guided_grammar", "root ::= 'a'"),
-    ("chat", "structured_outputs", {"json": {}}),
     ("completion", "min_p", 0.1),
     ("completion", "logprobs", 0),  # the sampled token's log probability
     ("completion", "logprobs", 5),
@@ -118,8 +110,8 @@ def test_unknown_fields_and_fields_of_the_other_endpoint_are_refused(kind: str,
 
 
 def test_a_long_value_is_not_quoted() -> None:
-    err = _refused("chat", {"guided_json": {"properties": {f"p{i}": {} for i in range(50)}}})
-    assert err.param == "guided_json" and "got" not in err.message
+    err = _refused("chat", {"allowed_token_ids": list(range(50))})
+    assert err.param == "allowed_token_ids" and "got" not in err.message
     assert len(err.message) < 100
 
 

@@ -84,6 +84,12 @@ FIELDS: dict[str, Field] = {
     "repetition_penalty": _H,
     "logit_bias": _H,
     "min_tokens": _H,
+    "response_format": _H,  # structured output: serve/structured_request.py
+    "guided_json": _H,
+    "guided_regex": _H,
+    "guided_choice": _H,
+    "guided_grammar": _H,
+    "structured_outputs": _H,
     # Accepted and without effect on the answer.
     "user": _N,
     "metadata": _N,
@@ -97,7 +103,7 @@ FIELDS: dict[str, Field] = {
     "request_id": _N,  # the router names its requests itself
     "return_token_ids": _N,  # every choice carries token_ids anyway
     "return_tokens_as_token_ids": _N,  # only shapes logprobs, refused below
-    "guided_decoding_backend": _N,  # only qualifies guided_* fields, refused below
+    "guided_decoding_backend": _N,  # llguidance whatever is named (docs/openai-api.md)
     "guided_whitespace_pattern": _N,
     "spaces_between_special_tokens": _N,  # special tokens are never shown
     # Refused unless they ask for nothing.
@@ -125,13 +131,6 @@ FIELDS: dict[str, Field] = {
         "a text prompt is always encoded with the tokenizer's special tokens", _off_values(True),
         COMPLETION),
     "truncate_prompt_tokens": _refused("prompt truncation is not supported"),
-    "response_format": _refused("structured output is not supported",
-                                _off_values({"type": "text"})),
-    "guided_json": _refused("structured output is not supported"),
-    "guided_regex": _refused("structured output is not supported"),
-    "guided_choice": _refused("structured output is not supported"),
-    "guided_grammar": _refused("structured output is not supported"),
-    "structured_outputs": _refused("structured output is not supported"),
     "tools": _refused("tool calling is not supported", _off_values([]), CHAT),
     "tool_choice": _refused("tool calling is not supported", _NOT_TOOLS, CHAT),
     "functions": _refused("tool calling is not supported", _off_values([]), CHAT),

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.serve.openai_fields import refusal
+from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
 from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -354,6 +355,12 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
                   "min_tokens")
     if min_tokens:
         controls["min_tokens"] = min_tokens
+    try:
+        structured = structured_spec(body)
+    except StructuredError as exc:
+        raise bad(str(exc), exc.param) from None
+    if structured is not None:
+        controls[STRUCTURED] = structured.to_json()
     local = set(stop_token_ids)
     if not ignore_eos:
         local |= model.eos_token_ids

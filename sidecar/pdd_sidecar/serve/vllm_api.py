@@ -36,6 +36,7 @@ from pdd_sidecar.serve.common import (
 from pdd_sidecar.serve.decode_api import decode_sequence
 from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.prefill_api import run_prefill
+from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
 from pdd_sidecar.serve.text import Codec, TextConfigError, load_model_text
 
 GRANT = "pdd_grant"
@@ -113,6 +114,12 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     sampling = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                 "top_k": body.get("top_k", 0), "seed": body.get("seed"),
                 **{k: body[k] for k in CONTROLS if body.get(k) is not None}}
+    try:
+        structured = structured_spec(body, compile_check=False)  # the instance compiles it
+    except StructuredError as exc:
+        raise bad(str(exc)) from None
+    if structured is not None:
+        sampling[STRUCTURED] = structured.to_json()
     return {"sampling": sampling, "stop_token_ids": body.get("stop_token_ids") or [],
             "ignore_eos": body.get("ignore_eos", False)}
 
