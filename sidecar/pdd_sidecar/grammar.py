@@ -37,6 +37,11 @@ CACHE_SIZE = 256
 MAX_GRAMMAR_CHARS = 1 << 20
 
 
+# JSON comes out compact (", " and ": " between items, no other whitespace), a schema's
+# "x-guidance" may say otherwise: a small model given free whitespace may spend every token on it.
+JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False}
+
+
 class GrammarError(ValueError):
     """A spec that is malformed or that the engine cannot compile; the message says which."""
 
@@ -99,10 +104,9 @@ def grammar_text(spec: Spec) -> str:
     import llguidance
 
     try:
-        if spec.kind == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
-        if spec.kind == "json_schema":
-            return llguidance.grammar_from("json_schema", spec.text)
+        if spec.kind in ("json_object", "json_schema"):
+            schema = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         if spec.kind == "regex":
             return llguidance.grammar_from("regex", spec.text)
         if spec.kind == "choice":

@@ -38,10 +38,12 @@ import torch
 
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
+from pdd_sidecar.engine.grammar_mask import advance, fill_bitmask
 from pdd_sidecar.engine.graphed_hits import prefix_blocks, recompute_in_graph, scratch_blocks_needed
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.sampling import (
+    Allowed,
     TokenHistory,
     needs_history,
     pick_rows,
@@ -571,15 +573,16 @@ class InstanceDriver:
         indices = [len(s.output) + (0 if s.source is None else 1) for _, s in live]
         histories = ([_history(s) if s.sampling.adjusts else None for _, s in live]
                      if needs_history(params) else None)
+        allowed = _allowed(live, logits.device.type == "cuda")
         # On the logits' own stream: an overtaking step's rows picked on the default stream
         # would wait for the work it overtook (runs 29 and 30 did, through a synchronizing
         # list index).
         with self.worker.engine.logits_context():
             logits = pick_rows(logits, [i for i, _ in live])
             if self.role == "decode":  # its next step needs these tokens
-                self._deliver(live, sample(logits, params, indices, histories))
+                self._deliver(live, sample(logits, params, indices, histories, allowed))
                 return
-            on_device = sample_on_device(logits, params, indices, histories)
+            on_device = sample_on_device(logits, params, indices, histories, allowed)
             self._sampled.append(_Sampled(live, on_device.to("cpu", non_blocking=True),
                                           self._marks.mark()))
 
@@ -598,16 +601,17 @@ class InstanceDriver:
         for (_, seq), tok in zip(live, tokens, strict=True):
             if seq.state is not State.RUNNING:  # cancelled while its token was on the way
                 continue
+            complete = seq.grammar is not None and advance(seq.grammar.matcher, tok)
             if self.role == "prefill":
-                self._prefilled(seq, tok)
+                self._prefilled(seq, tok, complete)
             else:
                 self.metrics.tokens.labels(kind="generated").inc()
-                self.scheduler.on_token(seq, tok)
+                self.scheduler.on_token(seq, tok, complete)
 
-    def _prefilled(self, seq: Sequence, token: int) -> None:
+    def _prefilled(self, seq: Sequence, token: int, complete: bool = False) -> None:
         seq.output.append(token)
         self.metrics.tokens.labels(kind="prompt").inc(len(seq.prompt))
-        if token in seq.stop_ids:
+        if token in seq.stop_ids or complete:
             seq.finish_reason = "stop"
         elif seq.max_tokens <= 1:
             seq.finish_reason = "length"
@@ -673,6 +677,15 @@ class InstanceDriver:
             m.host_kv_hits.inc(tier.hit_tokens - self._host_seen)
             self._host_seen = tier.hit_tokens
             m.host_kv_blocks.set(tier.used_slots)
+
+
+def _allowed(live: list[tuple[int, Sequence]], pin: bool) -> Allowed | None:
+    """Structured output's mask for the rows under a grammar (None: no row has one, nothing
+    is done). Host work, per step, for those rows only (engine/grammar_mask.py)."""
+    rows = [r for r, (_, s) in enumerate(live) if s.grammar is not None]
+    if not rows:
+        return None
+    return Allowed(rows, fill_bitmask([live[r][1].grammar for r in rows], pin))
 
 
 def _history(seq: Sequence) -> TokenHistory:

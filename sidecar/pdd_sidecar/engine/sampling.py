@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
+from pdd_sidecar.grammar import STRUCTURED, GrammarError, Spec, parse_spec
 
 _MASK63 = (1 << 63) - 1
 _TINY = torch.finfo(torch.float32).tiny
@@ -106,6 +107,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
     min_tokens: int = 0
+    structured: Spec | None = None  # structured output (engine/grammar_mask.py)
     # Computed once: whether the row's logits change before the choice, and whether the
     # penalties need its token counts.
     adjusts: bool = field(init=False, repr=False, compare=False)
@@ -154,8 +156,13 @@ class SamplingParams:
         assert min_tokens is not None
         if min_tokens < 0:
             raise SamplingError(f"sampling.min_tokens: must be >= 0, got {min_tokens}")
+        try:
+            structured = parse_spec(raw.get(STRUCTURED), f"sampling.{STRUCTURED}")
+        except GrammarError as exc:
+            raise SamplingError(str(exc)) from None
         return cls(temperature, top_p, max(top_k, 0), seed & _MASK63, presence, frequency,
-                   repetition, _logit_bias(raw.get("logit_bias"), vocab_size), min_tokens)
+                   repetition, _logit_bias(raw.get("logit_bias"), vocab_size), min_tokens,
+                   structured)
 
 
 class TokenHistory(NamedTuple):
@@ -239,6 +246,38 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     return x.index_copy_(0, idx, sub)
 
 
+class Allowed(NamedTuple):
+    """Structured output's mask for some rows of a batch: ``bitmask[r]`` (int32 words, on the
+    host or the device) says which tokens row ``rows[r]`` may take (engine/grammar_mask.py)."""
+
+    rows: Sequence[int]
+    bitmask: torch.Tensor
+
+
+_BIT: dict[torch.device, torch.Tensor] = {}  # device -> arange(32), int32, made once
+
+
+def apply_allowed(logits: torch.Tensor, allowed: Allowed) -> torch.Tensor:
+    """``logits [B, V]`` with the tokens ``allowed`` rules out at -inf in its rows, the others
+    untouched; a new tensor (the input may be a CUDA graph's output). The bitmask goes up in
+    one asynchronous copy and is unpacked on the device: no host sync. Tokens past the
+    bitmask's width are ruled out too; bits past ``V`` (a tokenizer larger than the model's
+    vocabulary, the built-in model's EOS) are dropped."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    bits = _BIT.get(dev)
+    if bits is None:
+        bits = _BIT[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    words = tensor_to_device(allowed.bitmask, dev)
+    ok = ((words.unsqueeze(-1) >> bits) & 1).view(words.shape[0], -1).bool()
+    if ok.shape[1] < vocab:
+        ok = torch.nn.functional.pad(ok, (0, vocab - ok.shape[1]), value=False)
+    ok = ok[:, :vocab]
+    x = logits.clone(memory_format=torch.contiguous_format)
+    idx = to_device(list(allowed.rows), torch.long, dev)
+    return x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~ok, float("-inf")))
+
+
 def _generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed ^ ((index + 1) * _GOLDEN)) & _MASK63)
@@ -282,14 +321,18 @@ def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      indices: Sequence[int],
-                     histories: Sequence[TokenHistory | None] | None = None) -> torch.Tensor:
+                     histories: Sequence[TokenHistory | None] | None = None,
+                     allowed: Allowed | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``, left on the logits' device (int64 ``[B]``) with
     no host sync: the caller reads them when it chooses to wait. ``indices[b]`` is the
     completion index of the token being drawn for row ``b``. ``histories`` (per row; None for a
     row that asks for no control) is given when some row ``adjusts`` (``needs_history``), and
-    only then is anything adjusted."""
+    only then is anything adjusted. ``allowed``: structured output's mask for the rows under a
+    grammar, applied after the controls (a ruled-out token stays at -inf whatever they add)."""
     if histories is not None:
         logits = adjust_logits(logits, params, histories)
+    if allowed is not None:
+        logits = apply_allowed(logits, allowed)
     out = torch.argmax(logits, dim=-1)
     for b, p in enumerate(params):
         if p.greedy:
@@ -305,6 +348,8 @@ def needs_history(params: Sequence[SamplingParams]) -> bool:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int],
-           histories: Sequence[TokenHistory | None] | None = None) -> list[int]:
+           histories: Sequence[TokenHistory | None] | None = None,
+           allowed: Allowed | None = None) -> list[int]:
     """``sample_on_device``, read on the host now."""
-    return [int(t) for t in sample_on_device(logits, params, indices, histories).tolist()]
+    return [int(t) for t in
+            sample_on_device(logits, params, indices, histories, allowed).tolist()]

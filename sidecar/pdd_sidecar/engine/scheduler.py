@@ -121,6 +121,7 @@ class Sequence:
     on_token: Callable[[int], None] | None = None
     on_done: Callable[[Sequence], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    grammar: Any = None  # structured output: engine/grammar_mask.Constrained
 
     @property
     def context(self) -> int:
@@ -554,14 +555,15 @@ class Scheduler:
             self.prefix_cache.insert(keys[:done], seq.blocks)
             self._settle_pending(seq, done)
 
-    def on_token(self, seq: Sequence, token: int) -> None:
-        """A token was chosen for ``seq``; stop on a stop id or at max_tokens."""
+    def on_token(self, seq: Sequence, token: int, last: bool = False) -> None:
+        """A token was chosen for ``seq``; stop on a stop id, when it is the ``last`` (its
+        grammar is complete), or at max_tokens."""
         if seq.state is not State.RUNNING:
             return
         seq.output.append(token)
         if seq.on_token is not None:
             seq.on_token(token)
-        if token in seq.stop_ids:
+        if token in seq.stop_ids or last:
             self._finish(seq, "stop")
         elif len(seq.output) >= seq.max_tokens:
             self._finish(seq, "length")

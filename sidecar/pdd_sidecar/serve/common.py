@@ -14,9 +14,11 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.engine.driver import InstanceDriver, on_loop
+from pdd_sidecar.engine.grammar_mask import Grammars
 from pdd_sidecar.engine.sampling import SamplingError, SamplingParams
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
+from pdd_sidecar.grammar import GrammarError
 from pdd_sidecar.kv.grants import GrantError, GrantExpired
 from pdd_sidecar.kv.handoff import MalformedGrant
 from pdd_sidecar.kv.pool_sizing import PoolSize
@@ -42,6 +44,7 @@ class InstanceState:
         self.vocab_size = cfg.vocab_size
         self.max_model_len = self.settings.max_model_len or cfg.max_position_embeddings
         self.eos_ids = eos_token_ids(self.settings.model_source)
+        self.grammars = Grammars(self.settings.model_source, self.vocab_size, self.eos_ids)
         self.ranks_ready = False
         self.peers_ready = self.settings.role == "prefill"
         self.not_ready_reason = ("starting: warming up (kernels, CUDA graphs), then every "
@@ -194,19 +197,27 @@ def token_ids(state: InstanceState, value: Any, key: str, allow_empty: bool = Fa
     return list(value)
 
 
-def sequence_options(state: InstanceState, body: dict[str, Any]) -> dict[str, Any]:
-    """Sampling and stop settings shared by prefill and decode requests."""
+def sequence_options(state: InstanceState, body: dict[str, Any],
+                     first_token: int | None = None) -> dict[str, Any]:
+    """Sampling and stop settings shared by prefill and decode requests; a sequence under a
+    grammar gets its matcher (a decode's advanced by the prefill's ``first_token``)."""
     try:
         sampling = SamplingParams.parse(body.get("sampling"), state.vocab_size)
     except SamplingError as exc:
         raise bad(str(exc)) from None
+    grammar = None
+    if sampling.structured is not None:
+        try:
+            grammar = state.grammars.start(sampling.structured, first_token)
+        except GrammarError as exc:
+            raise bad(f"sampling.structured: {exc}") from None
     stops = set(token_ids(state, body.get("stop_token_ids") or [], "stop_token_ids", True))
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad(f"ignore_eos: must be a boolean, got {ignore_eos!r}")
     if not ignore_eos:
         stops |= state.eos_ids
-    return {"sampling": sampling, "stop_ids": frozenset(stops)}
+    return {"sampling": sampling, "stop_ids": frozenset(stops), "grammar": grammar}
 
 
 def request_id(body: dict[str, Any], make: Callable[[], str]) -> str:

@@ -79,7 +79,7 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
                   f"({max_new}) = {total} exceeds the maximum model length "
                   f"{state.max_model_len}")
     prompt = _prompt_ids(state, body, src)
-    options = sequence_options(state, body)
+    options = sequence_options(state, body, first)
     penalizes_prompt = options["sampling"].repetition_penalty != 1.0
     if penalizes_prompt and not prompt:
         raise bad("prompt_ids: sampling.repetition_penalty looks at the prompt's tokens; send "
