@@ -39,7 +39,7 @@ MAX_GRAMMAR_CHARS = 1 << 20
 
 # JSON comes out compact (", " and ": " between items, no other whitespace), a schema's
 # "x-guidance" may say otherwise: a small model given free whitespace may spend every token on it.
-JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False}
+JSON_LAYOUT: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
 
 
 class GrammarError(ValueError):
