@@ -31,7 +31,8 @@
 #            P TP1 -> D TP1 unless PREFIX_CACHE_ARGS says otherwise; one GPU is enough
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
 # SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, SERVE_PATH_IN_ORDER_S 150,
-# PREFIX_CACHE_S 300, KV_TIERS_S 420, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90.
+# PREFIX_CACHE_S 300, KV_TIERS_S 420, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90,
+# STRUCTURED_S 300.
 #   kv_tiers bench/kv_tiers.py on the same kind of checkpoint: the KV pool's defaults against
 #            explicit pools, the host tier, no reuse, a burst sharing one prefix
 #            (KV_TIERS_ARGS adds flags, e.g. --parts a,d); one GPU is enough
@@ -41,6 +42,10 @@
 #            processes), idle and in the conditions of a served read; one GPU is enough
 #   launch_queue  bench/launch_queue.py: how many launches a stream holds before the host
 #            stalls, and how many one eager prefill step makes (LAYERS layers); one GPU
+#   structured  bench/structured_tpot.py on that checkpoint (a synthetic tokenizer of its
+#            vocabulary beside it): decode TPOT at 64 streams with 0, 25 and 100 % of requests
+#            under a JSON schema, and with top_logprobs 5 on all (STRUCTURED_ARGS adds flags);
+#            needs llguidance (its wheel in .whl/); one GPU is enough
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +60,7 @@ say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/env.txt"; }
 has() { $PY -c "import $1" 2>/dev/null; }
 
 wheels=()
-if compgen -G ".whl/*.whl" >/dev/null && ! { has nixl && has pydantic; }; then
+if compgen -G ".whl/*.whl" >/dev/null && ! { has nixl && has pydantic && has llguidance; }; then
     wheels+=(.whl/*.whl)
 fi
 if compgen -G ".whl_tf/*.whl" >/dev/null && ! has transformers; then
@@ -80,7 +85,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda
       "cpus", os.cpu_count())
 for m in ("triton", "transformers", "huggingface_hub", "tokenizers", "safetensors", "regex",
           "tqdm", "filelock", "packaging", "requests", "yaml", "numpy", "nixl", "pydantic",
-          "aiohttp", "prometheus_client", "jinja2"):
+          "aiohttp", "prometheus_client", "jinja2", "llguidance"):
     try:
         mod = importlib.import_module(m)
         print(f"{m} {getattr(mod, '__version__', '?')} ({os.path.dirname(mod.__file__ or '')})")
@@ -196,6 +201,16 @@ if want launch_queue; then
     timeout -k 10 "${LAUNCH_QUEUE_S:-90}" $PY bench/launch_queue.py --layers "${LAYERS:-4}" \
         2>&1 | tee "$OUT/launch_queue.log" || rc=1
     say "launch_queue done"
+fi
+if want structured; then
+    say "stage structured"
+    checkpoint
+    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${STRUCTURED_S:-300}" $PY \
+        bench/structured_tpot.py --device cuda --dtype bfloat16 --model "$CKPT" \
+        --json "$OUT/structured_tpot.json" --log-dir /tmp/structured-logs ${STRUCTURED_ARGS:-} \
+        2>&1 | tee "$OUT/structured_tpot.log" || rc=1
+    mkdir -p /tmp/gpu-all-extra && cp -r /tmp/structured-logs /tmp/gpu-all-extra/ 2>/dev/null
+    say "structured done"
 fi
 rm -rf "$CKPT"
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files

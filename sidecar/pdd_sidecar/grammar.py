@@ -99,9 +99,18 @@ def parse_spec(raw: Any, where: str = STRUCTURED) -> Spec | None:
     return Spec(kind, text)
 
 
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise GrammarError(f"structured output needs the llguidance package, not installed "
+                           f"here ({exc}); install pdd's sidecar extra") from None
+    return llguidance
+
+
 def grammar_text(spec: Spec) -> str:
-    """llguidance's grammar for ``spec`` (not yet checked; ``compile_check`` does)."""
-    import llguidance
+    """llguidance's grammar for ``spec`` (not yet checked; ``GrammarCache`` does)."""
+    llguidance = _llguidance()
 
     try:
         if spec.kind in ("json_object", "json_schema"):
@@ -151,10 +160,9 @@ class GrammarCache:
         return len(self._items)
 
     def _compile(self, spec: Spec) -> Compiled | GrammarError:
-        import llguidance
-
         self.compiled += 1
         try:
+            llguidance = _llguidance()
             grammar = grammar_text(spec)
         except GrammarError as exc:
             return exc

@@ -67,8 +67,9 @@ def build_tokenizer(model_source: str, vocab_size: int, eos_ids: frozenset[int])
 
 
 class Grammars:
-    """An instance's compiled grammars and its tokenizer, built once on a thread at start (a
-    large vocabulary takes about a second) so no request waits for it unless it comes first."""
+    """An instance's compiled grammars and its tokenizer, built once on a thread at start (for
+    a vocabulary of 100k tokens, seconds of CPU) so no request waits for it unless it comes
+    within those seconds; the instance's readiness does not wait for it."""
 
     def __init__(self, model_source: str, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.vocab_size = vocab_size
@@ -78,8 +79,14 @@ class Grammars:
 
     def _build(self, model_source: str, vocab_size: int, eos_ids: frozenset[int]) -> None:
         try:
-            cache = GrammarCache(build_tokenizer(model_source, vocab_size, eos_ids))
-            _executor()  # its thread pool starts here, not in the first constrained step
+            tokenizer = build_tokenizer(model_source, vocab_size, eos_ids)
+            cache = GrammarCache(tokenizer)
+            # The first mask of a tokenizer splits its vocabulary for llguidance's later masks
+            # (seconds for 100k tokens, once) and the executor starts its threads: both here,
+            # not in the first constrained request's step.
+            words = (int(tokenizer.vocab_size) + _BITS - 1) // _BITS
+            fill_bitmask([Constrained(cache.get(Spec("json_object", "")).matcher(), words)],
+                         pin=False)
             self._ready.set_result(cache)
         except Exception as exc:  # said on each structured request, not fatal to the instance
             log.warning("structured output unavailable: %s", exc)
@@ -130,11 +137,12 @@ def _executor() -> Any:
 def fill_bitmask(rows: Sequence[Constrained], pin: bool) -> torch.Tensor:
     """``[len(rows), words]`` int32 on the host: bit ``t`` of row ``r`` set when token ``t``
     may come next under ``rows[r]``'s matcher. One call into llguidance for the batch."""
-    from llguidance.torch import fill_next_token_bitmask_par
-
     words = max(c.words for c in rows)
     mask = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=pin)
-    fill_next_token_bitmask_par(_executor(), [(c.matcher, r) for r, c in enumerate(rows)], mask)
+    # What llguidance.torch.fill_next_token_bitmask_par does; that module is not imported: it
+    # decorates a function with torch.compile at import, seconds of CPU for nothing used here.
+    _executor().unsafe_compute_mask_ptr([(c.matcher, r) for r, c in enumerate(rows)],
+                                        mask.data_ptr(), words * 4, len(rows))
     return mask
 
 
