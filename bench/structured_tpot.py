@@ -93,6 +93,8 @@ class Case:
     tpot_constrained_ms: float = float("nan")
     tpot_plain_ms: float = float("nan")
     wall_s: float = 0.0
+    mask_ms: float = float("nan")  # the decode's mean host time filling a step's mask
+    mask_steps: int = 0  # decode steps that filled one
     skipped: str = ""
     first_error: str = ""
     per_round_ms: list[float] = field(default_factory=list)
@@ -224,9 +226,21 @@ class Times:
     constrained: list[float] = field(default_factory=list)
 
 
+async def mask_counts(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """The decode's ``pdd_structured_mask_seconds`` (sum, count)."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    got = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"pdd_structured_mask_seconds_{part} "):
+                got[part] = float(line.split()[1])
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
 async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times: Times,
                     args: argparse.Namespace, prompts: list[list[int]], share: float,
-                    extra_all: dict[str, Any], salt: int) -> None:
+                    extra_all: dict[str, Any], salt: int, decode_url: str = "") -> None:
     """One burst of ``args.streams`` requests, ``share`` of them under the schema."""
     n = args.streams
     every = max(1, round(1 / share)) if share > 0 else 0
@@ -240,9 +254,17 @@ async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times:
                 "name": "record", "schema": SCHEMA, "strict": True}}
         jobs.append(one(session, url, prompts[(salt * n + i) % len(prompts)], args.out_tokens,
                         extra))
+    before = await mask_counts(session, decode_url) if decode_url else (0.0, 0.0)
     t0 = time.perf_counter()
     got = await asyncio.gather(*jobs)
     case.wall_s += time.perf_counter() - t0
+    if decode_url:
+        after = await mask_counts(session, decode_url)
+        steps = int(after[1] - before[1])
+        if steps:
+            total = (0.0 if case.mask_steps == 0 else case.mask_ms * case.mask_steps / 1e3)
+            case.mask_steps += steps
+            case.mask_ms = (total + after[0] - before[0]) / case.mask_steps * 1e3
     round_t = []
     for i, g in enumerate(got):
         case.requests += 1
@@ -300,6 +322,9 @@ def show(c: Case, base: Case | None) -> None:
                  f"{c.tpot_plain_ms:.2f} ms)")
     err = f"; {c.errors} failed: {c.first_error[:160]}" if c.errors else ""
     early = f"; {c.stopped_early} grammar-complete before max_tokens" if c.stopped_early else ""
+    if c.mask_steps:
+        early += (f"; decode mask fill {c.mask_ms:.3f} ms a step (host, {c.mask_steps} "
+                  "steps)")
     print(f"  {c.name}: TPOT p50 {c.tpot_ms:.2f} ms{ratio}{split}; rounds "
           f"{', '.join(f'{x:.2f}' for x in c.per_round_ms)} ms; {c.tokens} tokens in "
           f"{c.wall_s:.1f}s{early}{err}", flush=True)
@@ -397,7 +422,7 @@ async def _serve(cfg: Any, args: argparse.Namespace, prompts: list[list[int]]) -
             for r in range(args.rounds):
                 for c, share, extra in plan:
                     await run_round(session, url, c, times[id(c)], args, prompts, share, extra,
-                                    r + 1)
+                                    r + 1, stack.decode_url)
                 print(f"round {r + 1}: " + "; ".join(
                     f"{c.name} {c.per_round_ms[-1]:.2f} ms" for c, _, _ in plan
                     if c.per_round_ms), flush=True)

@@ -93,6 +93,13 @@ class InstanceMetrics:
             "pdd_batch_size", "Sequences per engine step",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
         )
+        self.structured_mask_seconds = Histogram(
+            "pdd_structured_mask_seconds",
+            "Host time filling a step's structured-output token mask (llguidance, the rows "
+            "under a grammar only; steps without one do not count)",
+            buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
+            registry=r,
+        )
         self.step_enqueue_seconds = Histogram(
             "pdd_step_enqueue_seconds",
             "Host time a forward step takes to enqueue (on a GPU its launches, which wait for "

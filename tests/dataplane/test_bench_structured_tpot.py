@@ -30,6 +30,9 @@ def test_quick_run_of_every_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert c["constrained"] == constrained
         assert len(c["per_round_ms"]) == rounds and math.isfinite(c["tpot_ms"])
         assert 0 < c["tokens"] <= streams * rounds * res["config"]["out_tokens"]
+    assert cases["0% under a JSON schema"]["mask_steps"] == 0  # nothing filled without a grammar
+    for name in ("25% under a JSON schema", "100% under a JSON schema"):
+        assert cases[name]["mask_steps"] > 0 and cases[name]["mask_ms"] > 0
     assert math.isfinite(cases["25% under a JSON schema"]["tpot_constrained_ms"])
     assert math.isfinite(cases["25% under a JSON schema"]["tpot_plain_ms"])
     lp = cases["top_logprobs 5 on all"]

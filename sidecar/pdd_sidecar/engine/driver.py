@@ -573,7 +573,7 @@ class InstanceDriver:
         indices = [len(s.output) + (0 if s.source is None else 1) for _, s in live]
         histories = ([_history(s) if s.sampling.adjusts else None for _, s in live]
                      if needs_history(params) else None)
-        allowed = _allowed(live, logits.device.type == "cuda")
+        allowed = _allowed(live, logits.device.type == "cuda", self.metrics)
         # On the logits' own stream: an overtaking step's rows picked on the default stream
         # would wait for the work it overtook (runs 29 and 30 did, through a synchronizing
         # list index).
@@ -679,13 +679,18 @@ class InstanceDriver:
             m.host_kv_blocks.set(tier.used_slots)
 
 
-def _allowed(live: list[tuple[int, Sequence]], pin: bool) -> Allowed | None:
+def _allowed(live: list[tuple[int, Sequence]], pin: bool,
+             metrics: InstanceMetrics) -> Allowed | None:
     """Structured output's mask for the rows under a grammar (None: no row has one, nothing
-    is done). Host work, per step, for those rows only (engine/grammar_mask.py)."""
+    is done). Host work, per step, for those rows only (engine/grammar_mask.py), while the
+    device still runs the step's forward."""
     rows = [r for r, (_, s) in enumerate(live) if s.grammar is not None]
     if not rows:
         return None
-    return Allowed(rows, fill_bitmask([live[r][1].grammar for r in rows], pin))
+    start = time.perf_counter()
+    mask = fill_bitmask([live[r][1].grammar for r in rows], pin)
+    metrics.structured_mask_seconds.observe(time.perf_counter() - start)
+    return Allowed(rows, mask)
 
 
 def _history(seq: Sequence) -> TokenHistory:

@@ -4,7 +4,7 @@ refused unless it asks for nothing.
 Why: a field that changes the answer and is not acted on would come back as a 200 that ignored
 it, a wrong answer. So each field OpenAI's API (completions and chat) and vLLM's extensions
 define is here with what pdd does with it; a refused field still passes when its value asks
-for what pdd does anyway (`min_p: 0`, `n: 1`, `response_format: {"type": "text"}`),
+for what pdd does anyway (`min_p: 0`, `n: 1`, `echo: false`),
 and null always does (OpenAI reads null as absent). A field not in the table is refused as
 OpenAI refuses it: a misspelt `temprature` or another server's extension must not pass
 silently. docs/openai-api.md lists the same table for users; a unit test keeps the two equal.
