@@ -80,7 +80,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def router(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     cluster = LocalCluster(tmp_path_factory.mktemp("structured-stack"))
     try:
         routing = cluster.plan_file(plan_json((1, 1), (1, 1), 16))
@@ -91,9 +91,14 @@ def router(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         r = cluster.router([prefill], [decode], PDD_MODEL_NAME="tiny", **model)
         for p in (prefill, decode, r):
             p.wait_ready(240)
-        yield r.url
+        yield {"router": r.url, "prefill": prefill.url, "decode": decode.url}
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def router(stack: dict[str, str]) -> str:
+    return stack["router"]
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -199,6 +204,21 @@ def test_an_uncompilable_schema_is_a_400_naming_response_format(router: str) -> 
         assert answer["error"]["message"].startswith(param)
     status, answer = _post(f"{router}/v1/completions", {"prompt": "ok", "max_tokens": 3})
     assert status == 200, answer  # nothing left behind: the next request is served
+
+
+def test_the_instances_refuse_what_they_cannot_compile(stack: dict[str, str]) -> None:
+    """An instance API client (a proxy, vLLM's protocol) gets the same check the router makes:
+    a 400 naming sampling.structured, and nothing held."""
+    for raw in ({"kind": "regex", "value": "[a-"}, {"kind": "json_schema", "value": {"type": 7}},
+                {"kind": "yaml", "value": "a"}):
+        status, answer = _post(f"{stack['prefill']}/v1/prefill", {
+            "prompt_ids": [5, 6, 7], "max_tokens": 4,
+            "sampling": {"temperature": 0, "structured": raw}})
+        assert status == 400 and "sampling.structured" in answer["error"]["message"], answer
+    status, answer = _post(f"{stack['prefill']}/v1/prefill", {
+        "prompt_ids": [5, 6, 7], "max_tokens": 1,
+        "sampling": {"temperature": 0, "structured": {"kind": "choice", "value": ["ab"]}}})
+    assert status == 200 and answer["kv_transfer_params"] is None, answer
 
 
 def test_unconstrained_rows_beside_constrained_ones_are_unchanged(router: str) -> None:
