@@ -89,7 +89,7 @@ class Grammars:
                          pin=False)
             self._ready.set_result(cache)
         except Exception as exc:  # said on each structured request, not fatal to the instance
-            log.warning("structured output unavailable: %s", exc)
+            log.info("structured output unavailable: %s", exc)
             self._ready.set_exception(exc)
 
     @property
