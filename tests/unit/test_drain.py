@@ -166,3 +166,33 @@ def test_desired_with_a_hole() -> None:
     got = urls(holed, keys.ENV_DECODE_URLS)
     assert len(got) == 4 and any("x-decode-2." in u for u in got)
     assert urls(holed, keys.ENV_PREFILL_URLS) == urls(desired, keys.ENV_PREFILL_URLS)
+
+
+def test_plan_role_over_a_hole() -> None:
+    """The role plan walks the kept indices: pods 1 and 2 kept, the marked pod 0 deleted as
+    a scale-down, nothing created at index 0."""
+    from pdd_api.validation import parse_spec
+    from pdd_operator.builders import Owner, build, with_indices
+    from pdd_operator.rollout import plan_role
+
+    owner = Owner("x", "ns", "uid-1")
+    def doc(n: int) -> dict:  # type: ignore[type-arg]
+        return {"model": {"name": "m"}, "image": "img", "prefill": {"replicas": 1},
+                "decode": {"replicas": n}}
+
+    spec = parse_spec(doc(2))
+    desired = with_indices(owner, spec, build(owner, spec), {"decode": [1, 2]})
+
+    def running(pod: dict, uid: str) -> dict:  # type: ignore[type-arg]
+        out = {**pod, "metadata": {**pod["metadata"], "uid": uid,
+                                   "ownerReferences": [owner.reference()]},
+               "status": {"phase": "Running",
+                          "conditions": [{"type": "Ready", "status": "True"}]}}
+        return out
+
+    gone = build(owner, parse_spec(doc(3))).pods["decode"][0]
+    observed = [running(gone, "u0"), running(desired.pods["decode"][1], "u1"),
+                running(desired.pods["decode"][2], "u2")]
+    rp = plan_role(desired.pods["decode"], observed, owner.uid, 1, owner.name)
+    assert [(d.name, d.reason) for d in rp.delete] == [("x-decode-0", "ScaleDown")]
+    assert not rp.create and rp.ready == 2 and rp.replicas == 2
