@@ -140,6 +140,7 @@ class Reconciler:
         self.lws_served = False  # the LeaderWorkerSet CRD is installed (multi-node instances)
         self._built: dict[Key, tuple[tuple[str, int], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
+        self._holed: dict[Key, tuple[Any, Desired, Desired]] = {}  # drain.py's index holes
 
     # ------------------------------------------------------------------ inputs
 
@@ -149,6 +150,7 @@ class Reconciler:
         if deleted:
             self.pdds.pop(key, None)
             self._built.pop(key, None)
+            self._holed.pop(key, None)
             self._locks.pop(key, None)
         else:
             current = self.pdds.get(key)
@@ -670,7 +672,17 @@ class Reconciler:
                         "was deleted"))])
             if not decision.contiguous or decision.keep != sorted(desired.pods[role]):
                 indices[role] = decision.keep  # type: ignore[index]
-        return with_indices(owner, spec, desired, indices) if indices else desired
+        if not indices:
+            return desired
+        # Reused while nothing changes: passes compare against the same objects (rollout's
+        # drift memo is keyed by them).
+        version = (id(desired), tuple(sorted((r, tuple(v)) for r, v in indices.items())))
+        cached = self._holed.get((ns, name))
+        if cached is not None and cached[0] == version and cached[1] is desired:
+            return cached[2]
+        out = with_indices(owner, spec, desired, indices)
+        self._holed[(ns, name)] = (version, desired, out)
+        return out
 
     async def _patch_pod(self, ns: str, m: drain.Member, patch: Obj) -> None:
         """Written before the pass acts on it: a failure raises, and the pass is retried

@@ -196,3 +196,43 @@ def test_plan_role_over_a_hole() -> None:
     rp = plan_role(desired.pods["decode"], observed, owner.uid, 1, owner.name)
     assert [(d.name, d.reason) for d in rp.delete] == [("x-decode-0", "ScaleDown")]
     assert not rp.create and rp.ready == 2 and rp.replicas == 2
+
+
+def test_fetch_loads_reads_readyz_and_skips_the_silent() -> None:
+    """Loads come from each pod's /readyz (a 503 of a draining instance too); a pod that does
+    not answer, has no IP or is terminating has none."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    from pdd_operator.drain_io import fetch_loads
+
+    async def run() -> dict[str, Load]:
+        async def readyz(request: web.Request) -> web.Response:
+            return web.json_response({"ready": False, "load": {
+                "running": 3, "waiting": 1, "free_blocks": 10, "num_blocks": 40}}, status=503)
+
+        app = web.Application()
+        app.router.add_get("/readyz", readyz)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        with socket.socket() as s:  # a port nobody listens on (the same for every pod)
+            s.bind(("127.0.0.2", 0))
+            silent = s.getsockname()[0]
+        pods = [{"metadata": {"name": "a"}, "status": {"podIP": "127.0.0.1"}},
+                {"metadata": {"name": "b"}, "status": {"podIP": silent}},
+                {"metadata": {"name": "c"}, "status": {}},
+                {"metadata": {"name": "d", "deletionTimestamp": "t"},
+                 "status": {"podIP": "127.0.0.1"}}]
+        try:
+            return await fetch_loads(pods, port=port, timeout_s=0.5)
+        finally:
+            await runner.cleanup()
+
+    got = asyncio.run(run())
+    assert got == {"a": Load(3, 1, 10, 40)}
+    assert got["a"].kv_used == 0.75
