@@ -96,3 +96,8 @@ ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
 ENV_API_KEY = "PDD_API_KEY"
 ENV_API_KEY_FILE = "PDD_API_KEY_FILE"
 API_KEY_MOUNT_DIR = "/etc/pdd-api-keys"
+
+# Scale-down (pdd_operator/drain.py): a pod chosen to go carries when it was chosen (RFC 3339)
+# and why, so a restarted operator finishes the same drain.
+ANNOTATION_DRAINING_SINCE = f"{API_GROUP}/draining-since"
+ANNOTATION_DRAIN_REASON = f"{API_GROUP}/drain-reason"

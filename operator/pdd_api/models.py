@@ -26,6 +26,8 @@ DEFAULT_ROUTER_POLICY: RouterPolicy = "cache-aware"  # first of ROUTER_POLICIES
 # The share of a GPU's memory an instance fills unless told otherwise (vLLM's default too);
 # keys.py re-exports it for the sidecars.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_DRAIN_SECONDS = 120  # streams of a few thousand tokens end within it
+MAX_DRAIN_SECONDS = 3600
 
 # CRD-only schema hints carried on fields (see crd.py).
 PRESERVE_UNKNOWN: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
@@ -236,6 +238,14 @@ class RoleSpec(_Strict):
         "pod to the sidecar's memory request and limit (a request of just that when "
         "resources give no memory); a memory limit below that amount alone is refused. Not "
         "with engine vllm.",
+    )
+    drainSeconds: int = Field(
+        default=DEFAULT_DRAIN_SECONDS,
+        description="How long a pod of this role the operator removes (a scale-down, a "
+        "replacement) may finish its work first: it takes no new requests, its running "
+        "streams end and the KV it holds for a decode is read or released, then it exits "
+        "(at once when idle; stopped at this bound otherwise). Becomes the deletion's grace "
+        "period (docs/operator.md, Scaling down).",
     )
     template: PodTemplate | None = Field(
         default=None,

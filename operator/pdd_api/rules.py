@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from pdd_api.models import (
     API_GROUP,
     GPU_RESOURCE,
+    MAX_DRAIN_SECONDS,
     OWNED_CONTAINER_FIELDS,
     OWNED_POD_FIELDS,
     ROLES,
@@ -637,6 +638,7 @@ def _rules() -> tuple[Rule, ...]:
             NumberRangeRule(f"{role}.gpuMemoryUtilization", 0, 1, open_low=True),
             RangeRule(f"{role}.kvCacheBlocks", 1, MAX_KV_CACHE_BLOCKS),
             NumberRangeRule(f"{role}.hostKVCacheGiB", 0, MAX_HOST_KV_CACHE_GIB),
+            RangeRule(f"{role}.drainSeconds", 1, MAX_DRAIN_SECONDS),
             VllmHostTierRule(role),
             HostKVMemoryRule(role),
         ]

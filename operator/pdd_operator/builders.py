@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal
@@ -521,10 +523,14 @@ def _role_urls(owner: Owner, role: str, replicas: int) -> str:
                      pod_url(owner, role, None)])
 
 
-def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
+def build_router(owner: Owner, spec: PDDeploymentSpec,
+                 url_counts: Mapping[str, int] | None = None) -> tuple[Obj, Obj]:
     """The user-facing endpoint; it learns the replicas from env, so a scale rolls it. With a
     model source it reads the checkpoint's tokenizer and limits from there (the router's
-    template mounts it, as the roles' do)."""
+    template mounts it, as the roles' do). `url_counts`: per role, the indices 0..n-1 it
+    lists when they are not the replicas (a scale-down left a hole, drain.py)."""
+    counts = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas,
+              **(url_counts or {})}
     rlabels = selector(owner, keys.COMPONENT_ROUTER)
     env = [
         _env(keys.ENV_HTTP_PORT, keys.HTTP_PORT),
@@ -536,8 +542,8 @@ def build_router(owner: Owner, spec: PDDeploymentSpec) -> tuple[Obj, Obj]:
         *([_env(keys.ENV_ROUTER_WORKERS, spec.router.workers)]
           if spec.router.workers != 1 else []),
         *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
-        _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", spec.prefill.replicas)),
-        _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", spec.decode.replicas)),
+        _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", counts["prefill"])),
+        _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", counts["decode"])),
         _env(keys.ENV_PREFILL_SERVICE, service_dns(owner, "prefill")),
         _env(keys.ENV_DECODE_SERVICE, service_dns(owner, "decode")),
         _env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE),
@@ -619,6 +625,24 @@ def build(owner: Owner, spec: PDDeploymentSpec) -> Desired:
         desired.router_deployment, desired.router_service = build_router(owner, spec)
     desired.network_policies = build_network_policies(owner, spec)
     return desired
+
+
+def with_indices(owner: Owner, spec: PDDeploymentSpec, desired: Desired,
+                 indices: Mapping[Role, list[int]]) -> Desired:
+    """`desired` with each given role's pods at these replica indices instead of 0..n-1 (a
+    scale-down took out a replica other than the last: drain.py), and a router that lists
+    every index up to the highest. A copy: `desired` is shared by the passes of a generation."""
+    pods = dict(desired.pods)
+    counts: dict[str, int] = {}
+    for role, keep in indices.items():
+        have = desired.pods[role]
+        pods[role] = {i: have[i] if i in have else build_pod(owner, spec, desired.plan, role, i)
+                      for i in keep}
+        counts[role] = max(len(have), max(keep, default=-1) + 1)
+    out = dataclasses.replace(desired, pods=pods)
+    if desired.router_deployment is not None:
+        out.router_deployment, out.router_service = build_router(owner, spec, counts)
+    return out
 
 
 def is_subset(want: Any, have: Any) -> bool:

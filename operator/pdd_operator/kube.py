@@ -438,6 +438,20 @@ class Kube:
                 return None
             raise
 
+    async def patch(self, kind: str, namespace: str, name: str, patch: Obj, *,
+                    uid: str | None = None) -> Obj:
+        """A JSON merge patch (annotations the operator keeps state in); with `uid`, only of
+        that object (a replaced one answers 409)."""
+        body = dict(patch)
+        if uid:
+            body["metadata"] = {**(body.get("metadata") or {}), "uid": uid}
+        out: Obj = await self.request(
+            "PATCH", path_of(kind, namespace, name), body=body,
+            params={"fieldManager": keys.FIELD_MANAGER},
+            content_type="application/merge-patch+json",
+            priority=PRIORITY_POD if kind == "Pod" else PRIORITY_OBJECT)
+        return out
+
     async def patch_status(self, kind: str, namespace: str, name: str, status: Obj) -> Obj:
         out: Obj = await self.request(
             "PATCH", path_of(kind, namespace, name, "status"), body={"status": status},

@@ -15,23 +15,26 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pdd_api import keys
 from pdd_api.models import GPU_RESOURCE, KIND, PDDeploymentSpec
 from pdd_api.validation import parse_spec, validate_name, validate_spec
-from pdd_operator import builders_lws, metrics
+from pdd_operator import builders_lws, drain, metrics
 from pdd_operator.builders import (
     ROUTING_VOLUME,
     Desired,
     Obj,
     Owner,
+    Role,
     build,
     build_grant_secret,
     grant_secret_name,
     is_routing_configmap,
     network_policy_names,
     selector,
+    with_indices,
 )
 from pdd_operator.conditions import (
     AVAILABLE,
@@ -44,6 +47,7 @@ from pdd_operator.conditions import (
     router_state,
     with_errors,
 )
+from pdd_operator.drain_io import fetch_loads
 from pdd_operator.kube import ApiError, Kube, now_rfc3339
 from pdd_operator.rollout import (
     Delete,
@@ -136,6 +140,7 @@ class Reconciler:
         self.lws_served = False  # the LeaderWorkerSet CRD is installed (multi-node instances)
         self._built: dict[Key, tuple[tuple[str, int], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
+        self._holed: dict[Key, tuple[Any, Desired, Desired]] = {}  # drain.py's index holes
 
     # ------------------------------------------------------------------ inputs
 
@@ -145,6 +150,7 @@ class Reconciler:
         if deleted:
             self.pdds.pop(key, None)
             self._built.pop(key, None)
+            self._holed.pop(key, None)
             self._locks.pop(key, None)
         else:
             current = self.pdds.get(key)
@@ -316,14 +322,11 @@ class Reconciler:
             return outcome
 
         assert spec is not None and desired is not None
+        desired = await self._scale_down(owner, spec, desired)
         roles: dict[str, RolePlan] = {}
         infos: dict[str, list[PodInfo]] = {}
         for role in ("prefill", "decode"):
-            observed = [
-                p for p in self.store.of_instance("Pod", ns, name)
-                if (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT) == role
-                and not builders_lws.is_lws_pod(p)
-            ]
+            observed = self._role_pods(ns, name, role)
             surge = [p for p in observed if _is_surge(p)]
             roles[role] = plan_role(desired.pods[role], [p for p in observed if p not in surge],
                                     owner.uid, spec.rollout.maxUnavailable, owner.name)
@@ -334,8 +337,9 @@ class Reconciler:
         # One wave of writes: a pod created before its ConfigMap just waits for the volume
         # (the kubelet retries the mount), so nothing here needs ordering; latency is one
         # round trip instead of three.
-        await asyncio.gather(*(self._act_on_pods(owner, roles[r], outcome) for r in roles),
-                             self._act_on_pods(owner, surge_plan, outcome),
+        await asyncio.gather(*(self._act_on_pods(owner, roles[r], outcome, spec)
+                               for r in roles),
+                             self._act_on_pods(owner, surge_plan, outcome, spec),
                              self._apply_others(owner, desired, outcome),
                              self._guard(_full_ref("Secret", ns, grant_secret_name(name)),
                                          self._ensure_grant_key(owner, outcome), outcome))
@@ -599,10 +603,12 @@ class Reconciler:
         elif (have.get("metadata", {}).get("labels") or {}).get(keys.LABEL_MANAGED_BY):
             self.store.upsert("Secret", _metadata(have), written=True)
 
-    async def _delete(self, kind: str, obj: Obj, into: list[str]) -> None:
+    async def _delete(self, kind: str, obj: Obj, into: list[str],
+                      grace: int | None = None) -> None:
         meta = obj["metadata"]
         try:
-            out = await self.kube.delete(kind, meta["namespace"], meta["name"], uid=meta["uid"])
+            out = await self.kube.delete(kind, meta["namespace"], meta["name"], uid=meta["uid"],
+                                         grace_seconds=grace)
         except ApiError as exc:
             if exc.status == 409:
                 # Replaced since we read it (uid precondition): re-read and decide again.
@@ -622,7 +628,70 @@ class Reconciler:
             self.store.remove(kind, out if out and out.get("kind") == kind else obj)
         into.append(f"{kind} {meta['name']}")
 
-    async def _act_on_pods(self, owner: Owner, rp: RolePlan, outcome: Outcome) -> None:
+    def _role_pods(self, ns: str, name: str, role: str) -> list[Obj]:
+        return [p for p in self.store.of_instance("Pod", ns, name)
+                if (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT) == role
+                and not builders_lws.is_lws_pod(p)]
+
+    async def _scale_down(self, owner: Owner, spec: PDDeploymentSpec,
+                          desired: Desired) -> Desired:
+        """Which replicas each one-pod role keeps (drain.py): the pods chosen to go are marked
+        (and so excluded from the desired pods, then deleted with their drain time as grace
+        period by this pass); a marked pod not yet deleted is taken back on a scale-up."""
+        ns, name = owner.namespace, owner.name
+        lws = builders_lws.lws_roles(desired)
+        indices: dict[Role, list[int]] = {}
+        body = self.pdds.get((ns, name))
+        for role in ("prefill", "decode"):
+            if role in lws:
+                continue
+            members = [m for p in self._role_pods(ns, name, role)
+                       if not _is_surge(p) and not self._foreign(p, owner)
+                       and (m := drain.member(p)) is not None]
+            replicas = getattr(spec, role).replicas
+            loads: dict[str, drain.Load] = {}
+            if drain.needs_choice(replicas, members):
+                loads = await fetch_loads([p for p in self._role_pods(ns, name, role)
+                                           if not _is_surge(p)])
+            decision = drain.replica_indices(replicas, members, loads)
+            stamp = now_rfc3339()
+            seconds = getattr(spec, role).drainSeconds
+            for m, why in decision.mark:
+                await self._patch_pod(ns, m, drain.mark_patch(stamp, why))
+                log.info("%s/%s: draining %s (%s)", ns, name, m.name, why)
+                if body is not None:
+                    self._post(body, [("Normal", drain.DRAINING, (
+                        f"Draining {m.name} ({role} {len(members) - len(decision.mark)} of "
+                        f"{len(members)} kept, {replicas} wanted): chosen as {why}; it takes "
+                        f"no new requests and finishes its work within {seconds}s"))])
+            for m in decision.unmark:
+                await self._patch_pod(ns, m, drain.unmark_patch())
+                if body is not None:
+                    self._post(body, [("Normal", drain.DRAIN_CANCELLED, (
+                        f"Keeping {m.name}: {role} scaled back up to {replicas} before it "
+                        "was deleted"))])
+            if not decision.contiguous or decision.keep != sorted(desired.pods[role]):
+                indices[role] = decision.keep  # type: ignore[index]
+        if not indices:
+            return desired
+        # Reused while nothing changes: passes compare against the same objects (rollout's
+        # drift memo is keyed by them).
+        version = (id(desired), tuple(sorted((r, tuple(v)) for r, v in indices.items())))
+        cached = self._holed.get((ns, name))
+        if cached is not None and cached[0] == version and cached[1] is desired:
+            return cached[2]
+        out = with_indices(owner, spec, desired, indices)
+        self._holed[(ns, name)] = (version, desired, out)
+        return out
+
+    async def _patch_pod(self, ns: str, m: drain.Member, patch: Obj) -> None:
+        """Written before the pass acts on it: a failure raises, and the pass is retried
+        with the pod still counted as a replica."""
+        out = await self.kube.patch("Pod", ns, m.name, patch, uid=m.uid)
+        self.store.upsert("Pod", out, written=True)
+
+    async def _act_on_pods(self, owner: Owner, rp: RolePlan, outcome: Outcome,
+                           spec: PDDeploymentSpec | None = None) -> None:
         namespace = owner.namespace
 
         async def create(pod: Obj) -> None:
@@ -661,9 +730,10 @@ class Reconciler:
                 "metadata": {"name": d.name, "uid": d.uid, "namespace": namespace}}
             into = {"Replace": outcome.replaced, "Ended": outcome.ended}.get(
                 d.reason, outcome.deleted)
-            log.info("%s/%s: deleting pod %s (uid %s): %s", namespace, owner.name, d.name,
-                     d.uid, d.reason)
-            await self._delete("Pod", have, into)
+            grace = _drain_grace(spec, have) if d.reason in DRAINED_DELETES else None
+            log.info("%s/%s: deleting pod %s (uid %s): %s%s", namespace, owner.name, d.name,
+                     d.uid, d.reason, f" (drain up to {grace}s)" if grace else "")
+            await self._delete("Pod", have, into, grace)
 
         def ref(name: str) -> str:
             return _full_ref("Pod", namespace, name)
@@ -749,6 +819,21 @@ def _roll_note(roll: Roll, infos: dict[str, list[PodInfo]]) -> str:
     if roll.held:
         parts.append("old pods kept serving for now: " + ", ".join(roll.held))
     return ": ".join(parts[:1]) + ("; " + "; ".join(parts[1:]) if parts[1:] else "")
+
+
+DRAINED_DELETES = ("ScaleDown", "Replace", "Surge")  # pods that may serve: finish first
+
+
+def _drain_grace(spec: PDDeploymentSpec | None, pod: Obj) -> int | None:
+    """The deletion's grace period: the role's drain time, less what passed since the pod was
+    marked (drain.py)."""
+    meta = pod.get("metadata") or {}
+    role = (meta.get("labels") or {}).get(keys.LABEL_COMPONENT)
+    if spec is None or role not in ("prefill", "decode"):
+        return None
+    since = (meta.get("annotations") or {}).get(keys.ANNOTATION_DRAINING_SINCE)
+    return drain.grace_seconds(getattr(spec, role).drainSeconds, since,
+                               datetime.now(UTC))
 
 
 def _is_surge(pod: Obj) -> bool:

@@ -211,7 +211,7 @@ def plan_role(desired: dict[int, Obj], observed: list[Obj], owner_uid: str,
     unavailable = 0
     outdated: list[PodInfo] = []
     ended: list[PodInfo] = []
-    for i in range(n):
+    for i in sorted(desired):
         want = desired[i]
         if i in conflicted:
             unavailable += 1

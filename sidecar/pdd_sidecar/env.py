@@ -53,6 +53,9 @@ PDD_TRANSFER_TIMEOUT_S = "PDD_TRANSFER_TIMEOUT_S"  # bound on one hand-off (deco
 PDD_HANDSHAKE_TIMEOUT_S = "PDD_HANDSHAKE_TIMEOUT_S"  # bound on one side-channel call
 PDD_NOTIF_POLL_S = "PDD_NOTIF_POLL_S"  # how often prefill polls NIXL notifications
 PDD_DRAIN_S = "PDD_DRAIN_S"  # on SIGTERM, wait at most this long for held KV and requests
+# In a pod the deletion's grace period (the role's drainSeconds, set by the operator) is the
+# bound: the instance leaves as soon as it is idle, and the kubelet stops it at the end.
+DEFAULT_DRAIN_S = 3600.0
 # Serving engine (see engine/scheduler.py for the policy)
 PDD_MAX_NUM_SEQS = "PDD_MAX_NUM_SEQS"  # sequences admitted at once (running or pulling KV)
 PDD_MAX_WAITING = "PDD_MAX_WAITING"  # queued beyond that are refused with 429
@@ -260,7 +263,7 @@ class InstanceSettings:
     prefill_urls: list[str] = field(default_factory=list)
     prefill_service: str = ""
     fault_read_gate: str = ""
-    drain_s: float = 25.0
+    drain_s: float = DEFAULT_DRAIN_S
     max_num_seqs: int = 256
     max_waiting: int = 256
     max_step_tokens: int | None = None  # None: the device's default
@@ -357,7 +360,7 @@ class InstanceSettings:
             prefill_urls=parse_urls(env.get(PDD_PREFILL_URLS)),
             prefill_service=env.get(PDD_PREFILL_SERVICE, ""),
             fault_read_gate=env.get(PDD_FAULT_READ_GATE, ""),
-            drain_s=_float(env, PDD_DRAIN_S, 25.0),
+            drain_s=_float(env, PDD_DRAIN_S, DEFAULT_DRAIN_S),
             max_num_seqs=_int(env, PDD_MAX_NUM_SEQS, 256, 1),
             max_waiting=_int(env, PDD_MAX_WAITING, 256, 0),
             max_step_tokens=_optional_int(env, PDD_MAX_STEP_TOKENS, 1),
