@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pdd_api.models import (
     AutoscalingSpec,
     DecodeAutoscaling,
     LatencyTarget,
+    PDDeploymentSpec,
     PrefillAutoscaling,
+    RoleAutoscaling,
 )
 
 Role = Literal["prefill", "decode"]
@@ -249,3 +251,42 @@ def plan(autoscaling: AutoscalingSpec, current: Mapping[str, int],
                            stabilization=float(autoscaling.scaleDownStabilizationSeconds),
                            last_scale_time=last.get(role))
     return out
+
+
+def role_autoscaling(spec: PDDeploymentSpec, role: str) -> (
+        PrefillAutoscaling | DecodeAutoscaling | None):
+    """The role's autoscaling when pdd's planner drives it, else None (spec replicas rule)."""
+    a = spec.autoscaling
+    r = None if a is None else (a.prefill if role == "prefill" else a.decode)
+    return r if r is not None and r.enabled else None
+
+
+def clamp(spec: RoleAutoscaling, replicas: int) -> int:
+    return min(max(replicas, spec.minReplicas), max(spec.minReplicas, spec.maxReplicas))
+
+
+def effective_replicas(spec: PDDeploymentSpec, status: Mapping[str, Any] | None) -> dict[str, int]:
+    """Instances to build per role: the planner's status.autoscaling.<role>.desiredReplicas
+    where autoscaling drives the role (spec.<role>.replicas, clamped, until it has decided),
+    spec.<role>.replicas elsewhere. Spec is never written, so a GitOps sync of the same
+    manifest changes nothing."""
+    out: dict[str, int] = {}
+    auto = (status or {}).get("autoscaling") or {}
+    for role in ("prefill", "decode"):
+        seed = getattr(spec, role).replicas
+        r = role_autoscaling(spec, role)
+        if r is None:
+            out[role] = seed
+            continue
+        desired = (auto.get(role) or {}).get("desiredReplicas")
+        if not isinstance(desired, int) or isinstance(desired, bool):
+            desired = seed
+        out[role] = clamp(r, desired)
+    return out
+
+
+def with_replicas(spec: PDDeploymentSpec, replicas: Mapping[str, int]) -> PDDeploymentSpec:
+    """The spec the builders see: the same, with the roles' replicas replaced."""
+    update = {role: getattr(spec, role).model_copy(update={"replicas": n})
+              for role, n in replicas.items() if getattr(spec, role).replicas != n}
+    return spec.model_copy(update=update) if update else spec

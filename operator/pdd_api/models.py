@@ -336,7 +336,7 @@ class PrefillAutoscaling(RoleAutoscaling):
         "pdd_router_ttft_seconds histogram over each interval.")
     queuedPromptTokensPerReplica: int | None = Field(
         default=None, description="Prompt tokens waiting per prefill instance above which "
-        "prefill scales up (pdd_waiting_prompt_tokens); one replica per this many queued "
+        "prefill scales up (pdd_queued_prompt_tokens); one replica per this many queued "
         "tokens.")
 
 
