@@ -96,3 +96,8 @@ ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
 ENV_API_KEY = "PDD_API_KEY"
 ENV_API_KEY_FILE = "PDD_API_KEY_FILE"
 API_KEY_MOUNT_DIR = "/etc/pdd-api-keys"
+
+# Autoscaling (issue 40): the operator's pods (label app.kubernetes.io/name, as the kustomize
+# base and the chart's default operatorName set it) scrape the instances' /metrics, which the
+# data-plane NetworkPolicy then admits on the HTTP port.
+OPERATOR_APP_NAME = "pdd-operator"
