@@ -100,7 +100,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         rec.paused = await peering_paused(kube, cfg)
         STATE.tasks.append(loop.create_task(peering_loop(rec, kube)))
     STATE.tasks.append(loop.create_task(periodic_loop(rec)))
-    STATE.tasks.append(loop.create_task(Autoscaler(rec, kube).run_forever()))
+    if cfg.autoscaler:
+        STATE.tasks.append(loop.create_task(Autoscaler(rec, kube).run_forever()))
     STATE.tasks.append(loop.create_task(rec.watch_children(cfg.namespaces or None)))
     if cfg.webhook_port:
         tls = await prepare_tls(kube, cfg)
