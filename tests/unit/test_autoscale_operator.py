@@ -306,3 +306,17 @@ def test_no_autoscaling_no_step(spec: dict[str, Any]) -> None:
         raise AssertionError("no fetch without an autoscaled role")
 
     asyncio.run(Autoscaler(REC, FakeKube(), fetch=fetch).step_all(0.0))  # type: ignore[arg-type]
+
+
+def test_the_example_validates_and_builds_its_seeds() -> None:
+    import yaml
+    from pdd_cli.main import main
+
+    path = "manifests/examples/autoscaling/deepseek-v2-lite-autoscaled.yaml"
+    assert main(["validate", "-f", path]) == 0
+    doc = yaml.safe_load(open(path).read())
+    spec = parse_spec(doc["spec"])
+    replicas = effective_replicas(spec, None)
+    assert replicas == {"prefill": 1, "decode": 2}
+    desired = build(OWNER, with_replicas(spec, replicas))
+    assert len(desired.pods["decode"]) == 2
