@@ -310,6 +310,7 @@ def test_no_autoscaling_no_step(spec: dict[str, Any]) -> None:
 
 def test_the_example_validates_and_builds_its_seeds() -> None:
     import yaml
+
     from pdd_cli.main import main
 
     path = "manifests/examples/autoscaling/deepseek-v2-lite-autoscaled.yaml"
