@@ -215,7 +215,7 @@ def decide(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, current: in
             return done(current, STABLE, f"{why}; {current} requested, waiting for them",
                         metrics)
 
-    window = [s for s in recent if s.time >= now - stabilization]
+    window = [s for s in recent if s.time >= now - stabilization] or [latest]
     covered = (stabilization <= 0 or (
         recent[0].time <= now - stabilization + interval
         and all(b.time - a.time <= STALE_INTERVALS * interval

@@ -110,7 +110,6 @@ class _State:
     history: dict[str, deque[Sample]] = field(default_factory=dict)
     next_at: float = 0.0
     written_at: float = 0.0
-    spec: tuple[tuple[str, int], PDDeploymentSpec] | None = None
 
 
 class Autoscaler:
@@ -128,6 +127,7 @@ class Autoscaler:
         self._direct = DirectFetcher(self._list_pods, self._http.text)
         self._prometheus = PrometheusFetcher(self._http.json)
         self._state: dict[Key, _State] = {}
+        self._specs: dict[Key, tuple[tuple[str, int], PDDeploymentSpec | None]] = {}
 
     async def _list_pods(self, namespace: str, selector: str) -> list[Obj]:
         out: list[Obj] = await self.kube.list_objects("Pod", namespace, selector)
@@ -149,24 +149,30 @@ class Autoscaler:
             await self._http.close()
 
     def _spec(self, key: Key, body: Obj) -> PDDeploymentSpec | None:
-        st = self._state.setdefault(key, _State())
+        """The parsed spec, once per generation (None: invalid)."""
         meta = body["metadata"]
         version = (str(meta.get("uid")), int(meta.get("generation") or 0))
-        if st.spec is not None and st.spec[0] == version:
-            return st.spec[1]
+        cached = self._specs.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
         try:
-            spec = parse_spec(body.get("spec"))
+            spec: PDDeploymentSpec | None = parse_spec(body.get("spec"))
         except InvalidSpecError:
-            return None
-        st.spec = (version, spec)
+            spec = None
+        self._specs[key] = (version, spec)
         return spec
 
     async def step_all(self, now: float) -> None:
         """One decision for every PDDeployment whose interval has passed."""
         due = []
-        for key in [k for k in self._state if k not in self.rec.pdds]:
+        for key in [k for k in self._specs if k not in self.rec.pdds]:
+            self._specs.pop(key, None)
             self._forget(key)
         for key, body in list(self.rec.pdds.items()):
+            raw = body.get("spec")
+            if not (isinstance(raw, dict) and raw.get("autoscaling")):
+                self._forget(key)  # most PDDeployments: no parse, nothing kept
+                continue
             if body["metadata"].get("deletionTimestamp"):
                 continue
             spec = self._spec(key, body)
@@ -174,7 +180,7 @@ class Autoscaler:
             if spec is None or spec.autoscaling is None or not roles:
                 self._forget(key)
                 continue
-            st = self._state[key]
+            st = self._state.setdefault(key, _State())
             if now >= st.next_at:
                 st.next_at = now + spec.autoscaling.intervalSeconds
                 due.append(self.step(key, spec, roles, now))

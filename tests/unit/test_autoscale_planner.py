@@ -205,3 +205,9 @@ def test_plan_covers_enabled_roles_only() -> None:
     out = plan(spec, {"prefill": 1, "decode": 2}, {}, 0.0)
     assert set(out) == {"decode"} and out["decode"].reason == METRICS_UNAVAILABLE
     assert out["decode"].direction == "none"
+
+
+def test_no_stabilization_window_steps_down_on_the_latest_sample() -> None:
+    d = decide("prefill", PREFILL, 3, [prefill_sample(5, 3, 0.2)], 9, interval=INTERVAL,
+               stabilization=0)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 2)
