@@ -151,10 +151,17 @@ class Fetcher(Protocol):
                  now: float) -> Awaitable[dict[str, Sample]]: ...
 
 
+# An instance spanning a LeaderWorkerSet group serves HTTP from its leader (worker 0) only.
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
 def _ready(pod: Obj) -> bool:
+    """A Ready pod that serves an instance's (or the router's) HTTP."""
     conds = (pod.get("status") or {}).get("conditions") or []
+    labels = (pod.get("metadata") or {}).get("labels") or {}
     return bool((pod.get("status") or {}).get("podIP")) and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and (
+        labels.get(LWS_WORKER_INDEX, "0") == "0")
 
 
 def _percentile(spec: PDDeploymentSpec, role: Role) -> float:

@@ -90,6 +90,13 @@ def pod(name: str, component: str, ip: str, ready: bool = True) -> dict[str, Any
                 {"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
+def lws_worker(name: str, component: str, ip: str) -> dict[str, Any]:
+    """A LeaderWorkerSet worker pod: ranks only, no HTTP (the planner must not scrape it)."""
+    p = pod(name, component, ip)
+    p["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = "1"
+    return p
+
+
 BODY = {"metadata": {"namespace": "ns1", "name": "demo", "uid": "uid-1", "generation": 3},
         "spec": autoscaled()}
 SPEC = parse_spec(BODY["spec"])
@@ -101,7 +108,8 @@ def test_direct_fetcher_sums_ready_instances_and_reads_router_deltas() -> None:
             pod("demo-decode-0", "decode", "10.0.0.2"),
             pod("demo-decode-1", "decode", "10.0.0.3"),
             pod("demo-decode-2", "decode", "10.0.0.4", ready=False),
-            pod("demo-abc", "router", "10.0.0.9")]
+            pod("demo-abc", "router", "10.0.0.9"),
+            lws_worker("demo-decode-0-1", "decode", "10.0.0.5")]
     texts = {"10.0.0.1": instance_text(2, 5, 900, 1000, 8000),
              "10.0.0.2": instance_text(10, 0, 200, 1000, 0),
              "10.0.0.3": instance_text(12, 1, 300, 1000, 0)}
