@@ -329,3 +329,19 @@ def test_the_example_validates_and_builds_its_seeds() -> None:
     assert replicas == {"prefill": 1, "decode": 2}
     desired = build(OWNER, with_replicas(spec, replicas))
     assert len(desired.pods["decode"]) == 2
+
+
+@pytest.mark.parametrize(("reasons", "reason", "status"), [
+    (["Stable", "MetricsUnavailable"], "MetricsUnavailable", "False"),
+    (["AtMinimum", "ScaledUp"], "ScaledUp", "True"),
+    (["Stable", "AtMaximum"], "AtMaximum", "True"),
+    (["Stable"], "Stable", "True"),
+])
+def test_the_condition_tells_the_most_telling_role(reasons: list[str], reason: str,
+                                                   status: str) -> None:
+    from pdd_operator.conditions import autoscaling_condition
+    c = autoscaling_condition([(r, f"role {i}: {r}") for i, r in enumerate(reasons)], 7, None,
+                              "2026-12-04T00:00:00Z")
+    assert (c["type"], c["reason"], c["status"], c["observedGeneration"]) == (
+        AUTOSCALING, reason, status, 7)
+    assert c["message"] == "; ".join(f"role {i}: {r}" for i, r in enumerate(reasons))
