@@ -211,3 +211,22 @@ def test_no_stabilization_window_steps_down_on_the_latest_sample() -> None:
     d = decide("prefill", PREFILL, 3, [prefill_sample(5, 3, 0.2)], 9, interval=INTERVAL,
                stabilization=0)
     assert (d.reason, d.desired) == (SCALED_DOWN, 2)
+
+
+def test_decode_ramp_follows_kv_and_never_drops_below_its_sequences() -> None:
+    # Live sequences hold `blocks(t)` blocks in all, spread over the instances serving.
+    def blocks(t: float) -> float:
+        return 200 + 30 * t if t < 150 else (4000 if t < 300 else 500)
+
+    def load(t: float, n: int) -> Sample:
+        return Sample(time=t, replicas=n, latency=0.02, kv_blocks_used=blocks(t),
+                      kv_blocks_total=BLOCKS * n, running_sequences=blocks(t) / 10)
+
+    ds = replay("decode", DECODE, 1, load, 80)
+    for i, d in enumerate(ds):
+        need = -(-blocks(i * INTERVAL) // (BLOCKS * DECODE.kvCacheUtilization))
+        if d.reason == SCALED_DOWN:
+            assert d.desired >= need, (i, d)
+    assert max(d.desired for d in ds) == 6  # ceil(4400 / 800): the ramp peaks at t=140
+    assert ds[-1].desired == 1
+    assert all(abs(d.desired - d.current) == 1 for d in ds if d.reason == SCALED_DOWN)
