@@ -38,6 +38,26 @@ def host_tier(role: str, gib: float, memory: Any, tp: int = 4, **more: Any) -> d
     return spec
 
 
+def autoscaled(**more: Any) -> dict[str, Any]:
+    """Both roles autoscaled with valid targets; ``more`` replaces parts of spec.autoscaling
+    (a role's dict is merged into that role's, a None there drops the key)."""
+    spec = copy.deepcopy(BASE)
+    auto: dict[str, Any] = {
+        "prefill": {"minReplicas": 1, "maxReplicas": 4,
+                    "ttft": {"percentile": 90, "seconds": 2}},
+        "decode": {"minReplicas": 1, "maxReplicas": 8, "tpot": {"percentile": 90,
+                                                               "seconds": 0.05},
+                   "kvCacheUtilization": 0.8},
+    }
+    for k, v in more.items():
+        if k in auto and isinstance(v, dict):
+            auto[k] = {f: x for f, x in {**auto[k], **v}.items() if x is not None}
+        else:
+            auto[k] = v
+    spec["autoscaling"] = auto
+    return spec
+
+
 # engine vllm: the router runs a pdd image of its own (spec.image is then a vLLM image).
 VLLM: dict[str, Any] = {**BASE, "engine": "vllm", "image": "vllm/vllm-openai:v0.33.0",
                         "router": {"image": "pdd:0.1.0"}}
@@ -198,6 +218,41 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("vllm router image missing", {**VLLM, "router": {}}, VLLM_ROUTER_IMAGE),
     ("vllm router image empty", {**VLLM, "router": {"image": "", "enabled": True}},
      VLLM_ROUTER_IMAGE),
+    # Autoscaling (issue 40): bounds that never reach zero, ordered; targets that make sense.
+    ("P autoscaling min above max", autoscaled(prefill={"minReplicas": 5}),
+     "spec.autoscaling.prefill.minReplicas: must not exceed maxReplicas (4), got 5"),
+    ("D autoscaling min 0", autoscaled(decode={"minReplicas": 0}),
+     "spec.autoscaling.decode.minReplicas: must be between 1 and 64, got 0"),
+    ("D autoscaling max 65", autoscaled(decode={"maxReplicas": 65}),
+     "spec.autoscaling.decode.maxReplicas: must be between 1 and 64, got 65"),
+    ("P autoscaling percentile 100", autoscaled(prefill={"ttft": {"percentile": 100,
+                                                                  "seconds": 1}}),
+     "spec.autoscaling.prefill.ttft.percentile: must be in (0, 100), got 100"),
+    ("D autoscaling percentile 0", autoscaled(decode={"tpot": {"percentile": 0,
+                                                               "seconds": 0.05}}),
+     "spec.autoscaling.decode.tpot.percentile: must be in (0, 100), got 0"),
+    ("P autoscaling ttft 0 s", autoscaled(prefill={"ttft": {"seconds": 0}}),
+     "spec.autoscaling.prefill.ttft.seconds: must be in (0, 3600], got 0"),
+    ("D autoscaling tpot negative", autoscaled(decode={"tpot": {"seconds": -0.05}}),
+     "spec.autoscaling.decode.tpot.seconds: must be in (0, 3600], got -0.05"),
+    ("D autoscaling KV 1.5", autoscaled(decode={"kvCacheUtilization": 1.5}),
+     "spec.autoscaling.decode.kvCacheUtilization: must be in (0, 1], got 1.5"),
+    ("D autoscaling KV 0", autoscaled(decode={"kvCacheUtilization": 0}),
+     "spec.autoscaling.decode.kvCacheUtilization: must be in (0, 1], got 0"),
+    ("P autoscaling queued tokens 0", autoscaled(prefill={"queuedPromptTokensPerReplica": 0}),
+     "spec.autoscaling.prefill.queuedPromptTokensPerReplica: must be between 1 and "
+     "1073741824, got 0"),
+    ("P autoscaling without a target", autoscaled(prefill={"minReplicas": 1,
+                                                           "maxReplicas": 2, "ttft": None}),
+     "spec.autoscaling.prefill: needs a target, ttft or queuedPromptTokensPerReplica, when "
+     "enabled"),
+    ("autoscaling interval 0", autoscaled(intervalSeconds=0),
+     "spec.autoscaling.intervalSeconds: must be between 1 and 3600, got 0"),
+    ("autoscaling window negative", autoscaled(scaleDownStabilizationSeconds=-1),
+     "spec.autoscaling.scaleDownStabilizationSeconds: must be between 0 and 86400, got -1"),
+    ("autoscaling Prometheus URL", autoscaled(prometheusURL="prometheus:9090"),
+     "spec.autoscaling.prometheusURL: must start with http:// or https://, got "
+     "prometheus:9090"),
 ]
 
 
@@ -252,4 +307,13 @@ VALID_EDGES = [
     with_("prefill.gpusPerPod", 4),
     with_("decode.gpusPerPod", 1),
     {**VLLM, "prefill": {"tensorParallelSize": 4, "gpusPerPod": 4}},
+    autoscaled(),
+    autoscaled(prefill={"minReplicas": 4}, decode={"minReplicas": 64, "maxReplicas": 64,
+                                                    "kvCacheUtilization": 1}),
+    autoscaled(prefill={"enabled": False, "ttft": None}),
+    autoscaled(prefill={"ttft": None, "queuedPromptTokensPerReplica": 1},
+               decode={"tpot": {"percentile": 99.9, "seconds": 3600}},
+               intervalSeconds=1, scaleDownStabilizationSeconds=0,
+               prometheusURL="https://prometheus.monitoring:9090"),
+    {**BASE, "autoscaling": {"decode": {"maxReplicas": 2}}},
 ]

@@ -101,3 +101,8 @@ API_KEY_MOUNT_DIR = "/etc/pdd-api-keys"
 # and why, so a restarted operator finishes the same drain.
 ANNOTATION_DRAINING_SINCE = f"{API_GROUP}/draining-since"
 ANNOTATION_DRAIN_REASON = f"{API_GROUP}/drain-reason"
+
+# Autoscaling (issue 40): the operator's pods (label app.kubernetes.io/name, as the kustomize
+# base and the chart's default operatorName set it) scrape the instances' /metrics, which the
+# data-plane NetworkPolicy then admits on the HTTP port.
+OPERATOR_APP_NAME = "pdd-operator"

@@ -321,6 +321,62 @@ class NetworkPolicySpec(_Strict):
     )
 
 
+class LatencyTarget(_Strict):
+    percentile: float = Field(
+        default=90.0, description="Which percentile of the interval's requests must stay "
+        "within `seconds`, in (0, 100): 90 is p90.")
+    seconds: float = Field(description="The bound in seconds, > 0.")
+
+
+class RoleAutoscaling(_Strict):
+    enabled: bool = Field(
+        default=True,
+        description="pdd's planner sets this role's replicas from its metrics (recorded in "
+        "status.autoscaling, never in spec). false: spec.<role>.replicas rules, written by "
+        "hand, by git, or by an external scaler (HPA/KEDA through the scale subresource for "
+        "decode; docs/autoscaling.md).",
+    )
+    minReplicas: int = Field(default=1, description="Fewest instances, >= 1 (never to zero).")
+    maxReplicas: int = Field(description="Most instances, >= minReplicas.")
+
+
+class PrefillAutoscaling(RoleAutoscaling):
+    ttft: LatencyTarget | None = Field(
+        default=None, description="Time-to-first-token target, from the router's "
+        "pdd_router_ttft_seconds histogram over each interval.")
+    queuedPromptTokensPerReplica: int | None = Field(
+        default=None, description="Prompt tokens waiting per prefill instance above which "
+        "prefill scales up (pdd_queued_prompt_tokens); one replica per this many queued "
+        "tokens.")
+
+
+class DecodeAutoscaling(RoleAutoscaling):
+    tpot: LatencyTarget | None = Field(
+        default=None, description="Time-per-output-token (inter-token latency) target, from "
+        "the router's pdd_router_tpot_seconds histogram over each interval.")
+    kvCacheUtilization: float = Field(
+        default=0.8, description="Target share of the decode KV blocks in use, in (0, 1]. "
+        "Decode never goes below the instances its running sequences' blocks need at this "
+        "share.")
+
+
+class AutoscalingSpec(_Strict):
+    intervalSeconds: int = Field(
+        default=15, description="Seconds between two scrapes and decisions (1..3600). A "
+        "sustained breach (two samples in a row) scales up within two intervals.")
+    scaleDownStabilizationSeconds: int = Field(
+        default=300, description="A role scales down (one instance at a time) only after its "
+        "load fitted one instance fewer for this long, and this long after its last change "
+        "(0..86400).")
+    prometheusURL: str | None = Field(
+        default=None, description="Read the metrics from this Prometheus (http:// or "
+        "https://) instead of scraping the instances' and router's /metrics directly.")
+    prefill: PrefillAutoscaling | None = Field(
+        default=None, description="Prefill: scales on TTFT and queued prompt tokens.")
+    decode: DecodeAutoscaling | None = Field(
+        default=None, description="Decode: scales on TPOT and KV cache utilization.")
+
+
 def gpus_per_pod(role: RoleSpec) -> int:
     """GPUs and ranks of one pod of the role (its whole TP unless gpusPerPod cuts it)."""
     return role.gpusPerPod if role.gpusPerPod is not None else role.tensorParallelSize
@@ -354,6 +410,11 @@ class PDDeploymentSpec(_Strict):
     router: RouterSpec = Field(default_factory=RouterSpec, description="The request router.")
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec, description="How pods are replaced when the spec changes."
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Scale prefill and decode apart on their own load (docs/autoscaling.md). "
+        "The decisions live in status.autoscaling; spec.<role>.replicas only seeds them.",
     )
     networkPolicy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec,
@@ -389,6 +450,28 @@ class RoleStatus(BaseModel):
         "selector for decode, as an HPA reads it).")
 
 
+class RoleAutoscalingStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    desiredReplicas: int = Field(description="Instances the planner wants; the operator "
+                                 "builds these instead of spec.<role>.replicas.")
+    lastScaleTime: str | None = Field(
+        default=None, description="When desiredReplicas last changed (RFC 3339).")
+    reason: str = Field(default="", description="ScaledUp, ScaledDown, AtMaximum, AtMinimum, "
+                        "Stable or MetricsUnavailable.")
+    message: str = Field(default="", description="The decision and the metric values behind "
+                         "it.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="The metric values of the last decision.")
+
+
+class AutoscalingStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: RoleAutoscalingStatus | None = Field(default=None, description="Prefill planner.")
+    decode: RoleAutoscalingStatus | None = Field(default=None, description="Decode planner.")
+
+
 class PDDeploymentStatus(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -398,6 +481,8 @@ class PDDeploymentStatus(BaseModel):
     conditions: list[Condition] = Field(default_factory=list, description="Current state.")
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="The planner's decisions per role (spec.autoscaling).")
     routingCase: str | None = Field(default=None, description="The routing case of the plan.")
     routingSummary: str | None = Field(
         default=None, description="Which decode rank reads which prefill ranks, e.g. "

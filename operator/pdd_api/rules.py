@@ -31,6 +31,8 @@ MAX_KV_CACHE_BLOCKS = 1 << 24  # per rank; far beyond any GPU, short of overflow
 # GiB of host KV per rank: a node's memory shared by its GPUs, with room to spare; a byte count
 # typed into the field (17179869184 for 16Gi) is caught here instead of at scheduling.
 MAX_HOST_KV_CACHE_GIB = 4096
+MAX_LATENCY_TARGET_SECONDS = 3600.0
+MAX_QUEUED_TOKENS = 1 << 30
 
 
 def default_of(path: str) -> Any:
@@ -427,26 +429,111 @@ class NumberRangeRule:
     hi: float
     open_low: bool = False
     reads: tuple[tuple[str, ...], ...] = ()
+    open_high: bool = False
 
     @property
     def _range(self) -> str:
         lo, hi = cel_double(self.lo), cel_double(self.hi)
-        return f"in ({lo}, {hi}]" if self.open_low else f"between {lo} and {hi}"
+        if self.open_low or self.open_high:
+            return (f"in {'(' if self.open_low else '['}{lo}, {hi}"
+                    f"{')' if self.open_high else ']'}")
+        return f"between {lo} and {hi}"
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         v = _number(spec, self.field)
-        if v is None or ((self.lo < v if self.open_low else self.lo <= v) and v <= self.hi):
+        if v is None or ((self.lo < v if self.open_low else self.lo <= v)
+                         and (v < self.hi if self.open_high else v <= self.hi)):
             return None
         return f"spec.{self.field}: must be {self._range}, got {cel_double(v)}"
 
     def cel(self) -> dict[str, str]:
         f = f"self.{self.field}"
         low = ">" if self.open_low else ">="
+        high = "<" if self.open_high else "<="
         return _cel(
             self.field,
             f"{_cel_guard(self.field)}({f} {low} {float(self.lo)!r} && "
-            f"{f} <= {float(self.hi)!r})",
+            f"{f} {high} {float(self.hi)!r})",
             _fmt(f"spec.{self.field}: must be {self._range}, got %s", f),
+        )
+
+
+@dataclass(frozen=True)
+class MinMaxRule:
+    """An autoscaled role's bounds: a planner between min and max needs min <= max."""
+
+    role: str
+
+    @property
+    def field(self) -> str:
+        return f"autoscaling.{self.role}.minReplicas"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(f"autoscaling.{self.role}.maxReplicas"))
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        if not isinstance(lookup(spec, f"autoscaling.{self.role}"), Mapping):
+            return None
+        lo, hi = _int(spec, self.field), _int(spec, f"autoscaling.{self.role}.maxReplicas")
+        if lo is None or hi is None or lo <= hi:
+            return None
+        return f"spec.{self.field}: must not exceed maxReplicas ({hi}), got {lo}"
+
+    def cel(self) -> dict[str, str]:
+        a = f"self.autoscaling.{self.role}"
+        lo, hi = f"{a}.minReplicas", f"{a}.maxReplicas"
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}!has({hi}) || {lo} <= {hi}",
+            _fmt(f"spec.{self.field}: must not exceed maxReplicas (%d), got %d", hi, lo),
+        )
+
+
+@dataclass(frozen=True)
+class PrefillTargetRule:
+    """Prefill's planner scales up on TTFT or on queued prompt tokens; with neither it could
+    only ever scale down."""
+
+    field: str = "autoscaling.prefill"
+    reads: tuple[tuple[str, ...], ...] = ()
+    message: str = ("spec.autoscaling.prefill: needs a target, ttft or "
+                    "queuedPromptTokensPerReplica, when enabled")
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        node = lookup(spec, self.field)
+        if not isinstance(node, Mapping) or node.get("enabled", True) is False:
+            return None
+        return None if ("ttft" in node or "queuedPromptTokensPerReplica" in node) else (
+            self.message)
+
+    def cel(self) -> dict[str, str]:
+        a = f"self.{self.field}"
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}(has({a}.enabled) && !{a}.enabled) || has({a}.ttft) || "
+            f"has({a}.queuedPromptTokensPerReplica)",
+            f"'{self.message}'", reason="FieldValueRequired",
+        )
+
+
+@dataclass(frozen=True)
+class UrlRule:
+    field: str
+    reads: tuple[tuple[str, ...], ...] = ()
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        v = lookup(spec, self.field)
+        if not isinstance(v, str) or v.startswith(("http://", "https://")):
+            return None
+        return f"spec.{self.field}: must start with http:// or https://, got {v}"
+
+    def cel(self) -> dict[str, str]:
+        f = f"self.{self.field}"
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}{f}.startsWith('http://') || {f}.startsWith('https://')",
+            _fmt(f"spec.{self.field}: must start with http:// or https://, got %s", f),
         )
 
 
@@ -652,6 +739,28 @@ def _rules() -> tuple[Rule, ...]:
         RangeRule("router.replicas", 1, 16),
         RangeRule("router.workers", 1, MAX_ROUTER_WORKERS),
         RangeRule("rollout.maxUnavailable", 1, MAX_REPLICAS),
+    ]
+    for role in ROLES:
+        a = f"autoscaling.{role}"
+        rules += [
+            RangeRule(f"{a}.minReplicas", 1, MAX_REPLICAS),
+            RangeRule(f"{a}.maxReplicas", 1, MAX_REPLICAS),
+            MinMaxRule(role),
+        ]
+    for latency in ("prefill.ttft", "decode.tpot"):
+        rules += [
+            NumberRangeRule(f"autoscaling.{latency}.percentile", 0, 100, open_low=True,
+                            open_high=True),
+            NumberRangeRule(f"autoscaling.{latency}.seconds", 0, MAX_LATENCY_TARGET_SECONDS,
+                            open_low=True),
+        ]
+    rules += [
+        PrefillTargetRule(),
+        RangeRule("autoscaling.prefill.queuedPromptTokensPerReplica", 1, MAX_QUEUED_TOKENS),
+        NumberRangeRule("autoscaling.decode.kvCacheUtilization", 0, 1, open_low=True),
+        RangeRule("autoscaling.intervalSeconds", 1, 3600),
+        RangeRule("autoscaling.scaleDownStabilizationSeconds", 0, 86400),
+        UrlRule("autoscaling.prometheusURL"),
     ]
     rules += [TemplateOwnedRule(role, part) for role in TEMPLATE_ROLES
               for part in ("pod", "container", "metadata")]

@@ -146,6 +146,42 @@ def kv_memory(role_spec: Obj) -> tuple[str, str]:
     return pool, (f"{plain_number(gib)}GiB/rank" if gib > 0 else "-")
 
 
+def _autoscaled(pdd: Obj, role: str) -> Obj | None:
+    a = ((pdd.get("spec") or {}).get("autoscaling") or {}).get(role)
+    return a if isinstance(a, dict) and a.get("enabled", True) is not False else None
+
+
+def desired_replicas(pdd: Obj, role: str) -> str:
+    """The planner's replicas where it drives the role (spec's until it has decided)."""
+    spec_n = ((pdd.get("spec") or {}).get(role) or {}).get("replicas", 1)
+    if _autoscaled(pdd, role) is None:
+        return str(spec_n)
+    auto = (((pdd.get("status") or {}).get("autoscaling") or {}).get(role) or {})
+    return str(auto.get("desiredReplicas", spec_n))
+
+
+def autoscaling_report(pdd: Obj) -> list[str]:
+    """Per role: who sets its replicas, current and desired, the bounds, and the planner's last
+    reason with the metric values behind it."""
+    if not (pdd.get("spec") or {}).get("autoscaling"):
+        return []
+    st = pdd.get("status") or {}
+    rows = [["ROLE", "SCALER", "CURRENT", "DESIRED", "MIN", "MAX", "REASON", "SINCE", "WHY"]]
+    for role in ROLES:
+        a = _autoscaled(pdd, role)
+        current = str((st.get(role) or {}).get("replicas", 0))
+        if a is None:
+            rows.append([role, "spec", current, desired_replicas(pdd, role), "-", "-", "-", "-",
+                         f"spec.{role}.replicas (by hand, git, HPA/KEDA)"])
+            continue
+        auto = ((st.get("autoscaling") or {}).get(role) or {})
+        rows.append([role, "pdd", current, desired_replicas(pdd, role),
+                     str(a.get("minReplicas", 1)), str(a.get("maxReplicas", "?")),
+                     str(auto.get("reason") or "-"), str(auto.get("lastScaleTime") or "-"),
+                     str(auto.get("message") or "no decision yet")])
+    return ["", "AUTOSCALING", *_table(rows)]
+
+
 def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: int = 10) -> str:
     meta, spec, st = _meta(pdd), pdd.get("spec") or {}, pdd.get("status") or {}
     gen, seen = meta.get("generation"), st.get("observedGeneration")
@@ -158,10 +194,11 @@ def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: i
     for role in ROLES:
         rs, rst = spec.get(role) or {}, st.get(role) or {}
         rows.append([role, str(rs.get("tensorParallelSize", "?")),
-                     str(rs.get("decodeContextParallelSize", "?")), str(rs.get("replicas", 1)),
+                     str(rs.get("decodeContextParallelSize", "?")), desired_replicas(pdd, role),
                      str(rst.get("replicas", 0)), str(rst.get("readyReplicas", 0)),
                      str(rst.get("updatedReplicas", 0)), *kv_memory(rs)])
     lines += _table(rows)
+    lines += autoscaling_report(pdd)
     lines += ["", "PODS"]
     rows = [["NAME", "ROLE", "REPLICA", "PHASE", "READY", "IP", "NODE"]]
     for p in sorted(pods, key=lambda p: (role_of(p) or "", _replica(p), _meta(p).get("name"))):

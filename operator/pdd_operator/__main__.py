@@ -37,6 +37,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--peering", default=None, help="kopf peering name")
     ap.add_argument("--priority", type=int, default=None, help="peering priority")
     ap.add_argument("--standalone", action="store_true", help="no peering")
+    ap.add_argument("--no-autoscaler", action="store_true",
+                    help="do not run the autoscaling planner (PDD_AUTOSCALER=0)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap.parse_args(argv)
 
@@ -55,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.peering:
         cfg.peering_name = args.peering
     cfg.standalone = cfg.standalone or args.standalone
+    cfg.autoscaler = cfg.autoscaler and not args.no_autoscaler
 
     import kopf
 

@@ -263,6 +263,14 @@ def build_network_policies(owner: Owner, spec: PDDeploymentSpec) -> list[Obj]:
                          "ports": [{"protocol": "TCP"}]}],
         },
     }
+    a = spec.autoscaling
+    if a is not None and not a.prometheusURL and any(
+            r is not None and r.enabled for r in (a.prefill, a.decode)):
+        # The planner scrapes each instance's /metrics itself (any namespace: the operator's).
+        dataplane["spec"]["ingress"].append({
+            "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+                keys.LABEL_NAME: keys.OPERATOR_APP_NAME}}}],
+            "ports": [{"protocol": "TCP", "port": keys.HTTP_PORT}]})
     front: Obj = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -260,3 +260,39 @@ def _role_status(rp: RolePlan) -> dict[str, int]:
 
 def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
     return dict(a or {}) == dict(b or {})
+
+
+# The planner's condition (spec.autoscaling): True while it decides on fresh metrics, False
+# while it holds for want of them. The reason is the most telling of the roles' decisions.
+AUTOSCALING = "Autoscaling"
+_AUTOSCALING_ORDER = ("MetricsUnavailable", "ScaledUp", "ScaledDown", "AtMaximum", "AtMinimum",
+                      "Stable")
+
+
+def autoscaling_condition(decisions: Sequence[tuple[str, str]], generation: int,
+                          previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+    """`decisions`: (reason, message) per autoscaled role, in role order."""
+    reasons = [r for r, _ in decisions]
+    reason = min(reasons, key=lambda r: _AUTOSCALING_ORDER.index(r)
+                 if r in _AUTOSCALING_ORDER else len(_AUTOSCALING_ORDER))
+    return condition(AUTOSCALING, reason != "MetricsUnavailable", reason,
+                     "; ".join(m for _, m in decisions), generation, previous, now)
+
+
+def carry_autoscaling(status: dict[str, Any], previous: Mapping[str, Any] | None,
+                      autoscaled: bool) -> dict[str, Any]:
+    """A reconcile pass rewrites the conditions list (a merge patch replaces lists) but not the
+    planner's part: keep its condition and status.autoscaling while autoscaling is on, drop
+    them (null deletes in a merge patch) once it is off."""
+    prev = previous or {}
+    out = dict(status)
+    conds = [c for c in out.get("conditions") or [] if c.get("type") != AUTOSCALING]
+    kept = next((c for c in prev.get("conditions") or [] if c.get("type") == AUTOSCALING), None)
+    if autoscaled and kept is not None:
+        conds.append(dict(kept))
+    out["conditions"] = conds
+    if autoscaled and prev.get("autoscaling") is not None:
+        out["autoscaling"] = prev["autoscaling"]
+    elif prev.get("autoscaling") is not None:
+        out["autoscaling"] = None
+    return out

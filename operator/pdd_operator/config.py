@@ -36,6 +36,9 @@ class Config:
     # cert-manager Certificate's Secret with cainjector filling the caBundle: the operator
     # then serves those files and neither patches the webhook configuration nor renews.
     webhook_cert_dir: str | None = None
+    # The autoscaling planner's loop (spec.autoscaling); off: every role's replicas come from
+    # spec, whatever spec.autoscaling says (a platform that scales with HPA/KEDA only).
+    autoscaler: bool = True
 
     @classmethod
     def from_env(cls) -> Config:
@@ -58,6 +61,7 @@ class Config:
         cfg.cert_validity_seconds = float(os.environ.get("PDD_WEBHOOK_CERT_VALIDITY_SECONDS")
                                           or cfg.cert_validity_seconds)
         cfg.webhook_cert_dir = os.environ.get("PDD_WEBHOOK_CERT_DIR") or None
+        cfg.autoscaler = os.environ.get("PDD_AUTOSCALER", "1") not in ("0", "false")
         return cfg
 
 

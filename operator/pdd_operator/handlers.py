@@ -20,6 +20,7 @@ import kopf
 
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
 from pdd_operator import metrics
+from pdd_operator.autoscaler import Autoscaler
 from pdd_operator.config import CONFIG
 from pdd_operator.kube import KINDS, ApiError, Kube
 from pdd_operator.peering import paused
@@ -99,6 +100,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         rec.paused = await peering_paused(kube, cfg)
         STATE.tasks.append(loop.create_task(peering_loop(rec, kube)))
     STATE.tasks.append(loop.create_task(periodic_loop(rec)))
+    if cfg.autoscaler:
+        STATE.tasks.append(loop.create_task(Autoscaler(rec, kube).run_forever()))
     STATE.tasks.append(loop.create_task(rec.watch_children(cfg.namespaces or None)))
     if cfg.webhook_port:
         tls = await prepare_tls(kube, cfg)

@@ -14,6 +14,12 @@ ACTIONS = Counter("pdd_operator_actions_total", "Objects created, deleted or re-
                   ["kind", "action"])
 MANAGED = Gauge("pdd_operator_managed_objects", "Objects the operator owns, by kind", ["kind"])
 DEPLOYMENTS = Gauge("pdd_operator_pddeployments", "PDDeployments the operator knows")
+AUTOSCALE_DESIRED = Gauge("pdd_operator_autoscale_desired_replicas",
+                          "Instances the autoscaling planner wants, per PDDeployment and role",
+                          ["namespace", "name", "role"])
+AUTOSCALE_DECISIONS = Counter("pdd_operator_autoscale_decisions_total",
+                              "Autoscaling decisions by role, direction (up, down, hold) and "
+                              "reason", ["role", "direction", "reason"])
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

@@ -13,13 +13,14 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from pdd_api import keys
-from pdd_api.models import GPU_RESOURCE, KIND, PDDeploymentSpec
+from pdd_api.autoscale import effective_replicas, role_autoscaling, with_replicas
+from pdd_api.models import GPU_RESOURCE, KIND, ROLES, PDDeploymentSpec
 from pdd_api.validation import parse_spec, validate_name, validate_spec
 from pdd_operator import builders_lws, drain, metrics
 from pdd_operator.builders import (
@@ -43,6 +44,7 @@ from pdd_operator.conditions import (
     STUCK_REASONS,
     VALIDATED,
     ObjectError,
+    carry_autoscaling,
     compute_status,
     router_state,
     with_errors,
@@ -138,7 +140,7 @@ class Reconciler:
         self._background: set[asyncio.Task[None]] = set()
         self.paused = False  # kopf peering: another replica leads (set by the handlers)
         self.lws_served = False  # the LeaderWorkerSet CRD is installed (multi-node instances)
-        self._built: dict[Key, tuple[tuple[str, int], tuple[
+        self._built: dict[Key, tuple[tuple[str, int, tuple[Any, ...]], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
         self._holed: dict[Key, tuple[Any, Desired, Desired]] = {}  # drain.py's index holes
 
@@ -277,10 +279,15 @@ class Reconciler:
             st.last_failure = text
             await self.kube.post_event(body, "Warning", "ReconcileFailed", text)
 
+    def lock(self, key: Key) -> asyncio.Lock:
+        """Held by a pass and by the autoscaler's status write: each reads the status the
+        other wrote, so neither undoes the other's part."""
+        return self._locks.setdefault(key, asyncio.Lock())
+
     async def run(self, namespace: str, name: str) -> Outcome | None:
         """One serialised pass; raises on failure (the caller retries)."""
         key = (namespace, name)
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        lock = self.lock(key)
         async with lock:
             start = time.perf_counter()
             try:
@@ -309,7 +316,8 @@ class Reconciler:
         generation = int(meta.get("generation") or 0)
         raw_spec = body.get("spec")
         owner = Owner(name, ns, meta["uid"])
-        problems, spec, desired = self._desired_for(owner, generation, raw_spec)
+        problems, spec, desired = self._desired_for(owner, generation, raw_spec,
+                                                    body.get("status"))
         outcome = Outcome()
         if problems:
             status = compute_status(
@@ -317,6 +325,7 @@ class Reconciler:
                 roles={}, wanted={}, max_unavailable=1, router=router_state(False, None, None),
                 previous=body.get("status"), now=now_rfc3339(),
             )
+            status = carry_autoscaling(status, body.get("status"), autoscaled=True)
             await self._write_status(body, status)
             outcome.status = status
             return outcome
@@ -370,6 +379,8 @@ class Reconciler:
                                  | self._lws_refs(ns, desired, r)
                                  for r in ("prefill", "decode")})
         status = builders_lws.mark_missing_crd(status)
+        status = carry_autoscaling(status, body.get("status"),
+                                   autoscaled=any(role_autoscaling(spec, r) for r in ROLES))
         self._events(body, outcome)
         await self._write_status(body, status)
         outcome.status = status
@@ -479,13 +490,17 @@ class Reconciler:
                 await self._guard(_full_ref(kind, ns, meta["name"]),
                                   self._delete(kind, have, outcome.deleted), outcome)
 
-    def _desired_for(self, owner: Owner, generation: int, raw_spec: Any) -> tuple[
+    def _desired_for(self, owner: Owner, generation: int, raw_spec: Any,
+                     status: Mapping[str, Any] | None = None) -> tuple[
             list[str], PDDeploymentSpec | None, Desired | None]:
-        """Validation and builders run once per generation (the spec cannot change without a
-        new generation); most passes are triggered by pod events and reuse them."""
+        """Validation and builders run once per generation and autoscaling decision (neither
+        the spec nor the planner's replicas change without them); most passes are triggered
+        by pod events and reuse them. The builders see the planner's replicas where it drives
+        a role (pdd_api.autoscale.effective_replicas)."""
         key = (owner.namespace, owner.name)
         cached = self._built.get(key)
-        if cached is not None and cached[0] == (owner.uid, generation):
+        version = (owner.uid, generation, _autoscaled_replicas(status))
+        if cached is not None and cached[0] == version:
             return cached[1]
         problems = validate_name(owner.name, raw_spec) + validate_spec(raw_spec)
         if problems:
@@ -493,8 +508,9 @@ class Reconciler:
                 problems, None, None)
         else:
             spec = parse_spec(raw_spec)  # read as the API server reads it (nulls, 2.0)
+            spec = with_replicas(spec, effective_replicas(spec, status))
             result = ([], spec, builders_lws.apply_lws(owner, spec, build(owner, spec)))
-        self._built[key] = ((owner.uid, generation), result)
+        self._built[key] = (version, result)
         return result
 
     async def _apply(self, obj: Obj) -> Obj:
@@ -800,6 +816,11 @@ class Reconciler:
             ):
                 posts.append(("Normal", "Ready", c["message"]))
         self._post(body, posts)
+
+
+def _autoscaled_replicas(status: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    auto = (status or {}).get("autoscaling") or {}
+    return tuple((auto.get(r) or {}).get("desiredReplicas") for r in ROLES)
 
 
 def _gen(obj: Obj) -> int:

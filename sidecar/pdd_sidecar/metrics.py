@@ -89,6 +89,10 @@ class InstanceMetrics:
             "pdd_waiting_sequences", "Sequences queued for KV blocks or a running slot",
             registry=r,
         )
+        self.queued_prompt_tokens = Gauge(
+            "pdd_queued_prompt_tokens", "Prompt tokens admitted or waiting but not yet run "
+            "through the model (the prefill work queued; the autoscaler reads it)", registry=r,
+        )
         self.batch_size = Histogram(
             "pdd_batch_size", "Sequences per engine step",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,

@@ -163,6 +163,11 @@ def test_metrics_count_requests_bytes_and_descriptors(deployment: dict[str, Proc
     assert paths >= 2
     _, text = http("GET", f"{deployment['prefill'].url}/metrics")
     assert _metric(text, "pdd_lease_expiries_total") == 0
+    # What the autoscaling planner reads from an instance, through the operator's own parser.
+    from pdd_operator.autoscale_metrics import parse_instance
+    gauges = parse_instance(text)
+    assert gauges.queued_prompt_tokens == _metric(text, "pdd_queued_prompt_tokens") == 0
+    assert gauges.blocks_total == _metric(text, "pdd_kv_blocks_total", 'rank="0"') > 0
     assert _metric(text, "pdd_requests_total",
                    'endpoint="prefill",outcome="ok",role="prefill"') >= 2
     _, text = http("GET", f"{router}/metrics")

@@ -113,6 +113,18 @@ def _leaves() -> list[Leaf]:
             Leaf((r, "hostKVCacheGiB"), "number"),
             Leaf((r, "resources", "limits", "memory"), "memory"),
         ]
+    a = ("autoscaling",)
+    out += [Leaf(a, "obj"), Leaf((*a, "intervalSeconds"), "int"),
+            Leaf((*a, "scaleDownStabilizationSeconds"), "int"),
+            Leaf((*a, "prometheusURL"), "enum", ("http://prom:9090", "https://p", "prom:9090",
+                                                  ""))]
+    for r, latency in (("prefill", "ttft"), ("decode", "tpot")):
+        out += [Leaf((*a, r), "obj"), Leaf((*a, r, "enabled"), "bool"),
+                Leaf((*a, r, "minReplicas"), "int"), Leaf((*a, r, "maxReplicas"), "int"),
+                Leaf((*a, r, latency), "obj"), Leaf((*a, r, latency, "percentile"), "number"),
+                Leaf((*a, r, latency, "seconds"), "number")]
+    out += [Leaf((*a, "prefill", "queuedPromptTokensPerReplica"), "int"),
+            Leaf((*a, "decode", "kvCacheUtilization"), "number")]
     for r in TEMPLATED:
         t = (r, "template")
         out += [
@@ -278,6 +290,23 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
         spec.setdefault("router", {})["image"] = "pdd:0.1.0"
         for role in ROLES:  # the host tier is pdd's sidecars' only
             spec[role].pop("hostKVCacheGiB", None)
+    if r.random() < 0.3:
+        auto: dict[str, Any] = {}
+        if r.random() < 0.7:
+            lo = r.randint(1, 4)
+            auto["prefill"] = {"minReplicas": lo, "maxReplicas": r.randint(lo, 64),
+                               "ttft": {"percentile": r.choice([50, 90, 99.9]),
+                                        "seconds": r.choice([0.5, 2, 3600])}}
+            if r.random() < 0.5:
+                auto["prefill"]["queuedPromptTokensPerReplica"] = r.choice([1, 8192])
+        if r.random() < 0.7:
+            auto["decode"] = {"maxReplicas": r.randint(1, 64),
+                              "tpot": {"seconds": r.choice([0.01, 0.05])},
+                              "kvCacheUtilization": r.choice([0.05, 0.8, 1])}
+        if r.random() < 0.3:
+            auto["intervalSeconds"] = r.choice([1, 15, 3600])
+            auto["prometheusURL"] = "http://prometheus:9090"
+        spec["autoscaling"] = auto
     return spec
 
 

@@ -504,6 +504,26 @@ def test_network_policies_isolate_dataplane_and_open_router(doc: dict[str, Any])
     assert build(OWNER, spec_of(doc)).network_policies == []
 
 
+@pytest.mark.parametrize(("autoscaling", "scraped"), [
+    ({"decode": {"maxReplicas": 4}}, True),
+    ({"decode": {"maxReplicas": 4}, "prometheusURL": "http://prom:9090"}, False),
+    ({"decode": {"maxReplicas": 4, "enabled": False}}, False),
+])
+def test_the_planners_scrapes_pass_the_dataplane_policy(
+        doc: dict[str, Any], autoscaling: dict[str, Any], scraped: bool) -> None:
+    doc["spec"]["autoscaling"] = autoscaling
+    dp = next(p for p in build(OWNER, spec_of(doc)).network_policies
+              if p["metadata"]["name"] == "demo-dataplane")["spec"]
+    operator_rule = {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        keys.LABEL_NAME: "pdd-operator"}}}], "ports": [{"protocol": "TCP", "port": 8000}]}
+    assert (operator_rule in dp["ingress"]) == scraped
+    assert len(dp["ingress"]) == 1 + scraped
+    operator_labels = yaml.safe_load_all((ROOT / "manifests/base/operator.yaml").read_text())
+    deployment = next(d for d in operator_labels if d and d.get("kind") == "Deployment")
+    assert is_subset(operator_rule["from"][0]["podSelector"]["matchLabels"],
+                     deployment["spec"]["template"]["metadata"]["labels"])
+
+
 def test_pods_default_to_restricted_security_and_shm(doc: dict[str, Any]) -> None:
     desired = build(OWNER, spec_of(doc))
     assert desired.router_deployment is not None

@@ -121,6 +121,30 @@ def test_status_report_shows_roles_pods_conditions_and_latest_events() -> None:
                                       "90%-of-GPU", "-"]
 
 
+def test_status_report_shows_the_planners_replicas_and_why() -> None:
+    doc, _ = _objects()
+    doc["spec"]["autoscaling"] = {"decode": {"minReplicas": 1, "maxReplicas": 6},
+                                  "prefill": {"enabled": False, "maxReplicas": 2}}
+    doc["status"] = {
+        "decode": {"replicas": 2, "readyReplicas": 2},
+        "autoscaling": {"decode": {
+            "desiredReplicas": 3, "reason": "ScaledUp", "lastScaleTime": "2026-12-04T03:00:00Z",
+            "message": "decode 2→3: TPOT p90 0.061 s > 0.05 s, KV 0.83"}},
+    }
+    out = kp.status_report(doc, [], [])
+    decode_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["decode"])
+    assert decode_row.split()[3] == "3"  # what will be built, not spec.decode.replicas
+    auto = out.split("AUTOSCALING", 1)[1].split("PODS", 1)[0]
+    row = next(ln for ln in auto.splitlines() if ln.split()[:1] == ["decode"])
+    assert row.split()[:8] == ["decode", "pdd", "2", "3", "1", "6", "ScaledUp",
+                               "2026-12-04T03:00:00Z"]
+    assert "TPOT p90 0.061 s > 0.05 s, KV 0.83" in row
+    prefill = next(ln for ln in auto.splitlines() if ln.split()[:1] == ["prefill"])
+    assert prefill.split()[1] == "spec" and "HPA/KEDA" in prefill
+    del doc["spec"]["autoscaling"]
+    assert "AUTOSCALING" not in kp.status_report(doc, [], [])
+
+
 @pytest.mark.parametrize(("role_spec", "shown"), [
     ({}, ("90%-of-GPU", "-")),
     ({"gpuMemoryUtilization": 0.85, "hostKVCacheGiB": 0}, ("85%-of-GPU", "-")),

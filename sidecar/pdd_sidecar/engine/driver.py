@@ -661,6 +661,9 @@ class InstanceDriver:
             m.blocks_free.labels(rank=str(rank)).set(free)
         m.running.set(len(sch.running) + len(sch.pulling))
         m.waiting.set(len(sch.waiting))
+        m.queued_prompt_tokens.set(sum(
+            max(0, len(s.prompt) - s.computed)
+            for s in (*sch.waiting, *sch.running.values()) if s.source is None))
         m.held_requests.set(len(self.leases))
         m.prefill_computed_tokens.inc(sch.computed_tokens - self._computed_seen)
         self._computed_seen = sch.computed_tokens

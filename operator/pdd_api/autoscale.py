@@ -1,0 +1,292 @@
+"""The autoscaling planner: each role's replicas from its own recent metrics, as a pure function.
+
+Prefill saturates on prompt compute (TTFT, queued prompt tokens), decode on running sequences and
+their KV (TPOT, KV blocks in use), so each role is decided alone. The rules trade a little
+capacity for stability: up fast (two samples in a row over a target, by as many instances as the
+load needs), down slowly (one instance after the load fitted one fewer for a whole stabilization
+window), and when the metrics are missing or stale, nothing moves. The operator fetches the
+samples and applies the decision; bench/autoscale_sim.py drives the same function with a trace,
+so it must stay free of I/O and clocks (``now`` is an argument).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdd_api.models import (
+    AutoscalingSpec,
+    DecodeAutoscaling,
+    LatencyTarget,
+    PDDeploymentSpec,
+    PrefillAutoscaling,
+    RoleAutoscaling,
+)
+
+Role = Literal["prefill", "decode"]
+
+SCALED_UP, SCALED_DOWN = "ScaledUp", "ScaledDown"
+AT_MAXIMUM, AT_MINIMUM = "AtMaximum", "AtMinimum"
+STABLE, METRICS_UNAVAILABLE = "Stable", "MetricsUnavailable"
+REASONS = (SCALED_UP, SCALED_DOWN, AT_MAXIMUM, AT_MINIMUM, STABLE, METRICS_UNAVAILABLE)
+
+# Samples in a row over a target that make a breach sustained (one is noise).
+SUSTAINED_SAMPLES = 2
+# A sample older than this many intervals says nothing about now.
+STALE_INTERVALS = 3.0
+# One instance fewer only if the load would then sit below this share of every target, so a
+# step down does not land right on a target and bounce back up.
+SCALE_DOWN_HEADROOM = 0.8
+# A latency ratio asks for at most this many times the measured instances per decision: latency
+# is not linear in replicas, and the next interval corrects an undershoot.
+MAX_LATENCY_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scrape of one role, summed over its ready instances (and the router's histograms).
+
+    ``time`` is in seconds on the caller's clock, the one ``now`` uses. ``replicas`` is how
+    many instances the sample measured (0: none was ready, the sample is unusable). A latency of
+    None means no request finished in the interval (no load), not a missing metric: a missing
+    scrape is a missing sample.
+    """
+
+    time: float
+    replicas: int
+    latency: float | None = None  # TTFT (prefill) or TPOT (decode), seconds, at the percentile
+    queued_prompt_tokens: float | None = None  # prefill: prompt tokens waiting, all instances
+    kv_blocks_used: float | None = None  # decode: blocks held by live sequences, all instances
+    kv_blocks_total: float | None = None  # decode: blocks of all instances
+    running_sequences: float | None = None
+    waiting_sequences: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner wants for one role, why, and the numbers behind it (for the status,
+    the Event and the condition message)."""
+
+    role: Role
+    current: int
+    desired: int
+    reason: str
+    message: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def direction(self) -> Literal["up", "down", "none"]:
+        if self.desired > self.current:
+            return "up"
+        return "down" if self.desired < self.current else "none"
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A sample read against the role's targets: each metric's need in instances."""
+
+    breaches: tuple[str, ...]  # metric descriptions over target, e.g. "TPOT p90 0.061 s > 0.05 s"
+    need: int  # instances the breached metrics ask for (the measured count when none)
+    fits_one_fewer: bool  # every metric stays under SCALE_DOWN_HEADROOM with one fewer
+    floor: int  # decode: instances its live sequences' KV needs at the target share (else 0)
+    metrics: dict[str, float]
+    summary: str  # all values, e.g. "TPOT p90 0.031 s, KV 0.42, 12 running"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _latency_name(role: Role) -> str:
+    return "TTFT" if role == "prefill" else "TPOT"
+
+
+def _pct(t: LatencyTarget) -> str:
+    p = t.percentile
+    return f"p{int(p)}" if p == int(p) else f"p{p:g}"
+
+
+def _latency(role: Role, target: LatencyTarget | None, s: Sample,
+             out: dict[str, float], parts: list[str], breaches: list[str]) -> tuple[int, bool]:
+    if target is None or s.latency is None:
+        return s.replicas, True
+    name = f"{_latency_name(role)} {_pct(target)}"
+    out[f"{_latency_name(role).lower()}Seconds"] = s.latency
+    parts.append(f"{name} {_fmt(s.latency)} s")
+    ratio = s.latency / target.seconds
+    need = s.replicas
+    if ratio > 1:
+        breaches.append(f"{name} {_fmt(s.latency)} s > {_fmt(target.seconds)} s")
+        need = max(s.replicas + 1, math.ceil(s.replicas * min(ratio, MAX_LATENCY_FACTOR)))
+    return need, ratio <= SCALE_DOWN_HEADROOM
+
+
+def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
+          current: int) -> _Load:
+    out: dict[str, float] = {"replicas": float(s.replicas)}
+    parts: list[str] = []
+    breaches: list[str] = []
+    fewer = max(1, current - 1)
+    target = spec.ttft if isinstance(spec, PrefillAutoscaling) else spec.tpot
+    need, fits = _latency(role, target, s, out, parts, breaches)
+    floor = 0
+    if isinstance(spec, PrefillAutoscaling) and s.queued_prompt_tokens is not None:
+        q = s.queued_prompt_tokens
+        out["queuedPromptTokens"] = q
+        parts.append(f"{_fmt(q)} prompt tokens queued")
+        per = spec.queuedPromptTokensPerReplica
+        if per is not None:
+            if q > per * s.replicas:
+                breaches.append(f"queued prompt tokens {_fmt(q / s.replicas)}/replica > {per}")
+                need = max(need, math.ceil(q / per))
+            fits = fits and q <= per * fewer * SCALE_DOWN_HEADROOM
+    if isinstance(spec, DecodeAutoscaling):
+        used, total = s.kv_blocks_used, s.kv_blocks_total
+        if used is not None and total:
+            util = used / total
+            per_instance = total / s.replicas
+            target_blocks = per_instance * spec.kvCacheUtilization
+            floor = math.ceil(used / target_blocks - 1e-9)
+            out["kvCacheUtilization"] = util
+            parts.append(f"KV {util:.2f}")
+            if util > spec.kvCacheUtilization:
+                breaches.append(f"KV {util:.2f} > {_fmt(spec.kvCacheUtilization)}")
+                need = max(need, floor)
+            fits = fits and used <= target_blocks * fewer * SCALE_DOWN_HEADROOM
+        if s.running_sequences is not None:
+            out["runningSequences"] = s.running_sequences
+            parts.append(f"{_fmt(s.running_sequences)} running")
+    if s.waiting_sequences is not None:
+        out["waitingSequences"] = s.waiting_sequences
+    if floor:
+        out["floorReplicas"] = float(floor)
+    return _Load(tuple(breaches), need, fits, floor, out, ", ".join(parts) or "no load")
+
+
+def _usable(s: Sample, now: float, interval: float) -> bool:
+    return s.replicas > 0 and now - s.time <= STALE_INTERVALS * interval and s.time <= now
+
+
+def decide(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, current: int,
+           history: Sequence[Sample], now: float, *, interval: float, stabilization: float,
+           last_scale_time: float | None = None) -> Decision:
+    """One role's desired replicas.
+
+    ``current`` is the replicas the operator builds now (the last decision, or the spec's seed),
+    ``history`` that role's samples, oldest first (at least the stabilization window's worth
+    is useful; older ones are ignored), ``now`` and ``last_scale_time`` on the samples' clock,
+    ``interval`` and ``stabilization`` in seconds (spec.autoscaling's). Returns ``desired``
+    within [minReplicas, maxReplicas]: above ``current`` after a sustained breach (by the
+    instances the load needs), ``current - 1`` after a stabilization window that fitted one
+    fewer, ``current`` otherwise. Pure: same arguments, same decision.
+    """
+    lo, hi = spec.minReplicas, max(spec.minReplicas, spec.maxReplicas)
+
+    def done(desired: int, reason: str, why: str, metrics: dict[str, float]) -> Decision:
+        head = f"{role} {current}→{desired}" if desired != current else f"{role} {current}"
+        return Decision(role, current, desired, reason, f"{head}: {why}", metrics)
+
+    if current < lo:
+        return done(lo, SCALED_UP, f"below minReplicas {lo}", {})
+    if current > hi:
+        return done(hi, SCALED_DOWN, f"above maxReplicas {hi}", {})
+    recent = [s for s in history if s.time <= now]
+    latest = recent[-1] if recent else None
+    if latest is None or not _usable(latest, now, interval):
+        why = ("no metrics yet" if latest is None else
+               "no ready instance measured" if latest.replicas <= 0 else
+               f"last metrics {_fmt(now - latest.time)} s old")
+        return done(current, METRICS_UNAVAILABLE, f"holding, {why}", {})
+    load = _read(role, spec, latest, current)
+    metrics = dict(load.metrics)
+
+    tail = recent[-SUSTAINED_SAMPLES:]
+    if len(tail) == SUSTAINED_SAMPLES and all(_usable(s, now, interval) for s in tail):
+        loads = [load if s is latest else _read(role, spec, s, current) for s in tail]
+        if all(x.breaches for x in loads):
+            need = min(x.need for x in loads)
+            why = ", ".join(load.breaches)
+            if need > current:
+                if current >= hi:
+                    return done(current, AT_MAXIMUM, f"{why}; at maxReplicas {hi}", metrics)
+                return done(min(need, hi), SCALED_UP, why, metrics)
+            return done(current, STABLE, f"{why}; {current} requested, waiting for them",
+                        metrics)
+
+    window = [s for s in recent if s.time >= now - stabilization] or [latest]
+    covered = (stabilization <= 0 or (
+        recent[0].time <= now - stabilization + interval
+        and all(b.time - a.time <= STALE_INTERVALS * interval
+                for a, b in zip(window, window[1:], strict=False))))
+    low = covered and bool(window) and all(
+        s.replicas > 0 and _read(role, spec, s, current).fits_one_fewer
+        for s in window)
+    if low and current <= lo:
+        return done(current, AT_MINIMUM, f"{load.summary}; at minReplicas {lo}", metrics)
+    settled = last_scale_time is None or now - last_scale_time >= stabilization
+    if low and settled and current - 1 >= load.floor:
+        return done(current - 1, SCALED_DOWN,
+                    f"{load.summary} for {_fmt(stabilization)} s, fits {current - 1}", metrics)
+    return done(current, STABLE, load.summary, metrics)
+
+
+def plan(autoscaling: AutoscalingSpec, current: Mapping[str, int],
+         history: Mapping[str, Sequence[Sample]], now: float,
+         last_scale_time: Mapping[str, float | None] | None = None) -> dict[str, Decision]:
+    """Decisions for every role whose autoscaling is on (absent or disabled: no entry).
+
+    ``current`` and ``history`` by role name; a role missing from ``history`` has no samples
+    (MetricsUnavailable)."""
+    out: dict[str, Decision] = {}
+    last = last_scale_time or {}
+    roles: tuple[tuple[Role, PrefillAutoscaling | DecodeAutoscaling | None], ...] = (
+        ("prefill", autoscaling.prefill), ("decode", autoscaling.decode))
+    for role, spec in roles:
+        if spec is None or not spec.enabled:
+            continue
+        out[role] = decide(role, spec, current[role], history.get(role, ()), now,
+                           interval=float(autoscaling.intervalSeconds),
+                           stabilization=float(autoscaling.scaleDownStabilizationSeconds),
+                           last_scale_time=last.get(role))
+    return out
+
+
+def role_autoscaling(spec: PDDeploymentSpec, role: str) -> (
+        PrefillAutoscaling | DecodeAutoscaling | None):
+    """The role's autoscaling when pdd's planner drives it, else None (spec replicas rule)."""
+    a = spec.autoscaling
+    r = None if a is None else (a.prefill if role == "prefill" else a.decode)
+    return r if r is not None and r.enabled else None
+
+
+def clamp(spec: RoleAutoscaling, replicas: int) -> int:
+    return min(max(replicas, spec.minReplicas), max(spec.minReplicas, spec.maxReplicas))
+
+
+def effective_replicas(spec: PDDeploymentSpec, status: Mapping[str, Any] | None) -> dict[str, int]:
+    """Instances to build per role: the planner's status.autoscaling.<role>.desiredReplicas
+    where autoscaling drives the role (spec.<role>.replicas, clamped, until it has decided),
+    spec.<role>.replicas elsewhere. Spec is never written, so a GitOps sync of the same
+    manifest changes nothing."""
+    out: dict[str, int] = {}
+    auto = (status or {}).get("autoscaling") or {}
+    for role in ("prefill", "decode"):
+        seed = getattr(spec, role).replicas
+        r = role_autoscaling(spec, role)
+        if r is None:
+            out[role] = seed
+            continue
+        desired = (auto.get(role) or {}).get("desiredReplicas")
+        if not isinstance(desired, int) or isinstance(desired, bool):
+            desired = seed
+        out[role] = clamp(r, desired)
+    return out
+
+
+def with_replicas(spec: PDDeploymentSpec, replicas: Mapping[str, int]) -> PDDeploymentSpec:
+    """The spec the builders see: the same, with the roles' replicas replaced."""
+    update = {role: getattr(spec, role).model_copy(update={"replicas": n})
+              for role, n in replicas.items() if getattr(spec, role).replicas != n}
+    return spec.model_copy(update=update) if update else spec

@@ -1,0 +1,232 @@
+"""The planner over tables of metric histories: bursts, ramps, oscillation, stale metrics, clamps,
+the decode floor. Each history is replayed interval by interval, as the operator would, feeding
+back the planner's own decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pdd_api.autoscale import (
+    AT_MAXIMUM,
+    AT_MINIMUM,
+    METRICS_UNAVAILABLE,
+    SCALED_DOWN,
+    SCALED_UP,
+    STABLE,
+    Decision,
+    Sample,
+    decide,
+    plan,
+)
+from pdd_api.models import AutoscalingSpec, DecodeAutoscaling, PrefillAutoscaling
+
+INTERVAL, WINDOW = 10.0, 60.0
+PREFILL = PrefillAutoscaling.model_validate(
+    {"minReplicas": 1, "maxReplicas": 8, "ttft": {"percentile": 90, "seconds": 1.0},
+     "queuedPromptTokensPerReplica": 4000})
+DECODE = DecodeAutoscaling.model_validate(
+    {"minReplicas": 1, "maxReplicas": 8, "tpot": {"percentile": 90, "seconds": 0.05},
+     "kvCacheUtilization": 0.8})
+BLOCKS = 1000.0  # per decode instance
+
+
+def prefill_sample(t: float, n: int, ttft: float | None, queued: float = 0.0) -> Sample:
+    return Sample(time=t, replicas=n, latency=ttft, queued_prompt_tokens=queued)
+
+
+def decode_sample(t: float, n: int, tpot: float | None, kv: float, running: float = 0) -> Sample:
+    """``kv``: utilization over the ``n`` instances measured."""
+    return Sample(time=t, replicas=n, latency=tpot, kv_blocks_used=kv * BLOCKS * n,
+                  kv_blocks_total=BLOCKS * n, running_sequences=running)
+
+
+def replay(role: str, spec: PrefillAutoscaling | DecodeAutoscaling, start: int,
+           load: Callable[[float, int], Sample], steps: int) -> list[Decision]:
+    """Every interval: sample the load at the replicas now serving, decide, apply at once."""
+    current, history, last, out = start, [], None, []
+    for i in range(steps):
+        now = i * INTERVAL
+        history.append(load(now, current))
+        d = decide(role, spec, current, history, now, interval=INTERVAL, stabilization=WINDOW,
+                   last_scale_time=last)
+        if d.desired != current:
+            last = now
+        current = d.desired
+        out.append(d)
+    return out
+
+
+def demand_ttft(demand: Callable[[float], float]) -> Callable[[float, int], Sample]:
+    """TTFT grows with demand per instance: 0.2 s idle, 1 s at 4 units per instance."""
+    return lambda t, n: prefill_sample(t, n, 0.2 + 0.2 * demand(t) / n)
+
+
+def test_burst_scales_up_within_two_intervals_by_what_the_load_needs() -> None:
+    # 2 units per instance before t=30, 12 after: TTFT 0.6 s then 2.6 s at one instance;
+    # the queue (3000 tokens per unit) asks for ceil(36000/4000) = 9 -> max 8.
+    def load(t: float, n: int) -> Sample:
+        units = 2 if t < 30 else 12
+        return prefill_sample(t, n, 0.2 + 0.2 * units / n, queued=3000 * units if t >= 30 else 0)
+
+    ds = replay("prefill", PREFILL, 1, load, 8)
+    assert [d.desired for d in ds[:3]] == [1, 1, 1]
+    assert ds[3].reason == STABLE  # one sample over target is not sustained
+    assert ds[4].reason == SCALED_UP and ds[4].desired == 8  # 2nd interval of the breach
+    assert "queued prompt tokens" in ds[4].message and "TTFT p90" in ds[4].message
+    assert all(d.desired == 8 for d in ds[5:])
+
+
+def test_latency_breach_asks_more_than_one_but_at_most_double() -> None:
+    history = [prefill_sample(0, 4, 1.5), prefill_sample(10, 4, 1.6)]
+    d = decide("prefill", PREFILL, 4, history, 10, interval=INTERVAL, stabilization=WINDOW)
+    assert d.reason == SCALED_UP and d.desired == 6  # ceil(4 * 1.5): the smaller of the two
+    history = [prefill_sample(0, 2, 9.0), prefill_sample(10, 2, 9.0)]
+    d = decide("prefill", PREFILL, 2, history, 10, interval=INTERVAL, stabilization=WINDOW)
+    assert d.desired == 4  # capped at twice what was measured
+
+
+def test_pending_instances_are_not_asked_for_twice() -> None:
+    # The decision for 6 was made; 4 are still the ready ones and TTFT stays high meanwhile.
+    history = [prefill_sample(t, 4, 1.5) for t in (0, 10, 20)]
+    d = decide("prefill", PREFILL, 6, history, 20, interval=INTERVAL, stabilization=WINDOW)
+    assert d.desired == 6 and d.reason == STABLE and "waiting" in d.message
+
+
+def test_slow_ramp_up_then_down_steps_one_at_a_time_after_the_window() -> None:
+    def demand(t: float) -> float:
+        return min(t / 30, 16.0) if t < 600 else 0.5
+    ds = replay("prefill", PREFILL, 1, demand_ttft(demand), 120)
+    peak = max(d.desired for d in ds)
+    assert 3 <= peak <= 8
+    ups = [d for d in ds if d.reason == SCALED_UP]
+    assert ups and all(d.desired > d.current for d in ups)
+    downs = [(i, d) for i, d in enumerate(ds) if d.reason == SCALED_DOWN]
+    assert downs and all(d.current - d.desired == 1 for _, d in downs)
+    times = [i * INTERVAL for i, _ in downs]
+    assert all(b - a >= WINDOW for a, b in zip(times, times[1:], strict=False))
+    assert times[0] - 600 >= WINDOW  # the load fell at t=600; a whole window first
+    assert ds[-1].desired == 1 and ds[-1].reason == AT_MINIMUM
+
+
+@pytest.mark.parametrize("period", [1, 2, 3])
+def test_oscillating_load_does_not_flap(period: int) -> None:
+    # Over target for `period` samples, then idle for `period`: one step up at most, and the
+    # idle samples never fill a whole window.
+    def load(t: float, n: int) -> Sample:
+        high = int(t // INTERVAL) // period % 2 == 1
+        return prefill_sample(t, n, 3.0 / n if high else 0.2)
+
+    ds = replay("prefill", PREFILL, 2, load, 60)
+    changes = [d for d in ds if d.desired != d.current]
+    assert all(d.reason == SCALED_UP for d in changes)
+    assert len(changes) <= 1
+
+
+@pytest.mark.parametrize("history, now, why", [
+    ([], 100.0, "no metrics yet"),
+    ([prefill_sample(0, 2, 9.0), prefill_sample(10, 2, 9.0)], 10 + 3 * INTERVAL + 1, "old"),
+    ([prefill_sample(0, 2, 9.0), prefill_sample(10, 0, None)], 10.0, "no ready instance"),
+])
+def test_missing_or_stale_metrics_hold(history: list[Sample], now: float, why: str) -> None:
+    d = decide("prefill", PREFILL, 2, history, now, interval=INTERVAL, stabilization=WINDOW)
+    assert d.desired == 2 and d.reason == METRICS_UNAVAILABLE and why in d.message
+
+
+def test_a_gap_in_the_window_blocks_scale_down() -> None:
+    idle = [prefill_sample(t, 3, 0.2) for t in range(0, 80, 10)]
+    ok = decide("prefill", PREFILL, 3, idle, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert ok.reason == SCALED_DOWN and ok.desired == 2
+    gappy = [s for s in idle if not 20 <= s.time <= 50]
+    d = decide("prefill", PREFILL, 3, gappy, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert d.reason == STABLE and d.desired == 3
+
+
+def test_window_not_yet_observed_blocks_scale_down() -> None:
+    idle = [prefill_sample(t, 3, 0.2) for t in (40, 50, 60, 70)]
+    d = decide("prefill", PREFILL, 3, idle, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert d.reason == STABLE
+
+
+@pytest.mark.parametrize("current, history, desired, reason", [
+    (0, [], 1, SCALED_UP),  # never zero: a seed below min comes up to min
+    (12, [], 8, SCALED_DOWN),
+    (8, [prefill_sample(0, 8, 5.0), prefill_sample(10, 8, 5.0)], 8, AT_MAXIMUM),
+    (7, [prefill_sample(0, 7, 5.0), prefill_sample(10, 7, 5.0)], 8, SCALED_UP),
+    (1, [prefill_sample(t, 1, None) for t in range(0, 80, 10)], 1, AT_MINIMUM),
+])
+def test_min_max_clamps(current: int, history: list[Sample], desired: int, reason: str) -> None:
+    d = decide("prefill", PREFILL, current, history, history[-1].time if history else 0,
+               interval=INTERVAL, stabilization=WINDOW)
+    assert (d.desired, d.reason) == (desired, reason)
+    assert PREFILL.minReplicas <= d.desired <= PREFILL.maxReplicas
+
+
+def test_decode_kv_breach_scales_to_what_the_blocks_need() -> None:
+    history = [decode_sample(0, 2, 0.03, 0.95, 40), decode_sample(10, 2, 0.03, 0.96, 41)]
+    d = decide("decode", DECODE, 2, history, 10, interval=INTERVAL, stabilization=WINDOW)
+    # 1900 blocks used at 800 per instance (0.8 of 1000) -> 3
+    assert d.reason == SCALED_UP and d.desired == 3
+    assert "KV 0.96 > 0.8" in d.message and d.metrics["runningSequences"] == 41  # the latest
+
+
+def test_decode_never_below_its_running_sequences_blocks() -> None:
+    # TPOT far under target the whole window, but 3 instances' blocks at 0.6 use 1800 blocks:
+    # two instances at 0.8 hold 1600, so the floor is 3 and decode stays.
+    history = [decode_sample(t, 3, 0.01, 0.6, 30) for t in range(0, 80, 10)]
+    d = decide("decode", DECODE, 3, history, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert d.desired == 3 and d.metrics["floorReplicas"] == 3
+    lighter = [decode_sample(t, 3, 0.01, 0.3, 10) for t in range(0, 80, 10)]
+    d = decide("decode", DECODE, 3, lighter, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert d.reason == SCALED_DOWN and d.desired == 2
+
+
+def test_decode_message_carries_the_metric_values() -> None:
+    history = [decode_sample(0, 2, 0.061, 0.83), decode_sample(10, 2, 0.061, 0.83)]
+    d = decide("decode", DECODE, 2, history, 10, interval=INTERVAL, stabilization=WINDOW)
+    assert d.message.startswith("decode 2→3: TPOT p90 0.061 s > 0.05 s, KV 0.83 > 0.8")
+    assert d.metrics["tpotSeconds"] == pytest.approx(0.061)
+    assert d.metrics["kvCacheUtilization"] == pytest.approx(0.83)
+
+
+def test_scale_down_waits_a_window_after_the_last_change() -> None:
+    idle = [prefill_sample(t, 3, 0.2) for t in range(0, 80, 10)]
+    d = decide("prefill", PREFILL, 3, idle, 70, interval=INTERVAL, stabilization=WINDOW,
+               last_scale_time=40)
+    assert d.reason == STABLE
+
+
+def test_plan_covers_enabled_roles_only() -> None:
+    spec = AutoscalingSpec.model_validate({
+        "intervalSeconds": 10, "scaleDownStabilizationSeconds": 60,
+        "prefill": {"enabled": False, "maxReplicas": 4},
+        "decode": {"maxReplicas": 4, "tpot": {"seconds": 0.05}}})
+    out = plan(spec, {"prefill": 1, "decode": 2}, {}, 0.0)
+    assert set(out) == {"decode"} and out["decode"].reason == METRICS_UNAVAILABLE
+    assert out["decode"].direction == "none"
+
+
+def test_no_stabilization_window_steps_down_on_the_latest_sample() -> None:
+    d = decide("prefill", PREFILL, 3, [prefill_sample(5, 3, 0.2)], 9, interval=INTERVAL,
+               stabilization=0)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 2)
+
+
+def test_decode_ramp_follows_kv_and_never_drops_below_its_sequences() -> None:
+    # Live sequences hold `blocks(t)` blocks in all, spread over the instances serving.
+    def blocks(t: float) -> float:
+        return 200 + 30 * t if t < 150 else (4000 if t < 300 else 500)
+
+    def load(t: float, n: int) -> Sample:
+        return Sample(time=t, replicas=n, latency=0.02, kv_blocks_used=blocks(t),
+                      kv_blocks_total=BLOCKS * n, running_sequences=blocks(t) / 10)
+
+    ds = replay("decode", DECODE, 1, load, 80)
+    for i, d in enumerate(ds):
+        need = -(-blocks(i * INTERVAL) // (BLOCKS * DECODE.kvCacheUtilization))
+        if d.reason == SCALED_DOWN:
+            assert d.desired >= need, (i, d)
+    assert max(d.desired for d in ds) == 6  # ceil(4400 / 800): the ramp peaks at t=140
+    assert ds[-1].desired == 1
+    assert all(abs(d.desired - d.current) == 1 for d in ds if d.reason == SCALED_DOWN)
