@@ -43,9 +43,8 @@ ASKING = [
     ("chat", "n", True),
     ("completion", "best_of", 3),
     ("completion", "use_beam_search", True),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat", "tool_choice", "required"),
-    ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("chat", "functions", [{"name": "f"}]),  # tools: tests/unit/test_tool_calls.py
+    ("chat", "function_call", {"name": "f"}),
     ("chat", "reasoning_effort", "low"),
     ("chat", "modalities", ["text", "audio"]),
     ("chat", "chat_template", "{{ x }}"),

@@ -90,6 +90,9 @@ FIELDS: dict[str, Field] = {
     "guided_choice": _H,
     "guided_grammar": _H,
     "structured_outputs": _H,
+    "tools": Field(HONOURED, CHAT),  # serve/tool_request.py, serve/tool_parser.py
+    "tool_choice": Field(HONOURED, CHAT),
+    "parallel_tool_calls": Field(HONOURED, CHAT),
     # Accepted and without effect on the answer.
     "user": _N,
     "metadata": _N,
@@ -98,7 +101,6 @@ FIELDS: dict[str, Field] = {
     "prompt_cache_key": _N,
     "safety_identifier": _N,
     "prediction": _N,  # a latency hint: the answer is the same
-    "parallel_tool_calls": _N,  # only qualifies tools, refused below
     "priority": _N,  # vLLM's scheduling priority: pdd schedules first come, first served
     "request_id": _N,  # the router names its requests itself
     "return_token_ids": _N,  # every choice carries token_ids anyway
@@ -131,10 +133,10 @@ FIELDS: dict[str, Field] = {
         "a text prompt is always encoded with the tokenizer's special tokens", _off_values(True),
         COMPLETION),
     "truncate_prompt_tokens": _refused("prompt truncation is not supported"),
-    "tools": _refused("tool calling is not supported", _off_values([]), CHAT),
-    "tool_choice": _refused("tool calling is not supported", _NOT_TOOLS, CHAT),
-    "functions": _refused("tool calling is not supported", _off_values([]), CHAT),
-    "function_call": _refused("tool calling is not supported", _NOT_TOOLS, CHAT),
+    "functions": _refused("the legacy functions field is not supported (send tools)",
+                          _off_values([]), CHAT),
+    "function_call": _refused("the legacy function_call field is not supported (send "
+                              "tool_choice)", _NOT_TOOLS, CHAT),
     "continue_final_message": _refused("continuing the final message is not supported",
                                        _off_values(False), CHAT),
     "chat_template": _refused("the checkpoint's own chat template is always used", _never,

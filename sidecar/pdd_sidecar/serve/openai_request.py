@@ -18,7 +18,9 @@ from aiohttp import web
 
 from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
-from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids
+from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids, template_variables
+from pdd_sidecar.serve.tool_parser import Markers
+from pdd_sidecar.serve.tool_request import ToolRequestError, ToolSpec, check_tool_turns, tool_spec
 
 INT64 = (-(2**63), 2**63 - 1)
 MAX_STOP_STRINGS = 4
@@ -69,6 +71,7 @@ class GenRequest:
     include_usage: bool
     local_stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0  # stop strings are looked for only after this many tokens
+    tools: ToolSpec | None = None  # chat: the tools offered (serve/tool_request.py)
 
 
 def brief_repr(v: Any, limit: int = 80) -> str:
@@ -245,7 +248,31 @@ def _content_text(content: Any, where: str) -> str | None:
     raise bad(f"{where} must be a string or a list of text parts", "messages")
 
 
-def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
+def _tools(body: Mapping[str, Any], model: ModelText) -> ToolSpec | None:
+    """The request's tools, refused where this checkpoint cannot take them: a template that
+    does not render them would drop them silently, and a tokenizer without DeepSeek's
+    tool-call tokens gives the router nothing to find a call by."""
+    try:
+        spec = tool_spec(body)
+    except ToolRequestError as exc:
+        raise bad(str(exc), exc.param) from None
+    if spec is None or not spec.parse:
+        return spec
+    codec = _need_codec(model, "tools")
+    if codec.chat_template is None or "tools" not in template_variables(codec.chat_template):
+        raise bad(f"tools: the chat template of {model.source} does not render tool "
+                  "definitions (it reads no `tools` variable), so the model would never see "
+                  "them; put a template that does in the checkpoint's chat_template.jinja "
+                  "(docs/openai-api.md, Tool calling)", "tools")
+    if Markers.of(codec) is None:
+        raise bad(f"tools: the tokenizer of {model.source} lacks DeepSeek's tool-call tokens "
+                  "(<｜tool▁calls▁begin｜> ...), the only tool-call format this server parses",
+                  "tools")
+    return spec
+
+
+def _chat_prompt(body: Mapping[str, Any], model: ModelText,
+                 tools: ToolSpec | None = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of {role, content} objects", "messages")
@@ -258,11 +285,16 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText) -> list[int]:
             raise bad(f"messages[{i}].role must be a non-empty string", "messages")
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), f"messages[{i}].content")
+        try:
+            check_tool_turns(i, msg)
+        except ToolRequestError as exc:
+            raise bad(str(exc), exc.param) from None
         conv.append(msg)
     add_gen = _opt_bool(body, "add_generation_prompt", True)
     codec = _need_codec(model, "messages")
     try:
-        ids = chat_ids(codec, conv, add_generation_prompt=add_gen)
+        ids = chat_ids(codec, conv, add_generation_prompt=add_gen,
+                       tools=list(tools.tools) if tools is not None and tools.tools else None)
     except TemplateRenderError as exc:
         raise bad(f"messages: {exc}", "messages") from None
     if not ids:
@@ -327,11 +359,13 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
         stop_token_ids = checked
     ignore_eos = _opt_bool(body, "ignore_eos", False)
 
+    tools: ToolSpec | None = None
     if kind == "completion":
         prompt = _prompt_ids(body, model)
         prompt_param = "prompt"
     else:
-        prompt = _chat_prompt(body, model)
+        tools = _tools(body, model)
+        prompt = _chat_prompt(body, model, tools)
         prompt_param = "messages"
     limit = model.max_model_len
     if len(prompt) >= limit:
@@ -369,4 +403,5 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
         sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                   **controls},
         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
-        include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens)
+        include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens,
+        tools=tools)

@@ -120,6 +120,9 @@ def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
     choice: dict[str, Any] = {"index": 0}
     if req.kind == "completion":
         choice.update(text=out.text)
+    elif out.tool_calls:
+        choice.update(message={"role": "assistant", "content": out.text or None,
+                               "tool_calls": out.tool_calls})
     else:
         choice.update(message={"role": "assistant", "content": out.text})
     choice.update(token_ids=out.token_ids, logprobs=None, finish_reason=out.finish)
@@ -142,21 +145,27 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
                                            "Cache-Control": "no-cache"})
     fmt = ChunkFormat(rid, req.kind, int(time.time()), router.settings.model_name,
                       req.include_usage)
+    answer = Output(req, router.model)
+    seen = 0
 
     async def emit(steps: list[Step]) -> None:
+        nonlocal seen
         events = []
         if not response.prepared:
             await response.prepare(request)
             if req.kind == "chat":
                 events.append(fmt.role())
         for tokens, text, finish in steps:
-            events.append(fmt.step(tokens, text, finish,
-                                   {"pdd": trip.meta()} if finish else None))
+            seen += len(tokens)
+            extra = {"pdd": trip.meta()} if finish else None
+            calls = answer.pop_tool_deltas(seen) if answer.tools is not None else []
+            events.append(fmt.tool_step(tokens, text, calls, finish, extra) if calls
+                          else fmt.step(tokens, text, finish, extra))
         await response.write(b"".join(events))
 
     # The stream's last events go out with its end, in one write.
     try:
-        out = await router.generate(rid, req, trip, emit)
+        out = await router.generate(rid, req, trip, emit, answer)
     except ApiError as exc:
         if not response.prepared:
             raise

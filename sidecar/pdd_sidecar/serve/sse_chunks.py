@@ -62,6 +62,14 @@ class ChunkFormat:
                     ).encode()
         return sse(self.chunk(self.choice(tokens, text, finish), **(extra or {})))
 
+    def tool_step(self, tokens: list[int], text: str, calls: list[dict[str, Any]],
+                  finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
+        """A chat step that carries tool-call deltas (OpenAI's `delta.tool_calls`, each with
+        its `index`; the first of a call names it, the rest add to its arguments)."""
+        choice = self.choice(tokens, text, finish)
+        choice["delta"] = {**({"content": text} if text else {}), "tool_calls": calls}
+        return sse(self.chunk(choice, **(extra or {})))
+
     def choice(self, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": text}

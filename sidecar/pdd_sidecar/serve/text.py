@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import jinja2.utils
 
@@ -62,6 +63,10 @@ class Codec(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def decode_raw(self, token_ids: list[int]) -> str: ...
+
+    def token_id(self, content: str) -> int | None: ...
+
 
 class ByteCodec:
     """The built-in model's tokenizer: token id = UTF-8 byte."""
@@ -75,6 +80,12 @@ class ByteCodec:
 
     def decode(self, token_ids: list[int]) -> str:
         return byte_tokenizer.decode(token_ids)
+
+    def decode_raw(self, token_ids: list[int]) -> str:
+        return byte_tokenizer.decode(token_ids)
+
+    def token_id(self, content: str) -> int | None:
+        return None
 
 
 def _token_content(value: Any) -> str | None:
@@ -160,6 +171,15 @@ class HFCodec:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def decode_raw(self, token_ids: list[int]) -> str:
+        """With the special tokens: what the model wrote, markers and all."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def token_id(self, content: str) -> int | None:
+        """The id of a token of the vocabulary (added tokens included) spelled ``content``."""
+        found = self.tokenizer.token_to_id(content)
+        return None if found is None else int(found)
 
 
 @dataclass(frozen=True)
@@ -291,15 +311,32 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+@lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its caller (`tools`, `documents`, ...)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.exceptions.TemplateError:
+        return frozenset()
+
+
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Drop None values (templates print them as "None") and alias reasoning fields, as
-    transformers does before rendering."""
+    transformers does before rendering.
+
+    One exception: an assistant turn of tool calls keeps `content: None`, as OpenAI's clients
+    send it. DeepSeek's templates test `message['content'] is none` to render such a turn;
+    without the key they take it for a text turn and fail (transformers 5 drops it and fails
+    so; transformers 4 and vLLM pass it as None)."""
     out = []
     for message in messages:
-        m = {k: v for k, v in message.items() if v is not None}
+        m = {k: v for k, v in message.items()
+             if v is not None or (k == "content" and message.get("tool_calls"))}
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
@@ -309,14 +346,14 @@ def _normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str,
 
 def render_chat(template: str, messages: Iterable[Mapping[str, Any]],
                 special_tokens: Mapping[str, str], add_generation_prompt: bool = True,
-                **kwargs: Any) -> str:
+                tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
     try:
         compiled = compile_template(template)
     except jinja2.exceptions.TemplateError as exc:
         raise TemplateRenderError(f"chat template does not compile: {exc}") from None
     variables = {**special_tokens, **kwargs}
     try:
-        return str(compiled.render(messages=_normalize_messages(messages), tools=None,
+        return str(compiled.render(messages=_normalize_messages(messages), tools=tools,
                                    documents=None, add_generation_prompt=add_generation_prompt,
                                    **variables))
     except jinja2.exceptions.TemplateError as exc:
@@ -328,13 +365,14 @@ def render_chat(template: str, messages: Iterable[Mapping[str, Any]],
 
 
 def chat_ids(codec: Codec, messages: Iterable[Mapping[str, Any]],
-             add_generation_prompt: bool = True) -> list[int]:
+             add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a conversation: rendered text encoded without special tokens added again
     (the template wrote them)."""
     if codec.chat_template is None:
         raise TemplateRenderError(f"{codec.name} comes with no chat template")
     text = render_chat(codec.chat_template, messages, codec.special_tokens,
-                       add_generation_prompt=add_generation_prompt)
+                       add_generation_prompt=add_generation_prompt, tools=tools)
     return codec.encode(text, add_special_tokens=False)
 
 

@@ -636,10 +636,11 @@ class Router:
                 self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
 
     async def generate(self, rid: str, req: GenRequest, trip: Trip,
-                       emit: Emit | None) -> Output:
+                       emit: Emit | None, out: Output | None = None) -> Output:
         """Run one request; `emit(steps)` sees each step `(token_ids, text, finish_reason)`,
-        those of tokens that arrived together in one call."""
-        out = Output(req, self.model)
+        those of tokens that arrived together in one call (and may read `out`, the answer
+        so far, for what a step carries beside its text: tool-call deltas)."""
+        out = out or Output(req, self.model)
         upstream = self.tokens(rid, req, trip)
         start = time.monotonic()
         first_at: float | None = None

@@ -1,0 +1,196 @@
+"""The DeepSeek-V2.5/V3 tool-call block in a completion, parsed as its tokens arrive.
+
+The model writes
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    ```json
+    ARGUMENTS
+    ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+The markers are special tokens, which the text shown to clients leaves out, so the block is
+found by token id, and only the text between markers is decoded. One state machine serves the
+streamed and the whole answer: the whole answer is what its deltas add up to, so the two cannot
+disagree. A call is announced (id, name) once its header is complete; its arguments stream as
+they are decoded, less a tail of blanks and backticks that may be the closing fence. A block
+that breaks the format becomes content again, shown with its markers: it is what the model
+wrote, and no call is made up from it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+SEP = "<｜tool▁sep｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+CALLS_END = "<｜tool▁calls▁end｜>"
+
+# NAME, then the opening fence; what follows it is the arguments.
+_HEADER = re.compile(r"([A-Za-z0-9_.-]{1,64})[ \t]*\n```(?:json)?[ \t]*\n")
+_HEADER_LIMIT = 160  # characters after the separator without a complete header: not a call
+_TYPE_LIMIT = 8  # tokens between call begin and separator
+_FENCE_TAIL = " \t\r\n`"
+
+
+class MarkerCodec(Protocol):
+    def token_id(self, content: str) -> int | None: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def decode_raw(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Markers:
+    calls_begin: int
+    call_begin: int
+    sep: int
+    call_end: int
+    calls_end: int
+
+    @classmethod
+    def of(cls, codec: Any) -> Markers | None:
+        """The markers' token ids, or None when the tokenizer lacks any of them."""
+        lookup = getattr(codec, "token_id", None)
+        if lookup is None:
+            return None
+        ids = [lookup(t) for t in (CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END, CALLS_END)]
+        if any(i is None for i in ids):
+            return None
+        return cls(*ids)
+
+    def all(self) -> frozenset[int]:
+        return frozenset((self.calls_begin, self.call_begin, self.sep, self.call_end,
+                          self.calls_end))
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallParser:
+    """Feed it the completion's tokens from a `<｜tool▁calls▁begin｜>` on (`active` says when
+    it wants them); each `feed` returns (content text, tool-call deltas in OpenAI's stream
+    shape)."""
+
+    def __init__(self, codec: MarkerCodec, markers: Markers, single: bool = False) -> None:
+        self.codec = codec
+        self.m = markers
+        self.single = single  # parallel_tool_calls: false: the first call ends the answer
+        self.active = False
+        self.done = False  # single, and the first call has ended
+        self.state = "idle"
+        self.calls: list[dict[str, Any]] = []  # OpenAI's message.tool_calls, built up
+        self.raw_ids: list[int] = []  # since the block's last call that is sure
+        self.seg: list[int] = []  # the current part's tokens (type, or name + arguments)
+        self.args_start = 0
+        self.shown_args = ""
+        self.raw_shown = ""
+
+    # ------------------------------------------------------------ states
+    def feed(self, token: int) -> tuple[str, list[dict[str, Any]]]:
+        if self.state == "raw":
+            return self._raw(token), []
+        self.raw_ids.append(token)
+        if self.state == "idle":
+            if token != self.m.calls_begin:
+                raise ValueError("the tool-call parser starts at the calls-begin token")
+            self.active = True
+            self.state = "calls"
+            return "", []
+        if self.state == "calls":
+            if token == self.m.call_begin:
+                self.state, self.seg = "type", []
+                return "", []
+            if token == self.m.calls_end:
+                self.active, self.state = False, "idle"
+                self.raw_ids = []
+                return "", []
+            if token not in self.m.all() and not self.codec.decode([token]).strip():
+                return "", []  # a newline between calls
+            return self._broken(), []
+        if self.state == "type":
+            if token == self.m.sep:
+                if self.codec.decode(self.seg).strip() != "function":
+                    return self._broken(), []
+                self.state, self.seg = "name", []
+                return "", []
+            if token in self.m.all() or len(self.seg) >= _TYPE_LIMIT:
+                return self._broken(), []
+            self.seg.append(token)
+            return "", []
+        if self.state == "name":
+            if token in self.m.all():
+                return self._broken(), []
+            self.seg.append(token)
+            text = self.codec.decode(self.seg)
+            match = _HEADER.match(text)
+            if match is None:
+                if len(text) > _HEADER_LIMIT or "```" in text:
+                    return self._broken(), []
+                return "", []
+            self.calls.append({"id": call_id(), "type": "function",
+                               "function": {"name": match.group(1), "arguments": ""}})
+            self.state, self.args_start, self.shown_args = "args", match.end(), ""
+            self.raw_ids = []
+            head = {"index": len(self.calls) - 1, "id": self.calls[-1]["id"],
+                    "type": "function", "function": {"name": match.group(1), "arguments": ""}}
+            return "", [head, *self._args(final=False)]
+        # args
+        if token == self.m.call_end:
+            deltas = self._args(final=True)
+            self.state, self.seg, self.raw_ids = "calls", [], []
+            if self.single:
+                self.done, self.active = True, False
+            return "", deltas
+        if token in self.m.all():
+            return self._broken(), []
+        self.seg.append(token)
+        return "", self._args(final=False)
+
+    def _args(self, final: bool) -> list[dict[str, Any]]:
+        text = self.codec.decode(self.seg)[self.args_start:]
+        if not final and text.endswith("\ufffd"):
+            return []  # a character split across tokens
+        shown = text.rstrip(_FENCE_TAIL)
+        if len(shown) <= len(self.shown_args) or not shown.startswith(self.shown_args):
+            return []
+        delta = shown[len(self.shown_args):]
+        self.shown_args = shown
+        self.calls[-1]["function"]["arguments"] = shown
+        return [{"index": len(self.calls) - 1, "function": {"arguments": delta}}]
+
+    def _broken(self) -> str:
+        """The block is not in the format: what it holds since the last sure call is content,
+        and so is the rest of the completion."""
+        self.state = "raw"
+        self.active = True
+        text = self.codec.decode_raw(self.raw_ids)
+        self.raw_shown = text if not text.endswith("\ufffd") else text.rstrip("\ufffd")
+        return self.raw_shown
+
+    def _raw(self, token: int) -> str:
+        self.raw_ids.append(token)
+        text = self.codec.decode_raw(self.raw_ids)
+        if text.endswith("\ufffd") or not text.startswith(self.raw_shown):
+            return ""
+        delta = text[len(self.raw_shown):]
+        self.raw_shown = text
+        return delta
+
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
+        """The completion ended (a stop token, the length limit) inside the block."""
+        if self.state == "raw":
+            text = self.codec.decode_raw(self.raw_ids)
+            delta = text[len(self.raw_shown):] if text.startswith(self.raw_shown) else ""
+            self.raw_shown = text
+            return delta, []
+        if self.state in ("type", "name"):
+            return self._broken(), []
+        if self.state == "args":
+            return "", self._args(final=True)
+        return "", []
