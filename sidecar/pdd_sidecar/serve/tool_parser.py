@@ -31,6 +31,7 @@ CALLS_END = "<｜tool▁calls▁end｜>"
 
 # NAME, then the opening fence; what follows it is the arguments.
 _HEADER = re.compile(r"([A-Za-z0-9_.-]{1,64})[ \t]*\n```(?:json)?[ \t]*\n")
+_FENCE_OPENING = re.compile(r"j(s(on?)?)?|(json)?[ \t]*")  # what may follow ``` before its \n
 _HEADER_LIMIT = 160  # characters after the separator without a complete header: not a call
 _TYPE_LIMIT = 8  # tokens between call begin and separator
 _FENCE_TAIL = " \t\r\n`"
@@ -130,7 +131,9 @@ class ToolCallParser:
             text = self.codec.decode(self.seg)
             match = _HEADER.match(text)
             if match is None:
-                if len(text) > _HEADER_LIMIT or "```" in text:
+                fence = text.find("```")
+                if len(text) > _HEADER_LIMIT or (
+                        fence >= 0 and not _FENCE_OPENING.fullmatch(text[fence + 3:])):
                     return self._broken(), []
                 return "", []
             self.calls.append({"id": call_id(), "type": "function",
@@ -148,6 +151,7 @@ class ToolCallParser:
                 self.done, self.active = True, False
             return "", deltas
         if token in self.m.all():
+            self.raw_ids = [token]  # the arguments so far stay the call's
             return self._broken(), []
         self.seg.append(token)
         return "", self._args(final=False)

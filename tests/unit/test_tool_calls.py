@@ -1,0 +1,393 @@
+"""Tool calling without a server: the request's tools checked, the template given them, the
+DeepSeek tool-call block parsed from token ids (whole and streamed, which must agree).
+
+The comparison of the rendered prompt with transformers' apply_chat_template and the answers
+through the openai SDK live in tests/dataplane/test_tool_calls.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pdd_sidecar.serve.completion_output import Output
+from pdd_sidecar.serve.openai_request import ApiError, parse_request
+from pdd_sidecar.serve.text import ModelText, load_model_text, render_chat
+from pdd_sidecar.serve.tool_parser import (
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    SEP,
+    Markers,
+    ToolCallParser,
+)
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+SPECIALS = [BOS, EOS, "<｜User｜>", "<｜Assistant｜>", CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END,
+            CALLS_END, "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>"]
+
+# DeepSeek-V3's chat template, as its tokenizer_config.json publishes it (deepseek-ai/DeepSeek-V3
+# on Hugging Face): tool calls and tool outputs, but no `tools` variable.
+V3_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    "system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if "
+    "message['role'] == 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = "
+    "ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}{%- else %}"
+    "{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}"
+    "{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = "
+    "false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == "
+    "'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}{%- for tool "
+    "in message['tool_calls']%}{%- if not ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜>"
+    "<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + "
+    "'<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + "
+    "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + "
+    "'<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is "
+    "not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + "
+    "'<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'<｜Assistant｜>' + "
+    "message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if "
+    "message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
+    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
+    "'<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\\n"
+    "<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}"
+    "{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
+)
+# The same with the tool definitions rendered after the system prompt (this project's own
+# wording, the way vLLM's tool_chat_template_deepseekv3.jinja adds them).
+TOOLS_BLOCK = (
+    "{% if tools %}{{ '\\n\\n## Tools\\nYou have access to the following tools:\\n' }}"
+    "{% for tool in tools %}{{ '\\n### ' + tool['function']['name'] + '\\nDescription: ' + "
+    "(tool['function']['description'] or '') + '\\nParameters: ' + "
+    "(tool['function']['parameters'] | tojson) + '\\n' }}{% endfor %}"
+    "{{ '\\nTo call tools, answer with <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+    "<｜tool▁sep｜>NAME, a json block of the arguments, <｜tool▁call▁end｜>, and end with "
+    "<｜tool▁calls▁end｜>.' }}{% endif %}"
+)
+TOOL_TEMPLATE = V3_TEMPLATE.replace("{{bos_token}}{{ns.system_prompt}}",
+                                    "{{bos_token}}{{ns.system_prompt}}" + TOOLS_BLOCK)
+assert TOOL_TEMPLATE != V3_TEMPLATE
+
+CORPUS = ["Hello world, the weather in Paris is sunny. get_weather city Paris "
+          '{"city": "Paris", "unit": "celsius"} ```json\n{"a": 1}\n``` héllo 日本語 🙂'] * 30
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "kelvin"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def deepseek_dir(path: Path, template: str = TOOL_TEMPLATE) -> Path:
+    """A checkpoint directory with DeepSeek's special tokens (the tool-call ones among them)
+    and ``template`` as its chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS[:2],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIALS[2:]])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": BOS, "eos_token": EOS, "add_bos_token": False, "add_eos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+        "chat_template": template}))
+    (path / "config.json").write_text(json.dumps({
+        "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 4096,
+        "eos_token_id": tok.token_to_id(EOS), "bos_token_id": tok.token_to_id(BOS)}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelText:
+    return load_model_text(str(deepseek_dir(tmp_path_factory.mktemp("ds"))))
+
+
+def _chat(model: ModelText, **extra: Any) -> Any:
+    return parse_request("chat", {"messages": USER, **extra}, model, "served")
+
+
+def _refused(model: ModelText, **extra: Any) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        _chat(model, **extra)
+    assert err.value.status == 400
+    return err.value
+
+
+def block(*calls: tuple[str, str], end: bool = True) -> str:
+    """A tool-call block as DeepSeek-V3 writes one."""
+    body = "\n".join(f"{CALL_BEGIN}function{SEP}{name}\n```json\n{args}\n```{CALL_END}"
+                     for name, args in calls)
+    return CALLS_BEGIN + body + (CALLS_END + EOS if end else "")
+
+
+# ---------------------------------------------------------------- the request
+BAD_TOOLS = [
+    ({"tools": {"type": "function"}}, "tools", "tools must be a list"),
+    ({"tools": ["get_weather"]}, "tools", "tools[0] must be an object"),
+    ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools", "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0].function must be an object"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad name"}}]}, "tools",
+     "tools[1].function.name must match"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools",
+     "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools", "tools[0].function.parameters must be a JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objekt"}}}]}, "tools", "tools[0].function.parameters is not a valid JSON"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools",
+     "tools[0].function.description"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is given more than once"),
+    ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", "tool_choice must be one of"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not among tools"),
+    ({"tools": [WEATHER], "tool_choice": {"function": "get_weather"}}, "tool_choice",
+     "tool_choice must be"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                          "function": {"name": "get_weather"}}},
+     "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls",
+     "parallel_tool_calls must be true or false"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), BAD_TOOLS,
+                         ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_TOOLS)])
+def test_bad_tool_fields_are_400s_naming_them(model: ModelText, extra: dict[str, Any],
+                                              param: str, says: str) -> None:
+    err = _refused(model, **extra)
+    assert err.param == param
+    assert err.message.startswith(param) and says in err.message, err.message
+
+
+BAD_TURNS = [
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}],
+     "messages[1].tool_calls[0].function.arguments must be a string"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {
+        "name": "f", "arguments": "{}"}}]}], "messages[1].tool_calls[0] must be"),
+    ([{"role": "assistant", "content": None, "tool_calls": {"id": "x"}}],
+     "messages[1].tool_calls must be a list"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "only assistant messages"),
+    ([{"role": "tool", "content": "21"}], "messages[1].tool_call_id must be a string"),
+    ([{"role": "tool", "tool_call_id": "call_1"}], "messages[1].content"),
+]
+
+
+@pytest.mark.parametrize(("turns", "says"), BAD_TURNS, ids=[str(i) for i in range(len(BAD_TURNS))])
+def test_bad_tool_turns_are_400s_naming_messages(model: ModelText, turns: list[Any],
+                                                 says: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_request("chat", {"messages": USER + turns}, model, "served")
+    assert (err.value.status, err.value.param) == (400, "messages")
+    assert says in err.value.message, err.value.message
+
+
+def test_tools_reach_the_template_and_none_keeps_them_out(model: ModelText) -> None:
+    assert model.codec is not None
+    req = _chat(model, tools=[WEATHER, TIME])
+    assert req.tools is not None and req.tools.parse and req.tools.parallel
+    text = model.codec.decode_raw(req.prompt_ids)
+    assert "### get_weather\nDescription: Current weather of a city" in text
+    assert json.dumps(WEATHER["function"]["parameters"]) in text
+    assert "### get_time\nDescription: \n" in text
+    plain = _chat(model)
+    assert plain.tools is None and "## Tools" not in model.codec.decode_raw(plain.prompt_ids)
+    none = _chat(model, tools=[WEATHER], tool_choice="none", parallel_tool_calls=False)
+    assert none.prompt_ids == plain.prompt_ids
+    assert none.tools is not None and not none.tools.parse
+    assert Output(none, model).tools is None  # nothing is parsed as a call
+    assert _chat(model, tools=[WEATHER], parallel_tool_calls=False).tools.parallel is False
+
+
+def test_a_template_without_tools_refuses_them_but_renders_tool_turns(tmp_path: Path) -> None:
+    v3 = load_model_text(str(deepseek_dir(tmp_path, V3_TEMPLATE)))
+    err = _refused(v3, tools=[WEATHER])
+    assert err.param == "tools" and "does not render tool definitions" in err.message
+    assert _chat(v3, tools=[WEATHER], tool_choice="none").tools is not None
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
+    req = parse_request("chat", {"messages": history}, v3, "served")
+    assert v3.codec is not None
+    assert v3.codec.decode_raw(req.prompt_ids) == (
+        f"{BOS}<｜User｜>Weather in Paris?<｜Assistant｜>{CALLS_BEGIN}{CALL_BEGIN}function{SEP}"
+        f'get_weather\n```json\n{{"city": "Paris"}}\n```{CALL_END}<｜tool▁outputs▁begin｜>'
+        '<｜tool▁output▁begin｜>{"temp_c": 21}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>')
+
+
+def test_models_without_the_format_refuse_tools() -> None:
+    err = _refused(load_model_text("builtin"), tools=[WEATHER])
+    assert err.param == "tools"
+    assert "tools" not in render_chat("{{ messages[0]['content'] }}", USER, {}, tools=[WEATHER])
+
+
+def test_a_tokenizer_without_the_tool_tokens_refuses_tools(tmp_path: Path) -> None:
+    d = deepseek_dir(tmp_path)
+    raw = json.loads((d / "tokenizer.json").read_text())
+    raw["added_tokens"] = [t for t in raw["added_tokens"] if t["content"] != SEP]
+    (d / "tokenizer.json").write_text(json.dumps(raw))
+    err = _refused(load_model_text(str(d)), tools=[WEATHER])
+    assert err.param == "tools" and "tool-call tokens" in err.message
+
+
+# ---------------------------------------------------------------- the answer
+def _answer(model: ModelText, text: str, max_tokens: int = 400, stop: list[str] | None = None,
+            **extra: Any) -> tuple[Output, list[tuple[str, list[dict[str, Any]]]], list[int]]:
+    """The answer ``text`` would get, fed token by token as the router feeds it; with each
+    token's (content delta, tool-call deltas)."""
+    assert model.codec is not None
+    body: dict[str, Any] = {"tools": [WEATHER, TIME], "max_tokens": max_tokens, **extra}
+    if stop:
+        body["stop"] = stop
+    req = _chat(model, **body)
+    out = Output(req, model)
+    ids = model.codec.encode(text, add_special_tokens=False)
+    steps = []
+    for n, token in enumerate(ids, 1):
+        delta = out.add(token)
+        steps.append((delta, out.pop_tool_deltas(n)))
+        if out.finish is not None:
+            break
+    else:
+        steps.append((out.end("stop"), out.pop_tool_deltas(len(ids))))
+    return out, steps, ids
+
+
+def _reassemble(steps: list[tuple[str, list[dict[str, Any]]]]) -> tuple[str, list[Any]]:
+    content, calls = "", []
+    for text, deltas in steps:
+        content += text
+        for d in deltas:
+            if "id" in d:
+                assert d["index"] == len(calls) and d["type"] == "function"
+                calls.append({"id": d["id"], "type": "function",
+                              "function": {"name": d["function"]["name"], "arguments": ""}})
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return content, calls
+
+
+def test_one_call_is_parsed_and_its_stream_adds_up_to_it(model: ModelText) -> None:
+    args = '{"city": "Paris", "unit": "celsius"}'
+    out, steps, ids = _answer(model, "Let me check." + block(("get_weather", args)))
+    assert out.finish == "tool_calls"
+    assert out.text == "Let me check."
+    [call] = out.tool_calls
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": args}
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    assert _reassemble(steps) == (out.text, out.tool_calls)
+    fragments = sum(len(d) for _, d in steps)
+    assert fragments > 3  # the arguments streamed in pieces, not at the end
+    assert out.token_ids == ids
+
+
+def test_several_calls_each_with_its_index(model: ModelText) -> None:
+    calls = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}'),
+             ("get_weather", '{\n  "city": "Oslo"\n}')]
+    out, steps, _ = _answer(model, block(*calls))
+    assert out.finish == "tool_calls" and out.text == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out.tool_calls] == calls
+    assert len({c["id"] for c in out.tool_calls}) == 3
+    assert _reassemble(steps) == ("", out.tool_calls)
+
+
+def test_parallel_tool_calls_false_ends_the_answer_at_the_first_call(model: ModelText) -> None:
+    out, steps, ids = _answer(model, block(("get_weather", '{"city": "Paris"}'),
+                                           ("get_time", "{}")), parallel_tool_calls=False)
+    assert out.finish == "tool_calls" and out.stopped_by_string  # the decode is closed here
+    assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather"]
+    assert len(out.token_ids) < len(ids)
+
+
+def test_a_cut_call_finishes_on_length_with_its_arguments_so_far(model: ModelText) -> None:
+    text = block(("get_weather", '{"city": "Paris", "unit": "kelvin"}'))
+    full, _, ids = _answer(model, text)
+    n = len(ids) - 6
+    out, steps, _ = _answer(model, text, max_tokens=n)
+    assert out.finish == "length" and len(out.token_ids) == n
+    [call] = out.tool_calls
+    assert full.tool_calls[0]["function"]["arguments"].startswith(call["function"]["arguments"])
+    assert 0 < len(call["function"]["arguments"]) < len(full.tool_calls[0]["function"]
+                                                         ["arguments"])
+    assert _reassemble(steps) == ("", out.tool_calls)
+
+
+@pytest.mark.parametrize("broken", [
+    f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather {{\"city\": \"Paris\"}}{CALL_END}"
+    f"{CALLS_END}",  # no fenced header
+    f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```python\nx\n```{CALL_END}",
+    f"{CALLS_BEGIN}{CALL_BEGIN}tool{SEP}get_weather\n```json\n{{}}\n```{CALL_END}{CALLS_END}",
+    f"{CALLS_BEGIN}Sure, the weather{CALLS_END}",  # text where a call should begin
+    f"{CALLS_BEGIN}{CALL_BEGIN}function{CALL_END}",
+    f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather",  # ends inside the header
+])
+def test_a_broken_block_is_content_with_its_markers(model: ModelText, broken: str) -> None:
+    out, steps, _ = _answer(model, "Hmm. " + broken + EOS)
+    assert (out.text, out.tool_calls, out.finish) == ("Hmm. " + broken, [], "stop")
+    assert _reassemble(steps) == (out.text, [])
+
+
+def test_a_marker_inside_the_arguments_ends_the_call_there(model: ModelText) -> None:
+    """The call was announced when its header completed (streamed clients have it): it stays,
+    with its arguments as far as they were sure, and the rest is content."""
+    text = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n{{\"a\": 1{SEP}2}}"
+    out, steps, _ = _answer(model, text + EOS)
+    assert [c["function"] for c in out.tool_calls] == [{"name": "get_weather",
+                                                        "arguments": '{"a": 1'}]
+    assert out.text == SEP + "2}" and out.finish == "tool_calls"
+    assert _reassemble(steps) == (out.text, out.tool_calls)
+
+
+def test_a_break_after_a_good_call_keeps_the_call(model: ModelText) -> None:
+    good = f"{CALL_BEGIN}function{SEP}get_time\n```json\n{{}}\n```{CALL_END}"
+    bad = f"\n{CALL_BEGIN}function{SEP}no header here{CALL_END}"
+    out, steps, _ = _answer(model, CALLS_BEGIN + good + bad + CALLS_END + EOS)
+    assert [c["function"] for c in out.tool_calls] == [{"name": "get_time", "arguments": "{}"}]
+    assert out.text == bad + CALLS_END
+    assert out.finish == "tool_calls"
+    assert _reassemble(steps) == (out.text, out.tool_calls)
+
+
+def test_stop_strings_cut_content_but_never_arguments(model: ModelText) -> None:
+    args = '{"city": "Paris"}'
+    out, _, _ = _answer(model, "Sure." + block(("get_weather", args)), stop=["Paris"])
+    assert out.tool_calls[0]["function"]["arguments"] == args
+    out, _, _ = _answer(model, "Paris is nice." + block(("get_weather", args)), stop=["Paris"])
+    assert (out.text, out.tool_calls, out.finish) == ("", [], "stop")
+
+
+def test_text_without_a_block_is_plain_content(model: ModelText) -> None:
+    out, steps, _ = _answer(model, "The weather in Paris is sunny." + EOS)
+    assert (out.text, out.tool_calls, out.finish) == ("The weather in Paris is sunny.", [],
+                                                      "stop")
+    assert all(not d for _, d in steps)
+
+
+def test_the_parser_needs_every_marker(model: ModelText) -> None:
+    markers = Markers.of(model.codec)
+    assert markers is not None and len(markers.all()) == 5
+    assert Markers.of(load_model_text("builtin").codec) is None
+    with pytest.raises(ValueError):
+        assert model.codec is not None
+        ToolCallParser(model.codec, markers).feed(markers.sep)
