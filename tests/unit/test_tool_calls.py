@@ -17,6 +17,7 @@ from tool_cases import BOS, EOS, TIME, V3_TEMPLATE, WEATHER, block, deepseek_dir
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.openai_request import ApiError, parse_request
 from pdd_sidecar.serve.text import ModelText, load_model_text, render_chat
+from pdd_sidecar.serve.tool_grammar import tool_call_grammar
 from pdd_sidecar.serve.tool_parser import (
     CALL_BEGIN,
     CALL_END,
@@ -299,3 +300,44 @@ def test_the_parser_needs_every_marker(model: ModelText) -> None:
     with pytest.raises(ValueError):
         assert model.codec is not None
         ToolCallParser(model.codec, markers).feed(markers.sep)
+
+
+# ---------------------------------------------------------------- the forcing grammar
+def _matches(model: ModelText, ckpt: Path, grammar: str, text: str) -> bool:
+    """Whether llguidance, under ``grammar``, lets the model write ``text`` to the end."""
+    llguidance = pytest.importorskip("llguidance")
+    assert model.codec is not None
+    tok = llguidance.LLTokenizer((ckpt / "tokenizer.json").read_text(),
+                                 n_vocab=model.vocab_size, eos_token=sorted(model.eos_token_ids))
+    compiled = llguidance.grammar_from("grammar", grammar)
+    assert not llguidance.LLMatcher.validate_grammar(compiled)
+    matcher = llguidance.LLMatcher(tok, compiled, log_level=0)
+    ok = all(matcher.consume_token(t) for t in model.codec.encode(text, add_special_tokens=False))
+    return ok and matcher.is_accepting()
+
+
+def test_the_grammar_forces_the_block_and_the_schemas(model: ModelText) -> None:
+    ckpt = Path(model.source)
+    markers = Markers.of(model.codec)
+    assert markers is not None
+    two = block(("get_weather", '{"city":"Paris","unit":"kelvin"}'), ("get_time", "{}"))
+    one = block(("get_time", '{"zone":"CET"}'))
+    required = tool_call_grammar([WEATHER, TIME], markers)
+    assert _matches(model, ckpt, required, two) and _matches(model, ckpt, required, one)
+    for wrong in ["Sure." + EOS,  # prose instead of a call
+                  block(("get_weather", '{"unit":"kelvin"}')),  # a required property missing
+                  block(("get_weather", '{"city":"Paris","unit":"F"}')),  # not in the enum
+                  block(("get_date", "{}")),  # not a tool
+                  block(("get_time", '{"zone": "CET"}'))]:  # the whitespace is compact
+        assert not _matches(model, ckpt, required, wrong), wrong
+    single = tool_call_grammar([WEATHER, TIME], markers, parallel=False)
+    assert _matches(model, ckpt, single, one) and not _matches(model, ckpt, single, two)
+    named = tool_call_grammar([WEATHER, TIME], markers, named="get_time")
+    assert _matches(model, ckpt, named, one)
+    assert not _matches(model, ckpt, named, block(("get_weather", '{"city":"Oslo"}')))
+    with pytest.raises(ValueError):
+        tool_call_grammar([WEATHER], markers, named="get_time")
+    # What the grammar lets through, the parser reads back as the same calls.
+    out, _, _ = _answer(model, two)
+    assert [json.loads(c["function"]["arguments"]) for c in out.tool_calls] == [
+        {"city": "Paris", "unit": "kelvin"}, {}]
