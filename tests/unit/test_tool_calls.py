@@ -242,6 +242,19 @@ def test_a_cut_call_finishes_on_length_with_its_arguments_so_far(model: ModelTex
     assert _reassemble(steps) == ("", out.tool_calls)
 
 
+def test_a_header_cut_by_the_length_limit_is_dropped(model: ModelText) -> None:
+    first = block(("get_time", '{"zone": "CET"}'), end=False)
+    text = first + f"\n{CALL_BEGIN}function{SEP}get_wea"
+    full, _, ids = _answer(model, text + "ther\n```json\n{}\n```" + CALL_END + CALLS_END + EOS)
+    assert len(full.tool_calls) == 2
+    n = len(model.codec.encode(text, add_special_tokens=False)) if model.codec else 0
+    for cut in (n, n - 2, n - 5):  # in the name, at the separator, in the type
+        out, steps, _ = _answer(model, text, max_tokens=cut)
+        assert (out.finish, out.text) == ("length", "")
+        assert [c["function"]["name"] for c in out.tool_calls] == ["get_time"]
+        assert _reassemble(steps) == ("", out.tool_calls)
+
+
 @pytest.mark.parametrize("broken", [
     f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather {{\"city\": \"Paris\"}}{CALL_END}"
     f"{CALLS_END}",  # no fenced header

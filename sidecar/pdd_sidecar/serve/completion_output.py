@@ -83,10 +83,10 @@ class Output:
             out += held
         return out
 
-    def _tail(self) -> str:
+    def _tail(self, cut: bool = False) -> str:
         if self.tools is None or not self.tools.active:
             return self._content_tail()
-        text, deltas = self.tools.end()
+        text, deltas = self.tools.end(cut)
         return self._tool_result(text, deltas)
 
     def _tool_result(self, text: str, deltas: list[dict[str, Any]]) -> str:
@@ -120,13 +120,13 @@ class Output:
         else:
             out = self._emit(self.detok.add(token) if self.detok else "")
         if self.finish is None and len(self.token_ids) >= self.req.max_tokens:
-            out += self._tail()
+            out += self._tail(cut=True)
             self.finish = self.finish or "length"
         return out
 
     def end(self, upstream_finish: Any) -> str:
         """The upstream finished before this side decided to (an instance-side stop)."""
-        out = self._tail()
+        out = self._tail(cut=upstream_finish == "length")
         if self.finish is None:
             self.finish = upstream_finish if upstream_finish in ("stop", "length") else (
                 "stop" if self.token_ids and self.token_ids[-1] in self.req.local_stop_ids

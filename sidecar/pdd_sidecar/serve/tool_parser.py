@@ -186,14 +186,19 @@ class ToolCallParser:
         self.raw_shown = text
         return delta
 
-    def end(self) -> tuple[str, list[dict[str, Any]]]:
-        """The completion ended (a stop token, the length limit) inside the block."""
+    def end(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The completion ended inside the block: on a stop token, or ``cut`` by the length
+        limit, which leaves a call's header unfinished without the model having broken the
+        format (nothing of it was announced; it is dropped)."""
         if self.state == "raw":
             text = self.codec.decode_raw(self.raw_ids)
             delta = text[len(self.raw_shown):] if text.startswith(self.raw_shown) else ""
             self.raw_shown = text
             return delta, []
         if self.state in ("type", "name"):
+            if cut:
+                self.state = "calls"
+                return "", []
             return self._broken(), []
         if self.state == "args":
             return "", self._args(final=True)
