@@ -211,6 +211,14 @@ def test_one_call_is_parsed_and_its_stream_adds_up_to_it(model: ModelText) -> No
     assert out.token_ids == ids
 
 
+def test_arguments_in_any_script_stream_whole(model: ModelText) -> None:
+    args = json.dumps({"city": "héllo 日本語 🙂 " * 40, "unit": "celsius"}, ensure_ascii=False)
+    out, steps, _ = _answer(model, block(("get_weather", args)), max_tokens=3500)
+    assert out.tool_calls[0]["function"]["arguments"] == args
+    assert _reassemble(steps) == ("", out.tool_calls)
+    assert not any("\ufffd" in d["function"]["arguments"] for _, ds in steps for d in ds)
+
+
 def test_several_calls_each_with_its_index(model: ModelText) -> None:
     calls = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}'),
              ("get_weather", '{\n  "city": "Oslo"\n}')]

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdd_sidecar.serve.text import IncrementalDetokenizer
+
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
 SEP = "<｜tool▁sep｜>"
@@ -38,11 +40,38 @@ _FENCE_TAIL = " \t\r\n`"
 
 
 class MarkerCodec(Protocol):
+    name: str
+    chat_template: str | None
+    special_tokens: dict[str, str]
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
     def token_id(self, content: str) -> int | None: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
     def decode_raw(self, token_ids: list[int]) -> str: ...
+
+
+class _Raw:
+    """A codec whose decode keeps the special tokens, for IncrementalDetokenizer."""
+
+    def __init__(self, codec: MarkerCodec) -> None:
+        self.codec = codec
+        self.name, self.chat_template = codec.name, codec.chat_template
+        self.special_tokens = codec.special_tokens
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.codec.encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.codec.decode_raw(token_ids)
+
+    def decode_raw(self, token_ids: list[int]) -> str:
+        return self.codec.decode_raw(token_ids)
+
+    def token_id(self, content: str) -> int | None:
+        return self.codec.token_id(content)
 
 
 @dataclass(frozen=True)
@@ -88,9 +117,12 @@ class ToolCallParser:
         self.calls: list[dict[str, Any]] = []  # OpenAI's message.tool_calls, built up
         self.raw_ids: list[int] = []  # since the block's last call that is sure
         self.seg: list[int] = []  # the current part's tokens (type, or name + arguments)
-        self.args_start = 0
+        # Arguments and the content after a break are decoded a token at a time (a long
+        # argument decoded whole at each token would cost its length squared).
+        self.args_text = ""
+        self.args_detok: IncrementalDetokenizer | None = None
         self.shown_args = ""
-        self.raw_shown = ""
+        self.raw_detok: IncrementalDetokenizer | None = None
 
     # ------------------------------------------------------------ states
     def feed(self, token: int) -> tuple[str, list[dict[str, Any]]]:
@@ -138,7 +170,8 @@ class ToolCallParser:
                 return "", []
             self.calls.append({"id": call_id(), "type": "function",
                                "function": {"name": match.group(1), "arguments": ""}})
-            self.state, self.args_start, self.shown_args = "args", match.end(), ""
+            self.state, self.args_text, self.shown_args = "args", text[match.end():], ""
+            self.args_detok = IncrementalDetokenizer(self.codec, self.seg)
             self.raw_ids = []
             head = {"index": len(self.calls) - 1, "id": self.calls[-1]["id"],
                     "type": "function", "function": {"name": match.group(1), "arguments": ""}}
@@ -153,14 +186,14 @@ class ToolCallParser:
         if token in self.m.all():
             self.raw_ids = [token]  # the arguments so far stay the call's
             return self._broken(), []
-        self.seg.append(token)
+        assert self.args_detok is not None
+        self.args_text += self.args_detok.add(token)
         return "", self._args(final=False)
 
     def _args(self, final: bool) -> list[dict[str, Any]]:
-        text = self.codec.decode(self.seg)[self.args_start:]
-        if not final and text.endswith("\ufffd"):
-            return []  # a character split across tokens
-        shown = text.rstrip(_FENCE_TAIL)
+        if final and self.args_detok is not None:
+            self.args_text += self.args_detok.flush()
+        shown = self.args_text.rstrip(_FENCE_TAIL)
         if len(shown) <= len(self.shown_args) or not shown.startswith(self.shown_args):
             return []
         delta = shown[len(self.shown_args):]
@@ -173,28 +206,20 @@ class ToolCallParser:
         and so is the rest of the completion."""
         self.state = "raw"
         self.active = True
-        text = self.codec.decode_raw(self.raw_ids)
-        self.raw_shown = text if not text.endswith("\ufffd") else text.rstrip("\ufffd")
-        return self.raw_shown
+        self.raw_detok = IncrementalDetokenizer(_Raw(self.codec), self.raw_ids)
+        return self.codec.decode_raw(self.raw_ids)
 
     def _raw(self, token: int) -> str:
-        self.raw_ids.append(token)
-        text = self.codec.decode_raw(self.raw_ids)
-        if text.endswith("\ufffd") or not text.startswith(self.raw_shown):
-            return ""
-        delta = text[len(self.raw_shown):]
-        self.raw_shown = text
-        return delta
+        assert self.raw_detok is not None
+        return self.raw_detok.add(token)
 
     def end(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """The completion ended inside the block: on a stop token, or ``cut`` by the length
         limit, which leaves a call's header unfinished without the model having broken the
         format (nothing of it was announced; it is dropped)."""
         if self.state == "raw":
-            text = self.codec.decode_raw(self.raw_ids)
-            delta = text[len(self.raw_shown):] if text.startswith(self.raw_shown) else ""
-            self.raw_shown = text
-            return delta, []
+            assert self.raw_detok is not None
+            return self.raw_detok.flush(), []
         if self.state in ("type", "name"):
             if cut:
                 self.state = "calls"
