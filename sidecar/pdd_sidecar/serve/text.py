@@ -331,8 +331,8 @@ def _normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str,
 
     One exception: an assistant turn of tool calls keeps `content: None`, as OpenAI's clients
     send it. DeepSeek's templates test `message['content'] is none` to render such a turn;
-    without the key they take it for a text turn and fail (transformers 5 drops it and fails
-    so; transformers 4 and vLLM pass it as None)."""
+    without the key they take it for a text turn and fail (transformers 5 drops it, and fails
+    so)."""
     out = []
     for message in messages:
         m = {k: v for k, v in message.items()
