@@ -40,3 +40,16 @@ def test_a_finishing_step_carries_its_extras_and_an_empty_chat_delta() -> None:
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     done = json.loads(ChunkFormat("c", "completion", 1, "m", True).step([], "", "length")[6:])
     assert done["choices"][0]["finish_reason"] == "length" and done["usage"] is None
+
+
+def test_a_tool_step_carries_its_deltas_and_any_content() -> None:
+    chat = ChunkFormat("c", "chat", 1, "m", True)
+    head = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": ""}}
+    event = json.loads(chat.tool_step([5, 6], "", [head], None)[6:])
+    assert event["choices"][0]["delta"] == {"tool_calls": [head]}
+    assert event["choices"][0]["token_ids"] == [5, 6] and event["usage"] is None
+    more = {"index": 0, "function": {"arguments": '{"a"'}}
+    event = json.loads(chat.tool_step([7], "x", [more], "tool_calls", {"pdd": {"k": 1}})[6:])
+    assert event["choices"][0]["delta"] == {"content": "x", "tool_calls": [more]}
+    assert event["choices"][0]["finish_reason"] == "tool_calls" and event["pdd"] == {"k": 1}
