@@ -47,6 +47,9 @@ def _refused(model: ModelText, **extra: Any) -> ApiError:
 
 
 # ---------------------------------------------------------------- the request
+DEEP: dict[str, Any] = {"type": "object"}
+for _ in range(3000):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 BAD_TOOLS = [
     ({"tools": {"type": "function"}}, "tools", "tools must be a list"),
     ({"tools": ["get_weather"]}, "tools", "tools[0] must be an object"),
@@ -63,6 +66,8 @@ BAD_TOOLS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools",
      "tools[0].function.description"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is given more than once"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}, "tools",
+     "tools[0].function.parameters"),
     ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", "tool_choice must be one of"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not among tools"),

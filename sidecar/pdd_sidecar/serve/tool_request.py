@@ -74,6 +74,9 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
         except SchemaError as exc:
             raise ToolRequestError(f"{where}.function.parameters is not a valid JSON schema: "
                                    f"{_short(exc.message, 120)}", "tools") from None
+        except RecursionError:
+            raise ToolRequestError(f"{where}.function.parameters is nested too deep",
+                                   "tools") from None
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ToolRequestError(f"{where}.function.strict must be true or false", "tools")
