@@ -12,9 +12,11 @@ refused rather than passed to a model that may answer in prose.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -44,6 +46,22 @@ def _short(v: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+@lru_cache(maxsize=256)
+def _schema_problem(text: str) -> str:
+    """What is wrong with a JSON schema, or "". Cached by its text: checking one costs
+    milliseconds, and a client sends the same tools with every turn."""
+    from jsonschema import SchemaError, validators
+
+    schema = json.loads(text)
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        return _short(exc.message, 120)
+    except RecursionError:
+        return "it is nested too deep"
+    return ""
+
+
 def _tool(i: int, tool: Any) -> dict[str, Any]:
     where = f"tools[{i}]"
     if not isinstance(tool, dict):
@@ -67,16 +85,13 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
         if not isinstance(params, dict):
             raise ToolRequestError(f"{where}.function.parameters must be a JSON schema "
                                    f"object, got {_short(params)}", "tools")
-        from jsonschema import SchemaError, validators
-
         try:
-            validators.validator_for(params).check_schema(params)
-        except SchemaError as exc:
+            problem = _schema_problem(json.dumps(params, sort_keys=True))
+        except (RecursionError, ValueError):
+            problem = "it is nested too deep"
+        if problem:
             raise ToolRequestError(f"{where}.function.parameters is not a valid JSON schema: "
-                                   f"{_short(exc.message, 120)}", "tools") from None
-        except RecursionError:
-            raise ToolRequestError(f"{where}.function.parameters is nested too deep",
-                                   "tools") from None
+                                   f"{problem}", "tools")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ToolRequestError(f"{where}.function.strict must be true or false", "tools")
