@@ -74,14 +74,24 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
 
 
-def deepseek_dir(path: Path, template: str = TOOL_TEMPLATE) -> Path:
+def deepseek_dir(path: Path, template: str = TOOL_TEMPLATE, model_vocab: int | None = None
+                 ) -> Path:
     """A checkpoint directory with DeepSeek's special tokens (the tool-call ones among them)
-    and ``template`` as its chat template."""
+    and ``template`` as its chat template. ``model_vocab``: the directory already holds a
+    model of that vocabulary (its config.json is kept, eos and bos set): the tokenizer is
+    trained on printable ASCII to fit in it."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = level
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS[:2],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if model_vocab is None:
+        trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS[:2],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        alphabet = [level.pre_tokenize_str(chr(c))[0][0] for c in range(32, 127)] + ["Ċ"]
+        trainer = trainers.BpeTrainer(vocab_size=model_vocab - len(SPECIALS) + 2,
+                                      special_tokens=SPECIALS[:2], initial_alphabet=alphabet,
+                                      limit_alphabet=len(alphabet))
     tok.train_from_iterator(CORPUS, trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in SPECIALS[2:]])
@@ -90,9 +100,16 @@ def deepseek_dir(path: Path, template: str = TOOL_TEMPLATE) -> Path:
         "bos_token": BOS, "eos_token": EOS, "add_bos_token": False, "add_eos_token": False,
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
         "chat_template": template}))
-    (path / "config.json").write_text(json.dumps({
-        "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 4096,
-        "eos_token_id": tok.token_to_id(EOS), "bos_token_id": tok.token_to_id(BOS)}))
+    ids = {"eos_token_id": tok.token_to_id(EOS), "bos_token_id": tok.token_to_id(BOS)}
+    if model_vocab is None:
+        (path / "config.json").write_text(json.dumps({
+            "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 4096, **ids}))
+        return path
+    assert tok.get_vocab_size() <= model_vocab
+    for name in ("config.json", "generation_config.json"):
+        file = path / name
+        if file.is_file():
+            file.write_text(json.dumps({**json.loads(file.read_text()), **ids}))
     return path
 
 

@@ -169,9 +169,10 @@ def test_tool_choice_none_and_refusals_through_the_sdk(served: tuple[FakeInstanc
         tool_choice="none", max_tokens=len(ids))
     assert not answer.choices[0].message.tool_calls  # not parsed: the text is the answer
     assert answer.choices[0].finish_reason == "stop"
-    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
+    for extra, param in [({"tool_choice": "required",
+                           "response_format": {"type": "json_object"}}, "tool_choice"),
                          ({"tool_choice": {"type": "function",
-                                           "function": {"name": "get_time"}}}, "tool_choice"),
+                                           "function": {"name": "get_date"}}}, "tool_choice"),
                          ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
                           "tools")]:
         with pytest.raises(openai.BadRequestError) as err:
@@ -179,3 +180,88 @@ def test_tool_choice_none_and_refusals_through_the_sdk(served: tuple[FakeInstanc
                 model="served", messages=[{"role": "user", "content": "Time?"}],
                 **{"tools": TOOLS, **extra})
         assert err.value.status_code == 400 and err.value.body["param"] == param
+
+
+# ---------------------------------------------------------------- forced calls on a real stack
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A random tiny DeepSeek-V3 with the tool-call tokens in its tokenizer, served by a
+    prefill, a decode and the router on the CPU."""
+    from model_fixtures import V3_GROUPED, write_v3_checkpoint
+    from runtime_fixtures import LocalCluster, plan_json
+
+    ckpt = tmp_path_factory.mktemp("ds-tools-real")
+    write_v3_checkpoint(ckpt, V3_GROUPED, seed=7)
+    deepseek_dir(ckpt, model_vocab=json.loads((ckpt / "config.json").read_text())["vocab_size"])
+    cluster = LocalCluster(tmp_path_factory.mktemp("ds-tools-stack"))
+    try:
+        routing = cluster.plan_file(plan_json((1, 1), (1, 1), 16))
+        src = {"PDD_MODEL_SOURCE": str(ckpt)}
+        prefill = cluster.instance("prefill", 1, 1, routing, 16, **src)
+        decode = cluster.instance("decode", 1, 1, routing, 16, PDD_PREFILL_URLS=prefill.url,
+                                  **src)
+        router = cluster.router([prefill], [decode], PDD_MODEL_NAME="tiny", **src)
+        for p in (prefill, decode, router):
+            p.wait_ready(240)
+        yield router.url, ckpt
+    finally:
+        cluster.close()
+
+
+# Bounded arguments: a random model given a free string writes until max_tokens.
+BOUNDED = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+        "properties": {"city": {"type": "string", "maxLength": 6},
+                       "unit": {"enum": ["celsius", "kelvin"]}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["CET", "UTC"]}}}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "single"])
+def test_forced_tool_calls_from_a_random_model(real: tuple[str, Path], choice: str) -> None:
+    """The model never calls by itself; under tool_choice required / named the grammar makes
+    every answer calls whose arguments validate against their tool's parameters."""
+    import jsonschema
+    from openai import OpenAI
+
+    url, _ = real
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    extra: dict[str, Any] = {"tool_choice": "required"}
+    if choice == "named":
+        extra = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if choice == "single":
+        extra["parallel_tool_calls"] = False
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for seed in (1, 2):
+        body = {"model": "tiny", "messages": messages, "tools": BOUNDED, "max_tokens": 80,
+                "temperature": 0.8, "seed": seed, **extra}
+        whole = client.chat.completions.create(**body).choices[0]
+        calls = whole.message.tool_calls
+        assert calls and not whole.message.content, whole
+        complete = calls
+        if choice == "required" and whole.finish_reason == "length":
+            complete = calls[:-1]  # the grammar lets calls follow calls; the last was cut
+            assert len(calls) >= 2, whole
+        else:
+            assert whole.finish_reason == "tool_calls", whole
+        if choice != "required":
+            assert len(calls) == 1
+        if choice == "named":
+            assert calls[0].function.name == "get_weather"
+        for c in complete:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+        parts: dict[int, list[str]] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                if d.id:
+                    parts[d.index] = [d.function.name, ""]
+                parts[d.index][1] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == whole.finish_reason  # the same seed: the same answer
+        assert [tuple(parts[i]) for i in sorted(parts)] == [
+            (c.function.name, c.function.arguments) for c in calls]

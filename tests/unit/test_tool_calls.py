@@ -74,10 +74,11 @@ BAD_TOOLS = [
     ({"tools": [WEATHER], "tool_choice": {"function": "get_weather"}}, "tool_choice",
      "tool_choice must be"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                          "function": {"name": "get_weather"}}},
-     "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}}}],
+      "tool_choice": "required"}, "tools", "cannot be enforced"),
     ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls",
      "parallel_tool_calls must be true or false"),
 ]
@@ -367,3 +368,20 @@ def test_the_grammar_forces_the_block_and_the_schemas(model: ModelText) -> None:
     out, _, _ = _answer(model, two)
     assert [json.loads(c["function"]["arguments"]) for c in out.tool_calls] == [
         {"city": "Paris", "unit": "kelvin"}, {}]
+
+
+def test_required_and_named_choices_carry_the_forcing_grammar(model: ModelText) -> None:
+    markers = Markers.of(model.codec)
+    assert markers is not None
+    auto = _chat(model, tools=[WEATHER, TIME])
+    assert "structured" not in auto.sampling
+    for extra, named, parallel in [({"tool_choice": "required"}, None, True),
+                                   ({"tool_choice": "required", "parallel_tool_calls": False},
+                                    None, False),
+                                   ({"tool_choice": {"type": "function", "function": {
+                                       "name": "get_time"}}}, "get_time", True)]:
+        req = _chat(model, tools=[WEATHER, TIME], **extra)
+        assert req.tools is not None and req.tools.forced and req.tools.parse
+        assert req.sampling["structured"] == {
+            "kind": "lark", "value": tool_call_grammar([WEATHER, TIME], markers, named, parallel)}
+        assert req.prompt_ids == auto.prompt_ids  # the tools are rendered all the same

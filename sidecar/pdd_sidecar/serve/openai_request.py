@@ -16,9 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar.grammar import GrammarError, Spec, check
 from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
 from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids, template_variables
+from pdd_sidecar.serve.tool_grammar import tool_call_grammar
 from pdd_sidecar.serve.tool_parser import Markers
 from pdd_sidecar.serve.tool_request import ToolRequestError, ToolSpec, check_tool_turns, tool_spec
 
@@ -271,6 +273,20 @@ def _tools(body: Mapping[str, Any], model: ModelText) -> ToolSpec | None:
     return spec
 
 
+def _forced_calls(spec: ToolSpec, model: ModelText) -> dict[str, Any]:
+    """tool_choice required / named: the structured-output spec of a grammar that lets the
+    model write nothing but the calls (a tool's schema llguidance cannot compile is a 400)."""
+    markers = Markers.of(model.codec)
+    assert markers is not None  # _tools checked
+    grammar = Spec("lark", tool_call_grammar(spec.tools, markers, spec.named, spec.parallel))
+    try:
+        check(grammar)
+    except GrammarError as exc:
+        raise bad(f"tools: the parameters cannot be enforced for tool_choice: {exc}",
+                  "tools") from None
+    return grammar.to_json()
+
+
 def _chat_prompt(body: Mapping[str, Any], model: ModelText,
                  tools: ToolSpec | None = None) -> list[int]:
     messages = body.get("messages")
@@ -395,6 +411,11 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
         raise bad(str(exc), exc.param) from None
     if structured is not None:
         controls[STRUCTURED] = structured.to_json()
+    if tools is not None and tools.forced:
+        if structured is not None:
+            raise bad("tool_choice: a required or named tool call cannot be combined with "
+                      "structured output (the answer is the calls)", "tool_choice")
+        controls[STRUCTURED] = _forced_calls(tools, model)
     local = set(stop_token_ids)
     if not ignore_eos:
         local |= model.eos_token_ids

@@ -5,9 +5,8 @@ Why here and not in the template: a template concatenates what it is given, so a
 is not a string or a tool without a name would come back as a template error (or worse, a
 prompt the model was never trained on) instead of a 400 naming the field.
 
-`tool_choice` `required` and a named function ask for an answer that must be a call; that needs
-constrained decoding (structured output), which the instances do not run yet, so they are
-refused rather than passed to a model that may answer in prose.
+`tool_choice` `required` and a named function ask for an answer that must be a call: the
+request carries a grammar that forces one (serve/tool_grammar.py, through structured output).
 """
 
 from __future__ import annotations
@@ -37,8 +36,10 @@ class ToolSpec:
 
     tools: tuple[dict[str, Any], ...]  # rendered through the template (tool_choice != none)
     names: frozenset[str]
-    parse: bool  # parse the model's tool-call block into tool_calls (tool_choice auto)
+    parse: bool  # parse the model's tool-call block into tool_calls (not tool_choice none)
     parallel: bool  # parallel_tool_calls: false ends the answer after its first call
+    forced: bool = False  # tool_choice required or named: the answer must be calls
+    named: str | None = None  # tool_choice names this function: one call of it
 
 
 def _short(v: Any, limit: int = 60) -> str:
@@ -139,14 +140,10 @@ def tool_spec(body: Mapping[str, Any]) -> ToolSpec | None:
             raise ToolRequestError(f"tool_choice {_short(choice)} needs tools; none are given",
                                    "tool_choice")
         return None
-    if named is not None or choice == "required":
-        raise ToolRequestError(
-            f"tool_choice {_short(choice)}: forcing a tool call needs constrained decoding, "
-            "which this server does not run yet; send \"auto\" (the model decides) or "
-            "\"none\"", "tool_choice")
     if choice == "none":
         return ToolSpec((), frozenset(names), parse=False, parallel=parallel is not False)
-    return ToolSpec(tuple(tools), frozenset(names), parse=True, parallel=parallel is not False)
+    return ToolSpec(tuple(tools), frozenset(names), parse=True, parallel=parallel is not False,
+                    forced=named is not None or choice == "required", named=named)
 
 
 def check_tool_turns(i: int, message: Mapping[str, Any]) -> None:
