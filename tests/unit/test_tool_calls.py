@@ -385,3 +385,26 @@ def test_required_and_named_choices_carry_the_forcing_grammar(model: ModelText) 
         assert req.sampling["structured"] == {
             "kind": "lark", "value": tool_call_grammar([WEATHER, TIME], markers, named, parallel)}
         assert req.prompt_ids == auto.prompt_ids  # the tools are rendered all the same
+
+
+ODD = [None, True, 0, -1.5, "", "x", [], [None], [1], ["a"], [[]], {}, {"type": None},
+       {"function": []}, [{"type": "function", "function": {"name": None}}],
+       [{"type": "function", "function": {"name": "f", "parameters": []}}],
+       [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+       [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}]]
+
+
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "parallel_tool_calls", "tool_calls",
+                                   "tool_call_id"])
+def test_odd_values_are_answers_or_400s_never_crashes(model: ModelText, field: str) -> None:
+    for value in ODD:
+        if field in ("tool_calls", "tool_call_id"):
+            turn = {"role": "assistant" if field == "tool_calls" else "tool", "content": "x",
+                    field: value}
+            body: dict[str, Any] = {"messages": [*USER, turn], "tools": [WEATHER]}
+        else:
+            body = {"messages": USER, "tools": [WEATHER], field: value}
+        try:
+            parse_request("chat", body, model, "served")
+        except ApiError as exc:
+            assert exc.status == 400 and exc.param in (field, "tools", "messages"), (value, exc)
