@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from polling import wait_for
@@ -80,8 +79,10 @@ def test_usable_cpus_are_at_most_the_affinity() -> None:
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
 
 
-SPIN_THEN_SLEEP = "import time\\nend = time.monotonic() + 0.4\\n" \
-    "while time.monotonic() < end: pass\\ntime.sleep(60)"
+# Spins for 0.4 s of its own CPU time (not wall time: a loaded machine must not shorten it),
+# then says so on the pipe it shares with its parent.
+SPIN_THEN_SLEEP = "import time\\nwhile time.process_time() < 0.4: pass\\n" \
+    "print('spun', flush=True)\\ntime.sleep(60)"
 BUSY_CHILD = f"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "{SPIN_THEN_SLEEP}"])
@@ -93,15 +94,18 @@ time.sleep(60)
 def test_cpu_seconds_count_a_process_and_those_below_it() -> None:
     parent = subprocess.Popen([sys.executable, "-c", BUSY_CHILD], stdout=subprocess.PIPE,
                               text=True)
+    child = 0
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        time.sleep(0.6)  # the child's 0.4 s of spinning is over
+        assert parent.stdout.readline().strip() == "spun"
         own, below = cpu_seconds(parent.pid), cpu_seconds(child)
         assert below >= 0.3
         assert tree_cpu_seconds(parent.pid) >= own + below - 0.01
         assert tree_cpu_seconds(parent.pid) < own + below + 0.2
     finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
         parent.kill()
         parent.wait(timeout=10)
     assert cpu_seconds(parent.pid) == 0.0  # gone
