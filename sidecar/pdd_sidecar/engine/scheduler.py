@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
+from pdd_sidecar.engine.free_fence import FreeFence
 from pdd_sidecar.kv.cache import num_table_blocks
 from pdd_sidecar.kv.host_tier import HostTier, load_from_host
 from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
@@ -195,6 +196,9 @@ class Scheduler:
         self.host_tier = host_tier if prefix_cache is not None else None
         self.allocator: Allocator = prefix_cache if prefix_cache is not None else allocator
         self.prefix_cache = prefix_cache
+        # Every block a sequence gives back goes through here: the driver registers the steps
+        # it enqueues, and a block one of them still references is held until it ran.
+        self.fence = FreeFence(self.allocator.free)
         self.block_size = block_size
         self.dcp = dcp
         self.tp = tp
@@ -592,7 +596,9 @@ class Scheduler:
                 and seq.error is None and seq.finish_reason in ("stop", "length")):
             self._cache_decoded(seq, self.prefix_cache)
         if seq.blocks:
-            self.allocator.free(seq.blocks)
+            if self.host_tier is not None:  # left before the command carrying its loads
+                self.host_tier.drop_loads(seq.blocks)
+            self.fence.free(seq.blocks)
             seq.blocks = []
         if seq.on_done is not None:
             seq.on_done(seq)

@@ -143,6 +143,22 @@ class HostTier:
         self.loaded_blocks += len(slots)
         self.hit_tokens += tokens
 
+    def drop_loads(self, blocks: Sequence[int]) -> int:
+        """Forget the queued loads into ``blocks`` (a request that leaves before its first
+        command: its blocks go back, and a load sent later would overwrite their next owner's
+        KV); their slots are unpinned. How many were dropped."""
+        gone = set(blocks)
+        keep = [(s, b) for s, b in self._ops.loads if b not in gone]
+        dropped = [s for s, b in self._ops.loads if b in gone]
+        if not dropped:
+            return 0
+        self._ops.loads = keep
+        for s in dropped:
+            self._loading.remove(s)
+        self._unpin(dropped)
+        self.loaded_blocks -= len(dropped)
+        return len(dropped)
+
     # -- spills (the device prefix cache's evictions)
 
     def spill(self, units: Sequence[tuple[bytes, int]],
