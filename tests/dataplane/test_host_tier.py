@@ -1,9 +1,9 @@
-"""The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on
-a GPU): copies are bit-exact both ways, one per run of slots and blocks consecutive on both
-sides; a load is never raced by the reuse of its host slot or
-device block; through a running stack, prompts evicted from the device come back from host
-memory with the tokens of a run from scratch, for every layout; and a chat whose KV the decode
-evicted still pulls only its new tokens (and the last answer's last token)."""
+"""The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on a
+GPU): copies are bit-exact both ways, one per run of slots and blocks consecutive on both sides;
+a load is never raced by the reuse of its host slot or device block; through a running stack,
+prompts evicted from the device come back from host memory with the tokens of a run from
+scratch, for every layout; and a chat whose KV the decode evicted still pulls only its new
+tokens (and the last answer's last token)."""
 
 from __future__ import annotations
 

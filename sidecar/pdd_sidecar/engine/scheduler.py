@@ -46,6 +46,11 @@ Policy (one place, pure Python, no torch):
   partial unit as a tail. A follow-up turn whose prompt extends that conversation then pulls
   only its new tokens' KV (and the previous answer's last token, which was never fed).
 
+- **Frees wait for the device** (``fence``, engine/free_fence.py): a sequence that finishes
+  or is cancelled gives its blocks back through the fence, which holds them while a queued
+  step the driver registered still references one; a prompt leaving before the command that
+  carries its host-tier loads takes those loads with it.
+
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
 """
