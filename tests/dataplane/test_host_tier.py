@@ -60,6 +60,7 @@ def test_offload_then_load_round_trips_bit_exact(dtype: torch.dtype) -> None:
     stats = pool.take_stats()
     assert stats["offload"]["bytes"] == stats["load"]["bytes"] == 5 * cache.bytes_per_block
     assert stats["load"]["blocks"] == 5 and stats["load"]["seconds"] >= 0
+    assert stats["load"]["copies"] == stats["offload"]["copies"] == 5  # no two runs on
     assert pool.take_stats() == {}  # counted once
 
 

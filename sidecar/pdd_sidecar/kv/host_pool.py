@@ -69,6 +69,7 @@ class CopyStats:
     bytes: int = 0
     seconds: float = 0.0
     blocks: int = 0
+    copies: int = 0
 
 
 def pair_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -100,10 +101,10 @@ class HostKVPool:
             pin(self.host)
         self.stream: Any = torch.cuda.Stream(cache.device) if self.cuda else None
         self._last: Any = None  # CUDA: the event of the last batch on ``stream``
-        # CUDA: (kind, bytes, blocks, start event, end event) not yet seen done
-        self._timing: list[tuple[str, int, int, Any, Any]] = []
+        # CUDA: (kind, stats, start event, end event) not yet seen done
+        self._timing: list[tuple[str, CopyStats, Any, Any]] = []
         self.stats = {"offload": CopyStats(), "load": CopyStats()}
-        self.copies = {"offload": 0, "load": 0}  # copies issued (one per run), for tests
+        self.copies = {"offload": 0, "load": 0}  # copies issued (one per run), ever
 
     @property
     def bytes_per_slot(self) -> int:
@@ -134,8 +135,8 @@ class HostKVPool:
     def take_stats(self) -> dict[str, dict[str, float]]:
         """Bytes, blocks and seconds of the copies finished since the last call."""
         self._settle_timing()
-        out = {k: {"bytes": v.bytes, "seconds": v.seconds, "blocks": v.blocks}
-               for k, v in self.stats.items() if v.blocks}
+        out = {k: {"bytes": v.bytes, "seconds": v.seconds, "blocks": v.blocks,
+                   "copies": v.copies} for k, v in self.stats.items() if v.blocks}
         self.stats = {"offload": CopyStats(), "load": CopyStats()}
         return out
 
@@ -161,30 +162,33 @@ class HostKVPool:
 
     def _timed(self, kind: str, n: int, dst: torch.Tensor, src: torch.Tensor,
                runs: Sequence[tuple[int, int, int]]) -> None:
-        nbytes = n * self.bytes_per_slot
+        done = CopyStats(n * self.bytes_per_slot, 0.0, n, len(runs))
         self.copies[kind] += len(runs)
         if not self.cuda:
             start = time.perf_counter()
             self._copy(dst, src, runs)
-            st = self.stats[kind]
-            st.bytes += nbytes
-            st.blocks += n
-            st.seconds += time.perf_counter() - start
+            done.seconds = time.perf_counter() - start
+            self._count(kind, done)
             return
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record(self.stream)
         self._copy(dst, src, runs)
         ended.record(self.stream)
-        self._timing.append((kind, nbytes, n, began, ended))
+        self._timing.append((kind, done, began, ended))
+
+    def _count(self, kind: str, done: CopyStats) -> None:
+        st = self.stats[kind]
+        st.bytes += done.bytes
+        st.blocks += done.blocks
+        st.copies += done.copies
+        st.seconds += done.seconds
 
     def _settle_timing(self) -> None:
         left = []
-        for kind, nbytes, n, began, ended in self._timing:
+        for kind, done, began, ended in self._timing:
             if not ended.query():
-                left.append((kind, nbytes, n, began, ended))
+                left.append((kind, done, began, ended))
                 continue
-            st = self.stats[kind]
-            st.bytes += nbytes
-            st.blocks += n
-            st.seconds += began.elapsed_time(ended) / 1000.0
+            done.seconds = began.elapsed_time(ended) / 1000.0
+            self._count(kind, done)
         self._timing = left
