@@ -180,8 +180,12 @@ def test_prompts_evicted_from_the_device_come_back_from_host_memory() -> None:
     for i in range(3):  # 5 blocks each: a's units leave the device
         f.run(f"x{i}", _tokens(4 * BLOCK + 5, 10 + i))
     assert f.pc.lookup(f.pc.keys(a)) == []
+    copies = f.pool.copies["load"]
     assert f.run("a2", a + _tokens(9, 2)) == 4 * BLOCK  # every whole unit, from host memory
     assert f.tier.hit_tokens == 4 * BLOCK
+    # a's units left in two evictions (x0's and x1's), each spilled in table order: two runs
+    # of slots into one run of fresh blocks, two copies (one per block before)
+    assert f.pool.copies["load"] - copies == 2
     assert f.run("a3", a) == 4 * BLOCK  # now on the device again
     assert f.tier.hit_tokens == 4 * BLOCK
 
