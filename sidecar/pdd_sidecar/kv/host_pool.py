@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,13 @@ def pin(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister of the host KV pool ({nbytes} bytes) failed with "
                            f"CUDA error {rc}: is the memory lock limit (ulimit -l) or the pod's "
                            "memory limit lower than PDD_HOST_KV_CACHE_GIB?")
+
+
+def unpin(stream: Any, t: torch.Tensor) -> None:
+    """Undo `pin` once the copies on ``stream`` are done: a registration outliving its memory
+    would make the next registration of those pages fail (several pools in one process)."""
+    stream.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 @dataclass
@@ -97,9 +105,11 @@ class HostKVPool:
         self.cuda = cache.device.type == "cuda"
         # Never read before an offload wrote it: no need to touch every page now.
         self.host = torch.empty((num_slots, *cache.kv.shape[1:]), dtype=cache.kv.dtype)
+        self.stream: Any = torch.cuda.Stream(cache.device) if self.cuda else None
         if self.cuda:
             pin(self.host)
-        self.stream: Any = torch.cuda.Stream(cache.device) if self.cuda else None
+            # With the pool; not at exit, where the CUDA context may already be gone.
+            weakref.finalize(self, unpin, self.stream, self.host).atexit = False
         self._last: Any = None  # CUDA: the event of the last batch on ``stream``
         # CUDA: (kind, stats, start event, end event) not yet seen done
         self._timing: list[tuple[str, CopyStats, Any, Any]] = []
