@@ -396,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                     after = await metrics(session, stack.prefill_url)
                     moved = {k: summed(after, "host", *k.split()) - summed(before, "host",
                                                                             *k.split())
-                             for k in ("load bytes", "load seconds", "offload bytes",
-                                       "offload seconds")}
+                             for k in ("load bytes", "load seconds", "load copies",
+                                       "offload bytes", "offload seconds", "offload copies")}
                     run.stacks[name]["host_tier_delta"] = moved
                     run.stacks[name]["documents"] = docs
                     print(f"  [{name}] host tier over (b): {moved}", flush=True)
@@ -441,13 +441,16 @@ def summarize(run: Run, copy_rate: float) -> dict[str, Any]:
         delta = run.stacks.get("small pool + host tier", {}).get("host_tier_delta", {})
         rate = (delta.get("load bytes", 0.0) / delta["load seconds"]
                 if delta.get("load seconds") else float("nan"))
+        per_copy = (delta.get("load bytes", 0.0) / delta["load copies"]
+                    if delta.get("load copies") else float("nan"))
         out["(b) host tier"] = (f"revisit TTFT p50 {off.ttft_p50_ms:,.1f} ms without, "
                                 f"{on.ttft_p50_ms:,.1f} ms with = "
                                 f"{off.ttft_p50_ms / on.ttft_p50_ms:.2f}x lower (target >= 4); "
                                 f"cached {off.cached_tokens} / "
                                 f"{on.cached_tokens} of {on.prompt_tokens}; load rate "
                                 f"{rate / 1e9:.1f} GB/s = {rate / copy_rate:.2f} of pinned copy "
-                                f"{copy_rate / 1e9:.1f} GB/s (target >= 0.80)")
+                                f"{copy_rate / 1e9:.1f} GB/s (target >= 0.80), "
+                                f"{per_copy / 2**20:.1f} MiB a copy")
     c_off = by.get(("small pool", "no reuse"))
     c_on = by.get(("small pool + host tier", "no reuse"))
     if c_off and c_on:

@@ -155,6 +155,10 @@ class InstanceMetrics:
             f"pdd_host_kv_{kind}_seconds", f"Time of the host tier's copies ({what}; on CUDA "
             "by events on its stream)", ["rank"], registry=r)
             for kind, what in (("load", "host to device"), ("offload", "device to host"))}
+        self.host_kv_copies = {kind: Counter(
+            f"pdd_host_kv_{kind}_copies", f"Copies the host tier issued ({what}; one per run of "
+            "slots and blocks consecutive on both sides)", ["rank"], registry=r)
+            for kind, what in (("load", "host to device"), ("offload", "device to host"))}
         self.warmup_seconds = Gauge(
             "pdd_warmup_seconds", "Warm-up before ready: compilation, CUDA graphs", registry=r
         )
@@ -175,6 +179,7 @@ class InstanceMetrics:
         """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
         self.host_kv_bytes[kind].labels(rank=str(rank)).inc(copied.get("bytes", 0))
         self.host_kv_seconds[kind].labels(rank=str(rank)).inc(copied.get("seconds", 0.0))
+        self.host_kv_copies[kind].labels(rank=str(rank)).inc(copied.get("copies", 0))
 
     def expose(self) -> bytes:
         self.gc_pauses.flush()

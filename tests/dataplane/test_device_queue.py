@@ -2,7 +2,8 @@
 on a CPU instance that plays a device running each step in seconds, one after another
 (``PDD_FAULT_DEVICE_LAG_S``), a prompt that arrives while another's token is still on the
 device has its step enqueued at once, and in-order steps stop ``IN_ORDER_AHEAD`` ahead of the
-device, so a cancelled long prompt does not run to its end."""
+device, so a cancelled long prompt does not run to its end; its blocks come back once its
+queued chunk ran, not before."""
 
 from __future__ import annotations
 
@@ -101,6 +102,39 @@ def test_a_cancelled_long_prompt_stops_within_the_steps_enqueued_ahead(
     assert 1 <= ran < chunks and ran <= 2.5 + IN_ORDER_AHEAD + 1, ran
     status, stats = http("GET", f"{prefill.url}/v1/stats")
     assert status == 200 and stats["ranks"][0]["free_blocks"] == 256, stats
+
+
+def _gauge(url: str, name: str) -> float:
+    _, text = http("GET", f"{url}/metrics")
+    return sum(float(line.split()[-1]) for line in str(text).splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_a_cancelled_prompts_blocks_come_back_once_its_queued_chunk_ran(
+        cluster: LocalCluster) -> None:
+    """The client leaves during the first of four chunks, which takes a lag on the device: the
+    prompt is cancelled at once, but its 16 blocks stay taken until that chunk ran
+    (engine/free_fence.py), then all come back. Freed at the cancel, they could be handed to a
+    step or a load that does not wait for the chunk still reading and writing them."""
+    lag, chunk = 4.0, 64
+    prefill = _instance(cluster, lag, PDD_CHUNK_TOKENS=str(chunk),
+                        PDD_MAX_STEP_TOKENS=str(chunk))
+
+    def free() -> int:
+        return int(http("GET", f"{prefill.url}/v1/stats")[1]["ranks"][0]["free_blocks"])
+
+    wait_for("the warm-up's blocks back (its step takes a lag too)", lambda: free() == 256,
+             timeout=3 * lag)
+    sent = time.monotonic()
+    with pytest.raises(OSError):
+        http("POST", f"{prefill.url}/v1/prefill",
+             {"prompt_ids": _prompt(4 * chunk, 9), "max_tokens": 1}, timeout=0.25 * lag)
+    wait_for("the cancel", lambda: _gauge(prefill.url, "pdd_running_sequences") == 0
+             and _gauge(prefill.url, "pdd_waiting_sequences") == 0, timeout=lag)
+    held = free()
+    assert time.monotonic() - sent < lag, "too slow a machine: the chunk ran meanwhile"
+    assert held == 256 - 4 * chunk // BLOCK
+    wait_for("the blocks back", lambda: free() == 256, timeout=3 * lag)
 
 
 def test_cpu_marks_are_passed_when_set_or_after_their_lag() -> None:

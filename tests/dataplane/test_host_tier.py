@@ -1,8 +1,9 @@
-"""The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on
-a GPU): copies are bit-exact both ways; a load is never raced by the reuse of its host slot or
-device block; through a running stack, prompts evicted from the device come back from host
-memory with the tokens of a run from scratch, for every layout; and a chat whose KV the decode
-evicted still pulls only its new tokens (and the last answer's last token)."""
+"""The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on a
+GPU): copies are bit-exact both ways, one per run of slots and blocks consecutive on both sides;
+a load is never raced by the reuse of its host slot or device block; through a running stack,
+prompts evicted from the device come back from host memory with the tokens of a run from
+scratch, for every layout; and a chat whose KV the decode evicted still pulls only its new
+tokens (and the last answer's last token)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from runtime_fixtures import LocalCluster, Proc, http, plan_json, reference_toke
 
 from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Scheduler, Sequence, State
 from pdd_sidecar.kv.cache import PagedKVCache
-from pdd_sidecar.kv.host_pool import HostKVPool
+from pdd_sidecar.kv.host_pool import HostKVPool, pair_runs
 from pdd_sidecar.kv.host_tier import HostTier
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
 
@@ -44,12 +45,11 @@ def _random_cache(num_blocks: int, dtype: torch.dtype) -> PagedKVCache:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_runs", [16, 0])  # a copy per run of slots; one host gather
-def test_offload_then_load_round_trips_bit_exact(dtype: torch.dtype, max_runs: int) -> None:
+def test_offload_then_load_round_trips_bit_exact(dtype: torch.dtype) -> None:
     cache = _random_cache(12, dtype)
     before = cache.kv.clone()
-    pool = HostKVPool(cache, 8, max_load_runs=max_runs)
-    pool.run([(5, 0), (2, 1), (9, 2), (3, 6), (0, 7)], [])  # two runs of slots
+    pool = HostKVPool(cache, 8)
+    pool.run([(5, 0), (2, 1), (9, 2), (3, 6), (0, 7)], [])
     assert torch.equal(pool.host[[0, 1, 2, 6, 7]], before[[5, 2, 9, 3, 0]])
     cache.kv.zero_()
     pool.run([], [(6, 11), (0, 4), (1, 1), (7, 8), (2, 10)])
@@ -60,7 +60,29 @@ def test_offload_then_load_round_trips_bit_exact(dtype: torch.dtype, max_runs: i
     stats = pool.take_stats()
     assert stats["offload"]["bytes"] == stats["load"]["bytes"] == 5 * cache.bytes_per_block
     assert stats["load"]["blocks"] == 5 and stats["load"]["seconds"] >= 0
+    assert stats["load"]["copies"] == stats["offload"]["copies"] == 5  # no two runs on
     assert pool.take_stats() == {}  # counted once
+
+
+def test_a_run_consecutive_on_both_sides_is_one_copy() -> None:
+    """Slots 0-3 into blocks 8-11 and slots 4-5 into 2-3 are two copies whatever the order
+    the loads were queued in; an offload of blocks 5-7 into slots 9-11 is one."""
+    assert pair_runs([(0, 8), (1, 9), (2, 10), (3, 11), (4, 2), (5, 3)]) == [(0, 8, 4),
+                                                                             (4, 2, 2)]
+    assert pair_runs([(0, 8), (1, 10), (2, 9)]) == [(0, 8, 1), (1, 10, 1), (2, 9, 1)]
+    assert pair_runs([(3, 1), (3, 2)]) == [(3, 1, 1), (3, 2, 1)]
+    assert pair_runs([]) == []
+    cache = _random_cache(16, torch.float32)
+    before = cache.kv.clone()
+    pool = HostKVPool(cache, 12)
+    pool.run([(7, 11), (5, 9), (6, 10)], [])
+    assert pool.copies["offload"] == 1
+    assert torch.equal(pool.host[9:12], before[5:8])
+    pool.host[:6].copy_(torch.arange(6.0).view(6, 1, 1, 1).expand(6, *pool.host.shape[1:]))
+    pool.run([], [(5, 3), (2, 10), (0, 8), (4, 2), (3, 11), (1, 9)])
+    assert pool.copies["load"] == 2
+    for slot, block in ((0, 8), (1, 9), (2, 10), (3, 11), (4, 2), (5, 3)):
+        assert bool((cache.kv[block] == slot).all()), (slot, block)
 
 
 def test_a_block_offloaded_and_loaded_into_in_one_command_is_read_first() -> None:
@@ -75,15 +97,11 @@ def test_a_block_offloaded_and_loaded_into_in_one_command_is_read_first() -> Non
     assert torch.equal(pool.host[2], held) and bool((cache.kv[1] == 7).all())
 
 
-def test_big_batches_go_through_the_staging_in_pieces() -> None:
-    cache = _random_cache(40, torch.float32)
-    pool = HostKVPool(cache, 40)
-    pool.stage_blocks = 3
-    before = cache.kv.clone()
-    pool.run([(b, 39 - b) for b in range(40)], [])
-    cache.kv.zero_()
-    pool.run([], [(39 - b, b) for b in range(40)])
-    assert torch.equal(cache.kv, before)
+def test_a_slot_spilled_to_twice_in_one_command_keeps_the_later_block() -> None:
+    cache = _random_cache(4, torch.float32)
+    pool = HostKVPool(cache, 4)
+    pool.run([(2, 1), (0, 0), (3, 1)], [])
+    assert torch.equal(pool.host[1], cache.kv[3]) and torch.equal(pool.host[0], cache.kv[0])
 
 
 def _settings(**env: str) -> Any:
@@ -162,8 +180,12 @@ def test_prompts_evicted_from_the_device_come_back_from_host_memory() -> None:
     for i in range(3):  # 5 blocks each: a's units leave the device
         f.run(f"x{i}", _tokens(4 * BLOCK + 5, 10 + i))
     assert f.pc.lookup(f.pc.keys(a)) == []
+    copies = f.pool.copies["load"]
     assert f.run("a2", a + _tokens(9, 2)) == 4 * BLOCK  # every whole unit, from host memory
     assert f.tier.hit_tokens == 4 * BLOCK
+    # a's units left in two evictions (x0's and x1's), each spilled in table order: two runs
+    # of slots into one run of fresh blocks, two copies (one per block before)
+    assert f.pool.copies["load"] - copies == 2
     assert f.run("a3", a) == 4 * BLOCK  # now on the device again
     assert f.tier.hit_tokens == 4 * BLOCK
 

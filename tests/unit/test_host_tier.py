@@ -71,15 +71,17 @@ def test_slots_floor_exactly() -> None:
 
 
 def test_spills_get_the_lowest_free_slots_and_are_found_by_their_chain() -> None:
+    """Evicted later units first (the prefix cache's order), a table's units still get
+    ascending slots in the order of their blocks: one run on both sides, one copy each way."""
     tier = HostTier(8, UNIT)
     k = keys(3)
     tier.spill([(k[2], 12), (k[1], 11), (k[0], 10)])
     ops = tier.take()
-    assert ops.offloads == [(12, 0), (11, 1), (10, 2)] and ops.loads == []
-    assert tier.lookup(k) == [2, 1, 0]
-    assert tier.lookup(k[1:]) == [1, 0]  # the chain goes on from any unit
+    assert ops.offloads == [(10, 0), (11, 1), (12, 2)] and ops.loads == []
+    assert tier.lookup(k) == [0, 1, 2]
+    assert tier.lookup(k[1:]) == [1, 2]  # the chain goes on from any unit
     assert tier.lookup(keys(3, salt=1)) == []  # other tokens
-    assert tier.lookup([k[0], keys(2, salt=1)[1], k[2]]) == [2]  # stops at the first miss
+    assert tier.lookup([k[0], keys(2, salt=1)[1], k[2]]) == [0]  # stops at the first miss
     assert not tier.take()  # taken once
 
 
@@ -155,10 +157,10 @@ def test_the_prefix_cache_spills_what_it_evicts_and_clear_spills_nothing() -> No
     pc.insert(k, table)
     pc.free(table)  # cached, unreferenced: later units first in the eviction line
     assert not tier.take()
-    pc.allocate(2)  # evicts two: units 3 and 2 go to host memory
+    pc.allocate(2)  # evicts two: units 3 and 2 go to host memory, in table order
     ops = tier.take()
-    assert ops.offloads == [(table[3], 0), (table[2], 1)]
-    assert pc.lookup(k) == table[:2] and tier.lookup(k[2:]) == [1, 0]
+    assert ops.offloads == [(table[2], 0), (table[3], 1)]
+    assert pc.lookup(k) == table[:2] and tier.lookup(k[2:]) == [0, 1]
     pc.clear()
     assert not tier.take()
 

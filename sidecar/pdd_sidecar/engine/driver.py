@@ -160,7 +160,9 @@ class InstanceDriver:
         if self.prefix_cache is not None and self.host_tier is not None:
             self.prefix_cache.on_evict = self.host_tier.spill
         self._host_seen = 0
-        # Every block comes and goes through here; with the cache, "free" drops a reference.
+        # Every block comes through here; with the cache, "free" drops a reference. Blocks go
+        # back through the scheduler's fence (engine/free_fence.py): a block a queued step still
+        # references is held until that step ran.
         self.allocator: Allocator = self.prefix_cache or worker.cache
         self._prefix_seen = (0, 0)
         self._scratch: list[int] = []  # where recomputed prefixes are written (graphed_hits.py)
@@ -273,6 +275,7 @@ class InstanceDriver:
             held = False
             while True:
                 self._collect()
+                self.scheduler.fence.settle()
                 idle = not self._has_work()
                 self._drain(block=idle or held)
                 if idle and self.role == "prefill" and self.scheduler.waiting:
@@ -316,8 +319,9 @@ class InstanceDriver:
             results = self.worker.run_as_leader({
                 "op": "warmup", "blocks": blocks, "prompt_tokens": prompt,
                 "chunk_tokens": sch.chunk_tokens, "batch_sizes": batches})
-        finally:
-            self.allocator.free(blocks)
+        finally:  # the warm-up's last steps may still be queued
+            sch.fence.queued(blocks, self._marks.mark())
+            sch.fence.free(blocks)
         self._last_collective = time.monotonic()
         failed = next((r for r in results if r.get("error")), None)
         if failed:
@@ -437,7 +441,7 @@ class InstanceDriver:
             self.scheduler.cancel(payload)
             return
         if kind == "free":
-            self.allocator.free(payload)
+            self.scheduler.fence.free(payload)
             return
         if kind == "wake":
             return
@@ -522,8 +526,14 @@ class InstanceDriver:
         if cmd["chunks"]:
             # What rank 0's engine did with the step, not a second guess at it beforehand.
             overtook = self.worker.engine.logits_stream is not None
-            if self.role == "prefill" and not overtook:
-                self._in_order.append(self._marks.mark())
+            if self.role == "prefill":
+                # On the default stream, which waits for an overtaking step: past it once
+                # this step and everything queued before it ran.
+                mark = self._marks.mark()
+                if not overtook:
+                    self._in_order.append(mark)
+                self.scheduler.fence.queued(
+                    {b for _, _, blocks in cmd["chunks"] for b in blocks}, mark)
             self.metrics.step_enqueue_seconds.labels(
                 order="overtaking" if overtook else "in_order").observe(
                 self._last_collective - started)
@@ -543,7 +553,7 @@ class InstanceDriver:
                 with self._lease_lock:
                     held = self.leases.notified(rid, rank)
                 if held is not None:
-                    self.allocator.free(held.blocks)
+                    self.scheduler.fence.free(held.blocks)
         seqs = [c.seq for c in plan.prefill] + [d.seq for d in plan.decode]
         if not failed:
             try:
@@ -631,7 +641,7 @@ class InstanceDriver:
             expired = self.leases.expire(time.monotonic())
         for held in expired:
             self.metrics.lease_expiries.inc()
-            self.allocator.free(held.blocks)
+            self.scheduler.fence.free(held.blocks)
 
     def _release(self, request_id: str) -> bool:
         """The router gave up on a request: its blocks go now."""
@@ -639,7 +649,7 @@ class InstanceDriver:
             if request_id in self.leases:
                 held = self.leases.release(request_id, time.monotonic())
                 if held is not None:
-                    self.allocator.free(held.blocks)
+                    self.scheduler.fence.free(held.blocks)
                 return True
         self.scheduler.cancel(request_id)
         return False

@@ -5,7 +5,8 @@ Rank 0's driver decides every copy (kv/host_tier.py) and sends it with the step;
 runs it on its own cache and pool before the step's forward pass and pulls: an evicted block
 is copied out before anything that command carries writes it, and a loaded block is in place
 before the step that reads it (on CUDA the compute streams wait for the copies on the device;
-a KV READ, which no stream orders, waits for them on the host).
+a KV READ, which no stream orders, waits for them on the host). The copies themselves wait for
+no compute (kv/host_pool.py says why that is safe), so a load overlaps the step queued before.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class RankHostTier:
         return self.pool.num_slots
 
     def _streams(self) -> list[Any]:
-        """The compute streams copies are ordered against: the current one, and a prefill's
-        overtaking stream (its steps write fresh blocks, possibly just evicted ones)."""
+        """The compute streams that wait for the copies: the current one, and a prefill's
+        overtaking stream (its steps read loaded blocks and write fresh ones, possibly just
+        evicted and still being copied out)."""
         dev = self.pool.cache.device
         if dev.type != "cuda":
             return []

@@ -46,6 +46,11 @@ Policy (one place, pure Python, no torch):
   partial unit as a tail. A follow-up turn whose prompt extends that conversation then pulls
   only its new tokens' KV (and the previous answer's last token, which was never fed).
 
+- **Frees wait for the device** (``fence``, engine/free_fence.py): a sequence that finishes
+  or is cancelled gives its blocks back through the fence, which holds them while a queued
+  step the driver registered still references one; a prompt leaving before the command that
+  carries its host-tier loads takes those loads with it.
+
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
 """
@@ -59,6 +64,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
+from pdd_sidecar.engine.free_fence import FreeFence
 from pdd_sidecar.kv.cache import num_table_blocks
 from pdd_sidecar.kv.host_tier import HostTier, load_from_host
 from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
@@ -195,6 +201,9 @@ class Scheduler:
         self.host_tier = host_tier if prefix_cache is not None else None
         self.allocator: Allocator = prefix_cache if prefix_cache is not None else allocator
         self.prefix_cache = prefix_cache
+        # Every block a sequence gives back goes through here: the driver registers the steps
+        # it enqueues, and a block one of them still references is held until it ran.
+        self.fence = FreeFence(self.allocator.free)
         self.block_size = block_size
         self.dcp = dcp
         self.tp = tp
@@ -592,7 +601,9 @@ class Scheduler:
                 and seq.error is None and seq.finish_reason in ("stop", "length")):
             self._cache_decoded(seq, self.prefix_cache)
         if seq.blocks:
-            self.allocator.free(seq.blocks)
+            if self.host_tier is not None:  # left before the command carrying its loads
+                self.host_tier.drop_loads(seq.blocks)
+            self.fence.free(seq.blocks)
             seq.blocks = []
         if seq.on_done is not None:
             seq.on_done(seq)

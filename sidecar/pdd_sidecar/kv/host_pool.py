@@ -2,49 +2,54 @@
 (rank 0's index decides which, kv/host_tier.py).
 
 Layout: ``host[num_slots, num_layers, block_size, latent]``, a device block's layout, so one
-slot is one contiguous region and a run of consecutive slots is one too. On CUDA the pool is
-pinned (55 GB/s each way on one H200, against 14-20 GB/s pageable) and every copy runs on the
-pool's own stream, in command order: a load that reads a slot runs after the offload that
-wrote it, an offload into a slot after the load that read it, with no host wait. On the CPU the
-pool is a second tensor beside the cache and the same code runs synchronously.
+slot is one contiguous region, a run of consecutive slots is one too, and a run of slots that
+goes to a run of consecutive device blocks is one copy. On CUDA the pool is pinned (55 GB/s
+each way on one H200, against 14-20 GB/s pageable) and every copy runs on the pool's own
+stream. On the CPU the pool is a second tensor beside the cache and the same code runs
+synchronously.
 
-Ordering against the forward passes (CUDA):
-- a batch of copies first waits for the work queued on the compute streams (the default one
-  and, on a prefill that overtakes, its high-priority one): an evicted block's last writes
-  (a chunk enqueued, not yet run) come before the offload reads it, and a fresh block's last
-  reader (a cancelled request's queued step) before a load writes it;
-- the compute streams then wait for the batch (``follow``): the next write to an offloaded
-  block, and the step that reads a loaded one, run after it;
-- a KV READ is not stream-ordered (NIXL, or a pull thread's own stream): the worker waits
-  for the batch on the host (``wait``) before it starts pulls into blocks of the same command.
+**Copies.** A command's offloads are one device → host copy per run of ``(block, slot)`` pairs
+consecutive on both sides, straight into the pool; its loads one host → device copy per run of
+``(slot, block)`` pairs, straight into the cache. No staging, no gather or scatter kernel, no
+host wait: only the copy engine works, and the copies of a command are issued back to back.
+A run is at least one whole block (a V2-Lite 64-token block is 1.9 MiB: ~35 us at 55 GB/s, long
+enough for the copy engine's full rate); slots are handed out lowest first and a conversation's
+units spill together, so a prefix is mostly a few long runs. Until run 43 a load went through a
+device staging tensor and an ``index_copy_`` scatter, and a prefix scattered over more than 16
+runs was gathered on the host first, after a host wait for the stream: 0.49 of the pinned copy
+rate on one H200 (docs/kv-memory.md).
 
-Batching: a load copies each run of consecutive slots into one device staging tensor and
-scatters it into the cache with one ``index_copy_``; with more than ``MAX_LOAD_RUNS`` runs it
-gathers the slots on the host into one pinned staging buffer first and makes one copy (the host
-gather waits for the pool's stream, since an offload may still be writing those slots). An
-offload gathers its blocks on the device with one ``index_select`` and copies each run of
-consecutive slots out of it.
+**Order (CUDA).** A batch of copies does not wait for the compute streams: nothing queued there
+reads or writes a block it touches. A block a load writes was just allocated, and the driver
+hands out a block only once every queued step that referenced it has run (engine/free_fence.py:
+a cancelled prompt's blocks stay its own until its queued chunks are done); a block an offload
+reads is a cached unit nobody references, whose last writer is done for the same reason. So a
+load overlaps the device work queued before its command. Then:
+- the compute streams wait for the batch (``follow``): the step that reads a loaded block and
+  the next write to an offloaded one run after it;
+- copies run in command order on one stream: a load reads a slot after the offload that wrote
+  it, an offload overwrites a slot after the load that read it;
+- a KV READ is not stream-ordered (NIXL, or a pull thread's own copy): the worker waits for the
+  batch on the host (``wait``) before it starts pulls into blocks of the same command.
+
+**Timing.** The seconds of ``pdd_host_kv_{load,offload}_seconds_total`` are the copies
+themselves: on CUDA the time between two events on the pool's stream around a command's loads
+(or offloads), which starts when the stream reaches them, not when the command was built (no
+queue wait), and on the CPU the wall time of the copies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pdd_sidecar.engine.device_queue import to_device
-from pdd_sidecar.kv.cache import PagedKVCache, contiguous_runs
-
-# Up to this many runs of consecutive slots a load copies one each; more are gathered on the
-# host first (one copy of a few blocks costs about what a launch does).
-MAX_LOAD_RUNS = 16
-# Device staging of one batch of copies, at most (a batch larger goes in pieces of this size,
-# one after the other on the pool's stream, which reuses the memory).
-STAGE_BYTES = 128 << 20
+from pdd_sidecar.kv.cache import PagedKVCache
 
 
 def pin(t: torch.Tensor) -> None:
@@ -58,6 +63,13 @@ def pin(t: torch.Tensor) -> None:
                            "memory limit lower than PDD_HOST_KV_CACHE_GIB?")
 
 
+def unpin(stream: Any, t: torch.Tensor) -> None:
+    """Undo `pin` once the copies on ``stream`` are done: a registration outliving its memory
+    would make the next registration of those pages fail (several pools in one process)."""
+    stream.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 @dataclass
 class CopyStats:
     """Copies of one kind whose time is known: bytes moved and seconds taken."""
@@ -65,38 +77,44 @@ class CopyStats:
     bytes: int = 0
     seconds: float = 0.0
     blocks: int = 0
+    copies: int = 0
 
 
-def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first slot, index of its first row in ``slots``, count)`` of each run of consecutive
-    slots, ``slots`` in the order given."""
+def pair_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(first source, first destination, count)`` of each run of ``(source, destination)``
+    pairs consecutive on both sides, in the order given: one copy each."""
     out: list[tuple[int, int, int]] = []
-    i = 0
-    for first, n in contiguous_runs(slots):
-        out.append((first, i, n))
-        i += n
+    for src, dst in pairs:
+        if out:
+            s, d, n = out[-1]
+            if src == s + n and dst == d + n:
+                out[-1] = (s, d, n + 1)
+                continue
+        out.append((src, dst, 1))
     return out
 
 
 class HostKVPool:
-    def __init__(self, cache: PagedKVCache, num_slots: int,
-                 max_load_runs: int = MAX_LOAD_RUNS) -> None:
+    def __init__(self, cache: PagedKVCache, num_slots: int) -> None:
         if num_slots <= 0:
             raise ValueError(f"a host pool needs at least one slot, got {num_slots}")
+        if not cache.kv.is_contiguous():
+            raise ValueError("the host pool copies whole blocks: the cache must be contiguous")
         self.cache = cache
         self.num_slots = num_slots
-        self.max_load_runs = max_load_runs
         self.cuda = cache.device.type == "cuda"
         # Never read before an offload wrote it: no need to touch every page now.
         self.host = torch.empty((num_slots, *cache.kv.shape[1:]), dtype=cache.kv.dtype)
+        self.stream: Any = torch.cuda.Stream(cache.device) if self.cuda else None
         if self.cuda:
             pin(self.host)
-        self.stage_blocks = max(1, STAGE_BYTES // max(1, cache.bytes_per_block))
-        self.stream: Any = torch.cuda.Stream(cache.device) if self.cuda else None
+            # With the pool; not at exit, where the CUDA context may already be gone.
+            weakref.finalize(self, unpin, self.stream, self.host).atexit = False
         self._last: Any = None  # CUDA: the event of the last batch on ``stream``
-        # CUDA: (kind, bytes, blocks, start event, end event) not yet seen done
-        self._timing: list[tuple[str, int, int, Any, Any]] = []
+        # CUDA: (kind, stats, start event, end event) not yet seen done
+        self._timing: list[tuple[str, CopyStats, Any, Any]] = []
         self.stats = {"offload": CopyStats(), "load": CopyStats()}
+        self.copies = {"offload": 0, "load": 0}  # copies issued (one per run), ever
 
     @property
     def bytes_per_slot(self) -> int:
@@ -105,21 +123,18 @@ class HostKVPool:
     def run(self, offloads: Sequence[Sequence[int]], loads: Sequence[Sequence[int]],
             follow: Sequence[Any] = ()) -> None:
         """One command's copies: ``offloads`` ``(block, slot)`` then ``loads`` ``(slot,
-        block)``. On CUDA, ``follow`` are the compute streams (the current one first): the
-        copies wait for them, then they wait for the copies."""
+        block)``. On CUDA, ``follow`` are the compute streams (the current one first): they
+        wait for the copies."""
         if not offloads and not loads:
             return
-        k = self.stage_blocks
+        kv, host = self.cache.kv, self.host
         with self._ordered(follow):
-            pairs = sorted(offloads, key=lambda p: p[1])
-            for a in range(0, len(pairs), k):
-                blocks, slots = zip(*pairs[a:a + k], strict=True)
-                self._timed("offload", len(slots),
-                            lambda b=blocks, s=slots: self._offload(b, s))
-            pairs = sorted(loads, key=lambda p: p[0])
-            for a in range(0, len(pairs), k):
-                slots, blocks = zip(*pairs[a:a + k], strict=True)
-                self._timed("load", len(slots), lambda b=blocks, s=slots: self._load(s, b))
+            if offloads:  # by slot (stable: a slot spilled to twice keeps the later block)
+                pairs = sorted(((b, s) for b, s in offloads), key=lambda p: p[1])
+                self._timed("offload", len(pairs), host, kv, pair_runs(pairs))
+            if loads:
+                pairs = sorted(((s, b) for s, b in loads), key=lambda p: p[0])
+                self._timed("load", len(pairs), kv, host, pair_runs(pairs))
 
     def wait(self) -> None:
         """The host waits for every copy issued (before a READ that is not stream-ordered
@@ -130,47 +145,23 @@ class HostKVPool:
     def take_stats(self) -> dict[str, dict[str, float]]:
         """Bytes, blocks and seconds of the copies finished since the last call."""
         self._settle_timing()
-        out = {k: {"bytes": v.bytes, "seconds": v.seconds, "blocks": v.blocks}
-               for k, v in self.stats.items() if v.blocks}
+        out = {k: {"bytes": v.bytes, "seconds": v.seconds, "blocks": v.blocks,
+                   "copies": v.copies} for k, v in self.stats.items() if v.blocks}
         self.stats = {"offload": CopyStats(), "load": CopyStats()}
         return out
 
-    # -- the copies
+    # -- the copies, ordering and timing
 
-    def _offload(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
-        ids = to_device(list(blocks), torch.long, self.cache.device)
-        rows = self.cache.kv.index_select(0, ids)
-        for first, i, n in slot_runs(slots):
-            self.host[first:first + n].copy_(rows[i:i + n], non_blocking=self.cuda)
-
-    def _load(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
-        runs = slot_runs(slots)
-        dev = self.cache.device
-        if len(runs) <= self.max_load_runs:
-            staged = torch.empty((len(slots), *self.host.shape[1:]), dtype=self.host.dtype,
-                                 device=dev)
-            for first, i, n in runs:
-                staged[i:i + n].copy_(self.host[first:first + n], non_blocking=self.cuda)
-        else:
-            if self.cuda:  # an offload still on the stream (this batch's too) may write them
-                self.stream.synchronize()
-            pinned = torch.empty((len(slots), *self.host.shape[1:]), dtype=self.host.dtype,
-                                 pin_memory=self.cuda)
-            torch.index_select(self.host, 0, torch.tensor(list(slots), dtype=torch.long),
-                               out=pinned)
-            staged = pinned.to(dev, non_blocking=self.cuda)
-        ids = to_device(list(blocks), torch.long, dev)
-        self.cache.kv.index_copy_(0, ids, staged)
-
-    # -- ordering and timing
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor,
+              runs: Sequence[tuple[int, int, int]]) -> None:
+        for s, d, n in runs:
+            dst[d:d + n].copy_(src[s:s + n], non_blocking=self.cuda)
 
     @contextlib.contextmanager
     def _ordered(self, follow: Sequence[Any]) -> Iterator[None]:
         if not self.cuda:
             yield
             return
-        for s in follow:
-            self.stream.wait_stream(s)
         with torch.cuda.stream(self.stream):
             yield
         done = torch.cuda.Event()
@@ -179,30 +170,35 @@ class HostKVPool:
         for s in follow:
             s.wait_event(done)
 
-    def _timed(self, kind: str, n: int, copy: Any) -> None:
-        nbytes = n * self.bytes_per_slot
+    def _timed(self, kind: str, n: int, dst: torch.Tensor, src: torch.Tensor,
+               runs: Sequence[tuple[int, int, int]]) -> None:
+        done = CopyStats(n * self.bytes_per_slot, 0.0, n, len(runs))
+        self.copies[kind] += len(runs)
         if not self.cuda:
             start = time.perf_counter()
-            copy()
-            st = self.stats[kind]
-            st.bytes += nbytes
-            st.blocks += n
-            st.seconds += time.perf_counter() - start
+            self._copy(dst, src, runs)
+            done.seconds = time.perf_counter() - start
+            self._count(kind, done)
             return
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record(self.stream)
-        copy()
+        self._copy(dst, src, runs)
         ended.record(self.stream)
-        self._timing.append((kind, nbytes, n, began, ended))
+        self._timing.append((kind, done, began, ended))
+
+    def _count(self, kind: str, done: CopyStats) -> None:
+        st = self.stats[kind]
+        st.bytes += done.bytes
+        st.blocks += done.blocks
+        st.copies += done.copies
+        st.seconds += done.seconds
 
     def _settle_timing(self) -> None:
         left = []
-        for kind, nbytes, n, began, ended in self._timing:
+        for kind, done, began, ended in self._timing:
             if not ended.query():
-                left.append((kind, nbytes, n, began, ended))
+                left.append((kind, done, began, ended))
                 continue
-            st = self.stats[kind]
-            st.bytes += nbytes
-            st.blocks += n
-            st.seconds += began.elapsed_time(ended) / 1000.0
+            done.seconds = began.elapsed_time(ended) / 1000.0
+            self._count(kind, done)
         self._timing = left

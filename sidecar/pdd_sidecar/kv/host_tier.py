@@ -143,12 +143,29 @@ class HostTier:
         self.loaded_blocks += len(slots)
         self.hit_tokens += tokens
 
+    def drop_loads(self, blocks: Sequence[int]) -> int:
+        """Forget the queued loads into ``blocks`` (a request that leaves before its first
+        command: its blocks go back, and a load sent later would overwrite their next owner's
+        KV); their slots are unpinned. How many were dropped."""
+        gone = set(blocks)
+        keep = [(s, b) for s, b in self._ops.loads if b not in gone]
+        dropped = [s for s, b in self._ops.loads if b in gone]
+        if not dropped:
+            return 0
+        self._ops.loads = keep
+        for s in dropped:
+            self._loading.remove(s)
+        self._unpin(dropped)
+        self.loaded_blocks -= len(dropped)
+        return len(dropped)
+
     # -- spills (the device prefix cache's evictions)
 
     def spill(self, units: Sequence[tuple[bytes, int]],
               tails: Sequence[tuple[bytes, tuple[int, ...], int]] = ()) -> None:
         """Units ``(key, block)`` and tails ``(parent, tokens, block)`` the device cache is
-        evicting, their blocks not yet handed out: each gets a slot and a queued offload."""
+        evicting, their blocks not yet handed out: each gets a slot and a queued offload, units
+        in the order of their blocks."""
         for parent, tokens, block in tails:
             old = self._tails.get(parent)
             if old is not None and old[1] == tuple(tokens):
@@ -167,7 +184,10 @@ class HostTier:
             self._lru[slot] = ("tail", parent)
             self._ops.offloads.append((block, slot))
             self.offloaded_blocks += 1
-        for key, block in units:
+        # By device block: a table's units are mostly one ascending run of blocks, evicted later
+        # units first; taken in block order they get ascending slots too, so their offload and a
+        # later load back into a fresh run of blocks are a few long copies (kv/host_pool.py).
+        for key, block in sorted(units, key=lambda u: u[1]):
             have = self._by_key.get(key)
             if have is not None:
                 self._lru.move_to_end(have)
