@@ -3,6 +3,7 @@
 # no package registry: installs wheels brought along in .whl/ and .whl_tf/ (only what the
 # machine's Python lacks), then runs the stages named in STAGES, each under its own time limit,
 # and leaves the logs and JSON in $OUT (at most eight files, flat; the rest in extra.tar.gz).
+# The wheels fit a call's 64 MiB once bench/slim_wheel.py has taken nixl-cu13's unused parts out.
 #
 #   OUT=/tmp/out STAGES=tests,engine bash bench/gpu_all.sh        # one GPU is enough
 #   OUT=/tmp/out STAGES=sweep,serving bash bench/gpu_all.sh       # two GPUs, NIXL
