@@ -590,15 +590,15 @@ class Router:
         complete = False
         decoded: list[int] = []
         try:
+            if req.max_tokens == 0:  # an echo of the prompt alone: the prefill held nothing
+                trip.finish = "length"
+                return
             if sent_first is None:
                 yield [first]
                 # The hand-off waits one loop turn: the other prefill answers that arrived
                 # with this one reach their clients first (a burst's prefill step ends 64
                 # requests at once, and opening a decode stream costs as much as a relay).
                 await asyncio.sleep(0)
-            if req.max_tokens == 0:  # echo of the prompt alone: it held nothing
-                trip.finish = "length"
-                return
             if finished is not None or req.max_tokens == 1 or first in req.local_stop_ids:
                 trip.finish = finished
                 return
