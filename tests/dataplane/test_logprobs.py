@@ -342,9 +342,11 @@ def test_lm_eval_harness_log_likelihoods_equal_transformers(serve: str, hf: Any,
     from lm_eval.tasks import TaskManager
 
     _tasks(tmp_path)
+    status, models = http("GET", f"{serve}/v1/models")
+    assert status == 200, models
     out = lm_eval.simple_evaluate(
         model="local-completions",
-        model_args={"model": "builtin", "base_url": f"{serve}/v1/completions",
+        model_args={"model": models["data"][0]["id"], "base_url": f"{serve}/v1/completions",
                     "tokenizer_backend": "huggingface", "tokenizer": str(ckpt),
                     "batch_size": 1, "max_length": 256, "num_concurrent": 1,
                     "max_retries": 1},
@@ -358,14 +360,17 @@ def test_lm_eval_harness_log_likelihoods_equal_transformers(serve: str, hf: Any,
     checked = 0
     for s in samples:
         doc = s["doc"]
-        for choice, resp in zip(doc["choices"], s["resps"], strict=True):
-            ctx = tok(doc["q"]).input_ids
-            cont = tok(choice).input_ids
+        # lm-eval's own (context, continuation) pairs: the choice after its target delimiter
+        pairs = s["arguments"]
+        assert [c for _, c in pairs] == [" " + c for c in doc["choices"]]
+        for (context, continuation), resp in zip(pairs, s["resps"], strict=True):
+            ctx = tok(context).input_ids
+            cont = tok(continuation).input_ids
             ref = _hf_logprobs(hf, ctx + cont)
             want = sum(float(ref[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))
             greedy = all(int(ref[len(ctx) - 1 + j].argmax()) == t for j, t in enumerate(cont))
             got, is_greedy = resp[0]
-            assert abs(got - want) < TOL * len(cont), (doc, choice, got, want)
+            assert abs(got - want) < TOL * len(cont), (doc, continuation, got, want)
             assert is_greedy == greedy
             checked += 1
     assert checked == sum(len(d["choices"]) for d in LL_DOCS)
