@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
+from pdd_sidecar.engine.device_queue import DeviceMarks, Mark, to_device
 from pdd_sidecar.engine.grammar_mask import advance, fill_bitmask
 from pdd_sidecar.engine.graphed_hits import prefix_blocks, recompute_in_graph, scratch_blocks_needed
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
@@ -660,8 +660,8 @@ class InstanceDriver:
         for a in range(0, n, PROMPT_LOGPROB_ROWS):
             b = min(n, a + PROMPT_LOGPROB_ROWS)
             lsm = engine.logits(hidden[a:b]).log_softmax(-1)
-            targets = torch.tensor(prompt[chunk.start + a + 1:chunk.start + b + 1],
-                                   dtype=torch.long).to(lsm.device)
+            targets = to_device(prompt[chunk.start + a + 1:chunk.start + b + 1], torch.long,
+                                lsm.device)
             out.extend(logprob_entries(logprob_table(lsm, targets, k).tolist(), [k] * (b - a)))
 
     def _deliver(self, live: list[tuple[int, Sequence]], tokens: list[int]) -> None:
