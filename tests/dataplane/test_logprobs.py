@@ -194,7 +194,11 @@ def test_streamed_logprobs_equal_the_whole_answers(serve: str) -> None:
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"]
              and e["choices"][0]["logprobs"] is not None]
     joined = {k: [x for p in parts for x in p[k]] for k in whole}
-    assert joined == whole
+    # The same tokens and offsets; the numbers within fp32 noise: the second request's decode
+    # reuses KV the first left in its prefix cache, which the prefill computed in other chunks.
+    assert {k: joined[k] for k in ("tokens", "text_offset")} == {
+        k: whole[k] for k in ("tokens", "text_offset")}
+    assert _close(_numbers(joined), _numbers(whole))
     # the echoed prompt comes first, in an event of its own
     assert events[0]["choices"][0]["token_ids"] == []
     assert len(events[0]["choices"][0]["logprobs"]["tokens"]) == 30
@@ -207,7 +211,8 @@ def test_streamed_logprobs_equal_the_whole_answers(serve: str) -> None:
     streamed = [c for e in _stream(url, chat) if e["choices"]
                 and e["choices"][0]["logprobs"] is not None
                 for c in e["choices"][0]["logprobs"]["content"]]
-    assert streamed == whole
+    assert [c["token"] for c in streamed] == [c["token"] for c in whole]
+    assert _close(_numbers({"content": streamed}), _numbers({"content": whole}))
 
 
 def test_chat_logprobs_equal_transformers_and_the_openai_sdk_reads_them(
@@ -270,11 +275,15 @@ def test_layouts_give_the_same_numbers(serve: str, ckpt: Path,
             one = _post(serve + path, body)["choices"][0]
             two = _post(sharded.url + path, body)["choices"][0]  # type: ignore[attr-defined]
             assert one["token_ids"] == two["token_ids"]
-            a, b = _numbers(one["logprobs"]), _numbers(two["logprobs"])
-            assert [t for t, _ in a] == [t for t, _ in b]
-            assert all(abs(x - y) < TOL for (_, x), (_, y) in zip(a, b, strict=True)), path
+            assert _close(_numbers(one["logprobs"]), _numbers(two["logprobs"])), path
     finally:
         sharded.kill_all()
+
+
+def _close(a: list[tuple[str, float]], b: list[tuple[str, float]]) -> bool:
+    """The same tokens with log-probabilities within fp32 tolerance."""
+    return [t for t, _ in a] == [t for t, _ in b] and all(
+        abs(x - y) < TOL for (_, x), (_, y) in zip(a, b, strict=True))
 
 
 def _numbers(lp: dict[str, Any]) -> list[tuple[str, float]]:
