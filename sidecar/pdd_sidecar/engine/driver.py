@@ -616,11 +616,14 @@ class InstanceDriver:
                                                       allowed)
             else:
                 on_device = sample_on_device(logits, params, indices, histories, allowed)
-            if self.role == "decode":
-                tokens = [int(t) for t in on_device.tolist()]
+            if self.role == "decode":  # both on the host after one wait, as sample's
                 assert lp is not None
-                self._attach(live, lp, lp.values.tolist())
-                self._deliver(live, tokens)
+                host, values = on_device.to("cpu", non_blocking=True), lp.values.to(
+                    "cpu", non_blocking=True)
+                if on_device.is_cuda:
+                    torch.cuda.current_stream(on_device.device).synchronize()
+                self._attach(live, lp, values.tolist())
+                self._deliver(live, [int(t) for t in host.tolist()])
                 return
             if lp is not None:
                 lp = lp._replace(values=lp.values.to("cpu", non_blocking=True))
