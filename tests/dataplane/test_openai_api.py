@@ -46,6 +46,14 @@ CORPUS = ["User: Hello world, this is a test. Assistant: Sure! héllo ünïcode 
 
 
 # ---------------------------------------------------------------- a scripted instance
+def fake_entry(token: int, k: int) -> list[Any]:
+    """A log-probability entry as instances send it: the token's, and k others (the token
+    itself among them, likeliest first)."""
+    lp = -0.25 - (token % 7) / 8
+    top = [[token, lp]] + [[(token + j) % 256, lp - j] for j in range(1, k)]
+    return [lp, 1, top[:k]]
+
+
 @dataclass
 class Script:
     """What the fake instance answers; tests change it between requests."""
@@ -121,11 +129,16 @@ class FakeInstance:
         if s.v2:
             stops = set(body.get("stop_token_ids", []))
             answer["finish_reason"] = (
-                "stop" if s.first in stops else "length" if body["max_tokens"] == 1 else None)
+                "stop" if s.first in stops else "length" if body["max_tokens"] <= 1 else None)
             if answer["finish_reason"]:
                 answer["kv_transfer_params"] = None
         if s.cached_tokens is not None:
             answer["cached_tokens"] = s.cached_tokens
+        if body.get("logprobs") is not None:
+            answer["logprobs"] = [fake_entry(s.first, body["logprobs"])]
+        if body.get("prompt_logprobs") is not None:
+            answer["prompt_logprobs"] = [fake_entry(t, body["prompt_logprobs"])
+                                         for t in body["prompt_ids"][1:]]
         return web.json_response(answer)
 
     async def release(self, request: web.Request) -> web.Response:
@@ -160,7 +173,10 @@ class FakeInstance:
                     return response
                 if s.delay_s:
                     await asyncio.sleep(s.delay_s)
-                await response.write(json.dumps({"token": tok}).encode() + b"\n")
+                line: dict[str, Any] = {"token": tok}
+                if body.get("logprobs") is not None:
+                    line["logprob"] = fake_entry(tok, body["logprobs"])
+                await response.write(json.dumps(line).encode() + b"\n")
                 sent.append(tok)
                 if s.v2 and tok in body.get("stop_token_ids", []):
                     finish = "stop"

@@ -452,6 +452,9 @@ def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalClus
     assert status == 200 and body["choices"][0]["token_ids"] == [forced] * 7, body
     status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, "min_p": 0.1})
     assert status == 400 and "min_p" in error_text(answer)
+    for field, value in (("logprobs", 2), ("echo", True), ("prompt_logprobs", 0)):
+        status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, field: value})
+        assert status == 400 and field in error_text(answer), answer
     _all_blocks_back(prefill, decode)
 
 
@@ -474,6 +477,10 @@ def test_the_router_speaks_vllms_protocol_to_its_upstreams(cluster: LocalCluster
                                           "temperature": 0})
     assert body["choices"][0]["token_ids"] == _reference(_prompt(33, 9), 9)
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    # Log-probabilities and echo need pdd's own instance API: refused, never ignored.
+    for field, value in (("logprobs", 1), ("echo", True)):
+        status, body = _complete(router.url, {"prompt": _prompt(20), field: value})
+        assert status == 400 and body["error"]["param"] == field, body
     req = urllib.request.Request(
         f"{router.url}/v1/completions", method="POST",
         data=json.dumps({"prompt": _prompt(20), "max_tokens": 6, "temperature": 0,

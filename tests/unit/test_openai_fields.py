@@ -33,11 +33,6 @@ def _refused(kind: str, extra: dict[str, Any]) -> ApiError:
 # something pdd does not do, and must be a 400 naming the field.
 ASKING = [
     ("completion", "min_p", 0.1),
-    ("completion", "logprobs", 0),  # the sampled token's log probability
-    ("completion", "logprobs", 5),
-    ("chat", "logprobs", True),
-    ("chat", "top_logprobs", 2),
-    ("completion", "echo", True),
     ("completion", "suffix", "tail"),
     ("completion", "n", 2),
     ("chat", "n", True),

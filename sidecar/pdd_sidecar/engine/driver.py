@@ -37,23 +37,31 @@ from typing import Any
 import torch
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.device_queue import DeviceMarks, Mark
+from pdd_sidecar.engine.device_queue import DeviceMarks, Mark, to_device
 from pdd_sidecar.engine.grammar_mask import advance, fill_bitmask
 from pdd_sidecar.engine.graphed_hits import prefix_blocks, recompute_in_graph, scratch_blocks_needed
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import steps_since
 from pdd_sidecar.engine.sampling import (
     Allowed,
+    Logprob,
+    LogprobRows,
     TokenHistory,
+    logprob_entries,
+    logprob_table,
     needs_history,
     pick_rows,
     sample,
     sample_on_device,
+    sample_with_logprobs,
 )
 from pdd_sidecar.engine.scheduler import (
+    LOGPROBS,
     PENALTY_PROMPT,
+    PROMPT_LOGPROBS,
     Allocator,
     NeverFits,
+    PrefillChunk,
     QueueFull,
     Scheduler,
     Sequence,
@@ -87,6 +95,7 @@ BURST_MAX_S = 0.05
 # a host that queues a second step behind the first blocks inside its launches, a wait the loop
 # cannot leave; waiting for the first to finish it can (runs 29 and 30, docs/serving.md).
 IN_ORDER_AHEAD = 1
+PROMPT_LOGPROB_ROWS = 256  # positions whose logits a prompt's log-probabilities make at once
 
 Inbox = queue.Queue[tuple[str, Any, "Future[Any] | None"]]
 
@@ -98,6 +107,7 @@ class _Sampled:
     live: list[tuple[int, Sequence]]
     tokens: torch.Tensor  # on the host once ``mark`` is done
     mark: Mark
+    logprobs: LogprobRows | None = None  # its values on the host once ``mark`` is done
 
 
 def gather_burst(inbox: Inbox, handle: Callable[[str, Any, Future[Any] | None], None],
@@ -360,13 +370,13 @@ class InstanceDriver:
             self._in_order.popleft()
         if len(self._in_order) < IN_ORDER_AHEAD:
             return False
-        return not self.worker.engine.overtakes(self._seq_chunks(plan))
+        return bool(_keeps(plan)) or not self.worker.engine.overtakes(self._seq_chunks(plan))
 
     def _seq_chunks(self, plan: StepPlan) -> list[SeqChunk]:
         """The step's prompt chunks as the ranks run them: prefix-cache hits recomputed in a
         prefill graph where that is the faster step (engine/graphed_hits.py)."""
         chunks = [SeqChunk(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
-        if not self._scratch or not chunks:
+        if not self._scratch or not chunks or _keeps(plan):
             return chunks
         engine = self.worker.engine
         unit = self.scheduler.block_size * self.scheduler.dcp
@@ -487,7 +497,8 @@ class InstanceDriver:
         self._collect()
         plan = self.scheduler.plan_fresh(self._launching)
         timing.mark_planned(plan, time.monotonic())
-        if plan.prefill and self.worker.engine.overtakes(self._seq_chunks(plan)):
+        if (plan.prefill and not _keeps(plan)
+                and self.worker.engine.overtakes(self._seq_chunks(plan))):
             self._run_step(plan, poll=False)
 
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
@@ -506,6 +517,9 @@ class InstanceDriver:
                        "start_token": self.scheduler.start_token(s)} for s in plan.pulls],
             "poll": poll,
         }
+        keep = _keeps(plan)
+        if keep:
+            cmd["keep"] = keep
         if self.host_tier is not None and self.host_tier.pending():
             cmd["tier"] = self.host_tier.take().to_command()
         if poll:
@@ -572,6 +586,8 @@ class InstanceDriver:
         rows: list[tuple[int, Sequence]] = []
         for i, c in enumerate(plan.prefill):
             self.scheduler.on_chunk_done(c)
+            if c.seq.prompt_logprobs is not None and c.seq.state is State.RUNNING:
+                self._prompt_logprobs(c, self.worker.engine.kept[i])
             if c.last:
                 rows.append((i, c.seq))
         base = len(plan.prefill)
@@ -584,27 +600,72 @@ class InstanceDriver:
         histories = ([_history(s) if s.sampling.adjusts else None for _, s in live]
                      if needs_history(params) else None)
         allowed = _allowed(live, logits.device.type == "cuda", self.metrics)
+        tops = [s.logprobs for _, s in live]
+        asks = any(k is not None for k in tops)
         # On the logits' own stream: an overtaking step's rows picked on the default stream
         # would wait for the work it overtook (runs 29 and 30 did, through a synchronizing
         # list index).
         with self.worker.engine.logits_context():
             logits = pick_rows(logits, [i for i, _ in live])
-            if self.role == "decode":  # its next step needs these tokens
+            if self.role == "decode" and not asks:  # its next step needs these tokens
                 self._deliver(live, sample(logits, params, indices, histories, allowed))
                 return
-            on_device = sample_on_device(logits, params, indices, histories, allowed)
+            lp: LogprobRows | None = None
+            if asks:
+                on_device, lp = sample_with_logprobs(logits, params, indices, tops, histories,
+                                                      allowed)
+            else:
+                on_device = sample_on_device(logits, params, indices, histories, allowed)
+            if self.role == "decode":  # both on the host after one wait, as sample's
+                assert lp is not None
+                host, values = on_device.to("cpu", non_blocking=True), lp.values.to(
+                    "cpu", non_blocking=True)
+                if on_device.is_cuda:
+                    torch.cuda.current_stream(on_device.device).synchronize()
+                self._attach(live, lp, values.tolist())
+                self._deliver(live, [int(t) for t in host.tolist()])
+                return
+            if lp is not None:
+                lp = lp._replace(values=lp.values.to("cpu", non_blocking=True))
             self._sampled.append(_Sampled(live, on_device.to("cpu", non_blocking=True),
-                                          self._marks.mark()))
+                                          self._marks.mark(), lp))
 
     def _collect(self) -> None:
         """The prefill's first tokens that reached the host: out, each sequence at once."""
         waiting: list[_Sampled] = []
         for s in self._sampled:
             if s.mark.done():
+                if s.logprobs is not None:
+                    self._attach(s.live, s.logprobs, s.logprobs.values.tolist())
                 self._deliver(s.live, [int(t) for t in s.tokens.tolist()])
             else:
                 waiting.append(s)
         self._sampled = waiting
+
+    @staticmethod
+    def _attach(live: list[tuple[int, Sequence]], lp: LogprobRows,
+                values: list[list[float]]) -> None:
+        """Each asking sequence's entry for the token about to be delivered to it."""
+        for b, entry in zip(lp.rows, logprob_entries(values, lp.tops), strict=True):
+            live[b][1].extra.setdefault(LOGPROBS, []).append(entry)
+
+    def _prompt_logprobs(self, chunk: PrefillChunk, hidden: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens this chunk's positions predict (its last
+        position, when the prompt ends there, predicts the first generated token instead):
+        logits made a slice of positions at a time, so a long chunk never holds ``[T, V]``.
+        Read on the host at once (a sync, for the prompts that asked only)."""
+        seq = chunk.seq
+        prompt = seq.prompt
+        out: list[Logprob] = seq.extra.setdefault(PROMPT_LOGPROBS, [])
+        n = min(len(chunk.tokens), len(prompt) - 1 - chunk.start)
+        k = int(seq.prompt_logprobs or 0)
+        engine = self.worker.engine
+        for a in range(0, n, PROMPT_LOGPROB_ROWS):
+            b = min(n, a + PROMPT_LOGPROB_ROWS)
+            lsm = engine.logits(hidden[a:b]).log_softmax(-1)
+            targets = to_device(prompt[chunk.start + a + 1:chunk.start + b + 1], torch.long,
+                                lsm.device)
+            out.extend(logprob_entries(logprob_table(lsm, targets, k).tolist(), [k] * (b - a)))
 
     def _deliver(self, live: list[tuple[int, Sequence]], tokens: list[int]) -> None:
         timing.mark_sampled((s for _, s in live), time.monotonic())
@@ -704,6 +765,12 @@ def _allowed(live: list[tuple[int, Sequence]], pin: bool,
     mask = fill_bitmask([live[r][1].grammar for r in rows], pin)
     metrics.structured_mask_seconds.observe(time.perf_counter() - start)
     return Allowed(rows, mask)
+
+
+def _keeps(plan: StepPlan) -> list[int]:
+    """The step's prompt chunks whose every position's hidden state is kept (their prompt
+    log-probabilities); such a step runs in order, eagerly (RankEngine.step)."""
+    return [i for i, c in enumerate(plan.prefill) if c.seq.prompt_logprobs is not None]
 
 
 def _history(seq: Sequence) -> TokenHistory:

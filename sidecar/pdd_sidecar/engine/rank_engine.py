@@ -288,6 +288,7 @@ class RankEngine:
             log.info("steps of fresh prompts up to %d tokens overtake queued device work "
                      "(a high-priority CUDA stream)", self.prefill_buckets[-1])
         self.logits_stream: torch.cuda.Stream | None = None  # where the last logits were made
+        self.kept: dict[int, torch.Tensor] = {}  # the last step's kept hidden states (``step``)
         # Called after each layer an in-order eager step launches (engine/launch_pacing.py);
         # the driver sets it on a prefill whose steps may overtake.
         self.pacer: LaunchPacer | None = None
@@ -297,11 +298,20 @@ class RankEngine:
     # --- public API ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> torch.Tensor | None:
+    def step(self, chunks: Sequence[SeqChunk], want_logits: bool = True,
+             keep: Sequence[int] = ()) -> torch.Tensor | None:
         """One forward pass over every chunk of the batch; fp32 logits ``[len(chunks), V]`` of
-        each chunk's last token (None without ``want_logits``: only rank 0 samples)."""
+        each chunk's last token (None without ``want_logits``: only rank 0 samples). The final
+        hidden states of every position of the chunks ``keep`` names stay in ``kept`` (chunk
+        index -> ``[T, H]``, rank 0) for their prompt log-probabilities (``logits``); such a
+        step runs eagerly, in order, on every rank alike."""
         if not chunks:
             raise ValueError("empty step")
+        self.kept = {}
+        if keep:
+            out = self._step_kept(chunks, want_logits, keep)
+            self.logits_stream = None
+            return out
         if self.overtakes(chunks, want_logits):
             assert self.overtaking is not None
             out = self.overtaking.run(chunks, lambda: self._prefill_padded(chunks, want_logits))
@@ -346,6 +356,26 @@ class RankEngine:
             return None
         ends = to_device([len(c.tokens) for c in chunks], torch.long, hidden.device).cumsum(0)
         return self._logits(hidden[ends - 1])
+
+    def _step_kept(self, chunks: Sequence[SeqChunk], want_logits: bool,
+                   keep: Sequence[int]) -> torch.Tensor | None:
+        launched = None if self.overtaking is None else self.overtaking.in_order(chunks)
+        try:
+            hidden = self._forward(chunks)
+        finally:
+            if launched is not None:
+                launched()
+        if not want_logits:
+            return None
+        lengths = [len(c.tokens) for c in chunks]
+        offsets = [sum(lengths[:i]) for i in range(len(chunks))]
+        self.kept = {i: hidden[offsets[i]:offsets[i] + lengths[i]] for i in keep}
+        ends = to_device(lengths, torch.long, hidden.device).cumsum(0)
+        return self._logits(hidden[ends - 1])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states (``kept``'s rows)."""
+        return self._logits(hidden)
 
     def logits_context(self) -> AbstractContextManager[Any]:
         """Where the last step's logits are read: an overtaking step's own stream, so that

@@ -353,3 +353,81 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequ
     """``sample_on_device``, read on the host now."""
     return [int(t) for t in
             sample_on_device(logits, params, indices, histories, allowed).tolist()]
+
+
+# --- log probabilities -------------------------------------------------------------------------
+# OpenAI's bound on top_logprobs (and vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class LogprobRows(NamedTuple):
+    """The log-probabilities of the batch rows that asked for them, still on the device:
+    ``rows`` (batch rows), ``tops`` (each row's top count), and ``[R, 2 + 2K]`` float32
+    ``values``: per row the chosen token's log-probability, its rank (1 = the likeliest), then
+    the K = max(tops) likeliest log-probabilities, then their token ids (exact in float32 below
+    2**24, far above any vocabulary)."""
+
+    rows: list[int]
+    tops: list[int]
+    values: torch.Tensor
+
+
+# One entry per token, on the host: (logprob, rank, [(token id, logprob), ...] likeliest first).
+Logprob = tuple[float, int, list[tuple[int, float]]]
+
+
+def raw_logprobs(logits: torch.Tensor, tops: Sequence[int | None]) -> torch.Tensor | None:
+    """``log_softmax`` of the raw logits (before any control, temperature, top-k or top-p, as
+    vLLM's default ``raw_logprobs`` mode) of the rows whose top count is not None, taken
+    before sampling so that nothing the sampler does to the logits can reach them; None (and no
+    work at all) when no row asks."""
+    rows = [b for b, k in enumerate(tops) if k is not None]
+    if not rows:
+        return None
+    return pick_rows(logits, rows).float().log_softmax(-1)
+
+
+def chosen_logprobs(lsm: torch.Tensor, tops: Sequence[int | None],
+                    tokens: torch.Tensor) -> LogprobRows:
+    """``raw_logprobs``'s rows with each row's chosen token (``tokens [B]``, on the device)
+    looked up, ranked, and its top-k beside it; no host sync."""
+    rows = [b for b, k in enumerate(tops) if k is not None]
+    ks = [int(tops[b] or 0) for b in rows]
+    chosen = pick_rows(tokens.view(-1, 1), rows).view(-1)
+    return LogprobRows(rows, ks, logprob_table(lsm, chosen, max(ks)))
+
+
+def sample_with_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                         indices: Sequence[int], tops: Sequence[int | None],
+                         histories: Sequence[TokenHistory | None] | None = None,
+                         allowed: Allowed | None = None,
+                         ) -> tuple[torch.Tensor, LogprobRows | None]:
+    """``sample_on_device`` and, for the rows whose ``tops[b]`` is not None, the chosen
+    token's raw log-probability with the row's top ``tops[b]`` (``LogprobRows``); rows that
+    ask for none cost nothing more, and a batch in which none asks is exactly
+    ``sample_on_device``."""
+    lsm = raw_logprobs(logits, tops)
+    tokens = sample_on_device(logits, params, indices, histories, allowed)
+    return tokens, None if lsm is None else chosen_logprobs(lsm, tops, tokens)
+
+
+def logprob_table(lsm: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """``[R, 2 + 2k]``: each row's log-probability of ``targets[r]``, its rank, the row's k
+    likeliest log-probabilities and their ids (``LogprobRows.values``)."""
+    lp = lsm.gather(1, targets.view(-1, 1).to(torch.long))
+    rank = (lsm > lp).sum(-1, keepdim=True).float() + 1
+    parts = [lp, rank]
+    if k > 0:
+        top = torch.topk(lsm, min(k, lsm.shape[-1]), dim=-1)
+        parts += [top.values, top.indices.float()]
+    return torch.cat(parts, dim=1)
+
+
+def logprob_entries(values: list[list[float]], tops: Sequence[int]) -> list[Logprob]:
+    """``LogprobRows.values`` read on the host (``.tolist()``), one entry per row."""
+    out: list[Logprob] = []
+    for row, k in zip(values, tops, strict=True):
+        width = (len(row) - 2) // 2
+        top = [(int(row[2 + width + j]), row[2 + j]) for j in range(k)]
+        out.append((row[0], int(row[1]), top))
+    return out

@@ -74,6 +74,10 @@ PENDING = "prefix_pending"  # seq.extra: the units [first, end) pending under th
 CACHED_TOKENS = "cached_tokens"  # seq.extra: prompt tokens whose KV came from the cache
 # seq.extra: a decode's prompt ids for its repetition_penalty, where seq.prompt is empty
 PENALTY_PROMPT = "penalty_prompt"
+# seq.extra: the log-probabilities of the generated tokens, and of the prompt's tokens from its
+# second on (engine/sampling.py's ``Logprob`` entries), for a sequence that asks for them
+LOGPROBS = "logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class State(enum.Enum):
@@ -128,6 +132,10 @@ class Sequence:
     on_done: Callable[[Sequence], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     grammar: Any = None  # structured output: engine/grammar_mask.Constrained
+    # The top count of the log-probabilities asked for each generated token, and (prefill)
+    # each prompt token; None: none asked.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def context(self) -> int:
@@ -325,6 +333,8 @@ class Scheduler:
     def _usable_units(self, seq: Sequence, pc: PrefixCache) -> int:
         """Whole units a hit may cover: a prefill always runs the prompt's last token (its
         logits give the first token); a decode feeds the first token itself."""
+        if seq.prompt_logprobs is not None:
+            return 0  # every prompt position's logits are needed: the cache is bypassed
         usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
         return max(usable, 0) // pc.unit_tokens
 

@@ -259,7 +259,8 @@ class RankWorker:
         chunks = [SeqChunk(tokens, start, blocks) for tokens, start, blocks in cmd["chunks"]]
         self.logits = None
         if chunks:
-            self.logits = self.engine.step(chunks, want_logits=self.rank == 0)
+            self.logits = self.engine.step(chunks, want_logits=self.rank == 0,
+                                           keep=cmd.get("keep", ()))
         if cmd.get("poll"):
             out["notified"] = [rid for m in self.agent.poll_notifs()
                                if (rid := parse_notif(m)) is not None]

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pdd_sidecar.engine.driver import InstanceDriver, on_loop
 from pdd_sidecar.engine.grammar_mask import Grammars
-from pdd_sidecar.engine.sampling import SamplingError, SamplingParams
+from pdd_sidecar.engine.sampling import MAX_LOGPROBS, Logprob, SamplingError, SamplingParams
 from pdd_sidecar.engine.scheduler import Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.grammar import GrammarError
@@ -217,7 +217,22 @@ def sequence_options(state: InstanceState, body: dict[str, Any],
         raise bad(f"ignore_eos: must be a boolean, got {ignore_eos!r}")
     if not ignore_eos:
         stops |= state.eos_ids
-    return {"sampling": sampling, "stop_ids": frozenset(stops), "grammar": grammar}
+    return {"sampling": sampling, "stop_ids": frozenset(stops), "grammar": grammar,
+            "logprobs": logprobs_field(body, "logprobs")}
+
+
+def logprobs_field(body: dict[str, Any], key: str) -> int | None:
+    """A top count of log-probabilities in [0, MAX_LOGPROBS]; absent or null: none asked."""
+    value = int_field(body, key, None, 0)
+    if value is not None and value > MAX_LOGPROBS:
+        raise bad(f"{key}: must be at most {MAX_LOGPROBS}, got {value}")
+    return value
+
+
+def logprob_json(entries: list[Logprob]) -> list[list[Any]]:
+    """Log-probability entries as the instance APIs send them: ``[logprob, rank, [[id,
+    logprob], ...]]`` each."""
+    return [[lp, rank, [[t, v] for t, v in top]] for lp, rank, top in entries]
 
 
 def request_id(body: dict[str, Any], make: Callable[[], str]) -> str:

@@ -125,8 +125,10 @@ class Output:
         return out
 
     def end(self, upstream_finish: Any) -> str:
-        """The upstream finished before this side decided to (an instance-side stop)."""
-        out = self._tail(cut=upstream_finish == "length")
+        """The upstream finished before this side decided to (an instance-side stop), or
+        generated nothing at all (an echo with max_tokens 0: nothing to flush, the
+        detokenizer holds only the prompt)."""
+        out = self._tail(cut=upstream_finish == "length") if self.token_ids else ""
         if self.finish is None:
             self.finish = upstream_finish if upstream_finish in ("stop", "length") else (
                 "stop" if self.token_ids and self.token_ids[-1] in self.req.local_stop_ids

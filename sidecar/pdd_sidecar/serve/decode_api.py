@@ -9,9 +9,10 @@ only the tokens after those this decode already holds, whole units and the parti
 finished sequence left: a follow-up turn of a conversation it served pulls only its new
 tokens), notifies the prefill ranks the plan names,
 and the sequence joins the batch until a stop id, EOS or `max_new_tokens`. With
-`"stream": true` the answer is NDJSON, one `{"token": id}` line per token and a final line with
-the totals (`cached_tokens`: the prompt tokens whose KV was not pulled); an error before the
-first token is a plain HTTP error. A client that disconnects cancels its sequence. A
+`"stream": true` the answer is NDJSON, one `{"token": id}` line per token (with `"logprobs": k`
+also `"logprob": [logprob, rank, [[id, logprob] x k]]`, the raw distribution's) and a final
+line with the totals (`cached_tokens`: the prompt tokens whose KV was not pulled); an error
+before the first token is a plain HTTP error. A client that disconnects cancels its sequence. A
 `sampling.repetition_penalty` needs `prompt_ids` (it penalizes the prompt's tokens too).
 """
 
@@ -27,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import CACHED_TOKENS, PENALTY_PROMPT, Sequence
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, LOGPROBS, PENALTY_PROMPT, Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
@@ -42,6 +43,7 @@ from pdd_sidecar.serve.common import (
     first_error,
     grant_refusal,
     int_field,
+    logprob_json,
     read_json,
     request_id,
     sequence_error,
@@ -157,7 +159,10 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
             m.transfer_device_seconds.labels(rank=str(rank)).inc(t["device_seconds"])
         m.transfer_paths.labels(path=t["path"]).inc()
         ranks.append({"rank": rank, **t})
+    out: dict[str, Any] = {"logprobs": logprob_json(seq.extra.get(LOGPROBS, []))} \
+        if seq.logprobs is not None else {}
     return {
+        **out,
         "request_id": seq.id,
         "token_ids": seq.output,
         "finish_reason": seq.finish_reason,
@@ -205,6 +210,17 @@ def _token_lines(tokens: list[int]) -> bytes:
     return b"".join(b'{"token": %d}\n' % t for t in tokens)
 
 
+def _lines(seq: Sequence, tokens: list[int], sent: int) -> bytes:
+    """The lines of ``tokens``, the sequence's tokens from index ``sent`` on; a sequence that
+    asked for log-probabilities sends each token's entry in its line (``"logprob"``: ``[logprob,
+    rank, [[id, logprob], ...]]``), which the driver stored before it delivered the token."""
+    if seq.logprobs is None:
+        return _token_lines(tokens)
+    entries = logprob_json(seq.extra[LOGPROBS][sent:sent + len(tokens)])
+    return b"".join(json.dumps({"token": t, "logprob": e}).encode() + b"\n"
+                    for t, e in zip(tokens, entries, strict=True))
+
+
 async def _stream(request: web.Request, state: InstanceState,
                   seq: Sequence) -> web.StreamResponse:
     batches = sequence_token_batches(request, state, seq)
@@ -216,11 +232,14 @@ async def _stream(request: web.Request, state: InstanceState,
     await response.prepare(request)
     try:
         if first is not None:
-            await response.write(json.dumps(
-                {"token": first[0], "timing": timing.decode_timing(seq.extra)}).encode()
-                + b"\n" + _token_lines(first[1:]))
+            head: dict[str, Any] = {"token": first[0], "timing": timing.decode_timing(seq.extra)}
+            if seq.logprobs is not None:
+                head["logprob"] = logprob_json(seq.extra[LOGPROBS][:1])[0]
+            await response.write(json.dumps(head).encode() + b"\n" + _lines(seq, first[1:], 1))
+            sent = len(first)
             async for batch in batches:
-                await response.write(_token_lines(batch))
+                await response.write(_lines(seq, batch, sent))
+                sent += len(batch)
         err = sequence_error(seq)
         if err:
             final: dict[str, Any] = {"error": {"message": str(err), "type": err.kind,

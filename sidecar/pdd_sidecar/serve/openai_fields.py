@@ -93,6 +93,11 @@ FIELDS: dict[str, Field] = {
     "tools": Field(HONOURED, CHAT),  # serve/tool_request.py, serve/tool_parser.py
     "tool_choice": Field(HONOURED, CHAT),
     "parallel_tool_calls": Field(HONOURED, CHAT),
+    "logprobs": _H,  # raw log-probabilities: serve/logprob_format.py
+    "top_logprobs": Field(HONOURED, CHAT),
+    "echo": _H,  # on chat false only (serve/openai_request.py)
+    "prompt_logprobs": _H,  # on chat null only
+    "return_tokens_as_token_ids": _H,  # log-probabilities' tokens as "token_id:<id>"
     # Accepted and without effect on the answer.
     "user": _N,
     "metadata": _N,
@@ -104,7 +109,6 @@ FIELDS: dict[str, Field] = {
     "priority": _N,  # vLLM's scheduling priority: pdd schedules first come, first served
     "request_id": _N,  # the router names its requests itself
     "return_token_ids": _N,  # every choice carries token_ids anyway
-    "return_tokens_as_token_ids": _N,  # only shapes logprobs, refused below
     "guided_decoding_backend": _N,  # llguidance whatever is named (docs/openai-api.md)
     "guided_whitespace_pattern": _N,
     "spaces_between_special_tokens": _N,  # special tokens are never shown
@@ -115,11 +119,7 @@ FIELDS: dict[str, Field] = {
     "use_beam_search": _refused("beam search is not supported", _off_values(False)),
     "length_penalty": _refused("length_penalty (beam search) is not supported",
                                _off_number(1)),
-    "echo": _refused("echoing the prompt is not supported", _off_values(False)),
     "suffix": _refused("suffix (insertion) is not supported", _off_values(""), COMPLETION),
-    "logprobs": _refused("log probabilities are not supported", _off_values(False)),
-    "top_logprobs": _refused("log probabilities are not supported", _off_number(0), CHAT),
-    "prompt_logprobs": _refused("prompt log probabilities are not supported"),
     "min_p": _refused("min_p is not supported", _off_number(0)),
     "allowed_token_ids": _refused("allowed_token_ids is not supported"),
     "bad_words": _refused("bad_words is not supported", _off_values([])),

@@ -26,6 +26,7 @@ from pdd_sidecar.serve.tool_request import ToolRequestError, ToolSpec, check_too
 
 INT64 = (-(2**63), 2**63 - 1)
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20  # engine/sampling.py's bound (OpenAI's on top_logprobs)
 
 
 class ApiError(Exception):
@@ -74,6 +75,12 @@ class GenRequest:
     local_stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0  # stop strings are looked for only after this many tokens
     tools: ToolSpec | None = None  # chat: the tools offered (serve/tool_request.py)
+    logprobs: int | None = None  # top count of each generated token's log-probabilities
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) first
+    prompt_logprobs: int | None = None  # top count of the prompt tokens' (echo or vLLM's)
+    vllm_prompt_logprobs: bool = False  # the choice carries vLLM's prompt_logprobs list
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
+    prompt_text: str | None = None  # a completion's prompt as sent, when it was text
 
 
 def brief_repr(v: Any, limit: int = 80) -> str:
@@ -211,6 +218,35 @@ def _need_codec(model: ModelText, param: str) -> Any:
         raise bad(f"{param}: the model at {model.source} has no tokenizer "
                   f"({model.missing_tokenizer}); send the prompt as token ids", param)
     return model.codec
+
+
+def _prompt_text(body: Mapping[str, Any]) -> str | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def _logprob_fields(kind: str, body: Mapping[str, Any]) -> tuple[int | None, bool, int | None]:
+    """``(logprobs top count, echo, prompt_logprobs top count)`` as each endpoint spells them
+    (completions: ``logprobs: k``; chat: ``logprobs: true`` with ``top_logprobs: k``)."""
+    what = f" in [0, {MAX_LOGPROBS}]"
+    echo = _opt_bool(body, "echo", False)
+    if kind == "chat":
+        if echo:
+            raise bad("echo: echoing the prompt is supported on /v1/completions only",
+                      "echo")
+        if body.get("prompt_logprobs") is not None:
+            raise bad("prompt_logprobs: supported on /v1/completions only", "prompt_logprobs")
+        wanted = _opt_bool(body, "logprobs", False)
+        top = _opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS, what)
+        if top and not wanted:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if wanted else None, False, None
+    raw = body.get("logprobs")
+    logprobs = None if raw is False else _opt_int(body, "logprobs", None, 0, MAX_LOGPROBS, what)
+    prompt = _opt_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, what)
+    return logprobs, echo, prompt
 
 
 def _prompt_ids(body: Mapping[str, Any], model: ModelText) -> list[int]:
@@ -374,6 +410,8 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
             raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         stop_token_ids = checked
     ignore_eos = _opt_bool(body, "ignore_eos", False)
+    logprobs, echo, vllm_prompt = _logprob_fields(kind, body)
+    tokens_as_ids = _opt_bool(body, "return_tokens_as_token_ids", False)
 
     tools: ToolSpec | None = None
     if kind == "completion":
@@ -392,7 +430,9 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
         key = "max_completion_tokens"
     default = 16 if kind == "completion" else max(1, min(limit, served_len or limit)
                                                   - len(prompt))
-    max_tokens = _opt_int(body, key, default, 1, None, " >= 1")
+    # With echo a completion may ask for the prompt alone (its log-probabilities).
+    least = 0 if echo else 1
+    max_tokens = _opt_int(body, key, default, least, None, f" >= {least}")
     assert max_tokens is not None
     if len(prompt) + max_tokens > limit:
         raise bad(f"{key}: this model's maximum context length is {limit} tokens; the request "
@@ -425,4 +465,14 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
                   **controls},
         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens,
-        tools=tools)
+        tools=tools,
+        logprobs=logprobs, echo=echo, prompt_logprobs=_prompt_count(echo, logprobs, vllm_prompt),
+        vllm_prompt_logprobs=vllm_prompt is not None, tokens_as_ids=tokens_as_ids,
+        prompt_text=_prompt_text(body) if kind == "completion" else None)
+
+
+def _prompt_count(echo: bool, logprobs: int | None, vllm_prompt: int | None) -> int | None:
+    """The top count the prefill computes for the prompt's tokens: what echo with logprobs
+    shows, or vLLM's prompt_logprobs, whichever is larger; None when neither asks."""
+    counts = [k for k in (logprobs if echo else None, vllm_prompt) if k is not None]
+    return max(counts) if counts else None

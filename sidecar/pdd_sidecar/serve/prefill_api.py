@@ -2,9 +2,12 @@
 they are.
 
 `POST /v1/prefill {"request_id", "prompt_ids", "max_tokens", "sampling", "stop_token_ids",
-"ignore_eos"}` answers the first token (chosen by the request's sampling), `finish_reason` (set
-when that token already ends the completion, and then nothing is held), `cached_tokens` (prompt
-tokens whose KV the prefix cache already had), and the
+"ignore_eos", "logprobs", "prompt_logprobs"}` answers the first token (chosen by the request's
+sampling), `finish_reason` (set when that token already ends the completion, and then nothing is
+held; `max_tokens` 0 runs the prompt alone), `cached_tokens` (prompt tokens whose KV the prefix
+cache already had), with `logprobs: k` the first token's log-probability entry (`[logprob, rank,
+[[id, logprob] x k]]`, serve/common.py), with `prompt_logprobs: k` one for each prompt token
+from the second on (such a prompt bypasses the prefix cache: its every position runs), and the
 `kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every prefill
 rank has its notifications or the lease runs out. The parameters are a grant signed with the
 deployment's key. `POST /v1/release {"kv_transfer_params"}` frees a request the router gave up
@@ -21,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
+from pdd_sidecar.engine.scheduler import CACHED_TOKENS, LOGPROBS, PROMPT_LOGPROBS, Sequence
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
@@ -33,6 +36,8 @@ from pdd_sidecar.serve.common import (
     finished,
     grant_refusal,
     int_field,
+    logprob_json,
+    logprobs_field,
     read_json,
     request_id,
     sequence_error,
@@ -51,13 +56,15 @@ async def run_prefill(request: web.Request, state: InstanceState,
     state.require_serving("prefill")
     rid = request_id(body, lambda: uuid.uuid4().hex)
     prompt = token_ids(state, body.get("prompt_ids"), "prompt_ids")
-    max_tokens = int_field(body, "max_tokens", None, 1)
+    # 0: the prompt alone (its log-probabilities); nothing is held for a decode
+    max_tokens = int_field(body, "max_tokens", None, 0)
     total = len(prompt) + (max_tokens or 1)
     if total > state.max_model_len:
         raise bad(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
                   f"({max_tokens or 1}) = {total} exceeds the maximum model length "
                   f"{state.max_model_len}")
-    seq = Sequence(rid, prompt, max_tokens or 1 << 30, len(prompt),
+    seq = Sequence(rid, prompt, 1 << 30 if max_tokens is None else max_tokens, len(prompt),
+                   prompt_logprobs=logprobs_field(body, "prompt_logprobs"),
                    **sequence_options(state, body))
     seq.extra[timing.RECEIVED] = received
     await finished(request, state, seq)
@@ -98,14 +105,19 @@ async def prefill(request: web.Request) -> web.Response:
     try:
         seq, held = await run_prefill(request, state, await read_json(request))
         outcome = "ok"
-        return web.json_response({
+        answer = {
             "request_id": seq.id,
             "first_token": seq.output[0],
             "finish_reason": seq.finish_reason,
             "cached_tokens": int(seq.extra.get(CACHED_TOKENS, 0)),
             "kv_transfer_params": held.to_grant(state.worker.key) if held else None,
             "timing": timing.prefill_timing(seq.extra),
-        })
+        }
+        if seq.logprobs is not None:
+            answer["logprobs"] = logprob_json(seq.extra.get(LOGPROBS, []))
+        if seq.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = logprob_json(seq.extra.get(PROMPT_LOGPROBS, []))
+        return web.json_response(answer)
     except Exception as exc:
         return error_response(exc)
     finally:

@@ -38,6 +38,7 @@ from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
 from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
+from pdd_sidecar.serve.logprob_format import LogprobText, with_first_null
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
 from pdd_sidecar.serve.router_workers import run_workers
 from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
@@ -91,6 +92,12 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             req = parse_request(*args)
         else:
             req = await asyncio.to_thread(parse_request, *args)
+        if router.settings.upstream_protocol == "vllm" and (
+                req.logprobs is not None or req.prompt_logprobs is not None or req.echo):
+            field = "echo" if req.echo else "logprobs" if req.logprobs is not None \
+                else "prompt_logprobs"
+            raise bad(f"{field}: not served through vLLM upstreams "
+                      "(PDD_ROUTER_UPSTREAM_PROTOCOL=vllm)", field)
         router.check_capacity(req, "max_completion_tokens" if kind == "chat"
                               and body.get("max_completion_tokens") is not None
                               else "max_tokens")
@@ -115,17 +122,51 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         router.metrics.request_seconds.observe(time.monotonic() - start)
 
 
+def _logprob_text(router: Router, req: GenRequest) -> LogprobText:
+    codec = router.model.codec
+    return LogprobText(codec.decode if codec is not None else None, req.tokens_as_ids)
+
+
+def _echo_text(router: Router, req: GenRequest) -> str:
+    """The prompt as the client sent it, or its token ids' text."""
+    if req.prompt_text is not None:
+        return req.prompt_text
+    codec = router.model.codec
+    return codec.decode(req.prompt_ids) if codec is not None else ""
+
+
+def _token_logprobs(lt: LogprobText, req: GenRequest, ids: list[int], entries: list[Any],
+                    trip: Trip, prompt: bool) -> dict[str, Any] | None:
+    """The choice's ``logprobs`` for generated ``ids``; ``prompt``: an echoed prompt's first."""
+    if req.logprobs is None:
+        return None
+    if req.kind == "chat":
+        return lt.chat(ids, entries)
+    if prompt and req.echo:
+        return lt.completion([*req.prompt_ids, *ids],
+                             [*with_first_null(trip.prompt_logprobs), *entries])
+    return lt.completion(ids, entries)
+
+
 def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
                 trip: Trip) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0}
     if req.kind == "completion":
-        choice.update(text=out.text)
+        choice.update(text=_echo_text(router, req) + out.text if req.echo else out.text)
     elif out.tool_calls:
         choice.update(message={"role": "assistant", "content": out.text or None,
                                "tool_calls": out.tool_calls})
     else:
         choice.update(message={"role": "assistant", "content": out.text})
-    choice.update(token_ids=out.token_ids, logprobs=None, finish_reason=out.finish)
+    lt = _logprob_text(router, req)
+    n = len(out.token_ids)
+    choice.update(token_ids=out.token_ids,
+                  logprobs=_token_logprobs(lt, req, out.token_ids, trip.logprobs[:n], trip,
+                                           True),
+                  finish_reason=out.finish)
+    if req.vllm_prompt_logprobs:
+        choice["prompt_logprobs"] = lt.prompt_logprobs(req.prompt_ids,
+                                                       with_first_null(trip.prompt_logprobs))
     return {"id": rid, "object": "text_completion" if req.kind == "completion"
             else "chat.completion", "created": int(time.time()),
             "model": router.settings.model_name, "choices": [choice],
@@ -147,6 +188,7 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
                       req.include_usage)
     answer = Output(req, router.model)
     seen = 0
+    lt = _logprob_text(router, req)
 
     async def emit(steps: list[Step]) -> None:
         nonlocal seen
@@ -155,12 +197,18 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
             await response.prepare(request)
             if req.kind == "chat":
                 events.append(fmt.role())
+            if req.echo or req.vllm_prompt_logprobs:
+                events.append(_prompt_event(router, req, fmt, lt, trip))
         for tokens, text, finish in steps:
+            lp = None
+            if req.logprobs is not None:  # this step's tokens' entries, in order
+                lp = _token_logprobs(lt, req, tokens, trip.logprobs[seen:seen + len(tokens)],
+                                     trip, False)
             seen += len(tokens)
             extra = {"pdd": trip.meta()} if finish else None
             calls = answer.pop_tool_deltas(seen) if answer.tools is not None else []
-            events.append(fmt.tool_step(tokens, text, calls, finish, extra) if calls
-                          else fmt.step(tokens, text, finish, extra))
+            events.append(fmt.tool_step(tokens, text, calls, finish, extra, lp) if calls
+                          else fmt.step(tokens, text, finish, extra, lp))
         await response.write(b"".join(events))
 
     # The stream's last events go out with its end, in one write.
@@ -176,6 +224,21 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
         tail = sse(fmt.usage(_usage(req, out, trip)))
     await response.write_eof(tail + sse("[DONE]"))
     return response
+
+
+def _prompt_event(router: Router, req: GenRequest, fmt: ChunkFormat, lt: LogprobText,
+                  trip: Trip) -> bytes:
+    """A streamed completion's first event when it echoes the prompt or sends vLLM's
+    prompt_logprobs: the prompt's text and log-probabilities, before any generated token."""
+    text = _echo_text(router, req) if req.echo else ""
+    lp = None
+    if req.echo and req.logprobs is not None:
+        lp = lt.completion(req.prompt_ids, with_first_null(trip.prompt_logprobs))
+    choice = fmt.choice([], text, None, lp)
+    if req.vllm_prompt_logprobs:
+        choice["prompt_logprobs"] = lt.prompt_logprobs(req.prompt_ids,
+                                                       with_first_null(trip.prompt_logprobs))
+    return sse(fmt.chunk(choice))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

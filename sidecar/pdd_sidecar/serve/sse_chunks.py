@@ -50,9 +50,11 @@ class ChunkFormat:
                                "token_ids": [], "logprobs": None, "finish_reason": None}))
 
     def step(self, tokens: list[int], text: str, finish: str | None,
-             extra: dict[str, Any] | None = None) -> bytes:
-        """One step's event: its tokens and the text they completed."""
-        if finish is None and not extra:
+             extra: dict[str, Any] | None = None,
+             logprobs: dict[str, Any] | None = None) -> bytes:
+        """One step's event: its tokens, the text they completed, and (asked for) their
+        log-probabilities in the endpoint's shape (serve/logprob_format.py)."""
+        if finish is None and not extra and logprobs is None:
             ids = "[" + ", ".join(str(t) for t in tokens) + "]"
             shown = json.dumps(text)
             content = (f'"text": {shown}' if self.kind == "completion"
@@ -60,20 +62,22 @@ class ChunkFormat:
             return (f'data: {self._head}, "choices": [{{"index": 0, {content}, "token_ids": '
                     f'{ids}, "logprobs": null, "finish_reason": null}}]{self._usage}}}\n\n'
                     ).encode()
-        return sse(self.chunk(self.choice(tokens, text, finish), **(extra or {})))
+        return sse(self.chunk(self.choice(tokens, text, finish, logprobs), **(extra or {})))
 
     def tool_step(self, tokens: list[int], text: str, calls: list[dict[str, Any]],
-                  finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
+                  finish: str | None, extra: dict[str, Any] | None = None,
+                  logprobs: dict[str, Any] | None = None) -> bytes:
         """A chat step that carries tool-call deltas (OpenAI's `delta.tool_calls`, each with
         its `index`; the first of a call names it, the rest add to its arguments)."""
-        choice = self.choice(tokens, text, finish)
+        choice = self.choice(tokens, text, finish, logprobs)
         choice["delta"] = {**({"content": text} if text else {}), "tool_calls": calls}
         return sse(self.chunk(choice, **(extra or {})))
 
-    def choice(self, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
+    def choice(self, tokens: list[int], text: str, finish: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": text}
         else:
             choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
-        choice.update(token_ids=tokens, logprobs=None, finish_reason=finish)
+        choice.update(token_ids=tokens, logprobs=logprobs, finish_reason=finish)
         return choice

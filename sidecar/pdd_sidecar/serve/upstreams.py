@@ -27,6 +27,7 @@ from pdd_sidecar.metrics import RouterMetrics
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import WARM_CONNECTIONS, ConnectionWarmer
 from pdd_sidecar.serve.discovery import replicas
+from pdd_sidecar.serve.logprob_format import entry_ok
 from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
 from pdd_sidecar.serve.replica_pool import Pool
 from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
@@ -57,6 +58,10 @@ class Trip:
     prefill_timing: Any = None
     decode_timing: Any = None
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
+    # Log-probability entries (serve/logprob_format.py): one per token handed out, in order;
+    # the prompt's, from its second token on.
+    logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     def meta(self) -> dict[str, Any]:
         return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer,
@@ -83,6 +88,23 @@ def _token_line(line: bytes) -> int | None:
         if digits.isdigit() and len(digits) < 12:
             return int(digits)
     return None
+
+
+def _take_logprobs(req: GenRequest, pre: dict[str, Any], url: str, trip: Trip) -> None:
+    """The prefill's log-probabilities of the first token and the prompt, checked."""
+    if req.logprobs is not None:
+        got = pre.get("logprobs")
+        if not (isinstance(got, list) and len(got) == 1 and entry_ok(got[0])):
+            raise ApiError(502, f"prefill {url}: answer without the first token's "
+                           "log-probabilities")
+        trip.logprobs.append(got[0])
+    if req.prompt_logprobs is not None:
+        got = pre.get("prompt_logprobs")
+        if not (isinstance(got, list) and len(got) == len(req.prompt_ids) - 1
+                and all(entry_ok(e) for e in got)):
+            raise ApiError(502, f"prefill {url}: answer without the prompt's "
+                           "log-probabilities")
+        trip.prompt_logprobs = got
 
 
 class PrefillLost(Exception):
@@ -377,6 +399,8 @@ class Router:
                 "prompt_ids": req.prompt_ids, "sampling": req.sampling,
                 "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                 "stream": True}
+        if req.logprobs is not None:
+            body["logprobs"] = req.logprobs
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.request_timeout_s or None)
         trip.stamps[timing.R_DECODE_SENT] = time.monotonic()
@@ -531,8 +555,14 @@ class Router:
         prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
                         "max_tokens": req.max_tokens, "sampling": req.sampling,
                         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
-        if sent_first is not None:
+        if req.logprobs is not None:
+            prefill_body["logprobs"] = req.logprobs
+        if req.prompt_logprobs is not None:
+            prefill_body["prompt_logprobs"] = req.prompt_logprobs
+        if sent_first is not None:  # its token and log-probabilities are not used
             prefill_body.update(stop_token_ids=[], ignore_eos=True)
+            prefill_body.pop("logprobs", None)
+            prefill_body.pop("prompt_logprobs", None)
         try:
             prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip)
             trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
@@ -547,6 +577,12 @@ class Router:
             self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
             raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
         first = int(pre["first_token"]) if sent_first is None else sent_first
+        if sent_first is None:
+            try:
+                _take_logprobs(req, pre, prefill_url, trip)
+            except ApiError:
+                self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
+                raise
         # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
         finished = pre.get("finish_reason") if sent_first is None else None
         held = pre.get("finish_reason") is None
@@ -554,6 +590,9 @@ class Router:
         complete = False
         decoded: list[int] = []
         try:
+            if req.max_tokens == 0:  # an echo of the prompt alone: the prefill held nothing
+                trip.finish = "length"
+                return
             if sent_first is None:
                 yield [first]
                 # The hand-off waits one loop turn: the other prefill answers that arrived
@@ -584,7 +623,7 @@ class Router:
                 pending = b"" if eof else lines.pop()
                 batch: list[int] = []
                 for line in lines:
-                    token = _token_line(line)
+                    token = _token_line(line) if req.logprobs is None else None
                     if token is not None:
                         decoded.append(token)
                         batch.append(token)
@@ -602,6 +641,11 @@ class Router:
                     if "timing" in msg:
                         trip.decode_timing = msg["timing"]
                     if "token" in msg:
+                        if req.logprobs is not None:
+                            if not entry_ok(msg.get("logprob")):
+                                raise ApiError(502, f"decode {trip.decode}: token line without "
+                                               f"its log-probabilities: {line[:200]!r}")
+                            trip.logprobs.append(msg["logprob"])
                         decoded.append(int(msg["token"]))
                         batch.append(decoded[-1])
                         continue

@@ -108,6 +108,12 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("stop"):
         raise bad("stop: stop strings are not supported by pdd instances in vLLM's protocol; "
                   "use stop_token_ids, or pdd's router")
+    for key in ("logprobs", "top_logprobs", "echo", "prompt_logprobs"):
+        value = body.get(key)
+        if value is not None and value is not False and not (key == "top_logprobs"
+                                                              and value == 0):
+            raise bad(f"{key}: log-probabilities and echo are not served by pdd instances in "
+                      "vLLM's protocol; use pdd's router")
     n = body.get("n", 1)
     if n != 1:
         raise bad(f"n: only 1 is supported, got {n!r}")
