@@ -97,7 +97,12 @@ class PodWatch(_Watch):
 
 
 class PddWatch(_Watch):
-    """Client-side times at which each PDDeployment was first seen Ready."""
+    """Client-side times at which each PDDeployment was first seen Ready (and first seen Ready
+    at each generation)."""
+
+    def __init__(self, api: Any, ns: str) -> None:
+        self.ready_gen: dict[tuple[str, int], float] = {}
+        super().__init__(api, ns)
 
     def _stream(self) -> None:
         w = watch.Watch()
@@ -110,6 +115,7 @@ class PddWatch(_Watch):
                 if (c["type"] == "Ready" and c["status"] == "True"
                         and c.get("observedGeneration") == gen):
                     self.ready.setdefault(obj["metadata"]["name"], now)
+                    self.ready_gen.setdefault((obj["metadata"]["name"], gen), now)
             if self.stop.is_set():
                 w.stop()
                 break
@@ -181,8 +187,35 @@ def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int,
     return {"created": summarize(starts, created), "ready": summarize(starts, ready)}
 
 
+def run_scale(crd: client.CustomObjectsApi, ns: str, sets: list[str], threads: int,
+              pods: PodWatch, pdds: PddWatch) -> dict[str, Any]:
+    """A scale decision on `sets` while every PDDeployment is Ready: decode replicas 2 -> 3 at
+    once (what the planner's decision amounts to), timed to the new pod's creation (what one
+    planner interval must cover) and to Ready=True at the new generation."""
+    starts: dict[str, float] = {}
+    gens: dict[str, int] = {}
+
+    def scale(name: str) -> None:
+        starts[name] = time.monotonic()
+        out = crd.patch_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, name, {"spec": {"decode": {"replicas": 3}}})
+        gens[name] = int(out["metadata"]["generation"])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(scale, sets))
+    new_pod = {s: f"{s}-decode-2" for s in sets}
+    wait_until(lambda: all(p in pods.added for p in new_pod.values()), 300,
+               "scaled-up pods created")
+    wait_until(lambda: all((s, gens[s]) in pdds.ready_gen for s in sets), 300,
+               "scaled-up PDDeployments Ready")
+    created = {s: pods.added[new_pod[s]] for s in sets}
+    ready = {s: pdds.ready_gen[(s, gens[s])] for s in sets}
+    return {"count": len(sets), "created": summarize(starts, created),
+            "ready": summarize(starts, ready)}
+
+
 def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, count: int,
-                 threads: int, kubeconfig: str, log: Path) -> dict[str, Any]:
+                 threads: int, kubeconfig: str, log: Path, scale_count: int) -> dict[str, Any]:
     env = {**os.environ, "KUBECONFIG": kubeconfig}
     if os.environ.get("BENCH_PROFILE"):
         env["PDD_PROFILE"] = os.environ["BENCH_PROFILE"]
@@ -222,15 +255,16 @@ def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, 
         wait_until(lambda: all(p in pods.added for s in sets for p in set_pods(s, ns)), 600,
                    "operator pods created")
         wait_until(lambda: all(s in pdds.ready for s in sets), 900, "PDDeployments Ready")
-        rss, cpu = proc_usage(proc.pid)
         wait_until(lambda: all(p in pods.ready for s in sets for p in set_pods(s, ns)), 60,
                    "operator pods Ready")
-        pods.stop.set()
-        pdds.stop.set()
         created = {s: max(pods.added[p] for p in set_pods(s, ns)) for s in sets}
         pods_ready = {s: max(pods.ready[p] for p in set_pods(s, ns)) for s in sets}
+        scale = run_scale(crd, ns, sets[:scale_count], threads, pods, pdds)
+        rss, cpu = proc_usage(proc.pid)
+        pods.stop.set()
+        pdds.stop.set()
         return {"created": summarize(starts, created), "ready": summarize(starts, pdds.ready),
-                "pods_ready": summarize(starts, pods_ready),
+                "pods_ready": summarize(starts, pods_ready), "scale": scale,
                 "operator_peak_rss_mib": rss, "operator_cpu_s": cpu - cpu0,
                 "operator_idle_rss_mib": rss0}
     finally:
@@ -246,6 +280,11 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=20)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--scale", type=int, default=20,
+                    help="then scale decode 2 -> 3 on this many PDDeployments at once")
+    ap.add_argument("--interval", type=float, default=15.0,
+                    help="the planner interval a scale decision must be applied within "
+                    "(spec.autoscaling.intervalSeconds' default)")
     ap.add_argument("--baseline", choices=["pods", "full"], default="pods",
                     help="pods: the same 600 pods; full: plus each set's ConfigMap and "
                     "headless Services, as the operator writes them")
@@ -259,12 +298,16 @@ def main() -> int:
     # In its own process: this one's threads would starve it of the GIL, and a late
     # heartbeat turns every pod NotReady for good (see operator_fixtures.NodeHeartbeat).
     heartbeat = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "import sys, time; sys.path[:0] = sys.argv[1:4]\n"
         "from operator_fixtures import NodeHeartbeat\n"
-        "NodeHeartbeat(sys.argv[3])\n"
+        "NodeHeartbeat(sys.argv[4])\n"
         "time.sleep(86400)"), str(ROOT / "tests" / "integration"),
-        str(ROOT / "tests" / "cluster"), kubeconfig])
+        str(ROOT / "tests" / "cluster"), str(ROOT / "tests"), kubeconfig])
     try:
+        time.sleep(2)
+        if heartbeat.poll() is not None:
+            raise SystemExit("the node heartbeat exited (its traceback is above): without it "
+                             "the fake nodes, and every pod on them, turn NotReady")
         kc = ["kubectl", "--kubeconfig", kubeconfig]
         subprocess.run([*kc, "apply", "--server-side", "--force-conflicts", "-f",
                         str(ROOT / "crds" / "serving.pdd.dev_pddeployments.yaml"), "-f",
@@ -289,7 +332,8 @@ def main() -> int:
                         "--timeout=300s"], capture_output=True)
         print(f"operator: {args.count} PDDeployments applied at once ...", file=sys.stderr)
         log = args.state_dir / "operator.log"
-        op = run_operator(core, crd, "bench-operator", args.count, args.threads, kubeconfig, log)
+        op = run_operator(core, crd, "bench-operator", args.count, args.threads, kubeconfig, log,
+                          min(args.scale, args.count))
     finally:
         heartbeat.kill()
         if started and not args.keep:
@@ -312,6 +356,16 @@ def main() -> int:
     print(f"operator/baseline total, pods created: {result['ratio_created_total']:.2f}x "
           f"(target <= 1.5x); Ready: {result['ratio_ready_total']:.2f}x")
     print(f"operator p99 apply->pods created: {o['created']['p99_s']:.3f} s (target <= 1 s)")
+    ready_p99 = o["ready"]["p99_s"] / o["pods_ready"]["p99_s"]
+    result["ratio_ready_p99_to_pods_ready_p99"] = ready_p99
+    print(f"operator p99 apply->Ready=True / p99 apply->pods Ready: {ready_p99:.2f}x "
+          "(target <= 1.2x)")
+    sc = o["scale"]
+    print(f"scale decision on {sc['count']} of {args.count} (decode 2 -> 3): new pod created "
+          f"p50 {sc['created']['p50_s']:.3f} s, p99 {sc['created']['p99_s']:.3f} s, all "
+          f"{sc['created']['total_s']:.2f} s (target: within one interval, "
+          f"{args.interval:.0f} s); Ready=True at the new generation p99 "
+          f"{sc['ready']['p99_s']:.3f} s")
     print(f"operator peak RSS {o['operator_peak_rss_mib']:.0f} MiB, "
           f"CPU {o['operator_cpu_s']:.1f} s for the run")
     print(json.dumps(result))

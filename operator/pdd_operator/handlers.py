@@ -19,7 +19,7 @@ from typing import Any, cast
 import kopf
 
 from pdd_api.models import API_GROUP, API_VERSION, PLURAL
-from pdd_operator import metrics
+from pdd_operator import credentials, metrics
 from pdd_operator.autoscaler import Autoscaler
 from pdd_operator.config import CONFIG
 from pdd_operator.kube import KINDS, ApiError, Kube
@@ -59,6 +59,21 @@ def reconciler() -> Reconciler:
     if STATE.reconciler is None:
         raise kopf.TemporaryError("operator is starting", delay=1)
     return STATE.reconciler
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf logs in as the operator's own client does (credentials.py): its default login goes
+    through the `kubernetes` package and would import it for nothing."""
+    creds = credentials.load()
+    if creds.via_client:
+        return cast(kopf.ConnectionInfo | None, kopf.login_via_client(**kwargs))
+    scheme, _, token = (creds.header() or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=creds.host, ca_path=creds.ca_file, ca_data=creds.ca_data,
+        insecure=creds.insecure or None, certificate_path=creds.cert_file,
+        certificate_data=creds.cert_data, private_key_path=creds.key_file,
+        private_key_data=creds.key_data, scheme=scheme or None, token=token or None)
 
 
 @kopf.on.startup()

@@ -26,6 +26,7 @@ import aiohttp
 
 from pdd_api import keys
 from pdd_api.models import API_GROUP, API_VERSION, KIND, PLURAL
+from pdd_operator import credentials
 
 log = logging.getLogger("pdd_operator.kube")
 
@@ -204,30 +205,8 @@ class Kube:
     @classmethod
     def from_environment(cls, concurrency: int = 64, kubeconfig: str | None = None) -> Kube:
         """In-cluster service account when there is one, else KUBECONFIG (as kubectl does)."""
-        from kubernetes import client, config  # only for loading credentials
-
-        cfg = client.Configuration()
-        try:
-            if kubeconfig:
-                raise config.ConfigException("explicit kubeconfig")
-            config.load_incluster_config(client_configuration=cfg)
-        except config.ConfigException:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        ctx: ssl.SSLContext | bool
-        if cfg.verify_ssl:
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-        else:
-            ctx = False
-        if cfg.cert_file and isinstance(ctx, ssl.SSLContext):
-            ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-
-        def auth() -> str | None:
-            if cfg.refresh_api_key_hook is not None:
-                cfg.refresh_api_key_hook(cfg)
-            bearer = cfg.auth_settings().get("BearerToken")
-            return str(bearer["value"]) if bearer and bearer.get("value") else None
-
-        return cls(cfg.host, ctx, auth, concurrency)
+        creds = credentials.load(kubeconfig)
+        return cls(creds.host, creds.ssl_context(), creds.header, concurrency)
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

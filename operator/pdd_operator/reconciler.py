@@ -147,6 +147,10 @@ class Reconciler:
     # ------------------------------------------------------------------ inputs
 
     def observe_pdd(self, body: Obj, deleted: bool = False) -> Key:
+        if "managedFields" in body["metadata"]:
+            # kopf's own event body is left as it is; ours is kept without the field owners.
+            body = {**body, "metadata": {k: v for k, v in body["metadata"].items()
+                                         if k != "managedFields"}}
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
         if deleted:

@@ -11,10 +11,17 @@ newer is decided without comparing them:
   events before it. After our own write, watch events of that object are taken as older until
   the watch delivers the version we wrote (same resourceVersion, compared for equality only),
   or for `floor_seconds` at most (a watch that re-listed may skip it);
+- the watch may as well deliver the version we wrote before our write's response comes back
+  (two connections, one event loop; common when hundreds of objects are written at once). The
+  last few versions the watch delivered per object are kept: a response whose version the
+  watch has already shown sets no floor (waiting for that version again would drop every later
+  event of the object, a pod turning Ready included, for `floor_seconds`), and one the watch
+  has gone past is older than what is held;
 - a deleted object's uid is remembered: a late event of it never brings it back, and a late
   event of an earlier incarnation never replaces the one we just created;
 - a LIST is authoritative for what did not change in the store while it was in flight
   (a local sequence number, taken before the request, tells).
+Objects are kept without metadata.managedFields (the store owns what it is given).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pdd_api import keys
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # namespace, name
+SEEN_VERSIONS = 4  # per object: the watch's last versions, newest last
 
 
 def instance_of(obj: Obj) -> str | None:
@@ -59,6 +67,7 @@ class Store:
         self._floors: dict[str, dict[Key, _Floor]] = defaultdict(dict)
         self._gone: dict[str, dict[Key, set[str]]] = defaultdict(dict)
         self._by_instance: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+        self._seen: dict[str, dict[Key, tuple[str | None, tuple[str, ...]]]] = defaultdict(dict)
         self._seq = 0
 
     def mark(self) -> int:
@@ -92,11 +101,29 @@ class Store:
             else:
                 return False
         if written:
-            self._floors[kind][key] = _Floor(uid, rv, time.monotonic() + self.floor_seconds)
+            seen_uid, seen = self._seen[kind].get(key, (None, ()))
+            if rv is not None and seen_uid == uid and rv in seen:
+                if rv != seen[-1]:
+                    return False  # the watch has shown newer versions already
+                self._floors[kind].pop(key, None)
+            else:
+                self._floors[kind][key] = _Floor(uid, rv, time.monotonic() + self.floor_seconds)
+        else:
+            self._saw(kind, key, uid, rv)
         self._set(kind, key, obj)
         return True
 
+    def _saw(self, kind: str, key: Key, uid: str | None, rv: str | None) -> None:
+        if rv is None:
+            return
+        seen_uid, seen = self._seen[kind].get(key, (None, ()))
+        if seen_uid != uid:
+            seen = ()
+        self._seen[kind][key] = (uid, (*seen[1 - SEEN_VERSIONS:], rv))
+
     def _set(self, kind: str, key: Key, obj: Obj) -> None:
+        # Who set which field: never read here, and about a third of a pod's size.
+        obj.get("metadata", {}).pop("managedFields", None)
         self._unindex(kind, key)
         self._objs[kind][key] = obj
         self._bump(kind, key)
@@ -119,6 +146,7 @@ class Store:
         self._unindex(kind, key)
         self._objs[kind].pop(key, None)
         self._floors[kind].pop(key, None)
+        self._seen[kind].pop(key, None)
         self._bump(kind, key)
 
     def _unindex(self, kind: str, key: Key) -> None:
@@ -149,6 +177,7 @@ class Store:
                 self._unindex(kind, (namespace, name))
                 self._objs[kind].pop((namespace, name), None)
                 self._floors[kind].pop((namespace, name), None)
+                self._seen[kind].pop((namespace, name), None)
         for o in objs:
             key = (namespace, o["metadata"]["name"])
             if changed(key[1]):
@@ -156,6 +185,7 @@ class Store:
             if _uid(o) is not None and _uid(o) in self._gone[kind].get(key, ()):
                 continue
             self._floors[kind].pop(key, None)
+            self._saw(kind, key, _uid(o), _rv(o))
             self._set(kind, key, o)
 
     def count(self, kind: str) -> int:

@@ -289,3 +289,24 @@ def test_store_write_floor_expires() -> None:
     store = Store(floor_seconds=0.0)
     store.upsert("Pod", _obj("p", "u1", "w"), written=True)
     assert store.upsert("Pod", _obj("p", "u1", "later", "Running"))
+
+
+def test_store_write_answer_after_the_watch_showed_it() -> None:
+    """The watch delivers the version we wrote before our write's answer comes back: later
+    events of the object (a pod turning Ready) are taken at once, not dropped as older."""
+    store = Store()
+    assert store.upsert("Pod", _obj("p", "u1", "w1"))  # ADDED, before the POST's answer
+    store.upsert("Pod", _obj("p", "u1", "w1"), written=True)
+    assert store.upsert("Pod", _obj("p", "u1", "w2", "Running"))
+    assert store.get("Pod", "ns", "p")["status"]["phase"] == "Running"  # type: ignore[index]
+    # An answer the watch has gone past never replaces the newer version it showed.
+    store.upsert("Pod", _obj("p", "u1", "w3", "Running"))
+    assert not store.upsert("Pod", _obj("p", "u1", "w2"), written=True)
+    assert store.get("Pod", "ns", "p")["metadata"]["resourceVersion"] == "w3"  # type: ignore[index]
+    # A version the watch has not shown yet still sets the floor.
+    store.upsert("Pod", _obj("p", "u1", "w5", "Succeeded"), written=True)
+    assert not store.upsert("Pod", _obj("p", "u1", "w4", "Running"))
+    # A new incarnation's write never matches the old one's versions.
+    store.remove("Pod", _obj("p", "u1", "w6"))
+    store.upsert("Pod", _obj("p", "u2", "w3"), written=True)
+    assert not store.upsert("Pod", _obj("p", "u2", "w2"))
