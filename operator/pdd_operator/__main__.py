@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
+    _small_tls_buffers()
     try:
         _run(kopf, cfg, liveness)
     finally:
@@ -82,6 +83,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             profiler.disable()
             profiler.dump_stats(profile)
     return 0
+
+
+TLS_READ_BUFFER = 32 * 1024
+
+
+def _small_tls_buffers() -> None:
+    """asyncio gives every TLS connection a 256 KiB read buffer, zeroed (so resident) when the
+    connection opens. The operator opens up to --concurrency connections to the API server
+    when hundreds of PDDeployments arrive at once, kopf its own, and the API server as many to
+    the webhook: that was about a third of the operator's peak memory at 200 PDDeployments
+    (bench/operator_scale.py). A TLS record holds 16 KiB at most, so 32 KiB reads lose
+    nothing that matters here."""
+    from asyncio import sslproto
+
+    sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
 
 
 @contextlib.contextmanager

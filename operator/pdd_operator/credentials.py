@@ -91,7 +91,7 @@ def _pem(b64: str | None, what: str) -> str | None:
     if b64 is None:
         return None
     try:
-        return base64.b64decode(b64).decode()
+        return base64.b64decode("".join(b64.split()), validate=True).decode()
     except ValueError as exc:
         raise CredentialsError(f"kubeconfig: {what} is not base64 PEM: {exc}") from None
 
