@@ -2,7 +2,7 @@
 on the local control plane, against a baseline that creates the same 600 pods directly with the
 Python client as fast as it can, in the same run on the same cluster.
 
-    .venv/bin/python bench/operator_scale.py [--count 200] [--nodes 20] [--gpus 64]
+    .venv/bin/python bench/operator_scale.py [--count 200] [--nodes 24] [--gpus 64] [--scale 20]
 
 Prints, for the operator and the baseline: apply -> all pods of a set created (p50, p99) and
 the total, apply -> Ready (p50, p99, total; for the baseline: all 3 pods Ready), the
@@ -148,6 +148,17 @@ def proc_usage(pid: int) -> tuple[float, float]:
     return hwm / 1024, (int(fields[11]) + int(fields[12])) / ticks
 
 
+def gpus_needed(count: int, scaled: int) -> int:
+    """GPUs of `count` sets and of one more decode pod on `scaled` of them."""
+    desired = build(Owner("x", "ns", "uid"), parse_spec(SPEC))
+
+    def gpus(pod: dict[str, Any]) -> int:
+        return sum(int((c.get("resources", {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+                   for c in pod["spec"]["containers"])
+    per_set = sum(gpus(p) for role in ("prefill", "decode") for p in desired.pods[role].values())
+    return count * per_set + scaled * gpus(desired.pods["decode"][0])
+
+
 def names(count: int, prefix: str) -> list[str]:
     return [f"{prefix}-{i:03d}" for i in range(count)]
 
@@ -277,7 +288,7 @@ def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=200)
-    ap.add_argument("--nodes", type=int, default=20)
+    ap.add_argument("--nodes", type=int, default=24)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--scale", type=int, default=20,
@@ -292,6 +303,11 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
     args = ap.parse_args()
 
+    need = gpus_needed(args.count, min(args.scale, args.count))
+    if need > args.nodes * args.gpus:
+        raise SystemExit(f"{args.count} PDDeployments and {args.scale} scaled up need {need} "
+                         f"GPUs, more than --nodes {args.nodes} x --gpus {args.gpus}: pods would "
+                         "stay Pending")
     cluster, started = up(args.state_dir, DEFAULT_BIN_DIR, nodes=args.nodes, gpus=args.gpus,
                           log=lambda m: print(m, file=sys.stderr))
     kubeconfig = str(cluster.kubeconfig)

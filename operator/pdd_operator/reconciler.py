@@ -64,7 +64,7 @@ from pdd_operator.rollout import (
     roll_starting,
     surge_fits,
 )
-from pdd_operator.store import Store
+from pdd_operator.store import Store, lean
 
 log = logging.getLogger("pdd_operator")
 Key = tuple[str, str]
@@ -147,10 +147,7 @@ class Reconciler:
     # ------------------------------------------------------------------ inputs
 
     def observe_pdd(self, body: Obj, deleted: bool = False) -> Key:
-        if "managedFields" in body["metadata"]:
-            # kopf's own event body is left as it is; ours is kept without the field owners.
-            body = {**body, "metadata": {k: v for k, v in body["metadata"].items()
-                                         if k != "managedFields"}}
+        body = lean(body)  # a copy: kopf's event body is left as it is
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
         if deleted:

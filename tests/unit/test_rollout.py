@@ -310,3 +310,22 @@ def test_store_write_answer_after_the_watch_showed_it() -> None:
     store.remove("Pod", _obj("p", "u1", "w6"))
     store.upsert("Pod", _obj("p", "u2", "w3"), written=True)
     assert not store.upsert("Pod", _obj("p", "u2", "w2"))
+
+
+def test_store_keeps_objects_lean() -> None:
+    """No managedFields, keys and short strings shared across objects; the caller's object is
+    left as it was."""
+    a = _obj("a", "u1", "1")
+    a["metadata"]["managedFields"] = [{"manager": "pdd-operator"}]
+    b = _obj("b", "u2", "2")
+    store = Store()
+    store.upsert("Pod", a)
+    store.upsert("Pod", b)
+    kept_a, kept_b = store.get("Pod", "ns", "a"), store.get("Pod", "ns", "b")
+    assert kept_a is not None and kept_b is not None
+    assert "managedFields" not in kept_a["metadata"] and "managedFields" in a["metadata"]
+    assert kept_a == {**a, "metadata": {k: v for k, v in a["metadata"].items()
+                                        if k != "managedFields"}}
+    key_a = next(k for k in kept_a["status"] if k == "phase")
+    key_b = next(k for k in kept_b["status"] if k == "phase")
+    assert key_a is key_b and kept_a["status"]["phase"] is kept_b["status"]["phase"]
