@@ -6,7 +6,10 @@ Python client as fast as it can, in the same run on the same cluster.
 
 Prints, for the operator and the baseline: apply -> all pods of a set created (p50, p99) and
 the total, apply -> Ready (p50, p99, total; for the baseline: all 3 pods Ready), the
-operator/baseline ratios, and the operator's peak RSS and CPU seconds. Uses its own control
+operator/baseline ratios, how far `Ready=True` trails the pods' own readiness (p99 against
+p99), then a scale decision while all are Ready (decode 2 -> 3 on --scale of them at once,
+timed to the new pod and to Ready=True at the new generation, against one planner interval),
+and the operator's peak RSS and CPU seconds. Uses its own control
 plane under .cache/bench-cluster (started and stopped here), never the test cluster.
 The router is disabled so both sides create exactly the same pods (the operator still writes
 the routing ConfigMap and two headless Services per PDDeployment).
