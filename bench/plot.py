@@ -4,6 +4,7 @@
     python bench/plot.py engine docs/gpu_engine_h200.json docs/gpu_engine_h200.png
     python bench/plot.py serve_path docs/serve_path_cpu.json docs/serve_path_cpu.png
     python bench/plot.py prefix_cache docs/prefix_cache_h200.json docs/prefix_cache_h200.png
+    python bench/plot.py autoscale docs/autoscale_sim.json docs/autoscale_sim.png
 
 Inputs are what `bench/serving.py --json`, `bench/engine.py --json`,
 `bench/serve_path.py --json` and `bench/prefix_cache.py --json` write. Tables show exact
@@ -179,6 +180,52 @@ def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: P
     plt.close(fig)
 
 
+def autoscale_series(data: dict[str, Any]) -> dict[str, Series]:
+    """Per policy, instances over the day (prefill + decode, hours); and the request rate."""
+    out: dict[str, Series] = {"instances (prefill + decode)": {}, "requests/s": {}}
+    for policy, points in data["timeline"].items():
+        out["instances (prefill + decode)"][policy] = [
+            (t / 3600, float(p + d)) for t, _rps, p, d in points]
+    first = next(iter(data["timeline"].values()))
+    out["requests/s"]["trace"] = [(t / 3600, float(rps)) for t, rps, _p, _d in first]
+    return out
+
+
+def plot_autoscale(data: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = autoscale_series(data)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name, pts in series["instances (prefill + decode)"].items():
+        ax1.plot([x for x, _ in pts], [y for _, y in pts], label=name, linewidth=1)
+    ax1b = ax1.twinx()
+    rate = series["requests/s"]["trace"]
+    ax1b.plot([x for x, _ in rate], [y for _, y in rate], color="grey", alpha=0.4,
+              linewidth=0.8, label="requests/s")
+    ax1b.set_ylabel("requests/s (grey)")
+    ax1.set_xlabel("hour")
+    ax1.set_ylabel("instances")
+    ax1.set_title("instances over the trace")
+    ax1.legend(fontsize=8, loc="upper left")
+    pol = data["policies"]
+    names = list(pol)
+    ax2.scatter([pol[n]["gpu_hours"] for n in names],
+                [100 * (1 - pol[n]["attainment"]) for n in names])
+    for n in names:
+        ax2.annotate(n, (pol[n]["gpu_hours"], 100 * (1 - pol[n]["attainment"])), fontsize=8)
+    ax2.set_xlabel("GPU-hours")
+    ax2.set_ylabel("% of requests missing TTFT or TPOT target")
+    ax2.set_title("cost and misses")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def plot_serving(data: dict[str, Any], out: Path) -> None:
     cfg = data.get("config", {})
     title = (f"bench/serving.py: P tp{cfg.get('prefill_tp', '?')}/dcp{cfg.get('prefill_dcp', '?')}"
@@ -206,13 +253,15 @@ def plot_engine(data: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["serving", "engine", "serve_path", "prefix_cache"])
+    ap.add_argument("kind", choices=["serving", "engine", "serve_path", "prefix_cache",
+                                     "autoscale"])
     ap.add_argument("json", type=Path)
     ap.add_argument("png", type=Path)
     args = ap.parse_args(argv)
     data = json.loads(args.json.read_text())
     {"serving": plot_serving, "engine": plot_engine,
-     "serve_path": plot_serve_path, "prefix_cache": plot_prefix_cache}[args.kind](data, args.png)
+     "serve_path": plot_serve_path, "prefix_cache": plot_prefix_cache,
+     "autoscale": plot_autoscale}[args.kind](data, args.png)
     print(f"wrote {args.png}")
     return 0
 
