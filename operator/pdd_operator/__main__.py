@@ -90,11 +90,10 @@ TLS_READ_BUFFER = 32 * 1024
 
 def _small_tls_buffers() -> None:
     """asyncio gives every TLS connection a 256 KiB read buffer, zeroed (so resident) when the
-    connection opens. The operator opens up to --concurrency connections to the API server
-    when hundreds of PDDeployments arrive at once, kopf its own, and the API server as many to
-    the webhook: that was about a third of the operator's peak memory at 200 PDDeployments
-    (bench/operator_scale.py). A TLS record holds 16 KiB at most, so 32 KiB reads lose
-    nothing that matters here."""
+    connection opens. The operator opens up to --concurrency (64) connections to the API
+    server when hundreds of PDDeployments arrive at once, kopf its own, and the API server more
+    to the webhook: 16 MiB and more at the peak (bench/operator_scale.py). A TLS record holds
+    16 KiB at most, so 32 KiB reads lose nothing that matters here."""
     from asyncio import sslproto
 
     sslproto.SSLProtocol.max_size = TLS_READ_BUFFER

@@ -68,7 +68,7 @@ def test_quick_run_writes_the_comparison(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     assert sim.main(["--quick", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"static", "planner", "requests"}
+    assert set(data["policies"]) == {"static", "planner", "requests", "requests (natural)"}
     for r in data["policies"].values():
         assert 0.0 <= r["attainment"] <= 1.0 and r["gpu_hours"] > 0
     assert data["policies"]["static"]["gpu_hours_vs_static"] == 1.0

@@ -155,13 +155,33 @@ def test_prefix_cache_json_holds_its_table_and_plot() -> None:
         assert f[7] == f"{off[key]['ttft_p50_ms']:.1f}/{on[key]['ttft_p50_ms']:.1f}"
 
 
+def test_autoscale_sim_json_holds_its_table_and_plot() -> None:
+    """docs/autoscaling.md's simulation table and the plot's points are the JSON's."""
+    plot = plot_module()
+    data = load("autoscale_sim.json")
+    series = plot.autoscale_series(data)
+    for policy, points in data["timeline"].items():
+        drawn = series["instances (prefill + decode)"][policy]
+        assert [(t / 3600, float(p + d)) for t, _r, p, d in points] == drawn
+    text = (DOCS / "autoscaling.md").read_text()
+    section = text[text.index("[autoscale_sim.json](autoscale_sim.json)"):]
+    rows = {f[1].strip(): f for ln in section.splitlines()
+            if ln.startswith("| ") and len(f := ln.split("|")) > 6}
+    for policy, r in data["policies"].items():
+        row = rows[policy]
+        assert row[2].strip() == f"{100 * r['attainment']:.2f} %"
+        assert row[5].strip() == f"{r['gpu_hours']:.0f}"
+        assert row[6].strip() == f"{100 * r['gpu_hours_vs_static']:.1f} %"
+
+
 @pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
                                           ("serve_path_cpu.png", "serving.md"),
                                           ("serve_path_h200.png", "serving.md"),
                                           ("prefix_cache_h200.png", "serving.md"),
                                           ("serving_h200.png", "serving.md"),
                                           ("serving_h200_graphs.png", "serving.md"),
-                                          ("gpu_engine_h200.png", "gpu.md")])
+                                          ("gpu_engine_h200.png", "gpu.md"),
+                                          ("autoscale_sim.png", "autoscaling.md")])
 def test_plots_are_committed_and_shown_next_to_their_tables(png: str, doc: str) -> None:
     assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"]({png})" in (DOCS / doc).read_text()
