@@ -36,10 +36,11 @@ Policies, each deciding every interval:
   the operator would scrape (TTFT/TPOT percentiles of the interval, queued prompt tokens, KV
   blocks in use, running and waiting sequences);
 - requests: an HPA-like rule on requests in flight per ready replica (prefill: prompts queued
-  or in prefill; decode: sequences running or waiting), HPA's defaults (10 % tolerance,
-  scale up at most max(4, 100 %) per interval, scale down to the highest recommendation of the
-  last 300 s). Its thresholds are scaled by one factor, searched so that its GPU-hours equal
-  the planner's: the comparison is misses at equal cost.
+  or in prefill; decode: sequences running or waiting), HPA's defaults (10 % tolerance, pods
+  not ready yet counted with nothing in flight, scale up at most max(4, 100 %) per interval,
+  scale down to the highest recommendation of the last 300 s). First at thresholds set to
+  serve (what an instance holds in flight at 80 % of its capacity), then with both scaled by
+  one factor, searched so that its GPU-hours equal the planner's: misses at equal cost.
 """
 
 from __future__ import annotations
