@@ -45,7 +45,6 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     Kubectl,
     Operator,
     conditions,
-    events_of,
     kube,
     op_namespace,
     operator,
@@ -71,7 +70,7 @@ STEP_TOKENS = 32
 DECODE_BLOCKS = 96
 QUEUED_PER_REPLICA = 200
 KV_TARGET = 0.3
-STABILIZATION_S = 6
+STABILIZATION_S = 15
 
 SELECTOR = re.compile(r"(\w+)\{([^}]*)\}")
 LABEL = re.compile(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"')
@@ -257,35 +256,56 @@ class Ramp:
                     self.failures.append(error)
 
 
-class ConditionLog:
-    """Every Autoscaling condition reason the PDDeployment's status shows, in order, read from
-    a watch (a reason that lasts one pass is seen too)."""
+class StatusLog:
+    """Every Autoscaling condition reason the PDDeployment's status shows, in order, and every
+    message its Events carried, read from two watches: a reason that lasts one pass is seen,
+    and so is an Event message a later one of the same reason replaced (the operator keeps
+    one Event per reason and bumps its count, as the kubelet's correlator does)."""
 
     def __init__(self, kubeconfig: str, namespace: str, name: str) -> None:
         from kubernetes import client, config, watch
 
+        api = config.new_client_from_config(kubeconfig)
         self.reasons: list[str] = []
-        self._api = client.CustomObjectsApi(config.new_client_from_config(kubeconfig))
-        self._watch = watch.Watch()
-        self._args = (namespace, name)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.events: list[tuple[str, str]] = []
+        self._watches = [watch.Watch(), watch.Watch()]
+        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        streams = [
+            (self._watches[0].stream(
+                custom.list_namespaced_custom_object, "serving.pdd.dev", "v1alpha1", namespace,
+                "pddeployments", field_selector=f"metadata.name={name}", timeout_seconds=600),
+             self._on_object),
+            (self._watches[1].stream(
+                core.list_namespaced_event, namespace, timeout_seconds=600,
+                field_selector=f"involvedObject.kind=PDDeployment,involvedObject.name={name}"),
+             self._on_event)]
+        for stream, on in streams:
+            threading.Thread(target=self._run, args=(stream, on), daemon=True).start()
 
-    def _run(self) -> None:
-        ns, name = self._args
+    def _on_object(self, obj: Any) -> None:
+        reason = (conditions(obj).get("Autoscaling") or {}).get("reason")
+        if reason and (not self.reasons or self.reasons[-1] != reason):
+            self.reasons.append(reason)
+
+    def _on_event(self, ev: Any) -> None:
+        item = (ev.reason or "", ev.message or "")
+        if item not in self.events:
+            self.events.append(item)
+
+    def _run(self, stream: Iterator[dict[str, Any]], on: Any) -> None:
         try:
-            for ev in self._watch.stream(
-                    self._api.list_namespaced_custom_object, "serving.pdd.dev", "v1alpha1",
-                    ns, "pddeployments", field_selector=f"metadata.name={name}",
-                    timeout_seconds=600):
-                reason = (conditions(ev["object"]).get("Autoscaling") or {}).get("reason")
-                if reason and (not self.reasons or self.reasons[-1] != reason):
-                    self.reasons.append(reason)
+            for change in stream:
+                on(change["object"])
         except Exception:  # noqa: BLE001 - stopped by close(); the assertions say what is missing
             pass
 
+    def messages(self, reason: str) -> dict[str, str]:
+        """The messages of one reason by their head ("decode 1→2")."""
+        return {m.split(":")[0]: m for r, m in self.events if r == reason}
+
     def close(self) -> None:
-        self._watch.stop()
+        for w in self._watches:
+            w.stop()
 
 
 def manifest(url: str) -> dict[str, Any]:
@@ -333,10 +353,6 @@ def live(k: Kubectl, ns: str, role: str) -> list[str]:
             if not p["metadata"].get("deletionTimestamp")]
 
 
-def messages(k: Kubectl, ns: str, reason: str) -> list[str]:
-    return [e.get("message") or "" for e in events_of(k, ns, NAME) if e.get("reason") == reason]
-
-
 def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
         kube: Kubectl, operator: Operator, op_namespace: str, stack: LocalStack,
         tmp_path: Path) -> None:
@@ -347,12 +363,13 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
     path = tmp_path / "ramp.yaml"
     path.write_text(yaml.safe_dump(manifest(prom.url)))
     kube("apply", "-n", ns, "-f", str(path))
-    log = ConditionLog(str(kube.cluster.kubeconfig), ns, NAME)
+    log = StatusLog(str(kube.cluster.kubeconfig), ns, NAME)
     ramp = Ramp(stack.url)
     try:
         wait_for("the planner's first decision (Stable on an idle data plane)",
                  lambda: desired(kube, ns) == {"prefill": 1, "decode": 1}, timeout=60)
 
+        t0 = time.monotonic()
         # Rising concurrency until both roles have been scaled up.
         deadline = time.monotonic() + 120
         while desired(kube, ns) != {"prefill": 2, "decode": 2}:
@@ -365,11 +382,13 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
         wait_for("2 prefill and 2 decode pods", lambda: (
             len(pods_of(kube, ns, NAME, "prefill")), len(pods_of(kube, ns, NAME, "decode")))
             == (2, 2), timeout=60)
-        up = {m.split(":")[0]: m for m in messages(kube, ns, "ScaledUp")}
+        up = wait_for("ScaledUp events of both roles", lambda: (
+            lambda m: m if {"prefill 1→2", "decode 1→2"} <= set(m) else None)(
+            log.messages("ScaledUp")), timeout=10)
         assert re.search(r"queued prompt tokens \d+/replica > 200", up["prefill 1→2"]), up
         assert re.search(r"KV 0\.\d\d > 0\.3", up["decode 1→2"]), up
         obj = pdd(kube, ns, NAME)
-        assert obj["status"]["autoscaling"]["prefill"]["metrics"]["queuedPromptTokens"] > 0
+        t_up = time.monotonic() - t0
 
         # Under the same load, the original manifest applied again: nothing moves.
         generation, uids = obj["metadata"]["generation"], live_uids(kube, ns)
@@ -385,17 +404,21 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
 
         # The load stops: both come back down, one at a time, each replica drained.
         ramp.stop()
+        t1 = time.monotonic()
         wait_for("both back to 1", lambda: desired(kube, ns) == {"prefill": 1, "decode": 1},
                  timeout=90)
+        t_down = time.monotonic() - t1
         wait_for("1 prefill and 1 decode pod", lambda: (
             len(live(kube, ns, "prefill")), len(live(kube, ns, "decode"))) == (1, 1), timeout=60)
         gone = sorted(n for n in set(uids) - set(live_uids(kube, ns))
                       if "-prefill-" in n or "-decode-" in n)
         assert len(gone) == 2 and {n.rsplit("-", 2)[1] for n in gone} == {"prefill", "decode"}
-        down = {m.split(":")[0]: m for m in messages(kube, ns, "ScaledDown")}
+        down = wait_for("ScaledDown events of both roles", lambda: (
+            lambda m: m if {"prefill 2→1", "decode 2→1"} <= set(m) else None)(
+            log.messages("ScaledDown")), timeout=10)
         assert "prompt tokens queued" in down["prefill 2→1"], down
         assert re.search(r"KV 0\.\d\d", down["decode 2→1"]), down
-        drained = messages(kube, ns, "Draining")
+        drained = [m for r, m in log.events if r == "Draining"]
         for pod in gone:
             assert any(f"Draining {pod} " in m and "within 5s" in m for m in drained), drained
         wait_for("ScaledDown after ScaledUp in the condition", lambda: (
@@ -410,5 +433,6 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
     assert ramp.ok > 0
     assert not prom.errors, prom.errors[:3]
     assert any("histogram_quantile" in q for q in prom.asked)
-    print(f"{ramp.ok} requests, none failed, {ramp.clients} clients at the peak; "
+    print(f"{ramp.ok} requests, none failed, {ramp.clients} clients at the peak, both up in "
+          f"{t_up:.0f} s, both down {t_down:.0f} s after the load stopped; "
           f"Autoscaling reasons {log.reasons}")
