@@ -60,15 +60,15 @@ from pdd_sidecar.serve.local_stack import LocalStack, StackConfig
 pytestmark = pytest.mark.integration
 
 NAME = "ramp"
-PROMPT_TOKENS = 200
+PROMPT_TOKENS = 320
 MAX_TOKENS = 32
 MAX_CLIENTS = 6
-# Small prefill steps: a prompt takes several steps, so prompts queue up under concurrency and
-# pdd_queued_prompt_tokens shows it between steps. 96 KV blocks of 16 tokens on the decode:
-# a few 232-token sequences fill a good share of them.
-STEP_TOKENS = 32
-DECODE_BLOCKS = 96
-QUEUED_PER_REPLICA = 200
+# Small prefill steps: a prompt takes 20 steps, so prompts queue up under concurrency and
+# pdd_queued_prompt_tokens shows it between steps. 128 KV blocks of 16 tokens on the decode:
+# one 352-token sequence holds 22 of them (0.17), two are over the target.
+STEP_TOKENS = 16
+DECODE_BLOCKS = 128
+QUEUED_PER_REPLICA = 64
 KV_TARGET = 0.3
 STABILIZATION_S = 15
 
@@ -372,7 +372,10 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
         t0 = time.monotonic()
         # Rising concurrency until both roles have been scaled up.
         deadline = time.monotonic() + 120
-        while desired(kube, ns) != {"prefill": 2, "decode": 2}:
+        first_up: dict[str, int] = {}
+        while (now := desired(kube, ns)) != {"prefill": 2, "decode": 2}:
+            for role in (r for r, n in now.items() if n == 2 and r not in first_up):
+                first_up[role] = round(time.monotonic() - t0)
             assert time.monotonic() < deadline, (
                 f"not both scaled up with {ramp.clients} clients: {desired(kube, ns)}; "
                 f"conditions {log.reasons}; operator log:\n{operator.log()}")
@@ -385,7 +388,7 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
         up = wait_for("ScaledUp events of both roles", lambda: (
             lambda m: m if {"prefill 1→2", "decode 1→2"} <= set(m) else None)(
             log.messages("ScaledUp")), timeout=10)
-        assert re.search(r"queued prompt tokens \d+/replica > 200", up["prefill 1→2"]), up
+        assert re.search(r"queued prompt tokens \d+/replica > 64", up["prefill 1→2"]), up
         assert re.search(r"KV 0\.\d\d > 0\.3", up["decode 1→2"]), up
         obj = pdd(kube, ns, NAME)
         t_up = time.monotonic() - t0
@@ -434,5 +437,5 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
     assert not prom.errors, prom.errors[:3]
     assert any("histogram_quantile" in q for q in prom.asked)
     print(f"{ramp.ok} requests, none failed, {ramp.clients} clients at the peak, both up in "
-          f"{t_up:.0f} s, both down {t_down:.0f} s after the load stopped; "
+          f"{t_up:.0f} s (first {first_up}), both down {t_down:.0f} s after the load stopped; "
           f"Autoscaling reasons {log.reasons}")
