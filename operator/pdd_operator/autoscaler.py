@@ -92,16 +92,16 @@ def status_update(decisions: Mapping[str, Decision], status: Mapping[str, Any] |
 
 
 def events_for(decisions: Mapping[str, Decision],
-               status: Mapping[str, Any] | None) -> list[tuple[str, str, str]]:
+               status: Mapping[str, Any] | None) -> list[tuple[str, str, str, str]]:
     """An Event per change of replicas, and per change of a role's reason (so AtMaximum or
-    MetricsUnavailable is said once, not every interval)."""
+    MetricsUnavailable is said once, not every interval), as (type, reason, message, role)."""
     prev = (status or {}).get("autoscaling") or {}
     out = []
     for role, d in decisions.items():
         before = prev.get(role) or {}
         if d.direction != "none" or before.get("reason") != d.reason:
             kind = "Warning" if d.reason == METRICS_UNAVAILABLE else "Normal"
-            out.append((kind, d.reason, d.message))
+            out.append((kind, d.reason, d.message, role))
     return out
 
 
@@ -232,8 +232,8 @@ class Autoscaler:
                 out = await self.kube.patch_status(KIND, meta["namespace"], meta["name"], patch)
                 self.rec.observe_pdd(out)
                 st.written_at = now
-        for kind, reason, message in events_for(decisions, status):
-            await self.kube.post_event(body, kind, reason, message)
+        for kind, reason, message, role in events_for(decisions, status):
+            await self.kube.post_event(body, kind, reason, message, series=role)
         for d in decisions.values():
             metrics.AUTOSCALE_DESIRED.labels(key[0], key[1], d.role).set(d.desired)
             metrics.AUTOSCALE_DECISIONS.labels(

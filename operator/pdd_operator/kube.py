@@ -439,13 +439,15 @@ class Kube:
         return out
 
     async def post_event(self, involved: Mapping[str, Any], event_type: str, reason: str,
-                         message: str) -> None:
+                         message: str, series: str = "") -> None:
         """Events are best-effort: a lost one must never fail a reconcile. One Event per
-        object, type and reason: a repeat bumps its count and lastTimestamp and takes the new
-        message (`kubectl describe` shows `(x3 over 5m)`), as the kubelet's correlator does,
-        instead of a new object each time."""
+        object, type, reason and ``series``: a repeat bumps its count and lastTimestamp and
+        takes the new message (`kubectl describe` shows `(x3 over 5m)`), as the kubelet's
+        correlator does, instead of a new object each time. ``series`` keeps apart what shares a
+        reason but not a subject (prefill's ScaledUp must not overwrite decode's)."""
         meta = involved["metadata"]
-        key = (meta["namespace"], meta["name"], str(meta.get("uid")), event_type, reason)
+        key = (meta["namespace"], meta["name"], str(meta.get("uid")), event_type,
+               f"{reason}/{series}")
         lock = self._event_locks.setdefault(key, asyncio.Lock())
         async with lock:
             try:

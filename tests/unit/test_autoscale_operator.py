@@ -197,7 +197,7 @@ def test_status_update_records_the_decision_and_condition() -> None:
     cond = next(c for c in patch["conditions"] if c["type"] == AUTOSCALING)
     assert (cond["status"], cond["reason"], cond["observedGeneration"]) == ("True", "ScaledUp", 4)
     assert any(c["type"] == "Ready" for c in patch["conditions"])
-    assert events_for({"decode": d}, prev) == [("Normal", "ScaledUp", d.message)]
+    assert events_for({"decode": d}, prev) == [("Normal", "ScaledUp", d.message, "decode")]
     held = Decision("decode", 3, 3, "MetricsUnavailable", "decode 3: holding", {})
     after = {**prev, **patch}
     patch2 = status_update({"decode": held}, after, 4, 1_800_000_100.0)
@@ -205,7 +205,7 @@ def test_status_update_records_the_decision_and_condition() -> None:
     cond = next(c for c in patch2["conditions"] if c["type"] == AUTOSCALING)
     assert (cond["status"], cond["reason"]) == ("False", "MetricsUnavailable")
     assert events_for({"decode": held}, after) == [("Warning", "MetricsUnavailable",
-                                                    held.message)]
+                                                    held.message, "decode")]
     assert events_for({"decode": held}, {**after, **patch2}) == []  # said once
 
 
@@ -238,7 +238,8 @@ class FakeKube:
         body["status"] = merged
         return body
 
-    async def post_event(self, body: Any, kind: str, reason: str, message: str) -> None:
+    async def post_event(self, body: Any, kind: str, reason: str, message: str,
+                         series: str = "") -> None:
         self.events.append((kind, reason, message))
 
 

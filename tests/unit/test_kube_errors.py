@@ -104,3 +104,20 @@ def test_repeated_events_aggregate_per_object_and_reason() -> None:
     kube.gone.add(failed)
     asyncio.run(kube.post_event(pdd, "Warning", "ReconcileFailed", "quota 4"))
     assert kube.calls[-1][0] == "POST" and kube.calls[-1][2]["count"] == 1
+
+
+def test_events_of_one_reason_keep_apart_by_series() -> None:
+    kube = _Recording()
+    pdd = {"kind": "PDDeployment", "metadata": {"name": "a", "namespace": "ns", "uid": "u1"}}
+
+    async def scenario() -> None:
+        await kube.post_event(pdd, "Normal", "ScaledUp", "decode 1->2", series="decode")
+        await kube.post_event(pdd, "Normal", "ScaledUp", "prefill 1->2", series="prefill")
+        await kube.post_event(pdd, "Normal", "ScaledUp", "decode 2->3", series="decode")
+
+    asyncio.run(scenario())
+    posts = [c for c in kube.calls if c[0] == "POST"]
+    patches = [c for c in kube.calls if c[0] == "PATCH"]
+    assert [p[2]["message"] for p in posts] == ["decode 1->2", "prefill 1->2"]
+    assert [p[2]["message"] for p in patches] == ["decode 2->3"]
+    assert patches[0][1].endswith(posts[0][2]["metadata"]["name"])
