@@ -232,8 +232,8 @@ class Autoscaler:
                 out = await self.kube.patch_status(KIND, meta["namespace"], meta["name"], patch)
                 self.rec.observe_pdd(out)
                 st.written_at = now
-        for kind, reason, message, role in events_for(decisions, status):
-            await self.kube.post_event(body, kind, reason, message, series=role)
+        for kind, reason, message, subject in events_for(decisions, status):
+            await self.kube.post_event(body, kind, reason, message, series=subject)
         for d in decisions.values():
             metrics.AUTOSCALE_DESIRED.labels(key[0], key[1], d.role).set(d.desired)
             metrics.AUTOSCALE_DECISIONS.labels(
