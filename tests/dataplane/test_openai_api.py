@@ -299,7 +299,8 @@ def stack(hf_dir: Path) -> Iterator[Stack]:
         routers = {"builtin": router("builtin", fakes[:1]),
                    "hf": router(str(hf_dir), fakes[:1]),
                    "two": router("builtin", fakes),
-                   "short": router("builtin", fakes[:1], PDD_MAX_MODEL_LEN="40")}
+                   "short": router("builtin", fakes[:1], PDD_MAX_MODEL_LEN="40"),
+                   "narrow": router("builtin", fakes[:1], PDD_ROUTER_MAX_CONCURRENCY="3")}
         yield Stack(loop, fakes, routers)
     finally:
         loop.close()
@@ -654,7 +655,9 @@ BAD = [
     ("completions", {"prompt": [1], "max_tokens": True}, "max_tokens"),
     ("completions", {"prompt": [1], "temperature": 3}, "temperature"),
     ("completions", {"prompt": [1], "top_p": 0}, "top_p"),
-    ("completions", {"prompt": [1], "n": 2}, "n"),
+    ("completions", {"prompt": [1], "n": 17}, "n"),
+    ("completions", {"prompt": [[1], [2, 999]]}, "prompt[1]"),
+    ("completions", {"prompt": [[1], []]}, "prompt[1]"),
     ("completions", {"prompt": [1], "stop": ["a"] * 5}, "stop"),
     ("completions", {"prompt": [1], "seed": 1.5}, "seed"),
     ("completions", {"prompt": [999]}, "prompt"),
@@ -772,6 +775,49 @@ def test_client_gone_during_the_prefill_hangs_up_on_it(stack: Stack,
     assert fake.decodes == [] and fake.releases == []
 
 
+def test_client_gone_cancels_every_prompt_of_a_list(stack: Stack, fake: FakeInstance) -> None:
+    """Each prompt of a list is its own request: a client gone mid-stream cancels each one's
+    decode and releases each one's grant; nothing is left behind."""
+    fake.script.tokens = list(b"a" * 500)
+    fake.script.delay_s = 0.02
+    u = urllib.parse.urlparse(stack.routers["builtin"])
+    conn = HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions",
+                 json.dumps({"prompt": [[1], [2], [3]], "max_tokens": 400, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.read(6) == b"data: "
+    assert _wait(lambda: len(fake.decodes) == 3)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    rids = sorted(p["request_id"] for p in fake.prefills)
+    assert len(set(rids)) == 3
+    assert _wait(lambda: sorted(fake.cancelled) == rids and sorted(fake.releases) == rids)
+
+
+def test_a_prefill_without_each_choices_first_token_is_a_502_and_released(
+        stack: Stack, fake: FakeInstance) -> None:
+    status, answer = _post(f"{stack.routers['builtin']}/v1/completions",
+                           {"prompt": [[1], [2]], "max_tokens": 400, "n": 2, "seed": 1})
+    # The fake answers one first_token where two were asked for: a 502, nothing left running.
+    assert status == 502 and "first_tokens" in answer["error"]["message"], answer
+    rids = sorted(p["request_id"] for p in fake.prefills)
+    assert len(rids) == 2 and fake.decodes == []
+    assert _wait(lambda: sorted(fake.releases) == rids)
+
+
+def test_a_list_counts_each_prompt_against_the_routers_limit(stack: Stack,
+                                                             fake: FakeInstance) -> None:
+    url = f"{stack.routers['narrow']}/v1/completions"
+    status, answer = _post(url, {"prompt": [[1], [2], [3], [4]], "max_tokens": 2})
+    assert status == 429 and "4 prompts" in answer["error"]["message"], answer
+    assert fake.prefills == []
+    status, answer = _post(url, {"prompt": [[1], [2], [3]], "max_tokens": 2})
+    assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2], answer
+    assert answer["usage"]["prompt_tokens"] == 3 and len(fake.prefills) == 3
+
+
 # ---------------------------------------------------------------- the real stack
 def test_real_instances_serve_chat_and_completions(tmp_path: Path) -> None:
     from pdd_api.plan import SidePlan
@@ -824,3 +870,17 @@ def test_token_lines_are_json_and_the_router_reads_them_without_the_decoder() ->
     for other in (b'{"token": 5, "timing": {}}', b'{"token": -1}', b'{"token": 1.5}',
                   b'{"token": "5"}', b'{"done": true}', b'{"token": }', b""):
         assert _token_line(other) is None, other
+
+
+def test_choice_token_lines_are_json_and_read_without_the_decoder() -> None:
+    from pdd_sidecar.serve.decode_api import _choice_lines
+    from pdd_sidecar.serve.upstreams import _choice_token_line
+
+    pairs = [(0, 7), (15, 129279), (3, 0)]
+    lines = _choice_lines(pairs)
+    assert lines == b"".join(json.dumps({"choice": j, "token": t}).encode() + b"\n"
+                             for j, t in pairs)
+    assert [_choice_token_line(line) for line in lines.split(b"\n")[:-1]] == pairs
+    for other in (b'{"choice": 1, "token": 5, "timing": {}}', b'{"choice": -1, "token": 1}',
+                  b'{"choice": 1, "token": "5"}', b'{"token": 5}', b'{"choice": 1}', b""):
+        assert _choice_token_line(other) is None, other

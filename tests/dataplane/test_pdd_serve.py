@@ -212,7 +212,16 @@ def test_sharded_to_sharded_completion_matches_reference_and_sigterm_stops_all(
     status, body = http("POST", f"{url}/v1/completions",
                         {"prompt": prompt, "max_tokens": 7, "temperature": 0})
     assert status == 200, body
-    assert body["choices"][0]["token_ids"] == generate("builtin", prompt, 7, block_size=BLOCK)
+    want = generate("builtin", prompt, 7, block_size=BLOCK)
+    assert body["choices"][0]["token_ids"] == want
+    # Three choices of each of two prompts: the decode forks each prompt's pulled KV (a whole
+    # unit shared, the last one copied on both ranks); greedy, every choice is the answer.
+    short = prompt[:9]
+    status, body = http("POST", f"{url}/v1/completions",
+                        {"prompt": [prompt, short], "n": 3, "max_tokens": 7, "temperature": 0})
+    assert status == 200, body
+    assert [c["token_ids"] for c in body["choices"]] == (
+        [want] * 3 + [generate("builtin", short, 7, block_size=BLOCK)] * 3)
 
     text = "Try it without a cluster."
     status, body = http("POST", f"{url}/v1/completions",

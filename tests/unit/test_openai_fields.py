@@ -34,8 +34,6 @@ def _refused(kind: str, extra: dict[str, Any]) -> ApiError:
 ASKING = [
     ("completion", "min_p", 0.1),
     ("completion", "suffix", "tail"),
-    ("completion", "n", 2),
-    ("chat", "n", True),
     ("completion", "best_of", 3),
     ("completion", "use_beam_search", True),
     ("chat", "functions", [{"name": "f"}]),  # tools: tests/unit/test_tool_calls.py

@@ -97,7 +97,7 @@ def test_a_decode_that_drops_the_connection_or_drains_is_retried_on_another() ->
                 router.session = session
                 for _ in range(3):  # round robin: every order of the three
                     trip = Trip(prefill="p")
-                    resp = await router._open_decode("r", 1, {}, _request(), trip)
+                    resp = await router._open_decode("r", [(0, 1)], {}, _request(), trip)
                     resp.release()
                     tried.append(str(trip.decode))
                     for u in urls:
@@ -315,7 +315,7 @@ def test_a_burst_s_first_tokens_go_out_before_its_decode_streams_open() -> None:
         async def stream(rid: str) -> None:
             req = GenRequest("completion", [1, 2, 3], 4, {}, [], [], True, True, False)
             try:
-                async for batch in router.tokens(rid, req, Trip()):
+                async for _, batch in router.tokens(rid, req, Trip()):
                     events.append(f"token {rid} {batch}")
             except ApiError:
                 pass
@@ -374,3 +374,51 @@ def test_models_reports_the_length_the_ready_instances_hold() -> None:
     assert asyncio.run(run([readyz(2048), readyz(1024)], [readyz(8192)])) == 2049
     assert asyncio.run(run([readyz(9000)], [readyz(700), readyz(99999, ready=False)])) == 701
     assert asyncio.run(run([readyz(None)], [readyz(100000)])) == 4096
+
+
+def test_a_lost_handoff_of_several_choices_feeds_the_decode_the_first_tokens_sent() -> None:
+    """n = 3: the first prefill's choices reached the client; its KV could not be read, so the
+    prompt runs again on the other prefill, whose own first tokens are not used: the decode is
+    fed the ones the client has, those a stop id ended left out."""
+    settings = RouterSettings.from_env({"PDD_PREFILL_URLS": "http://p:1,http://p:2",
+                                        "PDD_DECODE_URLS": "http://d:1"})
+    router = Router(settings, MODEL)  # type: ignore[arg-type]
+    for url in ("http://p:1", "http://p:2"):
+        router.prefill.mark(url, True)
+    router.decode.mark("http://d:1", True)
+    prefills: list[dict[str, Any]] = []
+    opened: list[list[tuple[int, int]]] = []
+
+    async def run_prefill(rid: str, body: dict[str, Any], trip: Trip,
+                          skip: Any = None) -> tuple[str, dict[str, Any]]:
+        prefills.append(body)
+        url = "http://p:1" if not skip else "http://p:2"
+        firsts = [7, 9, 8] if len(prefills) == 1 else [1, 2, 3]
+        return url, {"first_token": firsts[0], "first_tokens": firsts,
+                     "kv_transfer_params": {"pdd_grant": {}}}
+
+    async def open_decode(rid: str, choices: list[tuple[int, int]], *args: Any) -> Any:
+        opened.append(choices)
+        if len(opened) == 1:
+            raise ApiError(502, "READ failed", type_="transfer")
+        raise ApiError(400, "stop here")
+
+    router.run_prefill = run_prefill  # type: ignore[method-assign]
+    router._open_decode = open_decode  # type: ignore[method-assign]
+    router.release_soon = lambda *a, **k: None  # type: ignore[method-assign]
+    req = GenRequest("completion", [1, 2, 3], 4, {"seed": 1}, [], [9], False, True, False,
+                     local_stop_ids=frozenset({9}), n=3)
+    got: list[tuple[int, list[int]]] = []
+
+    async def stream() -> None:
+        try:
+            async for choice, batch in router.tokens("r", req, Trip()):
+                got.append((choice, batch))
+        except ApiError as exc:
+            assert exc.status == 400
+
+    asyncio.run(stream())
+    assert got == [(0, [7]), (1, [9]), (2, [8])]  # each choice's first token, once
+    assert [p.get("n") for p in prefills] == [3, 3]
+    assert prefills[1]["ignore_eos"] is True and prefills[1]["stop_token_ids"] == []
+    assert opened == [[(0, 7), (2, 8)], [(0, 7), (2, 8)]]

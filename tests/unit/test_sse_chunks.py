@@ -53,3 +53,19 @@ def test_a_tool_step_carries_its_deltas_and_any_content() -> None:
     event = json.loads(chat.tool_step([7], "x", [more], "tool_calls", {"pdd": {"k": 1}})[6:])
     assert event["choices"][0]["delta"] == {"content": "x", "tool_calls": [more]}
     assert event["choices"][0]["finish_reason"] == "tool_calls" and event["pdd"] == {"k": 1}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_choices_events_carry_its_index(kind: str) -> None:
+    fmt = ChunkFormat("c", kind, 1, "m", True)
+    for index in (0, 1, 15, 63):
+        got = fmt.step([5], "x", None, index=index)
+        assert got == sse(fmt.chunk(fmt.choice([5], "x", None, index=index)))
+        assert json.loads(got[6:])["choices"][0]["index"] == index
+        done = json.loads(fmt.step([], "", "length", {"pdd": {}}, index=index)[6:])
+        assert done["choices"][0]["index"] == index
+        assert json.loads(fmt.role(index)[6:])["choices"][0]["index"] == index
+        if kind == "chat":
+            call = {"index": 0, "function": {"arguments": "{}"}}
+            event = json.loads(fmt.tool_step([5], "", [call], None, index=index)[6:])
+            assert event["choices"][0]["index"] == index

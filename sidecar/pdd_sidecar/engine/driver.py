@@ -46,7 +46,9 @@ from pdd_sidecar.engine.sampling import (
     Allowed,
     Logprob,
     LogprobRows,
+    SamplingParams,
     TokenHistory,
+    choice_seed,
     logprob_entries,
     logprob_table,
     needs_history,
@@ -56,6 +58,10 @@ from pdd_sidecar.engine.sampling import (
     sample_with_logprobs,
 )
 from pdd_sidecar.engine.scheduler import (
+    CHOICE_GRAMMARS,
+    CHOICES,
+    FIRST_FINISHES,
+    FIRST_TOKENS,
     LOGPROBS,
     PENALTY_PROMPT,
     PROMPT_LOGPROBS,
@@ -520,6 +526,9 @@ class InstanceDriver:
         keep = _keeps(plan)
         if keep:
             cmd["keep"] = keep
+        copies = self.scheduler.take_copies()
+        if copies:  # the unit a forked choice's prompt ends in: its own copy (scheduler.py)
+            cmd["copies"] = copies
         if self.host_tier is not None and self.host_tier.pending():
             cmd["tier"] = self.host_tier.take().to_command()
         if poll:
@@ -595,7 +604,10 @@ class InstanceDriver:
         live = [(i, s) for i, s in rows if s.state is State.RUNNING]
         if not live or logits is None:
             return
-        params = [s.sampling for _, s in live]
+        if self.role == "prefill" and any(CHOICES in s.extra for _, s in live):
+            live, params = choice_rows(live)
+        else:
+            params = [s.sampling for _, s in live]
         indices = [len(s.output) + (0 if s.source is None else 1) for _, s in live]
         histories = ([_history(s) if s.sampling.adjusts else None for _, s in live]
                      if needs_history(params) else None)
@@ -669,20 +681,34 @@ class InstanceDriver:
 
     def _deliver(self, live: list[tuple[int, Sequence]], tokens: list[int]) -> None:
         timing.mark_sampled((s for _, s in live), time.monotonic())
+        if self.role == "prefill":
+            # A request with several choices has a row per choice, in order (choice_rows).
+            chosen: dict[str, tuple[Sequence, list[int]]] = {}
+            for (_, seq), tok in zip(live, tokens, strict=True):
+                chosen.setdefault(seq.id, (seq, []))[1].append(tok)
+            for seq, toks in chosen.values():
+                if seq.state is State.RUNNING:  # else cancelled while its token was on the way
+                    grammars = seq.extra.pop(CHOICE_GRAMMARS, None) or [seq.grammar] * len(toks)
+                    self._prefilled(seq, toks, [g is not None and advance(g.matcher, t)
+                                                for g, t in zip(grammars, toks, strict=True)])
+            return
         for (_, seq), tok in zip(live, tokens, strict=True):
             if seq.state is not State.RUNNING:  # cancelled while its token was on the way
                 continue
             complete = seq.grammar is not None and advance(seq.grammar.matcher, tok)
-            if self.role == "prefill":
-                self._prefilled(seq, tok, complete)
-            else:
-                self.metrics.tokens.labels(kind="generated").inc()
-                self.scheduler.on_token(seq, tok, complete)
+            self.metrics.tokens.labels(kind="generated").inc()
+            self.scheduler.on_token(seq, tok, complete)
 
-    def _prefilled(self, seq: Sequence, token: int, complete: bool = False) -> None:
-        seq.output.append(token)
+    def _prefilled(self, seq: Sequence, tokens: list[int], completes: list[bool]) -> None:
+        """The prompt's first token of each choice is chosen (``completes``: which ended its
+        grammar): the KV is held for a decode unless every choice already ended."""
+        seq.output.append(tokens[0])
+        ended = [t in seq.stop_ids or c for t, c in zip(tokens, completes, strict=True)]
+        if len(tokens) > 1:
+            seq.extra[FIRST_TOKENS] = tokens
+            seq.extra[FIRST_FINISHES] = ["stop" if e else None for e in ended]
         self.metrics.tokens.labels(kind="prompt").inc(len(seq.prompt))
-        if token in seq.stop_ids or complete:
+        if all(ended):
             seq.finish_reason = "stop"
         elif seq.max_tokens <= 1:
             seq.finish_reason = "length"
@@ -758,11 +784,12 @@ def _allowed(live: list[tuple[int, Sequence]], pin: bool,
     """Structured output's mask for the rows under a grammar (None: no row has one, nothing
     is done). Host work, per step, for those rows only (engine/grammar_mask.py), while the
     device still runs the step's forward."""
-    rows = [r for r, (_, s) in enumerate(live) if s.grammar is not None]
+    grammars = _row_grammars(live)
+    rows = [r for r, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
     start = time.perf_counter()
-    mask = fill_bitmask([live[r][1].grammar for r in rows], pin)
+    mask = fill_bitmask([grammars[r] for r in rows], pin)
     metrics.structured_mask_seconds.observe(time.perf_counter() - start)
     return Allowed(rows, mask)
 
@@ -771,6 +798,42 @@ def _keeps(plan: StepPlan) -> list[int]:
     """The step's prompt chunks whose every position's hidden state is kept (their prompt
     log-probabilities); such a step runs in order, eagerly (RankEngine.step)."""
     return [i for i, c in enumerate(plan.prefill) if c.seq.prompt_logprobs is not None]
+
+
+def _row_grammars(live: list[tuple[int, Sequence]]) -> list[Any]:
+    """Each row's grammar: its sequence's, or, for a prefill's rows of several choices
+    (``choice_rows``), each choice's own matcher."""
+    out: list[Any] = []
+    seen: dict[str, int] = {}
+    for _, s in live:
+        per_choice = s.extra.get(CHOICE_GRAMMARS)
+        if per_choice is None:
+            out.append(s.grammar)
+            continue
+        j = seen[s.id] = seen.get(s.id, -1) + 1
+        out.append(per_choice[j])
+    return out
+
+
+def choice_rows(live: list[tuple[int, Sequence]]
+                ) -> tuple[list[tuple[int, Sequence]], list[SamplingParams]]:
+    """A prefill's logits rows, one per choice of each request (``seq.extra[CHOICES]``), all
+    reading its prompt's last position, each with its choice's seed (``choice_seed``) and,
+    under a grammar, its own copy of the matcher (each choice's first token advances its
+    own)."""
+    rows: list[tuple[int, Sequence]] = []
+    params: list[SamplingParams] = []
+    for i, seq in live:
+        p = seq.sampling
+        n = int(seq.extra.get(CHOICES, 1))
+        if seq.grammar is not None and n > 1:
+            g = seq.grammar
+            seq.extra[CHOICE_GRAMMARS] = [g, *(g._replace(matcher=g.matcher.deep_copy())
+                                              for _ in range(n - 1))]
+        for j in range(n):
+            rows.append((i, seq))
+            params.append(p if j == 0 else dataclasses.replace(p, seed=choice_seed(p.seed, j)))
+    return rows, params
 
 
 def _history(seq: Sequence) -> TokenHistory:

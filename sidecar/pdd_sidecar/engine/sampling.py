@@ -278,6 +278,19 @@ def apply_allowed(logits: torch.Tensor, allowed: Allowed) -> torch.Tensor:
     return x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~ok, float("-inf")))
 
 
+MAX_CHOICES = 16  # the bound on a request's ``n`` (docs/openai-api.md)
+_CHOICE_MIX = 0xD1B54A32D192ED03  # an odd 64-bit constant (splitmix's), not _GOLDEN
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` of a request seeded ``seed`` (both roles derive it, so the
+    prefill's first token and the decode's later ones are one stream per choice): choice 0
+    keeps the request's own seed, so its answer is the one ``n: 1`` gives; choice ``i`` uses
+    ``(seed + i * 0xD1B54A32D192ED03) mod 2**63``, distinct per index and reproducible."""
+    seed &= _MASK63
+    return seed if choice == 0 else (seed + choice * _CHOICE_MIX) & _MASK63
+
+
 def _generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed ^ ((index + 1) * _GOLDEN)) & _MASK63)

@@ -51,6 +51,14 @@ Policy (one place, pure Python, no torch):
   step the driver registered still references one; a prompt leaving before the command that
   carries its host-tier loads takes those loads with it.
 
+- **Choices** (decode, a request with ``n`` > 1): one sequence pulls the prompt's KV, reserving
+  at admission the blocks of every choice (the prompt's whole units once, the rest per choice)
+  and a running slot for each; once its pull is done it forks into one sequence per choice. The
+  forks share the prompt's whole units (counted references, freed by the last one to finish)
+  and each gets its own copy of the unit the prompt ends in, which every choice writes its own
+  tokens into (the copy runs on every rank before the step that first feeds them). The
+  request ends when its last choice does.
+
 With DCP the reserve is counted in table blocks (``ceil(chunks / dcp)`` per rank), so at the same
 per-rank block count an instance with dcp = N admits N times the tokens of dcp = 1.
 """
@@ -78,6 +86,15 @@ PENALTY_PROMPT = "penalty_prompt"
 # second on (engine/sampling.py's ``Logprob`` entries), for a sequence that asks for them
 LOGPROBS = "logprobs"
 PROMPT_LOGPROBS = "prompt_logprobs"
+# seq.extra (decode): the request's other choices, forked once its pull is done: a list of
+# ``Fork``; and the blocks admission reserved for them.
+FORKS = "forks"
+FORK_BLOCKS = "fork_blocks"
+GROUP = "choice_group"  # seq.extra: the ChoiceGroup a forked sequence belongs to
+CHOICES = "choices"  # seq.extra (prefill): how many first tokens to choose (n), when > 1
+FIRST_TOKENS = "first_tokens"  # seq.extra (prefill): the first token of each choice
+FIRST_FINISHES = "first_finishes"  # seq.extra (prefill): each choice's, "stop" if it ended
+CHOICE_GRAMMARS = "choice_grammars"  # seq.extra (prefill): each choice's own grammar matcher
 
 
 class State(enum.Enum):
@@ -140,6 +157,27 @@ class Sequence:
     @property
     def context(self) -> int:
         return len(self.prompt) if self.source is None else int(self.source.num_tokens)
+
+
+class Fork(NamedTuple):
+    """One more choice of a decode request: its index, the first token the prefill chose for
+    it, its sampling (its own seed), where its tokens go."""
+
+    choice: int
+    first_token: int
+    sampling: Any
+    on_token: Callable[[int], None] | None = None
+    grammar: Any = None  # structured output: its own matcher, advanced by its first token
+
+
+@dataclass
+class ChoiceGroup:
+    """The sequences of one request's choices (the one that pulled first): the request is done
+    when the last of them is."""
+
+    members: list[Sequence]
+    live: int
+    on_done: Callable[[Sequence], None] | None
 
 
 @dataclass
@@ -233,25 +271,52 @@ class Scheduler:
         # prefill: unit key -> id of the running prompt that will compute it (not cached yet)
         self._pending: dict[bytes, str] = {}
         self.computed_tokens = 0  # prefill: prompt tokens run (not taken from the cache)
+        self._shared: dict[int, int] = {}  # block -> references forked choices add to it
+        # (src, dst, the fork) blocks the next step copies while the fork still runs
+        self._copies: list[tuple[int, int, Sequence]] = []
+        self._groups: dict[str, ChoiceGroup] = {}  # request id -> its forked choices, running
 
     # -- intake
 
     def blocks_needed(self, kv_tokens: int) -> int:
         return num_table_blocks(max(kv_tokens, 1), self.block_size, self.dcp)
 
-    def submit(self, seq: Sequence) -> None:
+    def shared_units(self, seq: Sequence) -> int:
+        """Table entries a decode's choices share: the prompt's whole units."""
+        return min(seq.context // (self.block_size * self.dcp),
+                   self.blocks_needed(seq.kv_tokens))
+
+    def _fork_need(self, seq: Sequence, need: int) -> int:
+        forks = seq.extra.get(FORKS)
+        return len(forks) * (need - self.shared_units(seq)) if forks else 0
+
+    def _need(self, seq: Sequence) -> int:
+        """Blocks admission reserves for ``seq``, its forked choices' included."""
         need = self.blocks_needed(seq.kv_tokens)
+        return need + self._fork_need(seq, need)
+
+    @staticmethod
+    def _slots(seq: Sequence) -> int:
+        """Running slots ``seq`` takes: one per choice."""
+        return 1 + len(seq.extra.get(FORKS) or ())
+
+    def submit(self, seq: Sequence) -> None:
+        need = self._need(seq)
         usable = self.allocator.num_blocks - self.reserved_blocks
         if need > usable:
             raise NeverFits(
                 f"the request needs {need} KV blocks of {self.block_size} tokens per rank "
-                f"({seq.kv_tokens} tokens, dcp {self.dcp}); this instance has {usable}"
+                f"({seq.kv_tokens} tokens, dcp {self.dcp}, {self._slots(seq)} choices); this "
+                f"instance has {usable}"
             )
-        if seq.id in self.by_id:
+        if self._slots(seq) > self.max_running:
+            raise NeverFits(f"the request's {self._slots(seq)} choices need as many running "
+                            f"slots; this instance runs at most {self.max_running} sequences")
+        if seq.id in self.by_id or seq.id in self._groups:
             raise ValueError(f"request_id {seq.id!r} is already in flight on this instance")
         # Below the limit nothing can be refused: the walk stays off a burst's path.
         if len(self.waiting) >= self.max_waiting:
-            queued = self._queued_beyond_next_step(need)
+            queued = self._queued_beyond_next_step(need, self._slots(seq))
             if queued > self.max_waiting:
                 raise QueueFull(f"{queued - 1} requests already waiting (limit "
                                 f"{self.max_waiting})")
@@ -260,6 +325,13 @@ class Scheduler:
 
     def cancel(self, seq_id: str) -> Sequence | None:
         """Mark a sequence cancelled; it leaves at the next step (or once its pull is done)."""
+        group = self._groups.get(seq_id)
+        if group is not None:  # the request: every choice still running
+            for member in group.members:
+                if member.state is State.RUNNING:
+                    member.cancelled = True
+                    self._finish(member, "cancelled")
+            return group.members[0]
         seq = self.by_id.get(seq_id)
         if seq is None or seq.state is State.FINISHED:
             return None
@@ -278,19 +350,23 @@ class Scheduler:
         return (len(self.waiting) >= self.max_running
                 or any(n >= self.step_tokens for n in tokens))
 
-    def _queued_beyond_next_step(self, need: int) -> int:
+    def _queued_beyond_next_step(self, need: int, slots_needed: int = 1) -> int:
         """How many of the waiting, with a newcomer needing ``need`` blocks at the back, the
         next step could not admit: only those count against ``max_waiting``. A burst that
         arrives between two steps is not refused for the places it is about to take."""
         free = self.allocator.num_free
-        slots = self.max_running - len(self.running) - len(self.pulling)
-        needs = [*(self.blocks_needed(s.kv_tokens) for s in self.waiting), need]
-        for i, n in enumerate(needs):
-            if slots <= 0 or n > free:
+        slots = self.max_running - len(self.running) - self._pulling_slots()
+        needs = [*((self._need(s), self._slots(s)) for s in self.waiting),
+                 (need, slots_needed)]
+        for i, (n, k) in enumerate(needs):
+            if slots < k or n > free:
                 return len(needs) - i
             free -= n
-            slots -= 1
+            slots -= k
         return 0
+
+    def _pulling_slots(self) -> int:
+        return sum(self._slots(s) for s in self.pulling.values())
 
     # -- planning
 
@@ -304,23 +380,28 @@ class Scheduler:
         admitted: list[Sequence] = []
         deferred: list[Sequence] = []
         pc = self.prefix_cache
+        taken = len(self.running) + (self._pulling_slots() if self.pulling else 0)
         while self.waiting:
             seq = self.waiting[0]
-            if len(self.running) + len(self.pulling) + len(admitted) >= self.max_running:
+            if taken + self._slots(seq) > self.max_running:
                 break
             need = self.blocks_needed(seq.kv_tokens)
+            extra = self._fork_need(seq, need)
             if pc is not None:
                 if self._awaits_pending(seq, pc):
                     deferred.append(self.waiting.popleft())
                     continue
-                if not self._reserve_cached(seq, pc, need):
+                if not self._reserve_cached(seq, pc, need, extra):
                     break
-            elif need > self.allocator.num_free:
+            elif need + extra > self.allocator.num_free:
                 break
             else:
                 seq.blocks = self.allocator.allocate(need)
+                if extra:
+                    seq.extra[FORK_BLOCKS] = self.allocator.allocate(extra)
             self.waiting.popleft()
             admitted.append(seq)
+            taken += self._slots(seq)
         self.waiting.extendleft(reversed(deferred))
         return admitted
 
@@ -370,12 +451,14 @@ class Scheduler:
         else:
             seq.extra[PENDING] = (stop, end)
 
-    def _reserve_cached(self, seq: Sequence, pc: PrefixCache, need: int) -> bool:
+    def _reserve_cached(self, seq: Sequence, pc: PrefixCache, need: int, extra: int = 0
+                        ) -> bool:
         """Reserve ``seq``'s table with its cached units shared; False when it does not fit.
 
         A prefill always runs the prompt's last token (its logits give the first token); a
         decode may share the whole prompt, since it feeds the first token itself, and adopts
-        the tail its prompt continues as its next table entry."""
+        the tail its prompt continues as its next table entry. ``extra``: blocks of its own
+        for the choices it forks into."""
         keys = self._unit_keys(seq, pc)
         unit = pc.unit_tokens
         whole = keys[:self._usable_units(seq, pc)]
@@ -391,12 +474,14 @@ class Scheduler:
             if tail is None and ht is not None:
                 host_tail = ht.lookup_tail(parent, seq.prompt[start:start + unit])
         n_new = need - len(hits) - (tail is not None)
-        if not pc.fits(hits, n_new, tail):
+        if not pc.fits(hits, n_new + extra, tail):
             return False
         if ht is None:
             seq.blocks = pc.acquire(hits, n_new, len(seq.prompt), tail)
         else:
             seq.blocks = load_from_host(pc, ht, seq.prompt, hits, host, n_new, tail, host_tail)
+        if extra:
+            seq.extra[FORK_BLOCKS] = pc.allocate(extra)
         seq.extra[CACHED_TOKENS] = found * unit + (
             tail.tokens if tail else host_tail.tokens if host_tail else 0)
         if self.role != "decode":
@@ -558,11 +643,49 @@ class Scheduler:
             self._finish(seq, "error")
         elif seq.cancelled:
             self._finish(seq, "cancelled")
-        elif seq.max_tokens == 0:
-            self._finish(seq, "length")
         else:
-            seq.state = State.RUNNING
-            self.running[seq.id] = seq
+            for member in self._fork(seq):
+                if member.max_tokens == 0:
+                    self._finish(member, "length")
+                else:
+                    member.state = State.RUNNING
+                    self.running[member.id] = member
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """``seq`` and a sequence per fork of it (module docstring: Choices), sharing its
+        prompt's whole units; the unit the prompt ends in is copied for each (``take_copies``)."""
+        forks: list[Fork] | None = seq.extra.pop(FORKS, None)
+        if not forks:
+            return [seq]
+        own = seq.extra.pop(FORK_BLOCKS)
+        shared = self.shared_units(seq)
+        per = len(seq.blocks) - shared
+        partial = shared < len(seq.blocks) and seq.context % (self.block_size * self.dcp) > 0
+        group = ChoiceGroup([seq], 1 + len(forks), seq.on_done)
+        seq.extra[GROUP] = group
+        self._groups[seq.id] = group
+        keep = {k: seq.extra[k] for k in (UNIT_KEYS, PENALTY_PROMPT) if k in seq.extra}
+        for i, fork in enumerate(forks):
+            child = Sequence(f"{seq.id}#{fork.choice}", seq.prompt, seq.max_tokens,
+                             seq.kv_tokens, sampling=fork.sampling, stop_ids=seq.stop_ids,
+                             source=seq.source, first_token=fork.first_token,
+                             state=State.PULLING, blocks=seq.blocks[:shared]
+                             + own[i * per:(i + 1) * per], on_token=fork.on_token,
+                             extra={**keep, GROUP: group, "choice": fork.choice},
+                             grammar=fork.grammar)
+            group.members.append(child)
+            self.by_id[child.id] = child
+            if partial:
+                self._copies.append((seq.blocks[shared], child.blocks[shared], child))
+        for b in seq.blocks[:shared]:
+            self._shared[b] = self._shared.get(b, 0) + len(forks)
+        return group.members
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Block copies ``(src, dst)`` every rank runs before the next step's forward pass:
+        those of forks still running (one that ended at once gave its blocks back)."""
+        copies, self._copies = self._copies, []
+        return [(a, b) for a, b, fork in copies if fork.state is State.RUNNING]
 
     def on_chunk_done(self, chunk: PrefillChunk) -> None:
         seq = chunk.seq
@@ -611,9 +734,36 @@ class Scheduler:
                 and seq.error is None and seq.finish_reason in ("stop", "length")):
             self._cache_decoded(seq, self.prefix_cache)
         if seq.blocks:
+            own = self._unshared(seq.blocks)
             if self.host_tier is not None:  # left before the command carrying its loads
-                self.host_tier.drop_loads(seq.blocks)
-            self.fence.free(seq.blocks)
+                self.host_tier.drop_loads(own)
+            self.fence.free(own)
             seq.blocks = []
-        if seq.on_done is not None:
+        fork_blocks = seq.extra.pop(FORK_BLOCKS, None)
+        if fork_blocks:
+            self.fence.free(fork_blocks)
+        group = seq.extra.get(GROUP)
+        if group is not None:
+            group.live -= 1
+            if group.live == 0:
+                self._groups.pop(group.members[0].id, None)
+                if group.on_done is not None:
+                    group.on_done(group.members[0])
+        elif seq.on_done is not None:
             seq.on_done(seq)
+
+    def _unshared(self, blocks: list[int]) -> list[int]:
+        """``blocks`` less those forked choices still reference (one reference each dropped):
+        the last sequence holding a shared block frees it."""
+        if not self._shared:
+            return blocks
+        out = []
+        for b in blocks:
+            n = self._shared.get(b, 0)
+            if n == 0:
+                out.append(b)
+            elif n == 1:
+                del self._shared[b]
+            else:
+                self._shared[b] = n - 1
+        return out

@@ -251,6 +251,9 @@ class RankWorker:
         tier = cmd.get("tier")
         if tier and self.host_tier is not None:
             self.host_tier.run(tier, before_reads=bool(cmd.get("pulls")))
+        copies = cmd.get("copies")
+        if copies:  # forked choices' own copy of a shared unit, before anything writes it
+            self.cache.copy_blocks(copies)
         for job in cmd.get("pulls", ()):
             self.puller.submit(PullJob.from_command(job))
         out: dict[str, Any] = {}

@@ -176,6 +176,13 @@ class PagedKVCache:
             self._free[i] = True
         self._num_free += len(ids)
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Block ``dst`` becomes a copy of block ``src`` (every layer) for each pair, in the
+        current stream's order (the steps that read ``dst`` come after)."""
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+        self.kv.index_copy_(0, dst, self.kv.index_select(0, src))
+
     # --- slot addressing used by the engine --------------------------------------------------
 
     def write(

@@ -4,6 +4,7 @@ OpenAI's shape, and waiting for a sequence while watching the client."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -16,7 +17,7 @@ from aiohttp import web
 from pdd_sidecar.engine.driver import InstanceDriver, on_loop
 from pdd_sidecar.engine.grammar_mask import Grammars
 from pdd_sidecar.engine.sampling import MAX_LOGPROBS, Logprob, SamplingError, SamplingParams
-from pdd_sidecar.engine.scheduler import Sequence
+from pdd_sidecar.engine.scheduler import FORKS, Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.grammar import GrammarError
 from pdd_sidecar.kv.grants import GrantError, GrantExpired
@@ -309,12 +310,21 @@ async def finished(request: web.Request, state: InstanceState, seq: Sequence) ->
 
 
 async def sequence_token_batches(request: web.Request, state: InstanceState,
-                                 seq: Sequence) -> AsyncGenerator[list[int], None]:
+                                 seq: Sequence) -> AsyncGenerator[list[Any], None]:
     """Submit ``seq`` and yield its tokens as the engine chooses them, every token delivered
     so far at once (one write for them, when the loop fell behind); leaving early (a client
-    gone, a failed write) cancels the sequence. Check ``sequence_error`` once it ends."""
-    tokens: asyncio.Queue[int | None] = asyncio.Queue()  # None: the sequence ended
-    seq.on_token = on_loop(asyncio.get_running_loop(), tokens.put_nowait)
+    gone, a failed write) cancels the sequence. Check ``sequence_error`` once it ends.
+
+    A sequence of one of several choices (``seq.extra["choice"]``) yields ``(choice, token)``
+    pairs instead, those of the choices forked from it too."""
+    tokens: asyncio.Queue[Any] = asyncio.Queue()  # None: the sequence ended
+    put = on_loop(asyncio.get_running_loop(), tokens.put_nowait)
+    if "choice" in seq.extra:
+        seq.on_token = functools.partial(_tagged, put, seq.extra["choice"])
+        seq.extra[FORKS] = [f._replace(on_token=functools.partial(_tagged, put, f.choice))
+                            for f in seq.extra.get(FORKS, ())]
+    else:
+        seq.on_token = put
     done = asyncio.ensure_future(finished(request, state, seq))
     done.add_done_callback(lambda _: tokens.put_nowait(None))
     try:
@@ -340,6 +350,10 @@ async def sequence_token_batches(request: web.Request, state: InstanceState,
         if not done.done():
             state.driver.cancel(seq.id)
             await done
+
+
+def _tagged(put: Callable[[Any], None], choice: int, token: int) -> None:
+    put((choice, token))
 
 
 async def sequence_tokens(request: web.Request, state: InstanceState,

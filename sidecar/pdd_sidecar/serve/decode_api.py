@@ -14,11 +14,19 @@ also `"logprob": [logprob, rank, [[id, logprob] x k]]`, the raw distribution's) 
 line with the totals (`cached_tokens`: the prompt tokens whose KV was not pulled); an error
 before the first token is a plain HTTP error. A client that disconnects cancels its sequence. A
 `sampling.repetition_penalty` needs `prompt_ids` (it penalizes the prompt's tokens too).
+
+Several choices of one request (`n` > 1): `"choices": [[index, first_token], ...]` instead of
+`first_token`, at most 16. The KV is pulled once, by the first choice's sequence, which then
+forks into one per choice sharing the prompt's blocks (engine/scheduler.py); choice `index`
+samples with `choice_seed(sampling.seed, index)`. The stream's token lines are then
+`{"choice": index, "token": id}`, choices interleaved as their tokens come, and the final line
+lists each choice's `token_ids` and `finish_reason` under `choices`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -28,8 +36,18 @@ import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import CACHED_TOKENS, LOGPROBS, PENALTY_PROMPT, Sequence
+from pdd_sidecar.engine.sampling import MAX_CHOICES, choice_seed
+from pdd_sidecar.engine.scheduler import (
+    CACHED_TOKENS,
+    FORKS,
+    GROUP,
+    LOGPROBS,
+    PENALTY_PROMPT,
+    Fork,
+    Sequence,
+)
 from pdd_sidecar.engine.worker import RequestError
+from pdd_sidecar.grammar import GrammarError
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
 from pdd_sidecar.kv.transfer import join_paths
@@ -72,7 +90,8 @@ def _claim_url(state: InstanceState, src: TransferParams) -> str:
 
 def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -> Sequence:
     claim_url = _claim_url(state, src)
-    first = token_ids(state, [body.get("first_token")], "first_token")[0]
+    choices = _choices(state, body)
+    first = choices[0][1]
     max_new = int_field(body, "max_new_tokens", 16, 0)
     assert max_new is not None
     total = src.num_tokens + 1 + max_new
@@ -93,7 +112,46 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
         seq.extra[PENALTY_PROMPT] = prompt
     seq.extra["source"] = src
     seq.extra["claim_url"] = claim_url
+    if body.get("choices") is not None:
+        base = seq.sampling
+        seq.extra["choice"] = choices[0][0]
+        seq.sampling = dataclasses.replace(base, seed=choice_seed(base.seed, choices[0][0]))
+        if len(choices) > 1:
+            seq.extra[FORKS] = [Fork(j, t, dataclasses.replace(
+                base, seed=choice_seed(base.seed, j)), grammar=_grammar(state, base, t))
+                for j, t in choices[1:]]
     return seq
+
+
+def _grammar(state: InstanceState, sampling: Any, first: int) -> Any:
+    """A forked choice's own matcher under the request's grammar, advanced by its first
+    token (None without structured output)."""
+    if sampling.structured is None:
+        return None
+    try:
+        return state.grammars.start(sampling.structured, first)
+    except GrammarError as exc:
+        raise bad(f"choices: {exc}") from None
+
+
+def _choices(state: InstanceState, body: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(choice index, first token)`` of each choice the request runs: its ``choices``, or
+    choice 0 with its ``first_token``."""
+    raw = body.get("choices")
+    if raw is None:
+        return [(0, token_ids(state, [body.get("first_token")], "first_token")[0])]
+    if body.get("logprobs") is not None:
+        raise bad("choices: log-probabilities of several choices are not supported")
+    if (not isinstance(raw, list) or not 0 < len(raw) <= MAX_CHOICES
+            or not all(isinstance(c, list) and len(c) == 2 for c in raw)):
+        raise bad(f"choices: must be a list of 1 to {MAX_CHOICES} [index, first_token] pairs")
+    indices = [c[0] for c in raw]
+    if (not all(isinstance(j, int) and not isinstance(j, bool) and 0 <= j < MAX_CHOICES
+                for j in indices) or len(set(indices)) != len(indices)):
+        raise bad(f"choices: indices must be distinct integers in [0, {MAX_CHOICES}), got "
+                  f"{indices!r}")
+    firsts = token_ids(state, [c[1] for c in raw], "choices")
+    return list(zip(indices, firsts, strict=True))
 
 
 def _prompt_ids(state: InstanceState, body: dict[str, Any], src: TransferParams) -> list[int]:
@@ -146,6 +204,12 @@ def info_endpoints(info: dict[str, Any]) -> list[tuple[str, int]]:
     return parse_endpoints(listed, tp)
 
 
+def _members(seq: Sequence) -> list[Sequence]:
+    """The sequences of a request's choices (itself alone without forks)."""
+    group = seq.extra.get(GROUP)
+    return group.members if group is not None else [seq]
+
+
 def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
     m = state.metrics
     ranks = []
@@ -159,10 +223,10 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
             m.transfer_device_seconds.labels(rank=str(rank)).inc(t["device_seconds"])
         m.transfer_paths.labels(path=t["path"]).inc()
         ranks.append({"rank": rank, **t})
-    out: dict[str, Any] = {"logprobs": logprob_json(seq.extra.get(LOGPROBS, []))} \
+    lp: dict[str, Any] = {"logprobs": logprob_json(seq.extra.get(LOGPROBS, []))} \
         if seq.logprobs is not None else {}
-    return {
-        **out,
+    out: dict[str, Any] = {
+        **lp,
         "request_id": seq.id,
         "token_ids": seq.output,
         "finish_reason": seq.finish_reason,
@@ -175,6 +239,19 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         },
         "timing": timing.decode_timing(seq.extra),
     }
+    if "choice" in seq.extra:
+        out["choices"] = [{"index": m.extra["choice"], "token_ids": m.output,
+                           "finish_reason": m.finish_reason} for m in _members(seq)]
+    return out
+
+
+def _error(seq: Sequence) -> RequestError | None:
+    """The request's error: its own, or that of a choice forked from it."""
+    for m in _members(seq):
+        err = sequence_error(m)
+        if err:
+            return err
+    return None
 
 
 async def decode(request: web.Request) -> web.StreamResponse:
@@ -191,7 +268,7 @@ async def decode(request: web.Request) -> web.StreamResponse:
             outcome = "ok"
             return response
         await finished(request, state, seq)
-        err = sequence_error(seq)
+        err = _error(seq)
         if err:
             raise err
         outcome = "ok"
@@ -221,26 +298,36 @@ def _lines(seq: Sequence, tokens: list[int], sent: int) -> bytes:
                     for t, e in zip(tokens, entries, strict=True))
 
 
+def _choice_lines(tokens: list[tuple[int, int]]) -> bytes:
+    return b"".join(b'{"choice": %d, "token": %d}\n' % jt for jt in tokens)
+
+
 async def _stream(request: web.Request, state: InstanceState,
                   seq: Sequence) -> web.StreamResponse:
     batches = sequence_token_batches(request, state, seq)
     first = await anext(batches, None)
-    err = sequence_error(seq)
+    err = _error(seq)
     if first is None and err:
         raise err  # nothing sent yet: a plain HTTP error
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
+    multi = "choice" in seq.extra
     try:
         if first is not None:
-            head: dict[str, Any] = {"token": first[0], "timing": timing.decode_timing(seq.extra)}
+            head = first[0]
+            line: dict[str, Any] = ({"choice": head[0], "token": head[1]}
+                                    if isinstance(head, tuple) else {"token": head})
+            line["timing"] = timing.decode_timing(seq.extra)
             if seq.logprobs is not None:
-                head["logprob"] = logprob_json(seq.extra[LOGPROBS][:1])[0]
-            await response.write(json.dumps(head).encode() + b"\n" + _lines(seq, first[1:], 1))
+                line["logprob"] = logprob_json(seq.extra[LOGPROBS][:1])[0]
+            await response.write(json.dumps(line).encode() + b"\n" + (
+                _choice_lines(first[1:]) if multi else _lines(seq, first[1:], 1)))
             sent = len(first)
             async for batch in batches:
-                await response.write(_lines(seq, batch, sent))
+                await response.write(_choice_lines(batch) if multi
+                                     else _lines(seq, batch, sent))
                 sent += len(batch)
-        err = sequence_error(seq)
+        err = _error(seq)
         if err:
             final: dict[str, Any] = {"error": {"message": str(err), "type": err.kind,
                                                "code": err.status}, "status": err.status}

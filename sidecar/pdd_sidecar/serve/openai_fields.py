@@ -4,7 +4,7 @@ refused unless it asks for nothing.
 Why: a field that changes the answer and is not acted on would come back as a 200 that ignored
 it, a wrong answer. So each field OpenAI's API (completions and chat) and vLLM's extensions
 define is here with what pdd does with it; a refused field still passes when its value asks
-for what pdd does anyway (`min_p: 0`, `n: 1`, `echo: false`),
+for what pdd does anyway (`min_p: 0`, `suffix: ""`),
 and null always does (OpenAI reads null as absent). A field not in the table is refused as
 OpenAI refuses it: a misspelt `temprature` or another server's extension must not pass
 silently. docs/openai-api.md lists the same table for users; a unit test keeps the two equal.
@@ -73,6 +73,8 @@ FIELDS: dict[str, Field] = {
     "top_p": _H,
     "top_k": _H,
     "seed": _H,
+    "n": _H,  # at most 16 (openai_request.py); choice i > 0 seeds with sampling.choice_seed
+    "best_of": Field(HONOURED, COMPLETION),  # only equal to n (nothing to choose among)
     "stop": _H,
     "stop_token_ids": _H,
     "ignore_eos": _H,
@@ -113,9 +115,6 @@ FIELDS: dict[str, Field] = {
     "guided_whitespace_pattern": _N,
     "spaces_between_special_tokens": _N,  # special tokens are never shown
     # Refused unless they ask for nothing.
-    "n": _refused("several choices per request are not supported (send n 1)",
-                  _off_number(1)),
-    "best_of": _refused("best_of above 1 is not supported", _off_number(1), COMPLETION),
     "use_beam_search": _refused("beam search is not supported", _off_values(False)),
     "length_penalty": _refused("length_penalty (beam search) is not supported",
                                _off_number(1)),

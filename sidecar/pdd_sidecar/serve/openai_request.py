@@ -8,6 +8,7 @@ decode instances speak.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from collections.abc import Mapping
@@ -27,6 +28,8 @@ from pdd_sidecar.serve.tool_request import ToolRequestError, ToolSpec, check_too
 INT64 = (-(2**63), 2**63 - 1)
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # engine/sampling.py's bound (OpenAI's on top_logprobs)
+MAX_CHOICES = 16  # n's bound (engine/sampling.py's, which the instances check)
+MAX_PROMPTS = 64  # prompts in one completions request (each runs as its own request)
 
 
 class ApiError(Exception):
@@ -81,6 +84,7 @@ class GenRequest:
     vllm_prompt_logprobs: bool = False  # the choice carries vLLM's prompt_logprobs list
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
     prompt_text: str | None = None  # a completion's prompt as sent, when it was text
+    n: int = 1  # choices: one prefill and one hand-off, n decode sequences
 
 
 def brief_repr(v: Any, limit: int = 80) -> str:
@@ -220,11 +224,12 @@ def _need_codec(model: ModelText, param: str) -> Any:
     return model.codec
 
 
-def _prompt_text(body: Mapping[str, Any]) -> str | None:
+def _prompt_texts(body: Mapping[str, Any], n: int) -> list[str | None]:
+    """Each prompt as sent, when it was text (an echo shows it as sent)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else None
+    items = prompt if isinstance(prompt, list) and len(prompt) == n and all(
+        isinstance(p, (str, list)) for p in prompt) else [prompt]
+    return [p if isinstance(p, str) else None for p in items]
 
 
 def _logprob_fields(kind: str, body: Mapping[str, Any]) -> tuple[int | None, bool, int | None]:
@@ -249,24 +254,32 @@ def _logprob_fields(kind: str, body: Mapping[str, Any]) -> tuple[int | None, boo
     return logprobs, echo, prompt
 
 
-def _prompt_ids(body: Mapping[str, Any], model: ModelText) -> list[int]:
+def _prompts(body: Mapping[str, Any], model: ModelText) -> list[list[int]]:
+    """The prompt, or each of OpenAI's list form (strings, or lists of token ids); an element
+    that is neither is refused naming ``prompt[i]``."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad(f"prompt: batches of prompts are not supported, got {len(prompt)} prompts "
-                  "(send one request per prompt)", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad(f"prompt: at most {MAX_PROMPTS} prompts in one request, got "
+                      f"{len(prompt)}", "prompt")
+        if len(prompt) == 1:
+            return [_prompt_ids(prompt[0], model, "prompt")]
+        return [_prompt_ids(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, model, "prompt")]
+
+
+def _prompt_ids(prompt: Any, model: ModelText, where: str) -> list[int]:
     if isinstance(prompt, str):
         codec = _need_codec(model, "prompt")
         ids = list(codec.encode(prompt, add_special_tokens=True))
     else:
-        ids_or_none = _ids(prompt, model, "prompt")
+        ids_or_none = _ids(prompt, model, where)
         if ids_or_none is None:
-            raise bad("prompt must be a string, a list of token ids, or a list holding one "
-                      "of those", "prompt")
+            raise bad(f"{where} must be a string, a list of token ids, or a list of those",
+                      where)
         ids = ids_or_none
     if not ids:
-        raise bad("prompt is empty (no tokens)", "prompt")
+        raise bad(f"{where} is empty (no tokens)", where)
     return ids
 
 
@@ -357,7 +370,18 @@ def _chat_prompt(body: Mapping[str, Any], model: ModelText,
 def parse_request(kind: str, body: Any, model: ModelText, served: str,
                   served_len: int | None = None) -> GenRequest:
     """``served_len``: the length the instances can hold (the router's /v1/models
-    ``max_model_len``), the default completion of a chat that sets none runs up to."""
+    ``max_model_len``), the default completion of a chat that sets none runs up to. A
+    completions request of several prompts is refused here: ``parse_requests`` reads it."""
+    reqs = parse_requests(kind, body, model, served, served_len)
+    if len(reqs) > 1:
+        raise bad(f"prompt: {len(reqs)} prompts where one is expected", "prompt")
+    return reqs[0]
+
+
+def parse_requests(kind: str, body: Any, model: ModelText, served: str,
+                   served_len: int | None = None) -> list[GenRequest]:
+    """One request per prompt (a completions request's list form), each as ``parse_request``
+    reads it: the same fields (seed included) for every prompt."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", None)
     refused = refusal(kind, body)
@@ -412,32 +436,48 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
     ignore_eos = _opt_bool(body, "ignore_eos", False)
     logprobs, echo, vllm_prompt = _logprob_fields(kind, body)
     tokens_as_ids = _opt_bool(body, "return_tokens_as_token_ids", False)
+    n = _opt_int(body, "n", 1, 1, MAX_CHOICES, f" in [1, {MAX_CHOICES}]")
+    assert n is not None
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad(f"best_of: only best_of equal to n ({n}) is supported, got "
+                  f"{brief_repr(best_of)}", "best_of")
+    if n > 1 and (logprobs is not None or echo or vllm_prompt is not None):
+        field = "echo" if echo else "logprobs" if logprobs is not None else "prompt_logprobs"
+        raise bad(f"{field}: log-probabilities and echo of several choices are not supported "
+                  "(send n 1)", field)
 
     tools: ToolSpec | None = None
+    texts: list[str | None] = [None]
     if kind == "completion":
-        prompt = _prompt_ids(body, model)
+        prompts = _prompts(body, model)
+        texts = _prompt_texts(body, len(prompts))
         prompt_param = "prompt"
     else:
         tools = _tools(body, model)
-        prompt = _chat_prompt(body, model, tools)
+        prompts = [_chat_prompt(body, model, tools)]
         prompt_param = "messages"
     limit = model.max_model_len
-    if len(prompt) >= limit:
-        raise bad(f"{prompt_param}: the prompt is {len(prompt)} tokens; this model's maximum "
-                  f"context length is {limit} tokens (prompt + completion)", prompt_param)
+    for i, prompt in enumerate(prompts):
+        where = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
+        if len(prompt) >= limit:
+            raise bad(f"{where}: the prompt is {len(prompt)} tokens; this model's maximum "
+                      f"context length is {limit} tokens (prompt + completion)", prompt_param)
     key = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         key = "max_completion_tokens"
     default = 16 if kind == "completion" else max(1, min(limit, served_len or limit)
-                                                  - len(prompt))
+                                                  - len(prompts[0]))
     # With echo a completion may ask for the prompt alone (its log-probabilities).
     least = 0 if echo else 1
     max_tokens = _opt_int(body, key, default, least, None, f" >= {least}")
     assert max_tokens is not None
-    if len(prompt) + max_tokens > limit:
-        raise bad(f"{key}: this model's maximum context length is {limit} tokens; the request "
-                  f"asks for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, "
-                  f"{max_tokens} for the completion)", key)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_tokens > limit:
+            which = f" (prompt[{i}])" if len(prompts) > 1 else ""
+            raise bad(f"{key}: this model's maximum context length is {limit} tokens; the "
+                      f"request{which} asks for {len(prompt) + max_tokens} ({len(prompt)} in "
+                      f"the prompt, {max_tokens} for the completion)", key)
     min_tokens = _opt_int(body, "min_tokens", 0, 0, None, " >= 0")
     assert min_tokens is not None
     if min_tokens > max_tokens:
@@ -459,16 +499,18 @@ def parse_request(kind: str, body: Any, model: ModelText, served: str,
     local = set(stop_token_ids)
     if not ignore_eos:
         local |= model.eos_token_ids
-    return GenRequest(
-        kind=kind, prompt_ids=prompt, max_tokens=max_tokens,
+    first = GenRequest(
+        kind=kind, prompt_ids=prompts[0], max_tokens=max_tokens,
         sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                   **controls},
         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens,
-        tools=tools,
+        tools=tools, n=n,
         logprobs=logprobs, echo=echo, prompt_logprobs=_prompt_count(echo, logprobs, vllm_prompt),
         vllm_prompt_logprobs=vllm_prompt is not None, tokens_as_ids=tokens_as_ids,
-        prompt_text=_prompt_text(body) if kind == "completion" else None)
+        prompt_text=texts[0] if kind == "completion" else None)
+    return [first, *(dataclasses.replace(first, prompt_ids=p, prompt_text=t)
+                     for p, t in zip(prompts[1:], texts[1:], strict=True))]
 
 
 def _prompt_count(echo: bool, logprobs: int | None, vllm_prompt: int | None) -> int | None:

@@ -2,17 +2,21 @@
 they are.
 
 `POST /v1/prefill {"request_id", "prompt_ids", "max_tokens", "sampling", "stop_token_ids",
-"ignore_eos", "logprobs", "prompt_logprobs"}` answers the first token (chosen by the request's
-sampling), `finish_reason` (set when that token already ends the completion, and then nothing is
-held; `max_tokens` 0 runs the prompt alone), `cached_tokens` (prompt tokens whose KV the prefix
-cache already had), with `logprobs: k` the first token's log-probability entry (`[logprob, rank,
-[[id, logprob] x k]]`, serve/common.py), with `prompt_logprobs: k` one for each prompt token
-from the second on (such a prompt bypasses the prefix cache: its every position runs), and the
-`kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every prefill
-rank has its notifications or the lease runs out. The parameters are a grant signed with the
-deployment's key. `POST /v1/release {"kv_transfer_params"}` frees a request the router gave up
-on without waiting for the lease; `POST /v1/claim {"kv_transfer_params", "hold_s"}` is a decode
-rank pinning the blocks right before its READ (410 once they were released or reused).
+"ignore_eos", "logprobs", "prompt_logprobs", "n"}` answers the first token (chosen by the
+request's sampling), `finish_reason` (set when that token, of every choice, already ends the
+completion, and then nothing is held; `max_tokens` 0 runs the prompt alone), `cached_tokens`
+(prompt tokens whose KV the prefix cache already had), with `logprobs: k` the first token's
+log-probability entry (`[logprob, rank, [[id, logprob] x k]]`, serve/common.py), with
+`prompt_logprobs: k` one for each prompt token from the second on (such a prompt bypasses the
+prefix cache: its every position runs), with `n` > 1 (at most 16; not with log-probabilities)
+`first_tokens`, one per choice from the same logits, each drawn with its choice's seed
+(engine/sampling.py `choice_seed`; the first is `first_token`), and `first_finish_reasons`
+("stop" for a choice its first token ended: a stop id, or its grammar complete; else null), and
+the `kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every
+prefill rank has its notifications or the lease runs out. The parameters are a grant signed
+with the deployment's key. `POST /v1/release {"kv_transfer_params"}` frees a request the router
+gave up on without waiting for the lease; `POST /v1/claim {"kv_transfer_params", "hold_s"}` is a
+decode rank pinning the blocks right before its READ (410 once they were released or reused).
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.engine import timing
-from pdd_sidecar.engine.scheduler import CACHED_TOKENS, LOGPROBS, PROMPT_LOGPROBS, Sequence
+from pdd_sidecar.engine.sampling import MAX_CHOICES
+from pdd_sidecar.engine.scheduler import (
+    CACHED_TOKENS,
+    CHOICES,
+    FIRST_FINISHES,
+    FIRST_TOKENS,
+    LOGPROBS,
+    PROMPT_LOGPROBS,
+    Sequence,
+)
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
@@ -63,10 +76,18 @@ async def run_prefill(request: web.Request, state: InstanceState,
         raise bad(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
                   f"({max_tokens or 1}) = {total} exceeds the maximum model length "
                   f"{state.max_model_len}")
+    n = int_field(body, "n", 1, 1)
+    assert n is not None
+    if n > MAX_CHOICES:
+        raise bad(f"n: at most {MAX_CHOICES} choices per request, got {n}")
+    if n > 1 and (body.get("logprobs") is not None or body.get("prompt_logprobs") is not None):
+        raise bad("n: log-probabilities of several choices are not supported (send n 1)")
     seq = Sequence(rid, prompt, 1 << 30 if max_tokens is None else max_tokens, len(prompt),
                    prompt_logprobs=logprobs_field(body, "prompt_logprobs"),
                    **sequence_options(state, body))
     seq.extra[timing.RECEIVED] = received
+    if n > 1:
+        seq.extra[CHOICES] = n
     await finished(request, state, seq)
     err = sequence_error(seq)
     if err:
@@ -117,6 +138,9 @@ async def prefill(request: web.Request) -> web.Response:
             answer["logprobs"] = logprob_json(seq.extra.get(LOGPROBS, []))
         if seq.prompt_logprobs is not None:
             answer["prompt_logprobs"] = logprob_json(seq.extra.get(PROMPT_LOGPROBS, []))
+        if FIRST_TOKENS in seq.extra:
+            answer["first_tokens"] = seq.extra[FIRST_TOKENS]
+            answer["first_finish_reasons"] = seq.extra[FIRST_FINISHES]
         return web.json_response(answer)
     except Exception as exc:
         return error_response(exc)

@@ -34,17 +34,18 @@ from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
 from pdd_sidecar.serve.api_keys import ApiKeys, KeyFileError, key_check
+from pdd_sidecar.serve.choices import choice_body, choice_index, usage
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
 from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 from pdd_sidecar.serve.logprob_format import LogprobText, with_first_null
-from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_request
+from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_requests
 from pdd_sidecar.serve.router_workers import run_workers
 from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
 from pdd_sidecar.serve.start_gate import StartGate, units_of
 from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
-from pdd_sidecar.serve.upstreams import Router, Step, Trip
+from pdd_sidecar.serve.upstreams import Emit, Router, Step, Trip
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,26 @@ async def _read_body(request: web.Request) -> Any:
         raise bad("request body must be JSON: nested too deep", None) from None
 
 
-def _usage(req: GenRequest, out: Output, trip: Trip) -> dict[str, Any]:
-    n = len(out.token_ids)
-    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
-            "total_tokens": len(req.prompt_ids) + n,
-            "prompt_tokens_details": {"cached_tokens": trip.cached_tokens}}
+# One prompt's run: its request, its trip and each choice's output.
+Run = tuple[GenRequest, Trip, list[Output]]
+
+
+def _usage(runs: list[Run]) -> dict[str, Any]:
+    return usage([len(req.prompt_ids) for req, _, _ in runs],
+                 [len(o.token_ids) for _, _, outs in runs for o in outs],
+                 sum(trip.cached_tokens for _, trip, _ in runs))
+
+
+async def _each(coros: list[Awaitable[Any]]) -> list[Any]:
+    """Run concurrently; the first failure, or this task's cancellation (a client gone),
+    cancels the rest, which are awaited (their upstreams closed, their grants released)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
@@ -89,27 +105,47 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             # A burst is checked, routed and sent on a bounded amount per loop turn (what runs
             # up to the prefill's connection runs in the turn the gate let it in).
             await request.app[START_GATE].enter(units_of(size or 0))
-            req = parse_request(*args)
+            reqs = parse_requests(*args)
         else:
-            req = await asyncio.to_thread(parse_request, *args)
+            reqs = await asyncio.to_thread(parse_requests, *args)
+        req = reqs[0]  # the fields every prompt shares
         if router.settings.upstream_protocol == "vllm" and (
                 req.logprobs is not None or req.prompt_logprobs is not None or req.echo):
             field = "echo" if req.echo else "logprobs" if req.logprobs is not None \
                 else "prompt_logprobs"
             raise bad(f"{field}: not served through vLLM upstreams "
                       "(PDD_ROUTER_UPSTREAM_PROTOCOL=vllm)", field)
-        router.check_capacity(req, "max_completion_tokens" if kind == "chat"
-                              and body.get("max_completion_tokens") is not None
-                              else "max_tokens")
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        trip = Trip()
-        trip.stamps[timing.R_RECEIVED] = start
-        if req.stream:
-            response = await _stream(request, router, rid, req, trip)
-        else:
-            out = await router.generate(rid, req, trip, None)
-            response = web.json_response(_final_body(router, rid, req, out, trip))
+        for req in reqs:
+            router.check_capacity(req, "max_completion_tokens" if kind == "chat"
+                                  and body.get("max_completion_tokens") is not None
+                                  else "max_tokens")
+        # Each prompt of a list is a request in flight (the middleware counted one).
+        extra = len(reqs) - 1
+        if extra and router.in_flight + extra > router.settings.max_concurrency:
+            router.metrics.requests.labels(outcome="overloaded").inc()
+            raise ApiError(429, f"the router has {router.in_flight} requests in flight (limit "
+                           f"{router.settings.max_concurrency}); this one has {len(reqs)} "
+                           "prompts", headers={"Retry-After": "1"})
+        router.in_flight += extra
+        try:
+            prefix = "cmpl" if kind == "completion" else "chatcmpl"
+            rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            trips = [Trip() for _ in reqs]
+            for trip in trips:
+                trip.stamps[timing.R_RECEIVED] = start
+            if reqs[0].stream:
+                response = await _stream(request, router, rid, reqs, trips)
+            else:
+                if len(reqs) == 1:
+                    outs = [await router.generate(rid, reqs[0], trips[0], None)]
+                else:
+                    outs = await _each([router.generate(f"{rid}-{i}", r, t, None)
+                                        for i, (r, t) in enumerate(zip(reqs, trips,
+                                                                       strict=True))])
+                runs = list(zip(reqs, trips, outs, strict=True))
+                response = web.json_response(_final_body(router, rid, runs))
+        finally:
+            router.in_flight -= extra
         outcome = "ok"
         return response
     except ApiError as exc:
@@ -148,35 +184,40 @@ def _token_logprobs(lt: LogprobText, req: GenRequest, ids: list[int], entries: l
     return lt.completion(ids, entries)
 
 
-def _final_body(router: Router, rid: str, req: GenRequest, out: Output,
-                trip: Trip) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0}
-    if req.kind == "completion":
-        choice.update(text=_echo_text(router, req) + out.text if req.echo else out.text)
-    elif out.tool_calls:
-        choice.update(message={"role": "assistant", "content": out.text or None,
-                               "tool_calls": out.tool_calls})
-    else:
-        choice.update(message={"role": "assistant", "content": out.text})
-    lt = _logprob_text(router, req)
-    n = len(out.token_ids)
-    choice.update(token_ids=out.token_ids,
-                  logprobs=_token_logprobs(lt, req, out.token_ids, trip.logprobs[:n], trip,
-                                           True),
-                  finish_reason=out.finish)
-    if req.vllm_prompt_logprobs:
-        choice["prompt_logprobs"] = lt.prompt_logprobs(req.prompt_ids,
-                                                       with_first_null(trip.prompt_logprobs))
-    return {"id": rid, "object": "text_completion" if req.kind == "completion"
+def _choice(router: Router, req: GenRequest, out: Output, trip: Trip,
+            index: int) -> dict[str, Any]:
+    """One choice of a final answer (serve/choices.py), with what it asked for besides: the
+    echoed prompt, log-probabilities."""
+    text = _echo_text(router, req) + out.text if req.echo and req.kind == "completion" \
+        else out.text
+    choice = choice_body(req.kind, index, text, out.token_ids, out.finish, out.tool_calls)
+    if req.logprobs is not None or req.vllm_prompt_logprobs:
+        lt = _logprob_text(router, req)
+        n = len(out.token_ids)
+        choice["logprobs"] = _token_logprobs(lt, req, out.token_ids, trip.logprobs[:n], trip,
+                                             True)
+        if req.vllm_prompt_logprobs:
+            choice["prompt_logprobs"] = lt.prompt_logprobs(
+                req.prompt_ids, with_first_null(trip.prompt_logprobs))
+    return choice
+
+
+def _final_body(router: Router, rid: str, runs: list[Run]) -> dict[str, Any]:
+    kind = runs[0][0].kind
+    choices = [_choice(router, req, out, trip, choice_index(i, j, req.n))
+               for i, (req, trip, outs) in enumerate(runs) for j, out in enumerate(outs)]
+    meta = runs[0][1].meta() if len(runs) == 1 else {
+        "prompts": [trip.meta() for _, trip, _ in runs]}
+    return {"id": rid, "object": "text_completion" if kind == "completion"
             else "chat.completion", "created": int(time.time()),
-            "model": router.settings.model_name, "choices": [choice],
-            "usage": _usage(req, out, trip),
-            "pdd": trip.meta()}
+            "model": router.settings.model_name, "choices": choices,
+            "usage": _usage(runs), "pdd": meta}
 
 
-async def _stream(request: web.Request, router: Router, rid: str, req: GenRequest,
-                  trip: Trip) -> web.StreamResponse:
-    """Server-sent events in OpenAI's chunk formats, then `data: [DONE]`.
+async def _stream(request: web.Request, router: Router, rid: str, reqs: list[GenRequest],
+                  trips: list[Trip]) -> web.StreamResponse:
+    """Server-sent events in OpenAI's chunk formats, then `data: [DONE]`: each chunk one
+    choice's (its `index`), choices and prompts interleaved as their tokens come.
 
     The response starts with the prefill's token, before the hand-off to a decode: errors
     before it keep their HTTP status, later ones (a decode refusing) arrive as an
@@ -184,36 +225,59 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
     """
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+    req = reqs[0]
     fmt = ChunkFormat(rid, req.kind, int(time.time()), router.settings.model_name,
                       req.include_usage)
-    answer = Output(req, router.model)
-    seen = 0
+    lock = asyncio.Lock()  # several prompts' tasks write to the one response
     lt = _logprob_text(router, req)
 
-    async def emit(steps: list[Step]) -> None:
-        nonlocal seen
-        events = []
-        if not response.prepared:
-            await response.prepare(request)
-            if req.kind == "chat":
-                events.append(fmt.role())
-            if req.echo or req.vllm_prompt_logprobs:
-                events.append(_prompt_event(router, req, fmt, lt, trip))
-        for tokens, text, finish in steps:
-            lp = None
-            if req.logprobs is not None:  # this step's tokens' entries, in order
-                lp = _token_logprobs(lt, req, tokens, trip.logprobs[seen:seen + len(tokens)],
-                                     trip, False)
-            seen += len(tokens)
-            extra = {"pdd": trip.meta()} if finish else None
-            calls = answer.pop_tool_deltas(seen) if answer.tools is not None else []
-            events.append(fmt.tool_step(tokens, text, calls, finish, extra, lp) if calls
-                          else fmt.step(tokens, text, finish, extra, lp))
-        await response.write(b"".join(events))
+    def emitter(prompt: int, r: GenRequest, trip: Trip, answers: list[Output]) -> Emit:
+        """The events of one prompt's choices; ``answers`` are its outputs as they grow (a
+        step's tool-call deltas are read from them)."""
+        seen = [0] * len(answers)
+        began = False
+
+        async def emit(choice: int, steps: list[Step]) -> None:
+            nonlocal began
+            events: list[bytes] = []
+            async with lock:
+                if not response.prepared:
+                    await response.prepare(request)
+                    if req.kind == "chat":
+                        events.extend(fmt.role(j) for j in range(req.n))
+                if not began:
+                    began = True
+                    if r.echo or r.vllm_prompt_logprobs:
+                        events.append(_prompt_event(router, r, fmt, lt, trip,
+                                                    choice_index(prompt, 0, r.n)))
+                index = choice_index(prompt, choice, r.n)
+                answer = answers[choice]
+                for tokens, text, finish in steps:
+                    lp = None
+                    if r.logprobs is not None:  # this step's tokens' entries, in order
+                        at = seen[choice]
+                        lp = _token_logprobs(lt, r, tokens, trip.logprobs[at:at + len(tokens)],
+                                             trip, False)
+                    seen[choice] += len(tokens)
+                    extra = {"pdd": trip.meta()} if finish else None
+                    calls = (answer.pop_tool_deltas(seen[choice]) if answer.tools is not None
+                             else [])
+                    events.append(fmt.tool_step(tokens, text, calls, finish, extra, lp, index)
+                                  if calls else fmt.step(tokens, text, finish, extra, lp, index))
+                await response.write(b"".join(events))
+        return emit
+
+    def run(i: int, r: GenRequest, t: Trip, sub: str) -> Awaitable[list[Output]]:
+        answers = [Output(r, router.model) for _ in range(r.n)]
+        return router.generate(sub, r, t, emitter(i, r, t, answers), answers)
 
     # The stream's last events go out with its end, in one write.
     try:
-        out = await router.generate(rid, req, trip, emit, answer)
+        if len(reqs) == 1:
+            outs = [await run(0, req, trips[0], rid)]
+        else:
+            outs = await _each([run(i, r, t, f"{rid}-{i}")
+                                for i, (r, t) in enumerate(zip(reqs, trips, strict=True))])
     except ApiError as exc:
         if not response.prepared:
             raise
@@ -221,20 +285,20 @@ async def _stream(request: web.Request, router: Router, rid: str, req: GenReques
         return response
     tail = b""
     if req.include_usage:
-        tail = sse(fmt.usage(_usage(req, out, trip)))
+        tail = sse(fmt.usage(_usage(list(zip(reqs, trips, outs, strict=True)))))
     await response.write_eof(tail + sse("[DONE]"))
     return response
 
 
 def _prompt_event(router: Router, req: GenRequest, fmt: ChunkFormat, lt: LogprobText,
-                  trip: Trip) -> bytes:
+                  trip: Trip, index: int = 0) -> bytes:
     """A streamed completion's first event when it echoes the prompt or sends vLLM's
     prompt_logprobs: the prompt's text and log-probabilities, before any generated token."""
     text = _echo_text(router, req) if req.echo else ""
     lp = None
     if req.echo and req.logprobs is not None:
         lp = lt.completion(req.prompt_ids, with_first_null(trip.prompt_logprobs))
-    choice = fmt.choice([], text, None, lp)
+    choice = fmt.choice([], text, None, lp, index)
     if req.vllm_prompt_logprobs:
         choice["prompt_logprobs"] = lt.prompt_logprobs(req.prompt_ids,
                                                        with_first_null(trip.prompt_logprobs))

@@ -61,7 +61,7 @@ class WarmRoundTrip:
         start = time.monotonic()
         trip = make_trip()
         try:
-            out = await router.generate(rid, make_request(), trip, None)
+            outs = await router.generate(rid, make_request(), trip, None)
         except Exception as exc:  # an instance going away mid-warm-up: the next round retries
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning("warm round trip failed (retrying): %s", self.last_error)
@@ -71,7 +71,7 @@ class WarmRoundTrip:
         on_done(self.seconds)
         self.done = True
         log.info("warm round trip in %.3fs: prefill %s -> decode %s, %d tokens",
-                 self.seconds, trip.prefill, trip.decode, len(out.token_ids))
+                 self.seconds, trip.prefill, trip.decode, len(outs[0].token_ids))
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():

@@ -44,40 +44,42 @@ class ChunkFormat:
         return {"id": self.rid, "object": self.obj, "created": self.created,
                 "model": self.model, "choices": [], "usage": usage}
 
-    def role(self) -> bytes:
-        """A chat stream's first event: the assistant's role, no content yet."""
-        return sse(self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role(self, index: int = 0) -> bytes:
+        """A chat stream's first event (of each choice): the assistant's role, no content
+        yet."""
+        return sse(self.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                "token_ids": [], "logprobs": None, "finish_reason": None}))
 
     def step(self, tokens: list[int], text: str, finish: str | None,
              extra: dict[str, Any] | None = None,
-             logprobs: dict[str, Any] | None = None) -> bytes:
-        """One step's event: its tokens, the text they completed, and (asked for) their
-        log-probabilities in the endpoint's shape (serve/logprob_format.py)."""
+             logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+        """One step's event of choice ``index``: its tokens, the text they completed, and
+        (asked for) their log-probabilities in the endpoint's shape (serve/logprob_format.py)."""
         if finish is None and not extra and logprobs is None:
             ids = "[" + ", ".join(str(t) for t in tokens) + "]"
             shown = json.dumps(text)
             content = (f'"text": {shown}' if self.kind == "completion"
                        else f'"delta": {{"content": {shown}}}')
-            return (f'data: {self._head}, "choices": [{{"index": 0, {content}, "token_ids": '
-                    f'{ids}, "logprobs": null, "finish_reason": null}}]{self._usage}}}\n\n'
-                    ).encode()
-        return sse(self.chunk(self.choice(tokens, text, finish, logprobs), **(extra or {})))
+            return (f'data: {self._head}, "choices": [{{"index": {index}, {content}, '
+                    f'"token_ids": {ids}, "logprobs": null, "finish_reason": null}}]'
+                    f'{self._usage}}}\n\n').encode()
+        return sse(self.chunk(self.choice(tokens, text, finish, logprobs, index),
+                              **(extra or {})))
 
     def tool_step(self, tokens: list[int], text: str, calls: list[dict[str, Any]],
                   finish: str | None, extra: dict[str, Any] | None = None,
-                  logprobs: dict[str, Any] | None = None) -> bytes:
+                  logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
         """A chat step that carries tool-call deltas (OpenAI's `delta.tool_calls`, each with
         its `index`; the first of a call names it, the rest add to its arguments)."""
-        choice = self.choice(tokens, text, finish, logprobs)
+        choice = self.choice(tokens, text, finish, logprobs, index)
         choice["delta"] = {**({"content": text} if text else {}), "tool_calls": calls}
         return sse(self.chunk(choice, **(extra or {})))
 
     def choice(self, tokens: list[int], text: str, finish: str | None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text}
+            choice: dict[str, Any] = {"index": index, "text": text}
         else:
-            choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
+            choice = {"index": index, "delta": {"content": text} if text or not finish else {}}
         choice.update(token_ids=tokens, logprobs=logprobs, finish_reason=finish)
         return choice

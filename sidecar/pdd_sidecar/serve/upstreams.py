@@ -62,6 +62,7 @@ class Trip:
     # the prompt's, from its second token on.
     logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] = field(default_factory=list)
+    finishes: dict[int, Any] = field(default_factory=dict)  # n > 1: each choice's, the decode's
 
     def meta(self) -> dict[str, Any]:
         return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer,
@@ -77,7 +78,8 @@ def _cached_tokens(holder: Any) -> int:
 
 # One step of a completion: (token ids, text to show, finish reason).
 Step = tuple[list[int], str, str | None]
-Emit = Callable[[list[Step]], Awaitable[None]]
+Emit = Callable[[int, list[Step]], Awaitable[None]]  # (choice index, its steps)
+Batch = tuple[int, list[int]]  # a choice's index and tokens of it that arrived together
 
 
 def _token_line(line: bytes) -> int | None:
@@ -105,6 +107,35 @@ def _take_logprobs(req: GenRequest, pre: dict[str, Any], url: str, trip: Trip) -
             raise ApiError(502, f"prefill {url}: answer without the prompt's "
                            "log-probabilities")
         trip.prompt_logprobs = got
+
+
+def _choice_token_line(line: bytes) -> tuple[int, int] | None:
+    """``(choice, id)`` of a decode's ``{"choice": j, "token": id}`` line (n > 1), as
+    ``_token_line`` reads its own."""
+    if line.startswith(b'{"choice": ') and line.endswith(b"}"):
+        head, sep, tail = line[11:-1].partition(b', "token": ')
+        if sep and head.isdigit() and tail.isdigit() and len(tail) < 12 and len(head) < 4:
+            return int(head), int(tail)
+    return None
+
+
+def _first_tokens(pre: dict[str, Any], n: int) -> list[int] | None:
+    """Each choice's first token from a prefill's answer (``first_tokens`` when n > 1)."""
+    if n == 1:
+        return [int(pre["first_token"])] if is_int(pre.get("first_token")) else None
+    firsts = pre.get("first_tokens")
+    if isinstance(firsts, list) and len(firsts) == n and all(is_int(t) for t in firsts):
+        return [int(t) for t in firsts]
+    return None
+
+
+def _choice_finishes(msg: dict[str, Any]) -> dict[int, Any]:
+    """Each choice's finish reason from a decode's final line (n > 1)."""
+    out: dict[int, Any] = {}
+    for c in msg.get("choices") or ():
+        if isinstance(c, dict) and is_int(c.get("index")):
+            out[int(c["index"])] = c.get("finish_reason")
+    return out
 
 
 class PrefillLost(Exception):
@@ -357,8 +388,8 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _open_decode(self, rid: str, first: int, pre: dict[str, Any], req: GenRequest,
-                           trip: Trip) -> aiohttp.ClientResponse:
+    async def _open_decode(self, rid: str, choices: list[tuple[int, int]], pre: dict[str, Any],
+                           req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
@@ -373,7 +404,7 @@ class Router:
             self.decode.started(url)  # until the stream ends (Router.tokens)
             opened = False
             try:
-                resp = await self._open_decode_on(url, rid, first, pre, req, trip)
+                resp = await self._open_decode_on(url, rid, choices, pre, req, trip)
                 opened = True
                 return resp
             except ApiError as exc:
@@ -390,17 +421,25 @@ class Router:
                 if not opened:
                     self.decode.finished(url)
 
-    async def _open_decode_on(self, url: str, rid: str, first: int, pre: dict[str, Any],
-                              req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
+    async def _open_decode_on(self, url: str, rid: str, choices: list[tuple[int, int]],
+                              pre: dict[str, Any], req: GenRequest, trip: Trip
+                              ) -> aiohttp.ClientResponse:
+        """``choices``: ``(index, first token)`` of each choice the decode runs (n > 1: those
+        the first token did not end)."""
         assert self.session is not None
         trip.decode = url
-        body = {"request_id": rid, "first_token": first, "max_new_tokens": req.max_tokens - 1,
+        body: dict[str, Any] = {
+                "request_id": rid, "max_new_tokens": req.max_tokens - 1,
                 "kv_transfer_params": pre.get("kv_transfer_params"),
                 "prompt_ids": req.prompt_ids, "sampling": req.sampling,
                 "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                 "stream": True}
         if req.logprobs is not None:
             body["logprobs"] = req.logprobs
+        if req.n == 1:
+            body["first_token"] = choices[0][1]
+        else:
+            body["choices"] = [list(c) for c in choices]
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.request_timeout_s or None)
         trip.stamps[timing.R_DECODE_SENT] = time.monotonic()
@@ -507,39 +546,44 @@ class Router:
                 self.release_soon(url, rid, params)
 
     async def tokens(self, rid: str, req: GenRequest,
-                     trip: Trip) -> AsyncGenerator[list[int], None]:
+                     trip: Trip) -> AsyncGenerator[Batch, None]:
         """The completion's tokens as the replicas choose them, in batches of what arrived
-        together (one token each while the router keeps up).
+        together (one token each while the router keeps up), each with its choice's index
+        (0 unless n > 1; the first token of every choice comes first, in order).
 
         Closing this generator early (a stop string, a client gone) closes the decode stream,
         which cancels the sequence there, and releases the prefill's blocks.
         """
         if self.settings.upstream_protocol == "vllm":
-            inner = self._tokens_vllm(rid, req, trip)
+            if req.n > 1:
+                raise bad("n: several choices need pdd's own upstream protocol (the router "
+                          "runs with PDD_ROUTER_UPSTREAM_PROTOCOL=vllm)", "n")
+            vllm = self._tokens_vllm(rid, req, trip)
             try:
-                async for batch in inner:
-                    yield batch
+                async for tokens in vllm:
+                    yield 0, tokens
             finally:
-                await inner.aclose()
+                await vllm.aclose()
             return
         # A prefill that went away between its answer and the decode's claim (a pod replaced
         # during a roll) costs the request nothing the client sees: no decode token was sent
         # yet, so the prompt runs again on another prefill, while there is one, and the decode
         # is fed the first token the client already has.
         skip: set[str] = set()
-        sent_first: int | None = None
+        firsts: dict[int, int] = {}  # each choice's first token, as the client has it
+        sent_first: list[int] | None = None
         while True:
             inner = self._tokens_pdd(rid, req, trip, skip, sent_first)
             try:
-                async for batch in inner:
-                    if sent_first is None:
-                        sent_first = batch[0]
-                    yield batch
+                async for choice, batch in inner:
+                    firsts.setdefault(choice, batch[0])
+                    yield choice, batch
                 return
             except PrefillLost as lost:
                 if self.prefill.pick(skip | {lost.url}, plans=self.decode.ready_plans()) is None:
                     raise lost.error from None
                 skip.add(lost.url)
+                sent_first = [firsts[j] for j in range(req.n)]
                 log.warning("the hand-off from prefill %s failed before the decode's first "
                             "token; running the prompt again on another prefill: %s",
                             lost.url, lost.error)
@@ -547,19 +591,22 @@ class Router:
                 await inner.aclose()
 
     async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip, skip: set[str],
-                          sent_first: int | None) -> AsyncGenerator[list[int], None]:
+                          sent_first: list[int] | None) -> AsyncGenerator[Batch, None]:
         """One try of pdd's own flow: a prefill (not one in ``skip``), its token to the client
-        at once, then the hand-off to a decode. On a second try (``sent_first``: the client
-        has the first token) the prefill only has to hold the prompt's KV: its own token is
-        not used, and no stop may end it there."""
-        prefill_body = {"request_id": rid, "prompt_ids": req.prompt_ids,
-                        "max_tokens": req.max_tokens, "sampling": req.sampling,
-                        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
+        at once (n > 1: each choice's), then the hand-off to a decode. On a second try
+        (``sent_first``: the client has the first tokens) the prefill only has to hold the
+        prompt's KV: its own tokens are not used, and no stop may end it there."""
+        prefill_body: dict[str, Any] = {
+            "request_id": rid, "prompt_ids": req.prompt_ids, "max_tokens": req.max_tokens,
+            "sampling": req.sampling, "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos}
+        if req.n > 1:
+            prefill_body["n"] = req.n
         if req.logprobs is not None:
             prefill_body["logprobs"] = req.logprobs
         if req.prompt_logprobs is not None:
             prefill_body["prompt_logprobs"] = req.prompt_logprobs
-        if sent_first is not None:  # its token and log-probabilities are not used
+        if sent_first is not None:  # its tokens and log-probabilities are not used
             prefill_body.update(stop_token_ids=[], ignore_eos=True)
             prefill_body.pop("logprobs", None)
             prefill_body.pop("prompt_logprobs", None)
@@ -573,10 +620,12 @@ class Router:
             if trip.prefill is not None:
                 self.release_soon(trip.prefill, rid)
             raise
-        if not is_int(pre.get("first_token")):
+        chosen = _first_tokens(pre, req.n)
+        if chosen is None:
             self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
-            raise ApiError(502, f"prefill {prefill_url}: answer without a first_token")
-        first = int(pre["first_token"]) if sent_first is None else sent_first
+            raise ApiError(502, f"prefill {prefill_url}: answer without a first_token"
+                           + ("" if req.n == 1 else f" and {req.n} first_tokens"))
+        firsts = chosen if sent_first is None else sent_first
         if sent_first is None:
             try:
                 _take_logprobs(req, pre, prefill_url, trip)
@@ -586,24 +635,34 @@ class Router:
         # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
         finished = pre.get("finish_reason") if sent_first is None else None
         held = pre.get("finish_reason") is None
+        # The choices the decode runs: those their first token did not end (a stop id, or on
+        # the prefill a grammar it completed).
+        ended = pre.get("first_finish_reasons") if req.n > 1 else None
+        if isinstance(ended, list) and len(ended) == req.n:
+            trip.finishes.update({j: "stop" for j, f in enumerate(ended) if f == "stop"})
+        live = [(j, t) for j, t in enumerate(firsts)
+                if t not in req.local_stop_ids and j not in trip.finishes]
+        running = {j for j, _ in live}
+        first = live[0][1] if live else firsts[0]
         resp: aiohttp.ClientResponse | None = None
         complete = False
-        decoded: list[int] = []
+        decoded: list[int] = []  # the first live choice's (it keys the decode's prefix)
         try:
             if req.max_tokens == 0:  # an echo of the prompt alone: the prefill held nothing
                 trip.finish = "length"
                 return
             if sent_first is None:
-                yield [first]
+                for j, t in enumerate(firsts):
+                    yield j, [t]
                 # The hand-off waits one loop turn: the other prefill answers that arrived
                 # with this one reach their clients first (a burst's prefill step ends 64
                 # requests at once, and opening a decode stream costs as much as a relay).
                 await asyncio.sleep(0)
-            if finished is not None or req.max_tokens == 1 or first in req.local_stop_ids:
+            if finished is not None or req.max_tokens == 1 or not live:
                 trip.finish = finished
                 return
             try:
-                resp = await self._open_decode(rid, first, pre, req, trip)
+                resp = await self._open_decode(rid, live, pre, req, trip)
             except ApiError as exc:
                 if exc.status == 502 and exc.type == "transfer":  # the KV could not be read
                     raise PrefillLost(prefill_url, exc) from None
@@ -622,35 +681,51 @@ class Router:
                 lines = (pending + data).split(b"\n")
                 pending = b"" if eof else lines.pop()
                 batch: list[int] = []
+                at = live[0][0]  # the choice ``batch`` is of
                 for line in lines:
                     token = _token_line(line) if req.logprobs is None else None
                     if token is not None:
                         decoded.append(token)
                         batch.append(token)
                         continue
-                    if not line.strip():
+                    tagged = _choice_token_line(line) if req.n > 1 else None
+                    if tagged is None and not line.strip():
                         continue
-                    try:
-                        msg = json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        msg = None
-                    if not isinstance(msg, dict) or (
-                            "token" in msg and not is_int(msg["token"])):
-                        raise ApiError(502, f"decode {trip.decode}: bad stream line "
-                                       f"{line[:200]!r}")
-                    if "timing" in msg:
-                        trip.decode_timing = msg["timing"]
-                    if "token" in msg:
-                        if req.logprobs is not None:
-                            if not entry_ok(msg.get("logprob")):
-                                raise ApiError(502, f"decode {trip.decode}: token line without "
-                                               f"its log-probabilities: {line[:200]!r}")
-                            trip.logprobs.append(msg["logprob"])
-                        decoded.append(int(msg["token"]))
-                        batch.append(decoded[-1])
+                    if tagged is None:
+                        try:
+                            msg = json.loads(line)
+                        except (json.JSONDecodeError, UnicodeDecodeError):
+                            msg = None
+                        if not isinstance(msg, dict) or (
+                                "token" in msg and not is_int(msg["token"])) or (
+                                "choice" in msg and not is_int(msg["choice"])):
+                            raise ApiError(502, f"decode {trip.decode}: bad stream line "
+                                           f"{line[:200]!r}")
+                        if "timing" in msg:
+                            trip.decode_timing = msg["timing"]
+                        if "token" in msg:
+                            if req.logprobs is not None:
+                                if not entry_ok(msg.get("logprob")):
+                                    raise ApiError(502, f"decode {trip.decode}: token line "
+                                                   "without its log-probabilities: "
+                                                   f"{line[:200]!r}")
+                                trip.logprobs.append(msg["logprob"])
+                            tagged = (int(msg.get("choice", at)), int(msg["token"]))
+                    if tagged is not None:
+                        choice, token = tagged
+                        if choice not in running:
+                            raise ApiError(502, f"decode {trip.decode}: a token of choice "
+                                           f"{choice}, which it does not run")
+                        if choice != at and batch:
+                            yield at, batch
+                            batch = []
+                        at = choice
+                        if choice == live[0][0]:
+                            decoded.append(token)
+                        batch.append(token)
                         continue
                     if batch:  # the client sees these tokens before the stream's end
-                        yield batch
+                        yield at, batch
                         batch = []
                     if "error" in msg:
                         status = msg.get("status")
@@ -660,6 +735,8 @@ class Router:
                     complete = True
                     held = False
                     trip.finish = msg.get("finish_reason")
+                    if req.n > 1:
+                        trip.finishes.update(_choice_finishes(msg))
                     trip.transfer = msg.get("transfer")
                     # It holds the KV of all it was fed: the prompt, the first token and
                     # every token it generated but the last.
@@ -667,7 +744,7 @@ class Router:
                                        [*req.prompt_ids, first, *decoded[:-1]])
                     return
                 if batch:
-                    yield batch
+                    yield at, batch
             raise ApiError(502, f"decode {trip.decode}: stream ended without its final line")
         finally:
             if resp is not None:
@@ -680,18 +757,20 @@ class Router:
                 self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
 
     async def generate(self, rid: str, req: GenRequest, trip: Trip,
-                       emit: Emit | None, out: Output | None = None) -> Output:
-        """Run one request; `emit(steps)` sees each step `(token_ids, text, finish_reason)`,
-        those of tokens that arrived together in one call (and may read `out`, the answer
-        so far, for what a step carries beside its text: tool-call deltas)."""
-        out = out or Output(req, self.model)
+                       emit: Emit | None, outs: list[Output] | None = None) -> list[Output]:
+        """Run one request; `emit(choice, steps)` sees each step `(token_ids, text,
+        finish_reason)` of a choice, those of its tokens that arrived together in one call (and
+        may read `outs`, each choice's answer so far, for what a step carries beside its text:
+        tool-call deltas). Returns each choice's output, by index."""
+        outs = outs or [Output(req, self.model) for _ in range(req.n)]
         upstream = self.tokens(rid, req, trip)
         start = time.monotonic()
         first_at: float | None = None
         count = 0
         try:
             done = False
-            async for batch in upstream:
+            async for choice, batch in upstream:
+                out = outs[choice]
                 steps: list[Step] = []
                 before = count
                 for token in batch:
@@ -703,6 +782,8 @@ class Router:
                     if out.stopped_by_string:
                         done = True
                         break
+                # Another choice still running keeps the stream open (n > 1).
+                done = done and all(o.finish is not None for o in outs)
                 # Stamped as they are handed over: the event that ends a stream carries the
                 # timing, its own tokens' stamps included.
                 now = time.monotonic()
@@ -713,16 +794,18 @@ class Router:
                 if before < 2 <= count:
                     trip.stamps[timing.R_SECOND_TOKEN] = now
                 if emit is not None and steps:
-                    await emit(steps)
+                    await emit(choice, steps)
                 if done:
                     break
             else:
-                if out.finish is None:
-                    text = out.end(trip.finish)
-                    if emit is not None:
-                        await emit([([], text, out.finish)])
+                for j, out in enumerate(outs):
+                    if out.finish is None:
+                        text = out.end(trip.finishes.get(j, trip.finish))
+                        if emit is not None:
+                            await emit(j, [([], text, out.finish)])
         finally:
             await upstream.aclose()
-            if first_at is not None and count > 1:
-                self.metrics.tpot_seconds.observe((time.monotonic() - first_at) / (count - 1))
-        return out
+            longest = max(len(o.token_ids) for o in outs)  # a choice's, for the per-token time
+            if first_at is not None and longest > 1:
+                self.metrics.tpot_seconds.observe((time.monotonic() - first_at) / (longest - 1))
+        return outs

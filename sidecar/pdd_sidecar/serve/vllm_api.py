@@ -117,6 +117,8 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     n = body.get("n", 1)
     if n != 1:
         raise bad(f"n: only 1 is supported, got {n!r}")
+    if body.get("best_of") not in (None, 1):
+        raise bad(f"best_of: only 1 is supported, got {body['best_of']!r}")
     sampling = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                 "top_k": body.get("top_k", 0), "seed": body.get("seed"),
                 **{k: body[k] for k in CONTROLS if body.get(k) is not None}}
