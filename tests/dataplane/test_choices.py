@@ -262,3 +262,22 @@ def test_each_choice_follows_the_grammar_with_its_own_matcher(stack: dict[str, s
         router, prompt=PROMPTS["seeded"][:7], max_tokens=8, temperature=1.0, seed=seed, n=8,
         guided_choice=["a", "bcd", "bce"])["choices"]]
     assert set(mixed) <= {"a", "bcd", "bce"} and "a" in mixed and len(set(mixed)) > 1, mixed
+
+
+def test_a_list_with_echo_and_logprobs_equals_separate_requests(stack: dict[str, str]) -> None:
+    """lm-eval's batched log-likelihood form: several text prompts, echo, logprobs, no new
+    tokens; each choice is what that prompt alone answers."""
+    router = stack["router"]
+    texts = ["hello there", "the quick brown fox", "xyz"]
+    body = {"echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    together = _complete(router, prompt=texts, **body)
+    alone = [_complete(router, prompt=t, **body)["choices"][0] for t in texts]
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    for got, want, text in zip(together["choices"], alone, texts, strict=True):
+        assert got["text"] == want["text"] == text
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(
+            want["logprobs"]["token_logprobs"], abs=1e-5)
+    status, err = http("POST", f"{router}/v1/completions",
+                       {"prompt": "ab", "n": 2, "logprobs": 1, "max_tokens": 2})
+    assert status == 400 and err["error"]["param"] == "logprobs", err
