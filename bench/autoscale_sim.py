@@ -247,6 +247,7 @@ class Observed:
     ttft: list[tuple[float, float]]  # (value, requests) finished in the interval
     tpot: list[tuple[float, float]]
     queued_prompt_tokens: float
+    prompt_tokens_per_s: float  # arrived over the interval (computed + the queue's growth)
     prefill_in_flight: float  # requests
     kv_used_tokens: float
     running: float
@@ -323,6 +324,7 @@ def simulate(trace: Trace, fig: Figures, policy: Policy, start: tuple[int, int],
     waiting: deque[list[float]] = deque()  # [first token time, class, count]
     running: list[list[float]] = []  # [first token time, class, count, tokens done]
     ttft_iv: list[tuple[float, float]] = []
+    arrived_iv = 0.0
     tpot_iv: list[tuple[float, float]] = []
     total = ok = ttft_ok = tpot_ok = 0.0
     ttft_of: dict[int, float] = {}
@@ -354,6 +356,7 @@ def simulate(trace: Trace, fig: Figures, policy: Policy, start: tuple[int, int],
                 n = r * dt
                 queue.append([t, ci, n, n * CLASSES[ci].prompt, cohort_id])
                 queued_tokens += n * CLASSES[ci].prompt
+                arrived_iv += n * CLASSES[ci].prompt
                 cohort_id += 1
         if not ended and int(t) % 60 == 0 and abs(t - round(t)) < 1e-9:
             timeline.append((t, sum(rates), pre.current, dec.current))
@@ -408,21 +411,21 @@ def simulate(trace: Trace, fig: Figures, policy: Policy, start: tuple[int, int],
             last_step_s = step_s
             advance = dt / step_s
             still: list[list[float]] = []
-            for r in running:
-                c = CLASSES[int(r[1])]
-                left = c.output - 1 - r[3]  # the first token came from prefill
+            for cohort in running:
+                c = CLASSES[int(cohort[1])]
+                left = c.output - 1 - cohort[3]  # the first token came from prefill
                 if advance >= left:
                     end = t + left * step_s
-                    tpot = max(step_s, (end - r[0]) / max(1, c.output - 1))
-                    tpot_iv.append((tpot, r[2]))
-                    ttft = ttft_of[int(r[4])]
-                    total += r[2]
-                    ttft_ok += r[2] * (ttft <= slo.ttft_s)
-                    tpot_ok += r[2] * (tpot <= slo.tpot_s)
-                    ok += r[2] * (ttft <= slo.ttft_s and tpot <= slo.tpot_s)
+                    tpot = max(step_s, (end - cohort[0]) / max(1, c.output - 1))
+                    tpot_iv.append((tpot, cohort[2]))
+                    ttft = ttft_of[int(cohort[4])]
+                    total += cohort[2]
+                    ttft_ok += cohort[2] * (ttft <= slo.ttft_s)
+                    tpot_ok += cohort[2] * (tpot <= slo.tpot_s)
+                    ok += cohort[2] * (ttft <= slo.ttft_s and tpot <= slo.tpot_s)
                 else:
-                    r[3] += advance
-                    still.append(r)
+                    cohort[3] += advance
+                    still.append(cohort)
             running = still
         if ended:
             continue
@@ -433,22 +436,21 @@ def simulate(trace: Trace, fig: Figures, policy: Policy, start: tuple[int, int],
             now = t + dt
             waiting_n = sum(w[2] for w in waiting)
             obs = Observed(now, pre.ready, dec.ready, pre.current, dec.current, ttft_iv,
-                           tpot_iv, queued_tokens, sum(q[2] for q in queue) + prefill_busy,
-                           kv, seqs,
-                           waiting_n)
+                           tpot_iv, queued_tokens, arrived_iv / interval,
+                           sum(q[2] for q in queue) + prefill_busy, kv, seqs, waiting_n)
             want_p, want_d = policy(obs)
             drain_d = (sum(c.output * c.share for c in CLASSES)) * last_step_s
             pre.resize(want_p, now, fig.ready_s, 0.0)
             dec.resize(want_d, now, fig.ready_s, drain_d)
-            ttft_iv, tpot_iv = [], []
+            ttft_iv, tpot_iv, arrived_iv = [], [], 0.0
             next_decision += interval
     # Requests still in flight after the run-off count as missed.
     for q in queue:
         total += q[2]
     for w in waiting:
         total += w[2]
-    for r in running:
-        total += r[2]
+    for cohort in running:
+        total += cohort[2]
     return Result(name, total, ok / total if total else 1.0, ttft_ok / total if total else 1.0,
                   tpot_ok / total if total else 1.0, gpu_s / 3600.0, gpu_p / 3600.0,
                   (gpu_s - gpu_p) / 3600.0, max_p, max_d, timeline)
@@ -482,18 +484,22 @@ def static_for_peak(trace: Trace, fig: Figures, utilization: float) -> tuple[int
 
 
 def planner_spec(max_replicas: int, slo: Slo, interval: int, stabilization: int = 300,
-                 queued_per_replica: int | None = None) -> AutoscalingSpec:
-    """Targets below the SLO (p90 at 60 % of it) so the planner acts before requests miss."""
+                 queued_per_replica: int | None = None,
+                 prompt_tps_per_replica: int | None = None,
+                 sequences_per_replica: int | None = None) -> AutoscalingSpec:
+    """Targets below the SLO (p90 at 60 % of it) so the planner acts before requests miss;
+    prefill sized on prompt tokens per second against a share of an instance's capacity."""
     return AutoscalingSpec(
         intervalSeconds=interval, scaleDownStabilizationSeconds=stabilization,
         prefill=PrefillAutoscaling(
             minReplicas=1, maxReplicas=max_replicas,
             ttft=LatencyTarget(percentile=90, seconds=0.6 * slo.ttft_s),
-            queuedPromptTokensPerReplica=queued_per_replica),
+            queuedPromptTokensPerReplica=queued_per_replica,
+            promptTokensPerSecondPerReplica=prompt_tps_per_replica),
         decode=DecodeAutoscaling(
             minReplicas=1, maxReplicas=max_replicas,
             tpot=LatencyTarget(percentile=90, seconds=0.6 * slo.tpot_s),
-            kvCacheUtilization=0.7))
+            kvCacheUtilization=0.7, sequencesPerReplica=sequences_per_replica))
 
 
 def planner(spec: AutoscalingSpec, fig: Figures) -> Policy:
@@ -510,7 +516,9 @@ def planner(spec: AutoscalingSpec, fig: Figures) -> Policy:
         d90 = spec.decode.tpot.percentile / 100 if spec.decode and spec.decode.tpot else 0.9
         history["prefill"].append(Sample(
             time=o.now, replicas=o.prefill_ready, latency=_percentile(o.ttft, p90),
-            queued_prompt_tokens=o.queued_prompt_tokens, waiting_sequences=o.prefill_in_flight))
+            queued_prompt_tokens=o.queued_prompt_tokens,
+            prompt_tokens_per_second=o.prompt_tokens_per_s,
+            waiting_sequences=o.prefill_in_flight))
         history["decode"].append(Sample(
             time=o.now, replicas=o.decode_ready, latency=_percentile(o.tpot, d90),
             kv_blocks_used=o.kv_used_tokens / block,
@@ -600,22 +608,46 @@ def compare(trace: Trace, fig: Figures, slo: Slo, interval: int, utilization: fl
     log(f"requests at {nat_p:.2f}/{nat_d:.0f} in flight per replica: "
         f"{natural.attainment:.4f}, {natural.gpu_hours:.1f} GPU-h")
     goal = runs["planner"].gpu_hours
-    lo, hi = 0.25, 4.0
     best = (1.0, natural)
-    for _ in range(10):
-        mid = math.sqrt(lo * hi)
-        res = run(mid)
-        tried.append({"factor": mid, "gpu_hours": res.gpu_hours, "attainment": res.attainment})
-        log(f"  requests x{mid:.3f}: {res.gpu_hours:.1f} GPU-h (goal {goal:.1f}), "
+
+    def at(f: float) -> Result:
+        nonlocal best
+        res = run(f)
+        tried.append({"factor": f, "gpu_hours": res.gpu_hours, "attainment": res.attainment})
+        log(f"  requests x{f:.3f}: {res.gpu_hours:.1f} GPU-h (goal {goal:.1f}), "
             f"{res.attainment:.4f}")
         if abs(res.gpu_hours - goal) < abs(best[1].gpu_hours - goal):
-            best = (mid, res)
-        if abs(res.gpu_hours - goal) / goal < 0.005:
+            best = (f, res)
+        return res
+
+    # The cost is not monotonic in the factor (it falls as the thresholds rise, then grows
+    # again once the rule runs a backlog), so walk from the natural thresholds in the
+    # direction that moves the cost toward the goal until it is passed, then bisect that
+    # bracket; if the cost turns away first, the closest is as near as the rule gets.
+    step = 1.25 if natural.gpu_hours > goal else 1 / 1.25
+    a, cost_a = 1.0, natural.gpu_hours
+    bracket: tuple[float, float] | None = None
+    while 0.25 <= a * step <= 4.0 and abs(cost_a - goal) / goal >= 0.005:
+        b = a * step
+        cost_b = at(b).gpu_hours
+        if (cost_b - goal) * (cost_a - goal) <= 0:
+            bracket = (a, b)
             break
-        if res.gpu_hours > goal:
-            lo = mid
-        else:
-            hi = mid
+        if abs(cost_b - goal) >= abs(cost_a - goal):
+            break
+        a, cost_a = b, cost_b
+    if bracket is not None:
+        lo, hi = bracket
+        side = cost_a > goal
+        for _ in range(8):
+            mid = math.sqrt(lo * hi)
+            res = at(mid)
+            if abs(res.gpu_hours - goal) / goal < 0.005:
+                break
+            if (res.gpu_hours > goal) == side:
+                lo = mid
+            else:
+                hi = mid
     factor, runs["requests"] = best
     targets = (nat_p * factor, nat_d * factor)
     log(f"requests at {targets[0]:.2f}/{targets[1]:.0f} in flight per replica: "
@@ -662,6 +694,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the planner's scaleDownStabilizationSeconds")
     ap.add_argument("--queued-per-replica", type=int, default=0,
                     help="the planner's prefill queuedPromptTokensPerReplica (0: off)")
+    ap.add_argument("--prefill-utilization", type=float, default=0.6,
+                    help="the planner's prefill promptTokensPerSecondPerReplica as this share "
+                    "of an instance's measured prompt tokens/s (0: off)")
+    ap.add_argument("--decode-utilization", type=float, default=0.7,
+                    help="the planner's decode sequencesPerReplica as this share of the "
+                    "largest measured batch (0: off)")
     ap.add_argument("--no-requests", action="store_true",
                     help="leave out the request-count rule (its threshold search is most of "
                     "the run time)")
@@ -685,7 +723,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"SLO: TTFT <= {slo.ttft_s} s and TPOT <= {slo.tpot_s * 1000:.0f} ms per request",
           file=sys.stdout)
     spec_args = {"stabilization": args.stabilization,
-                 "queued_per_replica": args.queued_per_replica or None}
+                 "queued_per_replica": args.queued_per_replica or None,
+                 "prompt_tps_per_replica": int(args.prefill_utilization
+                                               * fig.prefill_tokens_per_s) or None,
+                 "sequences_per_replica": int(args.decode_utilization
+                                              * fig.decode_max_batch) or None}
     out = compare(trace, fig, slo, args.interval, args.static_utilization, spec_args,
                   lambda m: print(m, file=sys.stderr), not args.no_requests)
     pol = out["policies"]

@@ -244,8 +244,14 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "1073741824, got 0"),
     ("P autoscaling without a target", autoscaled(prefill={"minReplicas": 1,
                                                            "maxReplicas": 2, "ttft": None}),
-     "spec.autoscaling.prefill: needs a target, ttft or queuedPromptTokensPerReplica, when "
-     "enabled"),
+     "spec.autoscaling.prefill: needs a target, ttft, queuedPromptTokensPerReplica or "
+     "promptTokensPerSecondPerReplica, when enabled"),
+    ("P autoscaling prompt tokens/s 0",
+     autoscaled(prefill={"promptTokensPerSecondPerReplica": 0}),
+     "spec.autoscaling.prefill.promptTokensPerSecondPerReplica: must be between 1 and "
+     "1073741824, got 0"),
+    ("D autoscaling sequences 0", autoscaled(decode={"sequencesPerReplica": 0}),
+     "spec.autoscaling.decode.sequencesPerReplica: must be between 1 and 1073741824, got 0"),
     ("autoscaling interval 0", autoscaled(intervalSeconds=0),
      "spec.autoscaling.intervalSeconds: must be between 1 and 3600, got 0"),
     ("autoscaling window negative", autoscaled(scaleDownStabilizationSeconds=-1),
@@ -311,6 +317,8 @@ VALID_EDGES = [
     autoscaled(prefill={"minReplicas": 4}, decode={"minReplicas": 64, "maxReplicas": 64,
                                                     "kvCacheUtilization": 1}),
     autoscaled(prefill={"enabled": False, "ttft": None}),
+    autoscaled(prefill={"ttft": None, "promptTokensPerSecondPerReplica": 40000},
+               decode={"sequencesPerReplica": 192}),
     autoscaled(prefill={"ttft": None, "queuedPromptTokensPerReplica": 1},
                decode={"tpot": {"percentile": 99.9, "seconds": 3600}},
                intervalSeconds=1, scaleDownStabilizationSeconds=0,

@@ -1,12 +1,18 @@
 """The autoscaling planner: each role's replicas from its own recent metrics, as a pure function.
 
-Prefill saturates on prompt compute (TTFT, queued prompt tokens), decode on running sequences and
-their KV (TPOT, KV blocks in use), so each role is decided alone. The rules trade a little
-capacity for stability: up fast (two samples in a row over a target, by as many instances as the
-load needs), down slowly (one instance after the load fitted one fewer for a whole stabilization
-window), and when the metrics are missing or stale, nothing moves. The operator fetches the
-samples and applies the decision; bench/autoscale_sim.py drives the same function with a trace,
-so it must stay free of I/O and clocks (``now`` is an argument).
+Prefill saturates on prompt compute (TTFT, prompt tokens per second, queued prompt tokens),
+decode on running sequences and their KV (TPOT, KV blocks in use), so each role is decided
+alone. Where a metric measures load against a per-instance capacity (prefill's prompt tokens
+per second, decode's KV blocks), the planner predicts the instances the load needs, as
+Dynamo's planner does, rather than reacting to latency once it has already risen: up at the
+first sample that asks for clearly more (a burst shorter than an instance's start-up is
+otherwise over before it is answered), up after two samples in a row for a marginal breach
+(one is noise), and down, after a whole stabilization window, straight to what that window's
+peak needed under the scale-down headroom. Latency alone predicts nothing about how many
+instances fewer would do, so a role read only on latency steps down one at a time. When the
+metrics are missing or stale, nothing moves. The operator fetches the samples and applies the
+decision; bench/autoscale_sim.py drives the same function with a trace, so it must stay free
+of I/O and clocks (``now`` is an argument).
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ STALE_INTERVALS = 3.0
 # One instance fewer only if the load would then sit below this share of every target, so a
 # step down does not land right on a target and bounce back up.
 SCALE_DOWN_HEADROOM = 0.8
+# A capacity metric that asks for more than current x this acts on one sample: a clear jump, not
+# noise around the target (marginal breaches still wait for SUSTAINED_SAMPLES).
+CLEAR_MARGIN = 1.2
 # A latency ratio asks for at most this many times the measured instances per decision: latency
 # is not linear in replicas, and the next interval corrects an undershoot.
 MAX_LATENCY_FACTOR = 2.0
@@ -58,6 +67,9 @@ class Sample:
     replicas: int
     latency: float | None = None  # TTFT (prefill) or TPOT (decode), seconds, at the percentile
     queued_prompt_tokens: float | None = None  # prefill: prompt tokens waiting, all instances
+    # prefill: prompt tokens arriving per second over the interval, all instances (computed
+    # plus the queue's growth)
+    prompt_tokens_per_second: float | None = None
     kv_blocks_used: float | None = None  # decode: blocks held by live sequences, all instances
     kv_blocks_total: float | None = None  # decode: blocks of all instances
     running_sequences: float | None = None
@@ -89,7 +101,11 @@ class _Load:
 
     breaches: tuple[str, ...]  # metric descriptions over target, e.g. "TPOT p90 0.061 s > 0.05 s"
     need: int  # instances the breached metrics ask for (the measured count when none)
+    clear: int  # instances the breached capacity metrics ask for (0: none breached)
     fits_one_fewer: bool  # every metric stays under SCALE_DOWN_HEADROOM with one fewer
+    # instances every capacity metric fits under SCALE_DOWN_HEADROOM (None: the role has no
+    # capacity metric, or latency is too close to its bound for any step down)
+    down_to: int | None
     floor: int  # decode: instances its live sequences' KV needs at the target share (else 0)
     metrics: dict[str, float]
     summary: str  # all values, e.g. "TPOT p90 0.031 s, KV 0.42, 12 running"
@@ -131,7 +147,22 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
     fewer = max(1, current - 1)
     target = spec.ttft if isinstance(spec, PrefillAutoscaling) else spec.tpot
     need, fits = _latency(role, target, s, out, parts, breaches)
+    clear = 0
+    down: list[int] = []
     floor = 0
+    if isinstance(spec, PrefillAutoscaling) and s.prompt_tokens_per_second is not None:
+        rate = s.prompt_tokens_per_second
+        out["promptTokensPerSecond"] = rate
+        parts.append(f"{_fmt(rate)} prompt tokens/s")
+        per_s = spec.promptTokensPerSecondPerReplica
+        if per_s is not None:
+            want = math.ceil(rate / per_s - 1e-9)
+            if rate > per_s * s.replicas:
+                breaches.append(f"prompt tokens {_fmt(rate / s.replicas)}/s/replica > {per_s}")
+                need = max(need, want)
+                clear = max(clear, want)
+            fits = fits and rate <= per_s * fewer * SCALE_DOWN_HEADROOM
+            down.append(math.ceil(rate / (per_s * SCALE_DOWN_HEADROOM) - 1e-9))
     if isinstance(spec, PrefillAutoscaling) and s.queued_prompt_tokens is not None:
         q = s.queued_prompt_tokens
         out["queuedPromptTokens"] = q
@@ -142,6 +173,8 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
                 breaches.append(f"queued prompt tokens {_fmt(q / s.replicas)}/replica > {per}")
                 need = max(need, math.ceil(q / per))
             fits = fits and q <= per * fewer * SCALE_DOWN_HEADROOM
+            if down:
+                down.append(math.ceil(q / (per * SCALE_DOWN_HEADROOM) - 1e-9))
     if isinstance(spec, DecodeAutoscaling):
         used, total = s.kv_blocks_used, s.kv_blocks_total
         if used is not None and total:
@@ -154,15 +187,36 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
             if util > spec.kvCacheUtilization:
                 breaches.append(f"KV {util:.2f} > {_fmt(spec.kvCacheUtilization)}")
                 need = max(need, floor)
+                clear = max(clear, floor)
             fits = fits and used <= target_blocks * fewer * SCALE_DOWN_HEADROOM
+            down.append(math.ceil(used / (target_blocks * SCALE_DOWN_HEADROOM) - 1e-9))
+            if spec.tpot is not None and s.latency is not None:
+                # Decode's step time grows slower than its batch: TPOT scaled by the batch per
+                # instance over-estimates, so the projection errs on the side of keeping.
+                down.append(math.ceil(s.replicas * s.latency
+                                      / (spec.tpot.seconds * SCALE_DOWN_HEADROOM) - 1e-9))
         if s.running_sequences is not None:
             out["runningSequences"] = s.running_sequences
             parts.append(f"{_fmt(s.running_sequences)} running")
+        per_seq = spec.sequencesPerReplica
+        if per_seq is not None and s.running_sequences is not None:
+            seqs = s.running_sequences + (s.waiting_sequences or 0.0)
+            want = math.ceil(seqs / per_seq - 1e-9)
+            if seqs > per_seq * s.replicas:
+                breaches.append(f"sequences {_fmt(seqs / s.replicas)}/replica > {per_seq}")
+                need = max(need, want)
+                clear = max(clear, want)
+            fits = fits and seqs <= per_seq * fewer * SCALE_DOWN_HEADROOM
+            down.append(math.ceil(seqs / (per_seq * SCALE_DOWN_HEADROOM) - 1e-9))
     if s.waiting_sequences is not None:
         out["waitingSequences"] = s.waiting_sequences
     if floor:
         out["floorReplicas"] = float(floor)
-    return _Load(tuple(breaches), need, fits, floor, out, ", ".join(parts) or "no load")
+    lat_ok = target is None or s.latency is None or (
+        s.latency <= target.seconds * SCALE_DOWN_HEADROOM)
+    down_to = max(down) if down and lat_ok else None
+    return _Load(tuple(breaches), need, clear, fits, down_to, floor, out,
+                 ", ".join(parts) or "no load")
 
 
 def _usable(s: Sample, now: float, interval: float) -> bool:
@@ -178,9 +232,11 @@ def decide(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, current: in
     ``history`` that role's samples, oldest first (at least the stabilization window's worth
     is useful; older ones are ignored), ``now`` and ``last_scale_time`` on the samples' clock,
     ``interval`` and ``stabilization`` in seconds (spec.autoscaling's). Returns ``desired``
-    within [minReplicas, maxReplicas]: above ``current`` after a sustained breach (by the
-    instances the load needs), ``current - 1`` after a stabilization window that fitted one
-    fewer, ``current`` otherwise. Pure: same arguments, same decision.
+    within [minReplicas, maxReplicas]: above ``current`` at once when a capacity metric asks
+    for more than CLEAR_MARGIN x current, or after a sustained breach (by the instances the
+    load needs); below it after a stabilization window that fitted fewer (the window's peak
+    need where the load is measured against a capacity, else one fewer); ``current``
+    otherwise. Pure: same arguments, same decision.
     """
     lo, hi = spec.minReplicas, max(spec.minReplicas, spec.maxReplicas)
 
@@ -202,33 +258,46 @@ def decide(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, current: in
     load = _read(role, spec, latest, current)
     metrics = dict(load.metrics)
 
+    # Up: a capacity metric that asks for clearly more acts on this sample; any breach acts
+    # once it has held for SUSTAINED_SAMPLES, on the smaller of the samples' asks.
+    clear = load.clear if load.clear > current * CLEAR_MARGIN else 0
+    sustained: int | None = None
     tail = recent[-SUSTAINED_SAMPLES:]
     if len(tail) == SUSTAINED_SAMPLES and all(_usable(s, now, interval) for s in tail):
         loads = [load if s is latest else _read(role, spec, s, current) for s in tail]
         if all(x.breaches for x in loads):
-            need = min(x.need for x in loads)
-            why = ", ".join(load.breaches)
-            if need > current:
-                if current >= hi:
-                    return done(current, AT_MAXIMUM, f"{why}; at maxReplicas {hi}", metrics)
-                return done(min(need, hi), SCALED_UP, why, metrics)
-            return done(current, STABLE, f"{why}; {current} requested, waiting for them",
-                        metrics)
+            sustained = min(x.need for x in loads)
+    want = max(clear, sustained or 0)
+    if want or sustained is not None:
+        why = ", ".join(load.breaches)
+        if want > current:
+            if current >= hi:
+                return done(current, AT_MAXIMUM, f"{why}; at maxReplicas {hi}", metrics)
+            return done(min(want, hi), SCALED_UP, why, metrics)
+        return done(current, STABLE, f"{why}; {current} requested, waiting for them",
+                    metrics)
 
+    # Down: only after a whole window, all of it covered by samples, a whole window after the
+    # role's last change; to the window's peak need where the role's load has a capacity
+    # metric, else one instance.
     window = [s for s in recent if s.time >= now - stabilization] or [latest]
     covered = (stabilization <= 0 or (
         recent[0].time <= now - stabilization + interval
         and all(b.time - a.time <= STALE_INTERVALS * interval
                 for a, b in zip(window, window[1:], strict=False))))
-    low = covered and bool(window) and all(
-        s.replicas > 0 and _read(role, spec, s, current).fits_one_fewer
-        for s in window)
-    if low and current <= lo:
+    reads = [_read(role, spec, s, current) for s in window if s.replicas > 0]
+    ok = covered and len(reads) == len(window)
+    peak = [x.down_to for x in reads]
+    to = max(lo, load.floor, *(p for p in peak if p is not None)) if peak and ok and all(
+        p is not None for p in peak) else None
+    if to is None and ok and all(x.fits_one_fewer for x in reads):
+        to = max(lo, current - 1)
+    if to is not None and to >= current and current <= lo:
         return done(current, AT_MINIMUM, f"{load.summary}; at minReplicas {lo}", metrics)
     settled = last_scale_time is None or now - last_scale_time >= stabilization
-    if low and settled and current - 1 >= load.floor:
-        return done(current - 1, SCALED_DOWN,
-                    f"{load.summary} for {_fmt(stabilization)} s, fits {current - 1}", metrics)
+    if to is not None and to < current and settled and to >= load.floor:
+        return done(to, SCALED_DOWN,
+                    f"{load.summary} for {_fmt(stabilization)} s, fits {to}", metrics)
     return done(current, STABLE, load.summary, metrics)
 
 

@@ -348,6 +348,12 @@ class PrefillAutoscaling(RoleAutoscaling):
         default=None, description="Prompt tokens waiting per prefill instance above which "
         "prefill scales up (pdd_queued_prompt_tokens); one replica per this many queued "
         "tokens.")
+    promptTokensPerSecondPerReplica: int | None = Field(
+        default=None, description="Prompt tokens per second one prefill instance should "
+        "serve (its capacity times the headroom wanted; pdd_prefill_computed_tokens plus the "
+        "growth of pdd_queued_prompt_tokens): prefill is sized to the measured prompt-token "
+        "rate over this, up at once when that asks for clearly more, down to the window's "
+        "peak rate.")
 
 
 class DecodeAutoscaling(RoleAutoscaling):
@@ -358,6 +364,11 @@ class DecodeAutoscaling(RoleAutoscaling):
         default=0.8, description="Target share of the decode KV blocks in use, in (0, 1]. "
         "Decode never goes below the instances its running sequences' blocks need at this "
         "share.")
+    sequencesPerReplica: int | None = Field(
+        default=None, description="Sequences (running plus waiting, pdd_running_sequences + "
+        "pdd_waiting_sequences) one decode instance should hold: its batch times the headroom "
+        "wanted. Decode is sized to the measured sequences over this, up at once when that "
+        "asks for clearly more, down to the window's peak.")
 
 
 class AutoscalingSpec(_Strict):

@@ -33,6 +33,7 @@ MAX_KV_CACHE_BLOCKS = 1 << 24  # per rank; far beyond any GPU, short of overflow
 MAX_HOST_KV_CACHE_GIB = 4096
 MAX_LATENCY_TARGET_SECONDS = 3600.0
 MAX_QUEUED_TOKENS = 1 << 30
+PREFILL_TARGETS = ("ttft", "queuedPromptTokensPerReplica", "promptTokensPerSecondPerReplica")
 
 
 def default_of(path: str) -> Any:
@@ -497,22 +498,22 @@ class PrefillTargetRule:
 
     field: str = "autoscaling.prefill"
     reads: tuple[tuple[str, ...], ...] = ()
-    message: str = ("spec.autoscaling.prefill: needs a target, ttft or "
-                    "queuedPromptTokensPerReplica, when enabled")
+    message: str = ("spec.autoscaling.prefill: needs a target, ttft, "
+                    "queuedPromptTokensPerReplica or promptTokensPerSecondPerReplica, when "
+                    "enabled")
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         node = lookup(spec, self.field)
         if not isinstance(node, Mapping) or node.get("enabled", True) is False:
             return None
-        return None if ("ttft" in node or "queuedPromptTokensPerReplica" in node) else (
-            self.message)
+        return None if any(k in node for k in PREFILL_TARGETS) else self.message
 
     def cel(self) -> dict[str, str]:
         a = f"self.{self.field}"
         return _cel(
             self.field,
-            f"{_cel_guard(self.field)}(has({a}.enabled) && !{a}.enabled) || has({a}.ttft) || "
-            f"has({a}.queuedPromptTokensPerReplica)",
+            f"{_cel_guard(self.field)}(has({a}.enabled) && !{a}.enabled) || "
+            + " || ".join(f"has({a}.{k})" for k in PREFILL_TARGETS),
             f"'{self.message}'", reason="FieldValueRequired",
         )
 
@@ -757,6 +758,8 @@ def _rules() -> tuple[Rule, ...]:
     rules += [
         PrefillTargetRule(),
         RangeRule("autoscaling.prefill.queuedPromptTokensPerReplica", 1, MAX_QUEUED_TOKENS),
+        RangeRule("autoscaling.prefill.promptTokensPerSecondPerReplica", 1, MAX_QUEUED_TOKENS),
+        RangeRule("autoscaling.decode.sequencesPerReplica", 1, MAX_QUEUED_TOKENS),
         NumberRangeRule("autoscaling.decode.kvCacheUtilization", 0, 1, open_low=True),
         RangeRule("autoscaling.intervalSeconds", 1, 3600),
         RangeRule("autoscaling.scaleDownStabilizationSeconds", 0, 86400),

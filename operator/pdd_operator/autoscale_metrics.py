@@ -3,7 +3,9 @@
 The parsing and arithmetic are pure (tests feed them real exposition text); the two fetchers are
 thin I/O around them. Latency percentiles come from the router's histograms: the difference of
 two scrapes' cumulative buckets is the interval's requests, read as Prometheus'
-histogram_quantile reads buckets. The instance gauges (running and waiting sequences, queued
+histogram_quantile reads buckets; prefill's prompt tokens per second are the same difference of
+each instance's computed-prompt-token counter, plus the growth of its queue (what arrived, not
+only what ran). The instance gauges (running and waiting sequences, queued
 prompt tokens, free and total KV blocks) are summed over the role's ready instances. vLLM
 instances (engine vllm) export their own names; the KV share then stands for blocks.
 """
@@ -35,6 +37,7 @@ TTFT, TPOT = "pdd_router_ttft_seconds", "pdd_router_tpot_seconds"
 LATENCY_METRIC: dict[str, str] = {"prefill": TTFT, "decode": TPOT}
 RUNNING, WAITING = "pdd_running_sequences", "pdd_waiting_sequences"
 QUEUED_PROMPT_TOKENS = "pdd_queued_prompt_tokens"
+COMPUTED_PROMPT_TOKENS = ("pdd_prefill_computed_tokens_total", "vllm:prompt_tokens_total")
 BLOCKS_FREE, BLOCKS_TOTAL = "pdd_kv_blocks_free", "pdd_kv_blocks_total"
 VLLM_RUNNING, VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -46,6 +49,7 @@ class InstanceGauges:
     running: float = 0.0
     waiting: float = 0.0
     queued_prompt_tokens: float | None = None
+    computed_prompt_tokens: float | None = None  # a counter: prompt tokens run since start
     blocks_used: float | None = None
     blocks_total: float | None = None
 
@@ -63,6 +67,8 @@ def parse_instance(text: str) -> InstanceGauges:
                 out.waiting += s.value
             elif s.name == QUEUED_PROMPT_TOKENS:
                 out.queued_prompt_tokens = (out.queued_prompt_tokens or 0.0) + s.value
+            elif s.name in COMPUTED_PROMPT_TOKENS:
+                out.computed_prompt_tokens = (out.computed_prompt_tokens or 0.0) + s.value
             elif s.name == BLOCKS_FREE and s.labels.get("rank", "0") == "0":
                 free = s.value
             elif s.name == BLOCKS_TOTAL and s.labels.get("rank", "0") == "0":
@@ -125,8 +131,25 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     return lower_le
 
 
+def counter_delta(now: float, before: float | None) -> float:
+    """A counter's growth between two scrapes; one that went back (a restart), or an instance
+    new since the last scrape, counts from zero."""
+    return now if before is None or now < before else now - before
+
+
+def prompt_tokens_per_second(elapsed: float, computed: float, queued_now: float | None,
+                             queued_before: float | None) -> float | None:
+    """Prompt tokens that arrived per second over ``elapsed``: those run (``computed``, the
+    counters' growth summed) plus the queue's growth (a backlog that builds is load that
+    arrived but did not run)."""
+    if elapsed <= 0:
+        return None
+    grown = (queued_now or 0.0) - (queued_before or 0.0)
+    return max(0.0, (computed + grown) / elapsed)
+
+
 def role_sample(role: Role, now: float, instances: Sequence[InstanceGauges],
-                latency: float | None) -> Sample:
+                latency: float | None, prompt_rate: float | None = None) -> Sample:
     """Sum the role's instances into one Sample (KV totals only when every instance says)."""
     kv = [(g.blocks_used, g.blocks_total) for g in instances]
     known = all(u is not None and t is not None for u, t in kv) and bool(kv)
@@ -136,6 +159,7 @@ def role_sample(role: Role, now: float, instances: Sequence[InstanceGauges],
         queued_prompt_tokens=(sum(t for t in tokens if t is not None)
                               if role == "prefill" and any(t is not None for t in tokens)
                               else None),
+        prompt_tokens_per_second=prompt_rate if role == "prefill" else None,
         kv_blocks_used=sum(u or 0.0 for u, _ in kv) if role == "decode" and known else None,
         kv_blocks_total=sum(t or 0.0 for _, t in kv) if role == "decode" and known else None,
         running_sequences=sum(g.running for g in instances),
@@ -187,6 +211,9 @@ class DirectFetcher:
     get: Get
     port: int = keys.HTTP_PORT
     _before: dict[tuple[str, str, str], Buckets] = field(default_factory=dict)
+    # (namespace, name) -> the last prefill scrape: its time, queued tokens, counter by pod
+    _prefill_before: dict[tuple[str, str], tuple[float, float | None, dict[str, float]]] = (
+        field(default_factory=dict))
 
     async def __call__(self, body: Obj, spec: PDDeploymentSpec, roles: Sequence[Role],
                        now: float) -> dict[str, Sample]:
@@ -218,8 +245,26 @@ class DirectFetcher:
                 latency = histogram_quantile(_percentile(spec, role), add_buckets(deltas))
             elif spec.router.enabled:
                 continue  # the latency target cannot be read without the router
-            out[role] = role_sample(role, now, [parse_instance(t or "") for t in inst], latency)
+            gauges = [parse_instance(t or "") for t in inst]
+            rate = None
+            if role == "prefill":
+                rate = self._prompt_rate((ns, name), now, by_role.get(role, []), gauges)
+            out[role] = role_sample(role, now, gauges, latency, rate)
         return out
+
+    def _prompt_rate(self, key: tuple[str, str], now: float, pods: list[Obj],
+                     gauges: list[InstanceGauges]) -> float | None:
+        counters = {p["metadata"]["name"]: g.computed_prompt_tokens
+                    for p, g in zip(pods, gauges, strict=True)}
+        queued = sum(g.queued_prompt_tokens or 0.0 for g in gauges)
+        before = self._prefill_before.get(key)
+        known = {k: v for k, v in counters.items() if v is not None}
+        self._prefill_before[key] = (now, queued, known)
+        if before is None or len(known) < len(counters):
+            return None  # the first scrape, or an instance without the counter: no rate
+        t0, q0, c0 = before
+        computed = sum(counter_delta(v, c0.get(k)) for k, v in known.items())
+        return prompt_tokens_per_second(now - t0, computed, queued, q0)
 
     async def _scrape(self, pods: list[Obj]) -> dict[str, str | None]:
         async def one(p: Obj) -> tuple[str, str | None]:
@@ -251,6 +296,8 @@ def prometheus_queries(ns: str, name: str, role: Role, percentile: float,
     }
     if role == "prefill":
         q["queued"] = f"sum({QUEUED_PROMPT_TOKENS}{inst})"
+        q["promptRate"] = (f"sum(rate({COMPUTED_PROMPT_TOKENS[0]}{inst}[{window_seconds}s])) + "
+                           f"sum(deriv({QUEUED_PROMPT_TOKENS}{inst}[{window_seconds}s]))")
     else:
         r0 = inst[:-1] + ',rank="0"}'
         q["kvUsed"] = f"sum({BLOCKS_TOTAL}{r0}) - sum({BLOCKS_FREE}{r0})"
@@ -301,7 +348,10 @@ class PrometheusFetcher:
                 continue
             out[role] = Sample(
                 time=now, replicas=n, latency=v["latency"],
-                queued_prompt_tokens=v.get("queued"), kv_blocks_used=v.get("kvUsed"),
+                queued_prompt_tokens=v.get("queued"),
+                prompt_tokens_per_second=(None if v.get("promptRate") is None
+                                          else max(0.0, v["promptRate"] or 0.0)),
+                kv_blocks_used=v.get("kvUsed"),
                 kv_blocks_total=v.get("kvTotal"), running_sequences=v["running"],
                 waiting_sequences=v["waiting"])
         return out

@@ -124,6 +124,8 @@ def _leaves() -> list[Leaf]:
                 Leaf((*a, r, latency), "obj"), Leaf((*a, r, latency, "percentile"), "number"),
                 Leaf((*a, r, latency, "seconds"), "number")]
     out += [Leaf((*a, "prefill", "queuedPromptTokensPerReplica"), "int"),
+            Leaf((*a, "prefill", "promptTokensPerSecondPerReplica"), "int"),
+            Leaf((*a, "decode", "sequencesPerReplica"), "int"),
             Leaf((*a, "decode", "kvCacheUtilization"), "number")]
     for r in TEMPLATED:
         t = (r, "template")
@@ -299,10 +301,14 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
                                         "seconds": r.choice([0.5, 2, 3600])}}
             if r.random() < 0.5:
                 auto["prefill"]["queuedPromptTokensPerReplica"] = r.choice([1, 8192])
+            if r.random() < 0.5:
+                auto["prefill"]["promptTokensPerSecondPerReplica"] = r.choice([1, 40000])
         if r.random() < 0.7:
             auto["decode"] = {"maxReplicas": r.randint(1, 64),
                               "tpot": {"seconds": r.choice([0.01, 0.05])},
                               "kvCacheUtilization": r.choice([0.05, 0.8, 1])}
+            if r.random() < 0.5:
+                auto["decode"]["sequencesPerReplica"] = r.choice([1, 192])
         if r.random() < 0.3:
             auto["intervalSeconds"] = r.choice([1, 15, 3600])
             auto["prometheusURL"] = "http://prometheus:9090"

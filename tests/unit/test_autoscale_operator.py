@@ -139,12 +139,45 @@ def test_direct_fetcher_sums_ready_instances_and_reads_router_deltas() -> None:
     assert "decode" not in out and "prefill" in out
 
 
+def test_prefill_prompt_tokens_per_second_from_the_counters_and_the_queue() -> None:
+    metrics = {ip: InstanceMetrics("prefill") for ip in ("10.0.0.1", "10.0.0.2", "10.0.0.3")}
+    pods = [pod("demo-prefill-0", "prefill", "10.0.0.1"),
+            pod("demo-prefill-1", "prefill", "10.0.0.2"), pod("demo-abc", "router", "10.0.0.9")]
+
+    async def list_pods(ns: str, selector: str) -> list[dict[str, Any]]:
+        return pods
+
+    async def get(url: str) -> str:
+        ip = url.split("//")[1].split(":")[0]
+        return RouterMetrics().expose().decode() if ip == "10.0.0.9" else (
+            metrics[ip].expose().decode())
+
+    spec = SPEC
+    fetch = DirectFetcher(list_pods, get)
+    metrics["10.0.0.1"].prefill_computed_tokens.inc(1_000_000)  # before the first scrape
+    first = asyncio.run(fetch(BODY, spec, ["prefill"], 100.0))["prefill"]
+    assert first.prompt_tokens_per_second is None  # no baseline yet
+    metrics["10.0.0.1"].prefill_computed_tokens.inc(50_000)
+    metrics["10.0.0.2"].prefill_computed_tokens.inc(30_000)
+    metrics["10.0.0.2"].queued_prompt_tokens.set(10_000)  # arrived, not run yet
+    p = asyncio.run(fetch(BODY, spec, ["prefill"], 110.0))["prefill"]
+    assert p.prompt_tokens_per_second == pytest.approx((50_000 + 30_000 + 10_000) / 10)
+    # A pod new since the last scrape counts from zero; a queue that drains is not load.
+    pods.append(pod("demo-prefill-2", "prefill", "10.0.0.3"))
+    metrics["10.0.0.3"].prefill_computed_tokens.inc(5_000)
+    metrics["10.0.0.1"].prefill_computed_tokens.inc(20_000)
+    metrics["10.0.0.2"].queued_prompt_tokens.set(0)
+    p = asyncio.run(fetch(BODY, spec, ["prefill"], 120.0))["prefill"]
+    assert p.replicas == 3
+    assert p.prompt_tokens_per_second == pytest.approx((5_000 + 20_000 - 10_000) / 10)
+
+
 def test_prometheus_fetcher_asks_per_role() -> None:
     asked: list[str] = []
     answers = {"count(": "3", "histogram_quantile": "0.061", "sum(pdd_running": "40",
                "sum(pdd_waiting": "2", "sum(pdd_kv_blocks_total{namespace=\"ns1\",pod=~\"demo-"
                "decode-.*\",rank=\"0\"}) -": "2490", "sum(pdd_kv_blocks_total": "3000",
-               "sum(pdd_queued": "100"}
+               "sum(pdd_queued": "100", "sum(rate(pdd_prefill_computed": "2500"}
 
     async def get_json(url: str) -> Mapping[str, Any]:
         from urllib.parse import parse_qs, urlsplit
@@ -162,6 +195,10 @@ def test_prometheus_fetcher_asks_per_role() -> None:
                for q in asked)
     q = prometheus_queries("ns1", "demo", "prefill", 0.5, 30)
     assert "pdd_queued_prompt_tokens" in q["queued"] and "[30s]" in q["latency"]
+    assert "rate(pdd_prefill_computed_tokens_total{" in q["promptRate"]
+    assert "deriv(pdd_queued_prompt_tokens{" in q["promptRate"]
+    p = asyncio.run(PrometheusFetcher(get_json)(BODY, spec, ["prefill"], 5.0))["prefill"]
+    assert p.prompt_tokens_per_second == 2500 and p.queued_prompt_tokens == 100
 
 
 def decision_status(desired: int, reason: str) -> dict[str, Any]:
@@ -270,14 +307,14 @@ def test_one_loop_step_per_interval_with_an_injected_fetcher() -> None:
                               prefill={"enabled": False, "ttft": None})
     REC.pdds[("ns1", "demo")] = body
     kube = FakeKube()
-    feed: list[float] = [0.9, 0.95]
+    feed: list[float] = [0.06, 0.065]  # TPOT: a latency breach waits for a second sample
 
     async def fetch(body: Any, spec: Any, roles: Sequence[str], now: float) -> dict[str, Sample]:
         assert list(roles) == ["decode"]
         if not feed:
             return {}
-        kv = feed.pop(0)
-        return {"decode": Sample(time=now, replicas=1, latency=0.02, kv_blocks_used=kv * 1000,
+        tpot = feed.pop(0)
+        return {"decode": Sample(time=now, replicas=1, latency=tpot, kv_blocks_used=500,
                                  kv_blocks_total=1000, running_sequences=30)}
 
     scaler = Autoscaler(REC, kube, fetch=fetch)  # type: ignore[arg-type]
@@ -285,13 +322,13 @@ def test_one_loop_step_per_interval_with_an_injected_fetcher() -> None:
     async def run() -> None:
         await scaler.step_all(100.0)  # first sample: over target once, not sustained
         await scaler.step_all(105.0)  # not due yet
-        await scaler.step_all(110.0)  # second: scale up by what the blocks need
+        await scaler.step_all(110.0)  # second: scale up by what the latency asks
     asyncio.run(run())
     status = REC.pdds[("ns1", "demo")]["status"]
     assert status["autoscaling"]["decode"]["desiredReplicas"] == 2
     assert status["autoscaling"]["decode"]["reason"] == "ScaledUp"
     assert [e[1] for e in kube.events] == ["Stable", "ScaledUp"]
-    assert "KV 0.95 > 0.8" in kube.events[-1][2]
+    assert "TPOT p90 0.065 s > 0.05 s" in kube.events[-1][2]
     assert REC.kicks == [("ns1", "demo")] and len(kube.patches) == 2
     assert "prefill" not in status["autoscaling"]
     assert op_metrics.AUTOSCALE_DESIRED.labels("ns1", "demo", "decode")._value.get() == 2

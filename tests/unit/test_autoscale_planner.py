@@ -229,4 +229,131 @@ def test_decode_ramp_follows_kv_and_never_drops_below_its_sequences() -> None:
             assert d.desired >= need, (i, d)
     assert max(d.desired for d in ds) == 6  # ceil(4400 / 800): the ramp peaks at t=140
     assert ds[-1].desired == 1
-    assert all(abs(d.desired - d.current) == 1 for d in ds if d.reason == SCALED_DOWN)
+    # Down to what the window's peak needs, not one at a time: 6 -> 3 at once (TPOT 0.02 s
+    # projected onto 3 instances is 0.04 s, the 0.8 share of 0.05 s), and no step below it.
+    downs = [d for d in ds if d.reason == SCALED_DOWN]
+    assert downs[0].current == 6 and downs[0].desired == 3
+
+
+RATE = PrefillAutoscaling.model_validate(
+    {"minReplicas": 1, "maxReplicas": 16, "ttft": {"percentile": 90, "seconds": 1.0},
+     "promptTokensPerSecondPerReplica": 10000})
+
+
+def rate_sample(t: float, n: int, rate: float, ttft: float | None = 0.3) -> Sample:
+    return Sample(time=t, replicas=n, latency=ttft, prompt_tokens_per_second=rate)
+
+
+def test_a_clear_jump_in_prompt_tokens_scales_up_on_one_sample() -> None:
+    # 30,000 tokens/s at 3 instances, then a burst to 75,000: 8 needed, more than 1.2 x 3, so
+    # the first sample of the burst acts (TTFT has not risen yet).
+    def load(t: float, n: int) -> Sample:
+        return rate_sample(t, n, 30000 if t < 30 else 75000)
+
+    ds = replay("prefill", RATE, 3, load, 6)
+    assert [d.desired for d in ds[:3]] == [3, 3, 3]
+    assert ds[3].reason == SCALED_UP and ds[3].desired == 8
+    assert "prompt tokens 2.5e+04/s/replica > 10000" in ds[3].message
+    assert all(d.desired == 8 and d.reason == STABLE for d in ds[4:])
+
+
+def test_a_marginal_prompt_token_breach_waits_for_a_second_sample() -> None:
+    # 115,000 tokens/s at 10 instances asks for 12: over the target but within 1.2 x 10.
+    one = [rate_sample(0, 10, 100000), rate_sample(10, 10, 115000)]
+    d = decide("prefill", RATE, 10, one, 10, interval=INTERVAL, stabilization=WINDOW)
+    assert d.reason == STABLE and d.desired == 10
+    two = [*one, rate_sample(20, 10, 108000)]
+    d = decide("prefill", RATE, 10, two, 20, interval=INTERVAL, stabilization=WINDOW)
+    assert d.reason == SCALED_UP and d.desired == 11  # the smaller of the two asks
+
+
+def test_a_clear_jump_is_clamped_to_max_and_held_on_stale_metrics() -> None:
+    d = decide("prefill", RATE, 4, [rate_sample(0, 4, 900000)], 0, interval=INTERVAL,
+               stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_UP, 16)
+    d = decide("prefill", RATE, 16, [rate_sample(0, 16, 900000)], 0, interval=INTERVAL,
+               stabilization=WINDOW)
+    assert (d.reason, d.desired) == (AT_MAXIMUM, 16)
+    d = decide("prefill", RATE, 4, [rate_sample(0, 4, 900000)], 4 * INTERVAL,
+               interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (METRICS_UNAVAILABLE, 4)
+
+
+def test_scale_down_goes_to_the_windows_peak_need_at_once() -> None:
+    # 12 instances; the load fell to 40,000 tokens/s, with one sample at 56,000 in the window:
+    # ceil(56000 / (10000 x 0.8)) = 7, in one step.
+    history = [rate_sample(t, 12, 56000 if t == 30 else 40000) for t in range(0, 80, 10)]
+    d = decide("prefill", RATE, 12, history, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 7)
+    # TTFT over 0.8 of its bound anywhere in the window: no step down at all.
+    warm = [rate_sample(t, 12, 40000, 0.9 if t == 50 else 0.3) for t in range(0, 80, 10)]
+    d = decide("prefill", RATE, 12, warm, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (STABLE, 12)
+    # A whole window after the last change first, and never below min.
+    d = decide("prefill", RATE, 12, history, 70, interval=INTERVAL, stabilization=WINDOW,
+               last_scale_time=30)
+    assert d.reason == STABLE
+    idle = [rate_sample(t, 3, 0.0) for t in range(0, 80, 10)]
+    d = decide("prefill", RATE.model_copy(update={"minReplicas": 2}), 3, idle, 70,
+               interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 2)
+
+
+def test_a_day_of_prompt_tokens_with_bursts_follows_the_rate_without_flapping() -> None:
+    # A ramp up and down with two one-interval bursts: up at each burst's first sample, down
+    # only a whole window after any change (a burst may still call for more right after one).
+    def rate(t: float) -> float:
+        base = 5000 + 100 * t if t < 800 else max(5000.0, 85000 - 100 * (t - 800))
+        return base * (2.0 if t in (300.0, 1200.0) else 1.0)
+
+    ds = replay("prefill", RATE, 1, lambda t, n: rate_sample(t, n, rate(t)), 200)
+    for i, d in enumerate(ds):
+        assert d.desired >= min(16, -(-rate(i * INTERVAL) // 10000)) or d.reason != SCALED_DOWN
+    assert ds[30].reason == SCALED_UP and ds[30].desired == 7  # ceil(70000 / 10000)
+    changes = [(i * INTERVAL, d.direction) for i, d in enumerate(ds) if d.direction != "none"]
+    for (ta, da), (tb, db) in zip(changes, changes[1:], strict=False):
+        assert db == "up" or tb - ta >= WINDOW, (ta, da, tb, db)
+    downs = [d for d in ds if d.reason == SCALED_DOWN]
+    assert any(d.current - d.desired > 1 for d in downs)
+    assert ds[-1].desired == 1
+
+
+@pytest.mark.parametrize("period", [1, 2, 3])
+def test_oscillating_prompt_tokens_do_not_flap(period: int) -> None:
+    def load(t: float, n: int) -> Sample:
+        high = int(t // INTERVAL) // period % 2 == 1
+        return rate_sample(t, n, 50000 if high else 20000)
+
+    ds = replay("prefill", RATE, 3, load, 60)
+    changes = [d for d in ds if d.desired != d.current]
+    assert all(d.reason == SCALED_UP for d in changes) and len(changes) <= 1
+
+
+SEQS = DecodeAutoscaling.model_validate(
+    {"minReplicas": 2, "maxReplicas": 16, "tpot": {"percentile": 90, "seconds": 0.05},
+     "kvCacheUtilization": 0.8, "sequencesPerReplica": 100})
+
+
+def seq_sample(t: float, n: int, running: float, waiting: float = 0.0,
+               tpot: float = 0.02) -> Sample:
+    return Sample(time=t, replicas=n, latency=tpot, kv_blocks_used=0.1 * BLOCKS * n,
+                  kv_blocks_total=BLOCKS * n, running_sequences=running,
+                  waiting_sequences=waiting)
+
+
+def test_decode_sized_on_sequences_per_replica() -> None:
+    # 4 instances holding 400 sequences with 300 waiting: 7 needed, at once.
+    d = decide("decode", SEQS, 4, [seq_sample(0, 4, 400, 300)], 0, interval=INTERVAL,
+               stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_UP, 7)
+    assert "sequences 175/replica > 100" in d.message
+    # Down to the window's peak at 0.8 of the target, held by TPOT's projection and the min.
+    calm = [seq_sample(t, 10, 300 if t == 20 else 200, tpot=0.01) for t in range(0, 80, 10)]
+    d = decide("decode", SEQS, 10, calm, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 4)  # ceil(300 / 80)
+    slow = [seq_sample(t, 10, 200, tpot=0.03) for t in range(0, 80, 10)]
+    d = decide("decode", SEQS, 10, slow, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 8)  # ceil(10 x 0.03 / 0.04)
+    idle = [seq_sample(t, 3, 0) for t in range(0, 80, 10)]
+    d = decide("decode", SEQS, 3, idle, 70, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_DOWN, 2)
