@@ -33,14 +33,18 @@ Policies, each deciding every interval:
 - static: the replicas the trace's peak needs at --static-utilization of each role's
   capacity, for the whole day;
 - planner: pdd_api.autoscale.plan, the operator's own pure decision function, fed the samples
-  the operator would scrape (TTFT/TPOT percentiles of the interval, queued prompt tokens, KV
-  blocks in use, running and waiting sequences);
+  the operator would scrape (TTFT/TPOT percentiles of the interval, prompt tokens arrived per
+  second over it, queued prompt tokens, KV blocks in use, running and waiting sequences), its
+  capacity targets set to a share of the measured per-instance figures
+  (--prefill-utilization, --decode-utilization);
 - requests: an HPA-like rule on requests in flight per ready replica (prefill: prompts queued
   or in prefill; decode: sequences running or waiting), HPA's defaults (10 % tolerance, pods
   not ready yet counted with nothing in flight, scale up at most max(4, 100 %) per interval,
   scale down to the highest recommendation of the last 300 s). First at thresholds set to
   serve (what an instance holds in flight at 80 % of its capacity), then with both scaled by
-  one factor, searched so that its GPU-hours equal the planner's: misses at equal cost.
+  one factor, searched so that its GPU-hours equal the planner's: misses at equal cost (the
+  cost is not monotonic in the factor: the search walks from 1 toward the goal, then
+  bisects the bracket).
 """
 
 from __future__ import annotations
