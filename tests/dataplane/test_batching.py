@@ -5,15 +5,18 @@ DCP ranks."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
+from runtime_fixtures import LocalCluster, http, plan_json
 
 from pdd_sidecar.engine import rank_engine
 from pdd_sidecar.engine.comm import Comm, run_threads
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.engine.sampling import SamplingParams, sample
 from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.engine.warmup_shape import warmup_fresh_blocks
 from pdd_sidecar.model import mla
 from pdd_sidecar.model.rank_model import load_rank_model
 
@@ -377,10 +380,26 @@ def test_warm_up_runs_a_chunk_its_continuation_and_shorter_fresh_prompts() -> No
 
     engine.step = spy  # type: ignore[method-assign]
     chunk, prompt = 300, 300 + bs // 2 + 1
-    blocks = engine.cache.allocate(-(-prompt // bs) + 2 * rank_engine.WARMUP_FRESH_BLOCKS)
+    blocks = engine.cache.allocate(-(-prompt // bs) + 2 * warmup_fresh_blocks(bs, 1))
     engine.warm_up(blocks, prompt, chunk, [1, 2], want_logits=True)
     fresh = [s[0][1] for s in seen if len(s) == 1 and s[0][0] == 0]
     assert fresh == [chunk, 64, 128, 256]
     assert rank_engine.warmup_lengths(64) == [] and rank_engine.warmup_lengths(65) == [64]
     assert [(300, 9)] in seen  # the chunk's continuation over the cached latent
     assert [[(1, 1)] * n for n in (1, 2)] == [s for s in seen if s[0] == (1, 1)]
+
+
+def test_a_prefill_at_block_size_4_warms_up_and_serves(tmp_path: Path) -> None:
+    """``pdd serve --block-size 4`` with the default chunk: the warm-up's longer fresh prompt
+    (2 blocks + 5 tokens = 13 tokens) needs 4 table blocks, which a fixed 3 fell short of, and
+    the instance never became ready."""
+    cluster = LocalCluster(tmp_path)
+    try:
+        routing = cluster.plan_file(plan_json((1, 1), (1, 1), 4))
+        prefill = cluster.instance("prefill", 1, 1, routing, 4)
+        prefill.wait_ready()
+        status, body = http("POST", f"{prefill.url}/v1/prefill",
+                            {"prompt_ids": list(range(1, 20)), "max_tokens": 1}, timeout=60)
+        assert status == 200 and isinstance(body["first_token"], int), body
+    finally:
+        cluster.close()

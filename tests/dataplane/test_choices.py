@@ -278,6 +278,14 @@ def test_a_list_with_echo_and_logprobs_equals_separate_requests(stack: dict[str,
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
         assert got["logprobs"]["token_logprobs"] == pytest.approx(
             want["logprobs"]["token_logprobs"], abs=1e-5)
-    status, err = http("POST", f"{router}/v1/completions",
-                       {"prompt": "ab", "n": 2, "logprobs": 1, "max_tokens": 2})
-    assert status == 400 and err["error"]["param"] == "logprobs", err
+    # With n, each prompt's choices (index i * n + j) each carry what that prompt alone does.
+    body = {**body, "max_tokens": 2, "n": 2}
+    paired = _complete(router, prompt=texts, **body)["choices"]
+    alone = [_complete(router, prompt=t, **{**body, "n": 1})["choices"][0] for t in texts]
+    assert [c["index"] for c in paired] == list(range(2 * len(texts)))
+    for i, got in enumerate(paired):
+        want = alone[i // 2]
+        assert got["text"] == want["text"] and got["text"].startswith(texts[i // 2])
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(
+            want["logprobs"]["token_logprobs"], abs=1e-5)

@@ -397,3 +397,85 @@ def test_lm_eval_harness_log_likelihoods_equal_transformers(serve: str, hf: Any,
         cut = min((text.index(u) for u in ("\n", ".") if u in text), default=len(text))
         assert s["resps"][0][0] == text[:cut]
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def _by_choice(events: list[dict[str, Any]], n: int) -> list[dict[str, list[Any]]]:
+    """Each choice's streamed completion logprobs, its events' joined in order."""
+    out: list[dict[str, list[Any]]] = [{} for _ in range(n)]
+    for e in events:
+        for c in e["choices"]:
+            if c["logprobs"] is not None:
+                for k, v in c["logprobs"].items():
+                    out[c["index"]].setdefault(k, []).extend(v)
+    return out
+
+
+def test_each_of_n_choices_carries_its_own_logprobs_and_the_echoed_prompt(
+        serve: str, hf: Any) -> None:
+    url = f"{serve}/v1/completions"
+    text_prompt = PROMPT[:26]
+    base = {"prompt": text_prompt, "max_tokens": 5, "logprobs": 3, "echo": True,
+            "return_tokens_as_token_ids": True}
+    single = _post(url, {**base, "temperature": 0})["choices"][0]
+    greedy = _post(url, {**base, "temperature": 0, "n": 3})["choices"]
+    assert [c["index"] for c in greedy] == [0, 1, 2]
+    for c in greedy:
+        assert c["token_ids"] == single["token_ids"] and c["text"] == single["text"]
+        assert c["logprobs"]["tokens"] == single["logprobs"]["tokens"]
+        assert _close(_numbers(c["logprobs"]), _numbers(single["logprobs"]))
+        _check_completion(hf, text_prompt, c, 3, echo=True)
+    sampled = {**base, "temperature": 1.0, "seed": 7, "n": 3}
+    choices = _post(url, sampled)["choices"]
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # the seeds differ by index
+    for c in choices:  # each choice's numbers are of its own tokens
+        _check_completion(hf, text_prompt, c, 3, echo=True)
+    streamed = _by_choice(_stream(url, sampled), 3)
+    for c, s in zip(choices, streamed, strict=True):
+        assert s["tokens"] == c["logprobs"]["tokens"]
+        assert s["text_offset"] == c["logprobs"]["text_offset"]
+        assert _close(_numbers(s), _numbers(c["logprobs"]))
+    # top_logprobs without echo, and a chat's choices
+    plain = _post(url, {**base, "echo": False, "temperature": 0, "n": 2})["choices"]
+    for c in plain:
+        _check_completion(hf, text_prompt, c, 3, echo=False)
+    chat = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 4,
+            "logprobs": True, "top_logprobs": 2, "temperature": 0.9, "seed": 3, "n": 2,
+            "ignore_eos": True}
+    curl = f"{serve}/v1/chat/completions"
+    whole = _post(curl, chat)["choices"]
+    got: list[list[Any]] = [[], []]
+    for e in _stream(curl, chat):
+        for c in e["choices"]:
+            if c.get("logprobs") is not None:
+                got[c["index"]].extend(c["logprobs"]["content"])
+    for c, s in zip(whole, got, strict=True):
+        content = c["logprobs"]["content"]
+        assert len(content) == len(c["token_ids"]) == 4
+        assert [x["token"] for x in s] == [x["token"] for x in content]
+        assert _close(_numbers({"content": s}), _numbers({"content": content}))
+
+
+def test_echo_with_n_prepends_the_prompt_to_every_choice_streamed_and_not(serve: str) -> None:
+    url = f"{serve}/v1/completions"
+    text = "Echoed to every choice."
+    body = {"prompt": text, "max_tokens": 3, "echo": True, "n": 3, "temperature": 1.0,
+            "seed": 2, "logprobs": 1, "ignore_eos": True}
+    whole = _post(url, body)["choices"]
+    prompt_len = len(whole[0]["logprobs"]["tokens"]) - 3
+    for c in whole:
+        assert c["text"].startswith(text)
+        assert c["logprobs"]["tokens"][:prompt_len] == whole[0]["logprobs"]["tokens"][:prompt_len]
+        assert c["logprobs"]["token_logprobs"][0] is None
+    events = _stream(url, body)
+    texts = ["", "", ""]
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in whole]
+    # the prompt's event of each choice comes before any generated token
+    heads = [c for e in events[:3] for c in e["choices"]]
+    assert sorted(c["index"] for c in heads) == [0, 1, 2]
+    assert all(c["text"] == text and c["token_ids"] == [] for c in heads)
+    # max_tokens 0: the prompt alone, n times
+    zero = _post(url, {**body, "max_tokens": 0})["choices"]
+    assert [c["text"] for c in zero] == [text] * 3

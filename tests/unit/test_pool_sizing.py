@@ -10,12 +10,14 @@ import math
 import pytest
 
 from pdd_sidecar.engine.warmup_shape import (
-    WARMUP_FRESH_BLOCKS,
+    fresh_prompt_lengths,
     largest_step_prompts,
     unbounded_warmup_blocks,
+    warmup_fresh_blocks,
     warmup_shape,
 )
 from pdd_sidecar.env import ConfigError, InstanceSettings
+from pdd_sidecar.kv.cache import num_table_blocks
 from pdd_sidecar.kv.pool_sizing import (
     CPU_DEFAULT_BLOCKS,
     FREE_HEADROOM_BYTES,
@@ -205,7 +207,7 @@ def test_gpu_memory_utilization_env_in_range() -> None:
 
 
 def test_a_prefill_warms_up_a_chunk_and_a_ragged_continuation_as_far_as_the_cache_holds() -> None:
-    spare = 2 * WARMUP_FRESH_BLOCKS
+    spare = 2 * warmup_fresh_blocks(64, 1)
     full = warmup_shape("prefill", 10_000, 64, 1, 8192, 256, (1, 2, 4), False)
     assert full.prompt_tokens == 8192 + 32 + 1 and full.batch_sizes == []
     assert full.blocks == 129 + spare
@@ -213,9 +215,20 @@ def test_a_prefill_warms_up_a_chunk_and_a_ragged_continuation_as_far_as_the_cach
     # the scratch cache of exactly that many blocks runs the same prompt
     assert warmup_shape("prefill", full.blocks, 64, 1, 8192, 256, (1,), False) == full
     cut = warmup_shape("prefill", 20, 16, 2, 512, 256, (1,), False)
-    assert cut.prompt_tokens == (20 - spare) * 16 * 2 and cut.blocks == 20
+    spare2 = 2 * warmup_fresh_blocks(16, 2)
+    assert cut.prompt_tokens == (20 - spare2) * 16 * 2 and cut.blocks == 20
     dcp2 = warmup_shape("prefill", 10_000, 64, 2, 8192, 256, (1,), False)
-    assert dcp2.blocks == 65 + spare == unbounded_warmup_blocks("prefill", 64, 2, 8192)
+    assert dcp2.blocks == 65 + 2 * warmup_fresh_blocks(64, 2) == unbounded_warmup_blocks(
+        "prefill", 64, 2, 8192)
+
+
+def test_the_warmups_fresh_prompts_fit_their_blocks_at_any_block_size() -> None:
+    """Blocks of 4: the 13-token fresh prompt needs 4 table blocks (3 fell short)."""
+    assert warmup_fresh_blocks(4, 1) == 4 and warmup_fresh_blocks(64, 1) == 3
+    for bs in (1, 2, 4, 8, 16, 64):
+        for dcp in (1, 2, 4):
+            need = max(num_table_blocks(n, bs, dcp) for n in fresh_prompt_lengths(bs))
+            assert warmup_fresh_blocks(bs, dcp) >= need
 
 
 def test_a_decode_warms_up_every_bucket_up_to_its_running_limit() -> None:

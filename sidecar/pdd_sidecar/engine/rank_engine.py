@@ -36,7 +36,7 @@ from pdd_sidecar.engine.device_queue import tensor_to_device, to_device
 from pdd_sidecar.engine.launch_pacing import LaunchPacer
 from pdd_sidecar.engine.overtaking import Overtaking, overtaking_enabled
 from pdd_sidecar.engine.seq_chunk import SeqChunk
-from pdd_sidecar.engine.warmup_shape import WARMUP_FRESH_BLOCKS
+from pdd_sidecar.engine.warmup_shape import fresh_prompt_lengths, warmup_fresh_blocks
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
@@ -414,7 +414,9 @@ class RankEngine:
         frees."""
         vocab = self.cfg.vocab_size
         tokens = [(7 * i + 1) % vocab for i in range(prompt_tokens)]
-        main = list(block_ids[:len(block_ids) - 2 * WARMUP_FRESH_BLOCKS]) if prompt_tokens \
+        bs = self.cache.block_size
+        fresh = warmup_fresh_blocks(bs, self.dcp)
+        main = list(block_ids[:len(block_ids) - 2 * fresh]) if prompt_tokens \
             else list(block_ids)
         for start in range(0, prompt_tokens, max(1, chunk_tokens)):
             self.step([SeqChunk(tokens[start:start + chunk_tokens], start, main)], want_logits)
@@ -426,15 +428,13 @@ class RankEngine:
             # The step shapes a busy prefill mixes: a continuing chunk beside one fresh prompt
             # (SDPA), beside two (the batched kernel), fresh prompts alone, and two continuing
             # chunks (their batched path).
-            bs = self.cache.block_size
             spare = list(block_ids[len(main):])
-            one = SeqChunk([(3 * i + 2) % vocab for i in range(bs + 3)], 0,
-                           spare[:WARMUP_FRESH_BLOCKS])
-            two = SeqChunk([(5 * i + 4) % vocab for i in range(2 * bs + 5)], 0,
-                           spare[WARMUP_FRESH_BLOCKS:])
+            short, long = fresh_prompt_lengths(bs)
+            one = SeqChunk([(3 * i + 2) % vocab for i in range(short)], 0, spare[:fresh])
+            two = SeqChunk([(5 * i + 4) % vocab for i in range(long)], 0, spare[fresh:])
             rest = SeqChunk(tokens[chunk_tokens:], chunk_tokens, main)
             steps = [[rest, one], [rest, one, two], [one, two]]
-            if len(one.tokens) + 2 <= WARMUP_FRESH_BLOCKS * bs:
+            if len(one.tokens) + 2 <= fresh * bs * self.dcp:
                 more = [9 % vocab, 10 % vocab]
                 steps.append([rest, SeqChunk(more, len(one.tokens), one.block_ids)])
             for chunks in steps:

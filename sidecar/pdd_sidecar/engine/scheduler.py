@@ -672,7 +672,7 @@ class Scheduler:
                              state=State.PULLING, blocks=seq.blocks[:shared]
                              + own[i * per:(i + 1) * per], on_token=fork.on_token,
                              extra={**keep, GROUP: group, "choice": fork.choice},
-                             grammar=fork.grammar)
+                             grammar=fork.grammar, logprobs=seq.logprobs)
             group.members.append(child)
             self.by_id[child.id] = child
             if partial:

@@ -9,9 +9,17 @@ from dataclasses import dataclass, field
 
 from pdd_sidecar.kv.pool_sizing import blocks_for
 
-# Table blocks of each of the two small fresh prompts a prefill's warm-up runs (up to 2 blocks
-# plus a few tokens each, at any DCP).
-WARMUP_FRESH_BLOCKS = 3
+
+def fresh_prompt_lengths(block_size: int) -> tuple[int, int]:
+    """The two small fresh prompts a prefill's warm-up runs beside a continuing chunk: a block
+    and a few tokens (continued by two more), two blocks and a few."""
+    return block_size + 3, 2 * block_size + 5
+
+
+def warmup_fresh_blocks(block_size: int, dcp: int) -> int:
+    """Table blocks each fresh prompt gets: the longer one's, from its own length (a fixed count
+    fell short at small block sizes: 13 tokens in blocks of 4 need 4)."""
+    return blocks_for(max(fresh_prompt_lengths(block_size)), block_size, dcp)
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,7 @@ def warmup_shape(role: str, num_blocks: int, block_size: int, dcp: int, chunk_to
     cache holds. A decode: every CUDA-graph bucket up to its running limit (the first alone
     when decode steps run eagerly: nothing to capture per bucket)."""
     if role == "prefill":
-        spare = 2 * WARMUP_FRESH_BLOCKS
+        spare = 2 * warmup_fresh_blocks(block_size, dcp)
         prompt = min(chunk_tokens + block_size // 2 + 1,
                      max(1, num_blocks - spare) * block_size * dcp)
         return WarmupShape(prompt, blocks_for(prompt, block_size, dcp) + spare)
@@ -49,7 +57,7 @@ def unbounded_warmup_blocks(role: str, block_size: int, dcp: int, chunk_tokens: 
     if role != "prefill":
         return 1
     prompt = chunk_tokens + block_size // 2 + 1
-    return blocks_for(prompt, block_size, dcp) + 2 * WARMUP_FRESH_BLOCKS
+    return blocks_for(prompt, block_size, dcp) + 2 * warmup_fresh_blocks(block_size, dcp)
 
 
 def largest_step_prompts(role: str, step_tokens: int, chunk_tokens: int) -> list[int]:

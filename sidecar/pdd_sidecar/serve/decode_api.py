@@ -19,8 +19,9 @@ Several choices of one request (`n` > 1): `"choices": [[index, first_token], ...
 `first_token`, at most 16. The KV is pulled once, by the first choice's sequence, which then
 forks into one per choice sharing the prompt's blocks (engine/scheduler.py); choice `index`
 samples with `choice_seed(sampling.seed, index)`. The stream's token lines are then
-`{"choice": index, "token": id}`, choices interleaved as their tokens come, and the final line
-lists each choice's `token_ids` and `finish_reason` under `choices`.
+`{"choice": index, "token": id}` (with `logprobs`, each carries its choice's `"logprob"`),
+choices interleaved as their tokens come, and the final line lists each choice's `token_ids`,
+`finish_reason` (and `logprobs`) under `choices`.
 """
 
 from __future__ import annotations
@@ -140,8 +141,6 @@ def _choices(state: InstanceState, body: dict[str, Any]) -> list[tuple[int, int]
     raw = body.get("choices")
     if raw is None:
         return [(0, token_ids(state, [body.get("first_token")], "first_token")[0])]
-    if body.get("logprobs") is not None:
-        raise bad("choices: log-probabilities of several choices are not supported")
     if (not isinstance(raw, list) or not 0 < len(raw) <= MAX_CHOICES
             or not all(isinstance(c, list) and len(c) == 2 for c in raw)):
         raise bad(f"choices: must be a list of 1 to {MAX_CHOICES} [index, first_token] pairs")
@@ -241,7 +240,9 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
     }
     if "choice" in seq.extra:
         out["choices"] = [{"index": m.extra["choice"], "token_ids": m.output,
-                           "finish_reason": m.finish_reason} for m in _members(seq)]
+                           "finish_reason": m.finish_reason,
+                           **({"logprobs": logprob_json(m.extra.get(LOGPROBS, []))}
+                              if m.logprobs is not None else {})} for m in _members(seq)]
     return out
 
 
@@ -298,8 +299,20 @@ def _lines(seq: Sequence, tokens: list[int], sent: int) -> bytes:
                     for t, e in zip(tokens, entries, strict=True))
 
 
-def _choice_lines(tokens: list[tuple[int, int]]) -> bytes:
-    return b"".join(b'{"choice": %d, "token": %d}\n' % jt for jt in tokens)
+def _choice_lines(seq: Sequence, tokens: list[tuple[int, int]], sent: dict[int, int]) -> bytes:
+    """The lines of ``(choice, token)`` pairs; ``sent``: how many tokens of each choice went
+    out before them (counted here). With log-probabilities each line carries its choice's
+    entry, stored on that choice's sequence before the token was delivered."""
+    if seq.logprobs is None:
+        return b"".join(b'{"choice": %d, "token": %d}\n' % jt for jt in tokens)
+    members = {m.extra["choice"]: m for m in _members(seq)}
+    out = []
+    for j, t in tokens:
+        at = sent.get(j, 0)
+        sent[j] = at + 1
+        entry = logprob_json(members[j].extra[LOGPROBS][at:at + 1])[0]
+        out.append(json.dumps({"choice": j, "token": t, "logprob": entry}).encode() + b"\n")
+    return b"".join(out)
 
 
 async def _stream(request: web.Request, state: InstanceState,
@@ -312,19 +325,23 @@ async def _stream(request: web.Request, state: InstanceState,
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     multi = "choice" in seq.extra
+    each: dict[int, int] = {}  # n > 1: tokens of each choice sent
     try:
         if first is not None:
             head = first[0]
-            line: dict[str, Any] = ({"choice": head[0], "token": head[1]}
-                                    if isinstance(head, tuple) else {"token": head})
+            if multi:
+                head_line = _choice_lines(seq, first[:1], each)
+                line: dict[str, Any] = json.loads(head_line)
+            else:
+                line = {"token": head}
+                if seq.logprobs is not None:
+                    line["logprob"] = logprob_json(seq.extra[LOGPROBS][:1])[0]
             line["timing"] = timing.decode_timing(seq.extra)
-            if seq.logprobs is not None:
-                line["logprob"] = logprob_json(seq.extra[LOGPROBS][:1])[0]
             await response.write(json.dumps(line).encode() + b"\n" + (
-                _choice_lines(first[1:]) if multi else _lines(seq, first[1:], 1)))
+                _choice_lines(seq, first[1:], each) if multi else _lines(seq, first[1:], 1)))
             sent = len(first)
             async for batch in batches:
-                await response.write(_choice_lines(batch) if multi
+                await response.write(_choice_lines(seq, batch, each) if multi
                                      else _lines(seq, batch, sent))
                 sent += len(batch)
         err = _error(seq)

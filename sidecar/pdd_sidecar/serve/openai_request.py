@@ -442,10 +442,6 @@ def parse_requests(kind: str, body: Any, model: ModelText, served: str,
     if best_of is not None and best_of != n:
         raise bad(f"best_of: only best_of equal to n ({n}) is supported, got "
                   f"{brief_repr(best_of)}", "best_of")
-    if n > 1 and (logprobs is not None or echo or vllm_prompt is not None):
-        field = "echo" if echo else "logprobs" if logprobs is not None else "prompt_logprobs"
-        raise bad(f"{field}: log-probabilities and echo of several choices are not supported "
-                  "(send n 1)", field)
 
     tools: ToolSpec | None = None
     texts: list[str | None] = [None]

@@ -8,9 +8,10 @@ completion, and then nothing is held; `max_tokens` 0 runs the prompt alone), `ca
 (prompt tokens whose KV the prefix cache already had), with `logprobs: k` the first token's
 log-probability entry (`[logprob, rank, [[id, logprob] x k]]`, serve/common.py), with
 `prompt_logprobs: k` one for each prompt token from the second on (such a prompt bypasses the
-prefix cache: its every position runs), with `n` > 1 (at most 16; not with log-probabilities)
-`first_tokens`, one per choice from the same logits, each drawn with its choice's seed
-(engine/sampling.py `choice_seed`; the first is `first_token`), and `first_finish_reasons`
+prefix cache: its every position runs), with `n` > 1 (at most 16) `first_tokens`, one per
+choice from the same logits, each drawn with its choice's seed (engine/sampling.py
+`choice_seed`; the first is `first_token`; `logprobs` then has an entry per choice, in order;
+the prompt's are computed once), and `first_finish_reasons`
 ("stop" for a choice its first token ended: a stop id, or its grammar complete; else null), and
 the `kv_transfer_params` a decode instance needs to READ the KV. Held blocks stay until every
 prefill rank has its notifications or the lease runs out. The parameters are a grant signed
@@ -80,8 +81,6 @@ async def run_prefill(request: web.Request, state: InstanceState,
     assert n is not None
     if n > MAX_CHOICES:
         raise bad(f"n: at most {MAX_CHOICES} choices per request, got {n}")
-    if n > 1 and (body.get("logprobs") is not None or body.get("prompt_logprobs") is not None):
-        raise bad("n: log-probabilities of several choices are not supported (send n 1)")
     seq = Sequence(rid, prompt, 1 << 30 if max_tokens is None else max_tokens, len(prompt),
                    prompt_logprobs=logprobs_field(body, "prompt_logprobs"),
                    **sequence_options(state, body))

@@ -184,18 +184,18 @@ def _token_logprobs(lt: LogprobText, req: GenRequest, ids: list[int], entries: l
     return lt.completion(ids, entries)
 
 
-def _choice(router: Router, req: GenRequest, out: Output, trip: Trip,
-            index: int) -> dict[str, Any]:
+def _choice(router: Router, req: GenRequest, out: Output, trip: Trip, index: int,
+            choice_of: int = 0) -> dict[str, Any]:
     """One choice of a final answer (serve/choices.py), with what it asked for besides: the
-    echoed prompt, log-probabilities."""
+    echoed prompt, log-probabilities (``choice_of``: its index among its prompt's n)."""
     text = _echo_text(router, req) + out.text if req.echo and req.kind == "completion" \
         else out.text
     choice = choice_body(req.kind, index, text, out.token_ids, out.finish, out.tool_calls)
     if req.logprobs is not None or req.vllm_prompt_logprobs:
         lt = _logprob_text(router, req)
         n = len(out.token_ids)
-        choice["logprobs"] = _token_logprobs(lt, req, out.token_ids, trip.logprobs[:n], trip,
-                                             True)
+        choice["logprobs"] = _token_logprobs(lt, req, out.token_ids,
+                                             trip.logprobs[choice_of][:n], trip, True)
         if req.vllm_prompt_logprobs:
             choice["prompt_logprobs"] = lt.prompt_logprobs(
                 req.prompt_ids, with_first_null(trip.prompt_logprobs))
@@ -204,7 +204,7 @@ def _choice(router: Router, req: GenRequest, out: Output, trip: Trip,
 
 def _final_body(router: Router, rid: str, runs: list[Run]) -> dict[str, Any]:
     kind = runs[0][0].kind
-    choices = [_choice(router, req, out, trip, choice_index(i, j, req.n))
+    choices = [_choice(router, req, out, trip, choice_index(i, j, req.n), j)
                for i, (req, trip, outs) in enumerate(runs) for j, out in enumerate(outs)]
     meta = runs[0][1].meta() if len(runs) == 1 else {
         "prompts": [trip.meta() for _, trip, _ in runs]}
@@ -229,13 +229,14 @@ async def _stream(request: web.Request, router: Router, rid: str, reqs: list[Gen
     fmt = ChunkFormat(rid, req.kind, int(time.time()), router.settings.model_name,
                       req.include_usage)
     lock = asyncio.Lock()  # several prompts' tasks write to the one response
-    lt = _logprob_text(router, req)
 
     def emitter(prompt: int, r: GenRequest, trip: Trip, answers: list[Output]) -> Emit:
         """The events of one prompt's choices; ``answers`` are its outputs as they grow (a
         step's tool-call deltas are read from them)."""
         seen = [0] * len(answers)
         began = False
+        # Each choice's own text offsets (a completion's text_offset runs on over its chunks).
+        lts = [_logprob_text(router, r) for _ in answers]
 
         async def emit(choice: int, steps: list[Step]) -> None:
             nonlocal began
@@ -247,16 +248,18 @@ async def _stream(request: web.Request, router: Router, rid: str, reqs: list[Gen
                         events.extend(fmt.role(j) for j in range(req.n))
                 if not began:
                     began = True
-                    if r.echo or r.vllm_prompt_logprobs:
-                        events.append(_prompt_event(router, r, fmt, lt, trip,
-                                                    choice_index(prompt, 0, r.n)))
+                    if r.echo or r.vllm_prompt_logprobs:  # every choice's, as OpenAI's
+                        events.extend(_prompt_event(router, r, fmt, lts[j], trip,
+                                                    choice_index(prompt, j, r.n))
+                                      for j in range(r.n))
                 index = choice_index(prompt, choice, r.n)
                 answer = answers[choice]
                 for tokens, text, finish in steps:
                     lp = None
                     if r.logprobs is not None:  # this step's tokens' entries, in order
                         at = seen[choice]
-                        lp = _token_logprobs(lt, r, tokens, trip.logprobs[at:at + len(tokens)],
+                        lp = _token_logprobs(lts[choice], r, tokens,
+                                             trip.logprobs[choice][at:at + len(tokens)],
                                              trip, False)
                     seen[choice] += len(tokens)
                     extra = {"pdd": trip.meta()} if finish else None

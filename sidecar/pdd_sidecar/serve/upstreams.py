@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,9 +59,9 @@ class Trip:
     prefill_timing: Any = None
     decode_timing: Any = None
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
-    # Log-probability entries (serve/logprob_format.py): one per token handed out, in order;
-    # the prompt's, from its second token on.
-    logprobs: list[Any] = field(default_factory=list)
+    # Log-probability entries (serve/logprob_format.py): each choice's, one per token handed
+    # out, in order; the prompt's (computed once, whatever n), from its second token on.
+    logprobs: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
     prompt_logprobs: list[Any] = field(default_factory=list)
     finishes: dict[int, Any] = field(default_factory=dict)  # n > 1: each choice's, the decode's
 
@@ -96,10 +97,11 @@ def _take_logprobs(req: GenRequest, pre: dict[str, Any], url: str, trip: Trip) -
     """The prefill's log-probabilities of the first token and the prompt, checked."""
     if req.logprobs is not None:
         got = pre.get("logprobs")
-        if not (isinstance(got, list) and len(got) == 1 and entry_ok(got[0])):
+        if not (isinstance(got, list) and len(got) == req.n and all(entry_ok(e) for e in got)):
             raise ApiError(502, f"prefill {url}: answer without the first token's "
-                           "log-probabilities")
-        trip.logprobs.append(got[0])
+                           "log-probabilities" + ("" if req.n == 1 else " of every choice"))
+        for j, entry in enumerate(got):
+            trip.logprobs[j].append(entry)
     if req.prompt_logprobs is not None:
         got = pre.get("prompt_logprobs")
         if not (isinstance(got, list) and len(got) == len(req.prompt_ids) - 1
@@ -704,13 +706,14 @@ class Router:
                         if "timing" in msg:
                             trip.decode_timing = msg["timing"]
                         if "token" in msg:
+                            tagged = (int(msg.get("choice", at)), int(msg["token"]))
                             if req.logprobs is not None:
                                 if not entry_ok(msg.get("logprob")):
                                     raise ApiError(502, f"decode {trip.decode}: token line "
                                                    "without its log-probabilities: "
                                                    f"{line[:200]!r}")
-                                trip.logprobs.append(msg["logprob"])
-                            tagged = (int(msg.get("choice", at)), int(msg["token"]))
+                                if tagged[0] in running:
+                                    trip.logprobs[tagged[0]].append(msg["logprob"])
                     if tagged is not None:
                         choice, token = tagged
                         if choice not in running:
