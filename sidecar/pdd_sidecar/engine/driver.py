@@ -335,8 +335,7 @@ class InstanceDriver:
             results = self.worker.run_as_leader({
                 "op": "warmup", "blocks": blocks, "prompt_tokens": prompt,
                 "chunk_tokens": sch.chunk_tokens, "batch_sizes": batches})
-        finally:  # the warm-up's last steps may still be queued
-            sch.fence.queued(blocks, self._marks.mark())
+        finally:  # RankEngine.warm_up synchronizes the device before it returns
             sch.fence.free(blocks)
         self._last_collective = time.monotonic()
         failed = next((r for r in results if r.get("error")), None)
