@@ -10,6 +10,7 @@ replaced between our read and our write is never deleted by mistake).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import heapq
 import itertools
@@ -116,14 +117,30 @@ def parse_answer(status: int, method: str, path: str, text: str) -> Any:
         raise ApiError(status, f"non-JSON answer: {snippet!r}", method, path) from None
 
 
+# The pass (reconciler.Reconciler.run) a request is made for, in the order passes started.
+PASS_ORDER: contextvars.ContextVar[int | None] = contextvars.ContextVar("pass_order",
+                                                                       default=None)
+_PASSES = itertools.count(1)
+
+
+def start_pass() -> None:
+    """Numbers the current task's pass (tasks it starts inherit the number): see PriorityGate."""
+    PASS_ORDER.set(next(_PASSES))
+
+
 class PriorityGate:
     """At most `slots` requests in flight; a waiting request of lower `priority` value goes
     first. When hundreds of PDDeployments arrive at once the API server is the bottleneck, and
-    pods are what users wait for: they pass before Services, status and events."""
+    pods are what users wait for: they pass before Services, status and events.
+
+    Within a priority, requests go in the order their passes started, not in arrival order: a
+    pass writes its status only once all its writes are done, and hundreds of first passes
+    whose writes took turns all finished together at the end of the queue (Ready=True ~20 s
+    after the pods at 200 PDDeployments). Taken pass by pass, the first finish first."""
 
     def __init__(self, slots: int) -> None:
         self.free = slots
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[int, int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 
     async def acquire(self, priority: int) -> None:
@@ -131,7 +148,11 @@ class PriorityGate:
             self.free -= 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        seq = next(self._seq)
+        order = PASS_ORDER.get()
+        # Outside a pass (autoscaler, peering): as if a pass started now.
+        heapq.heappush(self._waiters, (priority, next(_PASSES) if order is None else order,
+                                       seq, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -141,14 +162,16 @@ class PriorityGate:
 
     def release(self) -> None:
         while self._waiters:
-            _, _, fut = heapq.heappop(self._waiters)
+            *_, fut = heapq.heappop(self._waiters)
             if not fut.done():
                 fut.set_result(None)
                 return
         self.free += 1
 
 
-PRIORITY_POD, PRIORITY_OBJECT, PRIORITY_STATUS, PRIORITY_EVENT = 0, 1, 2, 3
+# Status before other objects: one small write per pass, and the one users wait on once the
+# pods are up (a pass's Services and NetworkPolicies never wait on it for long).
+PRIORITY_POD, PRIORITY_STATUS, PRIORITY_OBJECT, PRIORITY_EVENT = 0, 1, 2, 3
 
 
 class FaultInjector:

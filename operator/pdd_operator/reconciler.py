@@ -50,7 +50,7 @@ from pdd_operator.conditions import (
     with_errors,
 )
 from pdd_operator.drain_io import fetch_loads
-from pdd_operator.kube import ApiError, Kube, now_rfc3339
+from pdd_operator.kube import ApiError, Kube, now_rfc3339, start_pass
 from pdd_operator.rollout import (
     Delete,
     PodInfo,
@@ -290,6 +290,7 @@ class Reconciler:
         key = (namespace, name)
         lock = self.lock(key)
         async with lock:
+            start_pass()
             start = time.perf_counter()
             try:
                 outcome = await self._reconcile(key)
@@ -598,23 +599,21 @@ class Reconciler:
         ref = _full_ref("Secret", owner.namespace, name)
         have = self.store.get("Secret", owner.namespace, name)
         if have is None:
-            have = await self.kube.get("Secret", owner.namespace, name, metadata_only=True)
-            if have is None:
-                try:
-                    out = await self.kube.create(build_grant_secret(owner,
-                                                                    secrets.token_bytes(32)))
-                except ApiError as exc:
-                    if exc.status != 409:
-                        raise
-                    have = await self.kube.get("Secret", owner.namespace, name,
-                                               metadata_only=True)
-                    if have is None:
-                        raise
-                else:
-                    self.store.upsert("Secret", _metadata(out), written=True)
-                    metrics.ACTIONS.labels("Secret", "create").inc()
-                    outcome.created.append(f"Secret {name}")
-                    return
+            # Created first, read only when taken (409): one request, not two, per new
+            # PDDeployment (the store knows every Secret of ours from the start).
+            try:
+                out = await self.kube.create(build_grant_secret(owner, secrets.token_bytes(32)))
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                have = await self.kube.get("Secret", owner.namespace, name, metadata_only=True)
+                if have is None:
+                    raise
+            else:
+                self.store.upsert("Secret", _metadata(out), written=True)
+                metrics.ACTIONS.labels("Secret", "create").inc()
+                outcome.created.append(f"Secret {name}")
+                return
         if self._foreign(have, owner):
             outcome.conflicts.append(ref)
         elif (have.get("metadata", {}).get("labels") or {}).get(keys.LABEL_MANAGED_BY):

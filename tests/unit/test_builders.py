@@ -364,7 +364,13 @@ def test_webhook_configuration_and_certificate() -> None:
 def test_priority_gate_lets_pods_pass_first() -> None:
     import asyncio
 
-    from pdd_operator.kube import PriorityGate
+    from pdd_operator.kube import (
+        PRIORITY_EVENT,
+        PRIORITY_OBJECT,
+        PRIORITY_POD,
+        PRIORITY_STATUS,
+        PriorityGate,
+    )
 
     async def scenario() -> list[str]:
         gate = PriorityGate(1)
@@ -377,7 +383,8 @@ def test_priority_gate_lets_pods_pass_first() -> None:
             gate.release()
 
         tasks = [asyncio.create_task(job(n, p)) for n, p in
-                 (("event", 3), ("status", 2), ("pod", 0), ("service", 1))]
+                 (("event", PRIORITY_EVENT), ("status", PRIORITY_STATUS),
+                  ("pod", PRIORITY_POD), ("service", PRIORITY_OBJECT))]
         await asyncio.sleep(0)
         cancelled = asyncio.create_task(job("cancelled", 0))
         await asyncio.sleep(0)
@@ -387,7 +394,46 @@ def test_priority_gate_lets_pods_pass_first() -> None:
         assert gate.free == 1, "no slot leaked by the cancelled waiter"
         return order
 
-    assert asyncio.run(scenario()) == ["pod", "service", "status", "event"]
+    assert asyncio.run(scenario()) == ["pod", "status", "service", "event"]
+
+
+def test_priority_gate_serves_a_priority_pass_by_pass() -> None:
+    """Two passes' writes queued interleaved: the pass that started first is served whole
+    first (so it can write its status), then the next; a higher priority still goes first."""
+    import asyncio
+    import contextvars
+
+    from pdd_operator.kube import PRIORITY_OBJECT, PRIORITY_STATUS, PriorityGate, start_pass
+
+    async def scenario() -> list[str]:
+        gate = PriorityGate(1)
+        order: list[str] = []
+        await gate.acquire(0)
+        passes = []
+        for _ in range(2):
+            ctx = contextvars.copy_context()
+            ctx.run(start_pass)
+            passes.append(ctx)
+
+        async def job(name: str, prio: int) -> None:
+            await gate.acquire(prio)
+            order.append(name)
+            gate.release()
+
+        tasks = []
+        for i in range(3):
+            for p, ctx in enumerate(passes):
+                tasks.append(asyncio.create_task(job(f"pass{p}-obj{i}", PRIORITY_OBJECT),
+                                                 context=ctx))
+        tasks.append(asyncio.create_task(job("pass1-status", PRIORITY_STATUS),
+                                         context=passes[1]))
+        await asyncio.sleep(0)
+        gate.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["pass1-status", "pass0-obj0", "pass0-obj1",
+                                       "pass0-obj2", "pass1-obj0", "pass1-obj1", "pass1-obj2"]
 
 
 # ----------------------------------------------------------------------------- issue 12/14
