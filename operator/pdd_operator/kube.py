@@ -385,15 +385,17 @@ class Kube:
         return any(r.get("name") == k.plural for r in (doc or {}).get("resources") or [])
 
     async def list_objects(self, kind: str, namespace: str | None = None,
-                   selector: str | None = None) -> list[Obj]:
-        return (await self.list_rv(kind, namespace, selector))[0]
+                           selector: str | None = None, *,
+                           metadata_only: bool = False) -> list[Obj]:
+        return (await self.list_rv(kind, namespace, selector, metadata_only=metadata_only))[0]
 
     async def list_rv(self, kind: str, namespace: str | None = None,
-                      selector: str | None = None) -> tuple[list[Obj], str | None]:
+                      selector: str | None = None, *,
+                      metadata_only: bool = False) -> tuple[list[Obj], str | None]:
         """Items and the list's resourceVersion (the snapshot they describe)."""
         params = {"labelSelector": selector} if selector else None
         out = await self.request("GET", path_of(kind, namespace), params=params,
-                                 accept=_PARTIAL_LIST if kind in METADATA_ONLY
+                                 accept=_PARTIAL_LIST if metadata_only or kind in METADATA_ONLY
                                  else "application/json")
         items: list[Obj] = out.get("items") or []  # metadata-only lists say null when empty
         api_version = _api_version(kind)

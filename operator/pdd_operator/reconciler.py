@@ -50,6 +50,7 @@ from pdd_operator.conditions import (
     with_errors,
 )
 from pdd_operator.drain_io import fetch_loads
+from pdd_operator.held_names import HeldNames
 from pdd_operator.kube import ApiError, Kube, now_rfc3339, start_pass
 from pdd_operator.rollout import (
     Delete,
@@ -143,6 +144,7 @@ class Reconciler:
         self._built: dict[Key, tuple[tuple[str, int, tuple[Any, ...]], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
         self._holed: dict[Key, tuple[Any, Desired, Desired]] = {}  # drain.py's index holes
+        self.held = HeldNames(kube)
 
     # ------------------------------------------------------------------ inputs
 
@@ -535,7 +537,7 @@ class Reconciler:
         """Before our first write of a name: an object the store does not know (it lacks our
         labels) may hold it. Server-side apply with force would take it over, and garbage
         collection would delete it with the PDDeployment."""
-        existing = await self.kube.get(kind, owner.namespace, name, metadata_only=True)
+        existing = await self.held.get(kind, owner.namespace, name)
         if existing is not None and self._foreign(existing, owner):
             outcome.conflicts.append(_full_ref(kind, owner.namespace, name))
             return True
