@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+import types
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -877,7 +878,8 @@ def test_choice_token_lines_are_json_and_read_without_the_decoder() -> None:
     from pdd_sidecar.serve.upstreams import _choice_token_line
 
     pairs = [(0, 7), (15, 129279), (3, 0)]
-    lines = _choice_lines(pairs)
+    no_logprobs: Any = types.SimpleNamespace(logprobs=None)  # a sequence that asked for none
+    lines = _choice_lines(no_logprobs, pairs, {})
     assert lines == b"".join(json.dumps({"choice": j, "token": t}).encode() + b"\n"
                              for j, t in pairs)
     assert [_choice_token_line(line) for line in lines.split(b"\n")[:-1]] == pairs
