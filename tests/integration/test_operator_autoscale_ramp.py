@@ -73,6 +73,11 @@ KV_TARGET = 0.3
 STABILIZATION_S = 15
 
 SELECTOR = re.compile(r"(\w+)\{([^}]*)\}")
+SLOPE = re.compile(r"(?:rate|deriv)\((\w+)\{([^}]*)\}\[(\w+)\]\)")
+
+
+def parse_window(w: str) -> float:
+    return float(w[:-1]) * {"s": 1, "m": 60, "h": 3600}[w[-1]]
 LABEL = re.compile(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"')
 QUANTILE = re.compile(r"histogram_quantile\(([\d.]+), sum by \(le\) \(rate\((\w+)_bucket"
                       r"\{([^}]*)\}\[(\d+)s\]\)\)\)")
@@ -92,6 +97,7 @@ class RealMetricsPrometheus:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, str]] = {}
         self._buckets: dict[str, list[tuple[float, dict[float, float]]]] = {}
+        self._series: dict[str, list[tuple[float, float]]] = {}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -184,11 +190,35 @@ class RealMetricsPrometheus:
                 total[le] = total.get(le, 0.0) + v
         return histogram_quantile(q, total) if total else None
 
+    def _slope(self, metric: str, labels: str, window: float) -> float | None:
+        """`rate` of a counter or `deriv` of a gauge, summed over the picked targets: the change
+        per second between the oldest scrape in the window and now (None before two scrapes)."""
+        pods, _ = self._pods(labels)
+        now = time.monotonic()
+        total, seen_any = 0.0, False
+        for pod in pods:
+            cur = self._samples(metric, f'pod="{pod}"')
+            if cur is None:
+                continue
+            with self._lock:
+                seen = self._series.setdefault(pod + metric, [])
+                seen.append((now, cur[0]))
+                seen[:] = [(t, v) for t, v in seen if now - t <= window]
+                (t0, v0), (t1, v1) = seen[0], seen[-1]
+            if t1 > t0:
+                total += (v1 - v0) / (t1 - t0)
+                seen_any = True
+        return total if seen_any else None
+
     def evaluate(self, query: str) -> float | None:
         self.asked.append(query)
         m = QUANTILE.fullmatch(query)
         if m:
             return self._quantile(float(m[1]), m[2], m[3], float(m[4]))
+        terms = SLOPE.findall(query)
+        if terms:  # sum(rate(A{..}[w])) + sum(deriv(B{..}[w])): empty if a term is
+            parts = [self._slope(metric, labels, parse_window(w)) for metric, labels, w in terms]
+            return None if any(v is None for v in parts) else sum(v or 0.0 for v in parts)
         if query.startswith("count("):
             metric, labels = SELECTOR.findall(query)[0]
             found = self._samples(metric, labels)
