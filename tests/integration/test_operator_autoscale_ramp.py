@@ -34,10 +34,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
@@ -53,6 +51,7 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     wait_for,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_stub import PrometheusStub
 
 from pdd_operator.autoscale_metrics import bucket_delta, histogram_quantile, parse_histogram
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig
@@ -75,15 +74,16 @@ STABILIZATION_S = 15
 SELECTOR = re.compile(r"(\w+)\{([^}]*)\}")
 SLOPE = re.compile(r"(?:rate|deriv)\((\w+)\{([^}]*)\}\[(\w+)\]\)")
 
-
-def parse_window(w: str) -> float:
-    return float(w[:-1]) * {"s": 1, "m": 60, "h": 3600}[w[-1]]
 LABEL = re.compile(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"')
 QUANTILE = re.compile(r"histogram_quantile\(([\d.]+), sum by \(le\) \(rate\((\w+)_bucket"
                       r"\{([^}]*)\}\[(\d+)s\]\)\)\)")
 
 
-class RealMetricsPrometheus:
+def parse_window(w: str) -> float:
+    return float(w[:-1]) * {"s": 1, "m": 60, "h": 3600}[w[-1]]
+
+
+class RealMetricsPrometheus(PrometheusStub):
     """A Prometheus HTTP API over real /metrics endpoints: `targets` maps a pod name (the
     `pod` label a PodMonitor would add, with `namespace`) to the URL of a real process. Each
     query scrapes the targets its selector picks (cached for a fifth of a second: the planner
@@ -92,46 +92,19 @@ class RealMetricsPrometheus:
     def __init__(self, namespace: str, targets: dict[str, str]) -> None:
         self.namespace = namespace
         self.targets = targets
-        self.asked: list[str] = []
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, str]] = {}
         self._buckets: dict[str, list[tuple[float, dict[float, float]]]] = {}
         self._series: dict[str, list[tuple[float, float]]] = {}
-        outer = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                q = parse_qs(urlsplit(self.path).query).get("query", [""])[0]
-                try:
-                    value = outer.evaluate(q)
-                except Exception as exc:  # noqa: BLE001 - reported by the test
-                    outer.errors.append(f"{q}: {exc!r}")
-                    value = None
-                result = [] if value is None else [{"metric": {}, "value": [time.time(),
-                                                                            str(value)]}]
-                body = json.dumps({"status": "success", "data": {"resultType": "vector",
-                                                                 "result": result}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, query: str) -> float | None:
+        try:
+            return self.evaluate(query)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(f"{query}: {exc!r}")
+            return None
 
     def _scrape(self, pod: str) -> str:
         now = time.monotonic()
@@ -211,7 +184,6 @@ class RealMetricsPrometheus:
         return total if seen_any else None
 
     def evaluate(self, query: str) -> float | None:
-        self.asked.append(query)
         m = QUANTILE.fullmatch(query)
         if m:
             return self._quantile(float(m[1]), m[2], m[3], float(m[4]))

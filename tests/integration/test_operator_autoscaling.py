@@ -8,13 +8,9 @@ the e2e tier's."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
@@ -30,48 +26,21 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     pods_of,
     wait_for,
 )
+from prometheus_stub import PrometheusStub
 
 pytestmark = pytest.mark.integration
 
 
-class FakePrometheus:
+class FakePrometheus(PrometheusStub):
     """Answers the planner's instant queries from `values` (query prefix -> number); with
     `values` empty every answer is an empty vector (no data)."""
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
-        self.asked: list[str] = []
-        outer = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                q = parse_qs(urlsplit(self.path).query).get("query", [""])[0]
-                outer.asked.append(q)
-                value = next((v for k, v in outer.values.items() if q.startswith(k)), None)
-                result = [] if value is None else [{"metric": {}, "value": [time.time(),
-                                                                            str(value)]}]
-                body = json.dumps({"status": "success", "data": {"resultType": "vector",
-                                                                 "result": result}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, query: str) -> float | None:
+        return next((v for k, v in self.values.items() if query.startswith(k)), None)
 
 
 @pytest.fixture(scope="module")
