@@ -31,13 +31,18 @@ class Streamed:
     pdd: dict[str, Any] = field(default_factory=dict)  # the last chunk's `pdd` object
     tokens: list[int] = field(default_factory=list)
     usage: dict[str, Any] | None = None  # with include_usage: the usage chunk
+    finish_reason: str | None = None
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                            max_tokens: int, include_usage: bool = False) -> Streamed | str:
-    """Greedy, `ignore_eos`, streamed: exactly `max_tokens` tokens, or why not (a string)."""
+                            max_tokens: int, include_usage: bool = False,
+                            extra: Mapping[str, Any] | None = None,
+                            exact: bool = True) -> Streamed | str:
+    """Greedy, `ignore_eos`, streamed: exactly `max_tokens` tokens, or why not (a string).
+    ``extra`` adds request fields; with ``exact=False`` fewer tokens are an answer too (a
+    grammar may end a request before `max_tokens`)."""
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "stream": True}
+                            "ignore_eos": True, "stream": True, **(extra or {})}
     if include_usage:
         body["stream_options"] = {"include_usage": True}
     out = Streamed(time.perf_counter(), [])
@@ -58,11 +63,12 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
                 ids = choice.get("token_ids") or []
                 out.times.extend([time.perf_counter()] * len(ids))
                 out.tokens.extend(ids)
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
             if isinstance(msg.get("pdd"), dict):
                 out.pdd = msg["pdd"]
             if msg.get("usage"):
                 out.usage = msg["usage"]
-    if len(out.times) != max_tokens:
+    if exact and len(out.times) != max_tokens:
         return f"{len(out.times)} tokens"
     if include_usage and out.usage is None:
         return "no usage chunk"

@@ -43,8 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "sidecar"))
 sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
+from stream_client import parse_metrics, stream_completion  # noqa: E402
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import (  # noqa: E402
@@ -190,30 +192,6 @@ def model_with_tokenizer(model: str, work: Path) -> str:
     return str(out)
 
 
-async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-              extra: dict[str, Any]) -> tuple[list[float], str | None] | str:
-    """Token arrival times and the finish reason of one streamed completion, or why it failed."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, **extra}
-    times: list[float] = []
-    finish = None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[5:])
-            if "error" in msg:
-                return f"stream error: {str(msg['error'])[:300]}"
-            for choice in msg.get("choices") or ():
-                now = time.perf_counter()
-                times.extend([now] * len(choice.get("token_ids") or ()))
-                finish = choice.get("finish_reason") or finish
-    return times, finish
-
-
 def tpot(times: list[float]) -> float | None:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
@@ -229,13 +207,9 @@ class Times:
 async def mask_counts(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
     """The decode's ``pdd_structured_mask_seconds`` (sum, count)."""
     async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    got = {}
-    for line in text.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f"pdd_structured_mask_seconds_{part} "):
-                got[part] = float(line.split()[1])
-    return got.get("sum", 0.0), got.get("count", 0.0)
+        got = parse_metrics(await resp.text())
+    return (got.get("pdd_structured_mask_seconds_sum", 0.0),
+            got.get("pdd_structured_mask_seconds_count", 0.0))
 
 
 async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times: Times,
@@ -252,8 +226,8 @@ async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times:
         if i in constrained:
             extra["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "record", "schema": SCHEMA, "strict": True}}
-        jobs.append(one(session, url, prompts[(salt * n + i) % len(prompts)], args.out_tokens,
-                        extra))
+        jobs.append(stream_completion(session, url, prompts[(salt * n + i) % len(prompts)],
+                                      args.out_tokens, extra=extra, exact=False))
     before = await mask_counts(session, decode_url) if decode_url else (0.0, 0.0)
     t0 = time.perf_counter()
     got = await asyncio.gather(*jobs)
@@ -272,9 +246,9 @@ async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times:
             case.errors += 1
             case.first_error = case.first_error or g
             continue
-        arrived, finish = g
+        arrived = g.times
         case.tokens += len(arrived)
-        if i in constrained and finish == "stop":
+        if i in constrained and g.finish_reason == "stop":
             case.stopped_early += 1
         t = tpot(arrived)
         if t is None:
