@@ -376,16 +376,18 @@ class AutoscalingSpec(_Strict):
         default=15, description="Seconds between two scrapes and decisions (1..3600). A "
         "sustained breach (two samples in a row) scales up within two intervals.")
     scaleDownStabilizationSeconds: int = Field(
-        default=300, description="A role scales down (one instance at a time) only after its "
-        "load fitted one instance fewer for this long, and this long after its last change "
-        "(0..86400).")
+        default=300, description="A role scales down only after its load fitted fewer "
+        "instances for this long, and this long after its last change: to the window's peak "
+        "need where a capacity target measures it, else one instance (0..86400).")
     prometheusURL: str | None = Field(
         default=None, description="Read the metrics from this Prometheus (http:// or "
         "https://) instead of scraping the instances' and router's /metrics directly.")
     prefill: PrefillAutoscaling | None = Field(
-        default=None, description="Prefill: scales on TTFT and queued prompt tokens.")
+        default=None, description="Prefill: scales on TTFT, prompt tokens per second and "
+        "queued prompt tokens.")
     decode: DecodeAutoscaling | None = Field(
-        default=None, description="Decode: scales on TPOT and KV cache utilization.")
+        default=None, description="Decode: scales on TPOT, KV cache utilization and "
+        "sequences per replica.")
 
 
 def gpus_per_pod(role: RoleSpec) -> int:
