@@ -59,16 +59,22 @@ from pdd_sidecar.serve.local_stack import LocalStack, StackConfig
 pytestmark = pytest.mark.integration
 
 NAME = "ramp"
-PROMPT_TOKENS = 320
-MAX_TOKENS = 32
+# Two kinds of client, added in turn, so that each role's metric rises whichever role the
+# machine makes the slower one (a single kind loads mostly the slower role: on one CPU decode
+# held five sequences while prefill queued little, on another prefill queued while decode held
+# one). Prompt clients send long prompts for 2 tokens: they sit in the prefill queue. Output
+# clients send short prompts for 256 tokens: they sit in decode.
+PROMPT_CLIENT = (320, 2)  # prompt tokens, max_tokens
+OUTPUT_CLIENT = (96, 256)
 MAX_CLIENTS = 6
-# Small prefill steps: a prompt takes 20 steps, so prompts queue up under concurrency and
-# pdd_queued_prompt_tokens shows it between steps. 128 KV blocks of 16 tokens on the decode:
-# one 352-token sequence holds 22 of them (0.17), two are over the target.
+# Small prefill steps: a long prompt takes 20 steps, so prompts queue up under concurrency and
+# pdd_queued_prompt_tokens shows it between steps. 160 KV blocks of 16 tokens on the decode: an
+# output client's sequence holds 22 of them (0.14), any two sequences are over the target, and
+# all six clients' sequences fit at once.
 STEP_TOKENS = 16
-DECODE_BLOCKS = 128
+DECODE_BLOCKS = 160
 QUEUED_PER_REPLICA = 64
-KV_TARGET = 0.3
+KV_TARGET = 0.25
 STABILIZATION_S = 15
 
 SELECTOR = re.compile(r"(\w+)\{([^}]*)\}")
@@ -207,7 +213,8 @@ class RealMetricsPrometheus(PrometheusStub):
 
 
 class Ramp:
-    """Clients sending completions through the router back to back; `more()` adds one.
+    """Clients sending completions through the router back to back; `more()` adds one, of
+    each kind in turn.
     Every response is checked (status, token count); failures are kept."""
 
     def __init__(self, router: str) -> None:
@@ -233,11 +240,12 @@ class Ramp:
             t.join(timeout=120)
 
     def _client(self, c: int) -> None:
+        prompt_tokens, max_tokens = PROMPT_CLIENT if c % 2 == 0 else OUTPUT_CLIENT
         k = 0
         while not self._stop.is_set():
             k += 1
-            body = {"prompt": [(c * 131 + k * 17 + j) % 250 + 1 for j in range(PROMPT_TOKENS)],
-                    "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": [(c * 131 + k * 17 + j) % 250 + 1 for j in range(prompt_tokens)],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             req = urllib.request.Request(f"{self.router}/v1/completions",
                                          data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -245,8 +253,8 @@ class Ramp:
             try:
                 with urllib.request.urlopen(req, timeout=120) as resp:
                     n = len(json.loads(resp.read())["choices"][0]["token_ids"])
-                if n != MAX_TOKENS:
-                    error = f"{n} tokens, not {MAX_TOKENS}"
+                if n != max_tokens:
+                    error = f"{n} tokens, not {max_tokens}"
             except urllib.error.HTTPError as exc:
                 error = f"HTTP {exc.code}: {exc.read()[:300]!r}"
             except (OSError, KeyError, ValueError) as exc:
@@ -391,7 +399,7 @@ def test_a_load_ramp_scales_both_roles_up_and_back_down_losing_nothing(
             lambda m: m if {"prefill 1→2", "decode 1→2"} <= set(m) else None)(
             log.messages("ScaledUp")), timeout=10)
         assert re.search(r"queued prompt tokens \d+/replica > 64", up["prefill 1→2"]), up
-        assert re.search(r"KV [01]\.\d\d > 0\.3", up["decode 1→2"]), up
+        assert re.search(r"KV [01]\.\d\d > 0\.25", up["decode 1→2"]), up
         obj = pdd(kube, ns, NAME)
         t_up = time.monotonic() - t0
 
