@@ -63,6 +63,9 @@ crd: venv
 	$(VENV)/bin/pdd crd > crds/serving.pdd.dev_pddeployments.yaml
 	cp crds/serving.pdd.dev_pddeployments.yaml manifests/base/crd.yaml
 	cp crds/serving.pdd.dev_pddeployments.yaml charts/pdd/crds/
+	$(VENV)/bin/pdd crd --kind PDDRoleScale > crds/serving.pdd.dev_pddrolescales.yaml
+	cp crds/serving.pdd.dev_pddrolescales.yaml manifests/base/crd-pddrolescales.yaml
+	cp crds/serving.pdd.dev_pddrolescales.yaml charts/pdd/crds/
 
 demo: venv cluster-build $(REAL_NODE_DEPS)
 	$(VPY) hack/demo.py

@@ -14,10 +14,15 @@ from pdd_api.models import (
     API_VERSION,
     KIND,
     PLURAL,
+    ROLE_SCALE_KIND,
+    ROLE_SCALE_PLURAL,
+    ROLE_SCALE_SHORT_NAME,
     ROLES,
     SHORT_NAME,
     PDDeploymentSpec,
     PDDeploymentStatus,
+    PDDRoleScaleSpec,
+    PDDRoleScaleStatus,
 )
 from pdd_api.names import (
     MAX_NAME_LENGTH,
@@ -25,7 +30,7 @@ from pdd_api.names import (
     NAME_PATTERN,
     lws_name_message,
 )
-from pdd_api.rules import RULES
+from pdd_api.rules import MAX_REPLICAS, RULES
 
 _SCALARS = {int: "integer", str: "string", bool: "boolean", float: "number"}
 
@@ -197,5 +202,74 @@ def crd() -> dict[str, Any]:
     }
 
 
+def role_scale_crd() -> dict[str, Any]:
+    spec = object_schema(PDDRoleScaleSpec)
+    spec["description"] = "Which PDDeployment role this object scales, and to how many."
+    spec["properties"]["deployment"].update(
+        {"minLength": 1, "maxLength": MAX_NAME_LENGTH, "pattern": NAME_PATTERN})
+    spec["properties"]["replicas"].update({"minimum": 1, "maximum": MAX_REPLICAS})
+    spec["x-kubernetes-validations"] = [{
+        "rule": "self.deployment == oldSelf.deployment && self.role == oldSelf.role",
+        "message": "spec.deployment and spec.role are immutable: create another PDDRoleScale "
+                   "for another role",
+    }]
+    status = object_schema(PDDRoleScaleStatus)
+    status["description"] = "Observed state, written by the operator."
+    columns = [
+        {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
+        {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+        {"name": "Current", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Applied", "type": "boolean", "jsonPath": ".status.applied"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{ROLE_SCALE_PLURAL}.{API_GROUP}"},
+        "spec": {
+            "group": API_GROUP,
+            "names": {
+                "kind": ROLE_SCALE_KIND,
+                "listKind": f"{ROLE_SCALE_KIND}List",
+                "plural": ROLE_SCALE_PLURAL,
+                "singular": ROLE_SCALE_KIND.lower(),
+                "shortNames": [ROLE_SCALE_SHORT_NAME],
+            },
+            "scope": "Namespaced",
+            "versions": [{
+                "name": API_VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.replicas",
+                    "statusReplicasPath": ".status.replicas",
+                    "labelSelectorPath": ".status.selector",
+                }},
+                "additionalPrinterColumns": columns,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "PDDRoleScale is one PDDeployment role's replicas behind a "
+                    "scale subresource of its own, for an HPA, KEDA or `kubectl scale` to drive "
+                    "prefill (PDDeployment's own scale subresource is decode's).",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec,
+                        "status": status,
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }
+
+
 def crd_yaml() -> str:
     return yaml.safe_dump(crd(), sort_keys=False, width=100)
+
+
+def role_scale_crd_yaml() -> str:
+    return yaml.safe_dump(role_scale_crd(), sort_keys=False, width=100)

@@ -17,6 +17,11 @@ API_VERSION = "v1alpha1"
 KIND = "PDDeployment"
 PLURAL = "pddeployments"
 SHORT_NAME = "pdd"
+# One role's replicas behind a scale subresource of its own (a CRD has one, PDDeployment's is
+# decode's): what an HPA or KEDA targets to drive prefill, or decode by name.
+ROLE_SCALE_KIND = "PDDRoleScale"
+ROLE_SCALE_PLURAL = "pddrolescales"
+ROLE_SCALE_SHORT_NAME = "pddrs"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # How the router picks replicas (sidecar serve/routing_policy.py); the first is the default.
@@ -504,3 +509,29 @@ class PDDeploymentStatus(BaseModel):
 
 
 ROLES: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
+
+
+class PDDRoleScaleSpec(_Strict):
+    deployment: str = Field(description="The PDDeployment, in this namespace, whose role this "
+                            "object scales. Immutable.")
+    role: Literal["prefill", "decode"] = Field(description="The role it scales. Immutable.")
+    replicas: int | None = Field(
+        default=None, description="The role's instances: the operator writes them into the "
+        "PDDeployment's spec.<role>.replicas (the scale subresource's spec, what `kubectl "
+        "scale`, an HPA or KEDA set). Left out: the operator fills it in from the PDDeployment.")
+
+
+class PDDRoleScaleStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(default=0, description="Pods that exist for the role (the scale "
+                          "subresource's status).")
+    readyReplicas: int = Field(default=0, description="Pods of the role that are Ready.")
+    selector: str | None = Field(
+        default=None, description="Label selector of the role's pods, as an HPA reads it.")
+    applied: bool = Field(default=False, description="spec.replicas is what the PDDeployment's "
+                          "spec.<role>.replicas says.")
+    message: str = Field(default="", description="What the operator did with spec.replicas, "
+                         "or why it did not.")
+    observedGeneration: int | None = Field(
+        default=None, description="Generation the operator last acted on.")

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdd_api.crd import crd_yaml
+from pdd_api.crd import crd_yaml, role_scale_crd_yaml
+from pdd_api.models import KIND, ROLE_SCALE_KIND
 from pdd_api.models_catalog import KNOWN_MODELS
 from pdd_api.plan import RoutingPlan
 from pdd_api.routing import bytes_per_decode_rank, plan_for_spec
@@ -137,7 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    sys.stdout.write(crd_yaml())
+    sys.stdout.write(role_scale_crd_yaml() if args.kind == ROLE_SCALE_KIND else crd_yaml())
     return EXIT_OK
 
 
@@ -153,7 +154,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, help="prompt length for per-rank bytes")
     p.add_argument("--bytes-per-token", type=int, help="KV bytes per token (all layers)")
     p.set_defaults(func=cmd_plan)
-    c = sub.add_parser("crd", help="print the CustomResourceDefinition")
+    c = sub.add_parser("crd", help="print a CustomResourceDefinition")
+    c.add_argument("--kind", choices=[KIND, ROLE_SCALE_KIND], default=KIND,
+                   help=f"which one (default {KIND})")
     c.set_defaults(func=cmd_crd)
     g = sub.add_parser("generate", help="greedy generation in one instance (needs torch)",
                        add_help=False)

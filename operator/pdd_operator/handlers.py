@@ -5,7 +5,9 @@
   own light watches (kube.Kube.watch) -> one pass for the owner, so a deleted pod comes back
   and a pod turning Ready updates status at once;
 - a periodic pass (re-list, then one pass per PDDeployment), paused with kopf's peering;
-- the validating webhook -> the same rules as `pdd validate`.
+- the validating webhook -> the same rules as `pdd validate`;
+- PDDRoleScale events, and PDDeployment events for the PDDRoleScales naming it -> the role's
+  spec.<role>.replicas follows the PDDRoleScale, its status follows the role (role_scale.py).
 kopf's peering pauses all of this in every replica but the leader (the parts outside kopf read
 the peering object and follow the same rule).
 """
@@ -18,8 +20,8 @@ from typing import Any, cast
 
 import kopf
 
-from pdd_api.models import API_GROUP, API_VERSION, PLURAL
-from pdd_operator import credentials, metrics
+from pdd_api.models import API_GROUP, API_VERSION, KIND, PLURAL, ROLE_SCALE_KIND, ROLE_SCALE_PLURAL
+from pdd_operator import credentials, metrics, role_scale
 from pdd_operator.autoscaler import Autoscaler
 from pdd_operator.config import CONFIG
 from pdd_operator.kube import KINDS, ApiError, Kube
@@ -50,6 +52,7 @@ class _State:
     reconciler: Reconciler | None = None
     kube: Kube | None = None
     tasks: list[asyncio.Task[Any]] = []
+    role_scales: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 STATE = _State()
@@ -183,6 +186,55 @@ async def pddeployment_event(event: kopf.RawEvent, **_: Any) -> None:
     ns, name = rec.observe_pdd(obj, deleted=deleted)
     if not deleted:
         rec.kick(ns, name)
+    for scale in [s for (n, _), s in STATE.role_scales.items()
+                  if n == ns and (s.get("spec") or {}).get("deployment") == name]:
+        await sync_role_scale(rec, scale)
+
+
+@kopf.on.event(API_GROUP, API_VERSION, ROLE_SCALE_PLURAL)
+async def role_scale_event(event: kopf.RawEvent, **_: Any) -> None:
+    obj = cast(dict[str, Any], event["object"])
+    rec = reconciler()
+    meta = obj["metadata"]
+    key = (meta["namespace"], meta["name"])
+    if event["type"] == "DELETED":
+        STATE.role_scales.pop(key, None)
+        # The next PDDRoleScale of that role, if any, takes over.
+        name = (obj.get("spec") or {}).get("deployment")
+        for scale in [s for (n, _), s in STATE.role_scales.items()
+                      if n == key[0] and (s.get("spec") or {}).get("deployment") == name]:
+            await sync_role_scale(rec, scale)
+        return
+    STATE.role_scales[key] = obj
+    await sync_role_scale(rec, obj)
+
+
+async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
+    """Write what role_scale.sync says; a refused PDDeployment patch goes into the status with
+    the API server's words. Errors are logged: the next event or pass retries."""
+    ns, own = scale["metadata"]["namespace"], scale["metadata"]["name"]
+    spec = scale.get("spec") or {}
+    name, role = spec.get("deployment", ""), spec.get("role", "")
+    peers = [s for (n, _), s in STATE.role_scales.items() if n == ns]
+    result = role_scale.sync(scale, rec.pdds.get((ns, name)), peers)
+    status = result.status
+    try:
+        if result.fill_replicas is not None:
+            await rec.kube.patch(ROLE_SCALE_KIND, ns, own,
+                                 {"spec": {"replicas": result.fill_replicas}})
+        if result.deployment_patch is not None:
+            try:
+                await rec.kube.patch(KIND, ns, name, result.deployment_patch)
+            except ApiError as exc:
+                if exc.status >= 500:
+                    raise
+                reason = (exc.body or {}).get("message") if isinstance(exc.body, dict) else None
+                status = role_scale.refused(result, name, role, spec.get("replicas"),
+                                            str(reason or exc))
+        if role_scale.status_changed(scale, status):
+            await rec.kube.patch_status(ROLE_SCALE_KIND, ns, own, status)
+    except ApiError as exc:
+        log.warning("%s %s/%s: %s", ROLE_SCALE_KIND, ns, own, exc)
 
 
 async def periodic_loop(rec: Reconciler) -> None:

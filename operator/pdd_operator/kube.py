@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from pdd_api import keys
-from pdd_api.models import API_GROUP, API_VERSION, KIND, PLURAL
+from pdd_api.models import API_GROUP, API_VERSION, KIND, PLURAL, ROLE_SCALE_KIND, ROLE_SCALE_PLURAL
 from pdd_operator import credentials
 
 log = logging.getLogger("pdd_operator.kube")
@@ -54,6 +54,7 @@ KINDS: dict[str, Kind] = {
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
     "LeaderWorkerSet": Kind("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     KIND: Kind(f"/apis/{API_GROUP}/{API_VERSION}", PLURAL),
+    ROLE_SCALE_KIND: Kind(f"/apis/{API_GROUP}/{API_VERSION}", ROLE_SCALE_PLURAL),
     "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings", namespaced=False),
     "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
     "ValidatingWebhookConfiguration": Kind(

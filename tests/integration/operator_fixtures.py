@@ -29,6 +29,7 @@ from polling import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO_ROOT / "crds" / "serving.pdd.dev_pddeployments.yaml"
+ROLE_SCALE_CRD_FILE = REPO_ROOT / "crds" / "serving.pdd.dev_pddrolescales.yaml"
 PEERING_FILE = REPO_ROOT / "manifests" / "base" / "kopf-peering.yaml"
 EXAMPLES = sorted((REPO_ROOT / "manifests" / "examples").glob("*.yaml"))
 CRD_NAME = "pddeployments.serving.pdd.dev"
@@ -153,9 +154,16 @@ def install_crd(k: Kubectl, cel: bool = True) -> bool:
     if not cel or not ok:
         k("apply", "--server-side", "--force-conflicts", "-f", "-",
           input=yaml.safe_dump(strip_cel(crd)))
-    k("wait", "--for=condition=Established", "--timeout=50s", f"crd/{CRD_NAME}")
-    wait_for("discovery of pddeployments",
-             lambda: k("get", "pddeployments", "-A", check=False).returncode == 0)
+    role_scale = yaml.safe_load(ROLE_SCALE_CRD_FILE.read_text())
+    if not cel or k("apply", "--server-side", "--force-conflicts", "-f", str(ROLE_SCALE_CRD_FILE),
+                    check=False).returncode != 0:
+        k("apply", "--server-side", "--force-conflicts", "-f", "-",
+          input=yaml.safe_dump(strip_cel(role_scale)))
+    for crd_name in (CRD_NAME, role_scale["metadata"]["name"]):
+        k("wait", "--for=condition=Established", "--timeout=50s", f"crd/{crd_name}")
+    for plural in ("pddeployments", "pddrolescales"):
+        wait_for(f"discovery of {plural}",
+                 lambda plural=plural: k("get", plural, "-A", check=False).returncode == 0)
     return ok
 
 

@@ -128,8 +128,8 @@ def test_lint(helm: Path) -> None:
 
 
 def test_chart_crds_are_the_committed_ones() -> None:
-    assert (CHART / "crds" / "serving.pdd.dev_pddeployments.yaml").read_text() == (
-        REPO_ROOT / "crds" / "serving.pdd.dev_pddeployments.yaml").read_text()
+    for crd in ("serving.pdd.dev_pddeployments.yaml", "serving.pdd.dev_pddrolescales.yaml"):
+        assert (CHART / "crds" / crd).read_text() == (REPO_ROOT / "crds" / crd).read_text()
     assert (CHART / "crds" / "kopf-peering.yaml").read_text() == (
         REPO_ROOT / "manifests" / "base" / "kopf-peering.yaml").read_text()
 

@@ -48,6 +48,11 @@ def test_base_renders_with_crd_in_sync() -> None:
     committed = yaml.safe_load(CRD_FILE.read_text())
     crd["metadata"].pop("labels", None)
     assert crd == committed, "manifests/base/crd.yaml differs from crds/ (copy it over)"
+    role_scale = next(d for d in docs if d["kind"] == "CustomResourceDefinition"
+                      and d["metadata"]["name"] == "pddrolescales.serving.pdd.dev")
+    role_scale["metadata"].pop("labels", None)
+    assert role_scale == yaml.safe_load(
+        (REPO_ROOT / "crds" / "serving.pdd.dev_pddrolescales.yaml").read_text())
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdd_api.crd import crd_yaml
+from pdd_api.crd import crd_yaml, role_scale_crd_yaml
 from pdd_cli.main import main
 
 from .conftest import EXAMPLES, ROOT
@@ -130,6 +130,9 @@ def test_committed_crd_is_generated(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["crd"]) == 0
     assert capsys.readouterr().out == CRD_FILE.read_text(), "run `make crd` and commit the result"
     assert crd_yaml() == CRD_FILE.read_text()
+    assert main(["crd", "--kind", "PDDRoleScale"]) == 0
+    committed = (ROOT / "crds" / "serving.pdd.dev_pddrolescales.yaml").read_text()
+    assert capsys.readouterr().out == committed == role_scale_crd_yaml(), "run `make crd`"
 
 
 def test_crd_schema_is_structural_and_explains() -> None:

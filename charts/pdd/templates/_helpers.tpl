@@ -55,6 +55,12 @@ app.kubernetes.io/name: {{ .Values.operatorName }}
 - apiGroups: [serving.pdd.dev]
   resources: [pddeployments/finalizers]
   verbs: [update]                           # ownerReferences with blockOwnerDeletion
+- apiGroups: [serving.pdd.dev]
+  resources: [pddrolescales]
+  verbs: [get, list, watch, patch]          # patch: spec.replicas filled in when left out
+- apiGroups: [serving.pdd.dev]
+  resources: [pddrolescales/status]
+  verbs: [get, patch]
 - apiGroups: [""]
   resources: [pods, services, configmaps]
   verbs: [get, list, watch, create, patch, delete]

@@ -1,0 +1,130 @@
+"""PDDRoleScale against a real API server and operator: the scale subresource an HPA or KEDA
+uses (`kubectl scale` goes through the same /scale endpoint) drives prefill, its status follows
+the role's pods, and a second object, an out-of-range value or an autoscaled role are each
+refused with a message that says so."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from operator_fixtures import (  # noqa: F401  (fixtures)
+    Kubectl,
+    Operator,
+    kube,
+    op_namespace,
+    operator,
+    pdd,
+    pods_of,
+    wait_for,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.integration
+NAME = "rs"
+
+
+def deployment(**autoscaling: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "deepseek-ai/DeepSeek-V2-Lite-Chat"}, "image": "pdd:0.1.0",
+        "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    if autoscaling:
+        spec["autoscaling"] = autoscaling
+    return {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDeployment",
+            "metadata": {"name": NAME}, "spec": spec}
+
+
+def role_scale(name: str, role: str, replicas: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"deployment": NAME, "role": role}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDRoleScale",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def get(k: Kubectl, ns: str, name: str) -> dict[str, Any]:
+    return k.json("get", "pddrolescale", name, "-n", ns)  # type: ignore[no-any-return]
+
+
+def scale_of(k: Kubectl, ns: str, name: str) -> dict[str, Any]:
+    raw = k("get", "--raw", f"/apis/serving.pdd.dev/v1alpha1/namespaces/{ns}/pddrolescales/"
+            f"{name}/scale").stdout
+    return json.loads(raw)  # type: ignore[no-any-return]
+
+
+def test_a_role_scale_drives_prefill_through_its_scale_subresource(
+        kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    ns = op_namespace
+    kube.apply(deployment(), "-n", ns)
+    wait_ready(kube, ns, NAME, operator)
+    # Left out of the manifest (as a GitOps repo leaves what an HPA owns): filled in.
+    kube.apply(role_scale("rs-prefill", "prefill"), "-n", ns)
+    obj = wait_for("spec.replicas filled in", lambda: (
+        lambda o: o if (o.get("spec") or {}).get("replicas") == 1
+        and (o.get("status") or {}).get("applied") else None)(get(kube, ns, "rs-prefill")))
+    assert "filled in" in obj["status"]["message"] or "drives" in obj["status"]["message"]
+
+    kube("scale", "pddrolescale", "rs-prefill", "-n", ns, "--replicas=3")
+    wait_for("spec.prefill.replicas 3", lambda: pdd(kube, ns, NAME)["spec"]["prefill"][
+        "replicas"] == 3)
+    wait_ready(kube, ns, NAME, operator)
+    assert [p["metadata"]["name"] for p in pods_of(kube, ns, NAME, "prefill")] == [
+        f"{NAME}-prefill-{i}" for i in range(3)]
+    assert len(pods_of(kube, ns, NAME, "decode")) == 1, "decode left alone"
+    scale = wait_for("the scale subresource reads 3 pods and the role's selector", lambda: (
+        lambda s: s if s["status"].get("replicas") == 3 and s["status"].get("selector")
+        else None)(scale_of(kube, ns, "rs-prefill")))
+    assert scale["spec"]["replicas"] == 3
+    selected = kube.json("get", "pods", "-n", ns, "-l", scale["status"]["selector"])["items"]
+    assert sorted(p["metadata"]["name"] for p in selected) == [
+        f"{NAME}-prefill-{i}" for i in range(3)]
+    status = wait_for("status ready 3", lambda: (
+        lambda s: s if s.get("readyReplicas") == 3 and s.get("applied") else None)(
+        get(kube, ns, "rs-prefill").get("status") or {}))
+    assert status["message"] == f"drives spec.prefill.replicas of PDDeployment {NAME}: 3"
+
+    # A second object for the same role is not applied, and says which one is.
+    kube.apply(role_scale("rs-prefill-2", "prefill", 5), "-n", ns)
+    second = wait_for("the second one's status", lambda: (
+        get(kube, ns, "rs-prefill-2").get("status") or {}).get("message"))
+    assert "PDDRoleScale rs-prefill drives prefill of PDDeployment rs already" in second, second
+    assert get(kube, ns, "rs-prefill-2")["status"]["applied"] is False
+    assert pdd(kube, ns, NAME)["spec"]["prefill"]["replicas"] == 3
+
+    # Out of range: the API server refuses it, naming the field; nothing moves.
+    out = kube("scale", "pddrolescale", "rs-prefill", "-n", ns, "--replicas=0", check=False)
+    assert out.returncode != 0 and "spec.replicas" in out.stderr, out.stderr
+    # Immutable target.
+    moved = kube("patch", "pddrolescale", "rs-prefill", "-n", ns, "--type=merge", "-p",
+                 '{"spec":{"role":"decode"}}', check=False)
+    assert moved.returncode != 0 and "immutable" in moved.stderr, moved.stderr
+
+    # The first goes: the second takes over and applies its own replicas.
+    kube("delete", "pddrolescale", "rs-prefill", "-n", ns)
+    wait_for("the second one drives prefill: 5",
+             lambda: pdd(kube, ns, NAME)["spec"]["prefill"]["replicas"] == 5)
+    wait_for("5 prefill pods", lambda: len(pods_of(kube, ns, NAME, "prefill")) == 5)
+    kube("delete", "pddrolescale", "rs-prefill-2", "-n", ns)
+    kube("delete", "pddeployment", NAME, "-n", ns, "--timeout=50s")
+
+
+def test_a_role_scale_of_an_autoscaled_role_says_the_planner_drives_it(
+        kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    ns = op_namespace
+    kube.apply(deployment(prefill={"minReplicas": 1, "maxReplicas": 2,
+                                   "queuedPromptTokensPerReplica": 4096}), "-n", ns)
+    kube.apply(role_scale("auto-prefill", "prefill", 2), "-n", ns)
+    msg = wait_for("the status message", lambda: (
+        get(kube, ns, "auto-prefill").get("status") or {}).get("message"))
+    assert "spec.autoscaling.prefill of PDDeployment rs is enabled" in msg, msg
+    assert get(kube, ns, "auto-prefill")["status"]["applied"] is False
+    assert pdd(kube, ns, NAME)["spec"]["prefill"]["replicas"] == 1
+    # One for a deployment that does not exist says so.
+    kube.apply({**role_scale("orphan", "decode", 2), "spec": {
+        "deployment": "nope", "role": "decode", "replicas": 2}}, "-n", ns)
+    msg = wait_for("the orphan's message", lambda: (
+        get(kube, ns, "orphan").get("status") or {}).get("message"))
+    assert msg == "PDDeployment nope not found in this namespace", msg
+    kube("delete", "pddrolescale", "--all", "-n", ns)
+    kube("delete", "pddeployment", NAME, "-n", ns, "--timeout=50s")
