@@ -330,6 +330,7 @@ def main() -> int:
         kc = ["kubectl", "--kubeconfig", kubeconfig]
         subprocess.run([*kc, "apply", "--server-side", "--force-conflicts", "-f",
                         str(ROOT / "crds" / "serving.pdd.dev_pddeployments.yaml"), "-f",
+                        str(ROOT / "crds" / "serving.pdd.dev_pddrolescales.yaml"), "-f",
                         str(ROOT / "manifests" / "base" / "kopf-peering.yaml")],
                        check=True, capture_output=True)
         subprocess.run([*kc, "wait", "--for=condition=Established", "--timeout=60s",

@@ -40,6 +40,7 @@ import realnode  # noqa: E402
 CRD_FILE = Path(
     os.environ.get("PDD_CRD_FILE") or REPO_ROOT / "crds/serving.pdd.dev_pddeployments.yaml"
 )
+ROLE_SCALE_CRD_FILE = REPO_ROOT / "crds/serving.pdd.dev_pddrolescales.yaml"
 EXAMPLES = REPO_ROOT / "manifests" / "examples"
 VENV_PY = REPO_ROOT / ".venv" / "bin" / "python"
 PYTHON = str(VENV_PY) if VENV_PY.exists() else sys.executable
@@ -159,10 +160,11 @@ class Stack:
             real_node=True, gpus=NODE_GPUS, timeout=240,
         )  # fmt: skip
         self.say(f"control plane up ({time.monotonic() - t0:.0f}s): {self.cluster.server}")
-        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(self.crd_file))
+        for crd in (self.crd_file, ROLE_SCALE_CRD_FILE):
+            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
         self.kubectl(
             "wait", "--for=condition=Established", "--timeout=60s",
-            "crd/pddeployments.serving.pdd.dev",
+            "crd/pddeployments.serving.pdd.dev", "crd/pddrolescales.serving.pdd.dev",
         )  # fmt: skip
         self.say(f"CRD installed from {self.crd_file}")
         self._prepare_real_node()
