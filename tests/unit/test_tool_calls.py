@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tool_cases import BOS, EOS, TIME, V3_TEMPLATE, WEATHER, block, deepseek_dir
+from tool_cases import (
+    BOS,
+    EOS,
+    TIME,
+    TOOL_TEMPLATE,
+    V3_TEMPLATE,
+    WEATHER,
+    block,
+    deepseek_dir,
+)
 
 from pdd_sidecar.serve.completion_output import Output
 from pdd_sidecar.serve.openai_request import ApiError, parse_request
@@ -26,6 +35,7 @@ from pdd_sidecar.serve.tool_parser import (
     SEP,
     Markers,
     ToolCallParser,
+    template_call_format,
 )
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -149,6 +159,21 @@ def test_a_template_without_tools_refuses_them_but_renders_tool_turns(tmp_path: 
         f"{BOS}<｜User｜>Weather in Paris?<｜Assistant｜>{CALLS_BEGIN}{CALL_BEGIN}function{SEP}"
         f'get_weather\n```json\n{{"city": "Paris"}}\n```{CALL_END}<｜tool▁outputs▁begin｜>'
         '<｜tool▁output▁begin｜>{"temp_c": 21}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>')
+
+
+def test_a_template_that_writes_v3_1_calls_refuses_tools(tmp_path: Path) -> None:
+    """DeepSeek-V3.1 writes NAME<｜tool▁sep｜>ARGUMENTS: the parser would find no call and the
+    answer would carry the block as text, so such a template is a 400, never that 200."""
+    v31 = TOOL_TEMPLATE.replace(
+        "tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + "
+        "'\\n' + tool['function']['arguments'] + '\\n' + '```' + ",
+        "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + ")
+    assert v31.count("tool['function']['name'] + '<｜tool▁sep｜>'") == 2
+    assert template_call_format(v31) == "v3.1"
+    assert template_call_format(TOOL_TEMPLATE) == template_call_format(V3_TEMPLATE) == "v3"
+    assert template_call_format("{{ messages[0]['content'] }}") is None
+    err = _refused(load_model_text(str(deepseek_dir(tmp_path, v31))), tools=[WEATHER])
+    assert err.param == "tools" and "DeepSeek-V3.1's format" in err.message, err.message
 
 
 def test_models_without_the_format_refuse_tools() -> None:

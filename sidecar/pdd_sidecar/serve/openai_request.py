@@ -22,7 +22,7 @@ from pdd_sidecar.serve.openai_fields import refusal
 from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
 from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids, template_variables
 from pdd_sidecar.serve.tool_grammar import tool_call_grammar
-from pdd_sidecar.serve.tool_parser import Markers
+from pdd_sidecar.serve.tool_parser import Markers, template_call_format
 from pdd_sidecar.serve.tool_request import ToolRequestError, ToolSpec, check_tool_turns, tool_spec
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -319,6 +319,11 @@ def _tools(body: Mapping[str, Any], model: ModelText) -> ToolSpec | None:
         raise bad(f"tools: the tokenizer of {model.source} lacks DeepSeek's tool-call tokens "
                   "(<｜tool▁calls▁begin｜> ...), the only tool-call format this server parses",
                   "tools")
+    if template_call_format(codec.chat_template) == "v3.1":
+        raise bad(f"tools: the chat template of {model.source} writes tool calls in "
+                  "DeepSeek-V3.1's format (NAME<｜tool▁sep｜>ARGUMENTS, no type or fence), which "
+                  "this server does not parse: the calls would come back as text. Use a "
+                  "template that writes V2.5/V3's (docs/openai-api.md, Tool calling)", "tools")
     return spec
 
 

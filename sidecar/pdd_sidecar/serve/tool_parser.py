@@ -21,9 +21,10 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import lru_cache
+from typing import Any, Literal, Protocol
 
-from pdd_sidecar.serve.text import IncrementalDetokenizer
+from pdd_sidecar.serve.text import IncrementalDetokenizer, TemplateRenderError, render_chat
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
@@ -96,6 +97,30 @@ class Markers:
     def all(self) -> frozenset[int]:
         return frozenset((self.calls_begin, self.call_begin, self.sep, self.call_end,
                           self.calls_end))
+
+
+_PROBE_NAME = "probe_fn"
+_PROBE = ({"role": "user", "content": "q"},
+          {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call_0", "type": "function",
+               "function": {"name": _PROBE_NAME, "arguments": '{"a": 1}'}}]},
+          {"role": "tool", "tool_call_id": "call_0", "content": "r"})
+
+
+@lru_cache(maxsize=16)
+def template_call_format(chat_template: str) -> Literal["v3", "v3.1"] | None:
+    """How a chat template writes an assistant's tool call, which is how the model was taught
+    to write one: "v3" (type, separator, name, fenced JSON: what ToolCallParser reads), "v3.1"
+    (name, separator, bare arguments), or None when a probe conversation shows neither."""
+    try:
+        text = render_chat(chat_template, _PROBE, {}, add_generation_prompt=False)
+    except TemplateRenderError:
+        return None
+    if f"function{SEP}{_PROBE_NAME}\n```json" in text:
+        return "v3"
+    if f"{CALL_BEGIN}{_PROBE_NAME}{SEP}" in text:
+        return "v3.1"
+    return None
 
 
 def call_id() -> str:
