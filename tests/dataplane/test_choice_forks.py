@@ -164,3 +164,37 @@ def test_a_prefill_draws_each_choices_first_token_from_the_prompts_last_row() ->
     tokens = sample(logits[[i for i, _ in rows]], params, [0] * len(rows))
     assert tokens[0] == tokens[1]  # choice 0 of "b" draws as a lone request seeded 11
     assert len(set(tokens[1:])) > 3
+
+
+def test_ending_one_choice_leaves_the_others_running_before_and_after_the_fork() -> None:
+    """Scheduler.end_choice (the router found a stop string in one choice): after the fork the
+    choice finishes with "stop" and its own blocks go back; before it (still pulling) it is
+    noted and finishes as it forks. The request is done only when its last choice is."""
+    sched, cache = _decode()
+    free = cache.num_free
+    seq = _request(10, 6, 3)
+    sched.submit(seq)
+    done = _pulled(sched, seq)
+    members = {m.extra["choice"]: m for m in sched.running.values()}
+    assert sched.end_choice("r", 0) is seq  # the head: only itself, not the request
+    assert seq.finish_reason == "stop" and seq.id not in sched.running
+    assert sorted(m.extra["choice"] for m in sched.running.values()) == [1, 2]
+    assert sched.end_choice("r", 0) is None and sched.end_choice("r", 7) is None
+    assert sched.end_choice("r", 2) is members[2] and not done
+    sched._finish(members[1], "length")
+    assert done == [seq] and cache.num_free == free
+
+    early = _request(10, 6, 3, rid="early")
+    sched.submit(early)
+    plan = sched.plan()
+    assert plan.pulls == [early]
+    assert sched.end_choice("early", 1) is None  # still pulling: noted
+    early_done: list[Sequence] = []
+    early.on_done = early_done.append
+    sched.on_pulled("early", 0, None)
+    running = sorted(m.extra["choice"] for m in sched.running.values())
+    assert running == [0, 2]
+    assert sched.end_choice("nope", 0) is None
+    for m in list(sched.running.values()):
+        sched._finish(m, "length")
+    assert early_done == [early] and cache.num_free == free

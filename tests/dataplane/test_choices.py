@@ -28,7 +28,7 @@ PROMPTS = {name: [(7 * i + 3 * k) % 250 + 1 for i in range(length)]
            for k, (name, length) in enumerate([("greedy", 14), ("seeded", 11), ("shared", 100),
                                                ("list0", 9), ("list1", 13), ("list2", 6),
                                                ("sdk", 10), ("fresh", 100), ("layout", 70),
-                                               ("twin", 14)])}
+                                               ("twin", 14), ("stopend", 12)])}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,38 @@ def test_seeded_choices_are_reproducible_and_differ_by_index(stack: dict[str, st
     assert _ids(_complete(router, **body))[0] == first[0]
     other = _ids(_complete(router, **{**body, "seed": 99}, n=N))
     assert other != first
+
+
+def test_a_choice_a_stop_string_ended_stops_generating_while_the_others_run_on(
+        stack: dict[str, str]) -> None:
+    """Stop strings are the router's to find; it tells the decode, so the ended choice stops
+    generating tokens that would be thrown away, and the request ends with its last choice
+    rather than with the ended one's max_tokens."""
+    router, decode = stack["router"], stack["decode"]
+    body = {"prompt": PROMPTS["stopend"], "max_tokens": 48, "temperature": 1.0, "seed": 5,
+            "n": 2, "ignore_eos": True}
+    a, b = (c["text"] for c in _complete(router, **body)["choices"])
+    # Three characters early in choice 0, first seen there, and nowhere in choice 1.
+    stop = next((a[i:i + 3] for i in range(1, min(12, len(a) - 3))
+                 if a.find(a[i:i + 3]) == i and a[i:i + 3] not in b), None)
+    assert stop is not None, (a, b)
+    before = _metric(decode, "pdd_tokens_total", '{kind="generated"}')
+    out = _complete(router, **body, stop=[stop])
+    generated = _metric(decode, "pdd_tokens_total", '{kind="generated"}') - before
+    c0, c1 = out["choices"]
+    assert (c0["text"], c0["finish_reason"]) == (a[:a.index(stop)], "stop"), c0
+    assert (c1["text"], c1["finish_reason"]) == (b, "length"), c1
+    assert out["usage"]["completion_tokens"] == len(c0["token_ids"]) + 48
+    # Both choices to max_tokens would be 2 x 47 decode tokens; choice 0 ended within its
+    # first 15 characters, and the decode stopped it a step or two later.
+    assert generated < 2 * 47 - 20, generated
+    # The decode's call: bad fields named; an unknown request is no error (it may have ended).
+    for bad, field in [({"request_id": "", "choice": 0}, "request_id"),
+                       ({"request_id": "x", "choice": 16}, "choice"),
+                       ({"request_id": "x", "choice": "1"}, "choice")]:
+        status, err = http("POST", f"{decode}/v1/decode/end", bad)
+        assert status == 400 and error_text(err).startswith(f"{field}:"), (status, err)
+    assert http("POST", f"{decode}/v1/decode/end", {"request_id": "x", "choice": 1})[0] == 202
 
 
 def _used(decode: str) -> int:

@@ -238,6 +238,10 @@ class InstanceDriver:
     def cancel(self, seq_id: str) -> None:
         self._inbox.put(("cancel", seq_id, None))
 
+    def end_choice(self, seq_id: str, choice: int) -> None:
+        """One choice of a request of several ends, between two steps (Scheduler.end_choice)."""
+        self._inbox.put(("end_choice", (seq_id, choice), None))
+
     def release(self, request_id: str) -> Future[bool]:
         """A held request is released at once (its blocks go back at the driver's next turn);
         one still running is cancelled by the driver, between two steps."""
@@ -454,6 +458,9 @@ class InstanceDriver:
     def _handle(self, kind: str, payload: Any, fut: Future[Any] | None) -> None:
         if kind == "cancel":
             self.scheduler.cancel(payload)
+            return
+        if kind == "end_choice":
+            self.scheduler.end_choice(*payload)
             return
         if kind == "free":
             self.scheduler.fence.free(payload)

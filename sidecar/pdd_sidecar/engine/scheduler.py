@@ -91,6 +91,7 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 FORKS = "forks"
 FORK_BLOCKS = "fork_blocks"
 GROUP = "choice_group"  # seq.extra: the ChoiceGroup a forked sequence belongs to
+ENDED_CHOICES = "ended_choices"  # seq.extra (decode): choices ended before the fork (end_choice)
 CHOICES = "choices"  # seq.extra (prefill): how many first tokens to choose (n), when > 1
 FIRST_TOKENS = "first_tokens"  # seq.extra (prefill): the first token of each choice
 FIRST_FINISHES = "first_finishes"  # seq.extra (prefill): each choice's, "stop" if it ended
@@ -342,6 +343,22 @@ class Scheduler:
         elif seq.state is State.RUNNING:
             self._finish(seq, "cancelled")
         return seq
+
+    def end_choice(self, seq_id: str, choice: int) -> Sequence | None:
+        """End one choice of a request of several, the others running on: the router found a
+        stop string in its text (text is the router's to judge), so every token it would still
+        generate is thrown away. Before the fork, the choice is noted and ends as it forks."""
+        group = self._groups.get(seq_id)
+        if group is None:
+            seq = self.by_id.get(seq_id)
+            if seq is not None and seq.state is not State.FINISHED and "choice" in seq.extra:
+                seq.extra.setdefault(ENDED_CHOICES, set()).add(choice)
+            return None
+        for member in group.members:
+            if member.extra.get("choice") == choice and member.state is State.RUNNING:
+                self._finish(member, "stop")
+                return member
+        return None
 
     def first_step_full(self) -> bool:
         """The waiting prompts fill a step's budget or its running slots: an idle prefill
@@ -644,9 +661,12 @@ class Scheduler:
         elif seq.cancelled:
             self._finish(seq, "cancelled")
         else:
+            ended = seq.extra.pop(ENDED_CHOICES, ())
             for member in self._fork(seq):
                 if member.max_tokens == 0:
                     self._finish(member, "length")
+                elif member.extra.get("choice") in ended:
+                    self._finish(member, "stop")
                 else:
                     member.state = State.RUNNING
                     self.running[member.id] = member

@@ -21,7 +21,9 @@ forks into one per choice sharing the prompt's blocks (engine/scheduler.py); cho
 samples with `choice_seed(sampling.seed, index)`. The stream's token lines are then
 `{"choice": index, "token": id}` (with `logprobs`, each carries its choice's `"logprob"`),
 choices interleaved as their tokens come, and the final line lists each choice's `token_ids`,
-`finish_reason` (and `logprobs`) under `choices`.
+`finish_reason` (and `logprobs`) under `choices`. `POST /v1/decode/end {"request_id",
+"choice"}` ends one choice while the others run on (202; the router found a stop string in its
+text, so what it would still generate is thrown away): its final finish reason is "stop".
 """
 
 from __future__ import annotations
@@ -441,6 +443,24 @@ async def watch_prefill_peers(state: InstanceState, watch: PeerWatch) -> None:
             watch.session = None
 
 
+async def end_choice(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await read_json(request)
+        rid = body.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            raise bad(f"request_id: must be a non-empty string, got {rid!r}")
+        choice = int_field(body, "choice", None, 0)
+        if choice is None or choice >= MAX_CHOICES:
+            raise bad(f"choice: must be an integer from 0 to {MAX_CHOICES - 1}, got "
+                      f"{body.get('choice')!r}")
+        state.driver.end_choice(rid, choice)
+        return web.json_response({"request_id": rid, "choice": choice}, status=202)
+    except Exception as exc:
+        return error_response(exc)
+
+
 def add_routes(app: web.Application) -> None:
     app[PEERS] = PeerWatch(app[STATE])
     app.router.add_post("/v1/decode", decode)
+    app.router.add_post("/v1/decode/end", end_choice)
