@@ -151,53 +151,54 @@ def crd() -> dict[str, Any]:
         _ready_column("Ready", "Ready"),
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
+    return _definition(
+        KIND, PLURAL, {"shortNames": [SHORT_NAME], "categories": ["all"]},
+        # The scale subresource drives decode replicas (kubectl scale, HPA, KEDA): decode is
+        # what grows with concurrent sequences; prefill's is a PDDRoleScale's.
+        {"specReplicasPath": ".spec.decode.replicas",
+         "statusReplicasPath": ".status.decode.replicas",
+         "labelSelectorPath": ".status.decode.selector"},
+        columns,
+        "PDDeployment runs prefill/decode disaggregated inference of an MLA model with decode "
+        "context parallelism, handing KV from prefill to decode over NIXL.",
+        spec_schema(), status, {"x-kubernetes-validations": [name_rule(), name_lws_rule()]})
+
+
+def _definition(kind: str, plural: str, names: dict[str, Any], scale: dict[str, str],
+                columns: list[dict[str, Any]], description: str, spec: dict[str, Any],
+                status: dict[str, Any], root_extra: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """A namespaced CRD of one served version with status and scale subresources."""
+    root = {
+        "type": "object",
+        "description": description,
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+        "required": ["spec"],
+        **(root_extra or {}),
+    }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+        "metadata": {"name": f"{plural}.{API_GROUP}"},
         "spec": {
             "group": API_GROUP,
-            "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": KIND.lower(),
-                "shortNames": [SHORT_NAME],
-                "categories": ["all"],
-            },
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural,
+                      "singular": kind.lower(), **names},
             "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": API_VERSION,
-                    "served": True,
-                    "storage": True,
-                    # The scale subresource drives decode replicas (kubectl scale, HPA, KEDA):
-                    # decode is what grows with concurrent sequences; prefill scales by patch.
-                    "subresources": {"status": {}, "scale": {
-                        "specReplicasPath": ".spec.decode.replicas",
-                        "statusReplicasPath": ".status.decode.replicas",
-                        "labelSelectorPath": ".status.decode.selector",
-                    }},
-                    "additionalPrinterColumns": columns,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "PDDeployment runs prefill/decode disaggregated "
-                            "inference of an MLA model with decode context parallelism, "
-                            "handing KV from prefill to decode over NIXL.",
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": spec_schema(),
-                                "status": status,
-                            },
-                            "required": ["spec"],
-                            "x-kubernetes-validations": [name_rule(), name_lws_rule()],
-                        }
-                    },
-                }
-            ],
+            "versions": [{
+                "name": API_VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}, "scale": scale},
+                "additionalPrinterColumns": columns,
+                "schema": {"openAPIV3Schema": root},
+            }],
         },
     }
 
@@ -224,47 +225,15 @@ def role_scale_crd() -> dict[str, Any]:
         {"name": "Applied", "type": "boolean", "jsonPath": ".status.applied"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{ROLE_SCALE_PLURAL}.{API_GROUP}"},
-        "spec": {
-            "group": API_GROUP,
-            "names": {
-                "kind": ROLE_SCALE_KIND,
-                "listKind": f"{ROLE_SCALE_KIND}List",
-                "plural": ROLE_SCALE_PLURAL,
-                "singular": ROLE_SCALE_KIND.lower(),
-                "shortNames": [ROLE_SCALE_SHORT_NAME],
-            },
-            "scope": "Namespaced",
-            "versions": [{
-                "name": API_VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}, "scale": {
-                    "specReplicasPath": ".spec.replicas",
-                    "statusReplicasPath": ".status.replicas",
-                    "labelSelectorPath": ".status.selector",
-                }},
-                "additionalPrinterColumns": columns,
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "PDDRoleScale is one PDDeployment role's replicas behind a "
-                    "scale subresource of its own, for an HPA, KEDA or `kubectl scale` to drive "
-                    "prefill (PDDeployment's own scale subresource is decode's).",
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
-                        "spec": spec,
-                        "status": status,
-                    },
-                    "required": ["spec"],
-                }},
-            }],
-        },
-    }
+    return _definition(
+        ROLE_SCALE_KIND, ROLE_SCALE_PLURAL, {"shortNames": [ROLE_SCALE_SHORT_NAME]},
+        {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+         "labelSelectorPath": ".status.selector"},
+        columns,
+        "PDDRoleScale is one PDDeployment role's replicas behind a scale subresource of its "
+        "own, for an HPA, KEDA or `kubectl scale` to drive prefill (PDDeployment's own scale "
+        "subresource is decode's).",
+        spec, status)
 
 
 def crd_yaml() -> str:

@@ -47,6 +47,14 @@ def get(k: Kubectl, ns: str, name: str) -> dict[str, Any]:
     return k.json("get", "pddrolescale", name, "-n", ns)  # type: ignore[no-any-return]
 
 
+def not_applied(k: Kubectl, ns: str, name: str) -> str:
+    """The status message of a PDDRoleScale the operator did not apply, once written."""
+    status = wait_for(f"{name}'s status", lambda: (
+        lambda st: st if st.get("message") else None)(get(k, ns, name).get("status") or {}))
+    assert status["applied"] is False, status
+    return str(status["message"])
+
+
 def scale_of(k: Kubectl, ns: str, name: str) -> dict[str, Any]:
     raw = k("get", "--raw", f"/apis/serving.pdd.dev/v1alpha1/namespaces/{ns}/pddrolescales/"
             f"{name}/scale").stdout
@@ -86,10 +94,8 @@ def test_a_role_scale_drives_prefill_through_its_scale_subresource(
 
     # A second object for the same role is not applied, and says which one is.
     kube.apply(role_scale("rs-prefill-2", "prefill", 5), "-n", ns)
-    second = wait_for("the second one's status", lambda: (
-        get(kube, ns, "rs-prefill-2").get("status") or {}).get("message"))
+    second = not_applied(kube, ns, "rs-prefill-2")
     assert "PDDRoleScale rs-prefill drives prefill of PDDeployment rs already" in second, second
-    assert get(kube, ns, "rs-prefill-2")["status"]["applied"] is False
     assert pdd(kube, ns, NAME)["spec"]["prefill"]["replicas"] == 3
 
     # Out of range: the API server refuses it, naming the field; nothing moves.
@@ -115,16 +121,13 @@ def test_a_role_scale_of_an_autoscaled_role_says_the_planner_drives_it(
     kube.apply(deployment(prefill={"minReplicas": 1, "maxReplicas": 2,
                                    "queuedPromptTokensPerReplica": 4096}), "-n", ns)
     kube.apply(role_scale("auto-prefill", "prefill", 2), "-n", ns)
-    msg = wait_for("the status message", lambda: (
-        get(kube, ns, "auto-prefill").get("status") or {}).get("message"))
+    msg = not_applied(kube, ns, "auto-prefill")
     assert "spec.autoscaling.prefill of PDDeployment rs is enabled" in msg, msg
-    assert get(kube, ns, "auto-prefill")["status"]["applied"] is False
     assert pdd(kube, ns, NAME)["spec"]["prefill"]["replicas"] == 1
     # One for a deployment that does not exist says so.
     kube.apply({**role_scale("orphan", "decode", 2), "spec": {
         "deployment": "nope", "role": "decode", "replicas": 2}}, "-n", ns)
-    msg = wait_for("the orphan's message", lambda: (
-        get(kube, ns, "orphan").get("status") or {}).get("message"))
+    msg = not_applied(kube, ns, "orphan")
     assert msg == "PDDeployment nope not found in this namespace", msg
     kube("delete", "pddrolescale", "--all", "-n", ns)
     kube("delete", "pddeployment", NAME, "-n", ns, "--timeout=50s")
