@@ -239,12 +239,15 @@ async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
 
 async def periodic_loop(rec: Reconciler) -> None:
     """The periodic pass: re-list every owned object, then one pass per PDDeployment, so an
-    event missed by a watch costs at most one period. Skipped while peering pauses us."""
+    event missed by a watch costs at most one period, and the PDDRoleScales again (a write
+    that failed is retried). Skipped while peering pauses us."""
     while True:
         await asyncio.sleep(CONFIG.resync_seconds)
         try:
             if not rec.paused:
                 await rec.resync_all()
+                for scale in list(STATE.role_scales.values()):
+                    await sync_role_scale(rec, scale)
         except Exception as exc:  # noqa: BLE001 - the next period retries
             log.warning("periodic resync failed: %s", exc)
 
