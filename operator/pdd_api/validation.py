@@ -13,9 +13,17 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from pdd_api.models import API_GROUP, API_VERSION, KIND, ROLES, PDDeploymentSpec
+from pdd_api.models import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    ROLE_SCALE_KIND,
+    ROLES,
+    PDDeploymentSpec,
+    PDDRoleScaleSpec,
+)
 from pdd_api.names import MAX_NAME_LENGTH, MAX_NAME_LENGTH_LWS, NAME_PATTERN, lws_name_message
-from pdd_api.rules import check_rules, lookup
+from pdd_api.rules import MAX_REPLICAS, check_rules, lookup
 from pdd_api.structural import describe as _describe
 from pdd_api.structural import normalize
 
@@ -123,11 +131,38 @@ def validate_name(name: Any, spec: Any = None) -> list[str]:
     return []
 
 
+def validate_role_scale_spec(spec: Any) -> list[str]:
+    """Problems of a PDDRoleScale's spec, by the same schema its CRD carries (crd.py)."""
+    if not isinstance(spec, Mapping):
+        return [f"spec: must be an object, got {_describe(spec)}"]
+    problems: list[str] = []
+    try:
+        PDDRoleScaleSpec.model_validate(spec)
+    except ValidationError as exc:
+        problems += [_message(err, "spec") for err in exc.errors()]
+    name = spec.get("deployment")
+    if isinstance(name, str) and (not name or len(name) > MAX_NAME_LENGTH
+                                  or not _DNS_LABEL.match(name)):
+        problems.append(f"spec.deployment: must be a PDDeployment's name (a lowercase DNS "
+                        f"label of at most {MAX_NAME_LENGTH} characters), got {name!r}")
+    replicas = spec.get("replicas")
+    if isinstance(replicas, int) and not isinstance(replicas, bool) and not (
+            1 <= replicas <= MAX_REPLICAS):
+        problems.append(f"spec.replicas: must be between 1 and {MAX_REPLICAS}, got {replicas}")
+    return _dedupe(problems)
+
+
 def validate_document(doc: Any) -> list[str]:
-    """Problems of one PDDeployment object; empty when valid."""
+    """Problems of one PDDeployment (or PDDRoleScale) object; empty when valid."""
     if not isinstance(doc, Mapping):
         return [f"<document>: must be an object, got {_describe(doc)}"]
     problems: list[str] = []
+    if doc.get("kind") == ROLE_SCALE_KIND and doc.get("apiVersion") == API_VERSION_FULL:
+        meta = doc.get("metadata")
+        if not isinstance(meta, Mapping) or not meta.get("name"):
+            problems.append("metadata.name: required")
+        return problems + (validate_role_scale_spec(doc["spec"]) if "spec" in doc
+                           else ["spec: required"])
     if doc.get("apiVersion") != API_VERSION_FULL:
         problems.append(
             f"apiVersion: must be {API_VERSION_FULL}, got {_describe(doc.get('apiVersion'))}"

@@ -145,7 +145,8 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdd", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validate", help="check PDDeployment documents; exit 1 when invalid")
+    v = sub.add_parser("validate", help="check PDDeployment and PDDRoleScale documents; exit 1 "
+                       "when invalid")
     v.add_argument("-f", "--file", required=True, help="YAML file ('-' for stdin)")
     v.set_defaults(func=cmd_validate)
     p = sub.add_parser("plan", help="show which decode rank reads which prefill ranks")

@@ -120,3 +120,26 @@ def test_the_crd_exposes_the_scale_subresource_an_hpa_uses() -> None:
     assert spec["properties"]["role"]["enum"] == ["prefill", "decode"]
     assert spec["properties"]["replicas"]["minimum"] == 1
     assert "oldSelf" in spec["x-kubernetes-validations"][0]["rule"]
+
+
+def test_pdd_validate_checks_a_role_scale_as_its_crd_does() -> None:
+    from pdd_api.validation import validate_document
+
+    doc = {"apiVersion": "serving.pdd.dev/v1alpha1", "kind": "PDDRoleScale",
+           "metadata": {"name": "ds-prefill"}, "spec": {"deployment": "ds", "role": "prefill"}}
+    assert validate_document(doc) == []
+    assert validate_document({**doc, "spec": {**doc["spec"], "replicas": 4}}) == []
+    bad = {**doc, "spec": {"deployment": "Ds_1", "role": "both", "replicas": 0, "x": 1}}
+    assert validate_document(bad) == [
+        "spec.role: must be one of 'prefill' or 'decode', got 'both'",
+        "spec.x: unknown field",
+        "spec.deployment: must be a PDDeployment's name (a lowercase DNS label of at most 47 "
+        "characters), got 'Ds_1'",
+        "spec.replicas: must be between 1 and 64, got 0"]
+    assert validate_document({**doc, "spec": {"role": "decode"}}) == ["spec.deployment: required"]
+    assert validate_document({k: v for k, v in doc.items() if k != "spec"}) == ["spec: required"]
+    # The CRD says the same bounds.
+    spec = role_scale_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"]["properties"]
+    assert (spec["replicas"]["minimum"], spec["replicas"]["maximum"]) == (1, 64)
+    assert spec["deployment"]["maxLength"] == 47
