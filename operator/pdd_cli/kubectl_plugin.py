@@ -14,7 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from pdd_api import keys
-from pdd_api.models import API_GROUP, API_VERSION, DEFAULT_GPU_MEMORY_UTILIZATION
+from pdd_api.models import (
+    API_GROUP,
+    API_VERSION,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    ROLE_SCALE_KIND,
+    ROLE_SCALE_PLURAL,
+)
 from pdd_api.plan import RoutingPlan
 from pdd_api.quantity import plain_number
 from pdd_cli.diagram import chunk_label, render_diagram, sides_title
@@ -160,16 +166,31 @@ def desired_replicas(pdd: Obj, role: str) -> str:
     return str(auto.get("desiredReplicas", spec_n))
 
 
-def autoscaling_report(pdd: Obj) -> list[str]:
-    """Per role: who sets its replicas, current and desired, the bounds, and the planner's last
-    reason with the metric values behind it."""
-    if not (pdd.get("spec") or {}).get("autoscaling"):
+def applied_role_scale(pdd: Obj, role: str, role_scales: Sequence[Obj]) -> Obj | None:
+    """The PDDRoleScale the operator applies to one role of `pdd` (its status says so)."""
+    name = _meta(pdd).get("name")
+    return next((r for r in role_scales if (r.get("spec") or {}).get("deployment") == name
+                 and (r.get("spec") or {}).get("role") == role
+                 and (r.get("status") or {}).get("applied")), None)
+
+
+def autoscaling_report(pdd: Obj, role_scales: Sequence[Obj] = ()) -> list[str]:
+    """Per role: who sets its replicas (pdd's planner, a PDDRoleScale, or spec), current and
+    desired, the bounds, and the planner's last reason with the metric values behind it."""
+    driven = {role: applied_role_scale(pdd, role, role_scales) for role in ROLES}
+    if not (pdd.get("spec") or {}).get("autoscaling") and not any(driven.values()):
         return []
     st = pdd.get("status") or {}
     rows = [["ROLE", "SCALER", "CURRENT", "DESIRED", "MIN", "MAX", "REASON", "SINCE", "WHY"]]
     for role in ROLES:
         a = _autoscaled(pdd, role)
         current = str((st.get(role) or {}).get("replicas", 0))
+        scale = driven[role]
+        if a is None and scale is not None:
+            rows.append([role, f"{ROLE_SCALE_KIND}/{_meta(scale).get('name')}", current,
+                         desired_replicas(pdd, role), "-", "-", "-", "-",
+                         str((scale.get("status") or {}).get("message") or "-")])
+            continue
         if a is None:
             rows.append([role, "spec", current, desired_replicas(pdd, role), "-", "-", "-", "-",
                          f"spec.{role}.replicas (by hand, git, HPA/KEDA)"])
@@ -182,7 +203,8 @@ def autoscaling_report(pdd: Obj) -> list[str]:
     return ["", "AUTOSCALING", *_table(rows)]
 
 
-def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: int = 10) -> str:
+def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: int = 10,
+                  role_scales: Sequence[Obj] = ()) -> str:
     meta, spec, st = _meta(pdd), pdd.get("spec") or {}, pdd.get("status") or {}
     gen, seen = meta.get("generation"), st.get("observedGeneration")
     lines = [f"{meta.get('namespace')}/{meta.get('name')}  generation {gen}, observed {seen}"
@@ -198,7 +220,7 @@ def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: i
                      str(rst.get("replicas", 0)), str(rst.get("readyReplicas", 0)),
                      str(rst.get("updatedReplicas", 0)), *kv_memory(rs)])
     lines += _table(rows)
-    lines += autoscaling_report(pdd)
+    lines += autoscaling_report(pdd, role_scales)
     lines += ["", "PODS"]
     rows = [["NAME", "ROLE", "REPLICA", "PHASE", "READY", "IP", "NODE"]]
     for p in sorted(pods, key=lambda p: (role_of(p) or "", _replica(p), _meta(p).get("name"))):
@@ -272,6 +294,20 @@ class Cluster:
         items = self.core.list_namespaced_config_map(ns, label_selector=sel).items
         return [self._plain(c) for c in items]
 
+    def role_scales(self, ns: str) -> list[Any]:
+        """The namespace's PDDRoleScales; none where their CRD is not installed."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            out = self.custom.list_namespaced_custom_object(API_GROUP, API_VERSION, ns,
+                                                            ROLE_SCALE_PLURAL)
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return []
+            raise PluginError(f"cannot list pddrolescales in {ns}: {exc.status} "
+                              f"{exc.reason}") from None
+        return list(cast(dict[str, Any], out).get("items") or [])
+
     def events(self, ns: str, names: Sequence[str]) -> list[Any]:
         wanted = set(names)
         items = self.core.list_namespaced_event(ns).items
@@ -295,7 +331,8 @@ def cmd_status(args: argparse.Namespace, k: Cluster) -> int:
     pdd = k.pdd(ns, args.name)
     pods = k.pods(ns, args.name)
     names = [args.name, *(str(_meta(p).get("name")) for p in pods)]
-    print(status_report(pdd, pods, k.events(ns, names), limit=args.events))
+    print(status_report(pdd, pods, k.events(ns, names), limit=args.events,
+                        role_scales=k.role_scales(ns)))
     return EXIT_OK
 
 

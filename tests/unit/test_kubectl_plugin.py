@@ -143,6 +143,21 @@ def test_status_report_shows_the_planners_replicas_and_why() -> None:
     assert prefill.split()[1] == "spec" and "HPA/KEDA" in prefill
     del doc["spec"]["autoscaling"]
     assert "AUTOSCALING" not in kp.status_report(doc, [], [])
+    # A PDDRoleScale the operator applies names itself as the role's scaler; one it does not
+    # apply (status.applied false) is not the scaler.
+    name = doc["metadata"]["name"]
+    scales = [{"metadata": {"name": "hpa-prefill"},
+               "spec": {"deployment": name, "role": "prefill", "replicas": 2},
+               "status": {"applied": True, "message": f"drives spec.prefill.replicas of "
+                          f"PDDeployment {name}: 2"}},
+              {"metadata": {"name": "second"}, "spec": {"deployment": name, "role": "decode"},
+               "status": {"applied": False, "message": "not applied"}}]
+    auto = kp.status_report(doc, [], [], role_scales=scales).split("AUTOSCALING", 1)[1]
+    prefill = next(ln for ln in auto.splitlines() if ln.split()[:1] == ["prefill"])
+    assert prefill.split()[1] == "PDDRoleScale/hpa-prefill" and "drives spec.prefill" in prefill
+    decode = next(ln for ln in auto.splitlines() if ln.split()[:1] == ["decode"])
+    assert decode.split()[1] == "spec"
+    assert "AUTOSCALING" not in kp.status_report(doc, [], [], role_scales=scales[1:])
 
 
 @pytest.mark.parametrize(("role_spec", "shown"), [
