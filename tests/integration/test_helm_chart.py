@@ -181,7 +181,10 @@ def test_namespaced_mode_uses_roles_in_the_watched_namespaces(helm: Path) -> Non
 
 
 def test_cluster_mode_install_dry_run_on_the_server(helm: Path, kube: Kubectl) -> None:
-    proc = run_helm(helm, "install", "pdd", str(CHART), "-n", "pdd-system", "--dry-run=server",
+    # A namespace of its own: the kustomize test's pdd-system may still be terminating, and a
+    # namespace Helm did not create cannot be taken into the release.
+    ns = f"pdd-dry-{os.getpid()}"
+    proc = run_helm(helm, "install", "pdd", str(CHART), "-n", ns, "--dry-run=server",
                     "--set", "createNamespace=true", kubeconfig=str(kube.cluster.kubeconfig))
     assert "STATUS: pending-install" in proc.stdout
     assert by_key(yaml.safe_load_all(proc.stdout.split("MANIFEST:", 1)[1].split("NOTES:")[0]))
