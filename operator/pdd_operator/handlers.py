@@ -186,9 +186,14 @@ async def pddeployment_event(event: kopf.RawEvent, **_: Any) -> None:
     ns, name = rec.observe_pdd(obj, deleted=deleted)
     if not deleted:
         rec.kick(ns, name)
-    for scale in [s for (n, _), s in STATE.role_scales.items()
-                  if n == ns and (s.get("spec") or {}).get("deployment") == name]:
+    for scale in role_scales_in(ns, name):
         await sync_role_scale(rec, scale)
+
+
+def role_scales_in(ns: str, deployment: str | None = None) -> list[dict[str, Any]]:
+    """The PDDRoleScales seen in a namespace, those naming `deployment` where given."""
+    return [s for (n, _), s in STATE.role_scales.items() if n == ns and (
+        deployment is None or (s.get("spec") or {}).get("deployment") == deployment)]
 
 
 @kopf.on.event(API_GROUP, API_VERSION, ROLE_SCALE_PLURAL)
@@ -200,9 +205,7 @@ async def role_scale_event(event: kopf.RawEvent, **_: Any) -> None:
     if event["type"] == "DELETED":
         STATE.role_scales.pop(key, None)
         # The next PDDRoleScale of that role, if any, takes over.
-        name = (obj.get("spec") or {}).get("deployment")
-        for scale in [s for (n, _), s in STATE.role_scales.items()
-                      if n == key[0] and (s.get("spec") or {}).get("deployment") == name]:
+        for scale in role_scales_in(key[0], (obj.get("spec") or {}).get("deployment", "")):
             await sync_role_scale(rec, scale)
         return
     STATE.role_scales[key] = obj
@@ -215,8 +218,7 @@ async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
     ns, own = scale["metadata"]["namespace"], scale["metadata"]["name"]
     spec = scale.get("spec") or {}
     name, role = spec.get("deployment", ""), spec.get("role", "")
-    peers = [s for (n, _), s in STATE.role_scales.items() if n == ns]
-    result = role_scale.sync(scale, rec.pdds.get((ns, name)), peers)
+    result = role_scale.sync(scale, rec.pdds.get((ns, name)), role_scales_in(ns))
     status = result.status
     try:
         if result.fill_replicas is not None:
@@ -228,9 +230,8 @@ async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
             except ApiError as exc:
                 if exc.status >= 500:
                     raise
-                reason = (exc.body or {}).get("message") if isinstance(exc.body, dict) else None
                 status = role_scale.refused(result, name, role, spec.get("replicas"),
-                                            str(reason or exc))
+                                            exc.message)
         if role_scale.status_changed(scale, status):
             await rec.kube.patch_status(ROLE_SCALE_KIND, ns, own, status)
     except ApiError as exc:

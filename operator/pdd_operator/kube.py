@@ -100,6 +100,13 @@ class ApiError(Exception):
         super().__init__(f"HTTP {status}{where}: {message}")
 
     @property
+    def message(self) -> str:
+        """The API server's own words (a webhook's or CEL's refusal), else the whole error."""
+        if isinstance(self.body, dict) and self.body.get("message"):
+            return str(self.body["message"])
+        return str(self)
+
+    @property
     def reason(self) -> str:
         """The API's machine-readable reason (Forbidden, Invalid, AlreadyExists, ...)."""
         return str(self.body.get("reason") or "") if isinstance(self.body, dict) else ""

@@ -114,13 +114,6 @@ def _full_ref(kind: str, namespace: str, name: str) -> str:
     return f"{kind} {namespace}/{name}"
 
 
-def _api_message(exc: ApiError) -> str:
-    body = exc.body
-    if isinstance(body, dict) and body.get("message"):
-        return str(body["message"])
-    return str(exc)
-
-
 def _metadata(obj: Obj) -> Obj:
     """What the store keeps of a Secret: never its data."""
     return {k: obj[k] for k in ("apiVersion", "kind", "metadata") if k in obj}
@@ -432,7 +425,7 @@ class Reconciler:
         except ApiError as exc:
             if exc.status not in (401, 403):
                 raise
-            return None, f"free GPUs unknown: {_api_message(exc)}"
+            return None, f"free GPUs unknown: {exc.message}"
         fits = surge_fits(wanted, nodes, pods, GPU_RESOURCE)
         return fits, "" if fits else "no room for a surge pod per role in free GPUs"
 
@@ -527,7 +520,7 @@ class Reconciler:
         try:
             await action
         except ApiError as exc:
-            outcome.errors.append(ObjectError(ref, exc.status, _api_message(exc)))
+            outcome.errors.append(ObjectError(ref, exc.status, exc.message))
 
     def _foreign(self, obj: Obj, owner: Owner) -> bool:
         return foreign(obj, owner.uid, owner.name, KIND)

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd_api.autoscale import role_autoscaling
-from pdd_api.models import KIND, ROLE_SCALE_KIND
+from pdd_api.models import KIND, ROLE_SCALE_KIND, PDDRoleScaleStatus
 from pdd_api.validation import InvalidSpecError, parse_spec
 
 Obj = dict[str, Any]
-STATUS_KEYS = ("replicas", "readyReplicas", "selector", "applied", "message",
-               "observedGeneration")
+STATUS_KEYS = tuple(PDDRoleScaleStatus.model_fields)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ class Unreachable(ApiError):
 async def post_json(session: aiohttp.ClientSession, role: str, url: str, path: str,
                     body: dict[str, Any], timeout_s: float | None,
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """POST a JSON body, answer the JSON object the replica returned with 200."""
+    """POST a JSON body, answer the JSON object the replica returned with a 2xx (202: taken,
+    done between two steps)."""
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         async with session.post(f"{url}{path}", json=body, headers=headers,
@@ -52,10 +53,11 @@ async def post_json(session: aiohttp.ClientSession, role: str, url: str, path: s
                 data = await resp.json(content_type=None)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 data = None
-            if resp.status != 200:
+            if not 200 <= resp.status < 300:
                 raise upstream_error(role, url, resp.status, data, resp.headers)
             if not isinstance(data, dict):
-                raise ApiError(502, f"{role} {url}{path}: answered 200 without a JSON object")
+                raise ApiError(502, f"{role} {url}{path}: answered {resp.status} without a JSON "
+                               "object")
             return data
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise ApiError(502, f"{role} {url}{path}: {type(exc).__name__}: {exc}") from None

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,30 +384,25 @@ class Router:
             log.info("release of %s on %s failed (the lease will free it): %s", rid,
                      prefill_url, exc)
 
-    def end_choice_soon(self, decode_url: str, rid: str, choice: int) -> None:
+    async def end_choice(self, decode_url: str, rid: str, choice: int) -> None:
         """Tell the decode that one choice of several is over (this side's stop string): it
         stops generating what would be thrown away, and the request ends with its last choice
-        instead of at this one's max_tokens. Best effort, on its own task: a decode that does
-        not know the call (an older one) or does not answer only costs those tokens."""
-        async def end() -> None:
-            assert self.session is not None
-            try:
-                async with self.session.post(
-                        f"{decode_url}/v1/decode/end", json={"request_id": rid, "choice": choice},
-                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    await resp.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                log.debug("ending choice %d of %s on %s: %r", choice, rid, decode_url, exc)
+        instead of at this one's max_tokens. Best effort: a decode that does not know the call
+        (an older one) or does not answer only costs those tokens."""
+        try:
+            await self._post("decode", decode_url, "/v1/decode/end",
+                             {"request_id": rid, "choice": choice})
+        except ApiError as exc:
+            log.debug("ending choice %d of %s on %s: %s", choice, rid, decode_url, exc)
 
-        task = asyncio.get_running_loop().create_task(end())
+    def soon(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run on its own task: the caller may be a handler being cancelled."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     def release_soon(self, prefill_url: str, rid: str, grant: Any = None) -> None:
-        """Release on its own task: the caller may be a handler being cancelled."""
-        task = asyncio.get_running_loop().create_task(self.release(prefill_url, rid, grant))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.soon(self.release(prefill_url, rid, grant))
 
     async def _open_decode(self, rid: str, choices: list[tuple[int, int]], pre: dict[str, Any],
                            req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
@@ -789,13 +784,13 @@ class Router:
         start = time.monotonic()
         first_at: float | None = None
         count = 0
-        ended: set[int] = set()  # choices this side ended (n > 1: told to the decode)
         try:
             done = False
             async for choice, batch in upstream:
                 out = outs[choice]
                 steps: list[Step] = []
                 before = count
+                cut = False  # this side ended the choice with this batch
                 for token in batch:
                     if out.finish is not None:
                         done = True  # the instance goes on past this side's stop (pre-v2 do)
@@ -803,14 +798,13 @@ class Router:
                     count += 1
                     steps.append(([token], out.add(token), out.finish))
                     if out.stopped_by_string:
-                        done = True
+                        done = cut = True
                         break
                 # Another choice still running keeps the stream open (n > 1); the decode
                 # stops generating the one this side ended.
                 done = done and all(o.finish is not None for o in outs)
-                if out.stopped_by_string and choice not in ended and not done and trip.decode:
-                    ended.add(choice)
-                    self.end_choice_soon(str(trip.decode), rid, choice)
+                if cut and not done and trip.decode:
+                    self.soon(self.end_choice(str(trip.decode), rid, choice))
                 # Stamped as they are handed over: the event that ends a stream carries the
                 # timing, its own tokens' stamps included.
                 now = time.monotonic()
