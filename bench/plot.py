@@ -5,6 +5,7 @@
     python bench/plot.py serve_path docs/serve_path_cpu.json docs/serve_path_cpu.png
     python bench/plot.py prefix_cache docs/prefix_cache_h200.json docs/prefix_cache_h200.png
     python bench/plot.py autoscale docs/autoscale_sim.json docs/autoscale_sim.png
+    python bench/plot.py kv_tiers docs/kv_tiers_h200_b_c.json docs/kv_tiers_h200_b_c.png
 
 Inputs are what `bench/serving.py --json`, `bench/engine.py --json`,
 `bench/serve_path.py --json` and `bench/prefix_cache.py --json` write. Tables show exact
@@ -226,6 +227,47 @@ def plot_autoscale(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def kv_tiers_bars(data: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per metric (out tokens/s, TTFT p50 in ms), per load in run order, per stack: the value
+    (a load one stack did not run is absent from that stack)."""
+    out: dict[str, dict[str, dict[str, float]]] = {"output tokens/s": {}, "TTFT p50 (ms)": {}}
+    for ld in data["loads"]:
+        out["output tokens/s"].setdefault(ld["load"], {})[ld["stack"]] = float(ld["tok_s"])
+        out["TTFT p50 (ms)"].setdefault(ld["load"], {})[ld["stack"]] = float(ld["ttft_p50_ms"])
+    return out
+
+
+def plot_kv_tiers(data: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = data.get("config", {})
+    bars = kv_tiers_bars(data)
+    stacks = list(dict.fromkeys(ld["stack"] for ld in data["loads"]))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / len(stacks)
+    for ax, (metric, loads) in zip(axes, bars.items(), strict=True):
+        labels = list(loads)
+        for i, stack in enumerate(stacks):
+            xs = [j + (i - (len(stacks) - 1) / 2) * width for j, ld in enumerate(labels)
+                  if stack in loads[ld]]
+            ax.bar(xs, [loads[ld][stack] for ld in labels if stack in loads[ld]], width=width,
+                   label=stack)
+        ax.set_yscale("log")
+        ax.set_title(metric + " (log scale)")
+        ax.set_xticks(range(len(labels)), labels, rotation=25, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"bench/kv_tiers.py parts {cfg.get('parts', '?')}: P tp1 + D tp1 on one GPU, "
+                 f"{Path(str(cfg.get('model', '?'))).name} on {cfg.get('device', '?')} "
+                 f"{cfg.get('dtype', '')}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def plot_serving(data: dict[str, Any], out: Path) -> None:
     cfg = data.get("config", {})
     title = (f"bench/serving.py: P tp{cfg.get('prefill_tp', '?')}/dcp{cfg.get('prefill_dcp', '?')}"
@@ -254,14 +296,14 @@ def plot_engine(data: dict[str, Any], out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=["serving", "engine", "serve_path", "prefix_cache",
-                                     "autoscale"])
+                                     "autoscale", "kv_tiers"])
     ap.add_argument("json", type=Path)
     ap.add_argument("png", type=Path)
     args = ap.parse_args(argv)
     data = json.loads(args.json.read_text())
     {"serving": plot_serving, "engine": plot_engine,
      "serve_path": plot_serve_path, "prefix_cache": plot_prefix_cache,
-     "autoscale": plot_autoscale}[args.kind](data, args.png)
+     "autoscale": plot_autoscale, "kv_tiers": plot_kv_tiers}[args.kind](data, args.png)
     print(f"wrote {args.png}")
     return 0
 

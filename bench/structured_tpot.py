@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ class Case:
     errors: int = 0
     tokens: int = 0
     stopped_early: int = 0  # constrained answers the grammar completed before max_tokens
+    off_grammar: int = 0  # constrained answers with a token the schema's grammar rejects
     tpot_ms: float = float("nan")  # median over requests
     tpot_constrained_ms: float = float("nan")
     tpot_plain_ms: float = float("nan")
@@ -135,9 +137,10 @@ def synthetic_tokenizer(vocab: int, seed: int = 0) -> dict[str, Any]:
             tokens.append(text)
     specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
     vocab_map = {t: i for i, t in enumerate(tokens)}
-    added = [{"id": len(tokens) + i, "content": s, "single_word": False, "lstrip": False,
-              "rstrip": False, "normalized": False, "special": True}
-             for i, s in enumerate(specials)]
+    added: list[dict[str, Any]] = [
+        {"id": len(tokens) + i, "content": s, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+        for i, s in enumerate(specials)]
     for a in added:
         vocab_map[a["content"]] = a["id"]
     return {
@@ -214,8 +217,10 @@ async def mask_counts(session: aiohttp.ClientSession, url: str) -> tuple[float, 
 
 async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times: Times,
                     args: argparse.Namespace, prompts: list[list[int]], share: float,
-                    extra_all: dict[str, Any], salt: int, decode_url: str = "") -> None:
-    """One burst of ``args.streams`` requests, ``share`` of them under the schema."""
+                    extra_all: dict[str, Any], salt: int, decode_url: str = "",
+                    on_grammar: Callable[[list[int]], bool] | None = None) -> None:
+    """One burst of ``args.streams`` requests, ``share`` of them under the schema; each
+    constrained answer is checked with ``on_grammar`` (its tokens, the schema's language)."""
     n = args.streams
     every = max(1, round(1 / share)) if share > 0 else 0
     constrained = {i for i in range(n) if every and i % every == 0}
@@ -250,6 +255,8 @@ async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times:
         case.tokens += len(arrived)
         if i in constrained and g.finish_reason == "stop":
             case.stopped_early += 1
+        if i in constrained and on_grammar is not None and not on_grammar(g.tokens):
+            case.off_grammar += 1
         t = tpot(arrived)
         if t is None:
             continue
@@ -295,6 +302,8 @@ def show(c: Case, base: Case | None) -> None:
         split = (f" (constrained {c.tpot_constrained_ms:.2f} ms, others "
                  f"{c.tpot_plain_ms:.2f} ms)")
     err = f"; {c.errors} failed: {c.first_error[:160]}" if c.errors else ""
+    if c.constrained:
+        err += f"; {c.off_grammar} constrained answers off the schema's grammar"
     early = f"; {c.stopped_early} grammar-complete before max_tokens" if c.stopped_early else ""
     if c.mask_steps:
         early += (f"; decode mask fill {c.mask_ms:.3f} ms a step (host, {c.mask_steps} "
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         found = check_config(cfg)
         if found:
             raise SystemExit("structured_tpot: " + "; ".join(found))
-        cases = asyncio.run(_serve(cfg, args, prompts))
+        cases = asyncio.run(_serve(cfg, args, prompts, grammar_check(model)))
     base_case = cases[0]
     print("results:")
     for c in cases:
@@ -361,10 +370,28 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "config": vars(args), "schema": SCHEMA, "cases": [asdict(c) for c in cases],
             "summary": summary}, indent=2, default=str) + "\n")
-    return 1 if any(c.errors for c in cases) else 0
+    return 1 if any(c.errors or c.off_grammar for c in cases) else 0
 
 
-async def _serve(cfg: Any, args: argparse.Namespace, prompts: list[list[int]]) -> list[Case]:
+def grammar_check(model: str) -> Callable[[list[int]], bool]:
+    """Whether an answer's tokens are all accepted by the schema's grammar, on the tokenizer
+    the instances use: what the mask did on the device, checked on the host apart from it."""
+    from pdd_sidecar.engine.grammar_mask import build_tokenizer
+    from pdd_sidecar.grammar import GrammarCache, parse_spec
+
+    vocab = load_config(model).vocab_size
+    spec = parse_spec({"kind": "json_schema", "value": SCHEMA})
+    assert spec is not None
+    compiled = GrammarCache(build_tokenizer(model, vocab, frozenset())).get(spec)
+
+    def on_grammar(tokens: list[int]) -> bool:
+        m = compiled.matcher()
+        return all(m.consume_token(t) for t in tokens)
+    return on_grammar
+
+
+async def _serve(cfg: Any, args: argparse.Namespace, prompts: list[list[int]],
+                 on_grammar: Callable[[list[int]], bool]) -> list[Case]:
     log_dir = Path(args.log_dir) if args.log_dir else None
     stack = LocalStack(cfg, log_dir)
     cases: list[Case] = []
@@ -396,7 +423,7 @@ async def _serve(cfg: Any, args: argparse.Namespace, prompts: list[list[int]]) -
             for r in range(args.rounds):
                 for c, share, extra in plan:
                     await run_round(session, url, c, times[id(c)], args, prompts, share, extra,
-                                    r + 1, stack.decode_url)
+                                    r + 1, stack.decode_url, on_grammar)
                 print(f"round {r + 1}: " + "; ".join(
                     f"{c.name} {c.per_round_ms[-1]:.2f} ms" for c, _, _ in plan
                     if c.per_round_ms), flush=True)

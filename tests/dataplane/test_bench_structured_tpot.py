@@ -28,6 +28,7 @@ def test_quick_run_of_every_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         c = cases[name]
         assert c["errors"] == 0 and c["requests"] == streams * rounds, c
         assert c["constrained"] == constrained
+        assert c["off_grammar"] == 0  # every constrained answer checked against the grammar
         assert len(c["per_round_ms"]) == rounds and math.isfinite(c["tpot_ms"])
         assert 0 < c["tokens"] <= streams * rounds * res["config"]["out_tokens"]
     assert cases["0% under a JSON schema"]["mask_steps"] == 0  # nothing filled without a grammar
@@ -39,6 +40,16 @@ def test_quick_run_of_every_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert lp["skipped"].startswith("the server refuses logprobs") or (
         lp["errors"] == 0 and math.isfinite(lp["tpot_ms"]))
     assert set(res["summary"]) == set(cases) - {"0% under a JSON schema"}
+
+
+def test_the_grammar_check_rejects_an_answer_off_the_schema(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench("structured_tpot.py", monkeypatch)
+    on_grammar = mod.grammar_check("builtin")  # byte tokens: a token is its byte
+    assert on_grammar(list(b'{"title":"a","status":"open","count":1,"items":[]}'))
+    assert on_grammar(list(b'{"title":"ab'))  # a prefix of the language: cut by max_tokens
+    assert not on_grammar(list(b'{"name":'))
+    assert not on_grammar(list(b'{"title":"a","status":"shut"'))
 
 
 def test_a_checkpoint_without_a_tokenizer_gets_one_of_its_vocabulary(

@@ -174,6 +174,34 @@ def test_autoscale_sim_json_holds_its_table_and_plot() -> None:
         assert row[6].strip() == f"{100 * r['gpu_hours_vs_static']:.1f} %"
 
 
+def test_kv_tiers_json_holds_its_table_and_plot() -> None:
+    """docs/kv-memory.md's H200 table and the plots' bars are the two JSON files' loads."""
+    plot = plot_module()
+    text = (DOCS / "kv-memory.md").read_text()
+    rows = {f[2].strip(): f for ln in text.splitlines()
+            if ln.startswith("| (") and len(f := ln.split("|")) == 8}
+    a_d, b_c = load("kv_tiers_h200_a_d.json"), load("kv_tiers_h200_b_c.json")
+    for data in (a_d, b_c):
+        bars = plot.kv_tiers_bars(data)
+        for ld in data["loads"]:
+            assert bars["TTFT p50 (ms)"][ld["load"]][ld["stack"]] == ld["ttft_p50_ms"]
+            assert bars["output tokens/s"][ld["load"]][ld["stack"]] == ld["tok_s"]
+    loads = {(ld["stack"], ld["load"]): ld for ld in a_d["loads"] + b_c["loads"]}
+    for load_name in ("burst 64x(1024,128)", "burst 256x(1024,128)",
+                      "closed loop 256, 64 in flight"):
+        shown = load_name.removeprefix("burst ").replace("x(1024,", " x (1k, ")
+        row = rows[shown]
+        d, e = loads[("defaults", load_name)], loads[("explicit1", load_name)]
+        assert f"{d['tok_s']:,.0f} tok/s" in row[3] and f"{e['tok_s']:,.0f} tok/s" in row[4]
+    revisit_off = loads[("small pool", "32 revisits")]["ttft_p50_ms"]
+    revisit_on = loads[("small pool + host tier", "32 revisits")]["ttft_p50_ms"]
+    (b_row,) = [f for k, f in rows.items() if k.startswith("32 revisits")]
+    assert f"{revisit_off / revisit_on:.2f}x lower" in b_row[5]
+    off = loads[("small pool", "no reuse")]["tok_s"]
+    on = loads[("small pool + host tier", "no reuse")]["tok_s"]
+    assert rows["no reuse, closed loop in the small pool"][5].strip() == f"{on / off:.3f}"
+
+
 @pytest.mark.parametrize(("png", "doc"), [("serving_cpu.png", "serving.md"),
                                           ("serve_path_cpu.png", "serving.md"),
                                           ("serve_path_h200.png", "serving.md"),
@@ -181,7 +209,9 @@ def test_autoscale_sim_json_holds_its_table_and_plot() -> None:
                                           ("serving_h200.png", "serving.md"),
                                           ("serving_h200_graphs.png", "serving.md"),
                                           ("gpu_engine_h200.png", "gpu.md"),
-                                          ("autoscale_sim.png", "autoscaling.md")])
+                                          ("autoscale_sim.png", "autoscaling.md"),
+                                          ("kv_tiers_h200_a_d.png", "kv-memory.md"),
+                                          ("kv_tiers_h200_b_c.png", "kv-memory.md")])
 def test_plots_are_committed_and_shown_next_to_their_tables(png: str, doc: str) -> None:
     assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"]({png})" in (DOCS / doc).read_text()
