@@ -26,6 +26,23 @@ from typing import Any
 Series = dict[str, list[tuple[float, float]]]
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot on a backend that needs no display (imported here: only drawing
+    needs it, not the series the tests read)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt: Any, fig: Any, out: Path) -> None:
+    # No Software/date metadata: the same JSON gives the same file.
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def serving_series(data: dict[str, Any]) -> dict[str, Series]:
     """Per metric, per decode layout: (concurrency, value) points in concurrency order."""
     out: dict[str, Series] = {}
@@ -87,10 +104,7 @@ def serve_path_series(data: dict[str, Any]) -> tuple[list[str], dict[str, list[f
 
 
 def plot_serve_path(data: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     cfg = data.get("config", {})
     labels, stages, ttft = serve_path_series(data)
@@ -115,8 +129,7 @@ def plot_serve_path(data: dict[str, Any], out: Path) -> None:
     fig.suptitle(f"bench/serve_path.py: P tp1 -> D tp1, {Path(str(cfg.get('model', '?'))).name}"
                  f" on {cfg.get('device', '?')} {cfg.get('dtype', '')}")
     fig.tight_layout()
-    fig.savefig(out, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    _save(plt, fig, out)
 
 
 def prefix_cache_series(data: dict[str, Any]) -> dict[str, Series]:
@@ -144,10 +157,7 @@ def plot_prefix_cache(data: dict[str, Any], out: Path) -> None:
 
 def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: Path,
           hlines: dict[str, tuple[float, str]] | None = None, log_x: bool = True) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     n = len(panels)
     cols = 2 if n > 2 else n
@@ -176,9 +186,7 @@ def _draw(panels: dict[str, Series], title: str, xlabels: dict[str, str], out: P
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
-    # No Software/date metadata: the same JSON gives the same file.
-    fig.savefig(out, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    _save(plt, fig, out)
 
 
 def autoscale_series(data: dict[str, Any]) -> dict[str, Series]:
@@ -193,10 +201,7 @@ def autoscale_series(data: dict[str, Any]) -> dict[str, Series]:
 
 
 def plot_autoscale(data: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     series = autoscale_series(data)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -223,8 +228,7 @@ def plot_autoscale(data: dict[str, Any], out: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    _save(plt, fig, out)
 
 
 def kv_tiers_bars(data: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
@@ -238,10 +242,7 @@ def kv_tiers_bars(data: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]
 
 
 def plot_kv_tiers(data: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     cfg = data.get("config", {})
     bars = kv_tiers_bars(data)
@@ -264,8 +265,7 @@ def plot_kv_tiers(data: dict[str, Any], out: Path) -> None:
                  f"{Path(str(cfg.get('model', '?'))).name} on {cfg.get('device', '?')} "
                  f"{cfg.get('dtype', '')}")
     fig.tight_layout()
-    fig.savefig(out, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    _save(plt, fig, out)
 
 
 def plot_serving(data: dict[str, Any], out: Path) -> None:

@@ -30,7 +30,7 @@ from pdd_api.names import (
     NAME_PATTERN,
     lws_name_message,
 )
-from pdd_api.rules import MAX_REPLICAS, RULES
+from pdd_api.rules import ROLE_SCALE_REPLICAS, RULES
 
 _SCALARS = {int: "integer", str: "string", bool: "boolean", float: "number"}
 
@@ -208,7 +208,8 @@ def role_scale_crd() -> dict[str, Any]:
     spec["description"] = "Which PDDeployment role this object scales, and to how many."
     spec["properties"]["deployment"].update(
         {"minLength": 1, "maxLength": MAX_NAME_LENGTH, "pattern": NAME_PATTERN})
-    spec["properties"]["replicas"].update({"minimum": 1, "maximum": MAX_REPLICAS})
+    spec["properties"]["replicas"].update(
+        {"minimum": ROLE_SCALE_REPLICAS.lo, "maximum": ROLE_SCALE_REPLICAS.hi})
     spec["x-kubernetes-validations"] = [{
         "rule": "self.deployment == oldSelf.deployment && self.role == oldSelf.role",
         "message": "spec.deployment and spec.role are immutable: create another PDDRoleScale "

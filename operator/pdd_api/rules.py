@@ -773,6 +773,11 @@ def _rules() -> tuple[Rule, ...]:
 RULES: tuple[Rule, ...] = _rules()
 
 
+# A PDDRoleScale's spec.replicas: the range of a role's, said the same way by its CRD (as
+# minimum and maximum) and by `pdd validate`.
+ROLE_SCALE_REPLICAS = RangeRule("replicas", 1, MAX_REPLICAS)
+
+
 def check_rules(spec: Mapping[str, Any]) -> list[str]:
     """Trimmed as the API server trims a messageExpression (`got ''` ends in `got`)."""
     return [m.strip() for m in (r.check(spec) for r in RULES) if m is not None]

@@ -23,7 +23,7 @@ from pdd_api.models import (
     PDDRoleScaleSpec,
 )
 from pdd_api.names import MAX_NAME_LENGTH, MAX_NAME_LENGTH_LWS, NAME_PATTERN, lws_name_message
-from pdd_api.rules import MAX_REPLICAS, check_rules, lookup
+from pdd_api.rules import ROLE_SCALE_REPLICAS, check_rules, lookup
 from pdd_api.structural import describe as _describe
 from pdd_api.structural import normalize
 
@@ -145,10 +145,9 @@ def validate_role_scale_spec(spec: Any) -> list[str]:
                                   or not _DNS_LABEL.match(name)):
         problems.append(f"spec.deployment: must be a PDDeployment's name (a lowercase DNS "
                         f"label of at most {MAX_NAME_LENGTH} characters), got {name!r}")
-    replicas = spec.get("replicas")
-    if isinstance(replicas, int) and not isinstance(replicas, bool) and not (
-            1 <= replicas <= MAX_REPLICAS):
-        problems.append(f"spec.replicas: must be between 1 and {MAX_REPLICAS}, got {replicas}")
+    out_of_range = ROLE_SCALE_REPLICAS.check(spec)
+    if out_of_range is not None:
+        problems.append(out_of_range)
     return _dedupe(problems)
 
 
