@@ -5,11 +5,12 @@ decode on running sequences and their KV (TPOT, KV blocks in use), so each role 
 alone. Where a metric measures load against a per-instance capacity (prefill's prompt tokens
 per second, decode's KV blocks), the planner predicts the instances the load needs, as
 Dynamo's planner does, rather than reacting to latency once it has already risen: up at the
-first sample that asks for clearly more (a burst shorter than an instance's start-up is
-otherwise over before it is answered), up after two samples in a row for a marginal breach
-(one is noise), and down, after a whole stabilization window, straight to what that window's
-peak needed under the scale-down headroom. Latency alone predicts nothing about how many
-instances fewer would do, so a role read only on latency steps down one at a time. When the
+first sample that asks for clearly more, beyond the noise of the samples before it (a burst
+shorter than an instance's start-up is otherwise over before it is answered), up after two
+samples in a row for a marginal breach (one is noise), and down, after a whole stabilization
+window, straight to what that window's peak needed under the scale-down headroom. Latency alone
+predicts nothing about how many instances fewer would do, so a role read only on latency steps
+down one at a time. When the
 metrics are missing or stale, nothing moves. The operator fetches the samples and applies the
 decision; bench/autoscale_sim.py drives the same function with a trace, so it must stay free
 of I/O and clocks (``now`` is an argument).
@@ -18,6 +19,7 @@ of I/O and clocks (``now`` is an argument).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,6 +38,9 @@ Role = Literal["prefill", "decode"]
 SCALED_UP, SCALED_DOWN = "ScaledUp", "ScaledDown"
 AT_MAXIMUM, AT_MINIMUM = "AtMaximum", "AtMinimum"
 STABLE, METRICS_UNAVAILABLE = "Stable", "MetricsUnavailable"
+# Not a decision's reason: the Autoscaling condition's while a role decides on a sample that only
+# part of its instances answered (Decision.partial).
+METRICS_PARTIAL = "MetricsPartial"
 REASONS = (SCALED_UP, SCALED_DOWN, AT_MAXIMUM, AT_MINIMUM, STABLE, METRICS_UNAVAILABLE)
 
 # Samples in a row over a target that make a breach sustained (one is noise).
@@ -51,6 +56,16 @@ CLEAR_MARGIN = 1.2
 # A latency ratio asks for at most this many times the measured instances per decision: latency
 # is not linear in replicas, and the next interval corrects an undershoot.
 MAX_LATENCY_FACTOR = 2.0
+# A clear jump acts on one sample only when it also stands above the noise of the samples before
+# it: their mean plus this many standard deviations of the load they asked for. Arrival noise
+# (Poisson arrivals of prompts of mixed lengths) spreads one interval's rate by tens of per cent
+# at tens of requests an interval, so a fixed margin alone lets noise jump to its peak and hold
+# it a whole window; a jump within the noise waits for a second sample (SUSTAINED_SAMPLES).
+JUMP_NOISE_SIGMAS = 5.0
+# The samples the noise is read from: those of the last this many intervals before the latest,
+# and at least JUMP_NOISE_SAMPLES of them (fewer: no one-sample jump).
+JUMP_NOISE_INTERVALS = 20
+JUMP_NOISE_SAMPLES = 10
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,9 @@ class Sample:
     ``time`` is in seconds on the caller's clock, the one ``now`` uses. ``replicas`` is how
     many instances the sample measured (0: none was ready, the sample is unusable). A latency of
     None means no request finished in the interval (no load), not a missing metric: a missing
-    scrape is a missing sample.
+    scrape is a missing sample. ``answered`` is set when only some of the ready instances
+    answered the scrape (enough of them, see pdd_operator.autoscale_metrics): the sums are then
+    theirs scaled up to ``replicas``, and decisions on it are marked partial.
     """
 
     time: float
@@ -74,6 +91,11 @@ class Sample:
     kv_blocks_total: float | None = None  # decode: blocks of all instances
     running_sequences: float | None = None
     waiting_sequences: float | None = None
+    answered: int | None = None  # instances that answered, when fewer than replicas
+
+    @property
+    def partial(self) -> bool:
+        return self.answered is not None and self.answered < self.replicas
 
 
 @dataclass(frozen=True)
@@ -87,6 +109,7 @@ class Decision:
     reason: str
     message: str
     metrics: dict[str, float] = field(default_factory=dict)
+    partial: bool = False  # decided on a sample only part of the instances answered
 
     @property
     def direction(self) -> Literal["up", "down", "none"]:
@@ -107,6 +130,7 @@ class _Load:
     # capacity metric, or latency is too close to its bound for any step down)
     down_to: int | None
     floor: int  # decode: instances its live sequences' KV needs at the target share (else 0)
+    demand: float  # instances the capacity metrics ask for, unrounded (0: none configured)
     metrics: dict[str, float]
     summary: str  # all values, e.g. "TPOT p90 0.031 s, KV 0.42, 12 running"
 
@@ -150,12 +174,14 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
     clear = 0
     down: list[int] = []
     floor = 0
+    demand = 0.0
     if isinstance(spec, PrefillAutoscaling) and s.prompt_tokens_per_second is not None:
         rate = s.prompt_tokens_per_second
         out["promptTokensPerSecond"] = rate
         parts.append(f"{_fmt(rate)} prompt tokens/s")
         per_s = spec.promptTokensPerSecondPerReplica
         if per_s is not None:
+            demand = max(demand, rate / per_s)
             want = math.ceil(rate / per_s - 1e-9)
             if rate > per_s * s.replicas:
                 breaches.append(f"prompt tokens {_fmt(rate / s.replicas)}/s/replica > {per_s}")
@@ -182,6 +208,7 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
             per_instance = total / s.replicas
             target_blocks = per_instance * spec.kvCacheUtilization
             floor = math.ceil(used / target_blocks - 1e-9)
+            demand = max(demand, used / target_blocks)
             out["kvCacheUtilization"] = util
             parts.append(f"KV {util:.2f}")
             if util > spec.kvCacheUtilization:
@@ -201,6 +228,7 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
         per_seq = spec.sequencesPerReplica
         if per_seq is not None and s.running_sequences is not None:
             seqs = s.running_sequences + (s.waiting_sequences or 0.0)
+            demand = max(demand, seqs / per_seq)
             want = math.ceil(seqs / per_seq - 1e-9)
             if seqs > per_seq * s.replicas:
                 breaches.append(f"sequences {_fmt(seqs / s.replicas)}/replica > {per_seq}")
@@ -215,8 +243,21 @@ def _read(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, s: Sample,
     lat_ok = target is None or s.latency is None or (
         s.latency <= target.seconds * SCALE_DOWN_HEADROOM)
     down_to = max(down) if down and lat_ok else None
-    return _Load(tuple(breaches), need, clear, fits, down_to, floor, out,
+    return _Load(tuple(breaches), need, clear, fits, down_to, floor, demand, out,
                  ", ".join(parts) or "no load")
+
+
+def beyond_noise(demand: float, before: Sequence[float]) -> bool:
+    """Whether ``demand`` stands out of the noise of the demands ``before`` it (oldest first):
+    above their highest by more than JUMP_NOISE_SIGMAS of their noise, with at least
+    JUMP_NOISE_SAMPLES of them to read it from. The noise is read from the differences of
+    consecutive samples (von Neumann's estimator: a mean square difference of 2 sigma^2), so a
+    steady ramp of load is not taken for noise and a jump off a ramp still acts at once."""
+    if len(before) < JUMP_NOISE_SAMPLES:
+        return False
+    sigma = math.sqrt(statistics.fmean((b - a) ** 2 for a, b in zip(before, before[1:],
+                                                                    strict=False)) / 2)
+    return demand > max(before) + JUMP_NOISE_SIGMAS * sigma
 
 
 def _usable(s: Sample, now: float, interval: float) -> bool:
@@ -233,16 +274,21 @@ def decide(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, current: in
     is useful; older ones are ignored), ``now`` and ``last_scale_time`` on the samples' clock,
     ``interval`` and ``stabilization`` in seconds (spec.autoscaling's). Returns ``desired``
     within [minReplicas, maxReplicas]: above ``current`` at once when a capacity metric asks
-    for more than CLEAR_MARGIN x current, or after a sustained breach (by the instances the
+    for more than CLEAR_MARGIN x current and beyond the noise of the samples before
+    (beyond_noise), or after a sustained breach (by the instances the
     load needs); below it after a stabilization window that fitted fewer (the window's peak
     need where the load is measured against a capacity, else one fewer); ``current``
     otherwise. Pure: same arguments, same decision.
     """
     lo, hi = spec.minReplicas, max(spec.minReplicas, spec.maxReplicas)
+    part: Sample | None = None
 
     def done(desired: int, reason: str, why: str, metrics: dict[str, float]) -> Decision:
         head = f"{role} {current}→{desired}" if desired != current else f"{role} {current}"
-        return Decision(role, current, desired, reason, f"{head}: {why}", metrics)
+        if part is not None:
+            why += f" (metrics from {part.answered} of {part.replicas} instances)"
+        return Decision(role, current, desired, reason, f"{head}: {why}", metrics,
+                        partial=part is not None)
 
     if current < lo:
         return done(lo, SCALED_UP, f"below minReplicas {lo}", {})
@@ -257,10 +303,17 @@ def decide(role: Role, spec: PrefillAutoscaling | DecodeAutoscaling, current: in
         return done(current, METRICS_UNAVAILABLE, f"holding, {why}", {})
     load = _read(role, spec, latest, current)
     metrics = dict(load.metrics)
+    if latest.partial:
+        part = latest
+        metrics["answeredReplicas"] = float(latest.answered or 0)
 
-    # Up: a capacity metric that asks for clearly more acts on this sample; any breach acts
-    # once it has held for SUSTAINED_SAMPLES, on the smaller of the samples' asks.
-    clear = load.clear if load.clear > current * CLEAR_MARGIN else 0
+    # Up: a capacity metric that asks for clearly more, beyond the noise of the samples before,
+    # acts on this sample; any breach acts once it has held for SUSTAINED_SAMPLES, on the
+    # smaller of the samples' asks.
+    before = [_read(role, spec, s, current).demand for s in recent[:-1]
+              if s.replicas > 0 and s.time >= now - JUMP_NOISE_INTERVALS * interval]
+    clear = load.clear if (load.clear > current * CLEAR_MARGIN
+                           and beyond_noise(load.demand, before)) else 0
     sustained: int | None = None
     tail = recent[-SUSTAINED_SAMPLES:]
     if len(tail) == SUSTAINED_SAMPLES and all(_usable(s, now, interval) for s in tail):

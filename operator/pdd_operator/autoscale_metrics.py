@@ -5,8 +5,10 @@ thin I/O around them. Latency percentiles come from the router's histograms: the
 two scrapes' cumulative buckets is the interval's requests, read as Prometheus'
 histogram_quantile reads buckets; prefill's prompt tokens per second are the same difference of
 each instance's computed-prompt-token counter, plus the growth of its queue (what arrived, not
-only what ran). The instance gauges (running and waiting sequences, queued
-prompt tokens, free and total KV blocks) are summed over the role's ready instances. vLLM
+only what ran), each over the time since that pod's own last scrape. The instance gauges
+(running and waiting sequences, queued prompt tokens, free and total KV blocks) are summed over
+the role's ready instances that answered; when some did not, but at least MIN_ANSWERED_SHARE of
+them, the sums are scaled up to the ready count and the sample is marked partial. vLLM
 instances (engine vllm) export their own names; the KV share then stands for blocks.
 """
 
@@ -42,6 +44,10 @@ BLOCKS_FREE, BLOCKS_TOTAL = "pdd_kv_blocks_free", "pdd_kv_blocks_total"
 VLLM_RUNNING, VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 SCRAPE_TIMEOUT = 5.0
+# A role gets a sample when at least this share of its ready instances (and at least one)
+# answered its scrape: at hundreds of replicas some always time out under the very load that
+# calls for more, and a role that waited for all of them would never scale then.
+MIN_ANSWERED_SHARE = 0.5
 
 
 @dataclass
@@ -131,39 +137,59 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     return lower_le
 
 
-def counter_delta(now: float, before: float | None) -> float:
-    """A counter's growth between two scrapes; one that went back (a restart), or an instance
-    new since the last scrape, counts from zero."""
-    return now if before is None or now < before else now - before
+def counter_delta(now: float, before: float) -> float:
+    """A counter's growth between two scrapes of one pod; one that went back (the pod's
+    process restarted) counts from zero, as Prometheus' rate() does: never negative, and no more
+    than the pod ran since."""
+    return now if now < before else now - before
 
 
 def prompt_tokens_per_second(elapsed: float, computed: float, queued_now: float | None,
                              queued_before: float | None) -> float | None:
-    """Prompt tokens that arrived per second over ``elapsed``: those run (``computed``, the
-    counters' growth summed) plus the queue's growth (a backlog that builds is load that
-    arrived but did not run)."""
+    """Prompt tokens that arrived per second at one pod over ``elapsed``: those run
+    (``computed``, its counter's growth) plus its queue's growth (a backlog that builds is load
+    that arrived but did not run). Not clamped: the two are read a moment apart, so one pod's
+    reading may dip below zero; the role's sum is clamped."""
     if elapsed <= 0:
         return None
-    grown = (queued_now or 0.0) - (queued_before or 0.0)
-    return max(0.0, (computed + grown) / elapsed)
+    return (computed + (queued_now or 0.0) - (queued_before or 0.0)) / elapsed
+
+
+def enough_answered(answered: int, ready: int) -> bool:
+    """Whether a role whose ``ready`` instances were scraped gets a sample from ``answered``."""
+    return answered >= max(1, math.ceil(ready * MIN_ANSWERED_SHARE))
 
 
 def role_sample(role: Role, now: float, instances: Sequence[InstanceGauges],
-                latency: float | None, prompt_rate: float | None = None) -> Sample:
-    """Sum the role's instances into one Sample (KV totals only when every instance says)."""
+                latency: float | None, prompt_rate: float | None = None,
+                ready: int | None = None) -> Sample:
+    """Sum the role's instances that answered into one Sample (KV totals only when every one
+    says). With ``ready`` above their count, the sums (``prompt_rate`` included, which those
+    instances' counters gave) are scaled to ``ready``: the planner reads the load of all the
+    ready instances, and the answering ones are the best estimate of the others."""
+    n = len(instances)
+    total = n if ready is None else max(ready, n)
+    k = total / n if n else 1.0
+
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * k
+
     kv = [(g.blocks_used, g.blocks_total) for g in instances]
     known = all(u is not None and t is not None for u, t in kv) and bool(kv)
     tokens = [g.queued_prompt_tokens for g in instances]
     return Sample(
-        time=now, replicas=len(instances), latency=latency,
-        queued_prompt_tokens=(sum(t for t in tokens if t is not None)
+        time=now, replicas=total, latency=latency,
+        queued_prompt_tokens=(scaled(sum(t for t in tokens if t is not None))
                               if role == "prefill" and any(t is not None for t in tokens)
                               else None),
-        prompt_tokens_per_second=prompt_rate if role == "prefill" else None,
-        kv_blocks_used=sum(u or 0.0 for u, _ in kv) if role == "decode" and known else None,
-        kv_blocks_total=sum(t or 0.0 for _, t in kv) if role == "decode" and known else None,
-        running_sequences=sum(g.running for g in instances),
-        waiting_sequences=sum(g.waiting for g in instances),
+        prompt_tokens_per_second=scaled(prompt_rate) if role == "prefill" else None,
+        kv_blocks_used=(scaled(sum(u or 0.0 for u, _ in kv)) if role == "decode" and known
+                        else None),
+        kv_blocks_total=(scaled(sum(t or 0.0 for _, t in kv)) if role == "decode" and known
+                         else None),
+        running_sequences=scaled(sum(g.running for g in instances)),
+        waiting_sequences=scaled(sum(g.waiting for g in instances)),
+        answered=n if total > n else None,
     )
 
 
@@ -179,13 +205,23 @@ class Fetcher(Protocol):
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
+def _pod_key(pod: Obj) -> str:
+    """A pod's identity for its counter baseline: a pod recreated under the same name is a new
+    one (its counters start again)."""
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or meta.get("name"))
+
+
+def _serves(pod: Obj) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return labels.get(LWS_WORKER_INDEX, "0") == "0"
+
+
 def _ready(pod: Obj) -> bool:
     """A Ready pod that serves an instance's (or the router's) HTTP."""
     conds = (pod.get("status") or {}).get("conditions") or []
-    labels = (pod.get("metadata") or {}).get("labels") or {}
     return bool((pod.get("status") or {}).get("podIP")) and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and (
-        labels.get(LWS_WORKER_INDEX, "0") == "0")
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and _serves(pod)
 
 
 def _percentile(spec: PDDeploymentSpec, role: Role) -> float:
@@ -205,34 +241,39 @@ Get = Callable[[str], Awaitable[str]]  # url -> body text
 class DirectFetcher:
     """Scrapes each ready instance pod and router pod of the PDDeployment on its HTTP port.
     Histogram baselines are kept per router pod, so a router that restarts or is added only
-    loses its first interval."""
+    loses its first interval. Prefill's counter baselines are kept per pod while the pod exists,
+    Ready or not: a pod that leaves Ready for a while and comes back is read against its own
+    last scrape, over the time since (counting it from zero would add its whole lifetime's
+    tokens to one interval); a pod with no baseline yet adds nothing that interval."""
 
     list_pods: ListPods
     get: Get
     port: int = keys.HTTP_PORT
     _before: dict[tuple[str, str, str], Buckets] = field(default_factory=dict)
-    # (namespace, name) -> the last prefill scrape: its time, queued tokens, counter by pod
-    _prefill_before: dict[tuple[str, str], tuple[float, float | None, dict[str, float]]] = (
+    # (namespace, name) -> pod (uid) -> its last answered prefill scrape: time, computed-token
+    # counter, queued prompt tokens
+    _counters: dict[tuple[str, str], dict[str, tuple[float, float, float]]] = (
         field(default_factory=dict))
 
     async def __call__(self, body: Obj, spec: PDDeploymentSpec, roles: Sequence[Role],
                        now: float) -> dict[str, Sample]:
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        pods = [p for p in await self.list_pods(ns, f"{keys.LABEL_INSTANCE}={name}")
-                if _ready(p)]
+        listed = await self.list_pods(ns, f"{keys.LABEL_INSTANCE}={name}")
         by_role: dict[str, list[Obj]] = {}
-        for p in pods:
-            comp = (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT, "")
-            by_role.setdefault(comp, []).append(p)
+        for p in listed:
+            if _ready(p):
+                comp = (p["metadata"].get("labels") or {}).get(keys.LABEL_COMPONENT, "")
+                by_role.setdefault(comp, []).append(p)
         texts = await self._scrape([*(p for r in roles for p in by_role.get(r, [])),
                                     *by_role.get(keys.COMPONENT_ROUTER, [])])
         out: dict[str, Sample] = {}
         router_pods = by_role.get(keys.COMPONENT_ROUTER, [])
         router_up = [p for p in router_pods if texts.get(p["metadata"]["name"]) is not None]
         for role in roles:
-            inst = [texts.get(p["metadata"]["name"]) for p in by_role.get(role, [])]
-            if not inst or any(t is None for t in inst):
-                continue  # an instance that did not answer: no sample rather than a wrong one
+            ready = by_role.get(role, [])
+            up = [(p, t) for p in ready if (t := texts.get(p["metadata"]["name"])) is not None]
+            if not enough_answered(len(up), len(ready)):
+                continue  # too few answered: no sample rather than a guess
             latency = None
             metric = LATENCY_METRIC[role]
             if router_up:
@@ -245,26 +286,36 @@ class DirectFetcher:
                 latency = histogram_quantile(_percentile(spec, role), add_buckets(deltas))
             elif spec.router.enabled:
                 continue  # the latency target cannot be read without the router
-            gauges = [parse_instance(t or "") for t in inst]
+            gauges = [parse_instance(t) for _, t in up]
             rate = None
             if role == "prefill":
-                rate = self._prompt_rate((ns, name), now, by_role.get(role, []), gauges)
-            out[role] = role_sample(role, now, gauges, latency, rate)
+                alive = {_pod_key(p) for p in listed}
+                rate = self._prompt_rate((ns, name), now, alive,
+                                         [(_pod_key(p), g) for (p, _), g in zip(up, gauges,
+                                                                               strict=True)])
+            out[role] = role_sample(role, now, gauges, latency, rate, ready=len(ready))
         return out
 
-    def _prompt_rate(self, key: tuple[str, str], now: float, pods: list[Obj],
-                     gauges: list[InstanceGauges]) -> float | None:
-        counters = {p["metadata"]["name"]: g.computed_prompt_tokens
-                    for p, g in zip(pods, gauges, strict=True)}
-        queued = sum(g.queued_prompt_tokens or 0.0 for g in gauges)
-        before = self._prefill_before.get(key)
-        known = {k: v for k, v in counters.items() if v is not None}
-        self._prefill_before[key] = (now, queued, known)
-        if before is None or len(known) < len(counters):
-            return None  # the first scrape, or an instance without the counter: no rate
-        t0, q0, c0 = before
-        computed = sum(counter_delta(v, c0.get(k)) for k, v in known.items())
-        return prompt_tokens_per_second(now - t0, computed, queued, q0)
+    def _prompt_rate(self, key: tuple[str, str], now: float, alive: set[str],
+                     answered: list[tuple[str, InstanceGauges]]) -> float | None:
+        """Prompt tokens per second that arrived at the pods that answered, each read against
+        its own baseline; None on the first scrape or while a pod lacks the counter."""
+        base = self._counters.setdefault(key, {})
+        for gone in [k for k in base if k not in alive]:
+            del base[gone]
+        if any(g.computed_prompt_tokens is None for _, g in answered):
+            return None
+        rates = []
+        for pod, g in answered:
+            computed, queued = g.computed_prompt_tokens or 0.0, g.queued_prompt_tokens or 0.0
+            before = base.get(pod)
+            base[pod] = (now, computed, queued)
+            if before is not None:
+                t0, c0, q0 = before
+                r = prompt_tokens_per_second(now - t0, counter_delta(computed, c0), queued, q0)
+                if r is not None:
+                    rates.append(r)
+        return max(0.0, sum(rates)) if rates else None
 
     async def _scrape(self, pods: list[Obj]) -> dict[str, str | None]:
         async def one(p: Obj) -> tuple[str, str | None]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd_api.autoscale import (
+    JUMP_NOISE_INTERVALS,
+    METRICS_PARTIAL,
     METRICS_UNAVAILABLE,
     SCALED_DOWN,
     SCALED_UP,
@@ -70,7 +72,8 @@ def last_scale_times(status: Mapping[str, Any] | None) -> dict[str, float | None
 def status_update(decisions: Mapping[str, Decision], status: Mapping[str, Any] | None,
                   generation: int, now: float) -> dict[str, Any]:
     """The merge patch of status for these decisions: status.autoscaling per role and the
-    conditions list with `Autoscaling` set (the other conditions as they are)."""
+    conditions list with `Autoscaling` set (the other conditions as they are; a decision on a
+    partial sample reads MetricsPartial there, its own reason in status.autoscaling)."""
     prev = status or {}
     prev_auto = prev.get("autoscaling") or {}
     auto: dict[str, Any] = {r: None for r in ROLES if r in prev_auto}
@@ -87,7 +90,8 @@ def status_update(decisions: Mapping[str, Decision], status: Mapping[str, Any] |
     conds = [c for c in prev.get("conditions") or [] if c.get("type") != AUTOSCALING]
     old = next((c for c in prev.get("conditions") or [] if c.get("type") == AUTOSCALING), None)
     conds.append(autoscaling_condition(
-        [(d.reason, d.message) for d in decisions.values()], generation, old, rfc3339(now)))
+        [(METRICS_PARTIAL if d.partial else d.reason, d.message) for d in decisions.values()],
+        generation, old, rfc3339(now)))
     return {"autoscaling": auto, "conditions": conds}
 
 
@@ -205,7 +209,8 @@ class Autoscaler:
         assert spec.autoscaling is not None
         a = spec.autoscaling
         samples = await self.fetcher(spec)(body, spec, roles, now)
-        keep = a.scaleDownStabilizationSeconds + 4 * a.intervalSeconds
+        keep = (max(a.scaleDownStabilizationSeconds, JUMP_NOISE_INTERVALS * a.intervalSeconds)
+                + 4 * a.intervalSeconds)
         for role in roles:
             h = st.history.setdefault(role, deque())
             if role in samples:

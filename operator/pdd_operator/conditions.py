@@ -13,6 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdd_api.autoscale import (
+    AT_MAXIMUM,
+    AT_MINIMUM,
+    METRICS_PARTIAL,
+    METRICS_UNAVAILABLE,
+    SCALED_DOWN,
+    SCALED_UP,
+    STABLE,
+)
 from pdd_api.plan import RoutingPlan
 from pdd_operator.rollout import SEVERITY, RolePlan, effective_max_unavailable
 
@@ -262,11 +271,12 @@ def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> boo
     return dict(a or {}) == dict(b or {})
 
 
-# The planner's condition (spec.autoscaling): True while it decides on fresh metrics, False
-# while it holds for want of them. The reason is the most telling of the roles' decisions.
+# The planner's condition (spec.autoscaling): True while it decides on fresh metrics (all of
+# a role's instances, or enough of them: MetricsPartial), False while it holds for want of them.
+# The reason is the most telling of the roles' decisions.
 AUTOSCALING = "Autoscaling"
-_AUTOSCALING_ORDER = ("MetricsUnavailable", "ScaledUp", "ScaledDown", "AtMaximum", "AtMinimum",
-                      "Stable")
+_AUTOSCALING_ORDER = (METRICS_UNAVAILABLE, METRICS_PARTIAL, SCALED_UP, SCALED_DOWN, AT_MAXIMUM,
+                      AT_MINIMUM, STABLE)
 
 
 def autoscaling_condition(decisions: Sequence[tuple[str, str]], generation: int,
@@ -275,7 +285,7 @@ def autoscaling_condition(decisions: Sequence[tuple[str, str]], generation: int,
     reasons = [r for r, _ in decisions]
     reason = min(reasons, key=lambda r: _AUTOSCALING_ORDER.index(r)
                  if r in _AUTOSCALING_ORDER else len(_AUTOSCALING_ORDER))
-    return condition(AUTOSCALING, reason != "MetricsUnavailable", reason,
+    return condition(AUTOSCALING, reason != METRICS_UNAVAILABLE, reason,
                      "; ".join(m for _, m in decisions), generation, previous, now)
 
 

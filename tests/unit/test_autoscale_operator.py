@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from pdd_operator.autoscale_metrics import (
     PrometheusFetcher,
     add_buckets,
     bucket_delta,
+    enough_answered,
     histogram_quantile,
     parse_histogram,
     parse_instance,
@@ -134,9 +136,14 @@ def test_direct_fetcher_sums_ready_instances_and_reads_router_deltas() -> None:
     assert (d.kv_blocks_used, d.kv_blocks_total) == (1500, 2000)
     assert d.latency is not None and 0.05 < d.latency <= 0.1
     assert p.replicas == 1 and p.queued_prompt_tokens == 8000 and p.kv_blocks_used is None
-    texts.pop("10.0.0.3")  # an instance that does not answer: no decode sample at all
+    texts.pop("10.0.0.3")  # one of two does not answer: a sample of the other, scaled to two
     out = asyncio.run(fetch(BODY, SPEC, ["prefill", "decode"], 120.0))
-    assert "decode" not in out and "prefill" in out
+    d = out["decode"]
+    assert d.partial and (d.replicas, d.answered) == (2, 1)
+    assert d.running_sequences == 20 and (d.kv_blocks_used, d.kv_blocks_total) == (1600, 2000)
+    texts.pop("10.0.0.2")  # none answers: no decode sample at all
+    out = asyncio.run(fetch(BODY, SPEC, ["prefill", "decode"], 130.0))
+    assert "decode" not in out and "prefill" in out and not out["prefill"].partial
 
 
 def test_prefill_prompt_tokens_per_second_from_the_counters_and_the_queue() -> None:
@@ -162,14 +169,116 @@ def test_prefill_prompt_tokens_per_second_from_the_counters_and_the_queue() -> N
     metrics["10.0.0.2"].queued_prompt_tokens.set(10_000)  # arrived, not run yet
     p = asyncio.run(fetch(BODY, spec, ["prefill"], 110.0))["prefill"]
     assert p.prompt_tokens_per_second == pytest.approx((50_000 + 30_000 + 10_000) / 10)
-    # A pod new since the last scrape counts from zero; a queue that drains is not load.
+    # A pod new since the last scrape adds nothing until it has a baseline; a queue that
+    # drains while its tokens run is not new load.
     pods.append(pod("demo-prefill-2", "prefill", "10.0.0.3"))
-    metrics["10.0.0.3"].prefill_computed_tokens.inc(5_000)
+    metrics["10.0.0.3"].prefill_computed_tokens.inc(5_000_000)
     metrics["10.0.0.1"].prefill_computed_tokens.inc(20_000)
+    metrics["10.0.0.2"].prefill_computed_tokens.inc(10_000)
     metrics["10.0.0.2"].queued_prompt_tokens.set(0)
     p = asyncio.run(fetch(BODY, spec, ["prefill"], 120.0))["prefill"]
     assert p.replicas == 3
-    assert p.prompt_tokens_per_second == pytest.approx((5_000 + 20_000 - 10_000) / 10)
+    assert p.prompt_tokens_per_second == pytest.approx((20_000 + 10_000 - 10_000) / 10)
+    metrics["10.0.0.3"].prefill_computed_tokens.inc(7_000)
+    p = asyncio.run(fetch(BODY, spec, ["prefill"], 130.0))["prefill"]
+    assert p.prompt_tokens_per_second == pytest.approx(7_000 / 10)
+
+
+class Prefills:
+    """Prefill pods with their own InstanceMetrics, served to a DirectFetcher by IP."""
+
+    def __init__(self, n: int) -> None:
+        self.metrics = [InstanceMetrics("prefill") for _ in range(n)]
+        self.pods = [pod(f"demo-prefill-{i}", "prefill", f"10.0.1.{i}") for i in range(n)]
+        for i, p in enumerate(self.pods):
+            p["metadata"]["uid"] = f"uid-{i}"
+        self.down: set[int] = set()  # answer nothing
+        self.fetch = DirectFetcher(self.list_pods, self.get)
+
+    async def list_pods(self, ns: str, selector: str) -> list[dict[str, Any]]:
+        return [*self.pods, pod("demo-abc", "router", "10.0.0.9")]
+
+    async def get(self, url: str) -> str:
+        ip = url.split("//")[1].split(":")[0]
+        if ip == "10.0.0.9":
+            return RouterMetrics().expose().decode()
+        i = int(ip.rsplit(".", 1)[1])
+        if i in self.down:
+            raise TimeoutError(url)
+        return self.metrics[i].expose().decode()
+
+    def ready(self, i: int, ready: bool) -> None:
+        self.pods[i]["status"]["conditions"][0]["status"] = "True" if ready else "False"
+
+    def sample(self, now: float) -> Sample:
+        return asyncio.run(self.fetch(BODY, SPEC, ["prefill"], now))["prefill"]
+
+
+def test_a_pod_that_leaves_ready_and_comes_back_keeps_its_baseline() -> None:
+    # A pod with a long life behind it misses readiness for one interval: back, it adds what it
+    # ran since its own last scrape over the time since, not its lifetime's tokens.
+    ps = Prefills(2)
+    ps.metrics[0].prefill_computed_tokens.inc(300_000_000)
+    ps.metrics[1].prefill_computed_tokens.inc(200_000_000)
+    assert ps.sample(100.0).prompt_tokens_per_second is None  # the first scrape
+    ps.ready(0, False)
+    ps.metrics[0].prefill_computed_tokens.inc(40_000)
+    ps.metrics[1].prefill_computed_tokens.inc(10_000)
+    assert ps.sample(110.0).prompt_tokens_per_second == pytest.approx(1_000)
+    ps.ready(0, True)
+    ps.metrics[0].prefill_computed_tokens.inc(20_000)
+    ps.metrics[1].prefill_computed_tokens.inc(10_000)
+    s = ps.sample(120.0)
+    assert s.replicas == 2 and not s.partial
+    assert s.prompt_tokens_per_second == pytest.approx(60_000 / 20 + 10_000 / 10)
+    # Its process restarted (the counter went back): what it ran since, never negative.
+    ps.metrics[0] = InstanceMetrics("prefill")
+    ps.metrics[0].prefill_computed_tokens.inc(5_000)
+    ps.metrics[1].prefill_computed_tokens.inc(10_000)
+    assert ps.sample(130.0).prompt_tokens_per_second == pytest.approx(500 + 1_000)
+    # Recreated under the same name (a new uid): no baseline, nothing added that interval.
+    ps.pods[0]["metadata"]["uid"] = "uid-0-new"
+    ps.metrics[0].prefill_computed_tokens.inc(900_000_000)
+    ps.metrics[1].prefill_computed_tokens.inc(10_000)
+    assert ps.sample(140.0).prompt_tokens_per_second == pytest.approx(1_000)
+
+
+def test_a_role_with_some_instances_unanswered_is_sampled_from_those_that_answered() -> None:
+    ps = Prefills(4)
+    for m in ps.metrics:
+        m.prefill_computed_tokens.inc(1_000)
+        m.queued_prompt_tokens.set(2_000)
+    ps.sample(100.0)
+    for m in ps.metrics:
+        m.prefill_computed_tokens.inc(30_000)
+    ps.down = {3}
+    s = ps.sample(110.0)
+    assert s.partial and (s.replicas, s.answered) == (4, 3)
+    assert s.queued_prompt_tokens == pytest.approx(8_000)  # 3 x 2000, scaled to 4
+    assert s.prompt_tokens_per_second == pytest.approx(4 * 3_000)
+    ps.down = {2, 3}  # half answered: still a sample
+    for m in ps.metrics:
+        m.prefill_computed_tokens.inc(30_000)
+    s = ps.sample(120.0)
+    assert (s.replicas, s.answered) == (4, 2)
+    assert s.prompt_tokens_per_second == pytest.approx(4 * 3_000)
+    ps.down = {0, 2, 3}  # fewer than half: no sample
+    assert "prefill" not in asyncio.run(ps.fetch(BODY, SPEC, ["prefill"], 130.0))
+    ps.down = set()  # back: each read over the time since its last sample (120, 120, 110, 100)
+    for m in ps.metrics:
+        m.prefill_computed_tokens.inc(30_000)
+    s = ps.sample(140.0)
+    assert not s.partial and s.answered is None
+    assert s.prompt_tokens_per_second == pytest.approx(
+        30_000 / 20 + 30_000 / 20 + 60_000 / 30 + 90_000 / 40)
+
+
+@pytest.mark.parametrize(("answered", "ready", "enough"), [
+    (0, 0, False), (1, 1, True), (0, 1, False), (1, 2, True), (1, 3, False), (2, 3, True),
+    (149, 300, False), (150, 300, True)])
+def test_enough_answered_is_at_least_half_and_one(answered: int, ready: int,
+                                                  enough: bool) -> None:
+    assert enough_answered(answered, ready) is enough
 
 
 def test_prometheus_fetcher_asks_per_role() -> None:
@@ -244,6 +353,26 @@ def test_status_update_records_the_decision_and_condition() -> None:
     assert events_for({"decode": held}, after) == [("Warning", "MetricsUnavailable",
                                                     held.message, "decode")]
     assert events_for({"decode": held}, {**after, **patch2}) == []  # said once
+
+
+def test_a_decision_on_a_partial_sample_marks_the_condition() -> None:
+    from pdd_api.autoscale import decide
+    assert SPEC.autoscaling is not None and SPEC.autoscaling.decode is not None
+    s = Sample(time=10.0, replicas=4, latency=0.03, kv_blocks_used=1200, kv_blocks_total=4000,
+               running_sequences=20, answered=3)
+    d = decide("decode", SPEC.autoscaling.decode, 4, [s], 10.0, interval=10, stabilization=60)
+    assert d.partial and d.reason == "Stable" and d.metrics["answeredReplicas"] == 3
+    assert d.message.endswith("(metrics from 3 of 4 instances)")
+    patch = status_update({"decode": d}, None, 2, 1_800_000_000.0)
+    cond = next(c for c in patch["conditions"] if c["type"] == AUTOSCALING)
+    assert (cond["status"], cond["reason"]) == ("True", "MetricsPartial")
+    assert d.message in cond["message"] and patch["autoscaling"]["decode"]["reason"] == "Stable"
+    whole = decide("decode", SPEC.autoscaling.decode, 4, [replace(s, answered=None)], 10.0,
+                   interval=10, stabilization=60)
+    assert not whole.partial and "answeredReplicas" not in whole.metrics
+    cond = next(c for c in status_update({"decode": whole}, None, 2, 1e9)["conditions"]
+                if c["type"] == AUTOSCALING)
+    assert cond["reason"] == "Stable"
 
 
 def test_a_reconcile_pass_keeps_the_planners_part_of_status() -> None:
@@ -374,6 +503,8 @@ def test_the_example_validates_and_builds_its_seeds() -> None:
     (["AtMinimum", "ScaledUp"], "ScaledUp", "True"),
     (["Stable", "AtMaximum"], "AtMaximum", "True"),
     (["Stable"], "Stable", "True"),
+    (["ScaledUp", "MetricsPartial"], "MetricsPartial", "True"),
+    (["MetricsPartial", "MetricsUnavailable"], "MetricsUnavailable", "False"),
 ])
 def test_the_condition_tells_the_most_telling_role(reasons: list[str], reason: str,
                                                    status: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 from pdd_api.autoscale import (
     AT_MAXIMUM,
     AT_MINIMUM,
+    JUMP_NOISE_SAMPLES,
     METRICS_UNAVAILABLE,
     SCALED_DOWN,
     SCALED_UP,
@@ -245,16 +246,29 @@ def rate_sample(t: float, n: int, rate: float, ttft: float | None = 0.3) -> Samp
 
 
 def test_a_clear_jump_in_prompt_tokens_scales_up_on_one_sample() -> None:
-    # 30,000 tokens/s at 3 instances, then a burst to 75,000: 8 needed, more than 1.2 x 3, so
-    # the first sample of the burst acts (TTFT has not risen yet).
+    # 30,000 tokens/s at 3 instances, then a burst to 75,000: 8 needed, more than 1.2 x 3 and
+    # beyond the (here nil) noise of the samples before, so the first sample of the burst acts
+    # (TTFT has not risen yet).
     def load(t: float, n: int) -> Sample:
-        return rate_sample(t, n, 30000 if t < 30 else 75000)
+        return rate_sample(t, n, 30000 if t < 120 else 75000)
 
-    ds = replay("prefill", RATE, 3, load, 6)
-    assert [d.desired for d in ds[:3]] == [3, 3, 3]
-    assert ds[3].reason == SCALED_UP and ds[3].desired == 8
-    assert "prompt tokens 2.5e+04/s/replica > 10000" in ds[3].message
-    assert all(d.desired == 8 and d.reason == STABLE for d in ds[4:])
+    ds = replay("prefill", RATE, 3, load, 15)
+    assert [d.desired for d in ds[:12]] == [3] * 12
+    assert ds[12].reason == SCALED_UP and ds[12].desired == 8
+    assert "prompt tokens 2.5e+04/s/replica > 10000" in ds[12].message
+    assert all(d.desired == 8 and d.reason == STABLE for d in ds[13:])
+
+
+def test_a_jump_with_too_few_samples_before_it_waits_for_a_second() -> None:
+    # Fewer than JUMP_NOISE_SAMPLES to read the noise from: the sustained rule decides.
+    history = [rate_sample(t, 3, 30000) for t in range(0, 10 * (JUMP_NOISE_SAMPLES - 1), 10)]
+    now = float(len(history) * 10)
+    one = [*history, rate_sample(now, 3, 75000)]
+    d = decide("prefill", RATE, 3, one, now, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (STABLE, 3)
+    two = [*one, rate_sample(now + 10, 3, 70000)]
+    d = decide("prefill", RATE, 3, two, now + 10, interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_UP, 7)  # the smaller of the two asks
 
 
 def test_a_marginal_prompt_token_breach_waits_for_a_second_sample() -> None:
@@ -267,15 +281,22 @@ def test_a_marginal_prompt_token_breach_waits_for_a_second_sample() -> None:
     assert d.reason == SCALED_UP and d.desired == 11  # the smaller of the two asks
 
 
+def steady(n: int, rate: float, until: float) -> list[Sample]:
+    """JUMP_NOISE_SAMPLES samples of a steady rate at ``n`` instances, the last one before
+    ``until``."""
+    return [rate_sample(until - (JUMP_NOISE_SAMPLES - i) * INTERVAL, n, rate)
+            for i in range(JUMP_NOISE_SAMPLES)]
+
+
 def test_a_clear_jump_is_clamped_to_max_and_held_on_stale_metrics() -> None:
-    d = decide("prefill", RATE, 4, [rate_sample(0, 4, 900000)], 0, interval=INTERVAL,
-               stabilization=WINDOW)
-    assert (d.reason, d.desired) == (SCALED_UP, 16)
-    d = decide("prefill", RATE, 16, [rate_sample(0, 16, 900000)], 0, interval=INTERVAL,
-               stabilization=WINDOW)
-    assert (d.reason, d.desired) == (AT_MAXIMUM, 16)
-    d = decide("prefill", RATE, 4, [rate_sample(0, 4, 900000)], 4 * INTERVAL,
+    d = decide("prefill", RATE, 4, [*steady(4, 30000, 0), rate_sample(0, 4, 900000)], 0,
                interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (SCALED_UP, 16)
+    d = decide("prefill", RATE, 16, [*steady(16, 30000, 0), rate_sample(0, 16, 900000)], 0,
+               interval=INTERVAL, stabilization=WINDOW)
+    assert (d.reason, d.desired) == (AT_MAXIMUM, 16)
+    d = decide("prefill", RATE, 4, [*steady(4, 30000, 0), rate_sample(0, 4, 900000)],
+               4 * INTERVAL, interval=INTERVAL, stabilization=WINDOW)
     assert (d.reason, d.desired) == (METRICS_UNAVAILABLE, 4)
 
 
@@ -343,7 +364,8 @@ def seq_sample(t: float, n: int, running: float, waiting: float = 0.0,
 
 def test_decode_sized_on_sequences_per_replica() -> None:
     # 4 instances holding 400 sequences with 300 waiting: 7 needed, at once.
-    d = decide("decode", SEQS, 4, [seq_sample(0, 4, 400, 300)], 0, interval=INTERVAL,
+    before = [seq_sample(t, 4, 300) for t in range(-10 * JUMP_NOISE_SAMPLES, 0, 10)]
+    d = decide("decode", SEQS, 4, [*before, seq_sample(0, 4, 400, 300)], 0, interval=INTERVAL,
                stabilization=WINDOW)
     assert (d.reason, d.desired) == (SCALED_UP, 7)
     assert "sequences 175/replica > 100" in d.message
