@@ -485,6 +485,7 @@ def test_poisson_arrival_noise_never_jumps_on_one_sample(per_interval: int) -> N
         d = decide("prefill", spec, 3, history[max(0, i - JUMP_NOISE_INTERVALS):i + 1],
                    i * INTERVAL, interval=INTERVAL, stabilization=WINDOW)
         jumps += d.direction == "up"
+    print("margin alone", margin_alone, "with the bound", jumps)
     assert margin_alone > 100 and jumps == 0
     now = len(history) * INTERVAL
     steps = poisson_rates(rng, 3 * per_second, 2)
