@@ -738,14 +738,14 @@ def static_at_target(day: Day, target: Pair, log: Callable[[str], None]
             [{"prefill": n[0], "decode": n[1], **_row(r)} for n, r in tried.items()])
 
 
-STEP = 0.06  # the request-count rule's thresholds are searched to 6 %
+STEP = 0.10  # the request-count rule's thresholds are searched to 10 %
 
 
 def requests_at_target(day: Day, target: Pair, log: Callable[[str], None]
                        ) -> tuple[Pair, Pair, tuple[bool, bool], list[dict[str, float]]]:
     """The request-count rule's threshold per role, as a factor of natural_targets, set to the
     cheapest (highest) whose TTFT (prefill) and TPOT (decode) attainment reach `target`,
-    bisected in log between 1/8 and 8 to STEP. Attainment is not monotonic in the threshold (the
+    bisected in log between 1/4 and 4 to STEP. Attainment is not monotonic in the threshold (the
     rule's doubling into a backlog), so this is the edge the bisection lands on, with a
     threshold at most STEP higher that misses. Returns the factors, those next ones, whether
     each role reached its target at all, and every run."""
@@ -760,7 +760,7 @@ def requests_at_target(day: Day, target: Pair, log: Callable[[str], None]
                 f"TPOT {tried[f].tpot_attainment:.5f}, {tried[f].gpu_hours:.1f} GPU-h")
         return tried[f]
 
-    lo, hi = 1 / 8, 8.0
+    lo, hi = 1 / 4, 4.0
     low = per_role(run((lo, lo)))
 
     def middle(g: float, b: float) -> float:
@@ -778,21 +778,41 @@ def requests_at_target(day: Day, target: Pair, log: Callable[[str], None]
 
 def requests_at_cost(day: Day, factors: Pair, goal: float, first: Result,
                      log: Callable[[str], None]) -> tuple[float, Result]:
-    """Both per-role thresholds scaled by one factor until the rule's GPU-hours equal `goal`
-    (within 1 %; else the closest of 5 bisections, the cost falling as thresholds rise)."""
+    """Both per-role thresholds scaled by one factor toward the rule's GPU-hours equal to
+    `goal`. The cost is not monotonic in the factor (it falls as thresholds rise, then grows
+    once the rule runs a backlog and doubles into it), so walk in steps of 10 % toward the goal
+    until it is passed (then bisect twice) or the cost turns away: the closest is as near as the
+    rule gets."""
     nat = natural_targets(day.fig)
-    best = (1.0, first)
-    lo, hi = (1.0, 8.0) if first.gpu_hours > goal else (1 / 8, 1.0)
-    for _ in range(5):
-        g = math.sqrt(lo * hi)
+
+    def run(g: float) -> Result:
         r = day.run(requests_hpa(nat[0] * factors[0] * g, nat[1] * factors[1] * g,
                                  day.max_replicas, day.interval), day.start, "requests")
         log(f"  requests at cost x{g:.3f}: {r.gpu_hours:.1f} GPU-h (goal {goal:.1f})")
-        if abs(r.gpu_hours - goal) < abs(best[1].gpu_hours - goal):
-            best = (g, r)
-        if abs(r.gpu_hours - goal) / goal < 0.01:
+        return r
+
+    best = (1.0, first)
+    step = 1.1 if first.gpu_hours > goal else 1 / 1.1
+    a, cost_a = 1.0, first.gpu_hours
+    for _ in range(4):
+        if abs(cost_a - goal) / goal < 0.01:
             break
-        lo, hi = (g, hi) if r.gpu_hours > goal else (lo, g)
+        b = a * step
+        rb = run(b)
+        if abs(rb.gpu_hours - goal) < abs(best[1].gpu_hours - goal):
+            best = (b, rb)
+        if (rb.gpu_hours - goal) * (cost_a - goal) <= 0:
+            lo, hi = a, b
+            for _ in range(2):
+                g = math.sqrt(lo * hi)
+                r = run(g)
+                if abs(r.gpu_hours - goal) < abs(best[1].gpu_hours - goal):
+                    best = (g, r)
+                lo, hi = (g, hi) if (r.gpu_hours - goal) * (cost_a - goal) > 0 else (lo, g)
+            break
+        if abs(rb.gpu_hours - goal) >= abs(cost_a - goal):
+            break
+        a, cost_a = b, rb.gpu_hours
     return best
 
 
