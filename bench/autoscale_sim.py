@@ -1,50 +1,43 @@
-"""Autoscaling at scale, simulated: pdd's planner against static provisioning for the peak and
-against scaling on request count alone, over a day-shaped trace with bursts.
+"""Autoscaling at scale, simulated: pdd's planner against a static count and against scaling
+on request count alone, each held to the planner's attainment, over days of Poisson traffic
+with bursts, at the measured start-up and at a large instance's.
 
-    python bench/autoscale_sim.py [--quick] [--json out.json] [--peak-rps 2000]
+    python bench/autoscale_sim.py [--quick] [--json out.json] [--seeds 1,2,3] [--ready-s 70,600]
 
 Why a simulation: a day of traffic on hundreds of GPUs cannot be run for each change of the
 planner, and the question (does scaling on what each role saturates on beat scaling on request
-count, and by how much against provisioning for the peak) is about the decisions, not the
-kernels. The per-replica model is taken from measured figures, read from the JSON the GPU
-benches wrote (each figure and its file are printed and kept in the output):
+count, and by how much against a fixed count) is about the decisions, not the kernels. The
+per-replica model is taken from measured figures, read from the JSON the GPU benches wrote
+(each figure and its file are printed and kept in the output):
 
 - prefill step time for n prompt tokens: the affine fit through bench/engine.py's two prefill
   points (docs/gpu_engine_h200.json), chunks of at most the larger point's tokens;
 - decode step time by batch and context: bench/engine.py's CUDA-graph table, interpolated in
   log(batch) and log(context) (same file);
 - a decode instance's KV pool (tokens, blocks) and the time from start to ready of `pdd serve`:
-  bench/kv_tiers.py's default stack on one H200 (docs/kv_tiers_h200_a_d.json);
+  bench/kv_tiers.py's default stack on one H200 (docs/kv_tiers_h200_a_d.json); --ready-s adds
+  other start-ups (600 s by default: a large multi-GPU instance, assumed);
 - at most the largest measured decode batch running per decode instance.
 
-The traffic is a fluid: per second and request class, a cohort of requests (a fraction is
-fine). Prefill is one FIFO of prompt tokens over the ready prefill instances (the router
-spreads work evenly); a cohort's TTFT is its own prefill time, plus the M/G/1 wait of an
-instance at the second's utilization (Pollaczek-Khinchine over the classes' prefill times: a
-fluid alone would show no queue below saturation), plus how long the backlog kept it beyond
-its arrival second. Decode admits cohorts FIFO while sequences and KV fit; a running
+The traffic: each second, each request class's arrivals are a Poisson count at the day
+shape's rate (bursts included), one draw per seed. They form a cohort (a fluid within the
+second). Prefill is one FIFO of prompt tokens over the ready prefill instances; a cohort's
+TTFT is its own prefill time, plus the M/G/1 wait of an instance at the second's utilization
+(Pollaczek-Khinchine over the classes' prefill times), plus how long the backlog kept it
+beyond its arrival second. Decode admits cohorts FIFO while sequences and KV fit; a running
 cohort advances one token per step, the step time set by the batch per instance and the mean
 context; its TPOT is (last token - first token) / (output tokens - 1), so time spent waiting
 for a decode slot counts. A new instance costs GPU time from the decision and serves after the
-start-to-ready time; one scaled down stops taking work at once and costs GPU time while it
-drains (prefill: nothing left; decode: one output length of steps at the current step time).
+start-up; one scaled down stops taking work at once and costs GPU time while it drains.
 
-Policies, each deciding every interval:
-- static: the replicas the trace's peak needs at --static-utilization of each role's
-  capacity, for the whole day;
-- planner: pdd_api.autoscale.plan, the operator's own pure decision function, fed the samples
-  the operator would scrape (TTFT/TPOT percentiles of the interval, prompt tokens arrived per
-  second over it, queued prompt tokens, KV blocks in use, running and waiting sequences), its
-  capacity targets set to a share of the measured per-instance figures
-  (--prefill-utilization, --decode-utilization);
-- requests: an HPA-like rule on requests in flight per ready replica (prefill: prompts queued
-  or in prefill; decode: sequences running or waiting), HPA's defaults (10 % tolerance, pods
-  not ready yet counted with nothing in flight, scale up at most max(4, 100 %) per interval,
-  scale down to the highest recommendation of the last 300 s). First at thresholds set to
-  serve (what an instance holds in flight at 80 % of its capacity), then with both scaled by
-  one factor, searched so that its GPU-hours equal the planner's: misses at equal cost (the
-  cost is not monotonic in the factor: the search walks from 1 toward the goal, then
-  bisects the bracket).
+Policies, on the same arrivals, each deciding every interval:
+- planner: pdd_api.autoscale.plan itself, fed the samples the operator would scrape, its
+  capacity targets a share of the measured per-instance figures;
+- static: per role the fewest instances whose TTFT (prefill) or TPOT (decode) attainment
+  reaches the planner's, by bisection (and the peak sizing at --static-utilization, shown);
+- requests: an HPA-like rule on requests in flight per ready replica, its threshold tuned per
+  role by bisection to the planner's attainment, then both scaled by one factor toward the
+  planner's GPU-hours (misses at equal cost).
 """
 
 from __future__ import annotations
