@@ -160,18 +160,20 @@ def test_autoscale_sim_json_holds_its_table_and_plot() -> None:
     plot = plot_module()
     data = load("autoscale_sim.json")
     series = plot.autoscale_series(data)
-    for policy, points in data["timeline"].items():
-        drawn = series["instances (prefill + decode)"][policy]
-        assert [(t / 3600, float(p + d)) for t, _r, p, d in points] == drawn
     text = (DOCS / "autoscaling.md").read_text()
     section = text[text.index("[autoscale_sim.json](autoscale_sim.json)"):]
-    rows = {f[1].strip(): f for ln in section.splitlines()
-            if ln.startswith("| ") and len(f := ln.split("|")) > 6}
-    for policy, r in data["policies"].items():
-        row = rows[policy]
-        assert row[2].strip() == f"{100 * r['attainment']:.2f} %"
-        assert row[5].strip() == f"{r['gpu_hours']:.0f}"
-        assert row[6].strip() == f"{100 * r['gpu_hours_vs_static']:.1f} %"
+    rows = {(f[1].strip(), f[2].strip()): f for ln in section.splitlines()
+            if ln.startswith("| ") and len(f := ln.split("|")) > 8}
+    for su in data["startups"]:
+        for policy, points in su["timeline"].items():
+            drawn = series["instances (prefill + decode)"][f"{policy}, {su['ready_s']:.0f} s"]
+            assert [(t / 3600, float(p + d)) for t, _r, p, d in points] == drawn
+        for policy, r in su["policies"].items():
+            row = rows[(f"{su['ready_s']:.1f} s", policy)]
+            assert row[3].strip() == f"{100 * r['attainment']:.2f} %"
+            assert row[6].strip() == f"{r['gpu_hours']:.0f}"
+            assert row[7].strip() == f"{100 * r['gpu_hours_vs_static']:.1f} %"
+            assert row[8].strip() == f"{r['missed_requests']:,.0f}"
 
 
 def test_kv_tiers_json_holds_its_table_and_plot() -> None:
