@@ -20,13 +20,16 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
+    GRANT_ERRORS,
     STATE,
     InstanceState,
+    RequestError,
     bad,
     error_response,
     finished,
@@ -34,7 +37,7 @@ from pdd_sidecar.serve.common import (
     sequence_error,
     sequence_tokens,
 )
-from pdd_sidecar.serve.decode_api import decode_sequence
+from pdd_sidecar.serve.decode_api import PEERS, decode_sequence
 from pdd_sidecar.serve.openai_fields import FieldError, include_usage, refusal, token_limit
 from pdd_sidecar.serve.prefill_api import run_prefill
 from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
@@ -203,22 +206,26 @@ async def _decode_leg(request: web.Request, state: InstanceState, rid: str,
     if params.get("do_remote_prefill") is not True or not isinstance(params.get(GRANT), dict):
         raise bad("kv_transfer_params: a decode instance needs do_remote_prefill true and the "
                   f"prefill's {GRANT}")
-    if params.get("remote_num_tokens") != len(prompt):
-        raise bad(f"prompt: {len(prompt)} tokens, but the prefill ran "
-                  f"{params.get('remote_num_tokens')!r}")
-    key = _checked(token_limit, body) or "max_tokens"
-    max_tokens = body.get(key, 16)
-    if max_tokens < 1:
-        raise bad(f"{key}: must be an integer >= 1, got {max_tokens!r}")
-    first = params.get(FIRST_TOKEN)
-    if isinstance(first, bool) or not isinstance(first, int):
-        raise bad(f"kv_transfer_params.{FIRST_TOKEN}: must be a token id, got {first!r}")
+    try:
+        if params.get("remote_num_tokens") != len(prompt):
+            raise bad(f"prompt: {len(prompt)} tokens, but the prefill ran "
+                      f"{params.get('remote_num_tokens')!r}")
+        key = _checked(token_limit, body) or "max_tokens"
+        max_tokens = body.get(key, 16)
+        if max_tokens < 1:
+            raise bad(f"{key}: must be an integer >= 1, got {max_tokens!r}")
+        first = params.get(FIRST_TOKEN)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise bad(f"kv_transfer_params.{FIRST_TOKEN}: must be a token id, got {first!r}")
+        opts = body.get("stream_options")
+        usage = opts is not None and _checked(include_usage, opts)
+    except RequestError:
+        await _give_back(request, state, params[GRANT])
+        raise
     seq = await decode_sequence(request, state, {
         "request_id": rid, "first_token": first, "max_new_tokens": max_tokens - 1,
         "kv_transfer_params": params[GRANT], "prompt_ids": prompt, **options})
     if body.get("stream"):
-        opts = body.get("stream_options")
-        usage = opts is not None and _checked(include_usage, opts)
         return await _stream(request, state, rid, body, seq, prompt, first, usage)
     await finished(request, state, seq)
     err = sequence_error(seq)
@@ -226,6 +233,26 @@ async def _decode_leg(request: web.Request, state: InstanceState, rid: str,
         raise err
     return web.json_response(_completion(request, rid, body, prompt, [first, *seq.output],
                                          seq.finish_reason, None))
+
+
+async def _give_back(request: web.Request, state: InstanceState, grant: Any) -> None:
+    """A decode leg refused before its pull: the prefill's blocks go back now, not at the end
+    of their lease (what the proxy strips from the prefill leg, and so only the decode leg can
+    refuse, must not pin them). Only a prefill peer this decode found gets the grant."""
+    watch = request.app[PEERS]
+    try:
+        src = TransferParams.from_grant(grant, state.worker.key, 0.0)
+    except GRANT_ERRORS:
+        return
+    url = state.prefill_peers.get(src.instance_id)
+    if url is None or watch.session is None:
+        return
+    try:
+        async with watch.session.post(f"{url}/v1/release",
+                                      json={"kv_transfer_params": grant}) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass  # the lease frees them
 
 
 async def _stream(request: web.Request, state: InstanceState, rid: str, body: dict[str, Any],
