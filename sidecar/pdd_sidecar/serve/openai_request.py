@@ -29,8 +29,8 @@ INT64 = (-(2**63), 2**63 - 1)
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # engine/sampling.py's bound (OpenAI's on top_logprobs)
 MAX_CHOICES = 16  # n's bound (engine/sampling.py's, which the instances check)
-T = TypeVar("T")
 MAX_PROMPTS = 64  # prompts in one completions request (each runs as its own request)
+T = TypeVar("T")
 
 
 class ApiError(Exception):
