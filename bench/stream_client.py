@@ -32,6 +32,7 @@ class Streamed:
     tokens: list[int] = field(default_factory=list)
     usage: dict[str, Any] | None = None  # with include_usage: the usage chunk
     finish_reason: str | None = None
+    logprob_tokens: int = 0  # tokens that came with their log-probability (logprobs asked)
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int],
@@ -63,6 +64,10 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
                 ids = choice.get("token_ids") or []
                 out.times.extend([time.perf_counter()] * len(ids))
                 out.tokens.extend(ids)
+                lp = choice.get("logprobs")
+                if isinstance(lp, dict):
+                    out.logprob_tokens += sum(v is not None
+                                              for v in lp.get("token_logprobs") or ())
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
             if isinstance(msg.get("pdd"), dict):
                 out.pdd = msg["pdd"]

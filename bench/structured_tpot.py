@@ -91,6 +91,7 @@ class Case:
     constrained: int = 0
     errors: int = 0
     tokens: int = 0
+    logprob_tokens: int = 0  # tokens whose log-probability came back (the logprobs case)
     stopped_early: int = 0  # constrained answers the grammar completed before max_tokens
     off_grammar: int = 0  # constrained answers with a token the schema's grammar rejects
     tpot_ms: float = float("nan")  # median over requests
@@ -253,6 +254,7 @@ async def run_round(session: aiohttp.ClientSession, url: str, case: Case, times:
             continue
         arrived = g.times
         case.tokens += len(arrived)
+        case.logprob_tokens += g.logprob_tokens
         if i in constrained and g.finish_reason == "stop":
             case.stopped_early += 1
         if i in constrained and on_grammar is not None and not on_grammar(g.tokens):

@@ -1,5 +1,6 @@
 """bench/structured_tpot.py --quick end to end: every case runs with no failed request and the
-share of constrained requests it names; the logprobs case runs or says why it was skipped; a
+share of constrained requests it names; the logprobs case runs and its answers carry their
+log-probabilities (pdd serves them: a skip would hide a refusal); a
 checkpoint without a tokenizer gets a synthetic one of its vocabulary's size that llguidance
 and the router's tokenizers both read."""
 
@@ -36,9 +37,14 @@ def test_quick_run_of_every_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert cases[name]["mask_steps"] > 0 and cases[name]["mask_ms"] > 0
     assert math.isfinite(cases["25% under a JSON schema"]["tpot_constrained_ms"])
     assert math.isfinite(cases["25% under a JSON schema"]["tpot_plain_ms"])
+    for name in shares:
+        assert cases[name]["logprob_tokens"] == 0  # none asked
+    # pdd serves logprobs: the case must run, and every token it timed carried its entry.
     lp = cases["top_logprobs 5 on all"]
-    assert lp["skipped"].startswith("the server refuses logprobs") or (
-        lp["errors"] == 0 and math.isfinite(lp["tpot_ms"]))
+    assert not lp["skipped"], lp["skipped"]
+    assert lp["errors"] == 0 and lp["requests"] == streams * rounds, lp
+    assert math.isfinite(lp["tpot_ms"]) and lp["tokens"] > 0
+    assert lp["logprob_tokens"] == lp["tokens"], lp
     assert set(res["summary"]) == set(cases) - {"0% under a JSON schema"}
 
 

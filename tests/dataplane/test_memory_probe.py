@@ -15,7 +15,6 @@ from pdd_sidecar.engine import memory_probe, rank_engine
 from pdd_sidecar.engine.comm import SingleComm
 from pdd_sidecar.env import InstanceSettings
 from pdd_sidecar.kv.pool_sizing import (
-    CPU_DEFAULT_BLOCKS,
     GIB,
     SizingError,
     min_sequence,
@@ -141,7 +140,7 @@ def test_the_pool_explicit_on_a_cpu_or_agreed_from_memory(
 
     cpu = torch.device("cpu")
     pool = memory_probe.size_rank_pool(model, SingleComm(), settings("decode"), cpu, 0, gather)
-    assert (pool.blocks, pool.source) == (CPU_DEFAULT_BLOCKS, "cpu default")
+    assert (pool.blocks, pool.source) == (1024, "cpu default")  # docs/kv-memory.md
     assert pool.longest == min(pool.tokens, model.config.max_position_embeddings)
     cuda = torch.device("cuda", 0)  # never touched: the measuring itself is replaced here
     explicit = settings("decode", PDD_NUM_BLOCKS="77")

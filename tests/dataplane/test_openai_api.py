@@ -673,6 +673,19 @@ BAD = [
     ("completions", {"prompt": [1], "guided_json": {"type": "object"}, "guided_regex": "a"},
      "guided_regex"),
     ("completions", {"prompt": [1], "temprature": 0}, "temprature"),
+    ("completions", {"prompt": [1], "stream": True,
+                     "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options"),
+    ("completions", {"prompt": [1], "stream": True, "stream_options": {"usage": True}},
+     "stream_options"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 4, "max_completion_tokens": 8}, "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": "4", "max_completion_tokens": 4}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "store": True},
+     "store"),
+    ("completions", {"prompt": [1], "guided_json": {"type": "object"},
+                     "guided_whitespace_pattern": "[ ]?"}, "guided_whitespace_pattern"),
 ]
 
 

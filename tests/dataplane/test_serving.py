@@ -452,9 +452,27 @@ def test_a_proxy_speaking_vllms_protocol_drives_pdd_instances(cluster: LocalClus
     assert status == 200 and body["choices"][0]["token_ids"] == [forced] * 7, body
     status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, "min_p": 0.1})
     assert status == 400 and "min_p" in error_text(answer)
-    for field, value in (("logprobs", 2), ("echo", True), ("prompt_logprobs", 0)):
+    for field, value in (("logprobs", 2), ("echo", True), ("prompt_logprobs", 0),
+                         ("temprature", 0), ("store", True), ("guided_whitespace_pattern", " ")):
         status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, field: value})
         assert status == 400 and field in error_text(answer), answer
+    # What the proxy sends beside the table is read: max_completion_tokens bounds the
+    # completion, stream_options.include_usage ends the stream with the counts.
+    status, body = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_completion_tokens": 5,
+                                                 "temperature": 0})
+    assert status == 200 and body["choices"][0]["token_ids"] == _reference(prompt, 5), body
+    status, events = _vllm_proxy(prefill, decode, {"prompt": prompt, "max_tokens": 4,
+                                                   "temperature": 0, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1]["choices"] == [], events
+    assert events[-1]["usage"] == {"prompt_tokens": 37, "completion_tokens": 4,
+                                   "total_tokens": 41}
+    assert all(e["usage"] is None for e in events[:-1])
+    for request, says in (({"max_tokens": 4, "max_completion_tokens": 6}, "differ"),
+                          ({"stream": True, "stream_options": {"usage": True}},
+                           "stream_options.usage")):
+        status, answer = _vllm_proxy(prefill, decode, {"prompt": prompt, **request})
+        assert status == 400 and says in error_text(answer), answer
     _all_blocks_back(prefill, decode)
 
 
@@ -477,6 +495,14 @@ def test_the_router_speaks_vllms_protocol_to_its_upstreams(cluster: LocalCluster
                                           "temperature": 0})
     assert body["choices"][0]["token_ids"] == _reference(_prompt(33, 9), 9)
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    # Structured output reaches the instances as vLLM's structured_outputs field.
+    for extra in ({"guided_choice": ["yes", "no"]}, {"guided_regex": "[a-c]{3}"}):
+        status, body = _complete(router.url, {"prompt": _prompt(12), "max_tokens": 6,
+                                              "temperature": 1.0, "seed": 3, **extra})
+        assert status == 200, body
+        text = body["choices"][0]["text"]
+        assert (text in ("yes", "no") if "guided_choice" in extra
+                else len(text) == 3 and set(text) <= set("abc")), body
     # Log-probabilities and echo need pdd's own instance API: refused, never ignored.
     for field, value in (("logprobs", 1), ("echo", True)):
         status, body = _complete(router.url, {"prompt": _prompt(20), field: value})

@@ -265,3 +265,37 @@ def test_forced_tool_calls_from_a_random_model(real: tuple[str, Path], choice: s
         assert finish == whole.finish_reason  # the same seed: the same answer
         assert [tuple(parts[i]) for i in sorted(parts)] == [
             (c.function.name, c.function.arguments) for c in calls]
+
+
+def test_strict_tools_under_auto_hold_a_call_to_its_schema(real: tuple[str, Path]) -> None:
+    """tool_choice auto with strict tools: the model decides. This random model never calls by
+    itself, so a logit_bias on the block's opening token makes it start one; from there the
+    grammar must carry it through whole calls whose arguments validate (unconstrained, the
+    same model writes no such block)."""
+    import jsonschema
+    from openai import OpenAI
+
+    from pdd_sidecar.serve.text import load_model_text
+    from pdd_sidecar.serve.tool_parser import Markers
+
+    url, ckpt = real
+    markers = Markers.of(load_model_text(str(ckpt)).codec)
+    assert markers is not None
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}}
+              for t in BOUNDED]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for seed in (1, 2):
+        body = {"model": "tiny", "messages": messages, "tools": strict, "max_tokens": 80,
+                "temperature": 0.8, "seed": seed, "parallel_tool_calls": False,
+                "logit_bias": {str(markers.calls_begin): 100}}
+        whole = client.chat.completions.create(**body).choices[0]
+        calls = whole.message.tool_calls
+        assert calls and len(calls) == 1 and whole.finish_reason == "tool_calls", whole
+        jsonschema.validate(json.loads(calls[0].function.arguments),
+                            schemas[calls[0].function.name])
+    # Without the bias the model answers in text, as auto lets it.
+    plain = client.chat.completions.create(model="tiny", messages=messages, tools=strict,
+                                           max_tokens=8, temperature=0.8, seed=1).choices[0]
+    assert not plain.message.tool_calls and plain.finish_reason == "length", plain

@@ -45,6 +45,8 @@ ASKING = [
     ("completion", "include_stop_str_in_output", True),
     ("completion", "cache_salt", "tenant-a"),
     ("completion", "allowed_token_ids", [1, 2]),
+    ("chat", "store", True),  # nothing is stored
+    ("completion", "guided_whitespace_pattern", r"[\n ]*"),  # vLLM lays its JSON out by it
 ]
 
 
@@ -71,12 +73,16 @@ OFF = [
               "tool_choice": "none", "functions": [], "function_call": "auto",
               "modalities": ["text"], "continue_final_message": False, "echo": False,
               "chat_template_kwargs": {}, "guided_json": None, "response_format": None}),
-    ("completion", {"user": "u1", "metadata": {"a": "b"}, "store": True,
+    ("completion", {"user": "u1", "metadata": {"a": "b"}, "store": False,
                     "service_tier": "auto", "prompt_cache_key": "k", "priority": 3,
                     "request_id": "mine", "return_token_ids": True,
                     "guided_decoding_backend": "xgrammar"}),
     ("chat", {"user": "u1", "parallel_tool_calls": False, "safety_identifier": "s",
-              "prediction": {"type": "content", "content": "x"}}),
+              "prediction": {"type": "content", "content": "x"}, "store": None,
+              "guided_whitespace_pattern": None}),
+    ("chat", {"stream": True, "stream_options": {"include_usage": False,
+                                                 "continuous_usage_stats": False},
+              "max_tokens": 5, "max_completion_tokens": 5}),
 ]
 
 
@@ -86,6 +92,44 @@ def test_values_that_ask_for_nothing_and_fields_without_effect_pass(
         kind: str, extra: dict[str, Any]) -> None:
     req = _parse(kind, extra)
     assert req.sampling.keys() == {"temperature", "top_p", "top_k", "seed"}
+
+
+# Fields whose value is read but whose shape was not checked, or whose keys were not: each
+# malformed or unsupported body is a 400 naming the field and quoting what is wrong.
+MALFORMED = [
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "include_usgae": True}},
+     "stream_options", "include_usgae"),
+    ("completion", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options", "continuous_usage_stats"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options", "'yes'"),
+    ("completion", {"stream": True, "stream_options": ["include_usage"]},
+     "stream_options", "['include_usage']"),
+    ("chat", {"max_tokens": 64, "max_completion_tokens": 8}, "max_completion_tokens", "64"),
+    ("chat", {"max_tokens": "64", "max_completion_tokens": 8}, "max_tokens", "'64'"),
+    ("chat", {"max_tokens": 8, "max_completion_tokens": 8.0}, "max_completion_tokens", "8.0"),
+    ("completion", {"max_tokens": True}, "max_tokens", "True"),
+]
+
+
+@pytest.mark.parametrize(("kind", "extra", "field", "shown"), MALFORMED,
+                         ids=[f"{k}-{f}-{i}" for i, (k, _, f, _) in enumerate(MALFORMED)])
+def test_malformed_or_unsupported_values_are_400s_naming_the_field(
+        kind: str, extra: dict[str, Any], field: str, shown: str) -> None:
+    err = _refused(kind, extra)
+    assert (err.status, err.param) == (400, field)
+    assert err.message.startswith(field) and shown in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_known_stream_options_and_one_limit_under_two_names_are_read() -> None:
+    usage = _parse("chat", {"stream": True, "stream_options": {"include_usage": True}})
+    assert usage.include_usage
+    assert not _parse("chat", {"stream": True, "stream_options": {}}).include_usage
+    both = _parse("chat", {"max_tokens": 7, "max_completion_tokens": 7})
+    assert both.max_tokens == 7
+    assert _parse("chat", {"max_completion_tokens": 9}).max_tokens == 9
+    assert _parse("chat", {"max_tokens": 11}).max_tokens == 11
 
 
 @pytest.mark.parametrize(("kind", "field"), [("completion", "temprature"),

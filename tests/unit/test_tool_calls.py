@@ -57,6 +57,7 @@ def _refused(model: ModelText, **extra: Any) -> ApiError:
 
 
 # ---------------------------------------------------------------- the request
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
 DEEP: dict[str, Any] = {"type": "object"}
 for _ in range(3000):
     DEEP = {"type": "object", "properties": {"a": DEEP}}
@@ -91,6 +92,11 @@ BAD_TOOLS = [
       "tool_choice": "required"}, "tools", "cannot be enforced"),
     ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls",
      "parallel_tool_calls must be true or false"),
+    ({"tools": [STRICT_WEATHER], "response_format": {"type": "json_object"}}, "tools",
+     "cannot be enforced beside structured output"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}}}]},
+     "tools", "cannot be enforced for strict"),
 ]
 
 
@@ -410,6 +416,35 @@ def test_required_and_named_choices_carry_the_forcing_grammar(model: ModelText) 
         assert req.sampling["structured"] == {
             "kind": "lark", "value": tool_call_grammar([WEATHER, TIME], markers, named, parallel)}
         assert req.prompt_ids == auto.prompt_ids  # the tools are rendered all the same
+
+
+def test_strict_under_auto_lets_the_model_choose_but_holds_its_calls_to_the_schema(
+        model: ModelText) -> None:
+    ckpt = Path(model.source)
+    markers = Markers.of(model.codec)
+    assert markers is not None
+    req = _chat(model, tools=[STRICT_WEATHER, TIME])
+    assert req.tools is not None and req.tools.strict and not req.tools.forced
+    grammar = req.sampling["structured"]["value"]
+    assert req.sampling["structured"]["kind"] == "lark"
+    good = block(("get_weather", '{"city":"Paris","unit":"kelvin"}'))
+    for text in ["Sunny, 21 degrees." + EOS, good, "Let me look.\n" + good, EOS,
+                 block(("get_time", '{"zone":"CET"}'))]:
+        assert _matches(model, ckpt, grammar, text), text
+    for text in ["Let me look.\n" + block(("get_weather", '{"unit":"kelvin"}')),
+                 block(("get_weather", '{"city":"Paris","unit":"F"}')),
+                 block(("get_date", "{}")),
+                 good + "and more text"]:
+        assert not _matches(model, ckpt, grammar, text), text
+    single = _chat(model, tools=[STRICT_WEATHER, TIME], parallel_tool_calls=False)
+    two = block(("get_weather", '{"city":"Paris"}'), ("get_time", "{}"))
+    assert _matches(model, ckpt, grammar, two)
+    assert not _matches(model, ckpt, single.sampling["structured"]["value"], two)
+    # strict: false, or under none, asks for nothing of the kind.
+    loose = {"type": "function", "function": {**WEATHER["function"], "strict": False}}
+    assert "structured" not in _chat(model, tools=[loose, TIME]).sampling
+    assert "structured" not in _chat(model, tools=[STRICT_WEATHER],
+                                     tool_choice="none").sampling
 
 
 ODD = [None, True, 0, -1.5, "", "x", [], [None], [1], ["a"], [[]], {}, {"type": None},

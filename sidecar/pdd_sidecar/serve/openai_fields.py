@@ -103,7 +103,6 @@ FIELDS: dict[str, Field] = {
     # Accepted and without effect on the answer.
     "user": _N,
     "metadata": _N,
-    "store": _N,
     "service_tier": _N,
     "prompt_cache_key": _N,
     "safety_identifier": _N,
@@ -112,7 +111,6 @@ FIELDS: dict[str, Field] = {
     "request_id": _N,  # the router names its requests itself
     "return_token_ids": _N,  # every choice carries token_ids anyway
     "guided_decoding_backend": _N,  # llguidance whatever is named (docs/openai-api.md)
-    "guided_whitespace_pattern": _N,
     "spaces_between_special_tokens": _N,  # special tokens are never shown
     # Refused unless they ask for nothing.
     "use_beam_search": _refused("beam search is not supported", _off_values(False)),
@@ -153,6 +151,11 @@ FIELDS: dict[str, Field] = {
     "prompt_embeds": _refused("prompt embeddings are not supported"),
     "cache_salt": _refused("the prefix cache is shared by every request (no per-tenant salt)"),
     "vllm_xargs": _refused("vLLM's extra arguments are not supported", _off_values({})),
+    "store": _refused("nothing is stored (no stored completions to list or distil)",
+                      _off_values(False)),
+    "guided_whitespace_pattern": _refused(
+        "JSON always comes out in llguidance's compact layout; a whitespace pattern is not "
+        "supported"),
 }
 
 
@@ -162,15 +165,15 @@ def _quoted(v: Any) -> str:
     return f" (got {text})" if len(text) <= 60 else ""
 
 
-def refusal(kind: str, body: Mapping[str, Any], unknown: bool = True) -> tuple[str, str] | None:
+def refusal(kind: str, body: Mapping[str, Any],
+            extra: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """``(field, message)`` for the first field of ``body`` that ``kind``'s endpoint does not
-    honour and that asks for something, else None. ``unknown=False`` lets fields the table
-    does not know for this endpoint pass (an instance behind a proxy that adds its own, or
-    sets ``max_completion_tokens`` on a completion)."""
+    honour and that asks for something, else None. ``extra``: fields the caller takes beside
+    the table (the instances' vLLM protocol: what vLLM's proxies send), which pass here."""
     for name, value in body.items():
-        field = FIELDS.get(name)
-        if (field is None or kind not in field.kinds) and not unknown:
+        if name in extra:
             continue
+        field = FIELDS.get(name)
         if field is None or kind not in field.kinds:
             where = ENDPOINT[kind]
             shown = name if len(name) <= 60 else name[:60] + "..."
@@ -182,3 +185,61 @@ def refusal(kind: str, body: Mapping[str, Any], unknown: bool = True) -> tuple[s
             continue
         return name, f"{name}: {field.why}{_quoted(value)}"
     return None
+
+
+class FieldError(ValueError):
+    """A 400 naming ``param``, the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def include_usage(opts: Any) -> bool:
+    """``stream_options``' ``include_usage``. Its keys are booleans; a key pdd does not know
+    is refused, and so is vLLM's ``continuous_usage_stats: true`` (usage in every chunk),
+    which pdd does not send: a client counting on it would read nulls."""
+    if not isinstance(opts, dict):
+        raise FieldError(f"stream_options must be an object, got {_short(opts)}",
+                         "stream_options")
+    for key, value in opts.items():
+        shown = key if len(key) <= 60 else key[:60] + "..."
+        if key not in STREAM_OPTIONS:
+            raise FieldError(f"stream_options.{shown}: unrecognized (pdd takes "
+                             "include_usage)", "stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise FieldError(f"stream_options.{key} must be true or false, got "
+                             f"{_short(value)}", "stream_options")
+    if opts.get("continuous_usage_stats"):
+        raise FieldError("stream_options.continuous_usage_stats: usage in every chunk is not "
+                         "supported (got True); include_usage sends it once, after the last "
+                         "choice", "stream_options")
+    return opts.get("include_usage") is True
+
+
+LIMITS = ("max_completion_tokens", "max_tokens")
+
+
+def token_limit(body: Mapping[str, Any]) -> str | None:
+    """The field that bounds the completion, or None when neither is given:
+    ``max_completion_tokens`` (OpenAI's current name) or ``max_tokens`` (its deprecated one,
+    and the completions endpoint's). Each given is checked to be an integer; both given and
+    different is refused rather than one silently preferred."""
+    given = [k for k in LIMITS if body.get(k) is not None]
+    for key in given:
+        v = body[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise FieldError(f"{key} must be an integer, got {_short(v)}", key)
+    if len(given) == 2 and body[LIMITS[0]] != body[LIMITS[1]]:
+        raise FieldError(f"max_completion_tokens ({body[LIMITS[0]]}) and max_tokens "
+                         f"({body[LIMITS[1]]}) differ; send one of them (max_tokens is the "
+                         "older name of the same limit)", "max_completion_tokens")
+    return given[0] if given else None

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from pdd_sidecar.grammar import GrammarError, Spec, check
-from pdd_sidecar.serve.openai_fields import refusal
+from pdd_sidecar.serve.openai_fields import FieldError, include_usage, refusal, token_limit
 from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
 from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids, template_variables
 from pdd_sidecar.serve.tool_grammar import tool_call_grammar
@@ -30,6 +30,7 @@ MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # engine/sampling.py's bound (OpenAI's on top_logprobs)
 MAX_CHOICES = 16  # n's bound (engine/sampling.py's, which the instances check)
 MAX_PROMPTS = 64  # prompts in one completions request (each runs as its own request)
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -129,6 +130,14 @@ def _check_strings(value: Any, path: str, top: str) -> None:
                 todo.append((v, f"{path}.{k}"))
         elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
             todo.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _field(read: Callable[[Any], T], value: Any) -> T:
+    """``read(value)``, its FieldError as the 400."""
+    try:
+        return read(value)
+    except FieldError as exc:
+        raise bad(str(exc), exc.param) from None
 
 
 def _opt_int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None = None,
@@ -329,14 +338,17 @@ def _tools(body: Mapping[str, Any], model: ModelText) -> ToolSpec | None:
 
 def _forced_calls(spec: ToolSpec, model: ModelText) -> dict[str, Any]:
     """tool_choice required / named: the structured-output spec of a grammar that lets the
-    model write nothing but the calls (a tool's schema llguidance cannot compile is a 400)."""
+    model write nothing but the calls; auto with a strict tool: text, then calls or nothing
+    (a tool's schema llguidance cannot compile is a 400)."""
     markers = Markers.of(model.codec)
     assert markers is not None  # _tools checked
-    grammar = Spec("lark", tool_call_grammar(spec.tools, markers, spec.named, spec.parallel))
+    grammar = Spec("lark", tool_call_grammar(spec.tools, markers, spec.named, spec.parallel,
+                                             optional=not spec.forced))
     try:
         check(grammar)
     except GrammarError as exc:
-        raise bad(f"tools: the parameters cannot be enforced for tool_choice: {exc}",
+        what = "tool_choice" if spec.forced else "strict"
+        raise bad(f"tools: the parameters cannot be enforced for {what}: {exc}",
                   "tools") from None
     return grammar.to_json()
 
@@ -402,13 +414,11 @@ def parse_requests(kind: str, body: Any, model: ModelText, served: str,
                        f"{served!r}", "model", "not_found_error", "model_not_found")
     stream = _opt_bool(body, "stream", False)
     opts = body.get("stream_options")
-    include_usage = False
+    usage = False
     if opts is not None:
-        if not isinstance(opts, dict):
-            raise bad("stream_options must be an object", "stream_options")
+        usage = _field(include_usage, opts)
         if not stream:
             raise bad("stream_options is only allowed with stream: true", "stream_options")
-        include_usage = _opt_bool(opts, "include_usage", False)
     temperature = _opt_number(body, "temperature", 1.0, 0.0, 2.0, False, "[0, 2]")
     top_p = _opt_number(body, "top_p", 1.0, 0.0, 1.0, True, "(0, 1]")
     top_k = _opt_int(body, "top_k", 0, -1, None, " (-1 or 0 = off, else >= 1)")
@@ -464,9 +474,7 @@ def parse_requests(kind: str, body: Any, model: ModelText, served: str,
         if len(prompt) >= limit:
             raise bad(f"{where}: the prompt is {len(prompt)} tokens; this model's maximum "
                       f"context length is {limit} tokens (prompt + completion)", prompt_param)
-    key = "max_tokens"
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        key = "max_completion_tokens"
+    key = _field(token_limit, body) or "max_tokens"
     default = 16 if kind == "completion" else max(1, min(limit, served_len or limit)
                                                   - len(prompts[0]))
     # With echo a completion may ask for the prompt alone (its log-probabilities).
@@ -497,6 +505,12 @@ def parse_requests(kind: str, body: Any, model: ModelText, served: str,
             raise bad("tool_choice: a required or named tool call cannot be combined with "
                       "structured output (the answer is the calls)", "tool_choice")
         controls[STRUCTURED] = _forced_calls(tools, model)
+    elif tools is not None and tools.strict:
+        if structured is not None:
+            raise bad("tools: a strict tool's arguments cannot be enforced beside structured "
+                      "output (two grammars on one answer); send strict: false or no "
+                      "response_format", "tools")
+        controls[STRUCTURED] = _forced_calls(tools, model)
     local = set(stop_token_ids)
     if not ignore_eos:
         local |= model.eos_token_ids
@@ -505,7 +519,7 @@ def parse_requests(kind: str, body: Any, model: ModelText, served: str,
         sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                   **controls},
         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stream=stream,
-        include_usage=include_usage, local_stop_ids=frozenset(local), min_tokens=min_tokens,
+        include_usage=usage, local_stop_ids=frozenset(local), min_tokens=min_tokens,
         tools=tools, n=n,
         logprobs=logprobs, echo=echo, prompt_logprobs=_prompt_count(echo, logprobs, vllm_prompt),
         vllm_prompt_logprobs=vllm_prompt is not None, tokens_as_ids=tokens_as_ids,

@@ -134,4 +134,12 @@ def structured_spec(body: Mapping[str, Any], compile_check: bool = True) -> Spec
     return found[0][1] if found else None
 
 
-__all__ = ["FIELDS", "STRUCTURED", "StructuredError", "structured_spec"]
+def structured_outputs(structured: Mapping[str, Any]) -> dict[str, Any]:
+    """An instance API ``sampling["structured"]`` object as vLLM's ``structured_outputs``
+    field: what the router sends upstreams that speak vLLM's protocol, which read no
+    ``structured`` key."""
+    key = next(k for k, kind in _OUTPUTS_KEYS.items() if kind == structured["kind"])
+    return {key: True if key == "json_object" else structured["value"]}
+
+
+__all__ = ["FIELDS", "STRUCTURED", "StructuredError", "structured_outputs", "structured_spec"]

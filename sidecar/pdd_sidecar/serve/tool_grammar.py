@@ -28,16 +28,21 @@ def _schema(tool: dict[str, Any]) -> str:
 
 
 def tool_call_grammar(tools: Sequence[dict[str, Any]], markers: Markers,
-                      named: str | None = None, parallel: bool = True) -> str:
+                      named: str | None = None, parallel: bool = True,
+                      optional: bool = False) -> str:
     """``named``: only that function, once; else any of ``tools``, once or (``parallel``)
-    more times, one per line as DeepSeek's template writes them."""
+    more times, one per line as DeepSeek's template writes them. ``optional`` (tool_choice
+    auto with a strict tool): free text first, then the block or nothing; the text cannot
+    spell a marker (they are special tokens), so a call always goes through the block's rules."""
     chosen = [t for t in tools if named is None or t["function"]["name"] == named]
     if not chosen:
         raise ValueError(f"tool_call_grammar: no tool named {named!r}")
     more = ' ("\\n" call)*' if parallel and named is None else ""
-    rules = [f"start: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
-             f"call: <[{markers.call_begin}]> \"function\" <[{markers.sep}]> fn",
-             "fn: " + " | ".join(f"f{i}" for i in range(len(chosen)))]
+    calls = f"<[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>"
+    rules = (["start: TEXT? calls?", "TEXT: /(.|\\n)+/", f"calls: {calls}"] if optional
+             else [f"start: {calls}"])
+    rules += [f"call: <[{markers.call_begin}]> \"function\" <[{markers.sep}]> fn",
+              "fn: " + " | ".join(f"f{i}" for i in range(len(chosen)))]
     for i, tool in enumerate(chosen):
         header = json.dumps(tool["function"]["name"] + "\n```json\n")
         rules.append(f"f{i}: {header} a{i} \"\\n```\" <[{markers.call_end}]>")

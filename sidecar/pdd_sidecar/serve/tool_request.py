@@ -7,6 +7,8 @@ prompt the model was never trained on) instead of a 400 naming the field.
 
 `tool_choice` `required` and a named function ask for an answer that must be a call: the
 request carries a grammar that forces one (serve/tool_grammar.py, through structured output).
+Under `auto` a tool with `strict: true` asks that a call, if the model makes one, match its
+schema: the grammar then lets the answer be text, a call block, or text then a block.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ToolSpec:
     parallel: bool  # parallel_tool_calls: false ends the answer after its first call
     forced: bool = False  # tool_choice required or named: the answer must be calls
     named: str | None = None  # tool_choice names this function: one call of it
+    strict: bool = False  # tool_choice auto with a strict tool: calls follow the schemas
 
 
 def _short(v: Any, limit: int = 60) -> str:
@@ -142,8 +145,10 @@ def tool_spec(body: Mapping[str, Any]) -> ToolSpec | None:
         return None
     if choice == "none":
         return ToolSpec((), frozenset(names), parse=False, parallel=parallel is not False)
+    forced = named is not None or choice == "required"
     return ToolSpec(tuple(tools), frozenset(names), parse=True, parallel=parallel is not False,
-                    forced=named is not None or choice == "required", named=named)
+                    forced=forced, named=named,
+                    strict=not forced and any(t["function"].get("strict") for t in tools))
 
 
 def check_tool_turns(i: int, message: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ from pdd_sidecar.serve.replica_pool import Pool
 from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
 from pdd_sidecar.serve.router_workers import mark_warm, warm_workers
 from pdd_sidecar.serve.routing_policy import make_policy
+from pdd_sidecar.serve.structured_request import STRUCTURED, structured_outputs
 from pdd_sidecar.serve.text import ModelText
 from pdd_sidecar.serve.upstream_http import (
     CONNECT_TIMEOUT_S,
@@ -487,9 +488,11 @@ class Router:
         completion is what the decode streams."""
         assert self.session is not None
         common = {"prompt": req.prompt_ids, **{k: v for k, v in req.sampling.items()
-                                               if v is not None},
+                                               if v is not None and k != STRUCTURED},
                   "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                   "return_token_ids": True}
+        if req.sampling.get(STRUCTURED) is not None:
+            common["structured_outputs"] = structured_outputs(req.sampling[STRUCTURED])
         headers = {"X-Request-Id": rid}
         url = await self._choose_prefill(set(), req.prompt_ids)
         if url is None:

@@ -17,15 +17,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
 
 from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.common import (
+    GRANT_ERRORS,
     STATE,
     InstanceState,
+    RequestError,
     bad,
     error_response,
     finished,
@@ -33,8 +37,8 @@ from pdd_sidecar.serve.common import (
     sequence_error,
     sequence_tokens,
 )
-from pdd_sidecar.serve.decode_api import decode_sequence
-from pdd_sidecar.serve.openai_fields import refusal
+from pdd_sidecar.serve.decode_api import PEERS, decode_sequence
+from pdd_sidecar.serve.openai_fields import FieldError, include_usage, refusal, token_limit
 from pdd_sidecar.serve.prefill_api import run_prefill
 from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
 from pdd_sidecar.serve.text import Codec, TextConfigError, load_model_text
@@ -43,6 +47,10 @@ GRANT = "pdd_grant"
 CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
             "min_tokens")
 FIRST_TOKEN = "pdd_first_token"
+# What a vLLM-style proxy adds to a completions body: the hand-off, and on the prefill leg
+# max_completion_tokens: 1 beside max_tokens: 1 (both are read, and must agree).
+PROXY_FIELDS = frozenset({"kv_transfer_params", "max_completion_tokens"})
+T = TypeVar("T")
 _CODEC = web.AppKey("codec", dict[str, Any])
 
 
@@ -100,9 +108,9 @@ def _prompt_ids(request: web.Request, body: dict[str, Any]) -> list[int]:
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     """OpenAI request fields to the instance API's (whose parsers check types and ranges).
     A field that would change the answer and that pdd does not implement is refused, as the
-    router refuses it (serve/openai_fields.py); fields it does not know pass, since a proxy
-    may add its own."""
-    refused = refusal("completion", body, unknown=False)
+    router refuses it (serve/openai_fields.py), and so is one it does not know: only what
+    vLLM's proxies add (``PROXY_FIELDS``) passes beside the table."""
+    refused = refusal("completion", body, PROXY_FIELDS)
     if refused is not None:
         raise bad(refused[1])
     if body.get("stop"):
@@ -130,6 +138,14 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
         sampling[STRUCTURED] = structured.to_json()
     return {"sampling": sampling, "stop_token_ids": body.get("stop_token_ids") or [],
             "ignore_eos": body.get("ignore_eos", False)}
+
+
+def _checked(read: Callable[[Any], T], value: Any) -> T:
+    """``read(value)``, its FieldError as the 400."""
+    try:
+        return read(value)
+    except FieldError as exc:
+        raise bad(str(exc)) from None
 
 
 def _text(request: web.Request, ids: list[int]) -> str:
@@ -190,20 +206,27 @@ async def _decode_leg(request: web.Request, state: InstanceState, rid: str,
     if params.get("do_remote_prefill") is not True or not isinstance(params.get(GRANT), dict):
         raise bad("kv_transfer_params: a decode instance needs do_remote_prefill true and the "
                   f"prefill's {GRANT}")
-    if params.get("remote_num_tokens") != len(prompt):
-        raise bad(f"prompt: {len(prompt)} tokens, but the prefill ran "
-                  f"{params.get('remote_num_tokens')!r}")
-    max_tokens = body.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise bad(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
-    first = params.get(FIRST_TOKEN)
-    if isinstance(first, bool) or not isinstance(first, int):
-        raise bad(f"kv_transfer_params.{FIRST_TOKEN}: must be a token id, got {first!r}")
+    try:
+        if params.get("remote_num_tokens") != len(prompt):
+            raise bad(f"prompt: {len(prompt)} tokens, but the prefill ran "
+                      f"{params.get('remote_num_tokens')!r}")
+        key = _checked(token_limit, body) or "max_tokens"
+        max_tokens = body.get(key, 16)
+        if max_tokens < 1:
+            raise bad(f"{key}: must be an integer >= 1, got {max_tokens!r}")
+        first = params.get(FIRST_TOKEN)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise bad(f"kv_transfer_params.{FIRST_TOKEN}: must be a token id, got {first!r}")
+        opts = body.get("stream_options")
+        usage = opts is not None and _checked(include_usage, opts)
+    except RequestError:
+        await _give_back(request, state, params[GRANT])
+        raise
     seq = await decode_sequence(request, state, {
         "request_id": rid, "first_token": first, "max_new_tokens": max_tokens - 1,
         "kv_transfer_params": params[GRANT], "prompt_ids": prompt, **options})
     if body.get("stream"):
-        return await _stream(request, state, rid, body, seq, first)
+        return await _stream(request, state, rid, body, seq, prompt, first, usage)
     await finished(request, state, seq)
     err = sequence_error(seq)
     if err:
@@ -212,18 +235,49 @@ async def _decode_leg(request: web.Request, state: InstanceState, rid: str,
                                          seq.finish_reason, None))
 
 
+async def _give_back(request: web.Request, state: InstanceState, grant: Any) -> None:
+    """A decode leg refused before its pull: the prefill's blocks go back now, not at the end
+    of their lease (what the proxy strips from the prefill leg, and so only the decode leg can
+    refuse, must not pin them). Only a prefill peer this decode found gets the grant."""
+    watch = request.app[PEERS]
+    try:
+        src = TransferParams.from_grant(grant, state.worker.key, 0.0)
+    except GRANT_ERRORS:
+        return
+    url = state.prefill_peers.get(src.instance_id)
+    if url is None or watch.session is None:
+        return
+    try:
+        async with watch.session.post(f"{url}/v1/release",
+                                      json={"kv_transfer_params": grant}) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass  # the lease frees them
+
+
 async def _stream(request: web.Request, state: InstanceState, rid: str, body: dict[str, Any],
-                  seq: Sequence, first: int) -> web.StreamResponse:
+                  seq: Sequence, prompt: list[int], first: int,
+                  usage: bool) -> web.StreamResponse:
+    """``usage`` (stream_options.include_usage): ``"usage": null`` on every chunk, then one
+    chunk of no choices with the counts, as OpenAI's stream ends."""
     tokens = sequence_tokens(request, state, seq)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+    sent = 0
+
+    def data(choices: list[dict[str, Any]], counts: dict[str, int] | None = None) -> bytes:
+        out: dict[str, Any] = {
+            "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model") or state.settings.model_name, "choices": choices}
+        if usage:
+            out["usage"] = counts
+        return f"data: {json.dumps(out)}\n\n".encode()
 
     def chunk(ids: list[int], finish: str | None) -> bytes:
-        data = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-                "model": body.get("model") or state.settings.model_name,
-                "choices": [{"index": 0, "text": _text(request, ids), "token_ids": ids,
-                             "logprobs": None, "finish_reason": finish}]}
-        return f"data: {json.dumps(data)}\n\n".encode()
+        nonlocal sent
+        sent += len(ids)
+        return data([{"index": 0, "text": _text(request, ids), "token_ids": ids,
+                      "logprobs": None, "finish_reason": finish}])
 
     await response.prepare(request)
     try:
@@ -236,6 +290,10 @@ async def _stream(request: web.Request, state: InstanceState, rid: str, body: di
             await response.write(f"data: {json.dumps(payload)}\n\n".encode())
         else:
             await response.write(chunk([], seq.finish_reason))
+            if usage:
+                await response.write(data([], {"prompt_tokens": len(prompt),
+                                               "completion_tokens": sent,
+                                               "total_tokens": len(prompt) + sent}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except (ConnectionError, RuntimeError):
