@@ -1,6 +1,7 @@
 """The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on a
 GPU): copies are bit-exact both ways, one per run of slots and blocks consecutive on both sides;
-a load is never raced by the reuse of its host slot or device block; through a running stack,
+a load is never raced by the reuse of its host slot or device block, and prompts that arrive
+together load a host-held prefix once; through a running stack,
 prompts evicted from the device come back from host memory with the tokens of a run from
 scratch, for every layout; and a chat whose KV the decode evicted still pulls only its new
 tokens (and the last answer's last token)."""
@@ -192,11 +193,11 @@ def test_prompts_evicted_from_the_device_come_back_from_host_memory() -> None:
 
 def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
     """The host holds a's four units and has four slots free; the device is full of b's cached
-    units. One plan admits two prompts continuing a: each gets four loads into fresh blocks,
-    b's, evicted (and spilled) by that very admission. b's blocks are copied out before a's KV
-    is loaded into them; the spills of the second admission find the host full and must not
-    take a's slots while they are being loaded (unpinned, a's would be the oldest by then); and
-    the second prompt loads its own copy of a, since a block being loaded is in no index."""
+    units. One plan admits a prompt continuing a (four loads into fresh blocks, b's, evicted and
+    spilled by that very admission) and a prompt of its own, whose admission evicts five more
+    of b's units. b's blocks are copied out before a's KV is loaded into them; the second
+    admission's spills find the host full and must not take a's slots while they are being
+    loaded (unpinned, a's would be next once b's four spilled ones are taken)."""
     f = _Prefill(num_blocks=10, slots=8)
     a = _tokens(4 * BLOCK + 3, 1)
     f.run("a", a)
@@ -204,14 +205,15 @@ def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
     f.run("b", b)  # 10 blocks: evicts all of a into 4 slots; b's 9 units cached
     assert len(f.tier.lookup(f.pc.keys(a))) == 4 and f.tier.used_slots == 4
     x = f.submit("x", a + _tokens(5, 3))
-    y = f.submit("y", a + _tokens(7, 4))
+    y = f.submit("y", _tokens(4 * BLOCK + 5, 4))
     f.sched.plan()  # admits both: 2 x 5 fresh blocks, from b's 9 cached units and 1 free
     f.sched.hold()
-    assert x.extra[CACHED_TOKENS] == y.extra[CACHED_TOKENS] == 4 * BLOCK
+    assert x.extra[CACHED_TOKENS] == 4 * BLOCK and y.extra[CACHED_TOKENS] == 0
     assert not set(x.blocks) & set(y.blocks)
-    tables = (x.blocks[:4], y.blocks[:4])
+    table = x.blocks[:4]
     assert f.pc.lookup(f.pc.keys(a)) == []  # being loaded: in no index yet
     assert f.tier.used_slots == 8  # 9 of b's units spilled into 4 slots: a's were pinned
+    assert len(f.tier.lookup(f.pc.keys(a))) == 4
     f.step()  # the copies (offloads first), then every loaded row is checked
     for u, key in enumerate(f.pc.keys(b)):
         for slot in f.tier.lookup([key]):  # b's units that made it to host memory
@@ -220,7 +222,32 @@ def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
             assert rows.tolist() == want, u
     while x.state is not State.FINISHED or y.state is not State.FINISHED:
         f.step()
-    assert f.pc.lookup(f.pc.keys(a)) in tables  # cached once computed after
+    assert f.pc.lookup(f.pc.keys(a)) == table  # cached once computed after
+
+
+def test_prompts_that_arrive_together_load_a_host_prefix_once() -> None:
+    """a's four units are in host memory only; four prompts continuing a arrive together. The
+    first loads them, the others wait for the step after the load (holding up nobody: c, which
+    shares nothing, runs at once) and take them as device hits: four blocks loaded, not
+    sixteen, and every row each prompt reads is a's."""
+    f = _Prefill(num_blocks=24, slots=16)
+    a = _tokens(4 * BLOCK + 3, 1)
+    f.run("a", a)
+    for i in range(4):  # 4 x 8 blocks turn the device cache over: a's units leave it
+        f.run(f"x{i}", _tokens(8 * BLOCK - 3, 10 + i))
+    assert f.pc.lookup(f.pc.keys(a)) == [] and len(f.tier.lookup(f.pc.keys(a))) == 4
+    loaded, copies = f.tier.loaded_blocks, f.pool.copies["load"]
+    seqs = [f.submit(f"s{i}", a + _tokens(5 + i, 20 + i)) for i in range(4)]
+    c = f.submit("c", _tokens(2 * BLOCK, 30))
+    f.step()
+    assert seqs[0].state is State.FINISHED and c.state is State.FINISHED
+    assert [s.id for s in f.sched.waiting] == ["s1", "s2", "s3"]
+    while any(s.state is not State.FINISHED for s in seqs):
+        f.step()
+    assert f.tier.loaded_blocks - loaded == 4
+    assert f.pool.copies["load"] - copies >= 1
+    assert f.tier.hit_tokens == 4 * BLOCK
+    assert [s.extra[CACHED_TOKENS] for s in seqs] == [4 * BLOCK] * 4
 
 
 # -- through a running stack ----------------------------------------------------------------
