@@ -8,7 +8,10 @@ tokens (and the last answer's last token)."""
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +106,137 @@ def test_a_slot_spilled_to_twice_in_one_command_keeps_the_later_block() -> None:
     pool = HostKVPool(cache, 4)
     pool.run([(2, 1), (0, 0), (3, 1)], [])
     assert torch.equal(pool.host[1], cache.kv[3]) and torch.equal(pool.host[0], cache.kv[0])
+
+
+# -- the order of the copies, on a stream apart from the host -------------------------------
+
+GUARD_S = 60.0  # a wait that never ends is a failure, not a hang
+
+
+class _Event:
+    """A CUDA event's stand-in: reached when its stream gets to it."""
+
+    def __init__(self) -> None:
+        self._reached = threading.Event()
+        self.at = 0.0
+
+    def reach(self) -> None:
+        self.at = time.perf_counter()
+        self._reached.set()
+
+    def query(self) -> bool:
+        return self._reached.is_set()
+
+    def synchronize(self) -> None:
+        assert self._reached.wait(GUARD_S), "the stream never got to this event"
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+class _Stream:
+    """A device stream's stand-in: what is issued on it runs in order on its own thread, apart
+    from the host and from other streams. ``issued`` is its queue as issued: a wait for an
+    event, or work."""
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[str, Any]] = []
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (fn := self._work.get()) is not None:
+            fn()
+
+    def issue(self, fn: Any, what: str = "work") -> None:
+        self.issued.append((what, fn))
+        self._work.put(fn)
+
+    def wait_event(self, e: _Event) -> None:
+        self.issued.append(("wait", e))
+        self._work.put(e._reached.wait)
+
+    def event(self, timing: bool = False) -> _Event:
+        e = _Event()
+        self.issue(e.reach, "event")
+        return e
+
+    def synchronize(self) -> None:
+        self.event().synchronize()
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(GUARD_S)
+
+
+class _CopyStream(_Stream):
+    """The pool's stream, its copies slow: each waits for ``gate`` (open unless given)."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor,
+             runs: list[tuple[int, int, int]]) -> None:
+        def run() -> None:
+            if self.gate is not None:
+                self.gate.wait()
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n])
+        self.issue(run, "copy")
+
+
+@pytest.fixture
+def streams() -> Iterator[list[_Stream]]:
+    made: list[_Stream] = []
+    yield made
+    for st in made:
+        if isinstance(st, _CopyStream) and st.gate is not None:
+            st.gate.set()
+        st.close()
+
+
+def test_a_load_waits_for_no_compute_queued_before_it(streams: list[_Stream]) -> None:
+    """A step queued on the compute stream runs until the test ends; a load issued after it
+    still completes: the pool's stream never waits for compute (kv/host_pool.py, Order)."""
+    cache = _random_cache(16, torch.float32)
+    copier, compute = _CopyStream(), _Stream()
+    streams += [copier, compute]
+    pool = HostKVPool(cache, 8, stream=copier)
+    pool.host.copy_(torch.randn(pool.host.shape))
+    step = threading.Event()
+    compute.issue(step.wait)  # a queued step that touches none of the blocks
+    try:
+        pool.run([], [(s, 8 + s) for s in range(8)], [compute])
+        pool.wait()  # the host's wait before a KV READ: over with the step still running
+        assert torch.equal(cache.kv[8:16], pool.host)
+        assert not step.is_set()
+        assert pool.take_stats()["load"]["blocks"] == 8
+    finally:
+        step.set()
+
+
+def test_the_step_after_a_slow_load_reads_what_it_loaded(streams: list[_Stream]) -> None:
+    """The copies are held up on the pool's stream; the compute stream is made to wait for
+    them before anything issued after the command, so the step reads the loaded blocks, and
+    an offload and a load of one command keep their order (the block is read out first)."""
+    cache = _random_cache(16, torch.float32)
+    gate = threading.Event()
+    copier, compute = _CopyStream(gate), _Stream()
+    streams += [copier, compute]
+    pool = HostKVPool(cache, 8, stream=copier)
+    pool.host[:4].fill_(7.0)
+    held = cache.kv[2].clone()
+    pool.run([(2, 5)], [(s, s) for s in range(4)], [compute])
+    assert [what for what, _ in compute.issued] == ["wait"]
+    assert compute.issued[0][1] is pool._last
+    seen: list[torch.Tensor] = []
+    compute.issue(lambda: seen.append(cache.kv[:4].clone()))
+    gate.set()
+    compute.synchronize()
+    assert bool((seen[0] == 7.0).all()), "the step read the blocks before the load"
+    assert torch.equal(pool.host[5], held)
 
 
 def _settings(**env: str) -> Any:
