@@ -262,6 +262,17 @@ def test_a_rank_sizes_its_pool_from_the_setting_and_refuses_one_that_holds_no_bl
     assert "PDD_HOST_KV_CACHE_GIB=1.0 is ignored: the prefix cache is off" in caplog.text
 
 
+def test_the_log_says_what_identical_copies_cost_with_dcp_1() -> None:
+    from pdd_sidecar.engine.host_tier import describe_tier
+
+    per_rank = "host KV tier: 160 blocks of 7680 bytes per rank (0.00 GiB)"
+    assert describe_tier(160, BLOCK_BYTES, 1, 1) == per_rank
+    assert describe_tier(160, BLOCK_BYTES, 4, 4) == per_rank  # each rank its own tokens
+    assert describe_tier(32768, 1 << 21, 8, 1) == (
+        "host KV tier: 32768 blocks of 2097152 bytes per rank (64.00 GiB); the 8 ranks hold "
+        "the same blocks (dcp=1): 512.00 GiB of host memory for 64.00 GiB of capacity")
+
+
 # -- the scheduler, the index and a pool together ------------------------------------------
 
 
