@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -467,6 +468,29 @@ def test_prefixes_evicted_on_the_prefill_load_back_with_the_same_tokens(
                        http("GET", f"{prefill}/metrics")[1], re.M)
     assert sorted(int(r) for r, _ in loads) == list(range(p[0]))  # every rank loads its shard
     assert all(float(v) > 0 for _, v in loads)
+
+
+def test_requests_that_arrive_together_load_a_host_held_prefix_once(
+        cluster: LocalCluster) -> None:
+    """A document's units leave the prefill's device for host memory; four requests continuing
+    it are sent at once: each answer is a run from scratch's, and the prefill loads the
+    document's units once (a later arrival finds them on the device, one at the same time waits
+    for the first one's load)."""
+    stack = _stack(cluster, (1, 1), (1, 1),
+                   {"PDD_NUM_BLOCKS": 16, "PDD_HOST_KV_CACHE_GIB": HOST_GIB}, {})
+    router, prefill = stack["router"].url, stack["prefill"].url
+    doc = _tokens(4 * BLOCK, 7)
+    _complete(router, doc + [1], 2)
+    for i in range(3):  # 3 x 6 blocks through a 16-block prefill: the document's units leave
+        _complete(router, _tokens(5 * BLOCK + 5, 60 + i), 2)
+    before = _metrics(prefill, "pdd_host_kv_load_bytes_total")
+    prompts = [doc + _tokens(5 + i, 70 + i) for i in range(4)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = list(pool.map(lambda q: _complete(router, q, 3), prompts))
+    for q, body in zip(prompts, bodies, strict=True):
+        assert body["choices"][0]["token_ids"] == reference_tokens(q, 3, BLOCK)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+    assert _metrics(prefill, "pdd_host_kv_load_bytes_total") - before == 4 * BLOCK_BYTES
 
 
 TURNS, FIRST, NEW, MAX_TOKENS = 3, 40, 9, 10
