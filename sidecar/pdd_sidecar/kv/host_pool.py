@@ -73,8 +73,8 @@ def unpin(stream: Any, t: torch.Tensor) -> None:
 
 class CudaCopyStream:
     """The pool's own CUDA stream: copies issued on it, events recorded on it. A pool takes
-    any object with these four methods; the CPU tests give it one that runs copies on a
-    thread, apart from the host and from compute, to check the order below without a GPU."""
+    any object with these methods; the CPU tests give it one that runs copies on a thread,
+    apart from the host and from compute, to check the order above without a GPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
