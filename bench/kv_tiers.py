@@ -237,25 +237,18 @@ async def part_d_loads(session: aiohttp.ClientSession, stack: LocalStack, name: 
 
 
 def pinned_copy_rate(device: str) -> float:
-    """Host->device bytes/s from pinned memory, the same run's bound for the tier's loads."""
+    """Host->device bytes/s from pinned memory, the same run's bound for the tier's loads,
+    timed as the tier times its loads (kv/host_pool.py): a wall clock around a copy and a
+    synchronize would count the launch and the host wait too, against the tier's events."""
     if device != "cuda":
         return float("nan")
     import torch
 
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    del src, dst
+    from pdd_sidecar.kv.host_pool import pinned_copy_rate as rate
+
+    out = rate(1 << 30, torch.device("cuda"))
     torch.cuda.empty_cache()
-    return n / best
+    return out
 
 
 async def on_stack(args: argparse.Namespace, run: Run, name: str, flags: Sequence[str],

@@ -310,6 +310,11 @@ def _quantities(amounts: dict[str, int | str] | None) -> dict[str, str]:
     return {k: str(v) for k, v in (amounts or {}).items()}
 
 
+# What a sidecar rank needs in host memory besides its host KV tier (the process, torch, the
+# CUDA context, NIXL), where the spec gives the sidecar no memory: its limit must leave room.
+SIDECAR_RANK_MEMORY_GIB = 8
+
+
 def host_kv_cache_bytes(role_spec: RoleSpec) -> Fraction:
     """Pinned host memory of one pod's host KV tiers: hostKVCacheGiB for each of its ranks."""
     return gib_bytes(role_spec.hostKVCacheGiB) * gpus_per_pod(role_spec)
@@ -327,8 +332,10 @@ def _plus(amount: str, extra: Fraction) -> str:
 def role_resources(role_spec: RoleSpec) -> Obj:
     """One GPU per TP rank, as limit and request (extended resources need both equal). The
     host KV tier is pinned memory the kernel cannot reclaim: it is added to the memory the spec
-    gives the sidecar (request and limit), and with no memory given it is the request, so the
-    scheduler reserves it."""
+    gives the sidecar (request and limit). With the tier on the sidecar always gets a limit as
+    well as a request: without one a namespace LimitRange's default limit would apply, which a
+    request this size exceeds, and the pod would be refused. A request alone is the limit too;
+    no memory at all is the tier plus SIDECAR_RANK_MEMORY_GIB per rank, as both."""
     res = role_spec.resources or ResourceRequirements()
     limits, requests = _quantities(res.limits), _quantities(res.requests)
     gpus = str(role_spec.tensorParallelSize)
@@ -340,7 +347,10 @@ def role_resources(role_spec: RoleSpec) -> Obj:
             if "memory" in amounts:
                 amounts["memory"] = _plus(amounts["memory"], tier)
         if "memory" not in limits and "memory" not in requests:
-            requests["memory"] = format_bytes(tier)
+            own = gib_bytes(SIDECAR_RANK_MEMORY_GIB) * gpus_per_pod(role_spec)
+            requests["memory"] = format_bytes(tier + own)
+        if "memory" not in limits:
+            limits["memory"] = requests["memory"]
     return {"limits": limits, "requests": requests}
 
 

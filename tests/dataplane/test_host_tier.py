@@ -1,14 +1,19 @@
 """The host KV tier on the CPU (a device pool and a host pool apart, the same code paths as on a
 GPU): copies are bit-exact both ways, one per run of slots and blocks consecutive on both sides;
-a load is never raced by the reuse of its host slot or device block; through a running stack,
+a load is never raced by the reuse of its host slot or device block, and prompts that arrive
+together load a host-held prefix once; through a running stack,
 prompts evicted from the device come back from host memory with the tokens of a run from
 scratch, for every layout; and a chat whose KV the decode evicted still pulls only its new
 tokens (and the last answer's last token)."""
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +109,137 @@ def test_a_slot_spilled_to_twice_in_one_command_keeps_the_later_block() -> None:
     assert torch.equal(pool.host[1], cache.kv[3]) and torch.equal(pool.host[0], cache.kv[0])
 
 
+# -- the order of the copies, on a stream apart from the host -------------------------------
+
+GUARD_S = 60.0  # a wait that never ends is a failure, not a hang
+
+
+class _Event:
+    """A CUDA event's stand-in: reached when its stream gets to it."""
+
+    def __init__(self) -> None:
+        self._reached = threading.Event()
+        self.at = 0.0
+
+    def reach(self) -> None:
+        self.at = time.perf_counter()
+        self._reached.set()
+
+    def query(self) -> bool:
+        return self._reached.is_set()
+
+    def synchronize(self) -> None:
+        assert self._reached.wait(GUARD_S), "the stream never got to this event"
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+class _Stream:
+    """A device stream's stand-in: what is issued on it runs in order on its own thread, apart
+    from the host and from other streams. ``issued`` is its queue as issued: a wait for an
+    event, or work."""
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[str, Any]] = []
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (fn := self._work.get()) is not None:
+            fn()
+
+    def issue(self, fn: Any, what: str = "work") -> None:
+        self.issued.append((what, fn))
+        self._work.put(fn)
+
+    def wait_event(self, e: _Event) -> None:
+        self.issued.append(("wait", e))
+        self._work.put(e._reached.wait)
+
+    def event(self, timing: bool = False) -> _Event:
+        e = _Event()
+        self.issue(e.reach, "event")
+        return e
+
+    def synchronize(self) -> None:
+        self.event().synchronize()
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(GUARD_S)
+
+
+class _CopyStream(_Stream):
+    """The pool's stream, its copies slow: each waits for ``gate`` (open unless given)."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor,
+             runs: list[tuple[int, int, int]]) -> None:
+        def run() -> None:
+            if self.gate is not None:
+                self.gate.wait()
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n])
+        self.issue(run, "copy")
+
+
+@pytest.fixture
+def streams() -> Iterator[list[_Stream]]:
+    made: list[_Stream] = []
+    yield made
+    for st in made:
+        if isinstance(st, _CopyStream) and st.gate is not None:
+            st.gate.set()
+        st.close()
+
+
+def test_a_load_waits_for_no_compute_queued_before_it(streams: list[_Stream]) -> None:
+    """A step queued on the compute stream runs until the test ends; a load issued after it
+    still completes: the pool's stream never waits for compute (kv/host_pool.py, Order)."""
+    cache = _random_cache(16, torch.float32)
+    copier, compute = _CopyStream(), _Stream()
+    streams += [copier, compute]
+    pool = HostKVPool(cache, 8, stream=copier)
+    pool.host.copy_(torch.randn(pool.host.shape))
+    step = threading.Event()
+    compute.issue(step.wait)  # a queued step that touches none of the blocks
+    try:
+        pool.run([], [(s, 8 + s) for s in range(8)], [compute])
+        pool.wait()  # the host's wait before a KV READ: over with the step still running
+        assert torch.equal(cache.kv[8:16], pool.host)
+        assert not step.is_set()
+        assert pool.take_stats()["load"]["blocks"] == 8
+    finally:
+        step.set()
+
+
+def test_the_step_after_a_slow_load_reads_what_it_loaded(streams: list[_Stream]) -> None:
+    """The copies are held up on the pool's stream; the compute stream is made to wait for
+    them before anything issued after the command, so the step reads the loaded blocks, and
+    an offload and a load of one command keep their order (the block is read out first)."""
+    cache = _random_cache(16, torch.float32)
+    gate = threading.Event()
+    copier, compute = _CopyStream(gate), _Stream()
+    streams += [copier, compute]
+    pool = HostKVPool(cache, 8, stream=copier)
+    pool.host[:4].fill_(7.0)
+    held = cache.kv[2].clone()
+    pool.run([(2, 5)], [(s, s) for s in range(4)], [compute])
+    assert [what for what, _ in compute.issued] == ["wait"]
+    assert compute.issued[0][1] is pool._last
+    seen: list[torch.Tensor] = []
+    compute.issue(lambda: seen.append(cache.kv[:4].clone()))
+    gate.set()
+    compute.synchronize()
+    assert bool((seen[0] == 7.0).all()), "the step read the blocks before the load"
+    assert torch.equal(pool.host[5], held)
+
+
 def _settings(**env: str) -> Any:
     from pdd_sidecar.env import InstanceSettings
 
@@ -125,6 +261,17 @@ def test_a_rank_sizes_its_pool_from_the_setting_and_refuses_one_that_holds_no_bl
     off = _settings(PDD_HOST_KV_CACHE_GIB="1", PDD_PREFIX_CACHE="0")
     assert tier_slots(off, BLOCK_BYTES) == 0
     assert "PDD_HOST_KV_CACHE_GIB=1.0 is ignored: the prefix cache is off" in caplog.text
+
+
+def test_the_log_says_what_identical_copies_cost_with_dcp_1() -> None:
+    from pdd_sidecar.engine.host_tier import describe_tier
+
+    per_rank = "host KV tier: 160 blocks of 7680 bytes per rank (0.00 GiB)"
+    assert describe_tier(160, BLOCK_BYTES, 1, 1) == per_rank
+    assert describe_tier(160, BLOCK_BYTES, 4, 4) == per_rank  # each rank its own tokens
+    assert describe_tier(32768, 1 << 21, 8, 1) == (
+        "host KV tier: 32768 blocks of 2097152 bytes per rank (64.00 GiB); the 8 ranks hold "
+        "the same blocks (dcp=1): 512.00 GiB of host memory for 64.00 GiB of capacity")
 
 
 # -- the scheduler, the index and a pool together ------------------------------------------
@@ -192,11 +339,11 @@ def test_prompts_evicted_from_the_device_come_back_from_host_memory() -> None:
 
 def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
     """The host holds a's four units and has four slots free; the device is full of b's cached
-    units. One plan admits two prompts continuing a: each gets four loads into fresh blocks,
-    b's, evicted (and spilled) by that very admission. b's blocks are copied out before a's KV
-    is loaded into them; the spills of the second admission find the host full and must not
-    take a's slots while they are being loaded (unpinned, a's would be the oldest by then); and
-    the second prompt loads its own copy of a, since a block being loaded is in no index."""
+    units. One plan admits a prompt continuing a (four loads into fresh blocks, b's, evicted and
+    spilled by that very admission) and a prompt of its own, whose admission evicts five more
+    of b's units. b's blocks are copied out before a's KV is loaded into them; the second
+    admission's spills find the host full and must not take a's slots while they are being
+    loaded (unpinned, a's would be next once b's four spilled ones are taken)."""
     f = _Prefill(num_blocks=10, slots=8)
     a = _tokens(4 * BLOCK + 3, 1)
     f.run("a", a)
@@ -204,14 +351,15 @@ def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
     f.run("b", b)  # 10 blocks: evicts all of a into 4 slots; b's 9 units cached
     assert len(f.tier.lookup(f.pc.keys(a))) == 4 and f.tier.used_slots == 4
     x = f.submit("x", a + _tokens(5, 3))
-    y = f.submit("y", a + _tokens(7, 4))
+    y = f.submit("y", _tokens(4 * BLOCK + 5, 4))
     f.sched.plan()  # admits both: 2 x 5 fresh blocks, from b's 9 cached units and 1 free
     f.sched.hold()
-    assert x.extra[CACHED_TOKENS] == y.extra[CACHED_TOKENS] == 4 * BLOCK
+    assert x.extra[CACHED_TOKENS] == 4 * BLOCK and y.extra[CACHED_TOKENS] == 0
     assert not set(x.blocks) & set(y.blocks)
-    tables = (x.blocks[:4], y.blocks[:4])
+    table = x.blocks[:4]
     assert f.pc.lookup(f.pc.keys(a)) == []  # being loaded: in no index yet
     assert f.tier.used_slots == 8  # 9 of b's units spilled into 4 slots: a's were pinned
+    assert len(f.tier.lookup(f.pc.keys(a))) == 4
     f.step()  # the copies (offloads first), then every loaded row is checked
     for u, key in enumerate(f.pc.keys(b)):
         for slot in f.tier.lookup([key]):  # b's units that made it to host memory
@@ -220,7 +368,32 @@ def test_a_load_is_not_raced_by_the_reuse_of_its_slot_or_its_block() -> None:
             assert rows.tolist() == want, u
     while x.state is not State.FINISHED or y.state is not State.FINISHED:
         f.step()
-    assert f.pc.lookup(f.pc.keys(a)) in tables  # cached once computed after
+    assert f.pc.lookup(f.pc.keys(a)) == table  # cached once computed after
+
+
+def test_prompts_that_arrive_together_load_a_host_prefix_once() -> None:
+    """a's four units are in host memory only; four prompts continuing a arrive together. The
+    first loads them, the others wait for the step after the load (holding up nobody: c, which
+    shares nothing, runs at once) and take them as device hits: four blocks loaded, not
+    sixteen, and every row each prompt reads is a's."""
+    f = _Prefill(num_blocks=24, slots=16)
+    a = _tokens(4 * BLOCK + 3, 1)
+    f.run("a", a)
+    for i in range(4):  # 4 x 8 blocks turn the device cache over: a's units leave it
+        f.run(f"x{i}", _tokens(8 * BLOCK - 3, 10 + i))
+    assert f.pc.lookup(f.pc.keys(a)) == [] and len(f.tier.lookup(f.pc.keys(a))) == 4
+    loaded, copies = f.tier.loaded_blocks, f.pool.copies["load"]
+    seqs = [f.submit(f"s{i}", a + _tokens(5 + i, 20 + i)) for i in range(4)]
+    c = f.submit("c", _tokens(2 * BLOCK, 30))
+    f.step()
+    assert seqs[0].state is State.FINISHED and c.state is State.FINISHED
+    assert [s.id for s in f.sched.waiting] == ["s1", "s2", "s3"]
+    while any(s.state is not State.FINISHED for s in seqs):
+        f.step()
+    assert f.tier.loaded_blocks - loaded == 4
+    assert f.pool.copies["load"] - copies >= 1
+    assert f.tier.hit_tokens == 4 * BLOCK
+    assert [s.extra[CACHED_TOKENS] for s in seqs] == [4 * BLOCK] * 4
 
 
 # -- through a running stack ----------------------------------------------------------------
@@ -295,6 +468,29 @@ def test_prefixes_evicted_on_the_prefill_load_back_with_the_same_tokens(
                        http("GET", f"{prefill}/metrics")[1], re.M)
     assert sorted(int(r) for r, _ in loads) == list(range(p[0]))  # every rank loads its shard
     assert all(float(v) > 0 for _, v in loads)
+
+
+def test_requests_that_arrive_together_load_a_host_held_prefix_once(
+        cluster: LocalCluster) -> None:
+    """A document's units leave the prefill's device for host memory; four requests continuing
+    it are sent at once: each answer is a run from scratch's, and the prefill loads the
+    document's units once (a later arrival finds them on the device, one at the same time waits
+    for the first one's load)."""
+    stack = _stack(cluster, (1, 1), (1, 1),
+                   {"PDD_NUM_BLOCKS": 16, "PDD_HOST_KV_CACHE_GIB": HOST_GIB}, {})
+    router, prefill = stack["router"].url, stack["prefill"].url
+    doc = _tokens(4 * BLOCK, 7)
+    _complete(router, doc + [1], 2)
+    for i in range(3):  # 3 x 6 blocks through a 16-block prefill: the document's units leave
+        _complete(router, _tokens(5 * BLOCK + 5, 60 + i), 2)
+    before = _metrics(prefill, "pdd_host_kv_load_bytes_total")
+    prompts = [doc + _tokens(5 + i, 70 + i) for i in range(4)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = list(pool.map(lambda q: _complete(router, q, 3), prompts))
+    for q, body in zip(prompts, bodies, strict=True):
+        assert body["choices"][0]["token_ids"] == reference_tokens(q, 3, BLOCK)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+    assert _metrics(prefill, "pdd_host_kv_load_bytes_total") - before == 4 * BLOCK_BYTES
 
 
 TURNS, FIRST, NEW, MAX_TOKENS = 3, 40, 9, 10

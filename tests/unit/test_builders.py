@@ -748,18 +748,22 @@ def _resources(doc: dict[str, Any], role: str = "decode") -> dict[str, Any]:
      {"limits": {"memory": "96Gi"}, "requests": {"memory": "80Gi"}}),
     # Only a limit: Kubernetes defaults the request to the (grown) limit.
     (4, 8, {"limits": {"memory": "64Gi"}}, {"limits": {"memory": "96Gi"}, "requests": {}}),
-    (4, 8, {"requests": {"memory": "16Gi"}}, {"limits": {}, "requests": {"memory": "48Gi"}}),
-    # No memory at all: the tier is the request, so the scheduler reserves it.
-    (4, 8, {}, {"limits": {}, "requests": {"memory": "32Gi"}}),
-    (2, 1.5, {}, {"limits": {}, "requests": {"memory": "3Gi"}}),
+    # A request alone is the limit too: a namespace's default limit would be below it.
+    (4, 8, {"requests": {"memory": "16Gi"}},
+     {"limits": {"memory": "48Gi"}, "requests": {"memory": "48Gi"}}),
+    # No memory at all: the tier and the sidecar's own 8Gi a rank, as request and limit.
+    (4, 8, {}, {"limits": {"memory": "64Gi"}, "requests": {"memory": "64Gi"}}),
+    (2, 1.5, {}, {"limits": {"memory": "19Gi"}, "requests": {"memory": "19Gi"}}),
     (1, 0.75, {"limits": {"memory": "1Gi"}}, {"limits": {"memory": "1792Mi"}, "requests": {}}),
     # Decimal units and plain bytes: summed exactly, in the largest unit that holds the sum.
     (1, 1, {"limits": {"memory": "100G"}}, {"limits": {"memory": "98704826Ki"}, "requests": {}}),
-    (1, 1, {"requests": {"memory": 1000}}, {"limits": {}, "requests": {"memory": "1073742824"}}),
+    (1, 1, {"requests": {"memory": 1000}},
+     {"limits": {"memory": "1073742824"}, "requests": {"memory": "1073742824"}}),
     # Not a quantity, or beyond int64 bytes: left as written for the API server to judge.
-    (1, 1, {"requests": {"memory": "lots"}}, {"limits": {}, "requests": {"memory": "lots"}}),
+    (1, 1, {"requests": {"memory": "lots"}},
+     {"limits": {"memory": "lots"}, "requests": {"memory": "lots"}}),
     (1, 1, {"requests": {"memory": "9" * 5000}},
-     {"limits": {}, "requests": {"memory": "9" * 5000}}),
+     {"limits": {"memory": "9" * 5000}, "requests": {"memory": "9" * 5000}}),
     # No host tier: the spec's memory as written.
     (4, 0, {"limits": {"memory": "64Gi"}}, {"limits": {"memory": "64Gi"}, "requests": {}}),
 ])
@@ -778,8 +782,9 @@ def test_host_tier_counts_the_ranks_of_one_pod_not_of_the_instance(
         doc: dict[str, Any]) -> None:
     doc["spec"]["prefill"] = {"tensorParallelSize": 4, "decodeContextParallelSize": 4,
                               "gpusPerPod": 2, "hostKVCacheGiB": 10}
-    # The LWS template is built from the pod builder: 2 ranks per pod, 20Gi.
-    assert _resources(doc, "prefill")["requests"]["memory"] == "20Gi"
+    # The LWS template is built from the pod builder: 2 ranks per pod, 20Gi and 2 x 8Gi own.
+    got = _resources(doc, "prefill")
+    assert got["requests"]["memory"] == got["limits"]["memory"] == "36Gi"
 
 
 def test_a_memory_limit_the_host_tier_does_not_fit_in_is_refused(doc: dict[str, Any]) -> None:

@@ -42,6 +42,18 @@ def tier_slots(settings: InstanceSettings, bytes_per_block: int) -> int:
     return n
 
 
+def describe_tier(slots: int, bytes_per_block: int, tp: int, dcp: int) -> str:
+    """The tier's host memory as the log states it at start. With dcp = 1 the ranks' pools hold
+    the same blocks, each pinned by its own process (docs/host-kv-tier.md says why they are not
+    shared): the instance pays tp times the memory for one pool's capacity, said plainly."""
+    gib = slots * bytes_per_block / (1 << 30)
+    out = f"host KV tier: {slots} blocks of {bytes_per_block} bytes per rank ({gib:.2f} GiB)"
+    if dcp == 1 and tp > 1:
+        out += (f"; the {tp} ranks hold the same blocks (dcp=1): {tp * gib:.2f} GiB of host "
+                f"memory for {gib:.2f} GiB of capacity")
+    return out
+
+
 class RankHostTier:
     def __init__(self, pool: HostKVPool, engine: RankEngine) -> None:
         self.pool = pool
@@ -53,8 +65,7 @@ class RankHostTier:
         n = tier_slots(settings, cache.bytes_per_block)
         if n == 0:
             return None
-        log.info("host KV tier: %d blocks of %d bytes (%.2f GiB)%s", n, cache.bytes_per_block,
-                 n * cache.bytes_per_block / (1 << 30),
+        log.info("%s%s", describe_tier(n, cache.bytes_per_block, settings.tp, settings.dcp),
                  ", pinned" if cache.device.type == "cuda" else "")
         return cls(HostKVPool(cache, n), engine)
 

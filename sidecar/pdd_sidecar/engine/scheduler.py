@@ -36,8 +36,9 @@ Policy (one place, pure Python, no torch):
   an admitted prompt will compute are *pending* under it. A prompt whose cached run ends at a
   pending unit (its requests arrived together, or while the prefix was mid-prefill) waits in
   the queue, without holding up those behind it, until that unit is computed, then takes it as
-  a hit: a prefix is computed once. A prompt that is cancelled or fails takes its pending
-  units with it, and whoever waited on them computes them itself.
+  a hit: a prefix is computed once. Units it loads from the host tier are pending alike, so a
+  prefix held in host memory is loaded once. A prompt that is cancelled or fails takes its
+  pending units with it, and whoever waited on them computes (or loads) them itself.
 - **Prefix cache** (decode, when on and the request names its prompt): admission shares the
   cached whole units of the prompt (all of it may be) and adopts the cached partial unit after
   them when the prompt continues it (kv/prefix_cache.py, tails); the pull reads only the tokens
@@ -503,9 +504,9 @@ class Scheduler:
             tail.tokens if tail else host_tail.tokens if host_tail else 0)
         if self.role != "decode":
             seq.computed = seq.extra[CACHED_TOKENS]
-            # Units loaded from the host are in no index until their chunk is done: a prompt
-            # sharing them meanwhile loads its own copy (kv/host_tier.py), it does not wait.
-            self._mark_pending(seq, keys, found)
+            # Units loaded from the host are pending too: in no index until the chunk after
+            # them is done, they are loaded once, and a prompt sharing them waits for that.
+            self._mark_pending(seq, keys, len(hits))
         return True
 
     def start_token(self, seq: Sequence) -> int:
