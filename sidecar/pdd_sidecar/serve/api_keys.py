@@ -10,7 +10,7 @@ must never keep working because its file broke), logged once on the way in and o
 back. At start such a file stops the router: a key file that cannot be read must never open it.
 
 Health, readiness and metrics stay open: probes and Prometheus scrapers carry no key (keep
-/metrics inside the cluster; the operator's NetworkPolicy admits only the namespace).
+/metrics inside the cluster: the router's NetworkPolicy admits its HTTP port from anywhere).
 """
 
 from __future__ import annotations
