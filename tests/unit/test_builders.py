@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from operator_env import operator_config
 
 from pdd_api import keys
 from pdd_api.models import PDDeploymentSpec
@@ -555,17 +556,6 @@ def _operator_deployment() -> dict[str, Any]:
     return next(d for d in docs if d and d.get("kind") == "Deployment")
 
 
-def _downward_env(deployment: dict[str, Any]) -> dict[str, str]:
-    """The operator container's environment as the kubelet would fill it in."""
-    meta = {"metadata.namespace": deployment["metadata"]["namespace"],
-            "metadata.name": f"{deployment['metadata']['name']}-abc12"}
-    out = {}
-    for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
-        ref = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-        out[e["name"]] = meta[ref] if ref else str(e["value"])
-    return out
-
-
 @pytest.mark.parametrize(("autoscaling", "scraped"), [
     ({"decode": {"maxReplicas": 4}}, True),
     ({"decode": {"maxReplicas": 4}, "prometheusURL": "http://prom:9090"}, False),
@@ -577,12 +567,8 @@ def test_the_planners_scrapes_pass_the_dataplane_policy_from_the_operators_names
     """The operator as the kustomize base runs it: its configuration (from the Deployment's
     env, the namespace through the downward API) yields a rule that admits its own pods in its
     own namespace, and nothing else: not the same label in another namespace."""
-    from pdd_operator.config import Config
-
     deployment = _operator_deployment()
-    for name, value in _downward_env(deployment).items():
-        monkeypatch.setenv(name, value)
-    cfg = Config.from_env()
+    cfg = operator_config(deployment, monkeypatch)
     assert cfg.operator_namespace == "pdd-system" and cfg.operator_name == "pdd-operator"
     scraper = Scraper(cfg.operator_namespace, cfg.operator_name)
     doc["spec"]["autoscaling"] = autoscaling
