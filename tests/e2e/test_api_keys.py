@@ -49,6 +49,7 @@ def test_api_keys_from_a_secret_rotate_revoke_and_fail_closed(
     _, doc = harness.example("p-tp2-dcp1-to-d-tp4-dcp1")
     name = doc["metadata"]["name"]
     doc["metadata"]["namespace"] = namespace
+    doc["spec"]["image"] = harness.sidecar_image()
     doc["spec"]["router"] = {"apiKeySecretRef": {"name": SECRET}}
     stack.kubectl("apply", "-f", "-", input=secret_doc(namespace, "sk-one\nsk-two\n"))
     stack.kubectl("apply", "-f", "-", input=json.dumps(doc))

@@ -28,11 +28,6 @@ INSTANCE = "netpol"
 SERVE = ["python", "-m", "http.server", str(keys.HTTP_PORT)]
 
 
-def image() -> str:
-    tool = harness.image_tool()
-    return str(tool.image_name("sidecar", tool.DEFAULT_TAG))
-
-
 def pod(name: str, namespace: str, labels: dict[str, str], command: list[str],
         restart: str = "Always") -> str:
     return json.dumps({
@@ -40,8 +35,8 @@ def pod(name: str, namespace: str, labels: dict[str, str], command: list[str],
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
             "restartPolicy": restart,
-            "containers": [{"name": "main", "image": image(), "imagePullPolicy": "Never",
-                            "command": command}],
+            "containers": [{"name": "main", "image": harness.sidecar_image(),
+                            "imagePullPolicy": "Never", "command": command}],
         },
     })
 
@@ -76,7 +71,7 @@ def serving(stack: harness.Stack, name: str, namespace: str, labels: dict[str, s
 
 
 def dataplane_policy(namespace: str, operator_namespace: str) -> dict[str, Any]:
-    spec = parse_spec({"model": {"name": "m"}, "image": image(),
+    spec = parse_spec({"model": {"name": "m"}, "image": harness.sidecar_image(),
                        "prefill": {"replicas": 1}, "decode": {"replicas": 1},
                        "autoscaling": {"decode": {"maxReplicas": 2}}})
     owner = Owner(INSTANCE, namespace, "not-a-pddeployment")
