@@ -104,5 +104,7 @@ ANNOTATION_DRAIN_REASON = f"{API_GROUP}/drain-reason"
 
 # Autoscaling (issue 40): the operator's pods (label app.kubernetes.io/name, as the kustomize
 # base and the chart's default operatorName set it) scrape the instances' /metrics, which the
-# data-plane NetworkPolicy then admits on the HTTP port.
+# data-plane NetworkPolicy then admits on the HTTP port from the operator's namespace only
+# (the label every namespace carries: a tenant cannot set it on its own).
 OPERATOR_APP_NAME = "pdd-operator"
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"

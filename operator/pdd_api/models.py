@@ -321,8 +321,10 @@ class NetworkPolicySpec(_Strict):
     enabled: bool = Field(
         default=True,
         description="Render NetworkPolicies: prefill and decode pods accept traffic (HTTP, side "
-        "channel, NIXL) only from pods of this PDDeployment; the router accepts client traffic "
-        "on its HTTP port from anywhere. Needs a network plugin that enforces NetworkPolicy.",
+        "channel, NIXL) only from pods of this PDDeployment, and HTTP from the operator's pods "
+        "in the operator's namespace while its planner scrapes them; the router accepts client "
+        "traffic on its HTTP port from anywhere. Needs a network plugin that enforces "
+        "NetworkPolicy.",
     )
 
 

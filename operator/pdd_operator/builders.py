@@ -240,10 +240,27 @@ def _api_key_mounts(spec: PDDeploymentSpec) -> list[Obj]:
     return [{"name": API_KEY_VOLUME, "mountPath": keys.API_KEY_MOUNT_DIR, "readOnly": True}]
 
 
-def build_network_policies(owner: Owner, spec: PDDeploymentSpec) -> list[Obj]:
+@dataclass(frozen=True)
+class Scraper:
+    """Where the autoscaling planner's scrapes of /metrics come from: the operator's pods
+    (`app.kubernetes.io/name: <name>`) in the operator's own namespace. A label alone would
+    admit any pod that copies it, in any namespace a tenant can write to."""
+
+    namespace: str
+    name: str = keys.OPERATOR_APP_NAME
+
+    def peer(self) -> Obj:
+        return {"namespaceSelector": {"matchLabels": {keys.LABEL_NAMESPACE_NAME: self.namespace}},
+                "podSelector": {"matchLabels": {keys.LABEL_NAME: self.name}}}
+
+
+def build_network_policies(owner: Owner, spec: PDDeploymentSpec,
+                           scraper: Scraper | None = None) -> list[Obj]:
     """Ingress only. Prefill and decode pods take any TCP port (HTTP, the side channel and
     the UCX ports NIXL picks at run time) from pods of the same PDDeployment, the router
-    included; the router takes its HTTP port from anywhere."""
+    included, and HTTP from the scraper while the planner reads their metrics itself; the
+    router takes its HTTP port from anywhere. Without a scraper (an operator outside the
+    cluster, whose namespace is unknown) no pod is admitted for scrapes."""
     if not spec.networkPolicy.enabled:
         return []
     workers, router = network_policy_names(owner.name)
@@ -264,12 +281,10 @@ def build_network_policies(owner: Owner, spec: PDDeploymentSpec) -> list[Obj]:
         },
     }
     a = spec.autoscaling
-    if a is not None and not a.prometheusURL and any(
+    if scraper is not None and a is not None and not a.prometheusURL and any(
             r is not None and r.enabled for r in (a.prefill, a.decode)):
-        # The planner scrapes each instance's /metrics itself (any namespace: the operator's).
         dataplane["spec"]["ingress"].append({
-            "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
-                keys.LABEL_NAME: keys.OPERATOR_APP_NAME}}}],
+            "from": [scraper.peer()],
             "ports": [{"protocol": "TCP", "port": keys.HTTP_PORT}]})
     front: Obj = {
         "apiVersion": "networking.k8s.io/v1",
@@ -620,7 +635,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec,
     return deployment, service
 
 
-def build(owner: Owner, spec: PDDeploymentSpec) -> Desired:
+def build(owner: Owner, spec: PDDeploymentSpec, scraper: Scraper | None = None) -> Desired:
     plan = plan_of(spec)
     side = spec.kvTransfer.sideChannelPort
     pods: dict[Role, dict[int, Obj]] = {
@@ -641,7 +656,7 @@ def build(owner: Owner, spec: PDDeploymentSpec) -> Desired:
     )
     if spec.router.enabled:
         desired.router_deployment, desired.router_service = build_router(owner, spec)
-    desired.network_policies = build_network_policies(owner, spec)
+    desired.network_policies = build_network_policies(owner, spec, scraper)
     return desired
 
 

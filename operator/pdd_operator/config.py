@@ -6,7 +6,21 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from pdd_api.keys import OPERATOR_APP_NAME
 from pdd_api.models import API_GROUP
+from pdd_operator.credentials import SA_DIR
+
+
+def _own_namespace() -> str | None:
+    """The namespace this operator runs in: PDD_OPERATOR_NAMESPACE (the chart and the kustomize
+    base set it from the downward API), else the in-cluster service account's; None outside a
+    cluster."""
+    if ns := os.environ.get("PDD_OPERATOR_NAMESPACE"):
+        return ns
+    try:
+        return (SA_DIR / "namespace").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -39,6 +53,11 @@ class Config:
     # The autoscaling planner's loop (spec.autoscaling); off: every role's replicas come from
     # spec, whatever spec.autoscaling says (a platform that scales with HPA/KEDA only).
     autoscaler: bool = True
+    # The data-plane NetworkPolicy admits the planner's scrapes only from pods labelled
+    # app.kubernetes.io/name=operator_name in operator_namespace; None (an operator outside the
+    # cluster): from no pod.
+    operator_namespace: str | None = None
+    operator_name: str = OPERATOR_APP_NAME
 
     @classmethod
     def from_env(cls) -> Config:
@@ -62,6 +81,8 @@ class Config:
                                           or cfg.cert_validity_seconds)
         cfg.webhook_cert_dir = os.environ.get("PDD_WEBHOOK_CERT_DIR") or None
         cfg.autoscaler = os.environ.get("PDD_AUTOSCALER", "1") not in ("0", "false")
+        cfg.operator_namespace = _own_namespace()
+        cfg.operator_name = os.environ.get("PDD_OPERATOR_NAME") or cfg.operator_name
         return cfg
 
 

@@ -23,6 +23,7 @@ import kopf
 from pdd_api.models import API_GROUP, API_VERSION, KIND, PLURAL, ROLE_SCALE_KIND, ROLE_SCALE_PLURAL
 from pdd_operator import credentials, metrics, role_scale
 from pdd_operator.autoscaler import Autoscaler
+from pdd_operator.builders import Scraper
 from pdd_operator.config import CONFIG
 from pdd_operator.kube import KINDS, ApiError, Kube
 from pdd_operator.peering import paused
@@ -110,7 +111,11 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
             settings.peering.standalone = True
         else:
             await ensure_peering(kube, cfg.peering_name, cfg.namespaces)
-    rec = Reconciler(kube)
+    rec = Reconciler(kube, scraper=(Scraper(cfg.operator_namespace, cfg.operator_name)
+                                    if cfg.operator_namespace else None))
+    if rec.scraper is None:
+        log.info("own namespace unknown (no PDD_OPERATOR_NAMESPACE, no service account): "
+                 "NetworkPolicies admit no pod for the planner's scrapes")
     await rec.seed(cfg.namespaces or None)
     STATE.reconciler = rec
     loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ from pdd_operator.builders import (
     Obj,
     Owner,
     Role,
+    Scraper,
     build,
     build_grant_secret,
     grant_secret_name,
@@ -121,8 +122,10 @@ def _metadata(obj: Obj) -> Obj:
 
 class Reconciler:
     def __init__(self, kube: Kube, store: Store | None = None, *, debounce: float = 0.02,
-                 child_debounce: float = 0.3, max_backoff: float = 30.0) -> None:
+                 child_debounce: float = 0.3, max_backoff: float = 30.0,
+                 scraper: Scraper | None = None) -> None:
         self.kube = kube
+        self.scraper = scraper
         self.store = store or Store()
         self.pdds: dict[Key, Obj] = {}
         self.debounce = debounce
@@ -506,7 +509,8 @@ class Reconciler:
         else:
             spec = parse_spec(raw_spec)  # read as the API server reads it (nulls, 2.0)
             spec = with_replicas(spec, effective_replicas(spec, status))
-            result = ([], spec, builders_lws.apply_lws(owner, spec, build(owner, spec)))
+            result = ([], spec, builders_lws.apply_lws(owner, spec,
+                                                    build(owner, spec, self.scraper)))
         self._built[key] = (version, result)
         return result
 

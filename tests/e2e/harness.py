@@ -57,6 +57,12 @@ def image_tool() -> ModuleType:
     return module
 
 
+def sidecar_image() -> str:
+    """The data-plane image the node runs (PDD_IMAGE_TAG picks another build of it)."""
+    tool = image_tool()
+    return str(tool.image_name("sidecar", tool.DEFAULT_TAG))
+
+
 class StackError(RuntimeError):
     """Something in the stack failed; the message carries the log tails that say why."""
 

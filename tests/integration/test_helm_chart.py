@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from operator_env import operator_config
 from operator_fixtures import (  # noqa: F401  (fixtures)
     REPO_ROOT,
     Kubectl,
@@ -178,6 +179,19 @@ def test_namespaced_mode_uses_roles_in_the_watched_namespaces(helm: Path) -> Non
     opts = effective_operator_options(dep["spec"]["template"]["spec"]["containers"][0]["args"])
     assert opts["namespace"] == ["ops"] and opts["webhook_port"] == 0
     assert ("Service", "ops", "pdd-operator-webhook") not in only_release
+
+
+@pytest.mark.parametrize("sets", [[], ["operatorName=llm-operator"]])
+def test_the_operator_knows_its_namespace_and_label_for_the_scrape_rule(
+        helm: Path, sets: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the data-plane NetworkPolicy admits scrapes from (builders.Scraper) is the
+    release's namespace and the operator pods' own label, whatever operatorName says."""
+    name = sets[0].split("=")[1] if sets else "pdd-operator"
+    dep = render(helm, *sets, namespace="team-ops")[("Deployment", "team-ops", name)]
+    cfg = operator_config(dep, monkeypatch)
+    assert cfg.operator_namespace == "team-ops"
+    assert cfg.operator_name == dep["spec"]["template"]["metadata"]["labels"][
+        "app.kubernetes.io/name"] == name
 
 
 def test_cluster_mode_install_dry_run_on_the_server(helm: Path, kube: Kubectl) -> None:

@@ -38,6 +38,10 @@ from localcluster import (
     up,
 )
 
+from pdd_api import keys
+from pdd_api.validation import parse_spec
+from pdd_operator.builders import Owner, Scraper, build_network_policies
+
 pytestmark = pytest.mark.realnode
 
 NODE = "real-node"
@@ -98,11 +102,12 @@ def _wait(what: str, check: Any, timeout: float = 90) -> Any:
         time.sleep(0.5)
 
 
-def _pod(name: str, command: list[str], *, gpus: int = 0, restart: str = "Always") -> str:
+def _pod(name: str, command: list[str], *, gpus: int = 0, restart: str = "Always",
+         labels: dict[str, str] | None = None) -> str:
     spec: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": name}},
+        "metadata": {"name": name, "labels": {"app": name} if labels is None else labels},
         "spec": {
             "nodeSelector": {"pdd.dev/node": "real"},
             "tolerations": [{"key": "pdd.dev/node", "value": "real", "effect": "NoSchedule"}],
@@ -242,6 +247,65 @@ def test_service_reaches_a_pod_through_kube_proxy(real: _Run, namespace: str) ->
         logs = cluster.kubectl("logs", "-n", namespace, pod).stdout
         assert done["status"]["phase"] == "Succeeded", (pod, logs)
         assert logs.strip() == "served from server", pod
+
+
+def _reaches(cluster: Cluster, ns: str, labels: dict[str, str], ip: str) -> bool:
+    """Whether a pod with these labels in namespace `ns` gets an answer from ip:8000."""
+    pod = f"client-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=_pod(
+        pod, ["/pause", "get", f"http://{ip}:{keys.HTTP_PORT}/"], restart="Never",
+        labels=labels))
+    done = _wait(f"pod {pod} to finish", lambda: (
+        (obj := _phase(cluster, ns, pod))["status"].get("phase") in ("Succeeded", "Failed")
+        and obj))
+    return bool(done["status"]["phase"] == "Succeeded")
+
+
+def _serving(cluster: Cluster, ns: str, pod: str, labels: dict[str, str]) -> str:
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=_pod(
+        pod, ["/pause", "serve", f":{keys.HTTP_PORT}", "metrics"], labels=labels))
+    return str(_wait(f"pod {pod} ready", lambda: _running(cluster, ns, pod))["status"]["podIP"])
+
+
+def test_the_scrape_rule_refuses_a_look_alike_operator_in_another_namespace(
+        real: _Run, namespace: str) -> None:
+    """The data-plane NetworkPolicy as the builders write it, on a stand-in instance (a server
+    with an instance's labels): a pod labelled as the operator is admitted from the operator's
+    namespace and refused from a tenant's. Only a network that enforces NetworkPolicy can show
+    that; a deny-all canary finds out first, and the test skips saying so otherwise."""
+    cluster = real.cluster
+    ops, tenant = f"{namespace}-ops", f"{namespace}-tenant"
+    for ns in (ops, tenant):
+        cluster.kubectl("create", "namespace", ns)
+    try:
+        canary = _serving(cluster, namespace, "canary", {"canary": "yes"})
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "deny-canary"},
+            "spec": {"podSelector": {"matchLabels": {"canary": "yes"}},
+                     "policyTypes": ["Ingress"], "ingress": []}}))
+        if _reaches(cluster, tenant, {}, canary):
+            pytest.skip("the node's network (the CNI bridge plugin) does not enforce "
+                        "NetworkPolicy: a deny-all policy let a connection through, so "
+                        "nothing here can refuse the look-alike")
+        spec = parse_spec({"model": {"name": "m"}, "image": IMAGE,
+                           "prefill": {"replicas": 1}, "decode": {"replicas": 1},
+                           "autoscaling": {"decode": {"maxReplicas": 2}}})
+        owner = Owner("netpol", namespace, "no-such-owner")
+        policy = next(p for p in build_network_policies(owner, spec, Scraper(ops))
+                      if p["metadata"]["name"] == "netpol-dataplane")
+        policy["metadata"].pop("ownerReferences")  # no such owner: the collector would delete
+        target = _serving(cluster, namespace, "netpol-decode-0", {
+            keys.LABEL_NAME: keys.APP_NAME, keys.LABEL_INSTANCE: "netpol",
+            keys.LABEL_COMPONENT: "decode"})
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(policy))
+        operator = {keys.LABEL_NAME: keys.OPERATOR_APP_NAME}
+        assert _reaches(cluster, ops, operator, target), "the operator's own pods are admitted"
+        assert not _reaches(cluster, tenant, operator, target), "a look-alike elsewhere is not"
+        assert not _reaches(cluster, ops, {keys.LABEL_NAME: "another-app"}, target)
+    finally:
+        for ns in (ops, tenant):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def _host_leftovers(state_dir: Path, pids: list[int], veths: set[str]) -> list[str]:

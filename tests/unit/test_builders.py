@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
+from operator_env import operator_config
 
 from pdd_api import keys
 from pdd_api.models import PDDeploymentSpec
 from pdd_api.validation import InvalidSpecError, parse_spec
-from pdd_operator.builders import Owner, build, is_subset, plan_of
+from pdd_operator.builders import Owner, Scraper, build, is_subset, plan_of
 from pdd_operator.rollout import effective_max_unavailable, plan_role, pod_info
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -550,24 +551,71 @@ def test_network_policies_isolate_dataplane_and_open_router(doc: dict[str, Any])
     assert build(OWNER, spec_of(doc)).network_policies == []
 
 
+def _operator_deployment() -> dict[str, Any]:
+    docs = yaml.safe_load_all((ROOT / "manifests/base/operator.yaml").read_text())
+    return next(d for d in docs if d and d.get("kind") == "Deployment")
+
+
 @pytest.mark.parametrize(("autoscaling", "scraped"), [
     ({"decode": {"maxReplicas": 4}}, True),
     ({"decode": {"maxReplicas": 4}, "prometheusURL": "http://prom:9090"}, False),
     ({"decode": {"maxReplicas": 4, "enabled": False}}, False),
 ])
-def test_the_planners_scrapes_pass_the_dataplane_policy(
-        doc: dict[str, Any], autoscaling: dict[str, Any], scraped: bool) -> None:
+def test_the_planners_scrapes_pass_the_dataplane_policy_from_the_operators_namespace_only(
+        doc: dict[str, Any], autoscaling: dict[str, Any], scraped: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator as the kustomize base runs it: its configuration (from the Deployment's
+    env, the namespace through the downward API) yields a rule that admits its own pods in its
+    own namespace, and nothing else: not the same label in another namespace."""
+    deployment = _operator_deployment()
+    cfg = operator_config(deployment, monkeypatch)
+    assert cfg.operator_namespace == "pdd-system" and cfg.operator_name == "pdd-operator"
+    scraper = Scraper(cfg.operator_namespace, cfg.operator_name)
     doc["spec"]["autoscaling"] = autoscaling
+    dp = next(p for p in build(OWNER, spec_of(doc), scraper).network_policies
+              if p["metadata"]["name"] == "demo-dataplane")["spec"]
+    assert len(dp["ingress"]) == 1 + scraped
+    for rule in dp["ingress"]:
+        for peer in rule["from"]:
+            assert peer.get("namespaceSelector", {"matchLabels": {}}) != {}, (
+                "an empty namespaceSelector admits every namespace")
+    if not scraped:
+        return
+    rule = dp["ingress"][1]
+    assert rule["ports"] == [{"protocol": "TCP", "port": keys.HTTP_PORT}]
+    [peer] = rule["from"]
+    operator_pod = deployment["spec"]["template"]["metadata"]["labels"]
+    operator_ns = {keys.LABEL_NAMESPACE_NAME: deployment["metadata"]["namespace"]}
+    assert admits(peer, operator_ns, operator_pod)
+    assert not admits(peer, {keys.LABEL_NAMESPACE_NAME: "tenant-a"}, operator_pod)
+    assert not admits(peer, {keys.LABEL_NAMESPACE_NAME: OWNER.namespace}, operator_pod)
+    assert not admits(peer, operator_ns, {keys.LABEL_NAME: "pdd"})
+
+
+def admits(peer: dict[str, Any], ns_labels: dict[str, str], pod_labels: dict[str, str]) -> bool:
+    """A NetworkPolicy peer's selectors (matchLabels only, which is all the builders write)
+    against a pod in a namespace; a peer without namespaceSelector means the policy's own."""
+    ns_sel = peer.get("namespaceSelector")
+    if ns_sel is None:
+        ns_ok = ns_labels.get(keys.LABEL_NAMESPACE_NAME) == OWNER.namespace
+    else:
+        ns_ok = is_subset(ns_sel.get("matchLabels", {}), ns_labels)
+    return ns_ok and is_subset(peer.get("podSelector", {}).get("matchLabels", {}), pod_labels)
+
+
+def test_an_operator_that_does_not_know_its_namespace_admits_no_scraper(
+        doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pdd_operator import config
+
+    monkeypatch.delenv("PDD_OPERATOR_NAMESPACE", raising=False)
+    monkeypatch.setattr(config, "SA_DIR", tmp_path)
+    assert config.Config.from_env().operator_namespace is None
+    (tmp_path / "namespace").write_text("ops\n")  # in a pod without the env: the account's
+    assert config.Config.from_env().operator_namespace == "ops"
+    doc["spec"]["autoscaling"] = {"decode": {"maxReplicas": 4}}
     dp = next(p for p in build(OWNER, spec_of(doc)).network_policies
               if p["metadata"]["name"] == "demo-dataplane")["spec"]
-    operator_rule = {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
-        keys.LABEL_NAME: "pdd-operator"}}}], "ports": [{"protocol": "TCP", "port": 8000}]}
-    assert (operator_rule in dp["ingress"]) == scraped
-    assert len(dp["ingress"]) == 1 + scraped
-    operator_labels = yaml.safe_load_all((ROOT / "manifests/base/operator.yaml").read_text())
-    deployment = next(d for d in operator_labels if d and d.get("kind") == "Deployment")
-    assert is_subset(operator_rule["from"][0]["podSelector"]["matchLabels"],
-                     deployment["spec"]["template"]["metadata"]["labels"])
+    assert len(dp["ingress"]) == 1
 
 
 def test_pods_default_to_restricted_security_and_shm(doc: dict[str, Any]) -> None:

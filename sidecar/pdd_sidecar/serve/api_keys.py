@@ -3,12 +3,14 @@
 Keys come from the settings (`pdd serve --api-key`, PDD_API_KEY) and from a file or a folder of
 files (PDD_API_KEY_FILE; in a pod the mounted Secret of `spec.router.apiKeySecretRef`), one key
 per line. The file is read again when it changes, so a rotated Secret takes effect without a
-restart (the kubelet swaps a mounted Secret's files in place). A file that cannot be read or
-holds no key leaves the keys read last, and the router refuses to start without any: an
-unreadable key file must never open the router.
+restart (the kubelet swaps a mounted Secret's files in place). The file is the truth for its
+keys: a key taken out of it is refused from the next look on, and a file that later goes
+missing, cannot be read or holds no key refuses every key it gave (fail closed: a revoked key
+must never keep working because its file broke), logged once on the way in and once on the way
+back. At start such a file stops the router: a key file that cannot be read must never open it.
 
 Health, readiness and metrics stay open: probes and Prometheus scrapers carry no key (keep
-/metrics inside the cluster; the operator's NetworkPolicy admits only the namespace).
+/metrics inside the cluster: the router's NetworkPolicy admits its HTTP port from anywhere).
 """
 
 from __future__ import annotations
@@ -108,8 +110,10 @@ class ApiKeys:
                 return
             keys = read_key_file(self._file)
         except (OSError, KeyFileError) as exc:
-            log.warning("API keys: keeping the %d keys read before: %s", len(self._from_file),
-                        exc)
+            if self._from_file:
+                log.error("API keys: refusing the %d keys of %s until it holds keys again: %s",
+                          len(self._from_file), self._file, exc)
+            self._from_file, self._seen = [], None
             return
         self._from_file, self._seen = keys, seen
         log.info("API keys: %d read from %s", len(keys), self._file)
