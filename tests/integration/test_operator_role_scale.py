@@ -184,7 +184,6 @@ def test_kubectl_scale_pdd_beside_a_role_scale_moves_no_pod_and_is_reported(
         assert f"set spec.decode.replicas of PDDeployment {NAME} to 3" in c["message"], c
         assert "PDDRoleScale rs-decode drives decode (2 replicas)" in c["message"], c
         assert "a writer outside pdd" not in c["message"], c  # the writer is named
-    print(cond["message"])
     # Several periodic passes (the fixture's operator resyncs every 5 s) of both loops.
     start = passes(operator)
     wait_for("6 more reconcile passes", lambda: passes(operator) >= start + 6, timeout=90)
@@ -224,7 +223,6 @@ def test_scaling_a_pdd_whose_decode_the_planner_drives_is_reported(
     assert "(through the scale subresource) set spec.decode.replicas to 2" in cond[
         "message"], cond
     assert "the planner drives decode" in cond["message"], cond
-    print(cond["message"])
     start = passes(operator)
     wait_for("4 more reconcile passes", lambda: passes(operator) >= start + 4, timeout=90)
     assert uids(kube, ns) == before, "the write had no effect on pods"
