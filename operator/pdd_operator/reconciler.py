@@ -398,7 +398,7 @@ class Reconciler:
         status = builders_lws.mark_missing_crd(status)
         status = carry_autoscaling(status, body.get("status"),
                                    autoscaled=any(role_autoscaling(spec, r) for r in ROLES))
-        status = with_replicas_conflict(status, self._conflicts(key, scales), generation,
+        status = with_replicas_conflict(status, self._conflicts(key), generation,
                                         body.get("status"), now_rfc3339())
         self._events(body, outcome)
         await self._write_status(body, status)
@@ -407,13 +407,12 @@ class Reconciler:
             raise PassErrors(outcome.errors)
         return outcome
 
-    def _conflicts(self, key: Key, scales: Mapping[str, Obj | None]) -> list[tuple[str, str]]:
+    def _conflicts(self, key: Key) -> list[tuple[str, str]]:
         """Each role's writer that is not its owner (replica_owner.conflict)."""
         writers = self.writers.get(key, {})
         out = []
         for role, owned in self._owned.get(key, {}).items():
-            applied = ((scales.get(role) or {}).get("status") or {}).get("appliedReplicas")
-            found = conflict(owned, applied, writers.get(role), key[1])
+            found = conflict(owned, writers.get(role), key[1])
             if found is not None:
                 out.append(found)
         return out
@@ -525,14 +524,15 @@ class Reconciler:
                      scales: Mapping[str, Obj | None] | None = None) -> tuple[
             list[str], PDDeploymentSpec | None, Desired | None]:
         """Validation and builders run once per generation, autoscaling decision and
-        PDDRoleScale replicas (the replicas change with nothing else); most passes are
-        triggered by pod events and reuse them. The builders see the replicas of each role's
+        PDDRoleScale (the replicas change with nothing else); most passes are triggered by pod
+        events and reuse them. The builders see the replicas of each role's
         owner (replica_owner.py): the planner's, a PDDRoleScale's or the spec's."""
         key = (owner.namespace, owner.name)
         scales = scales or {}
         cached = self._built.get(key)
         version = (owner.uid, generation, _autoscaled_replicas(status), tuple(
-            (_name(s), (s.get("spec") or {}).get("replicas")) if s else None
+            (_name(s), (s.get("spec") or {}).get("replicas"),
+             (s.get("status") or {}).get("appliedReplicas")) if s else None
             for s in (scales.get(r) for r in ROLES)))
         if cached is not None and cached[0] == version:
             return cached[1]

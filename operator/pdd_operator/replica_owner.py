@@ -7,8 +7,10 @@ followed (the pods keep the owner's count) and is reported, naming the other wri
 API server's managedFields record it, so two writers never take turns on every pass.
 
 A PDDRoleScale writes its value into the PDDeployment's spec once per change of its own
-spec.replicas and records it (status.appliedReplicas): a spec that differs from a value already
-applied was written by someone else. That is a conflict, not a cue to write again.
+spec.replicas and records it once the API server accepted it (status.appliedReplicas): that is
+the count built, so a value the PDDeployment's webhook or CEL refuses is never built. A spec that
+differs from a value already applied was written by someone else: a conflict, not a cue to
+write again.
 
 Pure: the reconciler and the PDDRoleScale sync (handlers.py) read and write.
 """
@@ -43,8 +45,9 @@ class Writer:
 
 @dataclass(frozen=True)
 class Ownership:
-    """One role's owner and the replicas the builders use; `declared`: spec.<role>.replicas,
-    `scale`/`wanted`: the PDDRoleScale naming the role and its spec.replicas, if any."""
+    """One role's owner and the replicas the builders use; `declared`: spec.<role>.replicas;
+    `scale`, `wanted`, `applied`: the PDDRoleScale naming the role, its spec.replicas and its
+    status.appliedReplicas, if any."""
 
     role: str
     owner: str
@@ -52,6 +55,7 @@ class Ownership:
     declared: int
     scale: str | None = None
     wanted: int | None = None
+    applied: int | None = None
 
 
 def replicas_writers(body: Mapping[str, Any]) -> dict[str, Writer]:
@@ -87,20 +91,24 @@ def ownership(spec: PDDeploymentSpec, role: str, status: Mapping[str, Any] | Non
     owner = owner_of(spec, role, scale)
     declared = getattr(spec, role).replicas
     name = str((scale or {}).get("metadata", {}).get("name") or "") or None
-    wanted = (scale or {}).get("spec", {}).get("replicas")
-    wanted = wanted if isinstance(wanted, int) else None
+    wanted, applied = _int((scale or {}).get("spec", {}).get("replicas")), _int(
+        (scale or {}).get("status", {}).get("appliedReplicas"))
     if owner == PLANNER:
         replicas = effective_replicas(spec, status)[role]
     else:
-        replicas = declared if wanted is None or owner == SPEC else wanted
-    return Ownership(role, owner, replicas, declared, name, wanted)
+        replicas = declared if applied is None or owner == SPEC else applied
+    return Ownership(role, owner, replicas, declared, name, wanted, applied)
 
 
-def conflict(owned: Ownership, applied: Any, writer: Writer | None,
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def conflict(owned: Ownership, writer: Writer | None,
              deployment: str) -> tuple[str, str] | None:
     """(reason, message naming both writers) where a writer other than the owner set the
-    role's replicas, else None. `applied`: the PDDRoleScale's status.appliedReplicas;
-    `writer`: the last writer of spec.<role>.replicas of PDDeployment `deployment`."""
+    role's replicas, else None. `writer`: the last writer of spec.<role>.replicas of
+    PDDeployment `deployment`."""
     role = owned.role
     if owned.owner == PLANNER:
         why = (f"the planner drives {role} (spec.autoscaling.{role} of {KIND} {deployment} is "
@@ -116,7 +124,7 @@ def conflict(owned: Ownership, applied: Any, writer: Writer | None,
                 f"{KIND} {deployment}, or turn the planner off for {role})")
         return None
     if owned.owner == ROLE_SCALE and owned.wanted is not None and (
-            applied == owned.wanted != owned.declared):
+            owned.applied == owned.wanted != owned.declared):
         return SPEC_REPLICAS_WRITTEN, (
             f"{_outsider(writer)} set spec.{role}.replicas of {KIND} {deployment} to "
             f"{owned.declared}, but {ROLE_SCALE_KIND} {owned.scale} drives {role} "

@@ -92,7 +92,7 @@ def sync(scale: Obj, deployment: Obj | None, scales: Iterable[Obj],
         return done(f"{KIND} {name} is not valid (its Validated condition says why): "
                     "nothing applied")
     owned = ownership(parsed, role, deployment.get("status"), scale)
-    clash = conflict(owned, old.get("appliedReplicas"), writer, name)
+    clash = conflict(owned, writer, name)
     if owned.owner == PLANNER:
         return done(f"spec.autoscaling.{role} of {KIND} {name} is enabled: pdd's planner "
                     f"drives {role}, so spec.replicas is not applied (turn the planner off for "

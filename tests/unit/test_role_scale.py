@@ -190,9 +190,11 @@ def test_the_owner_is_the_planner_then_a_role_scale_then_the_spec() -> None:
 def test_the_builders_get_the_owners_replicas() -> None:
     plain = parse_spec(deployment(prefill=1)["spec"])
     assert ownership(plain, "prefill", None, None).replicas == 1
-    # A role scale's value, whatever the spec says (an outside write is not followed).
-    assert ownership(plain, "prefill", None, scale(replicas=3)).replicas == 3
-    # Left out: the spec's, until the operator fills it in.
+    # A role scale's applied value, whatever the spec says (an outside write is not followed).
+    assert ownership(plain, "prefill", None, applied(scale(replicas=3), 3)).replicas == 3
+    # One the PDDeployment has not accepted yet (or refused) is not built; nor a left-out one.
+    assert ownership(plain, "prefill", None, scale(replicas=3)).replicas == 1
+    assert ownership(plain, "prefill", None, applied(scale(replicas=40), 3)).replicas == 3
     assert ownership(plain, "prefill", None, scale(replicas=None)).replicas == 1
     auto = parse_spec(deployment(autoscaled=True)["spec"])
     decided = {"autoscaling": {"prefill": {"desiredReplicas": 4}}}
@@ -221,37 +223,37 @@ def test_an_outside_write_while_a_role_scale_drives_is_a_conflict_naming_both() 
     spec = parse_spec(deployment(prefill=5)["spec"])  # someone set 5 after we wrote 3
     owned = ownership(spec, "prefill", None, s)
     assert owned.replicas == 3
-    found = conflict(owned, 3, Writer("kubectl"), "ds")
+    found = conflict(owned, Writer("kubectl"), "ds")
     assert found is not None
     assert found[0] == SPEC_REPLICAS_WRITTEN
     assert found[1].startswith("kubectl set spec.prefill.replicas of PDDeployment ds to 5, "
                                "but PDDRoleScale ds-prefill drives prefill (3 replicas)")
     # Not yet applied (a new or rescaled PDDRoleScale): its own write is due, no conflict.
-    assert conflict(owned, None, Writer("kubectl"), "ds") is None
-    assert conflict(owned, 2, Writer("kubectl"), "ds") is None
+    for fresh in (scale(replicas=3), applied(scale(replicas=3), 2)):
+        assert conflict(ownership(spec, "prefill", None, fresh), Writer("kubectl"), "ds") is None
     # Equal: nothing to say.
     same = ownership(parse_spec(deployment(prefill=3)["spec"]), "prefill", None, s)
-    assert conflict(same, 3, Writer("kubectl"), "ds") is None
+    assert conflict(same, Writer("kubectl"), "ds") is None
     # The spec owning the role: any writer is fine.
     free = ownership(spec, "prefill", None, None)
-    assert conflict(free, None, Writer("kubectl", "scale"), "ds") is None
+    assert conflict(free, Writer("kubectl", "scale"), "ds") is None
 
 
 def test_writes_the_planner_overrides_are_reported() -> None:
     auto = parse_spec(deployment(autoscaled=True)["spec"])
     owned = ownership(auto, "prefill", None, scale())
-    found = conflict(owned, None, None, "ds")
+    found = conflict(owned, None, "ds")
     assert found is not None and found[0] == PLANNER_DRIVES_ROLE
     assert found[1].startswith("PDDRoleScale ds-prefill sets prefill replicas, but the planner "
                                "drives prefill")
     # An HPA (or KEDA, or kubectl scale) on the PDDeployment's own scale subresource.
     alone = ownership(auto, "prefill", None, None)
-    hpa = conflict(alone, None, Writer("kube-controller-manager", "scale"), "ds")
+    hpa = conflict(alone, Writer("kube-controller-manager", "scale"), "ds")
     assert hpa is not None and hpa[0] == SCALE_IGNORED
     assert hpa[1].startswith("kube-controller-manager (through the scale subresource) set "
                              "spec.prefill.replicas to 1, but the planner drives prefill")
     # The manifest's own value is the planner's seed, not a conflict.
-    assert conflict(alone, None, Writer("argocd-controller"), "ds") is None
+    assert conflict(alone, Writer("argocd-controller"), "ds") is None
 
 
 def test_sync_writes_once_then_reports_an_outside_write_instead_of_writing_back() -> None:
