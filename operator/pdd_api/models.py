@@ -448,8 +448,8 @@ class Condition(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: str = Field(description="Validated, RoutingReady, PrefillAvailable, DecodeAvailable "
-                      "or Ready.")
+    type: str = Field(description="Validated, RoutingReady, PrefillAvailable, DecodeAvailable, "
+                      "Ready, Stalled, Autoscaling or ReplicasConflict.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason for the last transition.")
     message: str = Field(default="", description="What a person needs to know.")
@@ -531,9 +531,16 @@ class PDDRoleScaleStatus(BaseModel):
     readyReplicas: int = Field(default=0, description="Pods of the role that are Ready.")
     selector: str | None = Field(
         default=None, description="Label selector of the role's pods, as an HPA reads it.")
-    applied: bool = Field(default=False, description="spec.replicas is what the PDDeployment's "
-                          "spec.<role>.replicas says.")
+    applied: bool = Field(default=False, description="This object drives the role: the "
+                          "pods follow its spec.replicas.")
+    appliedReplicas: int | None = Field(
+        default=None, description="The spec.replicas last written into the PDDeployment's "
+        "spec.<role>.replicas: a different value there was written by someone else "
+        "(condition ReplicasConflict), and is neither followed nor written back.")
     message: str = Field(default="", description="What the operator did with spec.replicas, "
                          "or why it did not.")
     observedGeneration: int | None = Field(
         default=None, description="Generation the operator last acted on.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="ReplicasConflict, while another writer sets the "
+        "role's replicas.")

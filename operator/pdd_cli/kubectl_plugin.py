@@ -157,11 +157,13 @@ def _autoscaled(pdd: Obj, role: str) -> Obj | None:
     return a if isinstance(a, dict) and a.get("enabled", True) is not False else None
 
 
-def desired_replicas(pdd: Obj, role: str) -> str:
-    """The planner's replicas where it drives the role (spec's until it has decided)."""
+def desired_replicas(pdd: Obj, role: str, scale: Obj | None = None) -> str:
+    """The replicas of the role's owner, as the operator builds them: the planner's where it
+    drives the role (spec's until it has decided), else those of the PDDRoleScale applied to
+    it, else spec's (a spec another writer changed under a PDDRoleScale is not followed)."""
     spec_n = ((pdd.get("spec") or {}).get(role) or {}).get("replicas", 1)
     if _autoscaled(pdd, role) is None:
-        return str(spec_n)
+        return str(((scale or {}).get("spec") or {}).get("replicas", spec_n))
     auto = (((pdd.get("status") or {}).get("autoscaling") or {}).get(role) or {})
     return str(auto.get("desiredReplicas", spec_n))
 
@@ -188,7 +190,7 @@ def autoscaling_report(pdd: Obj, role_scales: Sequence[Obj] = ()) -> list[str]:
         scale = driven[role]
         if a is None and scale is not None:
             rows.append([role, f"{ROLE_SCALE_KIND}/{_meta(scale).get('name')}", current,
-                         desired_replicas(pdd, role), "-", "-", "-", "-",
+                         desired_replicas(pdd, role, scale), "-", "-", "-", "-",
                          str((scale.get("status") or {}).get("message") or "-")])
             continue
         if a is None:
@@ -216,7 +218,8 @@ def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: i
     for role in ROLES:
         rs, rst = spec.get(role) or {}, st.get(role) or {}
         rows.append([role, str(rs.get("tensorParallelSize", "?")),
-                     str(rs.get("decodeContextParallelSize", "?")), desired_replicas(pdd, role),
+                     str(rs.get("decodeContextParallelSize", "?")),
+                     desired_replicas(pdd, role, applied_role_scale(pdd, role, role_scales)),
                      str(rst.get("replicas", 0)), str(rst.get("readyReplicas", 0)),
                      str(rst.get("updatedReplicas", 0)), *kv_memory(rs)])
     lines += _table(rows)

@@ -36,6 +36,13 @@ CONDITION_TYPES = (VALIDATED, ROUTING_READY, AVAILABLE["prefill"], AVAILABLE["de
 STUCK_REASONS = ("Unschedulable", "CrashLooping", "ImagePullFailed", "ContainerCreateFailed",
                  "PodFailed", "InvalidSpec")
 RECONCILE_ERROR, NAME_CONFLICT = "ReconcileError", "NameConflict"
+# Present (True) on a PDDeployment and on a PDDRoleScale while a writer other than the owner of
+# a role's replicas (replica_owner.py) wrote them; the reason names which kind of writer.
+REPLICAS_CONFLICT = "ReplicasConflict"
+SPEC_REPLICAS_WRITTEN = "SpecReplicasWritten"  # the spec, while a PDDRoleScale drives the role
+PLANNER_DRIVES_ROLE = "PlannerDrivesRole"  # a PDDRoleScale, while the planner drives the role
+SCALE_IGNORED = "ScaleSubresourceIgnored"  # an HPA/KEDA/kubectl scale, ditto
+ANOTHER_ROLE_SCALE = "AnotherRoleScale"  # a second PDDRoleScale of one role
 # API answers that waiting (and the operator's retries) may fix; anything else needs a person.
 TRANSIENT_STATUSES = frozenset({0, 409, 429, 500, 502, 503, 504})
 
@@ -260,6 +267,20 @@ def with_errors(status: dict[str, Any], *, errors: Sequence[ObjectError],
         conds.append(condition(STALLED, True, stalled_reason, message, generation,
                                prev.get(STALLED), now))
     out["conditions"] = conds
+    return out
+
+
+def with_replicas_conflict(status: dict[str, Any], conflicts: Sequence[tuple[str, str]],
+                           generation: int, previous: Mapping[str, Any] | None,
+                           now: str) -> dict[str, Any]:
+    """Adds ReplicasConflict (True) while some role's replicas were written by a writer that
+    does not own them (replica_owner.conflict's (reason, message) per role)."""
+    if not conflicts:
+        return status
+    out = dict(status)
+    out["conditions"] = [*(status.get("conditions") or []), condition(
+        REPLICAS_CONFLICT, True, conflicts[0][0], "; ".join(m for _, m in conflicts),
+        generation, _previous(previous).get(REPLICAS_CONFLICT), now)]
     return out
 
 

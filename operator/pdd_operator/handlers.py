@@ -25,7 +25,7 @@ from pdd_operator import credentials, metrics, role_scale
 from pdd_operator.autoscaler import Autoscaler
 from pdd_operator.builders import Scraper
 from pdd_operator.config import CONFIG
-from pdd_operator.kube import KINDS, ApiError, Kube
+from pdd_operator.kube import KINDS, ApiError, Kube, now_rfc3339
 from pdd_operator.peering import paused
 from pdd_operator.reconciler import Reconciler
 from pdd_operator.tls_reload import NEVER, reload_forever, server_context
@@ -53,7 +53,6 @@ class _State:
     reconciler: Reconciler | None = None
     kube: Kube | None = None
     tasks: list[asyncio.Task[Any]] = []
-    role_scales: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 STATE = _State()
@@ -191,14 +190,8 @@ async def pddeployment_event(event: kopf.RawEvent, **_: Any) -> None:
     ns, name = rec.observe_pdd(obj, deleted=deleted)
     if not deleted:
         rec.kick(ns, name)
-    for scale in role_scales_in(ns, name):
+    for scale in rec.role_scales_in(ns, name):
         await sync_role_scale(rec, scale)
-
-
-def role_scales_in(ns: str, deployment: str | None = None) -> list[dict[str, Any]]:
-    """The PDDRoleScales seen in a namespace, those naming `deployment` where given."""
-    return [s for (n, _), s in STATE.role_scales.items() if n == ns and (
-        deployment is None or (s.get("spec") or {}).get("deployment") == deployment)]
 
 
 @kopf.on.event(API_GROUP, API_VERSION, ROLE_SCALE_PLURAL)
@@ -207,14 +200,18 @@ async def role_scale_event(event: kopf.RawEvent, **_: Any) -> None:
     rec = reconciler()
     meta = obj["metadata"]
     key = (meta["namespace"], meta["name"])
+    target = (obj.get("spec") or {}).get("deployment", "")
     if event["type"] == "DELETED":
-        STATE.role_scales.pop(key, None)
+        rec.role_scales.pop(key, None)
         # The next PDDRoleScale of that role, if any, takes over.
-        for scale in role_scales_in(key[0], (obj.get("spec") or {}).get("deployment", "")):
+        for scale in rec.role_scales_in(key[0], target):
             await sync_role_scale(rec, scale)
-        return
-    STATE.role_scales[key] = obj
-    await sync_role_scale(rec, obj)
+    else:
+        rec.role_scales[key] = obj
+        await sync_role_scale(rec, obj)
+    # The role's owner, replicas and conflicts may have changed: a pass rebuilds them.
+    if (key[0], target) in rec.pdds:
+        rec.kick(key[0], target)
 
 
 async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
@@ -223,7 +220,8 @@ async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
     ns, own = scale["metadata"]["namespace"], scale["metadata"]["name"]
     spec = scale.get("spec") or {}
     name, role = spec.get("deployment", ""), spec.get("role", "")
-    result = role_scale.sync(scale, rec.pdds.get((ns, name)), role_scales_in(ns))
+    result = role_scale.sync(scale, rec.pdds.get((ns, name)), rec.role_scales_in(ns),
+                             rec.writers.get((ns, name), {}).get(role), now_rfc3339())
     status = result.status
     try:
         if result.fill_replicas is not None:
@@ -236,7 +234,8 @@ async def sync_role_scale(rec: Reconciler, scale: dict[str, Any]) -> None:
                 if exc.status >= 500:
                     raise
                 status = role_scale.refused(result, name, role, spec.get("replicas"),
-                                            exc.message)
+                                            exc.message,
+                                            (scale.get("status") or {}).get("appliedReplicas"))
         if role_scale.status_changed(scale, status):
             await rec.kube.patch_status(ROLE_SCALE_KIND, ns, own, status)
     except ApiError as exc:
@@ -252,7 +251,7 @@ async def periodic_loop(rec: Reconciler) -> None:
         try:
             if not rec.paused:
                 await rec.resync_all()
-                for scale in list(STATE.role_scales.values()):
+                for scale in list(rec.role_scales.values()):
                     await sync_role_scale(rec, scale)
         except Exception as exc:  # noqa: BLE001 - the next period retries
             log.warning("periodic resync failed: %s", exc)

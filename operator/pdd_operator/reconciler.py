@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pdd_api import keys
-from pdd_api.autoscale import effective_replicas, role_autoscaling, with_replicas
+from pdd_api.autoscale import role_autoscaling, with_replicas
 from pdd_api.models import GPU_RESOURCE, KIND, ROLES, PDDeploymentSpec
 from pdd_api.validation import parse_spec, validate_name, validate_spec
 from pdd_operator import builders_lws, drain, metrics
@@ -42,6 +42,7 @@ from pdd_operator.conditions import (
     AVAILABLE,
     NAME_CONFLICT,
     READY,
+    REPLICAS_CONFLICT,
     STUCK_REASONS,
     VALIDATED,
     ObjectError,
@@ -49,10 +50,13 @@ from pdd_operator.conditions import (
     compute_status,
     router_state,
     with_errors,
+    with_replicas_conflict,
 )
 from pdd_operator.drain_io import fetch_loads
 from pdd_operator.held_names import HeldNames
 from pdd_operator.kube import ApiError, Kube, now_rfc3339, start_pass
+from pdd_operator.replica_owner import Ownership, Writer, conflict, ownership, replicas_writers
+from pdd_operator.role_scale import driver
 from pdd_operator.rollout import (
     Delete,
     PodInfo,
@@ -128,6 +132,10 @@ class Reconciler:
         self.scraper = scraper
         self.store = store or Store()
         self.pdds: dict[Key, Obj] = {}
+        # PDDRoleScales (fed by the handlers) and, per PDDeployment, who last wrote each
+        # role's spec replicas (managedFields, which the kept copies leave out).
+        self.role_scales: dict[Key, Obj] = {}
+        self.writers: dict[Key, dict[str, Writer]] = {}
         self.debounce = debounce
         self.child_debounce = child_debounce
         self.max_backoff = max_backoff
@@ -137,22 +145,30 @@ class Reconciler:
         self._background: set[asyncio.Task[None]] = set()
         self.paused = False  # kopf peering: another replica leads (set by the handlers)
         self.lws_served = False  # the LeaderWorkerSet CRD is installed (multi-node instances)
-        self._built: dict[Key, tuple[tuple[str, int, tuple[Any, ...]], tuple[
+        self._built: dict[Key, tuple[tuple[Any, ...], tuple[
             list[str], PDDeploymentSpec | None, Desired | None]]] = {}
+        self._owned: dict[Key, dict[str, Ownership]] = {}  # per role, from the last build
         self._holed: dict[Key, tuple[Any, Desired, Desired]] = {}  # drain.py's index holes
         self.held = HeldNames(kube)
 
     # ------------------------------------------------------------------ inputs
 
+    def role_scales_in(self, ns: str, deployment: str | None = None) -> list[Obj]:
+        """The PDDRoleScales seen in a namespace, those naming `deployment` where given."""
+        return [s for (n, _), s in self.role_scales.items() if n == ns and (
+            deployment is None or (s.get("spec") or {}).get("deployment") == deployment)]
+
     def observe_pdd(self, body: Obj, deleted: bool = False) -> Key:
-        body = lean(body)  # a copy: kopf's event body is left as it is
+        raw, body = body, lean(body)  # a copy: kopf's event body is left as it is
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
         if deleted:
             self.pdds.pop(key, None)
             self._built.pop(key, None)
+            self._owned.pop(key, None)
             self._holed.pop(key, None)
             self._locks.pop(key, None)
+            self.writers.pop(key, None)
         else:
             current = self.pdds.get(key)
             # resourceVersions are opaque: only the generation (an integer by contract) says
@@ -162,6 +178,8 @@ class Reconciler:
                 body
             ) >= _gen(current):
                 self.pdds[key] = body
+                if "managedFields" in raw.get("metadata", {}):
+                    self.writers[key] = replicas_writers(raw)
         metrics.DEPLOYMENTS.set(len(self.pdds))
         return key
 
@@ -316,8 +334,10 @@ class Reconciler:
         generation = int(meta.get("generation") or 0)
         raw_spec = body.get("spec")
         owner = Owner(name, ns, meta["uid"])
+        scales: dict[str, Obj | None] = {
+            r: driver(self.role_scales_in(ns, name), name, r) for r in ROLES}
         problems, spec, desired = self._desired_for(owner, generation, raw_spec,
-                                                    body.get("status"))
+                                                    body.get("status"), scales)
         outcome = Outcome()
         if problems:
             status = compute_status(
@@ -381,12 +401,24 @@ class Reconciler:
         status = builders_lws.mark_missing_crd(status)
         status = carry_autoscaling(status, body.get("status"),
                                    autoscaled=any(role_autoscaling(spec, r) for r in ROLES))
+        status = with_replicas_conflict(status, self._conflicts(key), generation,
+                                        body.get("status"), now_rfc3339())
         self._events(body, outcome)
         await self._write_status(body, status)
         outcome.status = status
         if outcome.errors:
             raise PassErrors(outcome.errors)
         return outcome
+
+    def _conflicts(self, key: Key) -> list[tuple[str, str]]:
+        """Each role's writer that is not its owner (replica_owner.conflict)."""
+        writers = self.writers.get(key, {})
+        out = []
+        for role, owned in self._owned.get(key, {}).items():
+            found = conflict(owned, writers.get(role), key[1])
+            if found is not None:
+                out.append(found)
+        return out
 
     async def _coordinate(self, owner: Owner, spec: PDDeploymentSpec, desired: Desired,
                           roles: dict[str, RolePlan], infos: dict[str, list[PodInfo]],
@@ -491,15 +523,20 @@ class Reconciler:
                                   self._delete(kind, have, outcome.deleted), outcome)
 
     def _desired_for(self, owner: Owner, generation: int, raw_spec: Any,
-                     status: Mapping[str, Any] | None = None) -> tuple[
+                     status: Mapping[str, Any] | None = None,
+                     scales: Mapping[str, Obj | None] | None = None) -> tuple[
             list[str], PDDeploymentSpec | None, Desired | None]:
-        """Validation and builders run once per generation and autoscaling decision (neither
-        the spec nor the planner's replicas change without them); most passes are triggered
-        by pod events and reuse them. The builders see the planner's replicas where it drives
-        a role (pdd_api.autoscale.effective_replicas)."""
+        """Validation and builders run once per generation, autoscaling decision and
+        PDDRoleScale (the replicas change with nothing else); most passes are triggered by pod
+        events and reuse them. The builders see the replicas of each role's
+        owner (replica_owner.py): the planner's, a PDDRoleScale's or the spec's."""
         key = (owner.namespace, owner.name)
+        scales = scales or {}
         cached = self._built.get(key)
-        version = (owner.uid, generation, _autoscaled_replicas(status))
+        version = (owner.uid, generation, _autoscaled_replicas(status), tuple(
+            (_name(s), (s.get("spec") or {}).get("replicas"),
+             (s.get("status") or {}).get("appliedReplicas")) if s else None
+            for s in (scales.get(r) for r in ROLES)))
         if cached is not None and cached[0] == version:
             return cached[1]
         problems = validate_name(owner.name, raw_spec) + validate_spec(raw_spec)
@@ -508,9 +545,11 @@ class Reconciler:
                 problems, None, None)
         else:
             spec = parse_spec(raw_spec)  # read as the API server reads it (nulls, 2.0)
-            spec = with_replicas(spec, effective_replicas(spec, status))
-            result = ([], spec, builders_lws.apply_lws(owner, spec,
-                                                    build(owner, spec, self.scraper)))
+            owned: dict[str, Ownership] = {
+                r: ownership(spec, r, status, scales.get(r)) for r in ROLES}
+            self._owned[key] = owned
+            spec = with_replicas(spec, {r: o.replicas for r, o in owned.items()})
+            result = ([], spec, builders_lws.apply_lws(owner, spec, build(owner, spec, self.scraper)))
         self._built[key] = (version, result)
         return result
 
@@ -804,6 +843,8 @@ class Reconciler:
                 continue
             if c["type"] == VALIDATED and c["status"] == "False":
                 posts.append(("Warning", "InvalidSpec", c["message"]))
+            elif c["type"] == REPLICAS_CONFLICT:
+                posts.append(("Warning", REPLICAS_CONFLICT, c["message"]))
             elif c["type"] == READY and c["reason"] == NAME_CONFLICT:
                 posts.append(("Warning", NAME_CONFLICT, c["message"]))
             elif c["type"] in AVAILABLE.values() and c["status"] == "False" and (
@@ -820,6 +861,10 @@ class Reconciler:
 def _autoscaled_replicas(status: Mapping[str, Any] | None) -> tuple[Any, ...]:
     auto = (status or {}).get("autoscaling") or {}
     return tuple((auto.get(r) or {}).get("desiredReplicas") for r in ROLES)
+
+
+def _name(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("name") or "")
 
 
 def _gen(obj: Obj) -> int:

@@ -1,17 +1,21 @@
 """PDDRoleScale against a real API server and operator: the scale subresource an HPA or KEDA
 uses (`kubectl scale` goes through the same /scale endpoint) drives prefill, its status follows
 the role's pods, and a second object, an out-of-range value or an autoscaled role are each
-refused with a message that says so."""
+refused with a message that says so. One owner per role's replicas: a write by anyone else
+(`kubectl scale pdd`, an HPA) moves no pod and is reported, not fought over on every pass."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 from operator_fixtures import (  # noqa: F401  (fixtures)
     Kubectl,
     Operator,
+    conditions,
+    events_of,
     kube,
     op_namespace,
     operator,
@@ -130,4 +134,96 @@ def test_a_role_scale_of_an_autoscaled_role_says_the_planner_drives_it(
     msg = not_applied(kube, ns, "orphan")
     assert msg == "PDDeployment nope not found in this namespace", msg
     kube("delete", "pddrolescale", "--all", "-n", ns)
+    kube("delete", "pddeployment", NAME, "-n", ns, "--timeout=50s")
+
+
+
+def counter(op: Operator, name: str, labels: str) -> float:
+    m = re.search(rf"^{name}\{{{re.escape(labels)}\}} (\S+)$", op.metrics(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def pod_changes(op: Operator) -> float:
+    """Pods the operator created or deleted so far."""
+    return sum(counter(op, "pdd_operator_actions_total", f'kind="Pod",action="{a}"')
+               for a in ("create", "delete"))
+
+
+def passes(op: Operator) -> float:
+    return counter(op, "pdd_operator_reconciles_total", 'result="ok"')
+
+
+def conflict_on(k: Kubectl, ns: str, kind: str, name: str) -> dict[str, Any] | None:
+    obj = k.json("get", kind, name, "-n", ns)
+    return conditions(obj).get("ReplicasConflict")
+
+
+def uids(k: Kubectl, ns: str) -> set[str]:
+    return {p["metadata"]["uid"] for p in pods_of(k, ns, NAME)}
+
+
+def test_kubectl_scale_pdd_beside_a_role_scale_moves_no_pod_and_is_reported(
+        kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    ns = op_namespace
+    kube.apply(deployment(), "-n", ns)
+    kube.apply(role_scale("rs-decode", "decode", 2), "-n", ns)
+    wait_for("the role scale applied 2", lambda: (get(kube, ns, "rs-decode").get(
+        "status") or {}).get("appliedReplicas") == 2)
+    assert pdd(kube, ns, NAME)["spec"]["decode"]["replicas"] == 2, "written once"
+    wait_ready(kube, ns, NAME, operator)
+    before, changes = uids(kube, ns), pod_changes(operator)
+
+    # decode through the PDDeployment's own scale subresource, as an HPA on it would.
+    kube("scale", "pddeployment", NAME, "-n", ns, "--replicas=3")
+    cond = wait_for("ReplicasConflict on the PDDeployment",
+                    lambda: conflict_on(kube, ns, "pddeployment", NAME))
+    mine = wait_for("ReplicasConflict on the PDDRoleScale",
+                    lambda: conflict_on(kube, ns, "pddrolescale", "rs-decode"))
+    for c in (cond, mine):
+        assert c["status"] == "True" and c["reason"] == "SpecReplicasWritten", c
+        assert f"set spec.decode.replicas of PDDeployment {NAME} to 3" in c["message"], c
+        assert "PDDRoleScale rs-decode drives decode (2 replicas)" in c["message"], c
+        assert "a writer outside pdd" not in c["message"], c  # the writer is named
+    # Several periodic passes (the fixture's operator resyncs every 5 s) of both loops.
+    start = passes(operator)
+    wait_for("6 more reconcile passes", lambda: passes(operator) >= start + 6, timeout=90)
+    assert pod_changes(operator) - changes <= 1
+    assert uids(kube, ns) == before, "no pod created or deleted"
+    assert pdd(kube, ns, NAME)["spec"]["decode"]["replicas"] == 3, "not written back"
+    assert get(kube, ns, "rs-decode")["spec"]["replicas"] == 2
+    uid = pdd(kube, ns, NAME)["metadata"]["uid"]
+    warned = [e for e in events_of(kube, ns, NAME) if e.get("reason") == "ReplicasConflict"
+              and e["involvedObject"].get("uid") == uid]
+    assert len(warned) == 1 and warned[0].get("count", 1) == 1, warned
+    assert "PDDRoleScale rs-decode" in warned[0]["message"], warned
+
+    # The owner's own change is written (once) and clears the conflict on both objects.
+    kube("scale", "pddrolescale", "rs-decode", "-n", ns, "--replicas=3")
+    wait_for("conflict cleared", lambda: conflict_on(kube, ns, "pddeployment", NAME) is None
+             and conflict_on(kube, ns, "pddrolescale", "rs-decode") is None)
+    wait_for("3 decode pods", lambda: len(pods_of(kube, ns, NAME, "decode")) == 3)
+    kube("delete", "pddrolescale", "rs-decode", "-n", ns)
+    kube("delete", "pddeployment", NAME, "-n", ns, "--timeout=50s")
+
+
+def test_scaling_a_pdd_whose_decode_the_planner_drives_is_reported(
+        kube: Kubectl, operator: Operator, op_namespace: str) -> None:
+    ns = op_namespace
+    doc = deployment(intervalSeconds=1, decode={"minReplicas": 1, "maxReplicas": 2,
+                                                 "sequencesPerReplica": 8})
+    kube.apply(doc, "-n", ns)
+    wait_for("the planner decided decode", lambda: (
+        (pdd(kube, ns, NAME).get("status") or {}).get("autoscaling") or {}).get("decode"))
+    wait_ready(kube, ns, NAME, operator)
+    before = uids(kube, ns)
+    kube("scale", "pddeployment", NAME, "-n", ns, "--replicas=2")
+    cond = wait_for("ReplicasConflict on the PDDeployment",
+                    lambda: conflict_on(kube, ns, "pddeployment", NAME))
+    assert cond["reason"] == "ScaleSubresourceIgnored", cond
+    assert "(through the scale subresource) set spec.decode.replicas to 2" in cond[
+        "message"], cond
+    assert "the planner drives decode" in cond["message"], cond
+    start = passes(operator)
+    wait_for("4 more reconcile passes", lambda: passes(operator) >= start + 4, timeout=90)
+    assert uids(kube, ns) == before, "the write had no effect on pods"
     kube("delete", "pddeployment", NAME, "-n", ns, "--timeout=50s")

@@ -158,6 +158,13 @@ def test_status_report_shows_the_planners_replicas_and_why() -> None:
     decode = next(ln for ln in auto.splitlines() if ln.split()[:1] == ["decode"])
     assert decode.split()[1] == "spec"
     assert "AUTOSCALING" not in kp.status_report(doc, [], [], role_scales=scales[1:])
+    # Someone set spec.prefill.replicas under the PDDRoleScale: the operator keeps building
+    # the PDDRoleScale's 2, and DESIRED says so in both tables.
+    doc["spec"]["prefill"]["replicas"] = 5
+    out = kp.status_report(doc, [], [], role_scales=scales)
+    roles, auto = out.split("AUTOSCALING", 1)
+    assert next(ln for ln in roles.splitlines() if ln.split()[:1] == ["prefill"]).split()[3] == "2"
+    assert next(ln for ln in auto.splitlines() if ln.split()[:1] == ["prefill"]).split()[3] == "2"
 
 
 @pytest.mark.parametrize(("role_spec", "shown"), [

@@ -1,4 +1,6 @@
-"""role_scale.sync: which writes make a PDDeployment role follow its PDDRoleScale."""
+"""role_scale.sync: which writes make a PDDeployment role follow its PDDRoleScale; and
+replica_owner: one owner per role's replicas (planner > PDDRoleScale > spec), the writes of
+anyone else reported once instead of written back on every pass."""
 
 from __future__ import annotations
 
@@ -7,6 +9,25 @@ from typing import Any
 import yaml
 
 from pdd_api.crd import role_scale_crd
+from pdd_api.validation import parse_spec
+from pdd_operator.conditions import (
+    ANOTHER_ROLE_SCALE,
+    PLANNER_DRIVES_ROLE,
+    REPLICAS_CONFLICT,
+    SCALE_IGNORED,
+    SPEC_REPLICAS_WRITTEN,
+    with_replicas_conflict,
+)
+from pdd_operator.replica_owner import (
+    PLANNER,
+    ROLE_SCALE,
+    SPEC,
+    Writer,
+    conflict,
+    owner_of,
+    ownership,
+    replicas_writers,
+)
 from pdd_operator.role_scale import driver, refused, status_changed, sync
 
 
@@ -38,7 +59,7 @@ def test_replicas_that_differ_patch_only_the_role() -> None:
     assert out.fill_replicas is None
     assert out.status == {
         "replicas": 2, "readyReplicas": 1, "selector": "app=ds,role=prefill", "applied": True,
-        "observedGeneration": 4,
+        "appliedReplicas": 3, "observedGeneration": 4, "conditions": [],
         "message": "spec.prefill.replicas of PDDeployment ds set to 3 (was 1)"}
 
 
@@ -143,3 +164,141 @@ def test_pdd_validate_checks_a_role_scale_as_its_crd_does() -> None:
         "spec"]["properties"]
     assert (spec["replicas"]["minimum"], spec["replicas"]["maximum"]) == (1, 64)
     assert spec["deployment"]["maxLength"] == 47
+
+
+# ---------------------------------------------------------------- one owner per role
+
+NOW = "2026-12-06T05:00:00Z"
+
+
+def applied(obj: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """A PDDRoleScale whose value the operator has written into the PDDeployment."""
+    return {**obj, "status": {"appliedReplicas": replicas}}
+
+
+def test_the_owner_is_the_planner_then_a_role_scale_then_the_spec() -> None:
+    plain, auto = parse_spec(deployment()["spec"]), parse_spec(
+        deployment(autoscaled=True)["spec"])
+    s = scale()
+    assert owner_of(plain, "prefill", None) == SPEC
+    assert owner_of(plain, "prefill", s) == ROLE_SCALE
+    assert owner_of(auto, "prefill", s) == PLANNER
+    assert owner_of(auto, "prefill", None) == PLANNER
+    assert owner_of(auto, "decode", None) == SPEC  # only prefill is autoscaled
+
+
+def test_the_builders_get_the_owners_replicas() -> None:
+    plain = parse_spec(deployment(prefill=1)["spec"])
+    assert ownership(plain, "prefill", None, None).replicas == 1
+    # A role scale's applied value, whatever the spec says (an outside write is not followed).
+    assert ownership(plain, "prefill", None, applied(scale(replicas=3), 3)).replicas == 3
+    # One the PDDeployment has not accepted yet (or refused) is not built; nor a left-out one.
+    assert ownership(plain, "prefill", None, scale(replicas=3)).replicas == 1
+    assert ownership(plain, "prefill", None, applied(scale(replicas=40), 3)).replicas == 3
+    assert ownership(plain, "prefill", None, scale(replicas=None)).replicas == 1
+    auto = parse_spec(deployment(autoscaled=True)["spec"])
+    decided = {"autoscaling": {"prefill": {"desiredReplicas": 4}}}
+    owned = ownership(auto, "prefill", decided, scale(replicas=2))
+    assert (owned.owner, owned.replicas, owned.scale) == (PLANNER, 4, "ds-prefill")
+
+
+def test_managed_fields_name_the_last_writer_of_each_roles_replicas() -> None:
+    body = {"metadata": {"managedFields": [
+        {"manager": "kubectl-client-side-apply", "operation": "Update",
+         "fieldsV1": {"f:spec": {"f:prefill": {"f:replicas": {}}, "f:image": {}}}},
+        {"manager": "kube-controller-manager", "operation": "Update", "subresource": "scale",
+         "fieldsV1": {"f:spec": {"f:decode": {"f:replicas": {}}}}},
+        {"manager": "pdd-operator", "operation": "Update", "subresource": "status",
+         "fieldsV1": {"f:status": {"f:decode": {"f:replicas": {}}}}}]}}
+    writers = replicas_writers(body)
+    assert writers == {"prefill": Writer("kubectl-client-side-apply"),
+                       "decode": Writer("kube-controller-manager", "scale")}
+    assert str(writers["decode"]) == (
+        "kube-controller-manager (through the scale subresource)")
+    assert replicas_writers({"metadata": {}}) == {}
+
+
+def test_an_outside_write_while_a_role_scale_drives_is_a_conflict_naming_both() -> None:
+    s = applied(scale(replicas=3), 3)
+    spec = parse_spec(deployment(prefill=5)["spec"])  # someone set 5 after we wrote 3
+    owned = ownership(spec, "prefill", None, s)
+    assert owned.replicas == 3
+    found = conflict(owned, Writer("kubectl"), "ds")
+    assert found is not None
+    assert found[0] == SPEC_REPLICAS_WRITTEN
+    assert found[1].startswith("kubectl set spec.prefill.replicas of PDDeployment ds to 5, "
+                               "but PDDRoleScale ds-prefill drives prefill (3 replicas)")
+    # Not yet applied (a new or rescaled PDDRoleScale): its own write is due, no conflict.
+    for fresh in (scale(replicas=3), applied(scale(replicas=3), 2)):
+        assert conflict(ownership(spec, "prefill", None, fresh), Writer("kubectl"), "ds") is None
+    # Equal: nothing to say.
+    same = ownership(parse_spec(deployment(prefill=3)["spec"]), "prefill", None, s)
+    assert conflict(same, Writer("kubectl"), "ds") is None
+    # The spec owning the role: any writer is fine.
+    free = ownership(spec, "prefill", None, None)
+    assert conflict(free, Writer("kubectl", "scale"), "ds") is None
+
+
+def test_writes_the_planner_overrides_are_reported() -> None:
+    auto = parse_spec(deployment(autoscaled=True)["spec"])
+    owned = ownership(auto, "prefill", None, scale())
+    found = conflict(owned, None, "ds")
+    assert found is not None and found[0] == PLANNER_DRIVES_ROLE
+    assert found[1].startswith("PDDRoleScale ds-prefill sets prefill replicas, but the planner "
+                               "drives prefill")
+    # An HPA (or KEDA, or kubectl scale) on the PDDeployment's own scale subresource.
+    alone = ownership(auto, "prefill", None, None)
+    hpa = conflict(alone, Writer("kube-controller-manager", "scale"), "ds")
+    assert hpa is not None and hpa[0] == SCALE_IGNORED
+    assert hpa[1].startswith("kube-controller-manager (through the scale subresource) set "
+                             "spec.prefill.replicas to 1, but the planner drives prefill")
+    # The manifest's own value is the planner's seed, not a conflict.
+    assert conflict(alone, Writer("argocd-controller"), "ds") is None
+
+
+def test_sync_writes_once_then_reports_an_outside_write_instead_of_writing_back() -> None:
+    s = scale(replicas=3)
+    first = sync(s, deployment(prefill=1), [s], Writer("kubectl"), NOW)
+    assert first.deployment_patch == {"spec": {"prefill": {"replicas": 3}}}
+    assert first.status["appliedReplicas"] == 3 and first.status["conditions"] == []
+    # Someone sets spec.prefill.replicas to 5 afterwards: no patch, a condition naming them.
+    s = {**s, "status": first.status}
+    out = sync(s, deployment(prefill=5), [s], Writer("kubectl"), NOW)
+    assert out.deployment_patch is None
+    assert out.status["applied"] is True and out.status["appliedReplicas"] == 3
+    [cond] = out.status["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == (
+        REPLICAS_CONFLICT, "True", SPEC_REPLICAS_WRITTEN)
+    assert "kubectl set spec.prefill.replicas of PDDeployment ds to 5" in cond["message"]
+    assert out.status["message"] == cond["message"]
+    # The same pass again changes nothing (no loop, no status rewrite).
+    again = sync({**s, "status": out.status}, deployment(prefill=5), [s], Writer("kubectl"),
+                 "2026-12-06T06:00:00Z")
+    assert again.deployment_patch is None and again.status == out.status
+    # The PDDRoleScale's own value changes (its HPA scaled it): written, conflict gone.
+    rescaled = {**scale(replicas=4), "status": out.status}
+    out = sync(rescaled, deployment(prefill=5), [rescaled], Writer("kubectl"), NOW)
+    assert out.deployment_patch == {"spec": {"prefill": {"replicas": 4}}}
+    assert out.status["appliedReplicas"] == 4 and out.status["conditions"] == []
+
+
+def test_a_role_scale_the_planner_or_an_older_one_overrides_carries_the_condition() -> None:
+    s = scale()
+    out = sync(s, deployment(autoscaled=True), [s], None, NOW)
+    [cond] = out.status["conditions"]
+    assert cond["reason"] == PLANNER_DRIVES_ROLE and out.deployment_patch is None
+    old, new = scale("a-old", 2, created="2026-12-04T09:00:00Z"), scale("b-new", 5)
+    [cond] = sync(new, deployment(), [new, old], None, NOW).status["conditions"]
+    assert cond["reason"] == ANOTHER_ROLE_SCALE and "a-old" in cond["message"]
+
+
+def test_the_deployment_condition_joins_the_roles_and_keeps_its_transition_time() -> None:
+    base = {"conditions": [{"type": "Ready", "status": "True"}]}
+    assert with_replicas_conflict(base, [], 3, None, NOW) is base
+    found = [(SPEC_REPLICAS_WRITTEN, "prefill: a"), (SCALE_IGNORED, "decode: b")]
+    out = with_replicas_conflict(base, found, 3, None, NOW)
+    cond = out["conditions"][-1]
+    assert (cond["type"], cond["reason"], cond["message"]) == (
+        REPLICAS_CONFLICT, SPEC_REPLICAS_WRITTEN, "prefill: a; decode: b")
+    later = with_replicas_conflict(base, found, 3, out, "2026-12-06T07:00:00Z")
+    assert later["conditions"][-1]["lastTransitionTime"] == NOW
