@@ -2,17 +2,23 @@
 on the local control plane, against a baseline that creates the same 600 pods directly with the
 Python client as fast as it can, in the same run on the same cluster.
 
-    .venv/bin/python bench/operator_scale.py [--count 200] [--nodes 24] [--gpus 64] [--scale 20]
+    .venv/bin/python bench/operator_scale.py [--count 200] [--nodes 24] [--gpus 64] [--scale 50]
 
 Prints, for the operator and the baseline: apply -> all pods of a set created (p50, p99) and
 the total, apply -> Ready (p50, p99, total; for the baseline: all 3 pods Ready), the
 operator/baseline ratios, how far `Ready=True` trails the pods' own readiness (p99 against
-p99), then a scale decision while all are Ready (decode 2 -> 3 on --scale of them at once,
-timed to the new pod and to Ready=True at the new generation, against one planner interval),
-and the operator's peak RSS and CPU seconds. Uses its own control
-plane under .cache/bench-cluster (started and stopped here), never the test cluster.
-The router is disabled so both sides create exactly the same pods (the operator still writes
-the routing ConfigMap and two headless Services per PDDeployment).
+p99), then a planner decision while all are Ready, and the operator's peak RSS and CPU seconds.
+
+The planner decision goes the planner's whole way: the first --scale PDDeployments have decode
+autoscaling on (2..3 replicas, sequencesPerReplica, metrics from a Prometheus stand-in in this
+process, spec.autoscaling.prometheusURL), steady at 2; a load step on all of them at once makes
+the planner decide 3 (status.autoscaling), and the operator's pass builds it. Timed: load step
+-> decision in status (within one interval), decision -> new pod created, decision -> Ready=True
+with 3 decode replicas Ready.
+
+Uses its own control plane under .cache/bench-cluster (started and stopped here), never the
+test cluster. The router is disabled so both sides create exactly the same pods (the operator
+still writes the routing ConfigMap and two headless Services per PDDeployment).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -35,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 from kubernetes import client, config, watch  # noqa: E402
 from localcluster import DEFAULT_BIN_DIR, down, up  # noqa: E402
+from prometheus_stub import PrometheusStub  # noqa: E402
 
 from pdd_api.validation import parse_spec  # noqa: E402
 from pdd_operator.builders import Owner, build  # noqa: E402
@@ -48,6 +56,7 @@ SPEC: dict[str, Any] = {
     "router": {"enabled": False},
 }
 PODS_PER_SET = 3
+PER_REPLICA = 10  # decode's sequencesPerReplica under autoscaling
 
 
 def pct(values: list[float], q: float) -> float:
@@ -100,11 +109,13 @@ class PodWatch(_Watch):
 
 
 class PddWatch(_Watch):
-    """Client-side times at which each PDDeployment was first seen Ready (and first seen Ready
-    at each generation)."""
+    """Client-side times at which each PDDeployment was first seen Ready, first seen with each
+    planner decision (status.autoscaling.decode.desiredReplicas) and first seen Ready=True with
+    each count of decode replicas Ready."""
 
     def __init__(self, api: Any, ns: str) -> None:
-        self.ready_gen: dict[tuple[str, int], float] = {}
+        self.decided: dict[tuple[str, int], float] = {}
+        self.ready_decode: dict[tuple[str, int], float] = {}
         super().__init__(api, ns)
 
     def _stream(self) -> None:
@@ -113,15 +124,53 @@ class PddWatch(_Watch):
                            PLURAL, timeout_seconds=30, _request_timeout=60):
             now = time.monotonic()
             obj = ev["object"]
+            name = obj["metadata"]["name"]
             gen = obj["metadata"].get("generation")
-            for c in (obj.get("status") or {}).get("conditions") or []:
+            status = obj.get("status") or {}
+            desired = ((status.get("autoscaling") or {}).get("decode") or {}).get(
+                "desiredReplicas")
+            if desired is not None:
+                self.decided.setdefault((name, int(desired)), now)
+            for c in status.get("conditions") or []:
                 if (c["type"] == "Ready" and c["status"] == "True"
                         and c.get("observedGeneration") == gen):
-                    self.ready.setdefault(obj["metadata"]["name"], now)
-                    self.ready_gen.setdefault((obj["metadata"]["name"], gen), now)
+                    self.ready.setdefault(name, now)
+                    ready = int((status.get("decode") or {}).get("readyReplicas") or 0)
+                    self.ready_decode.setdefault((name, ready), now)
             if self.stop.is_set():
                 w.stop()
                 break
+
+
+class LoadPrometheus(PrometheusStub):
+    """The planner's decode queries for a PDDeployment: 2 instances holding PER_REPLICA
+    sequences each, and 6 x PER_REPLICA sequences once it is in `loaded` (the planner wants 3,
+    its maxReplicas, on one sample). Latency and KV queries have no data."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        super().__init__()
+
+    def answer(self, query: str) -> float | None:
+        m = re.search(r'pod=~"(.+?)-decode-', query)
+        if m is None:
+            return None
+        name = m.group(1).replace("\\", "")
+        if query.startswith("count("):
+            return 2
+        if query.startswith("sum(pdd_running_sequences"):
+            return (6 if name in self.loaded else 2) * PER_REPLICA
+        if query.startswith("sum(pdd_waiting_sequences"):
+            return 0
+        return None
+
+
+def autoscaled(url: str, interval: float) -> dict[str, Any]:
+    """SPEC with decode autoscaled between its 2 replicas and 3, on sequences per replica."""
+    return {**SPEC, "autoscaling": {
+        "intervalSeconds": int(interval), "scaleDownStabilizationSeconds": 3600,
+        "prometheusURL": url,
+        "decode": {"minReplicas": 2, "maxReplicas": 3, "sequencesPerReplica": PER_REPLICA}}}
 
 
 def wait_until(pred: Any, timeout: float, what: str) -> None:
@@ -201,36 +250,39 @@ def run_baseline(core: client.CoreV1Api, ns: str, count: int, threads: int,
     return {"created": summarize(starts, created), "ready": summarize(starts, ready)}
 
 
-def run_scale(crd: client.CustomObjectsApi, ns: str, sets: list[str], threads: int,
-              pods: PodWatch, pdds: PddWatch) -> dict[str, Any]:
-    """A scale decision on `sets` while every PDDeployment is Ready: decode replicas 2 -> 3 at
-    once (what the planner's decision amounts to), timed to the new pod's creation (what one
-    planner interval must cover) and to Ready=True at the new generation."""
-    starts: dict[str, float] = {}
-    gens: dict[str, int] = {}
-
-    def scale(name: str) -> None:
-        starts[name] = time.monotonic()
-        out = crd.patch_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, name, {"spec": {"decode": {"replicas": 3}}})
-        gens[name] = int(out["metadata"]["generation"])
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(scale, sets))
+def run_planner(sets: list[str], prometheus: LoadPrometheus, pods: PodWatch,
+                pdds: PddWatch) -> dict[str, Any]:
+    """A load step on the autoscaled `sets` while every PDDeployment is Ready: the planner
+    decides decode 2 -> 3 in status, the pass it kicks creates the pod. Timed from the load
+    step to the decision (bounded by the interval), and from the decision to the new pod's
+    creation and to Ready=True with 3 decode replicas Ready (the operator's share)."""
+    wait_until(lambda: all((s, 2) in pdds.decided for s in sets), 120,
+               "the planner's first decisions (decode 2)")
+    start = time.monotonic()
+    prometheus.loaded.update(sets)
+    wait_until(lambda: all((s, 3) in pdds.decided for s in sets), 300,
+               "the planner's decisions (decode 3)")
     new_pod = {s: f"{s}-decode-2" for s in sets}
     wait_until(lambda: all(p in pods.added for p in new_pod.values()), 300,
                "scaled-up pods created")
-    wait_until(lambda: all((s, gens[s]) in pdds.ready_gen for s in sets), 300,
-               "scaled-up PDDeployments Ready")
+    wait_until(lambda: all((s, 3) in pdds.ready_decode for s in sets), 300,
+               "Ready=True with 3 decode replicas Ready")
+    decided = {s: pdds.decided[(s, 3)] for s in sets}
     created = {s: pods.added[new_pod[s]] for s in sets}
-    ready = {s: pdds.ready_gen[(s, gens[s])] for s in sets}
-    return {"count": len(sets), "created": summarize(starts, created),
-            "ready": summarize(starts, ready)}
+    ready = {s: pdds.ready_decode[(s, 3)] for s in sets}
+    return {"count": len(sets), "decided": summarize(dict.fromkeys(sets, start), decided),
+            "created": summarize(decided, created), "ready": summarize(decided, ready),
+            "step_to_created": summarize(dict.fromkeys(sets, start), created)}
 
 
 def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, count: int,
-                 threads: int, kubeconfig: str, log: Path, scale_count: int) -> dict[str, Any]:
-    env = {**os.environ, "KUBECONFIG": kubeconfig}
+                 threads: int, kubeconfig: str, log: Path, scale_count: int,
+                 interval: float) -> dict[str, Any]:
+    # This checkout's operator, not whichever one the environment has installed.
+    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
+                           if p)
+    env = {**os.environ, "KUBECONFIG": kubeconfig, "PYTHONPATH": path}
+    prometheus = LoadPrometheus()
     if os.environ.get("BENCH_PROFILE"):
         env["PDD_PROFILE"] = os.environ["BENCH_PROFILE"]
     args = [sys.executable, "-m", "pdd_operator", "-n", ns, "--standalone",
@@ -255,15 +307,18 @@ def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, 
         pods = PodWatch(core, ns)
         pdds = PddWatch(crd, ns)
         starts: dict[str, float] = {}
+        sets = names(count, "pdd")
+        planned = set(sets[:scale_count])
+        planned_spec = autoscaled(prometheus.url, interval)
 
         def apply(name: str) -> None:
             body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDDeployment",
-                    "metadata": {"name": name}, "spec": SPEC}
+                    "metadata": {"name": name},
+                    "spec": planned_spec if name in planned else SPEC}
             starts[name] = time.monotonic()
             crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body,
                                                 _preload_content=False)
 
-        sets = names(count, "pdd")
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(apply, sets))
         wait_until(lambda: all(p in pods.added for s in sets for p in set_pods(s, ns)), 600,
@@ -273,12 +328,12 @@ def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, 
                    "operator pods Ready")
         created = {s: max(pods.added[p] for p in set_pods(s, ns)) for s in sets}
         pods_ready = {s: max(pods.ready[p] for p in set_pods(s, ns)) for s in sets}
-        scale = run_scale(crd, ns, sets[:scale_count], threads, pods, pdds)
+        planner = run_planner(sets[:scale_count], prometheus, pods, pdds)
         rss, cpu = proc_usage(proc.pid)
         pods.stop.set()
         pdds.stop.set()
         return {"created": summarize(starts, created), "ready": summarize(starts, pdds.ready),
-                "pods_ready": summarize(starts, pods_ready), "scale": scale,
+                "pods_ready": summarize(starts, pods_ready), "planner": planner,
                 "operator_peak_rss_mib": rss, "operator_cpu_s": cpu - cpu0,
                 "operator_idle_rss_mib": rss0}
     finally:
@@ -286,6 +341,7 @@ def run_operator(core: client.CoreV1Api, crd: client.CustomObjectsApi, ns: str, 
         # namespace to the cluster's teardown instead.
         proc.terminate()
         proc.wait(timeout=30)
+        prometheus.close()
 
 
 def main() -> int:
@@ -294,11 +350,11 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=24)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--scale", type=int, default=20,
-                    help="then scale decode 2 -> 3 on this many PDDeployments at once")
-    ap.add_argument("--interval", type=float, default=15.0,
-                    help="the planner interval a scale decision must be applied within "
-                    "(spec.autoscaling.intervalSeconds' default)")
+    ap.add_argument("--scale", type=int, default=50,
+                    help="this many PDDeployments have decode autoscaling on; a load step "
+                    "makes the planner scale all of them 2 -> 3 at once")
+    ap.add_argument("--interval", type=int, default=15,
+                    help="their spec.autoscaling.intervalSeconds (its default)")
     ap.add_argument("--baseline", choices=["pods", "full"], default="pods",
                     help="pods: the same 600 pods; full: plus each set's ConfigMap and "
                     "headless Services, as the operator writes them")
@@ -353,7 +409,7 @@ def main() -> int:
         print(f"operator: {args.count} PDDeployments applied at once ...", file=sys.stderr)
         log = args.state_dir / "operator.log"
         op = run_operator(core, crd, "bench-operator", args.count, args.threads, kubeconfig, log,
-                          min(args.scale, args.count))
+                          min(args.scale, args.count), args.interval)
     finally:
         heartbeat.kill()
         if started and not args.keep:
@@ -380,12 +436,14 @@ def main() -> int:
     result["ratio_ready_p99_to_pods_ready_p99"] = ready_p99
     print(f"operator p99 apply->Ready=True / p99 apply->pods Ready: {ready_p99:.2f}x "
           "(target <= 1.2x)")
-    sc = o["scale"]
-    print(f"scale decision on {sc['count']} of {args.count} (decode 2 -> 3): new pod created "
-          f"p50 {sc['created']['p50_s']:.3f} s, p99 {sc['created']['p99_s']:.3f} s, all "
-          f"{sc['created']['total_s']:.2f} s (target: within one interval, "
-          f"{args.interval:.0f} s); Ready=True at the new generation p99 "
-          f"{sc['ready']['p99_s']:.3f} s")
+    sc = o["planner"]
+    print(f"planner decision on {sc['count']} of {args.count} at once (decode 2 -> 3, interval "
+          f"{args.interval} s): load step -> decision in status p50 "
+          f"{sc['decided']['p50_s']:.3f} s, p99 {sc['decided']['p99_s']:.3f} s; decision -> "
+          f"new pod created p50 {sc['created']['p50_s']:.3f} s, p99 "
+          f"{sc['created']['p99_s']:.3f} s; decision -> Ready=True with 3 decode Ready p50 "
+          f"{sc['ready']['p50_s']:.3f} s, p99 {sc['ready']['p99_s']:.3f} s; load step -> all "
+          f"new pods created {sc['step_to_created']['total_s']:.2f} s")
     print(f"operator peak RSS {o['operator_peak_rss_mib']:.0f} MiB, "
           f"CPU {o['operator_cpu_s']:.1f} s for the run")
     print(json.dumps(result))

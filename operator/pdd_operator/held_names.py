@@ -54,7 +54,7 @@ class HeldNames:
         # Wait for a turn at the gate as a request would: asks of the same kind arriving
         # meanwhile join this one.
         await self.kube.gate.acquire(PRIORITY_OBJECT)
-        self.kube.gate.release()
+        self.kube.gate.release(PRIORITY_OBJECT)
         asks = self._asks.pop(key, [])
         try:
             if len(asks) >= self.list_from:

@@ -144,16 +144,34 @@ class PriorityGate:
     Within a priority, requests go in the order their passes started, not in arrival order: a
     pass writes its status only once all its writes are done, and hundreds of first passes
     whose writes took turns all finished together at the end of the queue (Ready=True ~20 s
-    after the pods at 200 PDDeployments). Taken pass by pass, the first finish first."""
+    after the pods at 200 PDDeployments). Taken pass by pass, the first finish first.
 
-    def __init__(self, slots: int) -> None:
+    Going first at the gate is not enough: once in flight, a Service or a status patch takes
+    the API server's time as a pod does, and a burst of first passes keeps it saturated. While
+    any pod request waits or is in flight, at most `beside_pods` other requests are in flight
+    (the rest wait for the pods), so pods are created at the pace of creating pods alone."""
+
+    def __init__(self, slots: int, beside_pods: int | None = None) -> None:
         self.free = slots
+        self.beside_pods = max(1, slots // 8) if beside_pods is None else beside_pods
+        self.pods = 0  # pod requests waiting or in flight
+        self.others = 0  # other requests in flight
         self._waiters: list[tuple[int, int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 
+    def _allowed(self, priority: int) -> bool:
+        return priority == PRIORITY_POD or self.pods == 0 or self.others < self.beside_pods
+
+    def _take(self, priority: int) -> None:
+        self.free -= 1
+        if priority != PRIORITY_POD:
+            self.others += 1
+
     async def acquire(self, priority: int) -> None:
-        if self.free > 0 and not self._waiters:
-            self.free -= 1
+        if priority == PRIORITY_POD:
+            self.pods += 1
+        if self.free > 0 and not self._waiters and self._allowed(priority):
+            self._take(priority)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         seq = next(self._seq)
@@ -161,20 +179,39 @@ class PriorityGate:
         # Outside a pass (autoscaler, peering): as if a pass started now.
         heapq.heappush(self._waiters, (priority, next(_PASSES) if order is None else order,
                                        seq, fut))
+        self._wake()  # a pod may pass others held back beside the free slots
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release()  # woken and cancelled at once: pass the slot on
+                self.release(priority)  # woken and cancelled at once: pass the slot on
+            else:
+                if priority == PRIORITY_POD:
+                    self.pods -= 1
+                self._wake()
             raise
 
-    def release(self) -> None:
-        while self._waiters:
-            *_, fut = heapq.heappop(self._waiters)
-            if not fut.done():
-                fut.set_result(None)
-                return
+    def release(self, priority: int) -> None:
+        """Gives back a slot taken by acquire(priority)."""
         self.free += 1
+        if priority == PRIORITY_POD:
+            self.pods -= 1
+        else:
+            self.others -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        # Pods sort first: a head that may not go means no pod waits behind it.
+        while self.free > 0 and self._waiters:
+            priority, *_, fut = self._waiters[0]
+            if fut.done():
+                heapq.heappop(self._waiters)
+                continue
+            if not self._allowed(priority):
+                return
+            heapq.heappop(self._waiters)
+            self._take(priority)
+            fut.set_result(None)
 
 
 # Status before other objects: one small write per pass, and the one users wait on once the
@@ -323,7 +360,7 @@ class Kube:
                                        content_type=content_type, retries=retries,
                                        accept=accept)
         finally:
-            self.gate.release()
+            self.gate.release(priority)
 
     async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None,
                        body: Any, content_type: str, retries: int, accept: str) -> Any:

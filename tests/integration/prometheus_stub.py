@@ -12,6 +12,12 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 
+class _Server(ThreadingHTTPServer):
+    # The planner asks all its queries of every due PDDeployment at once: socketserver's
+    # backlog of 5 dropped connections, retried past the operator's scrape timeout.
+    request_queue_size = 256
+
+
 class PrometheusStub:
     def __init__(self) -> None:
         self.asked: list[str] = []
@@ -35,7 +41,7 @@ class PrometheusStub:
             def log_message(self, *_: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 

@@ -381,7 +381,7 @@ def test_priority_gate_lets_pods_pass_first() -> None:
         async def job(name: str, prio: int) -> None:
             await gate.acquire(prio)
             order.append(name)
-            gate.release()
+            gate.release(prio)
 
         tasks = [asyncio.create_task(job(n, p)) for n, p in
                  (("event", PRIORITY_EVENT), ("status", PRIORITY_STATUS),
@@ -390,7 +390,7 @@ def test_priority_gate_lets_pods_pass_first() -> None:
         cancelled = asyncio.create_task(job("cancelled", 0))
         await asyncio.sleep(0)
         cancelled.cancel()
-        gate.release()
+        gate.release(0)
         await asyncio.gather(*tasks)
         assert gate.free == 1, "no slot leaked by the cancelled waiter"
         return order
@@ -419,7 +419,7 @@ def test_priority_gate_serves_a_priority_pass_by_pass() -> None:
         async def job(name: str, prio: int) -> None:
             await gate.acquire(prio)
             order.append(name)
-            gate.release()
+            gate.release(prio)
 
         tasks = []
         for i in range(3):
@@ -429,12 +429,46 @@ def test_priority_gate_serves_a_priority_pass_by_pass() -> None:
         tasks.append(asyncio.create_task(job("pass1-status", PRIORITY_STATUS),
                                          context=passes[1]))
         await asyncio.sleep(0)
-        gate.release()
+        gate.release(0)
         await asyncio.gather(*tasks)
         return order
 
     assert asyncio.run(scenario()) == ["pass1-status", "pass0-obj0", "pass0-obj1",
                                        "pass0-obj2", "pass1-obj0", "pass1-obj1", "pass1-obj2"]
+
+
+def test_priority_gate_keeps_other_requests_few_while_pods_are_pending() -> None:
+    """A pod in flight: other requests get `beside_pods` slots though more are free, a pod
+    arriving meanwhile goes at once, and the held ones go when no pod is left."""
+    import asyncio
+
+    from pdd_operator.kube import PRIORITY_OBJECT, PRIORITY_POD, PriorityGate
+
+    async def scenario() -> tuple[list[str], list[str], list[str], int]:
+        gate = PriorityGate(4, beside_pods=1)
+        await gate.acquire(PRIORITY_POD)
+        granted: list[str] = []
+
+        async def job(name: str, prio: int) -> None:
+            await gate.acquire(prio)
+            granted.append(name)
+
+        tasks = [asyncio.create_task(job(f"svc{i}", PRIORITY_OBJECT)) for i in range(3)]
+        await asyncio.sleep(0)
+        beside = list(granted)
+        pod = asyncio.create_task(job("pod", PRIORITY_POD))
+        await asyncio.sleep(0)
+        with_pod = list(granted)
+        gate.release(PRIORITY_POD)
+        gate.release(PRIORITY_POD)
+        await asyncio.gather(*tasks, pod)
+        return beside, with_pod, granted, gate.free
+
+    beside, with_pod, granted, free = asyncio.run(scenario())
+    assert beside == ["svc0"]
+    assert with_pod == ["svc0", "pod"]
+    assert granted == ["svc0", "pod", "svc1", "svc2"]
+    assert free == 1  # svc0-2 still hold theirs
 
 
 # ----------------------------------------------------------------------------- issue 12/14

@@ -40,7 +40,7 @@ def test_queued_asks_are_answered_by_one_list() -> None:
         held = HeldNames(api, list_from=4)
         asks = [asyncio.create_task(held.get("Service", "ns", f"a-{i}")) for i in range(10)]
         await asyncio.sleep(0)
-        api.gate.release()
+        api.gate.release(0)
         return list(await asyncio.gather(*asks))
 
     found = asyncio.run(scenario())
@@ -73,7 +73,7 @@ def test_a_failed_list_fails_every_ask() -> None:
         held = HeldNames(api, list_from=2)
         asks = [asyncio.create_task(held.get("Service", "ns", n)) for n in ("x", "y", "z")]
         await asyncio.sleep(0)
-        api.gate.release()
+        api.gate.release(0)
         return list(await asyncio.gather(*asks, return_exceptions=True))
 
     assert all(isinstance(r, RuntimeError) for r in asyncio.run(scenario()))
