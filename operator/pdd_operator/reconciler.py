@@ -549,7 +549,8 @@ class Reconciler:
                 r: ownership(spec, r, status, scales.get(r)) for r in ROLES}
             self._owned[key] = owned
             spec = with_replicas(spec, {r: o.replicas for r, o in owned.items()})
-            result = ([], spec, builders_lws.apply_lws(owner, spec, build(owner, spec, self.scraper)))
+            desired = build(owner, spec, self.scraper)
+            result = ([], spec, builders_lws.apply_lws(owner, spec, desired))
         self._built[key] = (version, result)
         return result
 
