@@ -143,6 +143,9 @@ class Reconciler:
         self._locks: dict[Key, asyncio.Lock] = {}
         self.on_pass: Callable[[Key, Outcome], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # The last ReplicasConflict message posted per object: two passes that both read the
+        # status from before the first one's patch must not post the same event twice.
+        self._conflict_posted: dict[str, str] = {}
         self.paused = False  # kopf peering: another replica leads (set by the handlers)
         self.lws_served = False  # the LeaderWorkerSet CRD is installed (multi-node instances)
         self._built: dict[Key, tuple[tuple[Any, ...], tuple[
@@ -845,7 +848,10 @@ class Reconciler:
             if c["type"] == VALIDATED and c["status"] == "False":
                 posts.append(("Warning", "InvalidSpec", c["message"]))
             elif c["type"] == REPLICAS_CONFLICT:
-                posts.append(("Warning", REPLICAS_CONFLICT, c["message"]))
+                uid = body["metadata"].get("uid", "")
+                if c["status"] == "True" and self._conflict_posted.get(uid) != c["message"]:
+                    self._conflict_posted[uid] = c["message"]
+                    posts.append(("Warning", REPLICAS_CONFLICT, c["message"]))
             elif c["type"] == READY and c["reason"] == NAME_CONFLICT:
                 posts.append(("Warning", NAME_CONFLICT, c["message"]))
             elif c["type"] in AVAILABLE.values() and c["status"] == "False" and (
@@ -856,6 +862,8 @@ class Reconciler:
                 b is None or b.get("status") != "True"
             ):
                 posts.append(("Normal", "Ready", c["message"]))
+        if all(c["type"] != REPLICAS_CONFLICT for c in new.get("conditions") or []):
+            self._conflict_posted.pop(body["metadata"].get("uid", ""), None)
         self._post(body, posts)
 
 

@@ -302,3 +302,34 @@ def test_the_deployment_condition_joins_the_roles_and_keeps_its_transition_time(
         REPLICAS_CONFLICT, SPEC_REPLICAS_WRITTEN, "prefill: a; decode: b")
     later = with_replicas_conflict(base, found, 3, out, "2026-12-06T07:00:00Z")
     assert later["conditions"][-1]["lastTransitionTime"] == NOW
+
+
+def test_a_conflict_two_passes_read_before_its_patch_is_posted_once() -> None:
+    """Passes that read the status from before the first one's patch post one event."""
+    import asyncio
+
+    from pdd_operator.conditions import REPLICAS_CONFLICT
+    from pdd_operator.reconciler import Reconciler
+
+    posted: list[tuple[str, str]] = []
+
+    class Kube:
+        async def post_event(self, body: Any, kind: str, reason: str, message: str) -> None:
+            posted.append((reason, message))
+
+    def conflict(message: str) -> dict[str, Any]:
+        return {"conditions": [{"type": REPLICAS_CONFLICT, "status": "True",
+                                "reason": "SpecReplicasWritten", "message": message}]}
+
+    async def passes() -> None:
+        rec = Reconciler(Kube())  # type: ignore[arg-type]
+        body = {"metadata": {"uid": "u1", "namespace": "ns", "name": "ds"}}
+        for new in (conflict("kubectl set 3"), conflict("kubectl set 3"), {},
+                    conflict("kubectl set 3"), conflict("kubectl set 4")):
+            rec._transition_events(body, {}, new)
+            await asyncio.sleep(0)
+        await asyncio.gather(*rec._background)
+
+    asyncio.run(passes())
+    assert posted == [(REPLICAS_CONFLICT, "kubectl set 3"), (REPLICAS_CONFLICT, "kubectl set 3"),
+                      (REPLICAS_CONFLICT, "kubectl set 4")]
