@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts proposed cheaply, verified by the target model in one step."""

@@ -1,0 +1,70 @@
+"""Speculative decoding's pure parts: prompt-lookup drafts and which drafted tokens survive."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdd_sidecar.engine.speculative.ngram import NgramConfig, propose
+from pdd_sidecar.engine.speculative.verify import accepted_tokens
+
+
+def test_the_latest_occurrence_of_the_longest_ending_is_continued() -> None:
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # ending [2, 3] (n=2) occurs at 1 and 5; the latest (5) continues with 7, 8, 5
+    assert propose(toks, NgramConfig(k=3, max_n=2)) == [7, 8, 5]
+    # ending [5, 2, 3] never occurred before: n=3 finds nothing, n=2 answers
+    assert propose(toks, NgramConfig(k=2, max_n=3)) == [7, 8]
+
+
+def test_a_longer_ending_beats_a_later_shorter_one() -> None:
+    toks = [4, 5, 6, 10, 0, 6, 11, 4, 5, 6]
+    assert propose(toks, NgramConfig(k=1, max_n=3)) == [10]
+    assert propose(toks, NgramConfig(k=1, max_n=1)) == [11]
+
+
+def test_no_draft_without_an_earlier_occurrence_or_below_min_n() -> None:
+    assert propose([1, 2, 3, 4], NgramConfig(k=3)) == []
+    assert propose([], NgramConfig()) == []
+    assert propose([7], NgramConfig()) == []
+    assert propose([1, 2, 9, 2], NgramConfig(k=1, max_n=3, min_n=2)) == []
+    assert propose([1, 2, 9, 2], NgramConfig(k=1, max_n=3, min_n=1)) == [9]
+
+
+def test_drafts_stop_at_the_end_of_the_text() -> None:
+    assert propose([3, 3], NgramConfig(k=4)) == [3]
+
+
+def test_the_proposal_matches_a_brute_force_search() -> None:
+    rng = random.Random(5)
+    for _ in range(400):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        cfg = NgramConfig(k=rng.randrange(1, 5), max_n=rng.randrange(1, 5))
+        want: list[int] = []
+        for n in range(cfg.max_n, cfg.min_n - 1, -1):
+            if n >= len(toks):
+                continue
+            starts = [s for s in range(len(toks) - n) if toks[s:s + n] == toks[len(toks) - n:]]
+            if starts:
+                want = toks[max(starts) + n:max(starts) + n + cfg.k]
+                break
+        assert propose(toks, cfg) == want, (toks, cfg)
+
+
+@pytest.mark.parametrize("k,max_n,min_n", [(0, 3, 1), (2, 2, 3), (2, 3, 0)])
+def test_bad_settings_are_refused_naming_them(k: int, max_n: int, min_n: int) -> None:
+    with pytest.raises(ValueError, match="speculative"):
+        NgramConfig(k=k, max_n=max_n, min_n=min_n)
+
+
+def test_drafts_are_kept_while_they_equal_the_draws() -> None:
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, and a bonus
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the differing draw ends it
+    assert accepted_tokens([5, 6, 7], [1, 6, 7, 8]) == [1]
+    assert accepted_tokens([], [4]) == [4]
+
+
+def test_draws_must_cover_every_position() -> None:
+    with pytest.raises(ValueError, match="need 3 draws for 2 drafts"):
+        accepted_tokens([1, 2], [1, 2])
