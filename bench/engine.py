@@ -618,23 +618,134 @@ def bench_moe(
     return row
 
 
-def breakdown(fn: Callable[[], object], device: torch.device) -> str:
-    """GPU time per kernel of one eager call (the profiler's table)."""
+def kernel_times(fn: Callable[[], object], device: torch.device) -> list[tuple[str, float]]:
+    """``(kernel name, GPU seconds)`` of every kernel one call of ``fn`` ran, in launch order,
+    from the profiler's CUDA activity (kernels replayed from a CUDA graph included where the
+    profiler reports them). Memory copies and sets count as kernels too: they take the stream."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
         fn()
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
         fn()
         sync(device)
-    avg = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total", "device_time_total"):
-        try:
-            return str(avg.table(sort_by=key, row_limit=18, max_name_column_width=60))
-        except (AttributeError, KeyError, ValueError):
+    out = []
+    for ev in prof.events():
+        dt = getattr(ev, "device_type", None)
+        on_device = dt is not None and "CUDA" in str(dt)
+        if device.type == "cuda" and not on_device:
             continue
-    return str(avg.table(row_limit=18))
+        us: float = (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) or 0.0
+        if device.type != "cuda":
+            if ev.cpu_children:  # the CPU has no kernels: count the leaves of the op tree
+                continue
+            us = ev.cpu_time
+        out.append((ev.name, float(us) * 1e-6))
+    return out
+
+
+def short_kernel_name(name: str, width: int = 64) -> str:
+    """A kernel's name without template arguments and parameter lists, cut to ``width``."""
+    depth, keep = 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            keep.append(ch)
+    short = "".join(keep).replace("void ", "").strip() or name
+    short = short.rsplit("::", 1)[-1] if "at::native" in name else short
+    return short[:width]
+
+
+def group_kernels(
+    times: list[tuple[str, float]], layers: int, step_s: float
+) -> list[dict[str, Any]]:
+    """Kernel times grouped by (short) name, most time first: calls and GPU time per step, per
+    layer (divided by ``layers``) and as a share of ``step_s`` (the step's wall time)."""
+    groups: dict[str, list[float]] = {}
+    for name, sec in times:
+        groups.setdefault(short_kernel_name(name), []).append(sec)
+    rows = [
+        {
+            "kernel": k,
+            "calls": len(v),
+            "us_per_step": sum(v) * 1e6,
+            "us_per_layer": sum(v) * 1e6 / layers,
+            "us_per_call": sum(v) * 1e6 / len(v),
+            "of_step": sum(v) / step_s if step_s > 0 else float("nan"),
+        }
+        for k, v in groups.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def breakdown(
+    fn: Callable[[], object], device: torch.device, layers: int, step_s: float, rows: int = 24
+) -> tuple[str, dict[str, Any]]:
+    """Where one call's time goes: the kernels it ran grouped by name, per step and per layer,
+    against ``step_s`` (its timed wall time); the gap is launch and idle time between kernels."""
+    times = kernel_times(fn, device)
+    groups = group_kernels(times, layers, step_s)
+    busy = sum(s for _, s in times)
+    lines = [f"{'kernel':<64} {'calls':>6} {'us/step':>9} {'us/layer':>9} {'us/call':>8} "
+             f"{'of step':>8}"]  # fmt: skip
+    for g in groups[:rows]:
+        lines.append(f"{g['kernel']:<64} {g['calls']:>6} {g['us_per_step']:>9.1f} "
+                     f"{g['us_per_layer']:>9.2f} {g['us_per_call']:>8.2f} "
+                     f"{g['of_step']:>7.1%}")  # fmt: skip
+    if len(groups) > rows:
+        rest = groups[rows:]
+        lines.append(f"{f'({len(rest)} other kernels)':<64} {sum(g['calls'] for g in rest):>6} "
+                     f"{sum(g['us_per_step'] for g in rest):>9.1f}")  # fmt: skip
+    gap = step_s - busy
+    share = gap / step_s if step_s else float("nan")
+    lines.append(f"kernels {len(times)} ({len(times) / layers:.1f} a layer), busy "
+                 f"{busy * 1e6:.0f} us, step {step_s * 1e6:.0f} us, between kernels "
+                 f"{gap * 1e6:.0f} us ({share:.0%})")  # fmt: skip
+    summary = {"kernels": len(times), "busy_us": busy * 1e6, "step_us": step_s * 1e6,
+               "groups": groups}  # fmt: skip
+    return "\n".join(lines), summary
+
+
+def decode_breakdown(
+    model: Model, kv: torch.Tensor, b: int, ctx: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Per-kernel time of one decode step of ``b`` sequences at ``ctx``: the bench's loop
+    replayed from its CUDA graph (eager where there are no graphs) and, unless
+    ``--no-engine``, ``RankEngine.step`` replayed from its bucket's graph, each against its
+    own timed step."""
+    cfg, dev = model.cfg, model.device
+    layers = cfg.num_hidden_layers
+    batch = make_batch(b, ctx, kv.shape[2], kv.shape[0], cfg, dev, seed=b * 7919 + ctx)
+    graphs = dev.type == "cuda" and not args.no_graphs
+    def step() -> object:
+        return model.decode(kv, batch)
+
+    loop: Callable[[], object] = graph_of(step, dev) if graphs else step
+    runs: list[tuple[str, Callable[[], object]]] = [("loop " + ("graph" if graphs else "eager"),
+                                                     loop)]
+    if not args.no_engine:
+        from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+        tables, toks = batch.tables.tolist(), batch.tokens.tolist()
+        chunks = [SeqChunk([toks[i]], ctx, tables[i]) for i in range(b)]
+        eng = engine_over(model, kv, "graph" if graphs else "eager")
+        runs.append(("RankEngine.step " + ("graph" if graphs else "eager"),
+                     lambda: eng.step(chunks)))
+    out: dict[str, Any] = {"batch": b, "context": ctx}
+    for name, fn in runs:
+        sec = time_fn(fn, dev, args.reps * 2)
+        text, summary = breakdown(fn, dev, layers, sec)
+        if summary["kernels"] == 0 and graphs:  # the profiler saw no kernels inside the graph
+            text += "\n(no kernels reported inside the graph: see the eager breakdown)"
+        print(f"\nbreakdown: {name}, batch {b}, context {ctx}, {layers} layers "
+              f"(step {sec * 1e3:.3f} ms)\n{text}", flush=True)
+        out[name] = summary
+    return out
 
 
 def bench_prefill(
@@ -821,7 +932,12 @@ def main(argv: list[str] | None = None) -> int:
                         "config (default 128,64,8,2)")
     p.add_argument("--attn-contexts", type=_ints, default=None, help="default 32768,65536,131072")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--kv-gib", type=float, default=72.0, help="KV cache budget on the device")
+    p.add_argument("--kv-gib", type=float, default=None,
+                   help="KV cache budget on the device (default: free memory after the weights "
+                        "less --headroom-gib)")
+    p.add_argument("--headroom-gib", type=float, default=12.0,
+                   help="device memory left beside the KV cache for activations, graphs and "
+                        "the prefill rows (default 12)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--tune", action="store_true", help="sweep the decode kernel's tunables")
@@ -830,7 +946,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the decode rows through RankEngine.step (eager and graph)")
     p.add_argument("--moe-tokens", type=_ints, default=None, help="default 1,4,16,64,256")
     p.add_argument(
-        "--breakdown", type=_ints, default=None, help="B,ctx: per-kernel GPU time of one step"
+        "--breakdown", type=_ints, default=None,
+        help="B,ctx[,B,ctx...]: per-kernel GPU time of one decode step, grouped by kernel, per "
+             "layer and against the step",
     )
     p.add_argument(
         "--compile",
@@ -887,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
         model = Model(cfg, w, dev)
         bs = args.block_size
         per_tok = cfg.num_hidden_layers * bs * cfg.latent_dim * 2
+        args.kv_gib = kv_budget_gib(dev, args.kv_gib, args.headroom_gib, small)
         budget_blocks = int(args.kv_gib * 2**30 // per_tok)
         cases = [(b, c) for b in batches for c in contexts]
         fits = [(b, c) for b, c in cases if b * -(-(c + 1) // bs) <= budget_blocks]
@@ -902,7 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(0, num_blocks, 1024):
             kv[i : i + 1024].normal_()
         print(f"weights {sum(_nbytes(t) for t in _tensors(w)) / 1e9:.2f} GB, KV cache "
-              f"{_nbytes(kv) / 1e9:.1f} GB ({num_blocks} blocks of {bs})", flush=True)  # fmt: skip
+              f"{_nbytes(kv) / 1e9:.1f} GB ({num_blocks} blocks of {bs}; budget "
+              f"{args.kv_gib:.1f} GiB)", flush=True)  # fmt: skip
+        result["kv_budget_gib"] = args.kv_gib
 
         if args.tune and dev.type == "cuda":
             result["tune"] = tune(model, kv, ceil, args)
@@ -913,16 +1034,19 @@ def main(argv: list[str] | None = None) -> int:
             return not only or section in only
 
         if args.breakdown:
-            b_, c_ = args.breakdown
-            print(f"\nbreakdown: one eager decode step, batch {b_}, context {c_}")
-            bb = make_batch(b_, c_, kv.shape[2], kv.shape[0], cfg, dev, seed=1)
-            print(breakdown(lambda: model.decode(kv, bb), dev), flush=True)
+            if len(args.breakdown) % 2:
+                p.error(f"--breakdown takes B,ctx pairs, got {args.breakdown}")
+            pairs_b = list(zip(args.breakdown[::2], args.breakdown[1::2], strict=True))
+            result["breakdown"] = [decode_breakdown(model, kv, b_, c_, args) for b_, c_ in pairs_b]
         if args.breakdown_prefill:
             t_ = args.breakdown_prefill
             print(f"\nbreakdown: one prefill of {t_} tokens")
             toks = torch.randint(0, cfg.vocab_size, (t_,), device=dev)
             tab = torch.arange(-(-t_ // bs), device=dev, dtype=torch.int32)
-            print(breakdown(lambda: model.prefill(kv, toks, tab), dev), flush=True)
+            step = time_fn(lambda: model.prefill(kv, toks, tab), dev, 3, 1)
+            text, _ = breakdown(lambda: model.prefill(kv, toks, tab), dev,
+                                cfg.num_hidden_layers, step)
+            print(text, flush=True)
 
         if want("moe"):
             moe_tokens = args.moe_tokens or ([1, 4] if small else [1, 4, 16, 64, 256])
@@ -1057,6 +1181,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def kv_budget_gib(
+    device: torch.device, asked: float | None, headroom_gib: float, small: bool
+) -> float:
+    """The KV cache budget: ``asked`` when given, else the device's free memory (after the
+    weights, torch's cached but unused blocks returned) less ``headroom_gib``; on the CPU or the
+    small model 1 GiB. Refuses a budget that leaves nothing, naming the figures."""
+    if asked is not None:
+        if asked <= 0:
+            raise SystemExit(f"--kv-gib must be positive, got {asked}")
+        return asked
+    if device.type != "cuda" or small:
+        return 1.0
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free / 2**30 - headroom_gib
+    if budget <= 0:
+        raise SystemExit(f"--headroom-gib {headroom_gib} leaves no KV cache: "
+                         f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
+    return budget
 
 
 def _tensors(w: RankWeights) -> list[torch.Tensor]:

@@ -67,3 +67,32 @@ def test_prefill_flops_count_causal_attention_over_the_whole_prompt() -> None:
     per_pair = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * (
         cfg.qk_head_dim + cfg.v_head_dim)
     assert math.isclose(second_diff, per_pair, rel_tol=1e-6)
+
+
+def test_breakdown_groups_kernels_by_name_per_layer_against_the_step() -> None:
+    """Kernels of one name are summed (templates and parameters stripped from the name), per
+    step and per layer, as a share of the step's wall time, most time first."""
+    mod = _bench()
+    times = [
+        ("void at::native::vectorized_elementwise_kernel<4, AddFunctor<float>>(int, float)", 2e-6),
+        ("_gemv_gate_up", 40e-6),
+        ("void at::native::vectorized_elementwise_kernel<4, MulFunctor<float>>(int, float)", 4e-6),
+        ("_gemv_gate_up", 20e-6),
+    ]
+    rows = mod.group_kernels(times, layers=2, step_s=100e-6)
+    assert [r["kernel"] for r in rows] == ["_gemv_gate_up", "vectorized_elementwise_kernel"]
+    top, ew = rows
+    assert top["calls"] == 2 and math.isclose(top["us_per_step"], 60.0)
+    assert math.isclose(top["us_per_layer"], 30.0) and math.isclose(top["of_step"], 0.6)
+    assert ew["calls"] == 2 and math.isclose(ew["us_per_call"], 3.0)
+    text, summary = mod.breakdown(lambda: mod.torch.ones(4) + 1, mod.torch.device("cpu"), 1, 1e-3)
+    assert summary["kernels"] >= 1 and "between kernels" in text
+
+
+def test_kv_budget_from_free_memory_or_as_asked() -> None:
+    mod = _bench()
+    cpu = mod.torch.device("cpu")
+    assert mod.kv_budget_gib(cpu, 3.5, 12.0, small=False) == 3.5
+    assert mod.kv_budget_gib(cpu, None, 12.0, small=False) == 1.0
+    with pytest.raises(SystemExit, match="--kv-gib must be positive, got -1"):
+        mod.kv_budget_gib(cpu, -1.0, 12.0, small=False)
