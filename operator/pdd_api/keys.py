@@ -91,6 +91,11 @@ ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
 # DEFAULT_GPU_MEMORY_UTILIZATION (imported above from the models: the CRD's default is the
 # sidecars').
 
+# FP8 KV (issue 45): what the KV cache keeps a token's latent in, one of
+# pdd_api.models.KV_CACHE_DTYPES; written only for fp8 (unset: auto, the model's dtype), so pods
+# of specs without it keep their hash.
+ENV_KV_CACHE_DTYPE = "PDD_KV_CACHE_DTYPE"
+
 # API keys on the router (issue 39): keys in the env, or a file/folder of them (the mounted
 # Secret of spec.router.apiKeySecretRef), read again when it changes.
 ENV_API_KEY = "PDD_API_KEY"

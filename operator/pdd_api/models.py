@@ -28,6 +28,14 @@ GPU_RESOURCE = "nvidia.com/gpu"
 RouterPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 DEFAULT_ROUTER_POLICY: RouterPolicy = "cache-aware"  # first of ROUTER_POLICIES
+# What the KV cache keeps a token's MLA latent in (docs/fp8-kv.md): auto, the model's dtype
+# (1,152 bytes a token of a layer in bf16 for kv_lora_rank 512 + RoPE 64), or fp8, FlashMLA's
+# layout (512 e4m3 values, an fp32 scale per 128, the RoPE part in bf16: 656 bytes). The sidecar's
+# KV code (kv/fp8_layout.py) and its env reader take the values from here; the first is the
+# default.
+KvCacheDtype = Literal["auto", "fp8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+DEFAULT_KV_CACHE_DTYPE: KvCacheDtype = "auto"  # first of KV_CACHE_DTYPES
 # The share of a GPU's memory an instance fills unless told otherwise (vLLM's default too);
 # keys.py re-exports it for the sidecars.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -233,6 +241,14 @@ class RoleSpec(_Strict):
         description="KV cache blocks per rank (blockSize tokens each), a fixed pool instead "
         "of one sized from gpuMemoryUtilization (PDD_NUM_BLOCKS; with engine vllm, "
         "--num-gpu-blocks-override). Absent: sized from memory.",
+    )
+    kvCacheDtype: KvCacheDtype = Field(
+        default=DEFAULT_KV_CACHE_DTYPE,
+        description="What the KV cache keeps each token's latent in: auto, the model's dtype, "
+        "or fp8, FlashMLA's FP8 layout (656 bytes a token of a layer against 1,152 in bf16: "
+        "1.76x the tokens in the same pool and fewer bytes per decode read and per hand-off; "
+        "docs/fp8-kv.md). Prefill and decode must agree: the hand-off moves the bytes as they "
+        "are (PDD_KV_CACHE_DTYPE; with engine vllm, --kv-cache-dtype fp8).",
     )
     hostKVCacheGiB: float = Field(
         default=0.0,

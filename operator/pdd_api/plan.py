@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from pdd_api.models import DEFAULT_KV_CACHE_DTYPE, KvCacheDtype
+
 RoutingCase = Literal[
     "replicated-to-replicated",
     "replicated-to-sharded",
@@ -59,13 +61,18 @@ class RoutingPlan(_Camel):
     version: Literal[1] = 1
     case: RoutingCase
     block_size: int = Field(ge=1)
+    # What both sides' KV cache keeps a token in (spec.<role>.kvCacheDtype, which the validators
+    # hold equal): the plan hash then tells an FP8 pod from a bf16 one, so the router never
+    # pairs them. Left out of the JSON for auto, so plans of specs without it stay as they were.
+    kv_cache_dtype: KvCacheDtype = DEFAULT_KV_CACHE_DTYPE
     prefill: SidePlan
     decode: SidePlan
     decode_ranks: list[DecodeRankPlan]
     prefill_ranks: list[PrefillRankPlan]
 
     def to_json(self) -> str:
-        return self.model_dump_json(by_alias=True)
+        auto = self.kv_cache_dtype == DEFAULT_KV_CACHE_DTYPE
+        return self.model_dump_json(by_alias=True, exclude={"kv_cache_dtype"} if auto else None)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RoutingPlan:

@@ -7,7 +7,7 @@ once, and every prefill rank must learn when it may free the request's blocks.
 
 from __future__ import annotations
 
-from pdd_api.models import PDDeploymentSpec
+from pdd_api.models import DEFAULT_KV_CACHE_DTYPE, KvCacheDtype, PDDeploymentSpec
 from pdd_api.plan import (
     ChunkRead,
     DecodeRankPlan,
@@ -44,7 +44,8 @@ def reads_for(decode_rank: int, prefill: SidePlan, decode: SidePlan) -> list[Chu
     return [ChunkRead(prefill_rank=decode_rank % dcp_p, chunk_modulus=dcp_d, chunk_residue=d_res)]
 
 
-def plan_routing(prefill: SidePlan, decode: SidePlan, block_size: int) -> RoutingPlan:
+def plan_routing(prefill: SidePlan, decode: SidePlan, block_size: int,
+                 kv_cache_dtype: KvCacheDtype = DEFAULT_KV_CACHE_DTYPE) -> RoutingPlan:
     """Compute the whole plan; callers must have validated the sides (see validation.py)."""
     decode_ranks: list[DecodeRankPlan] = []
     notified: dict[int, int] = {p: 0 for p in range(prefill.tensor_parallel_size)}
@@ -68,6 +69,7 @@ def plan_routing(prefill: SidePlan, decode: SidePlan, block_size: int) -> Routin
     return RoutingPlan(
         case=routing_case(prefill, decode),
         block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
         prefill=prefill,
         decode=decode,
         decode_ranks=decode_ranks,
@@ -84,7 +86,8 @@ def plan_for_spec(spec: PDDeploymentSpec) -> RoutingPlan:
         )
         for role in (spec.prefill, spec.decode)
     )
-    return plan_routing(prefill, decode, spec.blockSize)
+    # The validators hold prefill's kvCacheDtype equal to decode's.
+    return plan_routing(prefill, decode, spec.blockSize, spec.prefill.kvCacheDtype)
 
 
 def chunks_read(plan: RoutingPlan, decode_rank: int, num_chunks: int) -> dict[int, int]:
@@ -133,7 +136,7 @@ def load_plan(text: str | bytes) -> RoutingPlan:
         check_plan_soundness(plan)
     except ValueError as exc:
         raise ValueError(f"unsound routing plan: {exc}") from None
-    expected = plan_routing(p, d, plan.block_size)
+    expected = plan_routing(p, d, plan.block_size, plan.kv_cache_dtype)
     if plan != expected:
         raise ValueError(
             "mismatched routing plan: it differs from the rule for "

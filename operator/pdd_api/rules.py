@@ -13,7 +13,9 @@ from typing import Any, Protocol
 
 from pdd_api.models import (
     API_GROUP,
+    DEFAULT_KV_CACHE_DTYPE,
     GPU_RESOURCE,
+    KV_CACHE_DTYPES,
     MAX_DRAIN_SECONDS,
     OWNED_CONTAINER_FIELDS,
     OWNED_POD_FIELDS,
@@ -239,6 +241,43 @@ class DivideEitherWayRule:
                 p,
                 d,
             ),
+        )
+
+
+@dataclass(frozen=True)
+class SameOnBothRolesRule:
+    """A value prefill and decode must share: the KV cache dtype, since the hand-off moves a
+    prefill's blocks byte for byte into the decode's pool (a bf16 block read as FP8 is garbage,
+    vLLM's crash in vllm#23587). Only values the field allows are compared, so a misspelt one
+    gets the schema's message alone."""
+
+    name: str
+    allowed: tuple[str, ...]
+    default: str
+    reads: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def field(self) -> str:
+        return f"decode.{self.name}"
+
+    @property
+    def _head(self) -> str:
+        return f"spec.{self.field}: must equal spec.prefill.{self.name}"
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        p, d = lookup(spec, f"prefill.{self.name}"), lookup(spec, self.field)
+        if p not in self.allowed or d not in self.allowed or p == d:
+            return None
+        return f"{self._head} ({p}), got {d}"
+
+    def cel(self) -> dict[str, str]:
+        p, d = (f"(has(self.{r}) && has(self.{r}.{self.name}) ? self.{r}.{self.name} : "
+                f"'{self.default}')" for r in ("prefill", "decode"))
+        allowed = "[" + ", ".join(f"'{v}'" for v in self.allowed) + "]"
+        return _cel(
+            self.field,
+            f"!({p} in {allowed}) || !({d} in {allowed}) || {p} == {d}",
+            _fmt(f"{self._head} (%s), got %s", p, d),
         )
 
 
@@ -735,6 +774,7 @@ def _rules() -> tuple[Rule, ...]:
                             "prefill.decodeContextParallelSize"),
         DivideEitherWayRule("decode.tensorParallelSize", "prefill.tensorParallelSize",
                             vllm_only=True),
+        SameOnBothRolesRule("kvCacheDtype", KV_CACHE_DTYPES, DEFAULT_KV_CACHE_DTYPE),
         VllmRouterImageRule(),
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),

@@ -18,6 +18,7 @@ from pdd_api.models import (
     API_GROUP,
     API_VERSION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_DTYPE,
     ROLE_SCALE_KIND,
     ROLE_SCALE_PLURAL,
 )
@@ -214,14 +215,16 @@ def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: i
     if st.get("routingCase"):
         lines.append(f"routing: {st['routingCase']}: {st.get('routingSummary', '')}")
     lines += ["", "ROLES"]
-    rows = [["ROLE", "TP", "DCP", "DESIRED", "PODS", "READY", "UPDATED", "KV-POOL", "HOST-KV"]]
+    rows = [["ROLE", "TP", "DCP", "DESIRED", "PODS", "READY", "UPDATED", "KV-POOL", "HOST-KV",
+             "KV-DTYPE"]]
     for role in ROLES:
         rs, rst = spec.get(role) or {}, st.get(role) or {}
         rows.append([role, str(rs.get("tensorParallelSize", "?")),
                      str(rs.get("decodeContextParallelSize", "?")),
                      desired_replicas(pdd, role, applied_role_scale(pdd, role, role_scales)),
                      str(rst.get("replicas", 0)), str(rst.get("readyReplicas", 0)),
-                     str(rst.get("updatedReplicas", 0)), *kv_memory(rs)])
+                     str(rst.get("updatedReplicas", 0)), *kv_memory(rs),
+                     str(rs.get("kvCacheDtype") or DEFAULT_KV_CACHE_DTYPE)])
     lines += _table(rows)
     lines += autoscaling_report(pdd, role_scales)
     lines += ["", "PODS"]

@@ -20,6 +20,7 @@ from pdd_api.models import (
     API_GROUP,
     API_VERSION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_ROUTER_POLICY,
     GPU_RESOURCE,
     KIND,
@@ -59,6 +60,8 @@ CONTRACT_ENV = frozenset(
         keys.ENV_PREFILL_SERVICE, keys.ENV_PLAN_HASH, keys.ENV_PREFIX_CACHE,
         # Set through the role's fields only: the host tier's memory is accounted from them.
         keys.ENV_GPU_MEMORY_UTILIZATION, keys.ENV_NUM_BLOCKS, keys.ENV_HOST_KV_CACHE_GIB,
+        # Set through kvCacheDtype only: the validators hold both roles to one value.
+        keys.ENV_KV_CACHE_DTYPE,
     }
 )
 
@@ -402,6 +405,8 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
         env.append(_env(keys.ENV_NUM_BLOCKS, r.kvCacheBlocks))
     if r.hostKVCacheGiB > 0:
         env.append(_env(keys.ENV_HOST_KV_CACHE_GIB, plain_number(r.hostKVCacheGiB)))
+    if r.kvCacheDtype != DEFAULT_KV_CACHE_DTYPE:
+        env.append(_env(keys.ENV_KV_CACHE_DTYPE, r.kvCacheDtype))
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))

@@ -15,7 +15,12 @@ import json
 from typing import Any
 
 from pdd_api import keys
-from pdd_api.models import DEFAULT_GPU_MEMORY_UTILIZATION, PDDeploymentSpec, RoleSpec
+from pdd_api.models import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_DTYPE,
+    PDDeploymentSpec,
+    RoleSpec,
+)
 from pdd_api.quantity import plain_number
 
 Obj = dict[str, Any]
@@ -60,6 +65,9 @@ def serve_args(spec: PDDeploymentSpec, role_spec: RoleSpec) -> list[str]:
         args += ["--gpu-memory-utilization", plain_number(role_spec.gpuMemoryUtilization)]
     if role_spec.kvCacheBlocks is not None:
         args += ["--num-gpu-blocks-override", str(role_spec.kvCacheBlocks)]
+    # vLLM's FP8 MLA cache (FlashMLA's or Triton MLA's) is the same layout as pdd's.
+    if role_spec.kvCacheDtype != DEFAULT_KV_CACHE_DTYPE:
+        args += ["--kv-cache-dtype", role_spec.kvCacheDtype]
     return args + list(role_spec.extraArgs or [])
 
 

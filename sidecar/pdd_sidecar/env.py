@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdd_api import keys, rules
-from pdd_api.models import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+from pdd_api.models import (
+    DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_ROUTER_POLICY,
+    KV_CACHE_DTYPES,
+    ROUTER_POLICIES,
+)
 from pdd_sidecar.switch import switch
 
 # --- contract (docs/architecture.md "Sidecar env") ---
@@ -46,6 +51,9 @@ PDD_NUM_BLOCKS = keys.ENV_NUM_BLOCKS
 PDD_GPU_MEMORY_UTILIZATION = keys.ENV_GPU_MEMORY_UTILIZATION
 # GiB of pinned host memory under the prefix cache, per rank (0: no host tier).
 PDD_HOST_KV_CACHE_GIB = keys.ENV_HOST_KV_CACHE_GIB
+# What the KV cache keeps a token's latent in: auto (the model's dtype) or fp8 (FlashMLA's
+# layout, kv/fp8_layout.py). Prefill and decode must agree: the hand-off moves bytes as they are.
+PDD_KV_CACHE_DTYPE = keys.ENV_KV_CACHE_DTYPE
 # Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
 # or a slow hand-off could read blocks the lease already gave to another request.
 PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"
@@ -284,6 +292,7 @@ class InstanceSettings:
     leader_address: str = ""  # where rank 0's pod is reached (the rendezvous)
     gpu_memory_utilization: float = keys.DEFAULT_GPU_MEMORY_UTILIZATION
     host_kv_cache_gib: float = 0.0
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # one of pdd_api.models.KV_CACHE_DTYPES
 
     @property
     def ranks_per_pod(self) -> int:
@@ -384,6 +393,7 @@ class InstanceSettings:
             gpu_memory_utilization=_fraction(env, PDD_GPU_MEMORY_UTILIZATION,
                                              keys.DEFAULT_GPU_MEMORY_UTILIZATION),
             host_kv_cache_gib=_float(env, PDD_HOST_KV_CACHE_GIB, 0.0),
+            kv_cache_dtype=_choice(env, PDD_KV_CACHE_DTYPE, KV_CACHE_DTYPES),
         )
 
 

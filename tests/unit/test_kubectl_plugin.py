@@ -118,7 +118,7 @@ def test_status_report_shows_roles_pods_conditions_and_latest_events() -> None:
     assert shown == ["Step11", "Step12", "Step13", "Step14"]
     decode_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["decode"])
     assert decode_row.split()[3:] == [str(doc["spec"]["decode"]["replicas"]), "0", "0", "0",
-                                      "90%-of-GPU", "-"]
+                                      "90%-of-GPU", "-", "auto"]
 
 
 def test_status_report_shows_the_planners_replicas_and_why() -> None:
@@ -168,18 +168,20 @@ def test_status_report_shows_the_planners_replicas_and_why() -> None:
 
 
 @pytest.mark.parametrize(("role_spec", "shown"), [
-    ({}, ("90%-of-GPU", "-")),
-    ({"gpuMemoryUtilization": 0.85, "hostKVCacheGiB": 0}, ("85%-of-GPU", "-")),
-    ({"gpuMemoryUtilization": 0.85, "kvCacheBlocks": 4096, "hostKVCacheGiB": 1.5},
-     ("4096-blocks", "1.5GiB/rank")),
+    ({}, ("90%-of-GPU", "-", "auto")),
+    ({"gpuMemoryUtilization": 0.85, "hostKVCacheGiB": 0}, ("85%-of-GPU", "-", "auto")),
+    ({"gpuMemoryUtilization": 0.85, "kvCacheBlocks": 4096, "hostKVCacheGiB": 1.5,
+      "kvCacheDtype": "fp8"}, ("4096-blocks", "1.5GiB/rank", "fp8")),
 ])
 def test_status_report_shows_how_each_roles_kv_memory_is_sized(
-        role_spec: dict[str, Any], shown: tuple[str, str]) -> None:
+        role_spec: dict[str, Any], shown: tuple[str, str, str]) -> None:
     doc, _ = _objects()
     doc["spec"]["prefill"].update(role_spec)
     out = kp.status_report(doc, [], [])
+    header = next(ln for ln in out.splitlines() if ln.split()[:1] == ["ROLE"])
+    assert header.split()[-3:] == ["KV-POOL", "HOST-KV", "KV-DTYPE"]
     prefill_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["prefill"])
-    assert tuple(prefill_row.split()[-2:]) == shown
+    assert tuple(prefill_row.split()[-3:]) == shown
 
 
 def test_validate_is_pdd_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

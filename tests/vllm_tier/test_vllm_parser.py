@@ -71,6 +71,10 @@ def test_rendered_command_lines_parse_as_vllm_reads_them(
     raw = vllm_spec(p, d, blockSize=block, model=model)
     raw["decode"]["extraArgs"] = ["--max-model-len", "8192"]
     raw["decode"].update({"gpuMemoryUtilization": 0.8, "kvCacheBlocks": 4096})
+    fp8 = source is not None  # FP8 KV on half the cases, on both roles (they must agree)
+    if fp8:
+        for side in ("prefill", "decode"):
+            raw[side]["kvCacheDtype"] = "fp8"
     spec = parse_spec(raw)
     for role, (tp, dcp) in (("prefill", p), ("decode", d)):
         argv = build(OWNER, spec).pods[role][0]["spec"]["containers"][0]["command"]
@@ -92,6 +96,7 @@ def test_rendered_command_lines_parse_as_vllm_reads_them(
         assert engine.max_model_len == (8192 if role == "decode" else None)
         assert engine.gpu_memory_utilization == (0.8 if role == "decode" else 0.9)
         assert engine.num_gpu_blocks_override == (4096 if role == "decode" else None)
+        assert engine.kv_cache_dtype == ("fp8" if fp8 else "auto")
 
 
 def test_a_misspelt_flag_is_what_the_parser_refuses() -> None:

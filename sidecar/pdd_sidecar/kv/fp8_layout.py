@@ -17,8 +17,9 @@ from typing import Final
 
 import torch
 
-KV_CACHE_DTYPES: Final = ("auto", "fp8")
-"""``auto``: the model's dtype. ``fp8``: this module's layout."""
+# ``auto``: the model's dtype. ``fp8``: this module's layout. The API's values (the CRD's
+# kvCacheDtype, PDD_KV_CACHE_DTYPE), named once in pdd_api.
+from pdd_api.models import KV_CACHE_DTYPES
 
 GROUP: Final = 128
 E4M3_MAX: Final = 448.0
