@@ -273,6 +273,26 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("autoscaling Prometheus URL", autoscaled(prometheusURL="prometheus:9090"),
      "spec.autoscaling.prometheusURL: must start with http:// or https://, got "
      "prometheus:9090"),
+    # Traces (issue 46): an OTLP receiver's URL, a known transport, a ratio.
+    ("tracing endpoint without scheme", with_("tracing", {"endpoint": "jaeger:4317"}),
+     "spec.tracing.endpoint: must start with http:// or https://, got jaeger:4317"),
+    ("tracing endpoint empty", with_("tracing", {"endpoint": ""}),
+     "spec.tracing.endpoint: must start with http:// or https://, got"),
+    ("tracing endpoint missing", with_("tracing", {"samplingRatio": 0.5}),
+     "spec.tracing.endpoint: required"),
+    ("tracing protocol", with_("tracing", {"endpoint": "http://j:4318", "protocol": "http/json"}),
+     "spec.tracing.protocol: must be one of 'http/protobuf' or 'grpc', got 'http/json'"),
+    ("tracing ratio 1.5", with_("tracing", {"endpoint": "http://j:4318", "samplingRatio": 1.5}),
+     "spec.tracing.samplingRatio: must be between 0 and 1, got 1.5"),
+    ("tracing ratio negative", with_("tracing", {"endpoint": "http://j:4318",
+                                                 "samplingRatio": -0.01}),
+     "spec.tracing.samplingRatio: must be between 0 and 1, got -0.01"),
+    ("tracing ratio in percent", with_("tracing", {"endpoint": "http://j:4318",
+                                                   "samplingRatio": 100}),
+     "spec.tracing.samplingRatio: must be between 0 and 1, got 100"),
+    ("tracing ratio string", with_("tracing", {"endpoint": "http://j:4318",
+                                               "samplingRatio": "1%"}),
+     "spec.tracing.samplingRatio: must be a number, got '1%'"),
 ]
 
 
@@ -345,4 +365,8 @@ VALID_EDGES = [
                intervalSeconds=1, scaleDownStabilizationSeconds=0,
                prometheusURL="https://prometheus.monitoring:9090"),
     {**BASE, "autoscaling": {"decode": {"maxReplicas": 2}}},
+    with_("tracing", {"endpoint": "http://otel-collector.monitoring:4318"}),
+    with_("tracing", {"endpoint": "https://tempo:4317", "protocol": "grpc", "samplingRatio": 0}),
+    with_("tracing", {"endpoint": "http://jaeger:4317", "protocol": "grpc", "samplingRatio": 1}),
+    with_("tracing", {"endpoint": "http://jaeger:4318", "samplingRatio": 0.01}),
 ]

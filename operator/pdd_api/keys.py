@@ -113,3 +113,19 @@ ANNOTATION_DRAIN_REASON = f"{API_GROUP}/drain-reason"
 # (the label every namespace carries: a tenant cannot set it on its own).
 OPERATOR_APP_NAME = "pdd-operator"
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
+
+# Traces (issue 46, spec.tracing): the standard OpenTelemetry variables the operator sets on the
+# router, prefill and decode containers (the sidecars' tracing.py reads them, as the SDK does).
+# Where spec.tracing is set they are the operator's (a role's env cannot shadow them).
+ENV_OTEL_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTEL_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_OTEL_SAMPLER = "OTEL_TRACES_SAMPLER"
+ENV_OTEL_SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"
+ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_OTEL_RESOURCE_ATTRIBUTES = "OTEL_RESOURCE_ATTRIBUTES"
+TRACING_ENV = (ENV_OTEL_ENDPOINT, ENV_OTEL_PROTOCOL, ENV_OTEL_SAMPLER, ENV_OTEL_SAMPLER_ARG,
+               ENV_OTEL_SERVICE_NAME, ENV_OTEL_RESOURCE_ATTRIBUTES)
+# The sampler rendered: the share of spec.tracing.samplingRatio for requests that come without
+# a sampling decision; a client's traceparent decides for its own.
+OTEL_SAMPLER = "parentbased_traceidratio"
+OTEL_SERVICE_PREFIX = "pdd-"  # OTEL_SERVICE_NAME = pdd-router | pdd-prefill | pdd-decode

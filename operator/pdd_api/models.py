@@ -423,6 +423,31 @@ def pods_per_instance(role: RoleSpec) -> int:
     return max(1, role.tensorParallelSize // gpus_per_pod(role))
 
 
+# OTLP transports the sidecars' exporters speak (pdd_sidecar/tracing.py); the first is the
+# default, the OpenTelemetry specification's.
+TracingProtocol = Literal["http/protobuf", "grpc"]
+TRACING_PROTOCOLS: tuple[str, ...] = get_args(TracingProtocol)
+
+
+class TracingSpec(_Strict):
+    endpoint: str = Field(
+        description="OTLP receiver (an OpenTelemetry Collector, Jaeger, Tempo, ...) the router, "
+        "prefill and decode send their spans to, http:// or https:// (OTEL_EXPORTER_OTLP_"
+        "ENDPOINT): with grpc its OTLP/gRPC port (usually 4317), with http/protobuf the base "
+        "URL of its OTLP/HTTP port (usually 4318; /v1/traces is added).",
+    )
+    protocol: TracingProtocol = Field(
+        default="http/protobuf",
+        description="OTLP transport: http/protobuf or grpc (OTEL_EXPORTER_OTLP_PROTOCOL).",
+    )
+    samplingRatio: float = Field(
+        default=1.0,
+        description="Share of requests traced, in [0, 1], when the client sent no "
+        "traceparent; a client's traceparent decides for its own requests "
+        "(OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG).",
+    )
+
+
 class PDDeploymentSpec(_Strict):
     model: ModelSpec = Field(description="What the sidecars serve.")
     image: str = Field(description="Sidecar image (runs the prefill, decode and router roles). "
@@ -456,6 +481,13 @@ class PDDeploymentSpec(_Strict):
         default_factory=NetworkPolicySpec,
         description="Ingress isolation of the pods (NetworkPolicy objects owned by this "
         "PDDeployment).",
+    )
+    tracing: TracingSpec | None = Field(
+        default=None,
+        description="OpenTelemetry traces, one per request: the router's routing decision, the "
+        "prefill, the KV hand-off and the decode, with a client's W3C traceparent honoured "
+        "(docs/tracing.md). Absent: off, unless the roles' env sets the standard OTEL_* "
+        "variables.",
     )
 
 

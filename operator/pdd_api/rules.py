@@ -804,6 +804,8 @@ def _rules() -> tuple[Rule, ...]:
         RangeRule("autoscaling.intervalSeconds", 1, 3600),
         RangeRule("autoscaling.scaleDownStabilizationSeconds", 0, 86400),
         UrlRule("autoscaling.prometheusURL"),
+        UrlRule("tracing.endpoint"),
+        NumberRangeRule("tracing.samplingRatio", 0, 1),
     ]
     rules += [TemplateOwnedRule(role, part) for role in TEMPLATE_ROLES
               for part in ("pod", "container", "metadata")]

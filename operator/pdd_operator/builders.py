@@ -380,8 +380,31 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
+def owned_env(spec: PDDeploymentSpec) -> frozenset[str]:
+    """The env names a role's env or template cannot set: the contract's, and the tracing
+    variables where spec.tracing renders them."""
+    return CONTRACT_ENV | frozenset(keys.TRACING_ENV) if spec.tracing else CONTRACT_ENV
+
+
+def tracing_env(owner: Owner, spec: PDDeploymentSpec, component: str) -> list[Obj]:
+    """spec.tracing as the standard OpenTelemetry variables of one component (none when
+    absent, so pods of a spec without it keep their hash)."""
+    t = spec.tracing
+    if t is None:
+        return []
+    return [
+        _env(keys.ENV_OTEL_ENDPOINT, t.endpoint),
+        _env(keys.ENV_OTEL_PROTOCOL, t.protocol),
+        _env(keys.ENV_OTEL_SAMPLER, keys.OTEL_SAMPLER),
+        _env(keys.ENV_OTEL_SAMPLER_ARG, plain_number(t.samplingRatio)),
+        _env(keys.ENV_OTEL_SERVICE_NAME, f"{keys.OTEL_SERVICE_PREFIX}{component}"),
+        _env(keys.ENV_OTEL_RESOURCE_ATTRIBUTES,
+             f"k8s.namespace.name={owner.namespace},pdd.deployment={owner.name}"),
+    ]
+
+
 def role_env(spec: PDDeploymentSpec, role: Role, index: int,
-             prefill_service: str = "") -> list[Obj]:
+             prefill_service: str = "", owner: Owner | None = None) -> list[Obj]:
     r = getattr(spec, role)
     env = [
         _env(keys.ENV_ROLE, role),
@@ -417,11 +440,12 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
         _field_env(keys.ENV_POD_NAME, "metadata.name"),
         _field_env(keys.ENV_NAMESPACE, "metadata.namespace"),
     ]
+    if owner is not None:
+        env += tracing_env(owner, spec, role)
     # User env first would let a duplicate shadow the contract (the last duplicate wins in
     # Kubernetes); dropping collisions makes "contract PDD_* win" true and visible in the pod.
-    env += [
-        e.model_dump(exclude_none=True) for e in (r.env or []) if e.name not in CONTRACT_ENV
-    ]
+    owned = owned_env(spec)
+    env += [e.model_dump(exclude_none=True) for e in (r.env or []) if e.name not in owned]
     return env
 
 
@@ -437,7 +461,8 @@ def _merge(ours: Any, theirs: Any) -> Any:
     return copy.deepcopy(theirs)
 
 
-def apply_template(meta: Obj, pod_spec: Obj, template: PodTemplate | None) -> None:
+def apply_template(meta: Obj, pod_spec: Obj, template: PodTemplate | None,
+                   owned: frozenset[str] = CONTRACT_ENV) -> None:
     """Merge a user's pod template over a built pod (in place). The owned fields are refused
     by validation; the operator's labels, annotations and contract env still win here, so a
     template can never change what the operator selects or what the sidecar is told."""
@@ -454,7 +479,7 @@ def apply_template(meta: Obj, pod_spec: Obj, template: PodTemplate | None) -> No
             for c in value:
                 if isinstance(c, dict) and c.get("name") == main["name"]:
                     env = [e for e in c.get("env") or [] if isinstance(e, dict)
-                           and e.get("name") not in CONTRACT_ENV]
+                           and e.get("name") not in owned]
                     rest = {k: v for k, v in c.items() if k not in ("name", "env")}
                     merged = _merge(main, rest)
                     merged["env"] = main.get("env", []) + copy.deepcopy(env)
@@ -487,7 +512,7 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
         "name": keys.CONTAINER_NAME,
         "image": spec.image,
         "command": [*SIDECAR_SERVE, *(r.extraArgs or [])],
-        "env": [*role_env(spec, role, index, service_dns(owner, "prefill")),
+        "env": [*role_env(spec, role, index, service_dns(owner, "prefill"), owner),
                 _env(keys.ENV_PLAN_HASH, plan_hash(plan))],
         "ports": [{"name": "http", "containerPort": keys.HTTP_PORT, "protocol": "TCP"}]
         + [
@@ -538,7 +563,7 @@ def build_pod(owner: Owner, spec: PDDeploymentSpec, plan: RoutingPlan, role: Rol
     meta["labels"][keys.LABEL_PLAN_HASH] = plan_hash(plan)
     if surge:
         meta["labels"][keys.LABEL_SURGE] = "true"
-    apply_template(meta, pod_spec, r.template)
+    apply_template(meta, pod_spec, r.template, owned_env(spec))
     pod: Obj = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -589,6 +614,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec,
         *(builders_vllm.router_env() if spec.engine == "vllm" else []),
         *([_env(keys.ENV_API_KEY_FILE, keys.API_KEY_MOUNT_DIR)]
           if spec.router.apiKeySecretRef is not None else []),
+        *tracing_env(owner, spec, keys.COMPONENT_ROUTER),
     ]
     container: Obj = {
         "name": keys.ROUTER_CONTAINER_NAME,
@@ -614,7 +640,7 @@ def build_router(owner: Owner, spec: PDDeploymentSpec,
         "containers": [container],
         "volumes": [_grant_volume(owner), *_api_key_volumes(spec)],
     }
-    apply_template(tmeta, tspec, spec.router.template)
+    apply_template(tmeta, tspec, spec.router.template, owned_env(spec))
     deployment: Obj = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -143,6 +143,52 @@ def test_gpus_default_to_tp_and_user_env_cannot_shadow_contract(doc: dict[str, A
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
 
 
+def test_tracing_renders_the_standard_otel_env_per_role(doc: dict[str, Any]) -> None:
+    """spec.tracing becomes the OTEL_* variables of every role (service name per role, the
+    parent-based ratio sampler); a role's env or template cannot shadow them; absent, none is
+    rendered and the pods keep their hash."""
+    before = _hash(doc)
+    assert not any(k.startswith("OTEL_") for k in env_of(build(OWNER, spec_of(doc)).pods[
+        "decode"][0]))
+    doc["spec"]["tracing"] = {"endpoint": "http://jaeger.obs:4317", "protocol": "grpc",
+                              "samplingRatio": 0.01}
+    doc["spec"]["decode"]["env"] = [{"name": "OTEL_TRACES_SAMPLER_ARG", "value": "1"},
+                                    {"name": "OTEL_BSP_MAX_QUEUE_SIZE", "value": "4096"}]
+    doc["spec"]["router"] = {"template": {"spec": {"containers": [
+        {"name": "router", "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT",
+                                    "value": "http://elsewhere:4317"}]}]}}}
+    desired = build(OWNER, spec_of(doc))
+    assert desired.router_deployment is not None
+    router = desired.router_deployment["spec"]["template"]
+    for component, pod in (("prefill", desired.pods["prefill"][0]),
+                           ("decode", desired.pods["decode"][0]), ("router", router)):
+        names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+        env = env_of(pod)
+        assert {k: v for k, v in env.items() if k in keys.TRACING_ENV} == {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger.obs:4317",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": "0.01",
+            "OTEL_SERVICE_NAME": f"pdd-{component}",
+            "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=ns1,pdd.deployment=demo",
+        }, component
+        assert all(names.count(k) == 1 for k in keys.TRACING_ENV), component
+    # Other OTEL_* (the batch processor's, headers, ...) stay the user's.
+    assert env_of(desired.pods["decode"][0])["OTEL_BSP_MAX_QUEUE_SIZE"] == "4096"
+    assert _hash(doc) != before
+    doc["spec"]["tracing"] = {"endpoint": "http://jaeger.obs:4318"}
+    env = env_of(build(OWNER, spec_of(doc)).pods["prefill"][0])
+    assert (env["OTEL_EXPORTER_OTLP_PROTOCOL"], env["OTEL_TRACES_SAMPLER_ARG"]) == (
+        "http/protobuf", "1")
+
+
+def test_without_tracing_a_role_may_set_otel_env_itself(doc: dict[str, Any]) -> None:
+    doc["spec"]["decode"]["env"] = [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT",
+                                     "value": "http://mine:4318"}]
+    assert env_of(build(OWNER, spec_of(doc)).pods["decode"][0])[
+        "OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://mine:4318"
+
+
 def test_builders_are_deterministic(doc: dict[str, Any]) -> None:
     a, b = build(OWNER, spec_of(doc)), build(OWNER, spec_of(copy.deepcopy(doc)))
     assert json.dumps(a.pods, sort_keys=True) == json.dumps(b.pods, sort_keys=True)
