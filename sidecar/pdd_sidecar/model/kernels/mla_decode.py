@@ -12,6 +12,11 @@ The torch reference runs on the CPU (and is what the Triton kernel is tested aga
 the Triton kernel reads each sequence's blocks in place (no gather copy), splits long contexts
 over several programs and merges the splits by LSE. Its launch shapes depend only on tensor
 shapes, never on ``seq_lens`` values, so it needs no host sync and can be captured in a graph.
+
+A ``uint8`` cache holds FP8 latents (kv/fp8_layout.py, ``[..., block_size, token_bytes]``): the
+reference dequantises what it gathers, the Triton kernel dequantises in registers (e4m3 values
+of each 128-value group against its one scale, RoPE in bf16), so it reads 656 bytes a token
+instead of 1,152. The cache's dtype alone picks the path.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.kv import fp8_layout
 from pdd_sidecar.model.mla import decode_attention
 
 try:
@@ -48,10 +54,17 @@ def _check(
             f"kv_cache must be [num_blocks, num_layers, block_size, L], got {tuple(kv_cache.shape)}"
         )
     b, _, latent = q.shape
-    if kv_cache.shape[-1] != latent:
-        raise ValueError(f"q's L ({latent}) differs from kv_cache's L ({kv_cache.shape[-1]})")
     if not 0 < kv_lora_rank < latent:
         raise ValueError(f"kv_lora_rank {kv_lora_rank} must be in (0, {latent})")
+    if kv_cache.dtype == torch.uint8:
+        want = fp8_layout.token_bytes(kv_lora_rank, latent - kv_lora_rank)
+        if kv_cache.shape[-1] != want:
+            raise ValueError(
+                f"FP8 kv_cache's last dimension ({kv_cache.shape[-1]}) is not the "
+                f"{want} bytes of a latent of L {latent} with kv_lora_rank {kv_lora_rank}"
+            )
+    elif kv_cache.shape[-1] != latent:
+        raise ValueError(f"q's L ({latent}) differs from kv_cache's L ({kv_cache.shape[-1]})")
     if not 0 <= layer < kv_cache.shape[1]:
         raise ValueError(f"layer {layer} out of range [0, {kv_cache.shape[1]})")
     if block_tables.dim() != 2 or block_tables.shape[0] != b:
@@ -96,6 +109,8 @@ def paged_mla_decode_ref(
     for i, n in enumerate(lens):
         if n:
             kv = gather_latents(kv_cache, layer, block_tables[i], n)
+            if kv.dtype == torch.uint8:
+                kv = fp8_layout.dequantize_latents(kv, kv_lora_rank, q.dtype)
             out[i], lse[i] = decode_attention(q[i], kv, kv_lora_rank, scale)
     return out, lse
 
@@ -132,6 +147,9 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
+FP8_BLOCK_N = 64
+FP8_NUM_WARPS = 4
+FP8_NUM_STAGES = 2
 
 
 def sm_count(device: torch.device) -> int:
@@ -178,12 +196,19 @@ def paged_mla_decode_triton(
         raise ValueError("kv_cache's last dimension must be contiguous")
     b, h, latent = q.shape
     c, r = kv_lora_rank, latent - kv_lora_rank
-    q = q.to(kv_cache.dtype).contiguous()
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8:
+        if c > 4 * fp8_layout.GROUP:
+            raise ValueError(f"the FP8 kernel takes kv_lora_rank up to 512, got {c}")
+        # the latents come out of the cache in the query's dtype (bf16 in serving)
+        q = (q if q.dtype == torch.float32 else q.to(torch.bfloat16)).contiguous()
+    else:
+        q = q.to(kv_cache.dtype).contiguous()
     block_h = 16 if h <= 16 else 32
     hg = -(-h // block_h)
     bs = kv_cache.shape[2]
     max_blocks = block_tables.shape[1]
-    bn = block_n or BLOCK_N
+    bn = block_n or (FP8_BLOCK_N if fp8 else BLOCK_N)
     if num_splits is None:
         num_splits = num_splits_for(b, hg, max_blocks * bs, sm_count(q.device))
     out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
@@ -198,6 +223,13 @@ def paged_mla_decode_triton(
         so = (out.stride(0), out.stride(1), 0)
         sl = (lse.stride(0), lse.stride(1), 0)
     kernel: Any = _mla_decode_split
+    extra: dict[str, Any] = {}
+    if fp8:
+        kernel = _mla_decode_split_fp8
+        g = min(c, fp8_layout.GROUP)
+        extra = {"NG": fp8_layout.num_groups(c), "G_P2": _p2(g)}
+        num_warps = num_warps or FP8_NUM_WARPS
+        num_stages = num_stages or FP8_NUM_STAGES
     LAST_LAUNCH["split"] = kernel[(b, num_splits, hg)](
         q,
         kv_cache[:, layer],  # the layer's base address: no layer index inside the kernel
@@ -228,9 +260,10 @@ def paged_mla_decode_triton(
         BLOCK_H=block_h,
         BLOCK_N=bn,
         TILE_IN_BLOCK=bs % bn == 0,
-        IEEE=kv_cache.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32,
         num_warps=num_warps or NUM_WARPS,
         num_stages=num_stages or NUM_STAGES,
+        **extra,
     )
     if num_splits > 1:
         reduce: Any = _mla_decode_reduce
@@ -370,6 +403,170 @@ if HAS_TRITON:
         # always stores, so a length of 0 still yields output 0 and LSE -inf.
         live_h = mask_h & ((offs_h * 0 + start < end) | (s == 0))
         tl.store(o_ptr + offs_c[None, :], out, mask=live_h[:, None] & mask_c[None, :])
+        tl.store(
+            LSE + b.to(tl.int64) * stride_lb + offs_h * stride_lh + s * stride_ls,
+            lse,
+            mask=live_h,
+        )
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _fp8_group(row, mask_n, offs_j, g: tl.constexpr, C: tl.constexpr, DT: tl.constexpr):
+        """Group ``g`` of a tile's latents: its e4m3 values ``[BLOCK_N, G_P2]`` as ``DT``
+        (unscaled: exact) and its scales ``[BLOCK_N]`` (fp32, 1 where masked)."""
+        col = g * 128 + offs_j
+        m = mask_n[:, None] & (col < C)[None, :]
+        kq = tl.load(row[:, None] + col[None, :], mask=m, other=0)
+        k = kq.to(tl.float8e4nv, bitcast=True).to(DT)
+        sc = tl.load((row + C + 4 * g).to(tl.pointer_type(tl.float32)), mask=mask_n, other=1.0)
+        return k, sc
+
+    @triton.jit
+    def _mla_decode_split_fp8(
+        Q,
+        KV,
+        BT,
+        SL,
+        O_PART,
+        LSE,
+        scale_log2,
+        stride_qb,
+        stride_qh,
+        stride_kvb,
+        stride_kvt,
+        stride_btb,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        max_blocks,
+        num_heads,
+        num_splits,
+        BS: tl.constexpr,
+        C: tl.constexpr,
+        R: tl.constexpr,
+        C_P2: tl.constexpr,
+        R_P2: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TILE_IN_BLOCK: tl.constexpr,
+        IEEE: tl.constexpr,
+        NG: tl.constexpr,
+        G_P2: tl.constexpr,
+    ):
+        """The bf16 split kernel's walk over an FP8 cache (``KV`` bytes, strides in bytes).
+        The scales never touch the K tile: scores are ``sum_g s_g (q_g . k_g)`` and the output
+        of group ``g`` is ``(p * s_g) @ k_g``, so each of the (at most 4) groups of 128 values
+        is one unscaled e4m3 -> ``DT`` conversion and two dots, and a scale costs a multiply of
+        ``BLOCK_N`` scores instead of 128 values per token."""
+        DT: tl.constexpr = tl.float32 if IEEE else tl.bfloat16
+        b = tl.program_id(0)
+        s = tl.program_id(1)
+        hg = tl.program_id(2)
+        offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        offs_j = tl.arange(0, G_P2)
+        offs_r = tl.arange(0, R_P2)
+        mask_r = offs_r < R
+
+        seq_len = tl.minimum(tl.load(SL + b).to(tl.int32), max_blocks * BS)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+        mh = mask_h[:, None]
+        q0 = tl.load(q_row + offs_j[None, :], mask=mh & (offs_j < C)[None, :], other=0.0)
+        q1 = tl.load(q_row + 128 + offs_j[None, :], mask=mh & (offs_j + 128 < C)[None, :],
+                     other=0.0)  # fmt: skip
+        q2 = tl.load(q_row + 256 + offs_j[None, :], mask=mh & (offs_j + 256 < C)[None, :],
+                     other=0.0)  # fmt: skip
+        q3 = tl.load(q_row + 384 + offs_j[None, :], mask=mh & (offs_j + 384 < C)[None, :],
+                     other=0.0)  # fmt: skip
+        q_r = tl.load(q_row + C + offs_r[None, :], mask=mh & mask_r[None, :], other=0.0)
+        rope_at: tl.constexpr = C + 4 * NG
+
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_H, G_P2], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, G_P2], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, G_P2], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, G_P2], dtype=tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        blk_next = tl.load(bt_row + start // BS, mask=start < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            if TILE_IN_BLOCK:
+                blk = blk_next
+                nxt = n0 + BLOCK_N
+                blk_next = tl.load(bt_row + nxt // BS, mask=nxt < end, other=0).to(tl.int64)
+                row = KV + blk * stride_kvb + (offs_n % BS) * stride_kvt
+            else:
+                blk_t = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+                row = KV + blk_t * stride_kvb + (offs_n % BS) * stride_kvt
+            k_r = tl.load(
+                (row + rope_at).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_r[None, :],
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            ).to(DT)
+            k0, s0 = _fp8_group(row, mask_n, offs_j, 0, C, DT)
+            qk = _dot(q_r, tl.trans(k_r), IEEE)
+            qk += _dot(q0, tl.trans(k0), IEEE) * s0[None, :]
+            if NG > 1:
+                k1, s1 = _fp8_group(row, mask_n, offs_j, 1, C, DT)
+                qk += _dot(q1, tl.trans(k1), IEEE) * s1[None, :]
+            if NG > 2:
+                k2, s2 = _fp8_group(row, mask_n, offs_j, 2, C, DT)
+                qk += _dot(q2, tl.trans(k2), IEEE) * s2[None, :]
+            if NG > 3:
+                k3, s3 = _fp8_group(row, mask_n, offs_j, 3, C, DT)
+                qk += _dot(q3, tl.trans(k3), IEEE) * s3[None, :]
+            qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            acc0 = acc0 * alpha[:, None] + _dot(
+                (p * s0[None, :]).to(DT), k0, IEEE
+            )
+            if NG > 1:
+                acc1 = acc1 * alpha[:, None] + _dot(
+                    (p * s1[None, :]).to(DT), k1, IEEE
+                )
+            if NG > 2:
+                acc2 = acc2 * alpha[:, None] + _dot(
+                    (p * s2[None, :]).to(DT), k2, IEEE
+                )
+            if NG > 3:
+                acc3 = acc3 * alpha[:, None] + _dot(
+                    (p * s3[None, :]).to(DT), k3, IEEE
+                )
+            m = m_new
+
+        has = l_sum > 0
+        l_safe = tl.where(has, l_sum, 1.0)
+        lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o_ptr = O_PART + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + s * stride_os
+        live_h = mask_h & ((offs_h * 0 + start < end) | (s == 0))
+        lh = live_h[:, None]
+        tl.store(o_ptr + offs_j[None, :], acc0 / l_safe[:, None], mask=lh & (offs_j < C)[None, :])
+        if NG > 1:
+            tl.store(o_ptr + 128 + offs_j[None, :], acc1 / l_safe[:, None],
+                     mask=lh & (offs_j + 128 < C)[None, :])
+        if NG > 2:
+            tl.store(o_ptr + 256 + offs_j[None, :], acc2 / l_safe[:, None],
+                     mask=lh & (offs_j + 256 < C)[None, :])
+        if NG > 3:
+            tl.store(o_ptr + 384 + offs_j[None, :], acc3 / l_safe[:, None],
+                     mask=lh & (offs_j + 384 < C)[None, :])
         tl.store(
             LSE + b.to(tl.int64) * stride_lb + offs_h * stride_lh + s * stride_ls,
             lse,
