@@ -174,6 +174,24 @@ class InstanceMetrics:
             "stream); waited: held back for queued work that may write one of their blocks",
             ["waited"], registry=r,
         )
+        # Speculative decoding (a decode that drafts, engine/speculative/), in vLLM's terms:
+        # acceptance = accepted / draft tokens, mean accepted length = 1 + accepted / drafts.
+        self.spec_drafts = Counter(
+            "pdd_spec_decode_num_drafts", "Verify steps of a sequence that drafted tokens",
+            registry=r)
+        self.spec_draft_tokens = Counter(
+            "pdd_spec_decode_num_draft_tokens", "Tokens drafted", registry=r)
+        self.spec_accepted_tokens = Counter(
+            "pdd_spec_decode_num_accepted_tokens", "Drafted tokens kept (equal to the target's "
+            "own draw)", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "pdd_spec_decode_num_accepted_tokens_per_pos", "Drafted tokens kept, by position "
+            "in the draft (0: the first)", ["position"], registry=r)
+        self.spec_skipped = Counter(
+            "pdd_spec_decode_skipped", "Sequence-steps that drafted nothing, by reason: batch "
+            "(more running than the threshold), acceptance (recently too low), no_match (no "
+            "earlier occurrence of the text's ending), room (max_tokens reached next)",
+            ["reason"], registry=r)
 
     def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
         """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""

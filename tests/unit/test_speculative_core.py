@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdd_sidecar.engine.speculative.ngram import NgramConfig, propose
+from pdd_sidecar.engine.speculative.ngram import NgramConfig, NgramIndex, propose
 from pdd_sidecar.engine.speculative.verify import accepted_tokens
 
 
@@ -68,3 +68,18 @@ def test_drafts_are_kept_while_they_equal_the_draws() -> None:
 def test_draws_must_cover_every_position() -> None:
     with pytest.raises(ValueError, match="need 3 draws for 2 drafts"):
         accepted_tokens([1, 2], [1, 2])
+
+
+def test_the_incremental_index_proposes_what_the_scan_does() -> None:
+    rng = random.Random(9)
+    for _ in range(200):
+        cfg = NgramConfig(k=rng.randrange(1, 5), max_n=rng.randrange(1, 5))
+        cfg = NgramConfig(k=cfg.k, max_n=cfg.max_n, min_n=rng.randrange(1, cfg.max_n + 1))
+        index = NgramIndex(cfg)
+        toks: list[int] = []
+        for _ in range(rng.randrange(1, 8)):
+            more = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+            toks += more
+            index.extend(more)
+            assert index.propose() == propose(toks, cfg), (toks, cfg)
+            assert index.propose(1) == propose(toks, cfg)[:1]

@@ -66,6 +66,7 @@ from pdd_sidecar.engine.scheduler import (
     PENALTY_PROMPT,
     PROMPT_LOGPROBS,
     Allocator,
+    DecodeEntry,
     NeverFits,
     PrefillChunk,
     QueueFull,
@@ -76,6 +77,10 @@ from pdd_sidecar.engine.scheduler import (
     step_budget,
 )
 from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.engine.speculative.config import SpeculativeConfig
+from pdd_sidecar.engine.speculative.rows import drafted_history, grammar_drafts
+from pdd_sidecar.engine.speculative.speculator import SpecStats, Speculator, draft_room
+from pdd_sidecar.engine.speculative.verify import accepted_tokens
 from pdd_sidecar.engine.warmup_shape import warmup_shape
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.gc_pauses import freeze_heap
@@ -157,7 +162,11 @@ def gather_burst(inbox: Inbox, handle: Callable[[str, Any, Future[Any] | None], 
 
 
 class InstanceDriver:
-    def __init__(self, worker: RankWorker, metrics: InstanceMetrics) -> None:
+    """``speculative``: a decode drafts and verifies tokens per step (engine/speculative/);
+    None: plain decoding."""
+
+    def __init__(self, worker: RankWorker, metrics: InstanceMetrics,
+                 speculative: SpeculativeConfig | None = None) -> None:
         s = worker.settings
         self.worker = worker
         self.settings = s
@@ -216,6 +225,10 @@ class InstanceDriver:
         self._heartbeat_s = HEARTBEAT_S if s.spans_pods else 0.0
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
+        self.speculator = (Speculator(speculative)
+                           if speculative is not None and s.role == "decode" else None)
+        self._spec_seen = SpecStats(
+            accepted_per_pos=[0] * (speculative.tokens if speculative else 0))
         self._pool_gauges()
         if self.host_tier is not None:
             metrics.host_kv_blocks_total.set(self.host_tier.num_slots)
@@ -330,8 +343,12 @@ class InstanceDriver:
         start = time.monotonic()
         sch = self.scheduler
         engine = self.worker.engine
+        rows = sch.max_running
+        if self.speculator is not None:  # a verify step runs k + 1 rows per sequence
+            cfg = self.speculator.cfg
+            rows = max(rows, min(rows, cfg.max_batch) * (cfg.tokens + 1))
         shape = warmup_shape(self.role, self.cache.num_blocks, sch.block_size, sch.dcp,
-                             sch.chunk_tokens, sch.max_running, engine.buckets,
+                             sch.chunk_tokens, rows, engine.buckets,
                              engine.decode_mode == "eager")
         prompt, batches, need = shape.prompt_tokens, shape.batch_sizes, shape.blocks
         blocks = self.allocator.allocate(need)
@@ -513,8 +530,23 @@ class InstanceDriver:
                 and self.worker.engine.overtakes(self._seq_chunks(plan))):
             self._run_step(plan, poll=False)
 
+    def _draft(self, decode: list[DecodeEntry]) -> None:
+        """Each decode sequence's drafts for this step (engine/speculative/speculator.py), cut
+        where its grammar refuses one (engine/speculative/rows.py)."""
+        spec = self.speculator
+        assert spec is not None
+        spec.retain(d.seq.id for d in decode)
+        items = [(d.seq.id, _text(d.seq), draft_room(d.seq.max_tokens, len(d.seq.output)))
+                 for d in decode]
+        for d, drafts in zip(decode, spec.plan(items), strict=True):
+            if drafts and d.seq.grammar is not None:
+                drafts, d.states = grammar_drafts(d.seq.grammar, drafts)
+            d.drafts = drafts
+
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
+        if self.speculator is not None and plan.decode:
+            self._draft(plan.decode)
         chunks = self._seq_chunks(plan)
         recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
                                                                        strict=True))
@@ -523,7 +555,8 @@ class InstanceDriver:
         cmd: dict[str, Any] = {
             "op": "step",
             "chunks": [(list(c.tokens), c.start, list(c.block_ids)) for c in chunks]
-            + [([d.token], d.position, d.seq.blocks) for d in plan.decode],
+            + [([t], d.position + j, d.seq.blocks) for d in plan.decode
+               for j, t in enumerate([d.token, *d.drafts])],
             "pulls": [{"id": s.id, "source": s.extra["source"], "blocks": s.blocks,
                        "claim_url": s.extra["claim_url"],
                        "start_token": self.scheduler.start_token(s)} for s in plan.pulls],
@@ -606,6 +639,9 @@ class InstanceDriver:
             if c.last:
                 rows.append((i, c.seq))
         base = len(plan.prefill)
+        if any(d.drafts for d in plan.decode):
+            self._sample_verify(plan.decode, base, logits)
+            return
         rows += [(base + i, d.seq) for i, d in enumerate(plan.decode)]
         live = [(i, s) for i, s in rows if s.state is State.RUNNING]
         if not live or logits is None:
@@ -647,6 +683,76 @@ class InstanceDriver:
                 lp = lp._replace(values=lp.values.to("cpu", non_blocking=True))
             self._sampled.append(_Sampled(live, on_device.to("cpu", non_blocking=True),
                                           self._marks.mark(), lp))
+
+    def _sample_verify(self, decode: list[DecodeEntry], base: int, logits: Any) -> None:
+        """A decode step that verified drafts: every row drawn as plain decoding draws it
+        there (engine/speculative/rows.py), the drafts kept while they equal the draws, and
+        the kept tokens delivered one by one, so a stop, the grammar's end or ``max_tokens``
+        ends the sequence where plain decoding would and the tokens after it are dropped."""
+        if logits is None:
+            return
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        indices: list[int] = []
+        spans: list[tuple[DecodeEntry, int]] = []
+        r = base
+        for d in decode:
+            seq = d.seq
+            if seq.state is State.RUNNING:
+                spans.append((d, len(rows)))
+                first = len(seq.output) + (0 if seq.source is None else 1)
+                rows.extend(range(r, r + d.rows))
+                params.extend([seq.sampling] * d.rows)
+                indices.extend(range(first, first + d.rows))
+            r += d.rows
+        if not spans:
+            return
+        histories: list[TokenHistory | None] | None = None
+        if needs_history(params):
+            histories = []
+            for d, _ in spans:
+                h = _history(d.seq) if d.seq.sampling.adjusts else None
+                histories.extend(None if h is None else drafted_history(h, d.drafts[:j])
+                                 for j in range(d.rows))
+        masked: list[int] = []
+        states: list[Any] = []
+        for d, first in spans:
+            if d.seq.grammar is not None:
+                masked.extend(range(first, first + d.rows))
+                states.extend(d.states or [d.seq.grammar])
+        allowed = None
+        if masked:
+            start = time.perf_counter()
+            allowed = Allowed(masked, fill_bitmask(states, logits.device.type == "cuda"))
+            self.metrics.structured_mask_seconds.observe(time.perf_counter() - start)
+        tops = [d.seq.logprobs for d, _ in spans for _ in range(d.rows)]
+        entries: dict[int, Logprob] = {}
+        with self.worker.engine.logits_context():
+            picked = pick_rows(logits, rows)
+            if any(k is not None for k in tops):
+                on_device, lp = sample_with_logprobs(picked, params, indices, tops, histories,
+                                                     allowed)
+                assert lp is not None
+                entries = dict(zip(lp.rows, logprob_entries(lp.values.tolist(), lp.tops),
+                                   strict=True))
+            else:
+                on_device = sample_on_device(picked, params, indices, histories, allowed)
+            draws = [int(t) for t in on_device.tolist()]
+        timing.mark_sampled((d.seq for d, _ in spans), time.monotonic())
+        spec = self.speculator
+        for d, first in spans:
+            seq = d.seq
+            kept = accepted_tokens(d.drafts, draws[first:first + d.rows])
+            if spec is not None:
+                spec.record(seq.id, len(d.drafts), len(kept) - 1)
+            for j, tok in enumerate(kept):
+                if seq.state is not State.RUNNING:  # a stop or max_tokens ended it before
+                    break
+                if first + j in entries:
+                    seq.extra.setdefault(LOGPROBS, []).append(entries[first + j])
+                complete = seq.grammar is not None and advance(seq.grammar.matcher, tok)
+                self.metrics.tokens.labels(kind="generated").inc()
+                self.scheduler.on_token(seq, tok, complete)
 
     def _collect(self) -> None:
         """The prefill's first tokens that reached the host: out, each sequence at once."""
@@ -747,6 +853,22 @@ class InstanceDriver:
         self.scheduler.cancel(request_id)
         return False
 
+    def _spec_metrics(self) -> None:
+        """The speculator's counts since the last update, onto the metrics."""
+        assert self.speculator is not None
+        st, seen, m = self.speculator.stats, self._spec_seen, self.metrics
+        m.spec_drafts.inc(st.drafts - seen.drafts)
+        m.spec_draft_tokens.inc(st.draft_tokens - seen.draft_tokens)
+        m.spec_accepted_tokens.inc(st.accepted_tokens - seen.accepted_tokens)
+        for pos, (now, was) in enumerate(zip(st.accepted_per_pos, seen.accepted_per_pos,
+                                             strict=True)):
+            if now != was:
+                m.spec_accepted_per_pos.labels(position=str(pos)).inc(now - was)
+        for reason, n in st.skipped.items():
+            if n != seen.skipped.get(reason, 0):
+                m.spec_skipped.labels(reason=reason).inc(n - seen.skipped.get(reason, 0))
+        self._spec_seen = st.copy()
+
     def _overtaking_counts(self) -> tuple[int, int]:
         ot = self.worker.engine.overtaking
         return (0, 0) if ot is None else (ot.steps, ot.waited)
@@ -768,6 +890,8 @@ class InstanceDriver:
             max(0, len(s.prompt) - s.computed)
             for s in (*sch.waiting, *sch.running.values()) if s.source is None))
         m.held_requests.set(len(self.leases))
+        if self.speculator is not None:
+            self._spec_metrics()
         m.prefill_computed_tokens.inc(sch.computed_tokens - self._computed_seen)
         self._computed_seen = sch.computed_tokens
         pc = self.prefix_cache
@@ -783,6 +907,14 @@ class InstanceDriver:
             m.host_kv_hits.inc(tier.hit_tokens - self._host_seen)
             self._host_seen = tier.hit_tokens
             m.host_kv_blocks.set(tier.used_slots)
+
+
+def _text(seq: Sequence) -> tuple[list[int], ...]:
+    """A decode sequence's text so far, in parts (prompt, first token, output): what its
+    drafts continue. The prompt's ids are there when the request sent them."""
+    prompt = seq.prompt or seq.extra.get(PENALTY_PROMPT) or []
+    first = [] if seq.first_token is None else [seq.first_token]
+    return prompt, first, seq.output
 
 
 def _allowed(live: list[tuple[int, Sequence]], pin: bool,

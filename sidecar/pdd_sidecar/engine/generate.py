@@ -19,6 +19,11 @@ import torch
 
 from pdd_sidecar.engine.comm import Comm, TorchDistComm, run_threads
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
+from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.engine.speculative.config import SpeculativeConfig
+from pdd_sidecar.engine.speculative.ngram import NgramIndex
+from pdd_sidecar.engine.speculative.speculator import draft_room
+from pdd_sidecar.engine.speculative.verify import accepted_tokens
 from pdd_sidecar.kv.cache import KVCacheFullError, num_table_blocks
 from pdd_sidecar.model.config import BUILTIN_SEED, load_config
 from pdd_sidecar.model.rank_model import load_rank_model, parse_dtype
@@ -29,6 +34,8 @@ class GenerationResult:
     token_ids: list[int]
     prompt_logits: torch.Tensor | None = None  # [T, V] fp32 when requested
     step_logits: list[torch.Tensor] = field(default_factory=list)  # per decode step, [V] fp32
+    drafted: int = 0  # speculation: tokens drafted, and those kept
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class _Spec:
     seed: int
     keep_logits: bool
     forced_ids: tuple[int, ...] | None  # teacher forcing: feed these instead of greedy picks
+    speculative: SpeculativeConfig | None = None
 
     def run(self, rank: int, comm: Comm) -> GenerationResult | None:
         return _rank_main(rank, comm, self)
@@ -70,6 +78,10 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
         out.prompt_logits = logits.cpu()
         logits = logits[-1]
     pos = len(spec.prompt_ids)
+    if spec.speculative is not None:
+        _speculate(engine, spec, table, logits, out)
+        cache.free(table)
+        return out if rank == 0 else None
     for step in range(spec.max_tokens):
         tok = int(torch.argmax(logits))
         out.token_ids.append(tok)
@@ -82,6 +94,37 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
         pos += 1
     cache.free(table)
     return out if rank == 0 else None
+
+
+def _speculate(engine: RankEngine, spec: _Spec, table: list[int], logits: torch.Tensor,
+               out: GenerationResult) -> None:
+    """Greedy generation with prompt-lookup drafts: each step feeds the last token and its
+    drafts as rows of one decode step (engine/speculative/rows.py), keeps the drafts that equal
+    the greedy picks, and emits those and the pick after them. Every rank drafts alike (the
+    picks come from the full logits, which every rank has under TP)."""
+    assert spec.speculative is not None
+    index = NgramIndex(spec.speculative.ngram)
+    index.extend(spec.prompt_ids)
+    first = int(torch.argmax(logits))
+    out.token_ids.append(first)
+    index.extend([first])
+    pos = len(spec.prompt_ids)
+    k = spec.speculative.tokens
+    while len(out.token_ids) < spec.max_tokens:
+        drafts = index.propose(min(k, draft_room(spec.max_tokens, len(out.token_ids))))
+        feed = [out.token_ids[-1], *drafts]
+        rows = engine.step([SeqChunk([t], pos + j, table) for j, t in enumerate(feed)],
+                           want_logits=True)
+        assert rows is not None
+        kept = accepted_tokens(drafts, [int(t) for t in torch.argmax(rows, -1).tolist()])
+        out.drafted += len(drafts)
+        out.accepted += len(kept) - 1
+        if spec.keep_logits:
+            out.step_logits.extend(r.cpu() for r in rows[:len(kept)])
+        out.token_ids.extend(kept)
+        index.extend(kept)
+        pos += len(kept)
+    del out.token_ids[spec.max_tokens:]
 
 
 def _free_port() -> int:
@@ -185,11 +228,15 @@ def generate_result(
     seed: int = BUILTIN_SEED,
     keep_logits: bool = False,
     forced_ids: Sequence[int] | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> GenerationResult:
     """Greedy generation with per-step logits kept on request; ``num_blocks`` (per rank)
-    defaults to exactly what the request needs."""
+    defaults to exactly what the request needs. ``speculative``: prompt-lookup drafts verified
+    per step (the same tokens; ``drafted`` and ``accepted`` say how many)."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
+    if speculative is not None and forced_ids is not None:
+        raise ValueError("speculative: teacher forcing (forced_ids) feeds no drafts")
     if dcp not in (1, tp):
         raise ValueError(f"dcp must be 1 or tp ({tp}), got {dcp}")
     dt = parse_dtype(dtype)
@@ -209,6 +256,7 @@ def generate_result(
         seed=seed,
         keep_logits=keep_logits,
         forced_ids=None if forced_ids is None else tuple(forced_ids),
+        speculative=speculative,
     )
     if launcher == "procs" and tp > 1:
         result: GenerationResult = run_procs(spec)

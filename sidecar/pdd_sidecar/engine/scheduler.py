@@ -195,9 +195,19 @@ class PrefillChunk:
 
 @dataclass
 class DecodeEntry:
+    """A decode sequence's part of a step: ``token`` fed at ``position``, then ``drafts`` (the
+    driver's, engine/speculative/) at the positions after it, verified in the same step; the
+    grammar's state at each of those positions in ``states`` (structured output)."""
+
     seq: Sequence
     token: int
     position: int
+    drafts: list[int] = field(default_factory=list)
+    states: list[Any] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return 1 + len(self.drafts)
 
 
 @dataclass

@@ -45,4 +45,39 @@ def propose(tokens: Sequence[int], cfg: NgramConfig) -> list[int]:
     return []
 
 
-__all__ = ["NgramConfig", "propose"]
+class NgramIndex:
+    """``propose`` for a text that only grows, at a cost per step independent of its length:
+    every n-gram (``min_n`` .. ``max_n`` tokens) that has a follower maps to its latest start,
+    updated as tokens are appended. A decode step drafts for every running sequence; a scan of
+    a few thousand tokens in Python per sequence per step would cost more than the step."""
+
+    def __init__(self, cfg: NgramConfig) -> None:
+        self.cfg = cfg
+        self.tokens: list[int] = []
+        self._latest: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        toks, latest = self.tokens, self._latest
+        lo, hi = self.cfg.min_n, self.cfg.max_n
+        for t in tokens:
+            toks.append(t)
+            end = len(toks) - 1  # the n-grams ending just before the new token now have it
+            for n in range(lo, hi + 1):
+                s = end - n
+                if s < 0:
+                    break
+                latest[tuple(toks[s:end])] = s
+
+    def propose(self, k: int | None = None) -> list[int]:
+        """What ``propose(self.tokens, cfg)`` returns, at most ``k`` tokens (default cfg.k)."""
+        toks, cfg = self.tokens, self.cfg
+        k = cfg.k if k is None else k
+        n_tok = len(toks)
+        for n in range(min(cfg.max_n, n_tok - 1), cfg.min_n - 1, -1):
+            s = self._latest.get(tuple(toks[n_tok - n:]))
+            if s is not None:
+                return toks[s + n:s + n + k]
+        return []
+
+
+__all__ = ["NgramConfig", "NgramIndex", "propose"]

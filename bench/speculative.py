@@ -1,0 +1,267 @@
+"""Speculative decoding's mechanism on one GPU: what a verify step costs and what it can buy.
+
+The checkpoint is random (V2-Lite width, bench/engine.py), so its acceptance says nothing about a
+trained model; the mechanism is measured instead, through the serving engine
+(``RankEngine.step``, CUDA graphs per row count, greedy draws read on the host each step, the
+drafts kept with ``verify.accepted_tokens`` and planned by the driver's ``Speculator``), at
+batch x k, every figure beside plain decoding of the same batch in the same run:
+
+- **ceiling**: drafts replayed from the plain run's greedy tokens (always right unless the
+  verify step's numerics pick another token): TPOT and the speed-up over plain;
+- **floor**: drafts always wrong: TPOT of verifying every step (the cost of a useless verify),
+  and with the instance's default self-disable (``SpeculativeConfig``: no drafts above
+  ``max_batch`` running sequences, a sequence paused once its acceptance EMA is low);
+- **model**: TPOT(a) = verify-step time / expected tokens per step, (1 - a^(k+1)) / (1 - a)
+  at acceptance a per draft, from the measured step times, for a = 0 .. 100 % with the
+  published 81 % (DeepSeek-R1 MTP-1 in vLLM) marked; and the break-even batch per k, the
+  smallest measured batch at which 81 % no longer beats plain decoding
+  (``DEFAULT_MAX_BATCH`` in engine/speculative/config.py comes from it).
+
+    python bench/speculative.py --device cuda --json /tmp/spec.json
+    python bench/speculative.py --device cpu --small      # smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import random_weights, small_config, sync, v2_lite_config  # noqa: E402
+
+from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
+from pdd_sidecar.engine.rank_engine import RankEngine  # noqa: E402
+from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
+from pdd_sidecar.engine.speculative.config import SpeculativeConfig  # noqa: E402
+from pdd_sidecar.engine.speculative.ngram import NgramIndex  # noqa: E402
+from pdd_sidecar.engine.speculative.speculator import Speculator, draft_room  # noqa: E402
+from pdd_sidecar.engine.speculative.verify import accepted_tokens  # noqa: E402
+from pdd_sidecar.kv.cache import PagedKVCache, num_table_blocks  # noqa: E402
+from pdd_sidecar.model.rank_model import RankModel  # noqa: E402
+from pdd_sidecar.model.rope import Rotary  # noqa: E402
+
+PUBLISHED_ACCEPTANCE = 0.81  # DeepSeek-R1 MTP-1 in vLLM: 81-83 %
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify step of ``k`` drafts emits at acceptance ``a`` per draft: the kept
+    drafts (each kept only if those before it were) and the step's own."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass
+class Batch:
+    """``b`` sequences with their prompts' KV cached: each one's table and first token."""
+
+    tables: list[list[int]]
+    first: list[int]
+    context: int
+
+
+def build_engine(cfg: Any, dtype: torch.dtype, dev: torch.device, blocks: int,
+                 block_size: int) -> RankEngine:
+    w = random_weights(cfg, dtype, dev)
+    rm = RankModel(cfg, w, Rotary(cfg.rope, cfg.qk_rope_head_dim, dev), 0, 1, dtype, dev)
+    cache = PagedKVCache(blocks, cfg.num_hidden_layers, block_size, cfg.latent_dim, dtype, dev)
+    mode = "graph" if dev.type == "cuda" else "eager"
+    return RankEngine(rm, cache, SingleComm(), decode_mode=mode, prefill_buckets=())
+
+
+def prefill(engine: RankEngine, b: int, context: int, tokens_after: int, seed: int) -> Batch:
+    """Random prompts of ``context`` tokens, prefilled a few per step; tables sized for
+    ``tokens_after`` more positions."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.cfg.vocab_size
+    bs = engine.cache.block_size
+    tables = [engine.cache.allocate(num_table_blocks(context + tokens_after, bs, 1))
+              for _ in range(b)]
+    first: list[int] = []
+    per_step = max(1, 8192 // context)
+    for a in range(0, b, per_step):
+        chunks = [SeqChunk(torch.randint(0, vocab, (context,), generator=g).tolist(), 0,
+                           tables[i]) for i in range(a, min(b, a + per_step))]
+        logits = engine.step(chunks)
+        assert logits is not None
+        first += torch.argmax(logits, -1).tolist()
+    return Batch(tables, first, context)
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    steps: int
+    tokens: list[list[int]]
+    drafted: int
+    accepted: int
+
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token of a sequence: the run's time over the tokens each emitted."""
+        per_seq = sum(len(t) - 1 for t in self.tokens) / len(self.tokens)
+        return self.seconds / per_seq * 1e3
+
+    @property
+    def step_ms(self) -> float:
+        return self.seconds / self.steps * 1e3
+
+
+def decode_run(engine: RankEngine, batch: Batch, n_tokens: int,
+               spec: Speculator | None) -> RunResult:
+    """Each sequence decodes until it has ``n_tokens`` tokens after its first, as the driver
+    does: drafts planned (``spec``), one step of every row, greedy draws read on the host,
+    drafts kept while they equal the draws."""
+    b = len(batch.first)
+    outs = [[t] for t in batch.first]
+    target = n_tokens + 1
+    steps = drafted = accepted = 0
+    sync(engine.cache.device)
+    t0 = time.perf_counter()
+    while True:
+        live = [i for i in range(b) if len(outs[i]) < target]
+        if not live:
+            break
+        drafts: list[list[int]] = [[] for _ in live]
+        if spec is not None:
+            drafts = spec.plan([(str(i), (outs[i],), draft_room(target, len(outs[i])))
+                                for i in live])
+        chunks = [SeqChunk([t], batch.context + len(outs[i]) - 1 + j, batch.tables[i])
+                  for i, d in zip(live, drafts, strict=True)
+                  for j, t in enumerate([outs[i][-1], *d])]
+        logits = engine.step(chunks)
+        assert logits is not None
+        draws = torch.argmax(logits, -1).tolist()  # the host waits for the step, as serving
+        r = 0
+        for i, d in zip(live, drafts, strict=True):
+            kept = accepted_tokens(d, draws[r:r + len(d) + 1])
+            r += len(d) + 1
+            if spec is not None:
+                spec.record(str(i), len(d), len(kept) - 1)
+            drafted += len(d)
+            accepted += len(kept) - 1
+            outs[i] += kept[:target - len(outs[i])]
+        steps += 1
+    sync(engine.cache.device)
+    return RunResult(time.perf_counter() - t0, steps, outs, drafted, accepted)
+
+
+def replaying(ref: list[list[int]], wrong: bool, vocab: int) -> Any:
+    """A drafter that continues each sequence with the reference run's next tokens (or, with
+    ``wrong``, tokens that differ from them)."""
+    def drafter(sid: str, index: NgramIndex, k: int) -> list[int]:
+        i = int(sid)
+        n = len(index.tokens)
+        nxt = ref[i][n:n + k]
+        return [(t + 1) % vocab for t in nxt] if wrong else nxt
+    return drafter
+
+
+def timed(engine: RankEngine, batch: Batch, n_tokens: int,
+          make_spec: Any) -> RunResult:
+    """A run after an untimed one of the same kind (kernels, CUDA graphs of its row counts)."""
+    decode_run(engine, batch, n_tokens, make_spec())
+    return decode_run(engine, batch, n_tokens, make_spec())
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    dev = torch.device(args.device)
+    cfg = small_config() if args.small else v2_lite_config()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    kmax = max(args.ks)
+    after = args.tokens + kmax + 2
+    per_seq = num_table_blocks(args.context + after, args.block_size, 1)
+    engine = build_engine(cfg, dtype, dev, per_seq * max(args.batches) + 1, args.block_size)
+    vocab = cfg.vocab_size
+    rows: list[dict[str, Any]] = []
+    for b in args.batches:
+        batch = prefill(engine, b, args.context, after, seed=b)
+        plain = timed(engine, batch, args.tokens, lambda: None)
+        ref = plain.tokens
+        row: dict[str, Any] = {"batch": b, "plain_tpot_ms": plain.tpot_ms,
+                               "plain_step_ms": plain.step_ms, "k": {}}
+        print(f"batch {b}: plain TPOT {plain.tpot_ms:.2f} ms")
+        for k in args.ks:
+            raw = SpeculativeConfig(tokens=k, max_batch=10**6, min_acceptance=0.0)
+            right, wrong = replaying(ref, False, vocab), replaying(ref, True, vocab)
+            ceil = timed(engine, batch, args.tokens,
+                         lambda raw=raw, d=right: Speculator(raw, d))
+            floor = timed(engine, batch, args.tokens,
+                          lambda raw=raw, d=wrong: Speculator(raw, d))
+            auto = timed(engine, batch, args.tokens,
+                         lambda k=k, d=wrong: Speculator(SpeculativeConfig(tokens=k), d))
+            same = ceil.tokens == ref and floor.tokens == ref and auto.tokens == ref
+            verify_ms = floor.step_ms  # every step verifies k drafts of every sequence
+            model = {f"{a:.2f}": plain.tpot_ms / (verify_ms / expected_tokens(a, k))
+                     for a in [x / 10 for x in range(11)] + [PUBLISHED_ACCEPTANCE]}
+            r = {
+                "ceiling_tpot_ms": ceil.tpot_ms,
+                "ceiling_speedup": plain.tpot_ms / ceil.tpot_ms,
+                "ceiling_acceptance": ceil.accepted / max(1, ceil.drafted),
+                "floor_tpot_ms": floor.tpot_ms,
+                "floor_slowdown": floor.tpot_ms / plain.tpot_ms,
+                "floor_self_disabled_tpot_ms": auto.tpot_ms,
+                "floor_self_disabled_slowdown": auto.tpot_ms / plain.tpot_ms,
+                "verify_step_ms": verify_ms,
+                "modelled_speedup": model,
+                "same_tokens": same,
+            }
+            row["k"][str(k)] = r
+            print(f"  k={k}: ceiling TPOT {ceil.tpot_ms:.2f} ms ({r['ceiling_speedup']:.2f}x, "
+                  f"acceptance {r['ceiling_acceptance']:.1%}); floor {floor.tpot_ms:.2f} ms "
+                  f"({r['floor_slowdown']:.2f}x of plain), self-disabled "
+                  f"{auto.tpot_ms:.2f} ms ({r['floor_self_disabled_slowdown']:.3f}x); "
+                  f"verify step {verify_ms:.2f} ms vs plain {plain.step_ms:.2f} ms; modelled "
+                  f"at 81 %: {model[f'{PUBLISHED_ACCEPTANCE:.2f}']:.2f}x; same tokens: {same}")
+        rows.append(row)
+        engine.cache.free([x for t in batch.tables for x in t])
+    breakeven: dict[str, int | None] = {}
+    for k in args.ks:
+        slower = [r["batch"] for r in rows
+                  if r["k"][str(k)]["modelled_speedup"][f"{PUBLISHED_ACCEPTANCE:.2f}"] < 1.0]
+        breakeven[str(k)] = min(slower) if slower else None
+        print(f"break-even batch (k={k}, 81 % modelled): "
+              f"{breakeven[str(k)] or f'above {max(args.batches)}'}")
+    print("modelled speed-up over plain, TPOT(a) = verify step / expected tokens:")
+    for r in rows:
+        for k in args.ks:
+            m = r["k"][str(k)]["modelled_speedup"]
+            print(f"  batch {r['batch']:>3} k={k}: " + " ".join(
+                f"{float(a):.0%}:{v:.2f}" for a, v in m.items()))
+    return {"config": "small" if args.small else "v2lite", "device": str(dev),
+            "card": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "context": args.context, "tokens": args.tokens, "rows": rows,
+            "breakeven_batch": breakeven}
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
+    p.add_argument("--batches", type=_ints, default=[1, 16, 64])
+    p.add_argument("--ks", type=_ints, default=[1, 2, 3])
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--tokens", type=int, default=32, help="tokens each sequence decodes")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    res = bench(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
