@@ -10,8 +10,8 @@ hidden state and greedy token identical with no extra collective.
 
 FP8 checkpoints (DeepSeek's e4m3 weights with a ``weight_scale_inv`` per block) are dequantized
 slice by slice as a rank reads its share, so a rank's shard boundary may fall inside a block.
-Multi-token-prediction layers (V3's ``model.layers.{num_hidden_layers}+``) are not loaded: they
-only serve speculative decoding, which the engine does not do.
+Multi-token-prediction layers (V3's ``model.layers.{num_hidden_layers}+``) are not part of the
+main model: ``model/mtp.py`` loads them, through this loader, for drafting.
 """
 
 from __future__ import annotations
