@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pdd_sidecar.serve.tool_parser import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from pdd_sidecar.serve.openai.tool_parser import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

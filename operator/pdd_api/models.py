@@ -24,7 +24,7 @@ ROLE_SCALE_PLURAL = "pddrolescales"
 ROLE_SCALE_SHORT_NAME = "pddrs"
 GPU_RESOURCE = "nvidia.com/gpu"
 
-# How the router picks replicas (sidecar serve/routing_policy.py); the first is the default.
+# How the router picks replicas (sidecar serve/router/routing_policy.py); the first is the default.
 RouterPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 DEFAULT_ROUTER_POLICY: RouterPolicy = "cache-aware"  # first of ROUTER_POLICIES

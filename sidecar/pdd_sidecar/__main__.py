@@ -18,11 +18,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        from pdd_sidecar.serve.server import serve
+        from pdd_sidecar.serve.instance.server import serve
 
         return serve()
     if command == "router":
-        from pdd_sidecar.serve.router import main as router_main
+        from pdd_sidecar.serve.router.router import main as router_main
 
         return router_main()
     if command == "generate":

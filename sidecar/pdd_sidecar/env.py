@@ -127,20 +127,20 @@ PDD_ROUTER_REQUEST_TIMEOUT_S = "PDD_ROUTER_REQUEST_TIMEOUT_S"
 PDD_ROUTER_MAX_BODY_BYTES = "PDD_ROUTER_MAX_BODY_BYTES"  # larger request bodies get a 413
 PDD_ROUTER_MAX_CONCURRENCY = "PDD_ROUTER_MAX_CONCURRENCY"  # requests in flight; beyond: 429
 PDD_ROUTER_READY_WAIT_S = "PDD_ROUTER_READY_WAIT_S"  # how long a request waits for a ready replica
-# Router processes sharing the port (serve/router_workers.py); each is a whole router.
+# Router processes sharing the port (serve/router/router_workers.py); each is a whole router.
 PDD_ROUTER_WORKERS = keys.ENV_ROUTER_WORKERS
 MAX_ROUTER_WORKERS = rules.MAX_ROUTER_WORKERS
 PDD_ROUTER_WORKER = "PDD_ROUTER_WORKER"  # set by the router for its workers: this one's index
 PDD_ROUTER_WORKERS_DIR = "PDD_ROUTER_WORKERS_DIR"  # likewise: the folder the workers share
-# How the router picks replicas (serve/routing_policy.py): cache-aware (default), least-loaded
-# or round-robin.
+# How the router picks replicas (serve/router/routing_policy.py): cache-aware (default),
+# least-loaded or round-robin.
 PDD_ROUTER_POLICY = keys.ENV_ROUTER_POLICY
 # How the router talks to its upstreams: pdd (/v1/prefill, /v1/decode) or vllm (vLLM's P/D
 # proxy flow on /v1/completions, which pdd instances and vLLM servers both speak)
 PDD_ROUTER_UPSTREAM_PROTOCOL = "PDD_ROUTER_UPSTREAM_PROTOCOL"
 UPSTREAM_PROTOCOLS = ("pdd", "vllm")
-# API keys (serve/api_keys.py): comma-separated keys, and/or a file or folder of files holding
-# one key per line, read again when it changes (a mounted Secret rotates without a restart).
+# API keys (serve/openai/api_keys.py): comma-separated keys, and/or a file or folder of files
+# holding one key per line, read again when it changes (a mounted Secret rotates without a restart).
 PDD_API_KEY = keys.ENV_API_KEY
 PDD_API_KEY_FILE = keys.ENV_API_KEY_FILE
 # Longest prompt + completion the router accepts; unset: the checkpoint's max_position_embeddings.

@@ -10,8 +10,8 @@ A spec is the one key ``"structured"`` of the instance API's ``sampling`` object
 - ``choice``: ``value`` a non-empty list of strings, the answer exactly one of them,
 - ``lark``: ``value`` a grammar, Lark as llguidance reads it, or GBNF (llama.cpp's EBNF).
 
-The router builds it from the OpenAI / vLLM fields (serve/structured_request.py) and checks it
-here before any instance works on it; both instances parse it again (an instance API client may
+The router builds it from the OpenAI / vLLM fields (serve/openai/structured_request.py) and checks
+it here before any instance works on it; both instances parse it again (an instance API client may
 send one directly). Why llguidance and not xgrammar: docs/openai-api.md.
 
 Compiling is what costs (a JSON schema to a grammar, the grammar to a lexer: milliseconds to

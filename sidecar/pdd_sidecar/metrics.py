@@ -2,7 +2,7 @@
 
 A private registry per process object keeps several instances in one test process (or a router
 and an instance) from colliding on the global default registry. A router of several worker
-processes (serve/router_workers.py) runs them in prometheus_client's multiprocess mode
+processes (serve/router/router_workers.py) runs them in prometheus_client's multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``, set for the workers before they start): whichever worker answers
 ``/metrics`` reports the sums over all of them.
 """

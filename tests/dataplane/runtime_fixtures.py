@@ -1,11 +1,11 @@
 """Local processes for runtime tests: prefill/decode instances and routers on 127.0.0.1.
 
-Instances are the real entry point (`pdd_sidecar.serve.server.serve`, what `python -m pdd_sidecar
-serve` runs) with their environment passed in. They are forked from a forkserver that imported
-torch once, because importing torch costs seconds of CPU per process on a small machine. Each
-instance runs in its own session, so a test can kill it with all its rank processes at once, and
-gets SIGTERM when the forkserver ends (it does when pytest ends, killed outright included), so a
-killed test run leaves no instance behind.
+Instances are the real entry point (`pdd_sidecar.serve.instance.server.serve`, what
+`python -m pdd_sidecar serve` runs) with their environment passed in. They are forked from a
+forkserver that imported torch once, because importing torch costs seconds of CPU per process
+on a small machine. Each instance runs in its own session, so a test can kill it with all its
+rank processes at once, and gets SIGTERM when the forkserver ends (it does when pytest ends,
+killed outright included), so a killed test run leaves no instance behind.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(
-            ["torch", "aiohttp", "nixl._api", "pdd_sidecar.serve.server",
-             "pdd_sidecar.engine.rank_engine", "pdd_sidecar.serve.router"]
+            ["torch", "aiohttp", "nixl._api", "pdd_sidecar.serve.instance.server",
+             "pdd_sidecar.engine.rank_engine", "pdd_sidecar.serve.router.router"]
         )
     return _CTX
 
@@ -84,7 +84,7 @@ def detach() -> None:
 def _serve_entry(env: dict[str, str]) -> None:
     detach()
     os.environ.update(env)
-    from pdd_sidecar.serve.server import serve
+    from pdd_sidecar.serve.instance.server import serve
 
     os._exit(serve(env))
 
@@ -92,7 +92,7 @@ def _serve_entry(env: dict[str, str]) -> None:
 def _router_entry(env: dict[str, str]) -> None:
     detach()
     os.environ.update(env)
-    from pdd_sidecar.serve.router import main
+    from pdd_sidecar.serve.router.router import main
 
     os._exit(main(env))
 

@@ -16,7 +16,7 @@ from test_openai_api import FakeInstance, Loop
 from tool_cases import deepseek_dir
 
 from pdd_sidecar.env import RouterSettings
-from pdd_sidecar.serve.router import build_app
+from pdd_sidecar.serve.router.router import build_app
 
 pytestmark = pytest.mark.dataplane
 

@@ -27,7 +27,7 @@ from runtime_fixtures import LocalCluster, free_ports, http
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pdd_sidecar.env import RouterSettings
-from pdd_sidecar.serve.router import build_app
+from pdd_sidecar.serve.router.router import build_app
 
 pytestmark = pytest.mark.dataplane
 
@@ -837,7 +837,7 @@ def test_real_instances_serve_chat_and_completions(tmp_path: Path) -> None:
     from pdd_api.plan import SidePlan
     from pdd_api.routing import plan_routing
     from pdd_sidecar.engine.generate import generate
-    from pdd_sidecar.serve import tokenizer
+    from pdd_sidecar.serve.openai import tokenizer
 
     block = 16
     cluster = LocalCluster(tmp_path)
@@ -874,8 +874,8 @@ def test_real_instances_serve_chat_and_completions(tmp_path: Path) -> None:
 def test_token_lines_are_json_and_the_router_reads_them_without_the_decoder() -> None:
     """The decode writes its token lines without the JSON encoder and the router reads them
     without the decoder: both must stay exactly what json.dumps writes."""
-    from pdd_sidecar.serve.decode_api import _token_lines
-    from pdd_sidecar.serve.upstreams import _token_line
+    from pdd_sidecar.serve.instance.decode_api import _token_lines
+    from pdd_sidecar.serve.router.upstreams import _token_line
 
     ids = [0, 7, 129279, 10**9]
     lines = _token_lines(ids)
@@ -887,8 +887,8 @@ def test_token_lines_are_json_and_the_router_reads_them_without_the_decoder() ->
 
 
 def test_choice_token_lines_are_json_and_read_without_the_decoder() -> None:
-    from pdd_sidecar.serve.decode_api import _choice_lines
-    from pdd_sidecar.serve.upstreams import _choice_token_line
+    from pdd_sidecar.serve.instance.decode_api import _choice_lines
+    from pdd_sidecar.serve.router.upstreams import _choice_token_line
 
     pairs = [(0, 7), (15, 129279), (3, 0)]
     no_logprobs: Any = types.SimpleNamespace(logprobs=None)  # a sequence that asked for none

@@ -194,7 +194,7 @@ def test_sharded_to_sharded_completion_matches_reference_and_sigterm_stops_all(
     serves: list[Serve], tmp_path: Path
 ) -> None:
     from pdd_sidecar.engine.generate import generate
-    from pdd_sidecar.serve import tokenizer
+    from pdd_sidecar.serve.openai import tokenizer
 
     s, url = _start(serves, tmp_path, "--prefill-tp", "2", "--prefill-dcp", "2",
                     "--decode-tp", "2", "--decode-dcp", "2", "--block-size", str(BLOCK))
@@ -344,7 +344,7 @@ def test_ready_means_warm_a_round_trip_ran_before_the_ready_line(
         assert ok >= 1, f"{role}: no request answered before the ready line"
         status, body = http("GET", f"{inst}/readyz")
         assert status == 200 and body["ready"], body
-        load = body["load"]  # what the router's policy weighs (serve/routing_policy.py)
+        load = body["load"]  # what the router's policy weighs (serve/router/routing_policy.py)
         assert set(load) == {"running", "waiting", "free_blocks", "num_blocks"}, load
         assert 0 <= load["free_blocks"] <= load["num_blocks"], load
         assert load["running"] >= 0 and load["waiting"] >= 0, load

@@ -66,7 +66,7 @@ def test_a_busy_prefill_keeps_its_prefix_until_the_overload_allowance_is_spent(
     """Requests of one cached prefix, all in flight at once on its slowed prefill: the policy
     sends them there while its busy count exceeds the idle one's by at most `balance_abs`,
     then to the other (which, holding the prefix now too and less busy, takes the rest)."""
-    from pdd_sidecar.serve.routing_policy import CacheAware
+    from pdd_sidecar.serve.router.routing_policy import CacheAware
 
     allowance = CacheAware(BLOCK).balance_abs  # the router's default policy
     stack = _stack(cluster, 2, PDD_FAULT_STEP_DELAY_S=3)

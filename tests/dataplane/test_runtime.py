@@ -56,7 +56,7 @@ def _reference(prompt: list[int], n: int) -> list[int]:
 
 
 def test_text_prompt_goes_through_the_byte_tokenizer(deployment: dict[str, Proc]) -> None:
-    from pdd_sidecar.serve import tokenizer
+    from pdd_sidecar.serve.openai import tokenizer
 
     status, body = http("POST", f"{deployment['router'].url}/v1/completions",
                         {"prompt": "Disaggregated prefill and decode.", "max_tokens": 8,

@@ -10,8 +10,8 @@ import pytest
 from pdd_api.plan import SidePlan
 from pdd_api.routing import check_plan_soundness, plan_routing
 from pdd_sidecar.env import ConfigError, InstanceSettings, RouterSettings, parse_urls
-from pdd_sidecar.serve import tokenizer
 from pdd_sidecar.serve.discovery import replicas, split_service
+from pdd_sidecar.serve.openai import tokenizer
 
 pytestmark = pytest.mark.dataplane
 

@@ -191,8 +191,8 @@ def test_the_instance_api_checks_the_controls(raw: dict[str, Any], field: str) -
 
 
 def test_the_vllm_protocol_passes_the_controls_to_the_instance_parser() -> None:
-    from pdd_sidecar.serve.common import RequestError
-    from pdd_sidecar.serve.vllm_api import _options
+    from pdd_sidecar.serve.instance.common import RequestError
+    from pdd_sidecar.serve.instance.vllm_api import _options
 
     opts = _options({"prompt": [1], "presence_penalty": 0.5, "logit_bias": {"3": 5},
                      "min_tokens": 2, "repetition_penalty": None, "seed": 1})

@@ -20,7 +20,7 @@ from test_openai_api import FakeInstance, Loop
 from tool_cases import BOS, EOS, TIME, WEATHER, block, deepseek_dir
 
 from pdd_sidecar.env import RouterSettings
-from pdd_sidecar.serve.router import build_app
+from pdd_sidecar.serve.router.router import build_app
 
 pytestmark = pytest.mark.dataplane
 
@@ -275,8 +275,8 @@ def test_strict_tools_under_auto_hold_a_call_to_its_schema(real: tuple[str, Path
     import jsonschema
     from openai import OpenAI
 
-    from pdd_sidecar.serve.text import load_model_text
-    from pdd_sidecar.serve.tool_parser import Markers
+    from pdd_sidecar.serve.openai.text import load_model_text
+    from pdd_sidecar.serve.openai.tool_parser import Markers
 
     url, ckpt = real
     markers = Markers.of(load_model_text(str(ckpt)).codec)

@@ -15,7 +15,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from pdd_sidecar.env import RouterSettings
-from pdd_sidecar.serve.api_keys import ApiKeys, KeyFileError, key_check, parse_keys, read_key_file
+from pdd_sidecar.serve.openai.api_keys import (
+    ApiKeys,
+    KeyFileError,
+    key_check,
+    parse_keys,
+    read_key_file,
+)
 
 
 class Clock:
@@ -92,7 +98,7 @@ def test_an_emptied_or_missing_file_refuses_everyone_until_keys_are_back(
     clock = Clock()
     keys = ApiKeys(["sk-setting"], str(path), clock=clock)
     assert keys.allows("Bearer sk-a")
-    with caplog.at_level(logging.INFO, logger="pdd_sidecar.serve.api_keys"):
+    with caplog.at_level(logging.INFO, logger="pdd_sidecar.serve.openai.api_keys"):
         _swap(path, broken, clock)
         for _ in range(3):  # one log line for the change, none per request
             assert not keys.allows("Bearer sk-a")

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pdd_sidecar.serve.choices import choice_body, choice_index, usage
-from pdd_sidecar.serve.openai_request import ApiError, parse_request, parse_requests
-from pdd_sidecar.serve.text import load_model_text
+from pdd_sidecar.serve.openai.choices import choice_body, choice_index, usage
+from pdd_sidecar.serve.openai.openai_request import ApiError, parse_request, parse_requests
+from pdd_sidecar.serve.openai.text import load_model_text
 
 BUILTIN = load_model_text("builtin")
 

@@ -8,7 +8,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdd_sidecar.serve.connection_warmer import ConnectionWarmer, due
+from pdd_sidecar.serve.router.connection_warmer import ConnectionWarmer, due
 
 
 def test_due_names_instances_not_topped_up_within_the_interval() -> None:

@@ -125,7 +125,7 @@ def test_the_project_has_no_import_cycles() -> None:
 def test_the_walk_sees_the_edges_that_matter() -> None:
     graph = import_graph(_project_modules())
     assert "pdd_api.models" in graph["pdd_api.validation"]
-    assert "pdd_sidecar.serve.upstreams" in graph["pdd_sidecar.serve.router"]
+    assert "pdd_sidecar.serve.router.upstreams" in graph["pdd_sidecar.serve.router.router"]
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:

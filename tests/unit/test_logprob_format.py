@@ -1,4 +1,4 @@
-"""Log-probabilities in OpenAI's shapes (serve/logprob_format.py): completions, chat, vLLM's
+"""Log-probabilities in OpenAI's shapes (serve/openai/logprob_format.py): completions, chat, vLLM's
 prompt_logprobs, from the entries the instances send."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pdd_sidecar.serve.logprob_format import LogprobText, entry_ok, with_first_null
-from pdd_sidecar.serve.openai_request import ApiError, parse_request
-from pdd_sidecar.serve.text import load_model_text
+from pdd_sidecar.serve.openai.logprob_format import LogprobText, entry_ok, with_first_null
+from pdd_sidecar.serve.openai.openai_request import ApiError, parse_request
+from pdd_sidecar.serve.openai.text import load_model_text
 
 BUILTIN = load_model_text("builtin")
 TEXT = {ord("a"): "a", ord("b"): "b", 0xC3: "\ufffd", ord(" "): " "}

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pdd_sidecar.serve.openai_fields import FIELDS, HONOURED, NO_EFFECT, REFUSED
-from pdd_sidecar.serve.openai_request import ApiError, parse_request
-from pdd_sidecar.serve.text import load_model_text
+from pdd_sidecar.serve.openai.openai_fields import FIELDS, HONOURED, NO_EFFECT, REFUSED
+from pdd_sidecar.serve.openai.openai_request import ApiError, parse_request
+from pdd_sidecar.serve.openai.text import load_model_text
 
 BUILTIN = load_model_text("builtin")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-api.md"

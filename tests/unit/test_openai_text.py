@@ -14,9 +14,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdd_sidecar.env import ConfigError, RouterSettings
-from pdd_sidecar.serve.completion_output import Output
-from pdd_sidecar.serve.openai_request import ApiError, parse_request
-from pdd_sidecar.serve.text import (
+from pdd_sidecar.serve.openai.completion_output import Output
+from pdd_sidecar.serve.openai.openai_request import ApiError, parse_request
+from pdd_sidecar.serve.openai.text import (
     ByteCodec,
     IncrementalDetokenizer,
     ModelText,

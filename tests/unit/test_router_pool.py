@@ -13,10 +13,10 @@ from aiohttp.test_utils import TestServer
 
 from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
-from pdd_sidecar.serve.openai_request import ApiError, GenRequest
-from pdd_sidecar.serve.replica_pool import Pool
-from pdd_sidecar.serve.routing_policy import make_policy
-from pdd_sidecar.serve.upstreams import Router, Trip, served_max_model_len
+from pdd_sidecar.serve.openai.openai_request import ApiError, GenRequest
+from pdd_sidecar.serve.router.replica_pool import Pool
+from pdd_sidecar.serve.router.routing_policy import make_policy
+from pdd_sidecar.serve.router.upstreams import Router, Trip, served_max_model_len
 
 MODEL = SimpleNamespace(vocab_size=256, max_model_len=4096)
 

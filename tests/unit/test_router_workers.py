@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdd_sidecar.env import RouterSettings
-from pdd_sidecar.serve import router_workers as rw
+from pdd_sidecar.serve.router import router_workers as rw
 
 
 def test_each_worker_gets_its_index_and_the_shared_metrics_folder() -> None:
@@ -25,8 +25,8 @@ def test_each_worker_gets_its_index_and_the_shared_metrics_folder() -> None:
 def test_the_router_is_warm_once_every_worker_is(tmp_path: Path) -> None:
     """Each worker marks its warm round trip in the shared folder; readiness counts them all,
     whichever worker a probe reaches."""
-    from pdd_sidecar.serve.text import load_model_text
-    from pdd_sidecar.serve.upstreams import Router
+    from pdd_sidecar.serve.openai.text import load_model_text
+    from pdd_sidecar.serve.router.upstreams import Router
 
     shared = str(tmp_path)
     env = {"PDD_ROUTER_WORKERS": "2", "PDD_PREFILL_URLS": "http://p:1",

@@ -11,8 +11,8 @@ import pytest
 
 from pdd_api.models import ROUTER_POLICIES
 from pdd_sidecar.env import ConfigError, RouterSettings
-from pdd_sidecar.serve.replica_pool import Pool
-from pdd_sidecar.serve.routing_policy import (
+from pdd_sidecar.serve.router.replica_pool import Pool
+from pdd_sidecar.serve.router.routing_policy import (
     CacheAware,
     PrefixIndex,
     ReplicaLoad,

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
+from pdd_sidecar.serve.openai.sse_chunks import ChunkFormat, sse
 
 TEXTS = ["", " hello", 'say "hi"\n', "tab\there \\ back", "héllo ünïcode 日本語 🙂", "\x00\x1f",
          "\ufffd", "</script>", "a" * 300]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdd_sidecar.serve.start_gate import UNIT_BYTES, StartGate, units_of
+from pdd_sidecar.serve.router.start_gate import UNIT_BYTES, StartGate, units_of
 
 
 def _turns(per_turn: int, units: list[int]) -> list[list[int]]:

@@ -9,9 +9,9 @@ import pytest
 
 from pdd_sidecar import grammar
 from pdd_sidecar.grammar import GrammarCache, GrammarError, Spec, parse_spec
-from pdd_sidecar.serve.openai_request import ApiError, parse_request
-from pdd_sidecar.serve.structured_request import StructuredError, structured_spec
-from pdd_sidecar.serve.text import load_model_text
+from pdd_sidecar.serve.openai.openai_request import ApiError, parse_request
+from pdd_sidecar.serve.openai.structured_request import StructuredError, structured_spec
+from pdd_sidecar.serve.openai.text import load_model_text
 
 BUILTIN = load_model_text("builtin")
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},

@@ -23,11 +23,11 @@ from tool_cases import (
     deepseek_dir,
 )
 
-from pdd_sidecar.serve.completion_output import Output
-from pdd_sidecar.serve.openai_request import ApiError, parse_request
-from pdd_sidecar.serve.text import ModelText, load_model_text, render_chat
-from pdd_sidecar.serve.tool_grammar import tool_call_grammar
-from pdd_sidecar.serve.tool_parser import (
+from pdd_sidecar.serve.openai.completion_output import Output
+from pdd_sidecar.serve.openai.openai_request import ApiError, parse_request
+from pdd_sidecar.serve.openai.text import ModelText, load_model_text, render_chat
+from pdd_sidecar.serve.openai.tool_grammar import tool_call_grammar
+from pdd_sidecar.serve.openai.tool_parser import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

@@ -56,7 +56,7 @@ def bytes_per_block(model: RankModel, block_size: int) -> int:
 
 
 def max_positions(settings: InstanceSettings, model: RankModel) -> int:
-    """The longest sequence the instance serves (serve/common.py's ``max_model_len``)."""
+    """The longest sequence the instance serves (serve/instance/common.py's ``max_model_len``)."""
     return settings.max_model_len or model.config.max_position_embeddings
 
 

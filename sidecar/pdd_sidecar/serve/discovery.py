@@ -40,6 +40,11 @@ async def resolve_service(service: str) -> list[str]:
 
 
 DEFAULT_KEEPALIVE_S = 15.0  # aiohttp's own
+# Idle connections between the router and pdd instances: the router keeps them less long than
+# the instances do, so an instance never closes one the router is about to use
+# (serve/router/connection_warmer.py).
+KEEPALIVE_S = 60.0  # the router's upstream pool
+INSTANCE_KEEPALIVE_S = 120.0  # the instances' HTTP servers
 
 
 async def replicas(urls: list[str], service: str) -> list[str]:

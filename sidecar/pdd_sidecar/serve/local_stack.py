@@ -100,7 +100,7 @@ class StackConfig:
     gpu_memory_utilization: float = keys.DEFAULT_GPU_MEMORY_UTILIZATION
     prefill_memory_share: float = DEFAULT_PREFILL_MEMORY_SHARE
     extra_env: Mapping[str, str] = field(default_factory=dict)
-    api_keys: tuple[str, ...] = ()  # the router's (serve/api_keys.py); none: open
+    api_keys: tuple[str, ...] = ()  # the router's (serve/openai/api_keys.py); none: open
     api_key_file: str = ""
 
     @property
@@ -866,7 +866,7 @@ def check_config(cfg: StackConfig, env: Mapping[str, str] | None = None) -> list
     if cfg.model != "builtin" and not Path(cfg.model).is_dir():
         return [f"--model: {cfg.model!r} is neither 'builtin' nor a directory"]
     if cfg.api_key_file:
-        from pdd_sidecar.serve.api_keys import KeyFileError, read_key_file
+        from pdd_sidecar.serve.openai.api_keys import KeyFileError, read_key_file
 
         try:
             read_key_file(cfg.api_key_file)

@@ -54,7 +54,8 @@ from pdd_sidecar.grammar import GrammarError
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
 from pdd_sidecar.kv.transfer import join_paths
-from pdd_sidecar.serve.common import (
+from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
+from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
     InstanceState,
@@ -72,7 +73,6 @@ from pdd_sidecar.serve.common import (
     sequence_token_batches,
     token_ids,
 )
-from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
 
 
 def _claim_url(state: InstanceState, src: TransferParams) -> str:

@@ -25,7 +25,7 @@ import jinja2.sandbox
 import jinja2.utils
 
 from pdd_sidecar.model.config import BUILTIN, builtin_config
-from pdd_sidecar.serve import tokenizer as byte_tokenizer
+from pdd_sidecar.serve.openai import tokenizer as byte_tokenizer
 
 
 class TextConfigError(ValueError):

@@ -1,7 +1,7 @@
 """Log-probabilities in OpenAI's shapes, from the entries the instances send.
 
 Why here: the instances speak token ids (``[logprob, rank, [[id, logprob], ...]]`` per token,
-serve/common.py); only the router has the tokenizer that turns ids into the token strings the
+instance/common.py); only the router has the tokenizer that turns ids into the token strings the
 client reads. The numbers are the model's raw distribution (before logit_bias, penalties,
 temperature, top-k and top-p), as vLLM's default ``raw_logprobs`` mode gives them.
 

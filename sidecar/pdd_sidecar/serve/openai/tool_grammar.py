@@ -6,7 +6,7 @@ pdd_sidecar/grammar.py): the markers by token id (`<[id]>`, they are special tok
 spells), the function names and fences as text, each function's arguments as its `parameters`
 JSON schema (`%json`), compact (a small model given free whitespace may spend every token on
 it). The block ends with `<｜tool▁calls▁end｜>`, where the grammar is complete and the instance
-ends the sequence; serve/tool_parser.py then reads it like any other.
+ends the sequence; serve/openai/tool_parser.py then reads it like any other.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from pdd_sidecar.serve.tool_parser import Markers
+from pdd_sidecar.serve.openai.tool_parser import Markers
 
 COMPACT = {"whitespace_flexible": False}
 

@@ -1,6 +1,6 @@
 """Byte-level tokenizer of the built-in model: token id = UTF-8 byte (vocabulary 256).
 
-Real checkpoints bring their own tokenizer.json (serve/text.py); one without it takes token ids
+Real checkpoints bring their own tokenizer.json (text.py); one without it takes token ids
 only.
 """
 

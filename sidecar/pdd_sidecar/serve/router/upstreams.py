@@ -3,7 +3,7 @@ the client that runs one request on a prefill and hands its KV to a decode.
 
 A prefill replica is chosen among the ready ones whose routing plan some ready decode runs, a
 decode among the ready ones of the prefill's plan, each by the routing policy
-(serve/routing_policy.py: by prompt prefix and load by default); a 5xx or unreachable replica
+(serve/router/routing_policy.py: by prompt prefix and load by default); a 5xx or unreachable replica
 is retried on another, a 4xx is the client's answer.
 The decode's tokens are always read as a stream: closing it (a stop string, a client gone)
 cancels the sequence there, and the prefill gets a /v1/release.
@@ -25,18 +25,18 @@ import aiohttp
 from pdd_sidecar.engine import timing
 from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
-from pdd_sidecar.serve.completion_output import Output
-from pdd_sidecar.serve.connection_warmer import WARM_CONNECTIONS, ConnectionWarmer
 from pdd_sidecar.serve.discovery import replicas
-from pdd_sidecar.serve.logprob_format import entry_ok
-from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, is_int
-from pdd_sidecar.serve.replica_pool import Pool
-from pdd_sidecar.serve.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
-from pdd_sidecar.serve.router_workers import mark_warm, warm_workers
-from pdd_sidecar.serve.routing_policy import make_policy
-from pdd_sidecar.serve.structured_request import STRUCTURED, structured_outputs
-from pdd_sidecar.serve.text import ModelText
-from pdd_sidecar.serve.upstream_http import (
+from pdd_sidecar.serve.openai.completion_output import Output
+from pdd_sidecar.serve.openai.logprob_format import entry_ok
+from pdd_sidecar.serve.openai.openai_request import ApiError, GenRequest, bad, is_int
+from pdd_sidecar.serve.openai.structured_request import STRUCTURED, structured_outputs
+from pdd_sidecar.serve.openai.text import ModelText
+from pdd_sidecar.serve.router.connection_warmer import WARM_CONNECTIONS, ConnectionWarmer
+from pdd_sidecar.serve.router.replica_pool import Pool
+from pdd_sidecar.serve.router.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
+from pdd_sidecar.serve.router.router_workers import mark_warm, warm_workers
+from pdd_sidecar.serve.router.routing_policy import make_policy
+from pdd_sidecar.serve.router.upstream_http import (
     CONNECT_TIMEOUT_S,
     Unreachable,
     post_json,
@@ -60,7 +60,7 @@ class Trip:
     prefill_timing: Any = None
     decode_timing: Any = None
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
-    # Log-probability entries (serve/logprob_format.py): each choice's, one per token handed
+    # Log-probability entries (serve/openai/logprob_format.py): each choice's, one per token handed
     # out, in order; the prompt's (computed once, whatever n), from its second token on.
     logprobs: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
     prompt_logprobs: list[Any] = field(default_factory=list)
@@ -196,7 +196,7 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        """Routable, and one round trip has run (serve/router_warmup.py), in every worker."""
+        """Routable, and one round trip has run (serve/router/router_warmup.py), in every worker."""
         return self.warm.done and self.pools_ready and self.workers_warm == self.settings.workers
 
     @property

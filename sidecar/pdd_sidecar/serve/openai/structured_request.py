@@ -9,7 +9,7 @@ would have to be intersected, which no engine does. The spec is compiled (cached
 schema the engine cannot compile is a 400 naming the field before any instance works on it.
 
 ``structured_spec`` is the one entry point; tool calling (``tool_choice`` required / named)
-builds its own ``lark`` spec (serve/tool_grammar.py: the tool-call block, each call's arguments
+builds its own ``lark`` spec (tool_grammar.py: the tool-call block, each call's arguments
 under its tool's schema) with ``grammar.Spec`` and puts ``spec.to_json()`` under the same key.
 """
 

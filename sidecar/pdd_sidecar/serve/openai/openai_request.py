@@ -2,7 +2,7 @@
 
 Bad input is refused here, before any replica works on it, with error JSON naming the field
 (and so is a field that would change the answer and is not implemented, or is unknown: the
-table of serve/openai_fields.py); what passes is a `GenRequest` in the terms the prefill and
+table of serve/openai/openai_fields.py); what passes is a `GenRequest` in the terms the prefill and
 decode instances speak.
 """
 
@@ -18,12 +18,22 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from pdd_sidecar.grammar import GrammarError, Spec, check
-from pdd_sidecar.serve.openai_fields import FieldError, include_usage, refusal, token_limit
-from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
-from pdd_sidecar.serve.text import ModelText, TemplateRenderError, chat_ids, template_variables
-from pdd_sidecar.serve.tool_grammar import tool_call_grammar
-from pdd_sidecar.serve.tool_parser import Markers, template_call_format
-from pdd_sidecar.serve.tool_request import ToolRequestError, ToolSpec, check_tool_turns, tool_spec
+from pdd_sidecar.serve.openai.openai_fields import FieldError, include_usage, refusal, token_limit
+from pdd_sidecar.serve.openai.structured_request import STRUCTURED, StructuredError, structured_spec
+from pdd_sidecar.serve.openai.text import (
+    ModelText,
+    TemplateRenderError,
+    chat_ids,
+    template_variables,
+)
+from pdd_sidecar.serve.openai.tool_grammar import tool_call_grammar
+from pdd_sidecar.serve.openai.tool_parser import Markers, template_call_format
+from pdd_sidecar.serve.openai.tool_request import (
+    ToolRequestError,
+    ToolSpec,
+    check_tool_turns,
+    tool_spec,
+)
 
 INT64 = (-(2**63), 2**63 - 1)
 MAX_STOP_STRINGS = 4
@@ -78,7 +88,7 @@ class GenRequest:
     include_usage: bool
     local_stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0  # stop strings are looked for only after this many tokens
-    tools: ToolSpec | None = None  # chat: the tools offered (serve/tool_request.py)
+    tools: ToolSpec | None = None  # chat: the tools offered (serve/openai/tool_request.py)
     logprobs: int | None = None  # top count of each generated token's log-probabilities
     echo: bool = False  # completions: the prompt's text (and log-probabilities) first
     prompt_logprobs: int | None = None  # top count of the prompt tokens' (echo or vLLM's)

@@ -54,7 +54,7 @@ class ChunkFormat:
              extra: dict[str, Any] | None = None,
              logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
         """One step's event of choice ``index``: its tokens, the text they completed, and
-        (asked for) their log-probabilities in the endpoint's shape (serve/logprob_format.py)."""
+        (asked for) their log-probabilities in the endpoint's shape (logprob_format.py)."""
         if finish is None and not extra and logprobs is None:
             ids = "[" + ", ".join(str(t) for t in tokens) + "]"
             shown = json.dumps(text)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.kv.handoff import TransferParams
-from pdd_sidecar.serve.common import (
+from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
     InstanceState,
@@ -37,11 +37,11 @@ from pdd_sidecar.serve.common import (
     sequence_error,
     sequence_tokens,
 )
-from pdd_sidecar.serve.decode_api import PEERS, decode_sequence
-from pdd_sidecar.serve.openai_fields import FieldError, include_usage, refusal, token_limit
-from pdd_sidecar.serve.prefill_api import run_prefill
-from pdd_sidecar.serve.structured_request import STRUCTURED, StructuredError, structured_spec
-from pdd_sidecar.serve.text import Codec, TextConfigError, load_model_text
+from pdd_sidecar.serve.instance.decode_api import PEERS, decode_sequence
+from pdd_sidecar.serve.instance.prefill_api import run_prefill
+from pdd_sidecar.serve.openai.openai_fields import FieldError, include_usage, refusal, token_limit
+from pdd_sidecar.serve.openai.structured_request import STRUCTURED, StructuredError, structured_spec
+from pdd_sidecar.serve.openai.text import Codec, TextConfigError, load_model_text
 
 GRANT = "pdd_grant"
 CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
@@ -108,7 +108,7 @@ def _prompt_ids(request: web.Request, body: dict[str, Any]) -> list[int]:
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     """OpenAI request fields to the instance API's (whose parsers check types and ranges).
     A field that would change the answer and that pdd does not implement is refused, as the
-    router refuses it (serve/openai_fields.py), and so is one it does not know: only what
+    router refuses it (serve/openai/openai_fields.py), and so is one it does not know: only what
     vLLM's proxies add (``PROXY_FIELDS``) passes beside the table."""
     refused = refusal("completion", body, PROXY_FIELDS)
     if refused is not None:

@@ -6,7 +6,7 @@ they are.
 request's sampling), `finish_reason` (set when that token, of every choice, already ends the
 completion, and then nothing is held; `max_tokens` 0 runs the prompt alone), `cached_tokens`
 (prompt tokens whose KV the prefix cache already had), with `logprobs: k` the first token's
-log-probability entry (`[logprob, rank, [[id, logprob] x k]]`, serve/common.py), with
+log-probability entry (`[logprob, rank, [[id, logprob] x k]]`, serve/instance/common.py), with
 `prompt_logprobs: k` one for each prompt token from the second on (such a prompt bypasses the
 prefix cache: its every position runs), with `n` > 1 (at most 16) `first_tokens`, one per
 choice from the same logits, each drawn with its choice's seed (engine/sampling.py
@@ -41,7 +41,7 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.handoff import TransferParams
-from pdd_sidecar.serve.common import (
+from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
     InstanceState,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from pdd_sidecar.serve.text import IncrementalDetokenizer, TemplateRenderError, render_chat
+from pdd_sidecar.serve.openai.text import IncrementalDetokenizer, TemplateRenderError, render_chat
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"

@@ -63,7 +63,7 @@ _N = Field(NO_EFFECT)
 _NOT_TOOLS = _off_values("none", "auto")
 
 FIELDS: dict[str, Field] = {
-    # What the request asks for (serve/openai_request.py parses and checks these).
+    # What the request asks for (serve/openai/openai_request.py parses and checks these).
     "model": _H,
     "prompt": Field(HONOURED, COMPLETION),
     "messages": Field(HONOURED, CHAT),
@@ -86,18 +86,18 @@ FIELDS: dict[str, Field] = {
     "repetition_penalty": _H,
     "logit_bias": _H,
     "min_tokens": _H,
-    "response_format": _H,  # structured output: serve/structured_request.py
+    "response_format": _H,  # structured output: serve/openai/structured_request.py
     "guided_json": _H,
     "guided_regex": _H,
     "guided_choice": _H,
     "guided_grammar": _H,
     "structured_outputs": _H,
-    "tools": Field(HONOURED, CHAT),  # serve/tool_request.py, serve/tool_parser.py
+    "tools": Field(HONOURED, CHAT),  # serve/openai/tool_request.py, serve/openai/tool_parser.py
     "tool_choice": Field(HONOURED, CHAT),
     "parallel_tool_calls": Field(HONOURED, CHAT),
-    "logprobs": _H,  # raw log-probabilities: serve/logprob_format.py
+    "logprobs": _H,  # raw log-probabilities: serve/openai/logprob_format.py
     "top_logprobs": Field(HONOURED, CHAT),
-    "echo": _H,  # on chat false only (serve/openai_request.py)
+    "echo": _H,  # on chat false only (serve/openai/openai_request.py)
     "prompt_logprobs": _H,  # on chat null only
     "return_tokens_as_token_ids": _H,  # log-probabilities' tokens as "token_id:<id>"
     # Accepted and without effect on the answer.

@@ -1,13 +1,13 @@
 """One role's replicas as the router sees them: which are ready, which routing plan each runs,
 how much KV one sequence can hold there, how loaded each is; and the routing policy that
-chooses among those a request may go to (serve/routing_policy.py)."""
+chooses among those a request may go to (serve/router/routing_policy.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdd_sidecar.serve.routing_policy import ReplicaLoad, RoutingPolicy, make_policy
+from pdd_sidecar.serve.router.routing_policy import ReplicaLoad, RoutingPolicy, make_policy
 
 
 class Pool:

@@ -1,17 +1,17 @@
 """`python -m pdd_sidecar router`: the OpenAI-compatible front end over prefill -> NIXL -> decode.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (messages rendered through the
-checkpoint's chat template, see serve/text.py), `GET /v1/models`, plus `/healthz`, `/readyz`,
+checkpoint's chat template, see serve/openai/text.py), `GET /v1/models`, plus `/healthz`, `/readyz`,
 `/metrics`. Each request runs its prompt on a prefill replica (chosen among the ready ones by
-`PDD_ROUTER_POLICY`, serve/routing_policy.py: by prompt prefix and load unless set otherwise; a
+`PDD_ROUTER_POLICY`, routing_policy.py: by prompt prefix and load unless set otherwise; a
 5xx or unreachable replica is retried on another, a 4xx is the client's answer) and
 hands the prefill's `kv_transfer_params` to a decode replica, whose tokens the router always
 reads as a stream: that is how it applies stop strings and honours a client that went away
 (closing the decode stream cancels the sequence; the prefill gets a /v1/release). Bad input is
 refused here, before any replica works on it, with OpenAI-style error JSON naming the field.
 
-Request parsing lives in serve/openai_request.py, the replicas and the hand-off client in
-serve/upstreams.py; this module holds the aiohttp app, its handlers and the SSE framing.
+Request parsing lives in serve/openai/openai_request.py, the replicas and the hand-off client in
+serve/router/upstreams.py; this module holds the aiohttp app, its handlers and the SSE framing.
 """
 
 from __future__ import annotations
@@ -33,19 +33,24 @@ from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
-from pdd_sidecar.serve.api_keys import ApiKeys, KeyFileError, key_check
-from pdd_sidecar.serve.choices import choice_body, choice_index, usage
-from pdd_sidecar.serve.completion_output import Output
-from pdd_sidecar.serve.connection_warmer import KEEPALIVE_S
-from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, fresh_dns_connector
+from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, KEEPALIVE_S, fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
-from pdd_sidecar.serve.logprob_format import LogprobText, with_first_null
-from pdd_sidecar.serve.openai_request import ApiError, GenRequest, bad, brief_repr, parse_requests
-from pdd_sidecar.serve.router_workers import run_workers
-from pdd_sidecar.serve.sse_chunks import ChunkFormat, sse
-from pdd_sidecar.serve.start_gate import StartGate, units_of
-from pdd_sidecar.serve.text import ModelText, TextConfigError, load_model_text
-from pdd_sidecar.serve.upstreams import Emit, Router, Step, Trip
+from pdd_sidecar.serve.openai.api_keys import ApiKeys, KeyFileError, key_check
+from pdd_sidecar.serve.openai.choices import choice_body, choice_index, usage
+from pdd_sidecar.serve.openai.completion_output import Output
+from pdd_sidecar.serve.openai.logprob_format import LogprobText, with_first_null
+from pdd_sidecar.serve.openai.openai_request import (
+    ApiError,
+    GenRequest,
+    bad,
+    brief_repr,
+    parse_requests,
+)
+from pdd_sidecar.serve.openai.sse_chunks import ChunkFormat, sse
+from pdd_sidecar.serve.openai.text import ModelText, TextConfigError, load_model_text
+from pdd_sidecar.serve.router.router_workers import run_workers
+from pdd_sidecar.serve.router.start_gate import StartGate, units_of
+from pdd_sidecar.serve.router.upstreams import Emit, Router, Step, Trip
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +191,7 @@ def _token_logprobs(lt: LogprobText, req: GenRequest, ids: list[int], entries: l
 
 def _choice(router: Router, req: GenRequest, out: Output, trip: Trip, index: int,
             choice_of: int = 0) -> dict[str, Any]:
-    """One choice of a final answer (serve/choices.py), with what it asked for besides: the
+    """One choice of a final answer (serve/openai/choices.py), with what it asked for besides: the
     echoed prompt, log-probabilities (``choice_of``: its index among its prompt's n)."""
     text = _echo_text(router, req) + out.text if req.echo and req.kind == "completion" \
         else out.text

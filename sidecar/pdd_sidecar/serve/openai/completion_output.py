@@ -2,7 +2,7 @@
 
 Text, stop strings and the finish reason are decided on the router's side: a stop string may
 span tokens, and only the detokenized text shows where it begins. A chat offering tools has its
-tool-call block taken out of the text by serve/tool_parser.py: stop strings apply to the content
+tool-call block taken out of the text by tool_parser.py: stop strings apply to the content
 only (a call's arguments are never cut), and an answer that made calls finishes with
 "tool_calls" where it would have finished with "stop".
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdd_sidecar.serve.openai_request import GenRequest
-from pdd_sidecar.serve.text import IncrementalDetokenizer, ModelText, StopStrings
-from pdd_sidecar.serve.tool_parser import Markers, ToolCallParser
+from pdd_sidecar.serve.openai.openai_request import GenRequest
+from pdd_sidecar.serve.openai.text import IncrementalDetokenizer, ModelText, StopStrings
+from pdd_sidecar.serve.openai.tool_parser import Markers, ToolCallParser
 
 
 class Output:

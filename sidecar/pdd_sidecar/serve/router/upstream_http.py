@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from pdd_sidecar.serve.openai_request import ApiError
+from pdd_sidecar.serve.openai.openai_request import ApiError
 
 # A replica's address that no longer answers (a pod just deleted) costs this much before the
 # request goes to another replica.

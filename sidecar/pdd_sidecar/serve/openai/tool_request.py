@@ -6,7 +6,7 @@ is not a string or a tool without a name would come back as a template error (or
 prompt the model was never trained on) instead of a 400 naming the field.
 
 `tool_choice` `required` and a named function ask for an answer that must be a call: the
-request carries a grammar that forces one (serve/tool_grammar.py, through structured output).
+request carries a grammar that forces one (serve/openai/tool_grammar.py, through structured output).
 Under `auto` a tool with `strict: true` asks that a call, if the model makes one, match its
 schema: the grammar then lets the answer be text, a call block, or text then a block.
 """

@@ -37,10 +37,10 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from pdd_sidecar.model.config import ConfigError as ModelConfigError
 from pdd_sidecar.model.config import load_config
 from pdd_sidecar.routing_file import load_routing_file
-from pdd_sidecar.serve import decode_api, prefill_api, vllm_api
-from pdd_sidecar.serve.common import STATE, InstanceState
-from pdd_sidecar.serve.connection_warmer import INSTANCE_KEEPALIVE_S
+from pdd_sidecar.serve.discovery import INSTANCE_KEEPALIVE_S
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
+from pdd_sidecar.serve.instance import decode_api, prefill_api, vllm_api
+from pdd_sidecar.serve.instance.common import STATE, InstanceState
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ async def readyz(request: web.Request) -> web.Response:
             # driver keeps), so a router refuses a request no instance could ever hold before
             # any prefill runs it, and reports the max_model_len really served.
             "kv_capacity_tokens": state.worker.pool.sequence_tokens,
-            # What the router weighs replicas by (serve/routing_policy.py); cheap to read.
+            # What the router weighs replicas by (serve/router/routing_policy.py); cheap to read.
             "load": {"running": len(sched.running) + len(sched.pulling),
                      "waiting": len(sched.waiting), "free_blocks": sched.allocator.num_free,
                      "num_blocks": sched.allocator.num_blocks}}

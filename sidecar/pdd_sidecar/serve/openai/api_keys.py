@@ -23,7 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pdd_sidecar.serve.openai_request import ApiError
+from pdd_sidecar.serve.openai.openai_request import ApiError
 
 log = logging.getLogger(__name__)
 

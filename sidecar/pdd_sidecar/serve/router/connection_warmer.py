@@ -9,7 +9,8 @@ by itself (48 ms) while the rest waited (run 18, docs/serving.md). So each ready
 gets ``WARM_CONNECTIONS`` kept-alive connections from the router, topped up every
 ``WARM_INTERVAL_S`` (a cheap ``GET /readyz`` on each), which the requests then find idle in
 aiohttp's pool. The router keeps idle connections ``KEEPALIVE_S`` (less than the instances'
-``INSTANCE_KEEPALIVE_S``, so the instance never closes one the router is about to use).
+``INSTANCE_KEEPALIVE_S``, so the instance never closes one the router is about to use; both
+live in serve/discovery.py, which both sides import).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ log = logging.getLogger(__name__)
 
 WARM_CONNECTIONS = 64
 WARM_INTERVAL_S = 30.0
-KEEPALIVE_S = 60.0  # the router's upstream pool
-INSTANCE_KEEPALIVE_S = 120.0  # the instances' HTTP servers
 
 
 def due(urls: Iterable[str], last: dict[str, float], now: float,
