@@ -77,3 +77,33 @@ def test_two_token_law_matches_the_target_under_random_drafts() -> None:
     chi2 = sum((counts[c] - n * q) ** 2 / (n * q) for c, q in exact.items())
     # 35 degrees of freedom: the 0.999 quantile is 66.6
     assert chi2 < 66.6, chi2
+
+
+def test_each_row_is_sampled_with_the_history_its_drafts_make() -> None:
+    """Penalties and min_tokens look at the generated tokens: row j of a verify step must see
+    the drafts before it as generated, or right drafts get wrong draws."""
+    from pdd_sidecar.engine.sampling import TokenHistory
+    from pdd_sidecar.engine.speculative.rows import row_histories
+
+    def draw_h(ctx: list[int], p: SamplingParams, index: int, h: TokenHistory) -> int:
+        return int(sample_on_device(target_logits(ctx).unsqueeze(0), [p], [index], [h])[0])
+
+    stops = frozenset({2})
+    for seed in range(40):
+        p = SamplingParams(temperature=0.0 if seed % 2 else 0.8, seed=seed,
+                           frequency_penalty=1.5, presence_penalty=0.5,
+                           repetition_penalty=1.3, min_tokens=4)
+        prompt = [0, 1]
+        ctx, want = list(prompt), []
+        for i in range(10):
+            want.append(draw_h(ctx, p, i, TokenHistory(prompt, list(want), stops)))
+            ctx.append(want[-1])
+        out: list[int] = []
+        while len(out) < 10:
+            drafts = want[len(out):len(out) + 3]  # always right
+            rows = row_histories(TokenHistory(prompt, list(out), stops), drafts)
+            draws = [draw_h(prompt + out + drafts[:j], p, len(out) + j, rows[j])
+                     for j in range(len(drafts) + 1)]
+            out += accepted_tokens(drafts, draws)
+        assert out[:10] == want, seed
+    assert row_histories(None, [1, 2]) == [None, None, None]

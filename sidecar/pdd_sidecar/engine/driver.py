@@ -78,7 +78,7 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig
-from pdd_sidecar.engine.speculative.rows import drafted_history, grammar_drafts
+from pdd_sidecar.engine.speculative.rows import grammar_drafts, row_histories
 from pdd_sidecar.engine.speculative.speculator import SpecStats, Speculator, draft_room
 from pdd_sidecar.engine.speculative.verify import accepted_tokens
 from pdd_sidecar.engine.warmup_shape import warmup_shape
@@ -712,8 +712,7 @@ class InstanceDriver:
             histories = []
             for d, _ in spans:
                 h = _history(d.seq) if d.seq.sampling.adjusts else None
-                histories.extend(None if h is None else drafted_history(h, d.drafts[:j])
-                                 for j in range(d.rows))
+                histories.extend(row_histories(h, d.drafts))
         masked: list[int] = []
         states: list[Any] = []
         for d, first in spans:

@@ -40,11 +40,14 @@ def grammar_drafts(grammar: Any, drafts: Sequence[int]) -> tuple[list[int], list
     return kept, states
 
 
-def drafted_history(history: TokenHistory, drafts: Sequence[int]) -> TokenHistory:
-    """``history`` as it will be once ``drafts`` are generated."""
-    if not drafts:
-        return history
-    return history._replace(generated=[*history.generated, *drafts])
+def row_histories(history: TokenHistory | None, drafts: Sequence[int]
+                  ) -> list[TokenHistory | None]:
+    """The history each of the ``len(drafts) + 1`` rows is sampled with: row ``j`` as if
+    ``drafts[:j]`` were generated (None stays None: the row asks for no control)."""
+    if history is None:
+        return [None] * (len(drafts) + 1)
+    return [history if j == 0 else history._replace(generated=[*history.generated, *drafts[:j]])
+            for j in range(len(drafts) + 1)]
 
 
-__all__ = ["drafted_history", "grammar_drafts"]
+__all__ = ["grammar_drafts", "row_histories"]
