@@ -58,6 +58,17 @@ def autoscaled(**more: Any) -> dict[str, Any]:
     return spec
 
 
+def speculative(value: Any, model: str = "deepseek-ai/DeepSeek-V3") -> dict[str, Any]:
+    """spec.decode.speculative set to ``value`` on a model of that name (V3 carries MTP)."""
+    spec = with_("decode.speculative", value)
+    spec["model"] = {"name": model}
+    return spec
+
+
+MTP_ON_V2_LITE = ("spec.decode.speculative.method: mtp needs a checkpoint with a multi-token-"
+                  "prediction module (DeepSeek-V3/R1: num_nextn_predict_layers 1), and "
+                  "deepseek-ai/DeepSeek-V2-Lite-Chat has none; use ngram")
+
 # engine vllm: the router runs a pdd image of its own (spec.image is then a vLLM image).
 VLLM: dict[str, Any] = {**BASE, "engine": "vllm", "image": "vllm/vllm-openai:v0.33.0",
                         "router": {"image": "pdd:0.1.0"}}
@@ -232,6 +243,39 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.decode.kvCacheDtype: must be one of 'auto' or 'fp8', got 'fp16'"),
     ("P KV dtype type", with_("prefill.kvCacheDtype", 8),
      "spec.prefill.kvCacheDtype: must be one of 'auto' or 'fp8', got 8"),
+    # Speculative decoding (issue 47): mtp only where the checkpoint has the module, k bounded,
+    # n-gram lengths ordered and only for ngram, on the decode role only.
+    ("D mtp on V2-Lite", with_("decode.speculative", {"method": "mtp"}), MTP_ON_V2_LITE),
+    ("D mtp on a copy of V2", speculative({"method": "mtp", "tokens": 2},
+                                          "my-org/DeepSeek-V2"),
+     "spec.decode.speculative.method: mtp needs a checkpoint with a multi-token-prediction "
+     "module (DeepSeek-V3/R1: num_nextn_predict_layers 1), and my-org/DeepSeek-V2 has none; "
+     "use ngram"),
+    ("vllm D mtp on V2-Lite", {**VLLM, "decode": {"tensorParallelSize": 4,
+                                                  "speculative": {"method": "mtp"}}},
+     MTP_ON_V2_LITE),
+    ("D speculative tokens 0", speculative({"method": "mtp", "tokens": 0}),
+     "spec.decode.speculative.tokens: must be between 1 and 8, got 0"),
+    ("D speculative tokens 9", speculative({"method": "ngram", "tokens": 9}),
+     "spec.decode.speculative.tokens: must be between 1 and 8, got 9"),
+    ("D speculative method", speculative({"method": "eagle"}),
+     "spec.decode.speculative.method: must be one of 'mtp' or 'ngram', got 'eagle'"),
+    ("D speculative without a method", speculative({"tokens": 2}),
+     "spec.decode.speculative.method: required"),
+    ("D ngram minN above maxN", speculative({"method": "ngram", "ngram": {"maxN": 2,
+                                                                          "minN": 3}}),
+     "spec.decode.speculative.ngram.minN: must not exceed maxN (2), got 3"),
+    ("D ngram minN above the default maxN", speculative({"method": "ngram",
+                                                         "ngram": {"minN": 5}}),
+     "spec.decode.speculative.ngram.minN: must not exceed maxN (4), got 5"),
+    ("D ngram maxN 17", speculative({"method": "ngram", "ngram": {"maxN": 17}}),
+     "spec.decode.speculative.ngram.maxN: must be between 1 and 16, got 17"),
+    ("D ngram minN 0", speculative({"method": "ngram", "ngram": {"minN": 0}}),
+     "spec.decode.speculative.ngram.minN: must be between 1 and 16, got 0"),
+    ("D ngram lengths with mtp", speculative({"method": "mtp", "ngram": {"maxN": 3}}),
+     "spec.decode.speculative.ngram: only with method ngram, got method mtp"),
+    ("P speculative", with_("prefill.speculative", {"method": "ngram"}),
+     "spec.prefill.speculative: unknown field"),
     # Autoscaling (issue 40): bounds that never reach zero, ordered; targets that make sense.
     ("P autoscaling min above max", autoscaled(prefill={"minReplicas": 5}),
      "spec.autoscaling.prefill.minReplicas: must not exceed maxReplicas (4), got 5"),
@@ -345,6 +389,18 @@ VALID_EDGES = [
     with_("decode.kvCacheDtype", "auto"),
     {**VLLM, "prefill": {"tensorParallelSize": 4, "kvCacheDtype": "fp8"},
      "decode": {"tensorParallelSize": 2, "kvCacheDtype": "fp8"}},
+    # Speculative decoding: mtp on checkpoints with the module (or names the validators do not
+    # know: the sidecar checks the checkpoint), ngram on any model, k and n-gram lengths at
+    # their bounds.
+    speculative({"method": "mtp"}),
+    speculative({"method": "mtp", "tokens": 8}, "deepseek-ai/DeepSeek-R1-0528"),
+    speculative({"method": "mtp", "tokens": 2}, "my-org/DeepSeek-V2-Lite-Chat-mtp"),
+    with_("decode.speculative", {"method": "ngram"}),
+    with_("decode.speculative", {"method": "ngram", "tokens": 3,
+                                 "ngram": {"maxN": 16, "minN": 16}}),
+    speculative({"method": "ngram", "ngram": {"maxN": 1}}),
+    {**VLLM, "decode": {"tensorParallelSize": 4, "speculative": {
+        "method": "ngram", "tokens": 2, "ngram": {"maxN": 5, "minN": 2}}}},
     # Multi-node instances (LeaderWorkerSet groups): the GPU count is per pod.
     {**BASE, "prefill": {"tensorParallelSize": 4, "decodeContextParallelSize": 4,
                          "gpusPerPod": 2},

@@ -96,6 +96,14 @@ ENV_HOST_KV_CACHE_GIB = "PDD_HOST_KV_CACHE_GIB"
 # of specs without it keep their hash.
 ENV_KV_CACHE_DTYPE = "PDD_KV_CACHE_DTYPE"
 
+# Speculative decoding (issue 47), decode role only: the drafter (mtp | ngram;
+# pdd_api.models.SPECULATIVE_METHODS; unset: none), tokens drafted per step, and the n-gram
+# drafter's longest and shortest ending (method ngram only).
+ENV_SPECULATIVE_METHOD = "PDD_SPECULATIVE_METHOD"
+ENV_SPECULATIVE_TOKENS = "PDD_SPECULATIVE_TOKENS"
+ENV_SPECULATIVE_NGRAM_MAX = "PDD_SPECULATIVE_NGRAM_MAX"
+ENV_SPECULATIVE_NGRAM_MIN = "PDD_SPECULATIVE_NGRAM_MIN"
+
 # API keys on the router (issue 39): keys in the env, or a file/folder of them (the mounted
 # Secret of spec.router.apiKeySecretRef), read again when it changes.
 ENV_API_KEY = "PDD_API_KEY"

@@ -36,6 +36,15 @@ DEFAULT_ROUTER_POLICY: RouterPolicy = "cache-aware"  # first of ROUTER_POLICIES
 KvCacheDtype = Literal["auto", "fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 DEFAULT_KV_CACHE_DTYPE: KvCacheDtype = "auto"  # first of KV_CACHE_DTYPES
+# Speculative decoding on the decode role (docs/operator.md, "Speculative decoding"): mtp drafts
+# with the checkpoint's own multi-token-prediction module (DeepSeek-V3/R1), ngram with prompt
+# lookup (any model).
+SpeculativeMethod = Literal["mtp", "ngram"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+DEFAULT_SPECULATIVE_TOKENS = 1
+# The n-gram drafter's defaults (sidecar engine/speculative/ngram.py NgramConfig).
+DEFAULT_NGRAM_MAX_N = 4
+DEFAULT_NGRAM_MIN_N = 1
 # The share of a GPU's memory an instance fills unless told otherwise (vLLM's default too);
 # keys.py re-exports it for the sidecars.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -276,6 +285,48 @@ class RoleSpec(_Strict):
     )
 
 
+class NgramSpec(_Strict):
+    maxN: int = Field(
+        default=DEFAULT_NGRAM_MAX_N,
+        description="Longest ending of the text (prompt and output so far), in tokens, looked "
+        "up in what came before; the tokens that followed its latest earlier occurrence are "
+        "the draft. Longer endings are tried first.",
+    )
+    minN: int = Field(
+        default=DEFAULT_NGRAM_MIN_N,
+        description="Shortest ending looked up, at most maxN: a text whose endings of minN "
+        "tokens or more never occurred before gets no draft (an ordinary decode step).",
+    )
+
+
+class SpeculativeSpec(_Strict):
+    method: SpeculativeMethod = Field(
+        description="mtp: drafts from the checkpoint's multi-token-prediction module "
+        "(DeepSeek-V3/R1 carry one, num_nextn_predict_layers 1; V2 and V2-Lite do not); "
+        "ngram: prompt lookup, for any model, at no model cost.",
+    )
+    tokens: int = Field(
+        default=DEFAULT_SPECULATIVE_TOKENS,
+        description="Tokens drafted per sequence and step (k); one decode step verifies "
+        "k + 1 positions. Output is the same as without speculation (greedy) or follows "
+        "the same distribution (sampled).",
+    )
+    ngram: NgramSpec | None = Field(
+        default=None,
+        description="The n-gram drafter's lengths (method ngram only); absent: its defaults.",
+    )
+
+
+class DecodeRoleSpec(RoleSpec):
+    speculative: SpeculativeSpec | None = Field(
+        default=None,
+        description="Speculative decoding: draft tokens cheaply, verify them in one decode "
+        "step (PDD_SPECULATIVE_*; with engine vllm, --speculative-config). Absent: none. The "
+        "prefill runs the same model (spec.model), so an MTP draft can start from the "
+        "prompt's last hidden state.",
+    )
+
+
 class SecretKeyRef(_Strict):
     name: str = Field(description="A Secret in the PDDeployment's namespace.")
     key: str | None = Field(
@@ -467,7 +518,8 @@ class PDDeploymentSpec(_Strict):
         default_factory=KVTransferSpec, description="How KV moves from prefill to decode."
     )
     prefill: RoleSpec = Field(description="Prefill instances: run prompts, hold KV until read.")
-    decode: RoleSpec = Field(description="Decode instances: read KV per the routing plan, decode.")
+    decode: DecodeRoleSpec = Field(
+        description="Decode instances: read KV per the routing plan, decode.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The request router.")
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec, description="How pods are replaced when the spec changes."

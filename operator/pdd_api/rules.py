@@ -14,6 +14,8 @@ from typing import Any, Protocol
 from pdd_api.models import (
     API_GROUP,
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_NGRAM_MAX_N,
+    DEFAULT_NGRAM_MIN_N,
     GPU_RESOURCE,
     KV_CACHE_DTYPES,
     MAX_DRAIN_SECONDS,
@@ -22,6 +24,7 @@ from pdd_api.models import (
     ROLES,
     PDDeploymentSpec,
 )
+from pdd_api.models_catalog import without_mtp
 from pdd_api.quantity import GIB, parse_quantity
 
 MAX_TP = 64
@@ -35,6 +38,12 @@ MAX_KV_CACHE_BLOCKS = 1 << 24  # per rank; far beyond any GPU, short of overflow
 MAX_HOST_KV_CACHE_GIB = 4096
 MAX_LATENCY_TARGET_SECONDS = 3600.0
 MAX_QUEUED_TOKENS = 1 << 30
+# Speculative decoding: tokens drafted per step (a verify step computes k + 1 positions per
+# sequence; acceptance falls with each further position, so more rarely pays), and the longest
+# ending the n-gram drafter looks up.
+MAX_SPECULATIVE_TOKENS = 8
+MAX_NGRAM_N = 16
+SPECULATIVE = "decode.speculative"
 PREFILL_TARGETS = ("ttft", "queuedPromptTokensPerReplica", "promptTokensPerSecondPerReplica")
 
 
@@ -278,6 +287,95 @@ class SameOnBothRolesRule:
             self.field,
             f"!({p} in {allowed}) || !({d} in {allowed}) || {p} == {d}",
             _fmt(f"{self._head} (%s), got %s", p, d),
+        )
+
+
+@dataclass(frozen=True)
+class NgramOrderRule:
+    """The n-gram drafter tries endings from maxN down to minN tokens: minN above maxN tries
+    none, and the sidecar's NgramConfig refuses it."""
+
+    field: str = f"{SPECULATIVE}.ngram.minN"
+
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...]:
+        return (_path(self.field), _path(f"{SPECULATIVE}.ngram.maxN"))
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        if not isinstance(lookup(spec, f"{SPECULATIVE}.ngram"), Mapping):
+            return None
+        lo, hi = _int(spec, self.field), _int(spec, f"{SPECULATIVE}.ngram.maxN")
+        if lo is None or hi is None or lo <= hi:
+            return None
+        return f"spec.{self.field}: must not exceed maxN ({hi}), got {lo}"
+
+    def cel(self) -> dict[str, str]:
+        n = f"self.{SPECULATIVE}.ngram"
+        lo = f"(has({n}.minN) ? {n}.minN : {DEFAULT_NGRAM_MIN_N})"
+        hi = f"(has({n}.maxN) ? {n}.maxN : {DEFAULT_NGRAM_MAX_N})"
+        return _cel(
+            self.field,
+            f"{_cel_guard(f'{SPECULATIVE}.ngram')}{lo} <= {hi}",
+            _fmt(f"spec.{self.field}: must not exceed maxN (%d), got %d", hi, lo),
+        )
+
+
+@dataclass(frozen=True)
+class NgramOnlyRule:
+    """The n-gram lengths mean nothing to an MTP drafter: said rather than ignored."""
+
+    field: str = f"{SPECULATIVE}.ngram"
+    reads: tuple[tuple[str, ...], ...] = ()
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        method = lookup(spec, f"{SPECULATIVE}.method")
+        if not isinstance(lookup(spec, self.field), Mapping) or method in ("ngram", None):
+            return None
+        return f"spec.{self.field}: only with method ngram, got method {method}"
+
+    def cel(self) -> dict[str, str]:
+        s = f"self.{SPECULATIVE}"
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}!has({s}.method) || {s}.method == 'ngram'",
+            _fmt(f"spec.{self.field}: only with method ngram, got method %s", f"{s}.method"),
+        )
+
+
+@dataclass(frozen=True)
+class MtpModelRule:
+    """mtp drafts with the checkpoint's own multi-token-prediction module: DeepSeek-V3/R1 carry
+    one, V2 and V2-Lite none. The validators know a model by its name (models_catalog.py), so
+    they refuse the names known to lack it; for a name they do not know only the checkpoint's
+    config (num_nextn_predict_layers) can say, which the decode reads when it loads. Both roles serve
+    spec.model, so the prefill runs the model whose module the decode drafts with."""
+
+    field: str = f"{SPECULATIVE}.method"
+    reads: tuple[tuple[str, ...], ...] = ()
+    names: tuple[str, ...] = without_mtp()
+
+    @staticmethod
+    def _words(name: str) -> str:
+        return (f"spec.{SPECULATIVE}.method: mtp needs a checkpoint with a multi-token-"
+                f"prediction module (DeepSeek-V3/R1: num_nextn_predict_layers 1), and {name} "
+                "has none; use ngram")
+
+    def check(self, spec: Mapping[str, Any]) -> str | None:
+        name = lookup(spec, "model.name")
+        if lookup(spec, self.field) != "mtp" or not isinstance(name, str):
+            return None
+        if any(name == b or name.endswith(f"/{b}") for b in self.names):
+            return self._words(name)
+        return None
+
+    def cel(self) -> dict[str, str]:
+        n = "self.model.name"
+        known = "[" + ", ".join(f"'{b}'" for b in self.names) + "]"
+        return _cel(
+            self.field,
+            f"{_cel_guard(self.field)}self.{self.field} != 'mtp' || !has(self.model) || "
+            f"!has({n}) || !{known}.exists(b, {n} == b || {n}.endsWith('/' + b))",
+            _fmt(self._words("%s"), n),
         )
 
 
@@ -775,6 +873,12 @@ def _rules() -> tuple[Rule, ...]:
         DivideEitherWayRule("decode.tensorParallelSize", "prefill.tensorParallelSize",
                             vllm_only=True),
         SameOnBothRolesRule("kvCacheDtype", KV_CACHE_DTYPES, DEFAULT_KV_CACHE_DTYPE),
+        RangeRule(f"{SPECULATIVE}.tokens", 1, MAX_SPECULATIVE_TOKENS),
+        RangeRule(f"{SPECULATIVE}.ngram.maxN", 1, MAX_NGRAM_N),
+        RangeRule(f"{SPECULATIVE}.ngram.minN", 1, MAX_NGRAM_N),
+        NgramOrderRule(),
+        NgramOnlyRule(),
+        MtpModelRule(),
         VllmRouterImageRule(),
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),

@@ -24,10 +24,12 @@ from pdd_api.models import (
     DEFAULT_ROUTER_POLICY,
     GPU_RESOURCE,
     KIND,
+    NgramSpec,
     PDDeploymentSpec,
     PodTemplate,
     ResourceRequirements,
     RoleSpec,
+    SpeculativeSpec,
     gpus_per_pod,
 )
 from pdd_api.plan import RoutingPlan
@@ -62,6 +64,9 @@ CONTRACT_ENV = frozenset(
         keys.ENV_GPU_MEMORY_UTILIZATION, keys.ENV_NUM_BLOCKS, keys.ENV_HOST_KV_CACHE_GIB,
         # Set through kvCacheDtype only: the validators hold both roles to one value.
         keys.ENV_KV_CACHE_DTYPE,
+        # spec.decode.speculative, checked by the validators.
+        keys.ENV_SPECULATIVE_METHOD, keys.ENV_SPECULATIVE_TOKENS, keys.ENV_SPECULATIVE_NGRAM_MAX,
+        keys.ENV_SPECULATIVE_NGRAM_MIN,
     }
 )
 
@@ -403,6 +408,19 @@ def tracing_env(owner: Owner, spec: PDDeploymentSpec, component: str) -> list[Ob
     ]
 
 
+def speculative_env(spec: SpeculativeSpec | None) -> list[Obj]:
+    """A decode's drafter: nothing without one (pods of specs without it keep their hash)."""
+    if spec is None:
+        return []
+    env = [_env(keys.ENV_SPECULATIVE_METHOD, spec.method),
+           _env(keys.ENV_SPECULATIVE_TOKENS, spec.tokens)]
+    if spec.method == "ngram":
+        ngram = spec.ngram or NgramSpec()
+        env += [_env(keys.ENV_SPECULATIVE_NGRAM_MAX, ngram.maxN),
+                _env(keys.ENV_SPECULATIVE_NGRAM_MIN, ngram.minN)]
+    return env
+
+
 def role_env(spec: PDDeploymentSpec, role: Role, index: int,
              prefill_service: str = "", owner: Owner | None = None) -> list[Obj]:
     r = getattr(spec, role)
@@ -430,6 +448,8 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
         env.append(_env(keys.ENV_HOST_KV_CACHE_GIB, plain_number(r.hostKVCacheGiB)))
     if r.kvCacheDtype != DEFAULT_KV_CACHE_DTYPE:
         env.append(_env(keys.ENV_KV_CACHE_DTYPE, r.kvCacheDtype))
+    if role == "decode":
+        env += speculative_env(spec.decode.speculative)
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))

@@ -18,8 +18,11 @@ from pdd_api import keys
 from pdd_api.models import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_DTYPE,
+    DecodeRoleSpec,
+    NgramSpec,
     PDDeploymentSpec,
     RoleSpec,
+    SpeculativeSpec,
 )
 from pdd_api.quantity import plain_number
 
@@ -38,6 +41,16 @@ HEALTH_PATH = "/health"  # vLLM's OpenAI server: 200 once the engine serves
 def model_arg(spec: PDDeploymentSpec) -> str:
     """What `vllm serve` loads: the weights' directory when given, else the Hugging Face id."""
     return spec.model.source or spec.model.name
+
+
+def speculative_config(spec: SpeculativeSpec) -> str:
+    """vLLM's --speculative-config for the decode's drafter (its SpeculativeConfig fields):
+    method mtp drafts with the checkpoint's MTP module, ngram with prompt lookup."""
+    config: Obj = {"method": spec.method, "num_speculative_tokens": spec.tokens}
+    if spec.method == "ngram":
+        ngram = spec.ngram or NgramSpec()
+        config.update(prompt_lookup_max=ngram.maxN, prompt_lookup_min=ngram.minN)
+    return json.dumps(config, separators=(",", ":"))
 
 
 def serve_args(spec: PDDeploymentSpec, role_spec: RoleSpec) -> list[str]:
@@ -68,6 +81,8 @@ def serve_args(spec: PDDeploymentSpec, role_spec: RoleSpec) -> list[str]:
     # vLLM's FP8 MLA cache (FlashMLA's or Triton MLA's) is the same layout as pdd's.
     if role_spec.kvCacheDtype != DEFAULT_KV_CACHE_DTYPE:
         args += ["--kv-cache-dtype", role_spec.kvCacheDtype]
+    if isinstance(role_spec, DecodeRoleSpec) and role_spec.speculative is not None:
+        args += ["--speculative-config", speculative_config(role_spec.speculative)]
     return args + list(role_spec.extraArgs or [])
 
 

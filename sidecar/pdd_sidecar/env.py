@@ -18,9 +18,13 @@ from dataclasses import dataclass, field
 from pdd_api import keys, rules
 from pdd_api.models import (
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_NGRAM_MAX_N,
+    DEFAULT_NGRAM_MIN_N,
     DEFAULT_ROUTER_POLICY,
+    DEFAULT_SPECULATIVE_TOKENS,
     KV_CACHE_DTYPES,
     ROUTER_POLICIES,
+    SPECULATIVE_METHODS,
 )
 from pdd_sidecar.switch import switch
 
@@ -54,6 +58,13 @@ PDD_HOST_KV_CACHE_GIB = keys.ENV_HOST_KV_CACHE_GIB
 # What the KV cache keeps a token's latent in: auto (the model's dtype) or fp8 (FlashMLA's
 # layout, kv/fp8_layout.py). Prefill and decode must agree: the hand-off moves bytes as they are.
 PDD_KV_CACHE_DTYPE = keys.ENV_KV_CACHE_DTYPE
+# Speculative decoding, decode only (docs/operator.md, "Speculative decoding"): the drafter
+# (mtp | ngram; unset: none), tokens drafted per step, the n-gram drafter's longest and shortest
+# ending.
+PDD_SPECULATIVE_METHOD = keys.ENV_SPECULATIVE_METHOD
+PDD_SPECULATIVE_TOKENS = keys.ENV_SPECULATIVE_TOKENS
+PDD_SPECULATIVE_NGRAM_MAX = keys.ENV_SPECULATIVE_NGRAM_MAX
+PDD_SPECULATIVE_NGRAM_MIN = keys.ENV_SPECULATIVE_NGRAM_MIN
 # Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
 # or a slow hand-off could read blocks the lease already gave to another request.
 PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"
@@ -246,6 +257,58 @@ def parse_urls(raw: str | None) -> list[str]:
 
 
 @dataclass(frozen=True)
+class SpeculativeSettings:
+    """A decode's drafter, as spec.decode.speculative says it (the engine builds its drafter
+    from these: for ngram, engine/speculative/ngram.py NgramConfig(k=tokens, max_n, min_n))."""
+
+    method: str  # one of pdd_api.models.SPECULATIVE_METHODS
+    tokens: int = DEFAULT_SPECULATIVE_TOKENS
+    ngram_max: int = DEFAULT_NGRAM_MAX_N
+    ngram_min: int = DEFAULT_NGRAM_MIN_N
+
+
+def _bounded(env: Mapping[str, str], key: str, default: int, hi: int) -> int:
+    value = _int(env, key, default, 1)
+    if value > hi:
+        raise ConfigError(f"{key}: must be between 1 and {hi}, got {value}")
+    return value
+
+
+def _speculative(env: Mapping[str, str], role: str) -> SpeculativeSettings | None:
+    """None without PDD_SPECULATIVE_METHOD; a setting that cannot apply is refused, not
+    ignored (a drafter's knob without a drafter, n-gram lengths for mtp, a prefill's drafter)."""
+    method = env.get(PDD_SPECULATIVE_METHOD, "")
+    ngram_keys = (PDD_SPECULATIVE_NGRAM_MAX, PDD_SPECULATIVE_NGRAM_MIN)
+    if not method:
+        stray = next((k for k in (PDD_SPECULATIVE_TOKENS, *ngram_keys) if env.get(k)), None)
+        if stray is not None:
+            raise ConfigError(f"{stray}: set without {PDD_SPECULATIVE_METHOD} "
+                              f"({', '.join(SPECULATIVE_METHODS)}), got {env[stray]!r}")
+        return None
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: must be one of "
+                          f"{', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    if role != "decode":
+        raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: only a decode drafts, got {method!r} on "
+                          f"a {role}")
+    if method != "ngram":
+        stray = next((k for k in ngram_keys if env.get(k)), None)
+        if stray is not None:
+            raise ConfigError(f"{stray}: only with {PDD_SPECULATIVE_METHOD}=ngram, got "
+                              f"{method!r}")
+    lo = _bounded(env, PDD_SPECULATIVE_NGRAM_MIN, DEFAULT_NGRAM_MIN_N, rules.MAX_NGRAM_N)
+    hi = _bounded(env, PDD_SPECULATIVE_NGRAM_MAX, DEFAULT_NGRAM_MAX_N, rules.MAX_NGRAM_N)
+    if lo > hi:
+        raise ConfigError(f"{PDD_SPECULATIVE_NGRAM_MIN}: must not exceed "
+                          f"{PDD_SPECULATIVE_NGRAM_MAX} ({hi}), got {lo}")
+    return SpeculativeSettings(
+        method=method,
+        tokens=_bounded(env, PDD_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS,
+                        rules.MAX_SPECULATIVE_TOKENS),
+        ngram_max=hi, ngram_min=lo)
+
+
+@dataclass(frozen=True)
 class InstanceSettings:
     role: str
     replica: int
@@ -293,6 +356,7 @@ class InstanceSettings:
     gpu_memory_utilization: float = keys.DEFAULT_GPU_MEMORY_UTILIZATION
     host_kv_cache_gib: float = 0.0
     kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # one of pdd_api.models.KV_CACHE_DTYPES
+    speculative: SpeculativeSettings | None = None  # decode's drafter; None: no speculation
 
     @property
     def ranks_per_pod(self) -> int:
@@ -394,6 +458,7 @@ class InstanceSettings:
                                              keys.DEFAULT_GPU_MEMORY_UTILIZATION),
             host_kv_cache_gib=_float(env, PDD_HOST_KV_CACHE_GIB, 0.0),
             kv_cache_dtype=_choice(env, PDD_KV_CACHE_DTYPE, KV_CACHE_DTYPES),
+            speculative=_speculative(env, role),
         )
 
 

@@ -99,6 +99,24 @@ def test_rendered_command_lines_parse_as_vllm_reads_them(
         assert engine.kv_cache_dtype == ("fp8" if fp8 else "auto")
 
 
+@pytest.mark.parametrize("speculative", [
+    {"method": "mtp", "tokens": 2},
+    {"method": "ngram", "tokens": 3, "ngram": {"maxN": 5, "minN": 2}},
+])
+def test_the_decodes_speculative_config_is_what_vllm_reads(speculative: dict[str, Any]) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    raw = vllm_spec((2, 2), (2, 2), model={"name": "deepseek-ai/DeepSeek-V3"})
+    raw["decode"]["speculative"] = speculative
+    argv = build(OWNER, parse_spec(raw)).pods["decode"][0]["spec"]["containers"][0]["command"]
+    config = EngineArgs.from_cli_args(parse(argv)).speculative_config
+    assert config is not None
+    assert config["method"] == speculative["method"]
+    assert config["num_speculative_tokens"] == speculative["tokens"]
+    if speculative["method"] == "ngram":
+        assert (config["prompt_lookup_max"], config["prompt_lookup_min"]) == (5, 2)
+
+
 def test_a_misspelt_flag_is_what_the_parser_refuses() -> None:
     """The check above can fail: vLLM's parser refuses what it does not know."""
     argv = build(OWNER, parse_spec(vllm_spec((2, 2), (2, 2)))).pods["decode"][0]["spec"][
