@@ -347,8 +347,8 @@ class MtpModelRule:
     """mtp drafts with the checkpoint's own multi-token-prediction module: DeepSeek-V3/R1 carry
     one, V2 and V2-Lite none. The validators know a model by its name (models_catalog.py), so
     they refuse the names known to lack it; for a name they do not know only the checkpoint's
-    config (num_nextn_predict_layers) can say, which the decode reads when it loads. Both roles serve
-    spec.model, so the prefill runs the model whose module the decode drafts with."""
+    config (num_nextn_predict_layers) can say, which the decode reads when it loads. Both roles
+    serve spec.model, so the prefill runs the model whose module the decode drafts with."""
 
     field: str = f"{SPECULATIVE}.method"
     reads: tuple[tuple[str, ...], ...] = ()
