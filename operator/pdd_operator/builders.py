@@ -24,17 +24,16 @@ from pdd_api.models import (
     DEFAULT_ROUTER_POLICY,
     GPU_RESOURCE,
     KIND,
-    NgramSpec,
     PDDeploymentSpec,
     PodTemplate,
     ResourceRequirements,
     RoleSpec,
-    SpeculativeSpec,
     gpus_per_pod,
 )
 from pdd_api.plan import RoutingPlan
 from pdd_api.quantity import MAX_BYTES, format_bytes, gib_bytes, parse_quantity, plain_number
 from pdd_api.routing import plan_for_spec
+from pdd_api.speculative import speculative_env
 from pdd_operator import builders_vllm
 from pdd_operator.hashing import content_hash
 
@@ -408,19 +407,6 @@ def tracing_env(owner: Owner, spec: PDDeploymentSpec, component: str) -> list[Ob
     ]
 
 
-def speculative_env(spec: SpeculativeSpec | None) -> list[Obj]:
-    """A decode's drafter: nothing without one (pods of specs without it keep their hash)."""
-    if spec is None:
-        return []
-    env = [_env(keys.ENV_SPECULATIVE_METHOD, spec.method),
-           _env(keys.ENV_SPECULATIVE_TOKENS, spec.tokens)]
-    if spec.method == "ngram":
-        ngram = spec.ngram or NgramSpec()
-        env += [_env(keys.ENV_SPECULATIVE_NGRAM_MAX, ngram.maxN),
-                _env(keys.ENV_SPECULATIVE_NGRAM_MIN, ngram.minN)]
-    return env
-
-
 def role_env(spec: PDDeploymentSpec, role: Role, index: int,
              prefill_service: str = "", owner: Owner | None = None) -> list[Obj]:
     r = getattr(spec, role)
@@ -449,7 +435,7 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
     if r.kvCacheDtype != DEFAULT_KV_CACHE_DTYPE:
         env.append(_env(keys.ENV_KV_CACHE_DTYPE, r.kvCacheDtype))
     if role == "decode":
-        env += speculative_env(spec.decode.speculative)
+        env += [_env(k, v) for k, v in speculative_env(spec.decode.speculative).items()]
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))

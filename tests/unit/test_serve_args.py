@@ -78,6 +78,14 @@ PORTS = Ports(router=8000, prefill=(InstancePorts(http=11000, side=12000, dist=1
         (["--prefill-memory-share", "0"], "--prefill-memory-share", "got 0.0"),
         (["--prefill-replicas", "0"], "--prefill-replicas", "between 1 and 16, got 0"),
         (["--decode-replicas", "17"], "--decode-replicas", "between 1 and 16, got 17"),
+        (["--speculative", '{"method": "ngram", "tokens": 9}'], "--speculative",
+         "spec.decode.speculative.tokens: must be between 1 and 8, got 9"),
+        (["--speculative", '{"method": "eagle"}'], "--speculative",
+         "spec.decode.speculative.method: must be one of 'mtp' or 'ngram', got 'eagle'"),
+        (["--speculative", '{"method": "mtp", "ngram": {"maxN": 2}}'], "--speculative",
+         "spec.decode.speculative.ngram: only with method ngram, got method mtp"),
+        (["--speculative", "3"], "--speculative",
+         "spec.decode.speculative: must be an object, got 3"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
@@ -417,3 +425,46 @@ def test_the_stack_is_ready_once_its_router_sees_every_instance_ready() -> None:
     assert not router_sees({**seen, "prefill": {p[0]: True}}, p, d)  # not probed yet
     assert not router_sees({**seen, "ready": False}, p, d)
     assert not router_sees(None, p, d)
+
+
+def test_kv_cache_dtype_and_speculative_flags_reach_their_instances(tmp_path: Path) -> None:
+    default = config_from_args(parser().parse_args([]))
+    assert (default.kv_cache_dtype, default.speculative) == ("auto", None)
+    cfg = config_from_args(parser().parse_args([
+        "--kv-cache-dtype", "fp8", "--speculative",
+        '{"method": "ngram", "tokens": 2, "ngram": {"maxN": 3}}']))
+    assert problems(cfg) == []
+    plan_text = routing_plan_json(cfg)
+    assert load_plan(plan_text).kv_cache_dtype == "fp8"
+    f = tmp_path / "routing.json"
+    f.write_text(plan_text)
+    for role in ("prefill", "decode"):
+        s = InstanceSettings.from_env(instance_env(cfg, role, PORTS, str(f), None, "/k"))
+        assert s.kv_cache_dtype == "fp8"
+        spec = s.speculative
+        if role == "prefill":
+            assert spec is None
+        else:
+            assert spec is not None
+            assert (spec.method, spec.tokens, spec.ngram_max, spec.ngram_min) == (
+                "ngram", 2, 3, 1)
+    env = instance_env(default, "decode", PORTS, str(f), None, "/k")
+    assert not [k for k in env if k.startswith(("PDD_SPECULATIVE_", "PDD_KV_CACHE_DTYPE"))]
+
+
+def test_mtp_on_a_checkpoint_without_the_module_names_the_flag() -> None:
+    cfg = StackConfig(model="/models/DeepSeek-V2-Lite-Chat", speculative={"method": "mtp"})
+    assert problems(cfg) == [
+        "--speculative: spec.decode.speculative.method: mtp needs a checkpoint with a "
+        "multi-token-prediction module (DeepSeek-V3/R1: num_nextn_predict_layers 1), and "
+        "DeepSeek-V2-Lite-Chat has none; use ngram"]
+
+
+def test_speculative_that_is_not_json_exits_2_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--speculative", "method=ngram"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--speculative: must be JSON such as '{\"method\": \"ngram\", \"tokens\": 2}', "
+            "got 'method=ngram'") in err, err

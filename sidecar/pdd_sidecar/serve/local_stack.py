@@ -39,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from pdd_api import keys
+from pdd_api.models import DEFAULT_KV_CACHE_DTYPE, KV_CACHE_DTYPES, SpeculativeSpec
 from pdd_api.routing import plan_for_spec
+from pdd_api.speculative import speculative_env
 from pdd_api.validation import parse_spec, validate_spec
 from pdd_sidecar import env as E
 from pdd_sidecar.processes import die_with_parent, usable_cpus
@@ -54,6 +56,8 @@ ROLE_FLAGS = {
     "spec.blockSize": "--block-size",
     "spec.model.dtype": "--dtype",
 }
+# Flags that stand for a whole part of the spec: every problem under it names the flag.
+PART_FLAGS = {"spec.decode.speculative": "--speculative"}
 # Tokens per KV block when --block-size is not given: on a GPU the PDDeployment's default, the
 # size the MLA decode kernels are tuned for; on a CPU smaller, so short test prompts span blocks.
 DEFAULT_BLOCK_SIZES = {"cuda": 64, "cpu": 16}
@@ -93,6 +97,9 @@ class StackConfig:
     long_chunk_tokens: int | None = None  # a longer prompt's piece beside others; None: by device
     prefix_cache: bool = True  # prefill and decode reuse the KV of prefixes they hold
     host_kv_cache_gib: float = 0.0  # host memory per rank under the prefix cache; 0: off
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # both roles' (they must agree)
+    # spec.decode.speculative as given (JSON): judged by the spec's rules; None: no drafter
+    speculative: Mapping[str, Any] | None = None
     router_workers: int = 1  # router processes sharing its port
     log_level: str = "INFO"
     # Share of each GPU's memory the stack's instances fill, and the prefill's part of it where
@@ -147,6 +154,16 @@ def auto_router_workers(cpus: int) -> int:
     return max(1, min(AUTO_ROUTER_WORKERS_MAX, cpus // CPUS_PER_ROUTER_WORKER))
 
 
+def speculative_arg(text: str) -> Any:
+    """--speculative's JSON; its fields are judged with the spec's (problems())."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"must be JSON such as '{{\"method\": \"ngram\", \"tokens\": 2}}', got "
+            f"{text!r}") from None
+
+
 def router_workers_arg(text: str) -> int:
     """``--router-workers``: a number, or ``auto`` (by the CPUs this process may use)."""
     if text == "auto":
@@ -188,15 +205,20 @@ def deployment_spec(cfg: StackConfig) -> dict[str, Any]:
     model: dict[str, Any] = {"name": model_name(cfg.model), "dtype": cfg.resolved_dtype}
     if cfg.model != "builtin":
         model["source"] = cfg.model
-    return {
+    spec: dict[str, Any] = {
         "model": model,
         "image": "local",
         "blockSize": cfg.resolved_block_size,
         "prefill": {"tensorParallelSize": cfg.prefill_tp,
                     "decodeContextParallelSize": cfg.prefill_dcp},
         "decode": {"tensorParallelSize": cfg.decode_tp,
-                   "decodeContextParallelSize": cfg.decode_dcp},
+                   "decodeContextParallelSize": cfg.decode_dcp,
+                   **({"speculative": cfg.speculative} if cfg.speculative is not None else {})},
     }
+    if cfg.kv_cache_dtype != DEFAULT_KV_CACHE_DTYPE:
+        for role in ("prefill", "decode"):
+            spec[role]["kvCacheDtype"] = cfg.kv_cache_dtype
+    return spec
 
 
 def model_name(model: str) -> str:
@@ -206,7 +228,9 @@ def model_name(model: str) -> str:
 def _flag_for(problem: str) -> str:
     """`spec.decode.decodeContextParallelSize: must ...` -> `--decode-dcp: spec.decode...`."""
     path = problem.split(":", 1)[0]
-    flag = ROLE_FLAGS.get(path)
+    flag = ROLE_FLAGS.get(path) or next(
+        (f for part, f in PART_FLAGS.items() if path == part or path.startswith(f"{part}.")),
+        None)
     return f"{flag}: {problem}" if flag else problem
 
 
@@ -246,6 +270,9 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
                    f"shared GPU), got {cfg.prefill_memory_share}")
     if not 0 <= cfg.host_kv_cache_gib < float("inf"):
         out.append(f"--host-kv-cache-gib: must be a number >= 0, got {cfg.host_kv_cache_gib}")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        out.append(f"--kv-cache-dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                   f"{cfg.kv_cache_dtype!r}")
     for flag, value in (("--prefill-replicas", cfg.prefill_replicas),
                         ("--decode-replicas", cfg.decode_replicas)):
         if not 1 <= value <= MAX_REPLICAS:
@@ -405,8 +432,12 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
         env[E.PDD_PREFIX_CACHE] = "0"
     if cfg.host_kv_cache_gib:
         env[E.PDD_HOST_KV_CACHE_GIB] = str(cfg.host_kv_cache_gib)
+    if cfg.kv_cache_dtype != DEFAULT_KV_CACHE_DTYPE:
+        env[E.PDD_KV_CACHE_DTYPE] = cfg.kv_cache_dtype
     if role == "decode":
         env[E.PDD_PREFILL_URLS] = ",".join(urls(cfg, ports, "prefill"))
+        if cfg.speculative is not None:  # problems() has judged it by the spec's rules
+            env.update(speculative_env(SpeculativeSpec.model_validate(cfg.speculative)))
     if cfg.device == "cuda" and gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if cfg.device == "cuda":
@@ -818,6 +849,15 @@ def parser() -> argparse.ArgumentParser:
                    help="GiB of host memory per rank, on both roles, that keep the KV the "
                    "prefix cache evicts, loaded back instead of computed again (pinned on "
                    "cuda; default 0: off; docs/host-kv-tier.md)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=DEFAULT_KV_CACHE_DTYPE,
+                   help="what both roles' KV cache keeps a token's latent in: auto, the "
+                   "model's dtype, or fp8, FlashMLA's layout (656 bytes a token of a layer "
+                   "against 1,152 in bf16; docs/fp8-kv.md)")
+    p.add_argument("--speculative", type=speculative_arg, default=None, metavar="JSON",
+                   help="the decode's drafter, as spec.decode.speculative: "
+                   "'{\"method\": \"ngram\", \"tokens\": 2}' or '{\"method\": \"mtp\"}' "
+                   "(method mtp | ngram, tokens 1..8, default 1; ngram: {\"maxN\": 4, "
+                   "\"minN\": 1}; docs/operator.md, Speculative decoding). Default: none")
     p.add_argument("--router-workers", type=router_workers_arg, default="auto",
                    help="router processes sharing its port, each a whole router; more spread "
                    "its per-request and per-token work over more cores (default auto: one per "
@@ -851,6 +891,7 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         chunk_tokens=a.chunk_tokens, long_chunk_tokens=a.long_chunk_tokens,
         prefix_cache=a.prefix_cache, router_workers=a.router_workers,
         host_kv_cache_gib=a.host_kv_cache_gib,
+        kv_cache_dtype=a.kv_cache_dtype, speculative=a.speculative,
         log_level=a.log_level.upper(),
         api_keys=tuple(a.api_keys), api_key_file=a.api_key_file,
         gpu_memory_utilization=a.gpu_memory_utilization,
