@@ -1,151 +1,253 @@
-"""Decode-step MLA attention over the paged latent cache against context length.
+"""Paged MLA decode attention: pdd's Triton kernel (bf16 and FP8 caches) against FlashMLA (the
+optional ``sgl-flash-mla`` wheel: dense bf16, and its sparse FP8 kernel with every token
+selected) and against the same run's HBM roofline, at the shapes serving sees.
 
-Shape of DeepSeek-V2-Lite attention: 16 heads, latent 512 + rope 64, bf16, one layer, one query
-token. Per context length it times the engine's decode path (gather the request's blocks from the
-paged cache, absorbed attention returning output and LSE) and the attention alone on an already
-contiguous latent array, and reports KV bytes read per second. As the yardstick it measures, in the
-same run, a plain ``torch`` device copy of the same number of bytes and prints each rate as a
-fraction of that copy bandwidth (bytes copied per second).
+DeepSeek-V2-Lite attention: latent 512 + 64, 64-token blocks, a cache of two layers (a block's
+slice of one layer is strided, as in the engine), shuffled block tables, one query token per
+sequence. Each kernel is timed as the engine runs it, inside a CUDA graph (``--reps`` calls per
+replay, best of ``--samples`` replays), so launch overhead counts as it does in a captured
+step. The roofline is the KV bytes a step must read (``batch x context x token bytes``: 1,152
+bf16, 656 FP8) at the read rate of a same-run device copy (bytes read per second of a 1 GiB
+``copy_``). Every kernel's output is compared with the Triton bf16 kernel's (max error
+relative to the output's largest value: FP8 shows its quantisation there).
 
-    python bench/decode_attention.py                  # CPU
-    python bench/decode_attention.py --device cuda    # e.g. H200
+    python bench/decode_attention.py --device cuda                       # the default shapes
+    python bench/decode_attention.py --device cuda --shapes 1x32k --heads 16 --tune
+    python bench/decode_attention.py --device cpu --shapes 1x256 --reps 1   # reference only
+
+``--tune`` sweeps the FP8 kernel's tile (``BLOCK_N``), warps and stages per shape and prints the
+best next to the default (mla_decode.FP8_BLOCK_N / FP8_NUM_WARPS / FP8_NUM_STAGES).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
-from pdd_sidecar.kv.cache import PagedKVCache  # noqa: E402
-from pdd_sidecar.model.mla import decode_attention  # noqa: E402
+from pdd_sidecar.kv import fp8_layout  # noqa: E402
+from pdd_sidecar.model.kernels import flashmla_decode as fm  # noqa: E402
+from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
+from pdd_sidecar.model.kernels.kv_write import write_latents  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+C, R, BS, LAYERS = 512, 64, 64, 2
+DEFAULT_SHAPES = "1x1k,1x32k,1x128k,16x32k,64x4k,128x4k"
+TUNE = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3), (128, 8, 2), (16, 4, 2)]
+
+Fn = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def parse_shape(s: str) -> tuple[int, int]:
+    b, ctx = s.lower().split("x")
+    mult = 1024 if ctx.endswith("k") else 1
+    return int(b), int(ctx.rstrip("k")) * mult
 
 
-def time_op(
-    fn: Callable[[], object], device: torch.device, min_time: float, min_iters: int
-) -> float:
-    """Best (as timeit: the least disturbed) seconds per call over batches; batch size adapts
-    so slow CPU points stay short."""
+def time_graph(fn: Fn, reps: int, samples: int, device: torch.device) -> float:
+    """Seconds per call: ``reps`` calls captured in one CUDA graph, best replay of
+    ``samples`` (eager on the CPU)."""
     fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
-    per_batch = max(1, int(min_time / 5 / one))
-    samples = []
-    for _ in range(max(5, min_iters // per_batch)):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(per_batch):
-            fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) / per_batch)
-    return min(samples)
+    if device.type != "cuda":
+        best = float("inf")
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / reps)
+        return best
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except Exception as e:  # not capturable: timed eagerly, and said so
+        print(f"    (not capturable: {type(e).__name__}: {str(e)[:100]}; timed eagerly)")
+        torch.cuda.synchronize()
+
+        def run() -> object:
+            return [fn() for _ in range(reps)]
+    else:
+        run = graph.replay  # type: ignore[assignment]
+    run()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / reps)
+    return best
 
 
-def measure(ctx: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, float]:
-    device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
-    latent = args.kv_lora_rank + args.rope_dim
-    scale = (128 + args.rope_dim) ** -0.5
-    blocks = -(-ctx // args.block_size)
-    # More than one layer so a block's slice of one layer is strided, as in the engine's cache.
-    cache = PagedKVCache(blocks + 1, args.layers, args.block_size, latent, dtype, device)
-    cache.allocate(1)  # the request does not start at block 0
-    table = torch.tensor(cache.allocate(blocks), device=device)
-    for b in range(0, cache.num_blocks, 256):
-        chunk = cache.kv[b : b + 256]
-        chunk.copy_(torch.randn(chunk.shape, generator=g).to(dtype))
-    q = torch.randn(args.heads, latent, generator=g).to(device=device, dtype=dtype)
-    layer = args.layers - 1
-    kv_flat = cache.read(layer, table, ctx).contiguous()
-    nbytes = ctx * latent * kv_flat.element_size()
-    src = kv_flat.flatten()
+def copy_read_rate(device: torch.device) -> float:
+    """Bytes read per second by a 1 GiB device copy (the roofline's rate)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    t = time_graph(lambda: (dst.copy_(src), dst), 5, 10, device)  # type: ignore[arg-type,return-value]
+    return src.numel() / t
 
-    def paged() -> object:
-        return decode_attention(q, cache.read(layer, table, ctx), args.kv_lora_rank, scale)
 
-    def contiguous() -> object:
-        return decode_attention(q, kv_flat, args.kv_lora_rank, scale)
+def build(
+    batch: int, ctx: int, heads: int, device: torch.device, g: torch.Generator
+) -> dict[str, Any]:
+    per_seq = -(-ctx // BS)
+    nb = batch * per_seq + 1
+    kv = torch.empty(nb, LAYERS, BS, C + R, dtype=torch.bfloat16, device=device)
+    fp8 = torch.empty(nb, LAYERS, BS, fp8_layout.token_bytes(C, R), dtype=torch.uint8,
+                      device=device)
+    layer = LAYERS - 1
+    step = 4096 // BS  # blocks filled per write
+    for b0 in range(0, nb, step):
+        n = min(step, nb - b0) * BS
+        vals = torch.randn(n, C + R, generator=g, device=device).to(torch.bfloat16)
+        ids = torch.arange(n, device=device)
+        kv[b0:b0 + n // BS, layer] = vals.view(-1, BS, C + R)
+        write_latents(fp8, layer, b0 + ids // BS, ids % BS, None, vals, kv_lora_rank=C)
+    perm = torch.randperm(nb - 1, generator=g, device=device) + 1
+    tables = perm[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, C + R, generator=g, device=device).to(torch.bfloat16)
+    return {"kv": kv, "fp8": fp8, "tables": tables, "lens": lens, "q": q, "layer": layer}
 
-    t_copy = time_op(lambda: dst.copy_(src), device, args.min_time, args.min_iters)
-    t_paged = time_op(paged, device, args.min_time, args.min_iters)
-    t_contig = time_op(contiguous, device, args.min_time, args.min_iters)
-    copy_bw = nbytes / t_copy
-    return {
-        "context": ctx,
-        "kv_bytes": nbytes,
-        "paged_ms": t_paged * 1e3,
-        "paged_GBps": nbytes / t_paged / 1e9,
-        "paged_vs_copy": nbytes / t_paged / copy_bw,
-        "contig_ms": t_contig * 1e3,
-        "contig_GBps": nbytes / t_contig / 1e9,
-        "contig_vs_copy": nbytes / t_contig / copy_bw,
-        "copy_GBps": copy_bw / 1e9,
+
+def variants(case: dict[str, Any], flash: Any, scale: float) -> dict[str, Fn]:
+    q, tables, lens, layer = case["q"], case["tables"], case["lens"], case["layer"]
+    out: dict[str, Fn] = {
+        "triton_bf16": lambda: md.paged_mla_decode_triton(
+            q, case["kv"], layer, tables, lens, C, scale),
+        "triton_fp8": lambda: md.paged_mla_decode_triton(
+            q, case["fp8"], layer, tables, lens, C, scale),
     }
+    if flash is not None:
+        out["flashmla_bf16"] = lambda: fm.flashmla_decode(
+            flash, q, case["kv"], layer, tables, lens, C, scale)
+        out["flashmla_fp8"] = lambda: fm.flashmla_decode_fp8(
+            flash, q, case["fp8"], layer, tables, lens, C, scale)
+    return out
+
+
+def run_shape(
+    shape: str, heads: int, args: argparse.Namespace, flash: Any, rate: float,
+    device: torch.device, g: torch.Generator, name: str,
+) -> dict[str, Any]:
+    """One shape's row: every variant's time, roofline share and error, printed."""
+    scale = 192**-0.5
+    batch, ctx = parse_shape(shape)
+    case = build(batch, ctx, heads, device, g)
+    if device.type != "cuda":
+        t = time_graph(lambda: md.paged_mla_decode_ref(
+            case["q"], case["kv"], case["layer"], case["tables"], case["lens"], C,
+            scale), args.reps, args.samples, device)
+        print(f"{heads:>3}h {shape:>7} reference {t * 1e3:.3f} ms")
+        return {}
+    row: dict[str, Any] = {"shape": shape, "heads": heads, "device": name}
+    base_o, _ = md.paged_mla_decode_triton(
+        case["q"], case["kv"], case["layer"], case["tables"], case["lens"], C, scale)
+    scale_o = float(base_o.abs().max())
+    line = [f"{heads:>3}h {shape:>7}"]
+    for vname, fn in variants(case, flash, scale).items():
+        tok = 656 if "fp8" in vname else 1152
+        roof = batch * ctx * tok / rate
+        try:
+            o, _ = fn()
+            err = float((o - base_o).abs().max()) / scale_o
+            t = time_graph(fn, args.reps, args.samples, device)
+        except Exception as e:  # a FlashMLA kernel that refuses the shape
+            row[vname] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            line.append(f"{vname} n/a ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        row[vname] = {"us": t * 1e6, "roofline": roof / t, "err": err}
+        line.append(f"{vname} {t * 1e6:8.1f} us {roof / t:5.0%} roof err {err:.1e}")
+    if "us" not in row["triton_fp8"]:
+        print("\n    ".join(line), flush=True)
+        return row
+    tb, t8 = row["triton_bf16"]["us"], row["triton_fp8"]["us"]
+    for fname in ("flashmla_bf16", "flashmla_fp8"):
+        if "us" in row.get(fname, {}):
+            fl = row[fname]["us"]
+            line.append(f"Triton bf16 / {fname} time {tb / fl:.2f}, "
+                        f"Triton FP8 / {fname} time {t8 / fl:.2f}")
+    line.append(f"Triton FP8 speed-up over Triton bf16 {tb / t8:.2f}x")
+    print("\n    ".join(line), flush=True)
+    if args.tune:
+        best = None
+        for bn, w, st in TUNE:
+            def fn8(bn: int = bn, w: int = w, st: int = st) -> Any:
+                return md.paged_mla_decode_triton(
+                    case["q"], case["fp8"], case["layer"], case["tables"], case["lens"],
+                    C, scale, block_n=bn, num_warps=w, num_stages=st)
+            try:
+                t = time_graph(fn8, args.reps, args.samples, device)
+            except Exception as e:
+                print(f"    tune {bn}/{w}/{st}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
+            if best is None or t < best[0]:
+                best = (t, bn, w, st)
+            print(f"    tune fp8 BLOCK_N {bn} warps {w} stages {st}: {t * 1e6:.1f} us",
+                  flush=True)
+        row["fp8_tuned"] = best
+    torch.cuda.empty_cache()
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-lora-rank", type=int, default=512)
-    p.add_argument("--rope-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2, help="layers in the paged cache")
-    p.add_argument(
-        "--contexts",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[1024 * 2**i for i in range(7)],
-        help="comma-separated context lengths (default 1k..64k)",
-    )
-    p.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per point")
-    p.add_argument("--min-iters", type=int, default=5)
-    p.add_argument("--json", action="store_true", help="print rows as JSON lines too")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch default)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="batch x context, comma-separated")
+    p.add_argument("--heads", default="16,128", help="query heads, comma-separated")
+    p.add_argument("--heads-128-shapes", default="1x32k,64x4k",
+                   help="shapes also run at heads above 16 (all when empty)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--tune", action="store_true", help="sweep the FP8 kernel's launch settings")
+    p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible")
-    dev_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
-    print(
-        f"decode attention, {args.heads} heads, latent {args.kv_lora_rank}+{args.rope_dim}, "
-        f"{args.dtype}, block {args.block_size}, device {dev_name}, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
-    )
-    print(
-        f"{'context':>8} {'KV MiB':>8} {'paged ms':>9} {'GB/s':>7} {'/copy':>6}"
-        f" {'contig ms':>9} {'GB/s':>7} {'/copy':>6} {'copy GB/s':>9}"
-    )
-    g = torch.Generator().manual_seed(0)
-    for ctx in args.contexts:
-        r = measure(ctx, args, g)
-        print(
-            f"{r['context']:>8} {r['kv_bytes'] / 2**20:>8.1f} {r['paged_ms']:>9.3f}"
-            f" {r['paged_GBps']:>7.2f} {r['paged_vs_copy']:>6.2f} {r['contig_ms']:>9.3f}"
-            f" {r['contig_GBps']:>7.2f} {r['contig_vs_copy']:>6.2f} {r['copy_GBps']:>9.2f}"
-        )
-        if args.json:
-            print(json.dumps(r))
+    try:
+        import flash_mla  # type: ignore[import-not-found]
+
+        flash: Any = flash_mla if device.type == "cuda" else None
+        flash_note = f"flash_mla {getattr(flash_mla, '__version__', '?')}"
+    except ImportError as e:
+        flash, flash_note = None, f"no FlashMLA ({e})"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rate = copy_read_rate(device)
+    print(f"decode attention on {name}, torch {torch.__version__}, {flash_note}; "
+          f"copy read rate {rate / 1e9:.0f} GB/s; graph of {args.reps} calls, best of "
+          f"{args.samples}", flush=True)
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    extra = {s.strip() for s in args.heads_128_shapes.split(",") if s.strip()}
+    for heads in [int(h) for h in args.heads.split(",")]:
+        for shape in args.shapes.split(","):
+            if heads > 16 and extra and shape not in extra:
+                continue
+            row = run_shape(shape, heads, args, flash, rate, device, g, name)
+            if row:
+                rows.append(row)
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from pdd_sidecar.kv import fp8_layout
+from pdd_sidecar.model.kernels import decode_backend
+from pdd_sidecar.model.kernels.flashmla_decode import flashmla_decode
 from pdd_sidecar.model.mla import decode_attention
 
 try:
@@ -125,10 +127,19 @@ def paged_mla_decode(
     scale: float,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, H, kv_lora_rank] fp32, lse [B, H] fp32, natural log)``: the Triton kernel on
-    CUDA, the torch reference elsewhere. ``num_splits`` (Triton only) fixes the split count,
-    which otherwise follows the table's width: callers whose runs must round alike whatever
-    their tables' widths (graphs of instances with different cache sizes) pass one."""
+    """``(out [B, H, kv_lora_rank] fp32, lse [B, H] fp32, natural log)``: on CUDA the kernel
+    decode_backend picks (FlashMLA or Triton), the torch reference elsewhere. ``num_splits``
+    (Triton only) fixes the split count, which otherwise follows the table's width: callers
+    whose runs must round alike whatever their tables' widths (graphs of instances with
+    different cache sizes) pass one."""
+    if q.is_cuda:
+        backend = decode_backend.current()
+        if backend.use_flashmla(q, kv_cache, kv_lora_rank):
+            assert backend.module is not None
+            _check(q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank)
+            return flashmla_decode(
+                backend.module, q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale
+            )
     if q.is_cuda and HAS_TRITON:
         return paged_mla_decode_triton(
             q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank, scale, num_splits
