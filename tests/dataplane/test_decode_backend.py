@@ -93,8 +93,9 @@ def test_auto_uses_flashmla_only_where_it_wins() -> None:
         return SimpleNamespace(shape=(b, h, C + R), is_cuda=True)
 
     assert not auto.use_flashmla(q(1, 16), bf16, C)
-    assert auto.use_flashmla(q(db.FLASHMLA_MIN_BATCH, 16), bf16, C)
+    assert not auto.use_flashmla(q(128, 16), bf16, C), "16 heads: Triton won at every batch"
     assert auto.use_flashmla(q(1, db.FLASHMLA_MIN_HEADS), bf16, C)
+    assert not auto.use_flashmla(q(1, db.FLASHMLA_MIN_HEADS), fp8, C)
     assert forced.use_flashmla(q(1, 16), bf16, C)
     assert not forced.use_flashmla(q(64, 16), fp8, C), "FP8 caches stay on Triton"
     small_blocks = torch.empty(2, 2, 16, C + R, dtype=torch.bfloat16, device="meta")

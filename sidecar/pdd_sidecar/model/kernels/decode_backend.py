@@ -6,10 +6,11 @@ per process from ``PDD_ATTENTION_BACKEND`` and logged.
 - ``flashmla``: FlashMLA wherever it takes the call (bf16 cache, 64-token blocks, 512 + 64
   latents); a start-up error if the wheel does not load or the GPU is not SM90.
 - ``auto`` (default): FlashMLA only at the shapes where it beat the Triton kernel in the same-run
-  bench (``bench/decode_attention.py``): many heads, or a batch of at least
-  ``FLASHMLA_MIN_BATCH`` sequences; Triton for the rest, for FP8 caches (FlashMLA's dense FP8
-  kernel takes a per-tensor-scaled 576-byte token, not pdd's 656-byte layout), and wherever the
-  wheel is missing.
+  bench (``bench/decode_attention.py``, H100): at least ``FLASHMLA_MIN_HEADS`` query heads a
+  rank (1.11x at 128 heads x 1 x 32k, 2.45x at 128 x 64 x 4k); with 16 heads (V2-Lite, or V3's
+  128 over TP 8) Triton was faster at every shape (FlashMLA's time 1.04-4.2x Triton's). Triton
+  also for FP8 caches (FlashMLA's dense FP8 kernel takes a per-tensor-scaled 576-byte token, not
+  pdd's 656-byte layout) and wherever the wheel is missing.
 
 The rule reads shapes only (batch, heads), never the lengths' values, so a captured graph keeps
 its kernel.
@@ -33,13 +34,14 @@ log = logging.getLogger(__name__)
 
 ENV: Final = "PDD_ATTENTION_BACKEND"
 CHOICES: Final = ("auto", "flashmla", "triton")
-# From bench/decode_attention.py on an H100 (the commit that set them names the figures).
-FLASHMLA_MIN_BATCH = 8
+# From bench/decode_attention.py on an H100 (the module's docstring gives the figures).
 FLASHMLA_MIN_HEADS = 64
 
 
 def flashmla_wins(batch: int, heads: int) -> bool:
-    return heads >= FLASHMLA_MIN_HEADS or batch >= FLASHMLA_MIN_BATCH
+    """Whether ``auto`` sends a ``batch x heads`` decode to FlashMLA; the measured winner
+    depended on the heads only."""
+    return heads >= FLASHMLA_MIN_HEADS
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ class DecodeBackend:
         if self.choice == "flashmla":
             return f"{ENV}=flashmla: FlashMLA for bf16 caches, Triton for FP8"
         return (
-            f"{ENV}=auto: FlashMLA for bf16 caches at >= {FLASHMLA_MIN_HEADS} heads or "
-            f">= {FLASHMLA_MIN_BATCH} sequences, Triton otherwise and for FP8"
+            f"{ENV}=auto: FlashMLA for bf16 caches at >= {FLASHMLA_MIN_HEADS} heads, "
+            f"Triton otherwise and for FP8"
         )
 
 

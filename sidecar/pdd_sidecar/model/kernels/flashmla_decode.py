@@ -102,7 +102,8 @@ def flashmla_decode_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract over an FP8 cache through FlashMLA's sparse decode with every token
     selected (its dense FP8 kernel wants another token layout): the indices of all the table's
-    slots, ``topk_length`` the lengths, heads padded to its 64 / 128."""
+    slots, -1 past each length, heads padded to its 64 / 128. Experimental: the bench times it;
+    not yet checked on a GPU against the reference, and no backend uses it."""
     if not supports_fp8(kv_cache, kv_lora_rank):
         raise ValueError(
             f"FlashMLA's FP8 kernel takes uint8 caches of {PAGE}-token blocks of "
@@ -117,8 +118,11 @@ def flashmla_decode_fp8(
         qp = torch.nn.functional.pad(qp, (0, 0, 0, hp - h))
     width = block_tables.shape[1]
     slots = torch.arange(PAGE, device=q.device, dtype=torch.int32)
-    idx = (block_tables.to(torch.int32).unsqueeze(-1) * PAGE + slots).view(b, 1, width * PAGE)
+    idx = (block_tables.to(torch.int32).unsqueeze(-1) * PAGE + slots).view(b, width * PAGE)
     lens = seq_lens.to(torch.int32).clamp(max=width * PAGE)
+    # V3.2's kernel takes no per-sequence top-k length: slots past a length are -1 (skipped)
+    past = torch.arange(width * PAGE, device=q.device, dtype=torch.int32) >= lens[:, None]
+    idx = idx.masked_fill(past, -1).view(b, 1, width * PAGE)
     meta, _ = module.get_mla_metadata()
     fn: Any = module.flash_mla_with_kvcache
     out, lse = fn(
@@ -131,7 +135,6 @@ def flashmla_decode_fp8(
         softmax_scale=scale,
         is_fp8_kvcache=True,
         indices=idx,
-        topk_length=lens,
         use_legacy=True,
     )
     empty = (lens == 0).view(b, 1)
