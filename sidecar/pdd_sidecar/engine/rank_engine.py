@@ -45,6 +45,7 @@ from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decod
 from pdd_sidecar.model.mla import (
     absorb_q,
     chunk_prefill_attention,
+    decode_attention,
     prefill_attention,
     project_latent,
     project_q,
@@ -110,8 +111,10 @@ def warmup_lengths(below: int) -> list[int]:
 
 
 def new_cache(
-    model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None
+    model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PagedKVCache:
+    """``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8`` (kv/fp8_layout.py)."""
     cfg = model.config
     return PagedKVCache(
         num_blocks,
@@ -120,6 +123,8 @@ def new_cache(
         cfg.latent_dim,
         model.dtype,
         model.device if device is None else device,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_lora_rank=cfg.kv_lora_rank,
     )
 
 
@@ -511,6 +516,7 @@ class RankEngine:
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
             latent = project_latent(a, lw.attn, cfg, cos, sin)
             self.cache.write(i, blk, off, latent[mine.to(latent.device)])
+            latent = self.cache.stored(latent)  # fresh prompts attend over what is kept
             o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
             if batch is not None:
                 r, seg = batch
@@ -652,12 +658,10 @@ class RankEngine:
         latent (this rank's chunks of it), as one batch through the paged kernel (Triton on
         CUDA), to this rank's heads' latent output ``[N, Hl, kv_lora]``; under DCP every rank
         attends with all heads and the partials merge by LSE in one go."""
-        cfg = self.cfg
         assert views.block_tables is not None and views.seq_lens is not None
         if self.dcp > 1:
             q = self.comm.all_gather(q, dim=1)
-        out, lse = paged_mla_decode(q, self.cache.kv, layer, views.block_tables, views.seq_lens,
-                                    cfg.kv_lora_rank, cfg.softmax_scale)
+        out, lse = self._paged_decode(q, layer, views.block_tables, views.seq_lens, None)
         if self.dcp == 1:
             return out
         return dcp_merge(out, lse, self.comm)
@@ -844,8 +848,7 @@ class RankEngine:
             q = absorb_q(q_nope, q_pe, lw.attn)
             if self.dcp > 1:
                 q = comm.all_gather(q, dim=1)
-            out, lse = paged_mla_decode(q, self.cache.kv, i, buf.tables, buf.seq_lens,
-                                        cfg.kv_lora_rank, cfg.softmax_scale, buf.num_splits)
+            out, lse = self._paged_decode(q, i, buf.tables, buf.seq_lens, buf.num_splits)
             if self.dcp > 1:
                 out = dcp_merge(out, lse, comm)
             o = unabsorb_v(out.to(x.dtype), lw.attn)
@@ -880,9 +883,35 @@ class RankEngine:
         a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
         q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
         latent = project_latent(a, lw.attn, cfg, cos, sin)
-        write_latents(self.cache.kv, layer, buf.write_blocks, buf.write_offsets, buf.write_mask,
-                      latent)
-        return q_nope, q_pe, latent
+        self._write_masked(layer, buf.write_blocks, buf.write_offsets, buf.write_mask, latent)
+        return q_nope, q_pe, self.cache.stored(latent)
+
+    def _write_masked(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
+                      mask: torch.Tensor, latent: torch.Tensor) -> None:
+        """A padded step's store: only masked-in rows, without a host sync (capturable)."""
+        if not self.cache.fp8:
+            write_latents(self.cache.kv, layer, blocks, offsets, mask, latent)
+            return
+        keep = mask.to(torch.bool)
+        self.cache.write(layer, blocks[keep].long(), offsets[keep].long(), latent[keep])
+
+    def _paged_decode(self, q: torch.Tensor, layer: int, tables: torch.Tensor,
+                      seq_lens: torch.Tensor, num_splits: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed ``q [B, H, L]`` over each sequence's cached latent (this rank's part):
+        ``(out [B, H, kv_lora], lse [B, H])``, the paged kernel in the cache's dtype."""
+        cfg = self.cfg
+        if not self.cache.fp8:
+            return paged_mla_decode(q, self.cache.kv, layer, tables, seq_lens,
+                                    cfg.kv_lora_rank, cfg.softmax_scale, num_splits)
+        b, h, _ = q.shape
+        out = torch.zeros(b, h, cfg.kv_lora_rank, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q.device)
+        for i, n in enumerate(seq_lens.tolist()):
+            if n:
+                kv = self.cache.read(layer, tables[i].long(), n)
+                out[i], lse[i] = decode_attention(q[i], kv, cfg.kv_lora_rank, cfg.softmax_scale)
+        return out, lse
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()
