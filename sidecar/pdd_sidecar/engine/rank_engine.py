@@ -41,11 +41,11 @@ from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
 from pdd_sidecar.model.kernels.kv_write import write_latents
+from pdd_sidecar.model.kernels.latent_read import read_latent_blocks, read_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
 from pdd_sidecar.model.mla import (
     absorb_q,
     chunk_prefill_attention,
-    decode_attention,
     prefill_attention,
     project_latent,
     project_q,
@@ -515,7 +515,10 @@ class RankEngine:
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
             latent = project_latent(a, lw.attn, cfg, cos, sin)
-            self.cache.write(i, blk, off, latent[mine.to(latent.device)])
+            if self.cache.fp8:
+                self._write_masked(i, blk, off, None, latent[mine.to(latent.device)])
+            else:
+                self.cache.write(i, blk, off, latent[mine.to(latent.device)])
             latent = self.cache.stored(latent)  # fresh prompts attend over what is kept
             o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
             if batch is not None:
@@ -687,12 +690,12 @@ class RankEngine:
         cb = views.batch
         if cb is not None:
             out, lse = chunk_prefill_attention(
-                q_nope, q_pe, self.cache.read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
+                q_nope, q_pe, self._read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
                 w_uk, w_uv, cfg.softmax_scale, q_lo=cb.q_lo)
             sb = cb.shared
             if sb is not None:
                 common = chunk_prefill_attention(
-                    q_nope, q_pe, self.cache.read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
+                    q_nope, q_pe, self._read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
                     w_uk, w_uv, cfg.softmax_scale)
                 out, lse = merge_partials(*common, out, lse)
             return out if self.dcp == 1 else dcp_merge(out, lse, comm)
@@ -701,7 +704,7 @@ class RankEngine:
         a = 0
         for cv in views.chunks:
             b = a + cv.q_pos.shape[0]
-            latent = self.cache.read(layer, cv.table, cv.n_local)
+            latent = self._read(layer, cv.table, cv.n_local)
             out[a:b], lse[a:b] = chunk_prefill_attention(
                 q_nope[a:b], q_pe[a:b], latent, cv.q_pos, cv.k_pos, w_uk, w_uv,
                 cfg.softmax_scale)
@@ -887,31 +890,39 @@ class RankEngine:
         return q_nope, q_pe, self.cache.stored(latent)
 
     def _write_masked(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
-                      mask: torch.Tensor, latent: torch.Tensor) -> None:
-        """A padded step's store: only masked-in rows, without a host sync (capturable)."""
-        if not self.cache.fp8:
-            write_latents(self.cache.kv, layer, blocks, offsets, mask, latent)
-            return
-        keep = mask.to(torch.bool)
-        self.cache.write(layer, blocks[keep].long(), offsets[keep].long(), latent[keep])
+                      mask: torch.Tensor | None, latent: torch.Tensor) -> None:
+        """Store the rows ``mask`` keeps (all with None) without a host sync (capturable); an
+        FP8 cache quantises them in the same kernel (kv/fp8_layout.py's bytes)."""
+        write_latents(self.cache.kv, layer, blocks, offsets, mask, latent,
+                      kv_lora_rank=self.cfg.kv_lora_rank)
 
     def _paged_decode(self, q: torch.Tensor, layer: int, tables: torch.Tensor,
                       seq_lens: torch.Tensor, num_splits: int | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed ``q [B, H, L]`` over each sequence's cached latent (this rank's part):
-        ``(out [B, H, kv_lora], lse [B, H])``, the paged kernel in the cache's dtype."""
+        ``(out [B, H, kv_lora], lse [B, H])``; the kernel reads bf16 or FP8 blocks as the
+        cache keeps them."""
         cfg = self.cfg
+        return paged_mla_decode(q, self.cache.kv, layer, tables, seq_lens, cfg.kv_lora_rank,
+                                cfg.softmax_scale, num_splits)
+
+    def _read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Every token of ``block_ids`` of ``layer`` as latents of the model's dtype; an FP8
+        cache's through the dequantising reader (one pass on CUDA)."""
         if not self.cache.fp8:
-            return paged_mla_decode(q, self.cache.kv, layer, tables, seq_lens,
-                                    cfg.kv_lora_rank, cfg.softmax_scale, num_splits)
-        b, h, _ = q.shape
-        out = torch.zeros(b, h, cfg.kv_lora_rank, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q.device)
-        for i, n in enumerate(seq_lens.tolist()):
-            if n:
-                kv = self.cache.read(layer, tables[i].long(), n)
-                out[i], lse[i] = decode_attention(q[i], kv, cfg.kv_lora_rank, cfg.softmax_scale)
-        return out, lse
+            return self.cache.read_blocks(layer, block_ids)
+        return read_latent_blocks(self.cache.kv, layer, block_ids,
+                                  kv_lora_rank=self.cfg.kv_lora_rank, dtype=self.cache.dtype)
+
+    def _read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` latents held in ``block_ids``, as ``_read_blocks``."""
+        if not self.cache.fp8:
+            return self.cache.read(layer, block_ids, num_tokens)
+        if num_tokens == 0:
+            return torch.empty(0, self.cfg.latent_dim, dtype=self.cache.dtype,
+                               device=self.cache.device)
+        return read_latents(self.cache.kv, layer, block_ids, num_tokens,
+                            kv_lora_rank=self.cfg.kv_lora_rank, dtype=self.cache.dtype)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()
