@@ -65,6 +65,11 @@ PDD_SPECULATIVE_METHOD = keys.ENV_SPECULATIVE_METHOD
 PDD_SPECULATIVE_TOKENS = keys.ENV_SPECULATIVE_TOKENS
 PDD_SPECULATIVE_NGRAM_MAX = keys.ENV_SPECULATIVE_NGRAM_MAX
 PDD_SPECULATIVE_NGRAM_MIN = keys.ENV_SPECULATIVE_NGRAM_MIN
+# When a speculating decode stops drafting (engine/speculative/config.py has the defaults and
+# the bench that set them): above this many running sequences, and per sequence while its
+# recent acceptance is below this fraction.
+PDD_SPECULATIVE_MAX_BATCH = "PDD_SPECULATIVE_MAX_BATCH"
+PDD_SPECULATIVE_MIN_ACCEPTANCE = "PDD_SPECULATIVE_MIN_ACCEPTANCE"
 # Prefill frees unclaimed blocks after this; keep it well above the decode's transfer timeout,
 # or a slow hand-off could read blocks the lease already gave to another request.
 PDD_LEASE_SECONDS = "PDD_LEASE_SECONDS"
@@ -265,6 +270,8 @@ class SpeculativeSettings:
     tokens: int = DEFAULT_SPECULATIVE_TOKENS
     ngram_max: int = DEFAULT_NGRAM_MAX_N
     ngram_min: int = DEFAULT_NGRAM_MIN_N
+    max_batch: int | None = None  # None: the engine's default
+    min_acceptance: float | None = None
 
 
 def _bounded(env: Mapping[str, str], key: str, default: int, hi: int) -> int:
@@ -279,8 +286,10 @@ def _speculative(env: Mapping[str, str], role: str) -> SpeculativeSettings | Non
     ignored (a drafter's knob without a drafter, n-gram lengths for mtp, a prefill's drafter)."""
     method = env.get(PDD_SPECULATIVE_METHOD, "")
     ngram_keys = (PDD_SPECULATIVE_NGRAM_MAX, PDD_SPECULATIVE_NGRAM_MIN)
+    tuning = (PDD_SPECULATIVE_MAX_BATCH, PDD_SPECULATIVE_MIN_ACCEPTANCE)
     if not method:
-        stray = next((k for k in (PDD_SPECULATIVE_TOKENS, *ngram_keys) if env.get(k)), None)
+        stray = next((k for k in (PDD_SPECULATIVE_TOKENS, *ngram_keys, *tuning) if env.get(k)),
+                     None)
         if stray is not None:
             raise ConfigError(f"{stray}: set without {PDD_SPECULATIVE_METHOD} "
                               f"({', '.join(SPECULATIVE_METHODS)}), got {env[stray]!r}")
@@ -305,7 +314,20 @@ def _speculative(env: Mapping[str, str], role: str) -> SpeculativeSettings | Non
         method=method,
         tokens=_bounded(env, PDD_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS,
                         rules.MAX_SPECULATIVE_TOKENS),
-        ngram_max=hi, ngram_min=lo)
+        ngram_max=hi, ngram_min=lo,
+        max_batch=_optional_int(env, PDD_SPECULATIVE_MAX_BATCH, 0),
+        min_acceptance=_acceptance(env))
+
+
+def _acceptance(env: Mapping[str, str]) -> float | None:
+    """PDD_SPECULATIVE_MIN_ACCEPTANCE in [0, 1] (0: never paused for low acceptance)."""
+    if not env.get(PDD_SPECULATIVE_MIN_ACCEPTANCE, "").strip():
+        return None
+    value = _float(env, PDD_SPECULATIVE_MIN_ACCEPTANCE, 0.0)
+    if not 0 <= value <= 1:
+        raise ConfigError(f"{PDD_SPECULATIVE_MIN_ACCEPTANCE}: must be in [0, 1], got "
+                          f"{env.get(PDD_SPECULATIVE_MIN_ACCEPTANCE)!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ def test_small_config_reports_every_figure(tmp_path: Path) -> None:
         for k, f in r["k"].items():
             # replayed drafts are all kept (fp32: the verify rows pick the plain tokens), and
             # every run emits plain decoding's tokens whatever its drafts
-            assert f["ceiling_acceptance"] == 1.0 and f["same_tokens"]
+            assert f["ceiling_acceptance"] == 1.0 and f["ceiling_draw_agreement"] == 1.0
+            assert f["same_tokens"]
             assert f["ceiling_tpot_ms"] > 0 and f["floor_tpot_ms"] > 0
             assert f["floor_self_disabled_tpot_ms"] > 0 and f["verify_step_ms"] > 0
             m = f["modelled_speedup"]

@@ -81,7 +81,8 @@ from pdd_sidecar.kv.prefix_cache import PrefixCache, unit_keys
 UNIT_KEYS = "prefix_unit_keys"  # seq.extra: the prompt's prefix-cache keys, computed once
 PENDING = "prefix_pending"  # seq.extra: the units [first, end) pending under this prefill
 CACHED_TOKENS = "cached_tokens"  # seq.extra: prompt tokens whose KV came from the cache
-# seq.extra: a decode's prompt ids for its repetition_penalty, where seq.prompt is empty
+# seq.extra: a decode's prompt ids where seq.prompt is empty (its prefix cache is off), for its
+# repetition_penalty and its n-gram drafts
 PENALTY_PROMPT = "penalty_prompt"
 # seq.extra: the log-probabilities of the generated tokens, and of the prompt's tokens from its
 # second on (engine/sampling.py's ``Logprob`` entries), for a sequence that asks for them

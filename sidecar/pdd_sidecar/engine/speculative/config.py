@@ -14,19 +14,20 @@ METHODS = ("ngram",)  # "mtp" joins once the MTP head is loaded (issue 47 item 1
 
 # Above this many running sequences a decode step verifies no drafts. A verify step runs k + 1
 # rows per drafting sequence through the same decode kernel as plain decoding (one CUDA graph
-# bucket per row count); at small batch a decode step reads every weight for a handful of rows
-# and the extra rows are nearly free, while at large batch the step is compute- and
-# KV-read-bound and rows cost about their share. Set from bench/speculative.py (the batch at
-# which the verify step's time over the expected accepted tokens at 81 % acceptance, k = 1,
-# stops beating plain decoding on one H100, V2-Lite width); printed by that bench as
-# "break-even batch".
-DEFAULT_MAX_BATCH = 16
+# bucket per row count, the largest 256 rows: 64 sequences at k = 3; more rows run eagerly).
+# Set from bench/speculative.py on one H100 (V2-Lite width, 512-token contexts): at 81 %
+# acceptance the modelled TPOT beat plain decoding at every measured batch up to 64 for k = 1,
+# 2, 3 (1.34-2.7x; printed as "break-even batch ... above 64"), and the verify step of 64
+# sequences cost 1.07-1.21x a plain step.
+DEFAULT_MAX_BATCH = 64
 
 # A sequence whose recent acceptance (an EMA of accepted / drafted tokens over its verify
-# steps) falls below this drafts nothing for ``DEFAULT_PAUSE_STEPS`` steps, then tries again
-# (text turns repetitive and back). At k = 1 a draft pays when the verify row costs less than
-# the acceptance it buys; a few percent is below anything that pays at any batch.
-DEFAULT_MIN_ACCEPTANCE = 0.1
+# steps) falls below this drafts nothing for ``DEFAULT_PAUSE_STEPS`` steps, then tries one
+# verify step again (text turns repetitive and back). Set from bench/speculative.py's
+# modelled curve on one H100: at batch 1-16 a verify step costs 1.25-1.8x a plain one (each
+# extra row also routes to its own experts), so speculation pays from about 25 % (k = 1) to
+# 40 % (k = 3) acceptance; at batch 32-64 from about 10 %.
+DEFAULT_MIN_ACCEPTANCE = 0.35
 DEFAULT_EMA_DECAY = 0.5  # weight of the past in the acceptance EMA, per verify step
 DEFAULT_PAUSE_STEPS = 32
 

@@ -111,7 +111,8 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
     seq = Sequence(request_id(body, lambda: uuid.uuid4().hex),
                    prompt if state.settings.prefix_cache else [], max_new,
                    src.num_tokens + max_new, source=src, first_token=first, **options)
-    if penalizes_prompt and not state.settings.prefix_cache:
+    drafts_from_prompt = state.driver.speculator is not None  # n-gram drafts look it up
+    if (penalizes_prompt or drafts_from_prompt) and not state.settings.prefix_cache:
         seq.extra[PENALTY_PROMPT] = prompt
     seq.extra["source"] = src
     seq.extra["claim_url"] = claim_url

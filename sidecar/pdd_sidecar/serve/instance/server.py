@@ -28,8 +28,9 @@ from typing import Any
 from aiohttp import web
 
 from pdd_sidecar.engine.driver import InstanceDriver
+from pdd_sidecar.engine.speculative.config import SpeculativeConfig
 from pdd_sidecar.engine.worker import RankWorker
-from pdd_sidecar.env import ConfigError, InstanceSettings
+from pdd_sidecar.env import PDD_SPECULATIVE_METHOD, ConfigError, InstanceSettings
 from pdd_sidecar.kv.grants import GrantError, load_key
 from pdd_sidecar.kv.pool_sizing import SizingError
 from pdd_sidecar.kv.side_channel import handshake
@@ -292,6 +293,25 @@ def _serve_worker_pod(settings: InstanceSettings, plan_text: str) -> int:
     return 0
 
 
+def speculative_config(settings: InstanceSettings) -> SpeculativeConfig | None:
+    """The decode's drafting (engine/speculative/) as its settings ask; ConfigError naming the
+    variable for a method this sidecar does not run."""
+    s = settings.speculative
+    if s is None:
+        return None
+    more: dict[str, int | float] = {}
+    if s.max_batch is not None:
+        more["max_batch"] = s.max_batch
+    if s.min_acceptance is not None:
+        more["min_acceptance"] = s.min_acceptance
+    try:
+        return SpeculativeConfig.from_settings(s.method, s.tokens, ngram_max=s.ngram_max,
+                                               ngram_min=s.ngram_min, **more)
+    except ValueError as exc:
+        raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: this sidecar cannot draft so ({exc})"
+                          ) from None
+
+
 def serve(env: Mapping[str, str] | None = None) -> int:
     """Run one instance until killed; exit 2 on a configuration the instance must refuse."""
     try:
@@ -301,6 +321,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         )
         load_key(settings.grant_key_file)
         load_config(settings.model_source)  # an unsupported checkpoint is refused by name
+        speculative = speculative_config(settings)
         loop = loop_kind(settings.event_loop, uvloop_installed())
     except (ConfigError, GrantError, ModelConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
@@ -332,7 +353,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         return 1
     metrics_ = InstanceMetrics(settings.role)
     metrics_.gc_pauses.install()
-    driver = InstanceDriver(worker, metrics_)
+    driver = InstanceDriver(worker, metrics_, speculative=speculative)
     driver.start()
     state = InstanceState(worker, driver, metrics_)
     log.info("%s instance %s: tp=%d dcp=%d over %d pod(s), HTTP on %s:%d, side channels %s",
