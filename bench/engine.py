@@ -27,12 +27,13 @@ prefill and decode through ``RankEngine.prefill``/``decode_step``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,15 +43,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
+from pdd_sidecar.model import fusion  # noqa: E402
 from pdd_sidecar.model.config import ModelConfig, RopeConfig  # noqa: E402
 from pdd_sidecar.model.kernels import chunk_attention as ca  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
+from pdd_sidecar.model.kernels.norm_rope import add_rms_norm  # noqa: E402
 from pdd_sidecar.model.mla import (  # noqa: E402
     absorb_q,
+    absorbed_query_and_store,
     prefill_attention,
     project_latent,
     project_q,
     rms_norm,
+    unabsorb_v_flat,
 )
 from pdd_sidecar.model.moe import dense_mlp, moe, route  # noqa: E402
 from pdd_sidecar.model.rope import Rotary  # noqa: E402
@@ -60,6 +65,7 @@ from pdd_sidecar.model.weights import (  # noqa: E402
     MLPWeights,
     MoEWeights,
     RankWeights,
+    fuse_input_projections,
 )
 
 try:
@@ -149,6 +155,7 @@ def random_weights(
             o_proj=lin(h, heads * cfg.v_head_dim),
             o_bias=None,
         )
+        attn = fuse_input_projections(attn)
         dense, moe_w = None, None
         if cfg.is_moe_layer(i):
             e, inter = cfg.n_routed_experts or 0, cfg.moe_intermediate_size
@@ -273,6 +280,8 @@ class Model:
         cos, sin = self.rotary.cos_sin(batch.positions)
         blk = batch.tables.gather(1, (batch.positions // bs)[:, None].to(torch.int64))[:, 0]
         off = batch.positions % bs
+        if fusion.fused() and record is None and not compiled:
+            return self._decode_fused(kv, batch, cos, sin, blk, off)
         pre, post = (self._pre_c, self._post_c) if compiled else (self.pre, self.post)
         x = F.embedding(batch.tokens, w.embed)
         for i, lw in enumerate(w.layers):
@@ -287,6 +296,29 @@ class Model:
                 record.append(route(m, lw.moe.router, cfg)[1])
             x = post(x, o, lw)
         return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+
+    def _decode_fused(
+        self, kv: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor,
+        blk: torch.Tensor, off: torch.Tensor,
+    ) -> torch.Tensor:
+        """``decode`` on the fused kernels, as ``RankEngine``'s padded step runs them: one
+        GEMV for the query and the latent, RoPE with the store, the residual adds with the
+        norms, the one-kernel router (and the shared experts in the GEMV at small batches)."""
+        cfg, w = self.cfg, self.w
+        eps = cfg.rms_norm_eps
+        mask = torch.ones_like(blk, dtype=torch.int32)
+        x = F.embedding(batch.tokens, w.embed)
+        a = rms_norm(x, w.layers[0].input_norm, eps)
+        for i, lw in enumerate(w.layers):
+            q = absorbed_query_and_store(a, lw.attn, cfg, cos, sin, kv, i, blk, off, mask)
+            o, _ = md.paged_mla_decode(
+                q, kv, i, batch.tables, batch.seq_lens, cfg.kv_lora_rank, cfg.softmax_scale
+            )
+            o = F.linear(unabsorb_v_flat(o.to(x.dtype), lw.attn), lw.attn.o_proj)
+            x, m = add_rms_norm(x, o, lw.post_norm, eps)
+            nxt = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm
+            x, a = add_rms_norm(x, self._mlp(m, lw, None), nxt, eps)
+        return F.linear(a, w.lm_head).float()
 
     def pre(
         self, x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
@@ -957,6 +989,12 @@ def main(argv: list[str] | None = None) -> int:
         help="B,ctx,B,ctx,...: also time those decode steps with torch.compile around attention",
     )
     p.add_argument("--breakdown-prefill", type=int, default=None, help="tokens: per-kernel time")
+    p.add_argument("--fusion", default=None,
+                   help="comma list of the model's kernel paths the decode rows and breakdowns "
+                        "time, each in this run: off (unfused), on (fused; shared experts in the "
+                        "GEMV up to PDD_SHARED_IN_GEMV_TOKENS), on:N (fused, shared experts in "
+                        "the GEMV up to N tokens), -r after either (the router's projection and "
+                        "top-k apart); default off,on on CUDA, on on the CPU")
     p.add_argument("--only", default="", help="comma list of sections: attn,moe,prefill,decode")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
@@ -964,6 +1002,14 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible")
     small = args.small or dev.type == "cpu"
+    variants = [v.strip() for v in (args.fusion or ("off,on" if dev.type == "cuda" else "on")
+                                    ).split(",") if v.strip()]
+    for v in variants:
+        try:
+            with fusion_variant(v):
+                pass
+        except ValueError as e:
+            p.error(str(e))
     cfg = small_config() if small else v2_lite_config()
     batches = args.batches or ([1, 4] if small else [1, 16, 64, 256])
     contexts = args.contexts or ([64, 256] if small else [1024, 4096, 8192, 32768])
@@ -1037,7 +1083,14 @@ def main(argv: list[str] | None = None) -> int:
             if len(args.breakdown) % 2:
                 p.error(f"--breakdown takes B,ctx pairs, got {args.breakdown}")
             pairs_b = list(zip(args.breakdown[::2], args.breakdown[1::2], strict=True))
-            result["breakdown"] = [decode_breakdown(model, kv, b_, c_, args) for b_, c_ in pairs_b]
+            result["breakdown"] = []
+            for variant in variants:
+                with fusion_variant(variant):
+                    for b_, c_ in pairs_b:
+                        print(f"\n(fusion {variant})", end="")
+                        row = decode_breakdown(model, kv, b_, c_, args)
+                        row["fusion"] = variant
+                        result["breakdown"].append(row)
         if args.breakdown_prefill:
             t_ = args.breakdown_prefill
             print(f"\nbreakdown: one prefill of {t_} tokens")
@@ -1124,33 +1177,37 @@ def main(argv: list[str] | None = None) -> int:
             print("\ndecode step (all sequences at the same context)")
             print("(loop: the model's functions in a static per-layer loop; engine: "
                   "RankEngine.step, host work included, eager and from its bucket's CUDA graph)")
-            print(f"{'batch':>6} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'roof ms':>8} "
-                  f"{'of roof':>8} {'experts':>8} {'tok/s':>9} {'eng eager':>10} "
+            print(f"{'fusion':>7} {'batch':>6} {'context':>8} {'eager ms':>9} {'graph ms':>9} "
+                  f"{'roof ms':>8} {'of roof':>8} {'experts':>8} {'tok/s':>9} {'eng eager':>10} "
                   f"{'eng graph':>10} {'of roof':>7}")  # fmt: skip
             rows_d = []
             for b, c in cases:
                 if (b, c) not in fits:
                     rows_d.append({"batch": b, "context": c, "skipped": "KV over the budget"})
-                    print(f"{b:>6} {c:>8}  skipped: KV {b * (c + 1) * per_tok / bs / 1e9:.0f} GB "
-                          f"over the {args.kv_gib:.0f} GiB budget", flush=True)  # fmt: skip
+                    print(f"{'':>7} {b:>6} {c:>8}  skipped: KV "
+                          f"{b * (c + 1) * per_tok / bs / 1e9:.0f} GB over the "
+                          f"{args.kv_gib:.0f} GiB budget", flush=True)  # fmt: skip
                     continue
-                r = bench_decode(model, kv, b, c, ceil, args)
-                if not args.no_engine:
-                    try:
-                        r.update(bench_engine_decode(model, kv, b, c, args))
-                    except Exception as e:  # the loop's figures stand without the engine's
-                        r["engine_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                eng_ms = r.get("engine_graph_ms", r.get("engine_eager_ms", float("nan")))
-                r["engine_of_roofline"] = r["roofline_ms"] / eng_ms
-                rows_d.append(r)
-                print(f"{b:>6} {c:>8} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
-                      f"{r['roofline_ms']:>8.2f} {r['of_roofline']:>7.0%} "
-                      f"{r['experts_used_mean']:>8.1f} {r['tokens_per_s']:>9.0f} "
-                      f"{r.get('engine_eager_ms', float('nan')):>10.2f} "
-                      f"{r.get('engine_graph_ms', float('nan')):>10.2f} "
-                      f"{r['engine_of_roofline']:>7.0%}"
-                      + (f"  {r['engine_error']}" if "engine_error" in r else ""),
-                      flush=True)  # fmt: skip
+                for variant in variants:
+                    with fusion_variant(variant):
+                        r = bench_decode(model, kv, b, c, ceil, args)
+                        if not args.no_engine:
+                            try:
+                                r.update(bench_engine_decode(model, kv, b, c, args))
+                            except Exception as e:  # the loop's figures stand without these
+                                r["engine_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    r["fusion"] = variant
+                    eng_ms = r.get("engine_graph_ms", r.get("engine_eager_ms", float("nan")))
+                    r["engine_of_roofline"] = r["roofline_ms"] / eng_ms
+                    rows_d.append(r)
+                    print(f"{variant:>7} {b:>6} {c:>8} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
+                          f"{r['roofline_ms']:>8.2f} {r['of_roofline']:>7.0%} "
+                          f"{r['experts_used_mean']:>8.1f} {r['tokens_per_s']:>9.0f} "
+                          f"{r.get('engine_eager_ms', float('nan')):>10.2f} "
+                          f"{r.get('engine_graph_ms', float('nan')):>10.2f} "
+                          f"{r['engine_of_roofline']:>7.0%}"
+                          + (f"  {r['engine_error']}" if "engine_error" in r else ""),
+                          flush=True)  # fmt: skip
             result["decode"] = rows_d
 
         if args.compile and dev.type == "cuda":
@@ -1183,6 +1240,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def fusion_variant(name: str) -> Iterator[None]:
+    """The model's kernel path for the block (``--fusion``): ``off``, ``on``, ``on:N`` (the
+    shared experts in the GEMV up to N tokens), each ``on`` form with ``-r`` for the router's
+    projection and softmax/top-k apart (``on-r``, ``on:N-r``)."""
+    base, dash, opt = name.partition("-")
+    kind, _, n = base.partition(":")
+    if (kind not in ("on", "off") or (n and (not n.isdigit() or kind == "off"))
+            or (dash and (opt != "r" or kind == "off"))):
+        raise ValueError(f"--fusion: each item is off, on, on:N, on-r or on:N-r, got {name!r}")
+    fusion.set_fused(kind == "on", int(n) if n else None, False if dash else None)
+    try:
+        yield
+    finally:
+        fusion.set_fused(None)
+
+
 def kv_budget_gib(
     device: torch.device, asked: float | None, headroom_gib: float, small: bool
 ) -> float:
@@ -1208,8 +1282,9 @@ def _tensors(w: RankWeights) -> list[torch.Tensor]:
     out = [w.embed, w.norm, w.lm_head]
     for lw in w.layers:
         for part in (lw.attn, lw.mlp, lw.moe, lw.moe.shared if lw.moe else None):
-            if part is not None:
-                out += [v for v in vars(part).values() if isinstance(v, torch.Tensor)]
+            if part is not None:  # qkv_a: the stacked q and kv_a, already counted as views
+                out += [v for k, v in vars(part).items()
+                        if isinstance(v, torch.Tensor) and k != "qkv_a"]
         out += [lw.input_norm, lw.post_norm]
     return out
 

@@ -101,6 +101,14 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # 1 (default): on CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket;
 # 0: every step eager. Read by the engine (engine/cuda_graphs.py); no effect on the CPU.
 PDD_CUDA_GRAPHS = "PDD_CUDA_GRAPHS"
+# 1 (default): a layer's fused kernels (residual add with RMSNorm, one projection GEMV for the
+# query and the latent, RoPE with the KV write, the router in one kernel, the shared experts in
+# the routed experts' GEMV at small batches); 0: the unfused kernels. Read by the model
+# (model/fusion.py); for same-run comparisons.
+PDD_FUSED_DECODE = "PDD_FUSED_DECODE"
+# Up to this many tokens a step runs the shared experts as always-chosen experts inside the
+# routed experts' GEMV (default 1); above it, apart. Read by model/fusion.py.
+PDD_SHARED_IN_GEMV_TOKENS = "PDD_SHARED_IN_GEMV_TOKENS"
 # 1 (default): on a single-rank CUDA prefill, graphed steps of fresh prompts run ahead of queued
 # device work (a high-priority stream); 0: every step in the host's order. Read by the engine
 # (engine/overtaking.py); checked everywhere, no effect on the CPU.

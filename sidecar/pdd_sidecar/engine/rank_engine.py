@@ -39,18 +39,21 @@ from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.warmup_shape import fresh_prompt_lengths, warmup_fresh_blocks
 from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model import fusion
 from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
-from pdd_sidecar.model.kernels.kv_write import write_latents
-from pdd_sidecar.model.kernels.latent_read import read_latent_blocks, read_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
+from pdd_sidecar.model.kernels.norm_rope import add_rms_norm
 from pdd_sidecar.model.mla import (
     absorb_q,
+    absorbed_query_and_store,
     chunk_prefill_attention,
     prefill_attention,
+    project_and_store,
     project_latent,
     project_q,
     rms_norm,
     unabsorb_v,
+    unabsorb_v_flat,
     varlen_prefill_attention,
 )
 from pdd_sidecar.model.moe import dense_mlp, expert_path, moe
@@ -58,6 +61,15 @@ from pdd_sidecar.model.rank_model import RankModel
 from pdd_sidecar.model.weights import LayerWeights
 
 log = logging.getLogger(__name__)
+
+
+def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + y, rms_norm(x + y))``: one kernel when the model runs fused, else two."""
+    if fusion.fused():
+        return add_rms_norm(x, y, weight, eps)
+    s = x + y
+    return s, rms_norm(s, weight, eps)
 
 
 def _varlen_kernel_pays(n: int, device: torch.device, dtype: torch.dtype) -> bool:
@@ -111,10 +123,8 @@ def warmup_lengths(below: int) -> list[int]:
 
 
 def new_cache(
-    model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None,
-    kv_cache_dtype: str = "auto",
+    model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None
 ) -> PagedKVCache:
-    """``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8`` (kv/fp8_layout.py)."""
     cfg = model.config
     return PagedKVCache(
         num_blocks,
@@ -123,8 +133,6 @@ def new_cache(
         cfg.latent_dim,
         model.dtype,
         model.device if device is None else device,
-        kv_cache_dtype=kv_cache_dtype,
-        kv_lora_rank=cfg.kv_lora_rank,
     )
 
 
@@ -515,11 +523,7 @@ class RankEngine:
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
             latent = project_latent(a, lw.attn, cfg, cos, sin)
-            if self.cache.fp8:
-                self._write_masked(i, blk, off, None, latent[mine.to(latent.device)])
-            else:
-                self.cache.write(i, blk, off, latent[mine.to(latent.device)])
-            latent = self.cache.stored(latent)  # fresh prompts attend over what is kept
+            self.cache.write(i, blk, off, latent[mine.to(latent.device)])
             o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
             if batch is not None:
                 r, seg = batch
@@ -566,18 +570,46 @@ class RankEngine:
     def _layer_rest(self, x: torch.Tensor, o: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """A layer after attention: output projection, residual, MLP or MoE, residual; shared by
         the eager step and the captured decode step so both compute the same thing."""
-        cfg, comm = self.cfg, self.comm
+        x, m = self._attn_residual(x, o, lw)
+        return x + self._mlp(m, lw)
+
+    def _attn_residual(self, x: torch.Tensor, o: torch.Tensor, lw: LayerWeights
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + o_proj(o), its post-attention norm)``: one kernel for the add and the norm."""
         lead = self.rank == 0  # adds the biases of row-sharded projections exactly once
         o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
-        x = x + (comm.all_reduce(o) if self.tp > 1 else o)
-        m = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        add_bias = lead or not lw.mlp_sharded
+        return _add_norm(x, self.comm.all_reduce(o) if self.tp > 1 else o, lw.post_norm,
+                         self.cfg.rms_norm_eps)
+
+    def _mlp(self, m: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        add_bias = self.rank == 0 or not lw.mlp_sharded
         if lw.moe is not None:
-            y = moe(m, lw.moe, cfg, add_bias)
+            y = moe(m, lw.moe, self.cfg, add_bias)
         else:
             assert lw.mlp is not None
             y = dense_mlp(m, lw.mlp, add_bias)
-        return x + (comm.all_reduce(y) if lw.mlp_sharded else y)
+        return self.comm.all_reduce(y) if lw.mlp_sharded else y
+
+    def _static_layers(
+        self, x: torch.Tensor, buf: StaticDecode | StaticPrefill,
+        attend: Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor],
+                         torch.Tensor],
+    ) -> torch.Tensor:
+        """The layers of a padded step, each one's projections, cache store and attention
+        ``attend(layer, lw, normed input, cos, sin)``; returns the final norm of the hidden
+        rows. Each layer's residual add after the MLP and the next layer's input norm (the final
+        norm after the last) are one kernel (``add_rms_norm``), so a row's hidden state is read
+        once between layers."""
+        cfg, w = self.cfg, self.model.weights
+        eps = cfg.rms_norm_eps
+        cos, sin = self.model.rotary.cos_sin(buf.positions)
+        a = rms_norm(x, w.layers[0].input_norm, eps)
+        for i, lw in enumerate(w.layers):
+            o = attend(i, lw, a, cos, sin)
+            x, m = self._attn_residual(x, o, lw)
+            nxt = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm
+            x, a = _add_norm(x, self._mlp(m, lw), nxt, eps)
+        return a
 
     def _cached_views(
         self, chunks: Sequence[SeqChunk], cached: Sequence[int], bounds: Sequence[int],
@@ -661,10 +693,12 @@ class RankEngine:
         latent (this rank's chunks of it), as one batch through the paged kernel (Triton on
         CUDA), to this rank's heads' latent output ``[N, Hl, kv_lora]``; under DCP every rank
         attends with all heads and the partials merge by LSE in one go."""
+        cfg = self.cfg
         assert views.block_tables is not None and views.seq_lens is not None
         if self.dcp > 1:
             q = self.comm.all_gather(q, dim=1)
-        out, lse = self._paged_decode(q, layer, views.block_tables, views.seq_lens, None)
+        out, lse = paged_mla_decode(q, self.cache.kv, layer, views.block_tables, views.seq_lens,
+                                    cfg.kv_lora_rank, cfg.softmax_scale)
         if self.dcp == 1:
             return out
         return dcp_merge(out, lse, self.comm)
@@ -690,12 +724,12 @@ class RankEngine:
         cb = views.batch
         if cb is not None:
             out, lse = chunk_prefill_attention(
-                q_nope, q_pe, self._read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
+                q_nope, q_pe, self.cache.read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
                 w_uk, w_uv, cfg.softmax_scale, q_lo=cb.q_lo)
             sb = cb.shared
             if sb is not None:
                 common = chunk_prefill_attention(
-                    q_nope, q_pe, self._read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
+                    q_nope, q_pe, self.cache.read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
                     w_uk, w_uv, cfg.softmax_scale)
                 out, lse = merge_partials(*common, out, lse)
             return out if self.dcp == 1 else dcp_merge(out, lse, comm)
@@ -704,7 +738,7 @@ class RankEngine:
         a = 0
         for cv in views.chunks:
             b = a + cv.q_pos.shape[0]
-            latent = self._read(layer, cv.table, cv.n_local)
+            latent = self.cache.read(layer, cv.table, cv.n_local)
             out[a:b], lse[a:b] = chunk_prefill_attention(
                 q_nope[a:b], q_pe[a:b], latent, cv.q_pos, cv.k_pos, w_uk, w_uv,
                 cfg.softmax_scale)
@@ -844,21 +878,21 @@ class RankEngine:
         """``_forward`` for one new token per row, reading only ``buf``'s tensors: no host
         values, no data-dependent shapes, so it can be captured."""
         cfg, w, comm = self.cfg, self.model.weights, self.comm
-        cos, sin = self.model.rotary.cos_sin(buf.positions)
-        x = F.embedding(buf.tokens, w.embed)
-        for i, lw in enumerate(w.layers):
-            q_nope, q_pe, _ = self._stored_projections(x, i, lw, cos, sin, buf)
-            q = absorb_q(q_nope, q_pe, lw.attn)
+
+        def attend(i: int, lw: LayerWeights, a: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+            q = absorbed_query_and_store(a, lw.attn, cfg, cos, sin, self.cache.kv, i,
+                                         buf.write_blocks, buf.write_offsets, buf.write_mask)
             if self.dcp > 1:
                 q = comm.all_gather(q, dim=1)
-            out, lse = self._paged_decode(q, i, buf.tables, buf.seq_lens, buf.num_splits)
+            out, lse = paged_mla_decode(q, self.cache.kv, i, buf.tables, buf.seq_lens,
+                                        cfg.kv_lora_rank, cfg.softmax_scale, buf.num_splits)
             if self.dcp > 1:
                 out = dcp_merge(out, lse, comm)
-            o = unabsorb_v(out.to(x.dtype), lw.attn)
-            x = self._layer_rest(x, o, lw)
-        if not want_logits:
-            return None
-        return self._logits(rms_norm(x, w.norm, cfg.rms_norm_eps))
+            return unabsorb_v_flat(out.to(a.dtype), lw.attn)
+
+        hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
+        return self._logits(hidden) if want_logits else None
 
     def _prefill_static(self, buf: StaticPrefill, want_logits: bool) -> torch.Tensor | None:
         """``_forward`` for fresh prompts padded to their bucket, reading only ``buf``'s
@@ -866,63 +900,17 @@ class RankEngine:
         does, and stores its own chunks' latents. ``[P, V]`` logits, a row per prompt's last
         token (rows past the prompts: row 0's)."""
         cfg, w = self.cfg, self.model.weights
-        cos, sin = self.model.rotary.cos_sin(buf.positions)
-        x = F.embedding(buf.tokens, w.embed)
-        for i, lw in enumerate(w.layers):
-            q_nope, q_pe, latent = self._stored_projections(x, i, lw, cos, sin, buf)
-            o = varlen_prefill_attention(q_nope, q_pe, latent, buf.seg_start, lw.attn, cfg)
-            x = self._layer_rest(x, o, lw)
-        if not want_logits:
-            return None
-        return self._logits(rms_norm(x.index_select(0, buf.last), w.norm, cfg.rms_norm_eps))
 
-    def _stored_projections(
-        self, x: torch.Tensor, layer: int, lw: LayerWeights, cos: torch.Tensor,
-        sin: torch.Tensor, buf: StaticDecode | StaticPrefill,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A padded step's layer up to attention: ``(q_nope, q_pe, latent)``, the latents
-        stored at the slots ``buf`` masks in."""
-        cfg = self.cfg
-        a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-        q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
-        latent = project_latent(a, lw.attn, cfg, cos, sin)
-        self._write_masked(layer, buf.write_blocks, buf.write_offsets, buf.write_mask, latent)
-        return q_nope, q_pe, self.cache.stored(latent)
+        def attend(i: int, lw: LayerWeights, a: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+            q_nope, q_pe, latent = project_and_store(
+                a, lw.attn, cfg, cos, sin, self.cache.kv, i, buf.write_blocks, buf.write_offsets,
+                buf.write_mask, want_latent=True)
+            assert latent is not None
+            return varlen_prefill_attention(q_nope, q_pe, latent, buf.seg_start, lw.attn, cfg)
 
-    def _write_masked(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
-                      mask: torch.Tensor | None, latent: torch.Tensor) -> None:
-        """Store the rows ``mask`` keeps (all with None) without a host sync (capturable); an
-        FP8 cache quantises them in the same kernel (kv/fp8_layout.py's bytes)."""
-        write_latents(self.cache.kv, layer, blocks, offsets, mask, latent,
-                      kv_lora_rank=self.cfg.kv_lora_rank)
-
-    def _paged_decode(self, q: torch.Tensor, layer: int, tables: torch.Tensor,
-                      seq_lens: torch.Tensor, num_splits: int | None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed ``q [B, H, L]`` over each sequence's cached latent (this rank's part):
-        ``(out [B, H, kv_lora], lse [B, H])``; the kernel reads bf16 or FP8 blocks as the
-        cache keeps them."""
-        cfg = self.cfg
-        return paged_mla_decode(q, self.cache.kv, layer, tables, seq_lens, cfg.kv_lora_rank,
-                                cfg.softmax_scale, num_splits)
-
-    def _read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
-        """Every token of ``block_ids`` of ``layer`` as latents of the model's dtype; an FP8
-        cache's through the dequantising reader (one pass on CUDA)."""
-        if not self.cache.fp8:
-            return self.cache.read_blocks(layer, block_ids)
-        return read_latent_blocks(self.cache.kv, layer, block_ids,
-                                  kv_lora_rank=self.cfg.kv_lora_rank, dtype=self.cache.dtype)
-
-    def _read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """The first ``num_tokens`` latents held in ``block_ids``, as ``_read_blocks``."""
-        if not self.cache.fp8:
-            return self.cache.read(layer, block_ids, num_tokens)
-        if num_tokens == 0:
-            return torch.empty(0, self.cfg.latent_dim, dtype=self.cache.dtype,
-                               device=self.cache.device)
-        return read_latents(self.cache.kv, layer, block_ids, num_tokens,
-                            kv_lora_rank=self.cfg.kv_lora_rank, dtype=self.cache.dtype)
+        hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
+        return self._logits(hidden.index_select(0, buf.last)) if want_logits else None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()

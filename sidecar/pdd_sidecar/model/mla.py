@@ -14,9 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdd_sidecar.model import fusion
 from pdd_sidecar.model.config import ModelConfig
 from pdd_sidecar.model.kernels.chunk_attention import chunk_attention, merge_partials
+from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.norm_rope import apply_rope, rms_norm
+from pdd_sidecar.model.kernels.rope_kv_write import rope_kv_write
 from pdd_sidecar.model.weights import AttnWeights
 
 LORA_NORM_EPS = 1e-6  # q_a/kv_a layernorms use the RMSNorm default, not rms_norm_eps
@@ -44,6 +47,77 @@ def project_latent(
     ckv = F.linear(x, w.kv_a_proj, w.kv_a_bias)
     c, k_pe = ckv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     return torch.cat([rms_norm(c, w.kv_a_norm, LORA_NORM_EPS), apply_rope(k_pe, cos, sin)], -1)
+
+
+def project_and_store(
+    x: torch.Tensor, w: AttnWeights, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: torch.Tensor, layer: int, blk: torch.Tensor, off: torch.Tensor,
+    mask: torch.Tensor, want_latent: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A padded step's projections of the normed input ``x``: ``(q_nope, q_pe roped, latent
+    or None)``, each token's latent stored at its slot where ``mask`` is set
+    (``write_latents``). Fused on CUDA (``fusion.fused()``, stacked ``qkv_a``): one GEMV for the
+    query and the latent, then one kernel for their norm, RoPE and the store."""
+    if not (fusion.fused() and x.is_cuda and w.qkv_a is not None):
+        q_nope, q_pe = project_q(x, w, cfg, cos, sin)
+        latent = project_latent(x, w, cfg, cos, sin)
+        write_latents(kv_cache, layer, blk, off, mask, latent, kv_lora_rank=cfg.kv_lora_rank)
+        return q_nope, q_pe, latent if want_latent else None
+    q_nope, q_pe, ckv = _split_projection(x, w, cfg)
+    q_rot, stored = rope_kv_write(ckv, q_pe, w.kv_a_norm, cos, sin, LORA_NORM_EPS, kv_cache,
+                                  layer, blk, off, mask, want_latent)
+    return q_nope, q_rot, stored
+
+
+def absorbed_query_and_store(
+    x: torch.Tensor, w: AttnWeights, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: torch.Tensor, layer: int, blk: torch.Tensor, off: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """A padded decode step's absorbed query ``[T, Hl, kv_lora + rope]``, the new latents
+    stored as ``project_and_store`` does. Fused, the query is assembled in place: RoPE writes
+    its part and the ``W_UK`` product its own into one buffer (no concatenation), laid out
+    head-major so the batched product writes straight into it."""
+    if not (fusion.fused() and x.is_cuda and w.qkv_a is not None):
+        q_nope, q_pe, _ = project_and_store(x, w, cfg, cos, sin, kv_cache, layer, blk, off, mask)
+        return absorb_q(q_nope, q_pe, w)
+    q_nope, q_pe, ckv = _split_projection(x, w, cfg)
+    t, h = q_nope.shape[0], q_nope.shape[1]
+    kvl = cfg.kv_lora_rank
+    buf = torch.empty(h, t, cfg.latent_dim, dtype=x.dtype, device=x.device)
+    rope_kv_write(ckv, q_pe, w.kv_a_norm, cos, sin, LORA_NORM_EPS, kv_cache, layer, blk, off,
+                  mask, q_out=buf[:, :, kvl:].transpose(0, 1))
+    torch.bmm(q_nope.transpose(0, 1), w.w_uk, out=buf[:, :, :kvl])
+    return buf.transpose(0, 1)
+
+
+def unabsorb_v_flat(out_latent: torch.Tensor, w: AttnWeights) -> torch.Tensor:
+    """``unabsorb_v`` flattened over heads, ``[T, Hl * v]`` (the output projection's input):
+    fused, the batched product writes token-major rows directly (no copy before o_proj)."""
+    if not (fusion.fused() and out_latent.is_cuda):
+        return unabsorb_v(out_latent, w).flatten(1)
+    t, h = out_latent.shape[0], out_latent.shape[1]
+    dv = w.w_uv.shape[1]
+    o = torch.empty(t, h, dv, dtype=out_latent.dtype, device=out_latent.device)
+    torch.bmm(out_latent.transpose(0, 1), w.w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    return o.view(t, h * dv)
+
+
+def _split_projection(
+    x: torch.Tensor, w: AttnWeights, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_nope, q_pe, ckv)`` from one GEMV over the stacked ``qkv_a`` (views of its output;
+    with a query LoRA, ``q_a`` normed and up-projected first)."""
+    assert w.qkv_a is not None
+    both = F.linear(x, w.qkv_a)
+    n_q = both.shape[-1] - cfg.latent_dim
+    q, ckv = both[:, :n_q], both[:, n_q:]
+    if w.q_b_proj is not None:
+        assert w.q_a_norm is not None
+        q = F.linear(rms_norm(q, w.q_a_norm, LORA_NORM_EPS), w.q_b_proj)
+    q = q.unflatten(-1, (-1, cfg.qk_head_dim))
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    return q_nope, q_pe, ckv
 
 
 def prefill_attention(

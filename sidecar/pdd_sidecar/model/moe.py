@@ -12,10 +12,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdd_sidecar.model import fusion
 from pdd_sidecar.model.config import ModelConfig
 from pdd_sidecar.model.kernels import moe_grouped as mg
-from pdd_sidecar.model.kernels.moe_grouped import can_group, grouped_experts, loop_experts
-from pdd_sidecar.model.kernels.moe_route import softmax_topk, topk_weights
+from pdd_sidecar.model.kernels.moe_grouped import (
+    can_group,
+    gemv_experts,
+    grouped_experts,
+    loop_experts,
+    shared_chunks,
+)
+from pdd_sidecar.model.kernels.moe_route import (
+    always_slots,
+    combine,
+    router_topk,
+    softmax_topk,
+    topk_weights,
+)
 from pdd_sidecar.model.weights import MLPWeights, MoEWeights
 
 
@@ -80,9 +93,42 @@ def expert_path(x: torch.Tensor, w: MoEWeights, top_k: int) -> str:
     return "grouped" if can_group(x, w) else "loop"
 
 
+def fused_route_applies(cfg: ModelConfig, w: MoEWeights) -> bool:
+    """The one-kernel router (``router_topk``) serves V2's greedy softmax routing; V3's sigmoid
+    and group-limited routing keep ``route``."""
+    return (cfg.scoring_func == "softmax" and cfg.topk_method == "greedy"
+            and w.score_bias is None)
+
+
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool = True) -> torch.Tensor:
+    if fusion.fused() and x.is_cuda and fused_route_applies(cfg, w):
+        return _moe_fused(x, w, cfg, add_bias)
     weights, ids = route(x, w.router, cfg, w.score_bias)
     path = expert_path(x, w, cfg.num_experts_per_tok)
+    shared = None if w.shared is None else dense_mlp(x, w.shared, add_bias)
+    if path != "loop":
+        return grouped_experts(x, weights, ids, w, gemv=path == "gemv", shared=shared)
+    out = loop_experts(x, weights, ids, w)
+    return out if shared is None else out + shared
+
+
+def _moe_fused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool) -> torch.Tensor:
+    """``moe`` with the router in one kernel and, up to ``fusion.shared_in_gemv_tokens()``
+    tokens on the GEMV path, the shared experts as always-chosen experts of the routed GEMV
+    (one pair of kernels reads every weight the step needs, one combine sums them)."""
+    k = cfg.num_experts_per_tok
+    path = expert_path(x, w, k)
+    parts = shared_chunks(w)
+    fold = (path == "gemv" and parts > 0 and x.shape[0] <= fusion.shared_in_gemv_tokens()
+            and x.shape[0] * (k + parts) <= mg.GEMV_MAX_PAIRS)
+    if fusion.fused_router():
+        weights, ids = router_topk(x, w.router, k, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor, always=parts if fold else 0)
+    else:
+        weights, ids = always_slots(*route(x, w.router, cfg), w.router.shape[0],
+                                    parts if fold else 0)
+    if fold:
+        return combine(gemv_experts(x, ids, w, shared=True), weights, None, None)
     shared = None if w.shared is None else dense_mlp(x, w.shared, add_bias)
     if path != "loop":
         return grouped_experts(x, weights, ids, w, gemv=path == "gemv", shared=shared)

@@ -301,6 +301,29 @@ class AttnWeights:
     w_uv: torch.Tensor  # [Hl, v, kv_lora]
     o_proj: torch.Tensor  # [hidden, Hl*v]
     o_bias: torch.Tensor | None  # added once, after the sum over ranks
+    # [q rows + kv_a rows, hidden]: q_proj (or q_a_proj) and kv_a_proj stacked, both of them
+    # views into it (fuse_input_projections), so one GEMV reads the layer's input projections
+    qkv_a: torch.Tensor | None = None
+
+
+def fuse_input_projections(w: AttnWeights) -> AttnWeights:
+    """Stacks the projections that read the layer's normed input (``q_proj`` or ``q_a_proj``,
+    and ``kv_a_proj``) into ``qkv_a`` and makes them views of it: no more memory, and the decode
+    step runs one GEMV where it ran two. Left as is where either has a bias (the checkpoints
+    pdd serves have none) or the dtypes differ."""
+    q = w.q_proj if w.q_proj is not None else w.q_a_proj
+    if (q is None or w.q_a_bias is not None or w.kv_a_bias is not None or w.qkv_a is not None
+            or q.dtype != w.kv_a_proj.dtype or q.shape[1] != w.kv_a_proj.shape[1]):
+        return w
+    both = torch.cat([q, w.kv_a_proj], 0)
+    n = q.shape[0]
+    w.qkv_a = both
+    if w.q_proj is not None:
+        w.q_proj = both[:n]
+    else:
+        w.q_a_proj = both[:n]
+    w.kv_a_proj = both[n:]
+    return w
 
 
 @dataclass
@@ -419,6 +442,7 @@ def load_rank_weights(
             ),
             o_bias=opt(a + "o_proj.bias"),
         )
+        attn = fuse_input_projections(attn)
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             assert cfg.n_routed_experts

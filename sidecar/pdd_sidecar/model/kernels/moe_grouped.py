@@ -85,7 +85,11 @@ def sort_by_expert(
     (stable), ``rows`` is the token of each sorted choice, ``offs [E]`` int32 the end of each
     expert's group."""
     flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
+    # The narrowest key that holds an expert id: the radix sort makes one pass per key byte
+    # (int64 ids took 27 us a layer at 64 tokens on an H100); equal keys keep their order.
+    key = flat.to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32767
+                  else flat.dtype)
+    order = torch.argsort(key, stable=True)
     rows = order // ids.shape[1]
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
@@ -132,6 +136,26 @@ def loop_experts(
     return out
 
 
+def shared_chunks(w: MoEWeights) -> int:
+    """How many routed-sized experts the shared experts make (their intermediate rows cut in
+    the routed experts' width: a SwiGLU's intermediate dimension splits into parts whose
+    down-projections sum), or 0 where they cannot run inside the routed experts' GEMV (none,
+    biases, another width or layout)."""
+    sh = w.shared
+    if sh is None or sh.gate_bias is not None or sh.up_bias is not None or (
+            sh.down_bias is not None):
+        return 0
+    e, inter, hidden = w.w_gate.shape
+    rows = sh.gate.shape[0]
+    if (rows % inter or sh.gate.shape != (rows, hidden) or sh.up.shape != (rows, hidden)
+            or sh.down.shape != (hidden, rows) or sh.gate.dtype != w.w_gate.dtype
+            or sh.gate.stride() != (w.w_gate.stride(1), 1)
+            or sh.up.stride() != (w.w_up.stride(1), 1) or sh.down.stride(1) != 1
+            or w.w_down.stride(2) != 1):
+        return 0
+    return rows // inter
+
+
 def gemv_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -139,11 +163,17 @@ def gemv_experts(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    shared: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's expert output ``[T*k, hidden]`` (unweighted), two Triton
-    kernels: gate and up fused with SiLU, then down."""
+    kernels: gate and up fused with SiLU, then down. With ``shared``, ids ``E + j`` are the
+    ``j``-th routed-sized part of the shared experts (``shared_chunks``), run by the same
+    kernels from the shared weights."""
     t, k = ids.shape
     e, inter, hidden = w.w_gate.shape
+    sh = w.shared if shared else None
+    if shared and (sh is None or shared_chunks(w) == 0):
+        raise ValueError("shared=True needs shared experts that shared_chunks() can split")
     pairs = t * k
     few = pairs <= GEMV_FEW_PAIRS  # narrower, longer tiles: more programs for few pairs
     block_n = block_n or (GEMV_FEW_TILES[0] if few else GEMV_BLOCK_N)
@@ -153,18 +183,22 @@ def gemv_experts(
     x = x.contiguous()
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    sg, su, sd = (sh.gate, sh.up, sh.down) if sh is not None else (w.w_gate, w.w_up, w.w_down)
+    sd_row = sh.down.stride(0) if sh is not None else w.w_down.stride(1)
     gate_up: Any = _gemv_gate_up
     gate_up[(pairs, triton.cdiv(inter, block_n))](
-        x, w.w_gate, w.w_up, flat, h,
-        hidden, inter, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
+        x, w.w_gate, w.w_up, sg, su, flat, h,
+        hidden, inter, e, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
         w.w_up.stride(0), w.w_up.stride(1), h.stride(0),
-        TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SHARED=sh is not None,
+        num_warps=num_warps,
     )  # fmt: skip
     down: Any = _gemv_down
     down[(pairs, triton.cdiv(hidden, block_n))](
-        h, w.w_down, flat, y,
-        inter, hidden, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        h, w.w_down, sd, flat, y,
+        inter, hidden, e, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), sd_row,
+        y.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_SHARED=sh is not None, num_warps=num_warps,
     )  # fmt: skip
     return y
 
@@ -173,9 +207,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_gate_up(
-        X, WG, WU, IDS, H,
-        K, N, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ht,
+        X, WG, WU, SG, SU, IDS, H,
+        K, N, E, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ht,
         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_SHARED: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         nb = tl.program_id(1)
@@ -185,8 +220,14 @@ if HAS_TRITON:
         mask_n = offs_n < N
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        g_rows = WG + e * stride_ge + offs_n[:, None] * stride_gn
-        u_rows = WU + e * stride_ue + offs_n[:, None] * stride_un
+        g_base = WG + e * stride_ge
+        u_base = WU + e * stride_ue
+        if HAS_SHARED:
+            if e >= E:  # a part of the shared experts: rows (e - E) * N .. of their weights
+                g_base = SG + (e - E) * N * stride_gn
+                u_base = SU + (e - E) * N * stride_un
+        g_rows = g_base + offs_n[:, None] * stride_gn
+        u_rows = u_base + offs_n[:, None] * stride_un
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
@@ -203,9 +244,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_down(
-        H, WD, IDS, Y,
-        K, N, stride_ht, stride_de, stride_dn, stride_yt,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        H, WD, SD, IDS, Y,
+        K, N, E, stride_ht, stride_de, stride_dn, stride_sdn, stride_yt,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         nb = tl.program_id(1)
@@ -213,7 +254,10 @@ if HAS_TRITON:
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        rows = WD + e * stride_de + offs_n[:, None] * stride_dn
+        rows = WD + e * stride_de + offs_n[:, None].to(tl.int64) * stride_dn
+        if HAS_SHARED:
+            if e >= E:  # a part of the shared experts: their down's columns (e - E) * K ..
+                rows = SD + (e - E) * K + offs_n[:, None].to(tl.int64) * stride_sdn
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K

@@ -64,6 +64,77 @@ def softmax_topk_triton(
     return weights, ids
 
 
+def always_slots(
+    weights: torch.Tensor, ids: torch.Tensor, first_id: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` more slots per token, weight 1 and ids ``first_id ..``: experts every token takes
+    (the shared ones, run by the routed experts' kernels)."""
+    if n == 0:
+        return weights, ids
+    t = ids.shape[0]
+    extra = torch.arange(first_id, first_id + n, device=ids.device, dtype=ids.dtype)
+    return (torch.cat([weights, weights.new_ones(t, n)], 1),
+            torch.cat([ids, extra.expand(t, n)], 1))
+
+
+def router_topk_ref(
+    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy softmax router from the hidden rows: fp32 logits ``x @ router.T``, softmax,
+    top-k, then ``always`` slots (``always_slots``, ids from ``E``)."""
+    w, ids = softmax_topk(torch.nn.functional.linear(x.float(), router), k, normalize, scale)
+    return always_slots(w, ids, router.shape[0], always)
+
+
+ROUTER_BLOCK_T, ROUTER_BLOCK_K = 16, 128
+_COUNTERS: dict[str, torch.Tensor] = {}
+MAX_ROUTER_TOKENS = 16384  # token blocks with a counter each
+
+
+def router_topk(
+    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_topk_ref`` in one kernel on CUDA: the logits of a block of tokens are split
+    over the hidden dimension into programs (each reads a slice of the fp32 router, so a single
+    token still spreads the read over many SMs), and the block's last program to finish sums
+    the partial logits in a fixed order (deterministic), takes the softmax and the top-k, and
+    writes the weights and ids with the ``always`` slots."""
+    t, hidden = x.shape
+    e = router.shape[0]
+    if (not (x.is_cuda and HAS_TRITON) or e > MAX_EXPERTS or k > e or t == 0
+            or t > MAX_ROUTER_TOKENS or router.shape[1] != hidden or router.dtype != torch.float32
+            or x.stride(-1) != 1 or router.stride(-1) != 1):
+        return router_topk_ref(x, router, k, normalize, scale, always)
+    return router_topk_triton(x, router, k, normalize, scale, always)
+
+
+def router_topk_triton(
+    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, hidden = x.shape
+    e = router.shape[0]
+    key = str(x.device)
+    counters = _COUNTERS.get(key)
+    if counters is None:  # zeroed once; each use leaves it zeroed again
+        counters = torch.zeros(MAX_ROUTER_TOKENS // ROUTER_BLOCK_T + 1, dtype=torch.int32,
+                               device=x.device)
+        _COUNTERS[key] = counters
+    splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
+    e_p2 = max(16, 1 << (e - 1).bit_length())
+    part = torch.empty(splits, t, e_p2, dtype=torch.float32, device=x.device)
+    kk = k + always
+    weights = torch.empty(t, kk, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, kk, dtype=torch.int64, device=x.device)
+    kernel: Any = _router_topk_blocks
+    kernel[(triton.cdiv(t, ROUTER_BLOCK_T), splits)](
+        x, router, part, counters, weights, ids, t, e, hidden, x.stride(0), router.stride(0),
+        float(scale), K=k, ALWAYS=always, KK_P2=max(2, 1 << (kk - 1).bit_length()),
+        E_P2=e_p2, SPLITS=splits, BLOCK_T=ROUTER_BLOCK_T, BLOCK_K=ROUTER_BLOCK_K,
+        NORMALIZE=bool(normalize and k > 1), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
 def combine_ref(y: torch.Tensor, weights: torch.Tensor, src: torch.Tensor | None,
                 shared: torch.Tensor | None) -> torch.Tensor:
     """``sum_j weights[t, j] * y[src[t*k + j]]`` (``src`` None: ``y`` is already in
@@ -136,6 +207,63 @@ if HAS_TRITON:
         tl.store(IDS + out, picks, mask=slot < K)
 
     @triton.jit
+    def _router_topk_blocks(
+        X, R, PART, CNT, W, IDS, t, e, hidden, stride_x, stride_r, scale,
+        K: tl.constexpr, ALWAYS: tl.constexpr, KK_P2: tl.constexpr, E_P2: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+    ):  # fmt: skip
+        tb = tl.program_id(0)
+        sp = tl.program_id(1)
+        rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        live_t = rows < t
+        ex = tl.arange(0, E_P2)
+        live_e = ex < e
+        cols = sp * BLOCK_K + tl.arange(0, BLOCK_K)
+        live_k = cols < hidden
+        xv = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                     mask=live_t[:, None] & live_k[None, :], other=0.0).to(tl.float32)
+        rv = tl.load(R + ex[:, None] * stride_r + cols[None, :],
+                     mask=live_e[:, None] & live_k[None, :], other=0.0)
+        logits = tl.dot(xv, tl.trans(rv), input_precision="ieee")  # [BLOCK_T, E_P2]
+        mine = PART + (sp * t + rows[:, None]).to(tl.int64) * E_P2 + ex[None, :]
+        tl.store(mine, logits, mask=live_t[:, None])
+        tl.debug_barrier()
+        done = tl.atomic_add(CNT + tb, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:  # the block's last program: every partial is written
+            acc = tl.zeros([BLOCK_T, E_P2], dtype=tl.float32)
+            # unrolled, so every partial's load is in flight at once (a rolled loop waits for
+            # each L2 read in turn: 10 us a call); summed in a fixed order, the same every run
+            for j in tl.static_range(SPLITS):
+                src = PART + (j * t + rows[:, None]).to(tl.int64) * E_P2 + ex[None, :]
+                acc += tl.load(src, mask=live_t[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.where(live_e[None, :], acc, float("-inf"))
+            p = tl.exp(acc - tl.max(acc, axis=1)[:, None])
+            p = p / tl.sum(p, axis=1)[:, None]
+            p = tl.where(live_e[None, :], p, -1.0)
+            slot = tl.arange(0, KK_P2)
+            vals = tl.zeros([BLOCK_T, KK_P2], dtype=tl.float32)
+            picks = tl.zeros([BLOCK_T, KK_P2], dtype=tl.int64)
+            for j in tl.static_range(K):
+                best = tl.max(p, axis=1)
+                at = tl.min(tl.where(p == best[:, None], ex[None, :], E_P2), axis=1)
+                vals = tl.where(slot[None, :] == j, best[:, None], vals)
+                picks = tl.where(slot[None, :] == j, at[:, None].to(tl.int64), picks)
+                p = tl.where(ex[None, :] == at[:, None], -1.0, p)
+            if NORMALIZE:
+                routed = slot[None, :] < K
+                vals = vals / (tl.sum(tl.where(routed, vals, 0.0), axis=1)[:, None] + 1e-20)
+            vals = vals * scale
+            extra = (slot[None, :] >= K) & (slot[None, :] < K + ALWAYS)
+            vals = tl.where(extra, 1.0, vals)
+            picks = tl.where(extra, (e + slot[None, :] - K).to(tl.int64), picks)
+            out = rows[:, None].to(tl.int64) * (K + ALWAYS) + slot[None, :]
+            m = live_t[:, None] & (slot[None, :] < K + ALWAYS)
+            tl.store(W + out, vals, mask=m)
+            tl.store(IDS + out, picks, mask=m)
+            tl.atomic_xchg(CNT + tb, 0)  # ready for the next call (and the next replay)
+
+    @triton.jit
     def _combine_rows(
         Y, W, SRC, S, OUT, stride_y, stride_s, hidden,
         K: tl.constexpr, BLOCK: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -159,5 +287,5 @@ if HAS_TRITON:
         tl.store(OUT + t.to(tl.int64) * hidden + cols, res, mask=m)
 
 
-__all__ = ["HAS_TRITON", "combine", "combine_ref", "inverse_order", "softmax_topk",
-           "softmax_topk_ref", "topk_weights"]
+__all__ = ["HAS_TRITON", "always_slots", "combine", "combine_ref", "inverse_order",
+           "router_topk", "router_topk_ref", "softmax_topk", "softmax_topk_ref", "topk_weights"]

@@ -5,6 +5,9 @@ downcast, weight; unflatten, four products, stack, downcast): about seven per no
 rotation, three norms and two rotations per layer, which at decode batch sizes cost more GPU time
 than the bytes they move. The kernels compute the same fp32 arithmetic in one pass; the CPU keeps
 the references, which stay the transformers-oracle-tested path.
+
+``add_rms_norm`` is the residual add and the next norm in one pass (the sum written once, the
+normalised sum beside it): a layer has two of them, after attention and after the MLP.
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + y, rms_norm(x + y))``, the sum rounded to ``x``'s dtype first, as eager torch."""
+    s = x + y
+    return s, rms_norm_ref(s, weight, eps)
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,6 +74,32 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
                              num_warps=4 if block <= 2048 else 8)
     return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``x + y`` and its RMSNorm, one kernel on CUDA (``add_rms_norm_ref``'s
+    roundings)."""
+    n = x.shape[-1]
+    if (not (x.is_cuda and HAS_TRITON) or x.dtype != weight.dtype or y.dtype != x.dtype
+            or y.shape != x.shape or weight.shape != (n,) or x.numel() == 0):
+        return add_rms_norm_ref(x, y, weight, eps)
+    return add_rms_norm_triton(x, y, weight, eps)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    xr, yr = x.reshape(-1, n).contiguous(), y.reshape(-1, n).contiguous()
+    total = torch.empty_like(xr)
+    normed = torch.empty_like(xr)
+    kernel: Any = _add_rms_norm_rows
+    block = _p2(n)
+    kernel[(xr.shape[0],)](xr, yr, weight, total, normed, n, eps, BLOCK=block,
+                           num_warps=4 if block <= 2048 else 8)
+    return total.view(x.shape), normed.view(x.shape)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,6 +143,22 @@ if HAS_TRITON:
         tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_rows(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        ty = sum_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + y).to(ty)
+        tl.store(sum_ptr + row * n + cols, s, mask=mask)
+        sf = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + eps)
+        z = (sf * inv).to(ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (w * z).to(ty), mask=mask)
+
+    @triton.jit
     def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, m, stride_t, stride_m,
                    HALF: tl.constexpr, HALF_P2: tl.constexpr):
         row = tl.program_id(0)
@@ -124,4 +177,5 @@ if HAS_TRITON:
         tl.store(dst + 1, (even * s + odd * c).to(ty), mask=mask)
 
 
-__all__ = ["HAS_TRITON", "apply_rope", "apply_rope_ref", "rms_norm", "rms_norm_ref"]
+__all__ = ["HAS_TRITON", "add_rms_norm", "add_rms_norm_ref", "apply_rope", "apply_rope_ref",
+           "rms_norm", "rms_norm_ref"]

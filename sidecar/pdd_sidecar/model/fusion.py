@@ -1,0 +1,60 @@
+"""Whether a layer runs its fused kernels, and up to how many tokens the shared experts run
+inside the routed experts' GEMV: the model's two switches, read from the process environment
+(``PDD_FUSED_DECODE``, ``PDD_SHARED_IN_GEMV_TOKENS``) so the engine, the benches and the tests
+need nothing else, and settable in-process so a bench can time both paths in one run.
+
+The fused path computes what the unfused one does with the same fp32 arithmetic; what differs is
+rounding order (the shared experts' output summed with the routed ones in fp32 before one
+rounding, the router's logits summed in another order), within bf16's precision. A value is read
+when a step runs, so a CUDA graph keeps the path it was captured with."""
+
+from __future__ import annotations
+
+import os
+
+from pdd_sidecar.switch import switch
+
+PDD_FUSED_DECODE = "PDD_FUSED_DECODE"
+PDD_SHARED_IN_GEMV_TOKENS = "PDD_SHARED_IN_GEMV_TOKENS"
+_state: dict[str, object] = {}
+
+
+def fused() -> bool:
+    """``PDD_FUSED_DECODE``: ``1`` (default) or ``0``, unless ``set_fused`` said otherwise."""
+    if "fused" not in _state:
+        _state["fused"] = switch(os.environ, PDD_FUSED_DECODE, True)
+    return bool(_state["fused"])
+
+
+def shared_in_gemv_tokens() -> int:
+    """``PDD_SHARED_IN_GEMV_TOKENS`` (default 1): at batch 16 the shared experts apart measured
+    faster (each token's pairs would read the shared weights again), at batch 1 inside."""
+    if "shared_tokens" not in _state:
+        raw = os.environ.get(PDD_SHARED_IN_GEMV_TOKENS, "").strip() or "1"
+        try:
+            n = int(raw)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"{PDD_SHARED_IN_GEMV_TOKENS}: must be a whole number >= 0, "
+                             f"got {raw!r}")
+        _state["shared_tokens"] = n
+    return int(_state["shared_tokens"])  # type: ignore[call-overload]
+
+
+def fused_router() -> bool:
+    """Whether the fused path routes with the one-kernel router (default) or with the fp32
+    projection and the softmax/top-k kernel apart (``set_fused(router=False)``: the bench's
+    same-run comparison)."""
+    return fused() and bool(_state.get("router", True))
+
+
+def set_fused(on: bool | None, shared_tokens: int | None = None,
+              router: bool | None = None) -> None:
+    """Overrides the environment for this process (``None``: read it again; the router
+    setting back to its default)."""
+    for key, value in (("fused", on), ("shared_tokens", shared_tokens), ("router", router)):
+        if value is None:
+            _state.pop(key, None)
+        else:
+            _state[key] = value
