@@ -17,7 +17,10 @@ kernel's (max error relative to the output's largest value: FP8 shows its quanti
     python bench/decode_attention.py --device cpu --shapes 1x256 --reps 1   # reference only
 
 ``--tune`` sweeps the FP8 kernel's tile (``BLOCK_N``), warps and stages per shape and prints the
-best next to the default (mla_decode.FP8_BLOCK_N / FP8_NUM_WARPS / FP8_NUM_STAGES).
+best next to the default (mla_decode.FP8_BLOCK_N / FP8_NUM_WARPS / FP8_NUM_STAGES). Both FP8
+variants run (``triton_fp8``: scales applied to each group's scores and probabilities;
+``triton_fp8_tile``: the K tile dequantised, then the bf16 kernel's dots), each with the split
+kernel's registers and spills.
 """
 
 from __future__ import annotations
@@ -135,7 +138,9 @@ def variants(case: dict[str, Any], flash: Any, scale: float) -> dict[str, Fn]:
         "triton_bf16": lambda: md.paged_mla_decode_triton(
             q, case["kv"], layer, tables, lens, C, scale),
         "triton_fp8": lambda: md.paged_mla_decode_triton(
-            q, case["fp8"], layer, tables, lens, C, scale),
+            q, case["fp8"], layer, tables, lens, C, scale, fp8_kernel="groups"),
+        "triton_fp8_tile": lambda: md.paged_mla_decode_triton(
+            q, case["fp8"], layer, tables, lens, C, scale, fp8_kernel="tile"),
     }
     if flash is not None:
         out["flashmla_bf16"] = lambda: fm.flashmla_decode(
@@ -176,7 +181,14 @@ def run_shape(
             line.append(f"{vname} n/a ({type(e).__name__}: {str(e)[:80]})")
             continue
         row[vname] = {"us": t * 1e6, "roofline": roof / t, "err": err}
-        line.append(f"{vname} {t * 1e6:8.1f} us {roof / t:5.0%} roof err {err:.1e}")
+        regs = ""
+        if vname.startswith("triton"):
+            fn()  # the split kernel just launched is this variant's
+            k = md.LAST_LAUNCH.get("split")
+            row[vname]["regs"] = getattr(k, "n_regs", None)
+            row[vname]["spills"] = getattr(k, "n_spills", None)
+            regs = f" regs {row[vname]['regs']} spills {row[vname]['spills']}"
+        line.append(f"{vname} {t * 1e6:8.1f} us {roof / t:5.0%} roof err {err:.1e}{regs}")
     if "us" not in row["triton_fp8"]:
         print("\n    ".join(line), flush=True)
         return row

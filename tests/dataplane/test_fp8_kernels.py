@@ -159,10 +159,13 @@ for c, r in ((32, 8), (256, 16), (320, 8)):
     q = torch.randn(len(lens), h, c + r)
     ro, rl = md.paged_mla_decode_ref(q, kv, 1, tables, sl, c, 0.3)
     fin = ~torch.isinf(rl)
-    for splits in (1, 3, 9):
-        o, l = md.paged_mla_decode_triton(q, kv, 1, tables, sl, c, 0.3, num_splits=splits)
+    for variant, splits in (("groups", 1), ("groups", 3), ("groups", 9), ("tile", 1),
+                            ("tile", 3)):
+        o, l = md.paged_mla_decode_triton(q, kv, 1, tables, sl, c, 0.3, num_splits=splits,
+                                          fp8_kernel=variant)
         assert torch.equal(torch.isinf(l), torch.isinf(rl)), splits
-        assert float((o - ro).abs().max()) < 1e-4, (c, splits, float((o - ro).abs().max()))
+        err = float((o - ro).abs().max())
+        assert err < 1e-4, (c, variant, splits, err)
         assert float((l[fin] - rl[fin]).abs().max()) < 1e-4, splits
     print("decode", c, "ok")
 '''

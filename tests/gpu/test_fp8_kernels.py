@@ -63,8 +63,9 @@ def test_reader_is_dequantize_latents() -> None:
         assert torch.equal(got, fp8_layout.dequantize_latents(rows, C, dtype)), dtype
 
 
+@pytest.mark.parametrize("variant", ["groups", "tile"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_fp8_decode_matches_reference_on_dequantised_latents(heads: int) -> None:
+def test_fp8_decode_matches_reference_on_dequantised_latents(heads: int, variant: str) -> None:
     g = torch.Generator(device=DEV).manual_seed(3)
     kv, _ = _filled(96, g)
     deq = fp8_layout.dequantize_latents(kv.reshape(-1, kv.shape[-1]), C, torch.bfloat16)
@@ -84,7 +85,8 @@ def test_fp8_decode_matches_reference_on_dequantised_latents(heads: int) -> None
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            o, lse = md.paged_mla_decode(q, kv, 1, tables, sl, C, scale, splits)
+            o, lse = md.paged_mla_decode_triton(q, kv, 1, tables, sl, C, scale, splits,
+                                                fp8_kernel=variant)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_l)), splits

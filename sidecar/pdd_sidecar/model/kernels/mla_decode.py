@@ -161,6 +161,7 @@ MAX_SPLITS = 256
 FP8_BLOCK_N = 64
 FP8_NUM_WARPS = 4
 FP8_NUM_STAGES = 2
+FP8_KERNEL = "groups"  # or "tile" (bench/decode_attention.py times both)
 
 
 def sm_count(device: torch.device) -> int:
@@ -197,9 +198,13 @@ def paged_mla_decode_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lengths past the table's capacity are clipped to it in the kernel (no host check: that
-    would be a sync); the reference raises for them."""
+    would be a sync); the reference raises for them. ``fp8_kernel`` (FP8 caches) picks the
+    variant, default ``FP8_KERNEL``: ``groups`` scales each 128-value group's scores and
+    probabilities (no K-tile multiply), ``tile`` dequantises the K tile and runs the bf16
+    kernel's two dots."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not importable")
     _check(q, kv_cache, layer, block_tables, seq_lens, kv_lora_rank)
@@ -236,9 +241,15 @@ def paged_mla_decode_triton(
     kernel: Any = _mla_decode_split
     extra: dict[str, Any] = {}
     if fp8:
-        kernel = _mla_decode_split_fp8
-        g = min(c, fp8_layout.GROUP)
-        extra = {"NG": fp8_layout.num_groups(c), "G_P2": _p2(g)}
+        ng = fp8_layout.num_groups(c)
+        extra = {"NG": ng, "G_P2": _p2(min(c, fp8_layout.GROUP))}
+        variant = fp8_kernel or FP8_KERNEL
+        if variant == "groups":
+            kernel = _mla_decode_split_fp8
+        elif variant == "tile":
+            extra.update(FP8=True, NG_P2=_p2(ng, 1))
+        else:
+            raise ValueError(f"fp8_kernel {variant!r} is not one of groups, tile")
         num_warps = num_warps or FP8_NUM_WARPS
         num_stages = num_stages or FP8_NUM_STAGES
     LAST_LAUNCH["split"] = kernel[(b, num_splits, hg)](
@@ -338,6 +349,10 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         TILE_IN_BLOCK: tl.constexpr,
         IEEE: tl.constexpr,
+        FP8: tl.constexpr = False,
+        NG: tl.constexpr = 1,
+        NG_P2: tl.constexpr = 1,
+        G_P2: tl.constexpr = 16,
     ):
         b = tl.program_id(0)
         s = tl.program_id(1)
@@ -378,14 +393,20 @@ if HAS_TRITON:
             else:
                 blk_t = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
                 row = KV + blk_t * stride_kvb + (offs_n % BS) * stride_kvt
-            k_c = tl.load(
-                row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
-            )
-            k_r = tl.load(
-                row[:, None] + C + offs_r[None, :],
-                mask=mask_n[:, None] & mask_r[None, :],
-                other=0.0,
-            )
+            if FP8:  # the "tile" FP8 variant: the tile dequantised, then as bf16
+                k_c, k_r = _fp8_tile(row, mask_n, offs_r, mask_r, C, NG, NG_P2, G_P2,
+                                     Q.dtype.element_ty)  # fmt: skip
+            else:
+                k_c = tl.load(
+                    row[:, None] + offs_c[None, :],
+                    mask=mask_n[:, None] & mask_c[None, :],
+                    other=0.0,
+                )
+                k_r = tl.load(
+                    row[:, None] + C + offs_r[None, :],
+                    mask=mask_n[:, None] & mask_r[None, :],
+                    other=0.0,
+                )
             if IEEE:
                 qk = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
                 qk += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
@@ -419,6 +440,31 @@ if HAS_TRITON:
             lse,
             mask=live_h,
         )
+
+    @triton.jit
+    def _fp8_tile(row, mask_n, offs_r, mask_r, C: tl.constexpr, NG: tl.constexpr,
+                  NG_P2: tl.constexpr, G_P2: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+        """A tile of FP8 latents as ``DT``: ``([BLOCK_N, NG_P2 * G_P2], [BLOCK_N, R_P2])``, each
+        group of 128 values times its scale (column ``g * 128 + j`` is value ``g * 128 + j``:
+        ``G_P2`` is 128 unless there is one group)."""
+        offs_g = tl.arange(0, NG_P2)
+        offs_j = tl.arange(0, G_P2)
+        col = offs_g[:, None] * 128 + offs_j[None, :]
+        m = mask_n[:, None, None] & ((col < C) & (offs_j[None, :] < 128))[None, :, :]
+        kq = tl.load(row[:, None, None] + col[None, :, :], mask=m, other=0)
+        sc = tl.load(
+            (row + C).to(tl.pointer_type(tl.float32))[:, None] + offs_g[None, :],
+            mask=mask_n[:, None] & (offs_g < NG)[None, :],
+            other=0.0,
+        )
+        k = kq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None]
+        k_c = tl.reshape(k, [k.shape[0], NG_P2 * G_P2]).to(DT)
+        k_r = tl.load(
+            (row + C + 4 * NG).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_r[None, :],
+            mask=mask_n[:, None] & mask_r[None, :],
+            other=0.0,
+        ).to(DT)
+        return k_c, k_r
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
