@@ -22,6 +22,7 @@ from pdd_api.models import (
     OWNED_CONTAINER_FIELDS,
     OWNED_POD_FIELDS,
     ROLES,
+    SPECULATIVE_METHODS,
     PDDeploymentSpec,
 )
 from pdd_api.models_catalog import without_mtp
@@ -327,17 +328,20 @@ class NgramOnlyRule:
     field: str = f"{SPECULATIVE}.ngram"
     reads: tuple[tuple[str, ...], ...] = ()
 
+    others: tuple[str, ...] = tuple(m for m in SPECULATIVE_METHODS if m != "ngram")
+
     def check(self, spec: Mapping[str, Any]) -> str | None:
         method = lookup(spec, f"{SPECULATIVE}.method")
-        if not isinstance(lookup(spec, self.field), Mapping) or method in ("ngram", None):
-            return None
+        if not isinstance(lookup(spec, self.field), Mapping) or method not in self.others:
+            return None  # a misspelt method gets the schema's message alone
         return f"spec.{self.field}: only with method ngram, got method {method}"
 
     def cel(self) -> dict[str, str]:
         s = f"self.{SPECULATIVE}"
+        others = "[" + ", ".join(f"'{m}'" for m in self.others) + "]"
         return _cel(
             self.field,
-            f"{_cel_guard(self.field)}!has({s}.method) || {s}.method == 'ngram'",
+            f"{_cel_guard(self.field)}!has({s}.method) || !({s}.method in {others})",
             _fmt(f"spec.{self.field}: only with method ngram, got method %s", f"{s}.method"),
         )
 
