@@ -32,7 +32,7 @@ test-dataplane: venv
 
 # With the real node's own tests (marker realnode: its kubelet, containers, Services, DNS and
 # a clean `cluster-down`), in a cluster of their own beside the tier's shared one.
-test-integration: venv cluster-build cluster-build-node cluster-node-deps
+test-integration: venv cluster-build cluster-build-node cluster-node-deps jaeger
 	$(PYTEST) tests/integration -q -m 'integration or realnode'
 
 test-e2e: venv cluster-build $(REAL_NODE_DEPS)
@@ -92,4 +92,5 @@ image: image-deps
 	$(PY) hack/image.py
 
 -include tests/cluster/cluster.mk
+-include tests/cluster/jaeger/jaeger.mk
 cluster-build:
