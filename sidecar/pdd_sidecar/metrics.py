@@ -17,6 +17,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdd_sidecar.gc_pauses import BUCKETS as _GC_BUCKETS
 from pdd_sidecar.gc_pauses import PauseTimer
+from pdd_sidecar.kv.errors import HANDOFF_FAILURE_CAUSES
 
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
 
@@ -59,6 +60,15 @@ class InstanceMetrics:
         self.transfer_failures = Counter(
             "pdd_kv_transfer_failures", "Hand-offs that failed", ["reason"], registry=r
         )
+        # By cause (kv/errors.py), each side counting what it saw: a decode its failed pulls
+        # (per request), a prefill its refused claims and the holdings its lease freed unread.
+        self.handoff_failures = Counter(
+            "pdd_kv_handoff_failures", "KV hand-offs that failed, by cause: transport_error, "
+            "peer_gone, lease_expired, grant_refused, incompatible", ["role", "cause"],
+            registry=r,
+        )
+        for cause in HANDOFF_FAILURE_CAUSES:  # every series from the start: rates need a zero
+            self.handoff_failures.labels(role=role, cause=cause)
         self.lease_expiries = Counter(
             "pdd_lease_expiries", "Prefill requests whose blocks were freed by the lease",
             registry=r,

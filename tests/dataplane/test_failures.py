@@ -99,6 +99,9 @@ def test_forged_or_foreign_grants_are_refused_and_a_dead_prefill_is_named(
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
     status, text = http("GET", f"{decode.url}/metrics")
     assert 'pdd_kv_transfer_failures_total{reason="transfer"} 1.0' in text
+    # By cause: the prefill was gone (its claim unreachable), not a failure on the wire.
+    assert 'pdd_kv_handoff_failures_total{cause="peer_gone",role="decode"} 1.0' in text
+    assert 'pdd_kv_handoff_failures_total{cause="transport_error",role="decode"} 0.0' in text
     # ... and it still serves a healthy prefill where the dead one was.
     fresh = cluster.instance("prefill", 2, 2, routing, BLOCK,
                              PDD_HTTP_PORT=prefill.env["PDD_HTTP_PORT"])
@@ -147,6 +150,8 @@ def test_prefill_killed_in_the_middle_of_a_transfer(cluster: LocalCluster,
     status, body = result["answer"]
     assert status == 502, body
     assert "NIXL READ failed" in error_text(body), body
+    status, text = http("GET", f"{decode.url}/metrics")
+    assert 'pdd_kv_handoff_failures_total{cause="transport_error",role="decode"} 1.0' in text
     side = pre["kv_transfer_params"]["side_channel_port"]
     assert f"127.0.0.1:{side}" in error_text(body) or f"127.0.0.1:{side + 1}" in error_text(body)
     assert _all_free(decode.url) == [NUM_BLOCKS, NUM_BLOCKS]
@@ -199,6 +204,9 @@ def test_lease_frees_a_thousand_abandoned_requests(cluster: LocalCluster) -> Non
     assert all(r["held_requests"] == 0 for r in stats["ranks"])
     status, text = http("GET", f"{prefill.url}/metrics")
     assert "pdd_lease_expiries_total 1000.0" in text
+    # Nobody claimed them: expired, not a decode gone mid-READ.
+    assert 'pdd_kv_handoff_failures_total{cause="lease_expired",role="prefill"} 1000.0' in text
+    assert 'pdd_kv_handoff_failures_total{cause="peer_gone",role="prefill"} 0.0' in text
 
 
 def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

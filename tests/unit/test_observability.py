@@ -141,3 +141,17 @@ def test_servicemonitor_selects_the_operator_metrics_service() -> None:
     assert [s["metadata"]["name"] for s in services] == ["pdd-operator-metrics"]
     ports = {p["name"] for p in services[0]["spec"]["ports"]}
     assert {e["port"] for e in mon["spec"]["endpoints"]} <= ports
+
+
+def test_handoff_failures_by_cause_and_links_to_traces() -> None:
+    """Issue 46: failures by cause on both roles, and from a slow request to its traces."""
+    d = dashboard()
+    assert any("pdd_kv_handoff_failures_total" in e and "by (role, cause)" in e for e in exprs())
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["traces_url"]["type"] == "textbox"
+    links = [link["url"] for p in d["panels"]
+             for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
+    links += [link["url"] for link in d.get("links", [])]
+    traced = [u for u in links if u.startswith("${traces_url}/search?service=pdd-router")]
+    assert any("minDuration=${__value.raw}s" in u for u in traced), links
+    assert all("start=${__from}000&end=${__to}000" in u for u in traced), traced

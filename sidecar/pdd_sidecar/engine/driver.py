@@ -84,8 +84,9 @@ from pdd_sidecar.engine.speculative.verify import accepted_tokens
 from pdd_sidecar.engine.warmup_shape import warmup_shape
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.gc_pauses import freeze_heap
+from pdd_sidecar.kv.errors import LEASE_EXPIRED
 from pdd_sidecar.kv.host_tier import HostTier
-from pdd_sidecar.kv.lease import LeaseTable
+from pdd_sidecar.kv.lease import LeaseTable, Refusal
 from pdd_sidecar.kv.prefix_cache import PrefixCache, chain_root
 from pdd_sidecar.metrics import InstanceMetrics
 
@@ -269,7 +270,7 @@ class InstanceDriver:
         fut.set_result(True)
         return fut
 
-    def claim(self, request_id: str, epoch: int, hold_s: float) -> str | None:
+    def claim(self, request_id: str, epoch: int, hold_s: float) -> Refusal | None:
         """A decode is about to READ a held request: pin it, or say why it cannot be read.
         Answered on the caller's thread: a READ waits for no forward step."""
         if self.fatal:
@@ -278,6 +279,8 @@ class InstanceDriver:
             refused = self.leases.claim(request_id, epoch, time.monotonic(), hold_s)
         if refused is None:
             self.worker.agent.expect_read(request_id, hold_s)
+        elif refused.cause != LEASE_EXPIRED:  # an expired holding counts once, as it goes
+            self.metrics.handoff_failures.labels(role=self.role, cause=refused.cause).inc()
         return refused
 
     def wake(self) -> None:
@@ -610,6 +613,9 @@ class InstanceDriver:
                 self.scheduler.on_pulled(rid, rank, error)
                 if seq is not None and seq.state is State.FINISHED and seq.error:
                     self.metrics.transfer_failures.labels(reason=seq.error.get("kind")).inc()
+                    cause = seq.error.get("cause")
+                    if cause is not None:
+                        self.metrics.handoff_failures.labels(role=self.role, cause=cause).inc()
             for rid in r.get("notified", ()):
                 self.metrics.notifications.labels(rank=str(rank)).inc()
                 with self._lease_lock:
@@ -839,6 +845,8 @@ class InstanceDriver:
             expired = self.leases.expire(time.monotonic())
         for held in expired:
             self.metrics.lease_expiries.inc()
+            self.metrics.handoff_failures.labels(
+                role=self.role, cause=self.leases.expiry_cause(held)).inc()
             self.scheduler.fence.free(held.blocks)
 
     def _release(self, request_id: str) -> bool:

@@ -15,7 +15,8 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from pdd_sidecar.kv.transfer import TransferError
+from pdd_sidecar.kv.errors import GRANT_REFUSED, LEASE_EXPIRED
+from pdd_sidecar.kv.transfer import PeerGone, TransferError
 
 CLAIM_MARGIN_S = 5.0  # pinned beyond the READ's own time bound
 
@@ -26,7 +27,13 @@ _connections = threading.local()
 
 
 class ClaimRefused(RuntimeError):
-    """The prefill no longer holds the granted blocks."""
+    """The prefill no longer holds the granted blocks; ``cause`` says whether its lease ran out
+    (lease_expired) or the blocks were released, reused or never this grant's (grant_refused),
+    as the prefill's answer names it (its error ``kind``)."""
+
+    def __init__(self, message: str, cause: str = GRANT_REFUSED) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
@@ -102,15 +109,19 @@ def claim(url: str, grant: dict[str, Any], hold_s: float, timeout_s: float,
     try:
         status, data = _post(url, body, timeout_s, meanwhile)
     except (http.client.HTTPException, OSError) as exc:
-        raise TransferError(f"prefill {url} unreachable for the claim: {exc}") from None
+        raise PeerGone(f"prefill {url} unreachable for the claim: {exc}") from None
     if status < 300:
         return
-    detail = data.decode(errors="replace")
+    detail, kind = data.decode(errors="replace"), None
     try:
         err = json.loads(detail)["error"]
-        detail = err["message"] if isinstance(err, dict) else str(err)
+        if isinstance(err, dict):
+            detail, kind = err["message"], err.get("kind")
+        else:
+            detail = str(err)
     except (ValueError, KeyError, TypeError):
         pass
     if status in (403, 410):
-        raise ClaimRefused(f"prefill {url} refused the claim: {detail}") from None
+        raise ClaimRefused(f"prefill {url} refused the claim: {detail}",
+                           LEASE_EXPIRED if kind == LEASE_EXPIRED else GRANT_REFUSED) from None
     raise TransferError(f"prefill {url}: claim answered {status}: {detail}") from None

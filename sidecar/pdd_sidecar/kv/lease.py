@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from pdd_sidecar.kv.errors import GRANT_REFUSED, LEASE_EXPIRED, PEER_GONE
+
 log = logging.getLogger(__name__)
 
 NOTIF_PREFIX = b"pdd1:"
@@ -28,6 +30,18 @@ def parse_notif(message: bytes) -> str | None:
     if not message.startswith(NOTIF_PREFIX):
         return None
     return message[len(NOTIF_PREFIX) :].decode(errors="replace")
+
+
+class Refusal(str):
+    """Why a claim is refused (the text, as before), with its failure ``cause``
+    (kv/errors.py): lease_expired or grant_refused."""
+
+    cause: str
+
+    def __new__(cls, message: str, cause: str) -> Refusal:
+        out = super().__new__(cls, message)
+        out.cause = cause
+        return out
 
 
 @dataclass
@@ -69,14 +83,14 @@ class LeaseTable:
         self._held[request_id] = held
         return held
 
-    def claim(self, request_id: str, epoch: int, now: float, hold_s: float) -> str | None:
+    def claim(self, request_id: str, epoch: int, now: float, hold_s: float) -> Refusal | None:
         """Pin a holding for a READ; the reason it cannot be read, or None."""
         held = self._held.get(request_id)
         if held is None or held.epoch != epoch:
-            return (f"the blocks of request {request_id!r} (epoch {epoch}) were released or "
-                    f"reused")
+            return Refusal(f"the blocks of request {request_id!r} (epoch {epoch}) were released "
+                           f"or reused", GRANT_REFUSED)
         if held.deadline <= now:
-            return f"the lease of request {request_id!r} ran out"
+            return Refusal(f"the lease of request {request_id!r} ran out", LEASE_EXPIRED)
         held.pinned_until = max(held.pinned_until, now + hold_s)
         held.deadline = max(held.deadline, held.pinned_until)
         return None
@@ -118,6 +132,12 @@ class LeaseTable:
                 due,
             )
         return gone
+
+    @staticmethod
+    def expiry_cause(held: Held) -> str:
+        """What an expired holding says about the hand-off: a decode that claimed the blocks
+        (so its READ began) and never said it was done is gone; else nobody came in time."""
+        return PEER_GONE if held.pinned_until > 0 else LEASE_EXPIRED
 
     def next_deadline(self) -> float | None:
         return min((h.deadline for h in self._held.values()), default=None)

@@ -13,7 +13,10 @@ queued, so the owner can wake up instead of polling.
 
 A result's error is a dict naming the HTTP status the decode answers with and the failure kind
 (the owner passes it through unchanged): 409 incompatible, 410 grant_refused, 502 transfer (the
-peer's connection is dropped, so the next pull handshakes again), 500 anything else.
+peer's connection is dropped, so the next pull handshakes again), 500 anything else; and its
+``cause`` as `pdd_kv_handoff_failures_total` counts it (kv/errors.py): incompatible, grant_refused
+or lease_expired (the grant ran out before the READ, or the prefill said its lease had), peer_gone
+(the prefill unreachable or restarted), transport_error (the READ itself, anything else).
 """
 
 from __future__ import annotations
@@ -34,12 +37,19 @@ from pdd_sidecar.env import InstanceSettings
 from pdd_sidecar.kv.claims import CLAIM_MARGIN_S, ClaimRefused, claim
 from pdd_sidecar.kv.compat import CompatError, CompatRecord
 from pdd_sidecar.kv.device_copy import CopyPlan, DeviceCopier
+from pdd_sidecar.kv.errors import (
+    INCOMPATIBLE,
+    LEASE_EXPIRED,
+    PEER_GONE,
+    TRANSPORT_ERROR,
+)
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.kv.lease import notif_message
 from pdd_sidecar.kv.side_channel import PeerInfo, handshake
 from pdd_sidecar.kv.transfer import (
     KVTransferAgent,
+    PeerGone,
     ReadSpec,
     ReadStats,
     TransferError,
@@ -146,7 +156,7 @@ class KVPuller:
             except Exception as exc:  # this thread serves every later pull: it must outlive one
                 log.error("%s: pull failed: %s", self.who, traceback.format_exc())
                 error, stats = {"error": f"{self.who}: hand-off failed: {exc}", "status": 500,
-                                "kind": "transfer"}, {}
+                                "kind": "transfer", "cause": TRANSPORT_ERROR}, {}
             with self._pulled_lock:
                 self._pulled.append((job.seq_id, error, stats))
             wake = self.on_pulled
@@ -175,7 +185,7 @@ class KVPuller:
             # whole time bound, or refuses if they were released or given to another request.
             if time.time() > float(src.expires_at) - GRANT_MARGIN_S:
                 raise ClaimRefused(f"the grant of request {job.seq_id!r} expired before its KV "
-                                   f"could be read; no READ was started")
+                                   f"could be read; no READ was started", LEASE_EXPIRED)
             planned: list[_Reads] = []
 
             def plan() -> None:  # while the claim is away
@@ -189,16 +199,19 @@ class KVPuller:
             claimed = time.monotonic()
             stats = self._read(planned[0])
         except CompatError as exc:
-            return {"error": str(exc), "status": 409, "kind": "incompatible"}, {}
+            return {"error": str(exc), "status": 409, "kind": "incompatible",
+                    "cause": INCOMPATIBLE}, {}
         except ClaimRefused as exc:
-            return {"error": f"{self.who}: {exc}", "status": 410, "kind": "grant_refused"}, {}
+            return {"error": f"{self.who}: {exc}", "status": 410, "kind": "grant_refused",
+                    "cause": exc.cause}, {}
         except TransferError as exc:
             self.drop_instance(src.endpoints)
-            return {"error": f"{self.who}: {exc}", "status": 502, "kind": "transfer"}, {}
+            return {"error": f"{self.who}: {exc}", "status": 502, "kind": "transfer",
+                    "cause": PEER_GONE if isinstance(exc, PeerGone) else TRANSPORT_ERROR}, {}
         except Exception as exc:
             log.error("%s: hand-off failed: %s", self.who, traceback.format_exc())
             return {"error": f"{self.who}: hand-off failed: {exc}", "status": 500,
-                    "kind": "transfer"}, {}
+                    "kind": "transfer", "cause": TRANSPORT_ERROR}, {}
         for p in self.plan.decode_ranks[self.rank].notifies:
             try:
                 # The prefill holds the blocks under the grant's id; a caller may name the
@@ -291,7 +304,7 @@ class KVPuller:
                     f"{want[0]}/{want[1]}"
                 )
             if instance_id is not None and info.instance_id != instance_id:
-                raise TransferError(
+                raise PeerGone(
                     f"peer {key}: instance {info.instance_id} is not the one that ran the "
                     f"prefill ({instance_id}); it restarted and the KV is gone"
                 )

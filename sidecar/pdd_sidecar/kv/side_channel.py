@@ -24,13 +24,13 @@ from typing import Any
 
 from pdd_sidecar.kv.compat import CompatError, CompatRecord, check_compatible
 from pdd_sidecar.kv.grants import GrantError, check_handshake, handshake_auth
-from pdd_sidecar.kv.transfer import RegionInfo, TransferError
+from pdd_sidecar.kv.transfer import PeerGone, RegionInfo
 from pdd_sidecar.kv.transport import TransportRecord
 
 log = logging.getLogger(__name__)
 
 
-class PeerUnreachable(TransferError):
+class PeerUnreachable(PeerGone):
     """The peer's side channel did not answer."""
 
 

@@ -45,6 +45,10 @@ class TransferError(RuntimeError):
     """A hand-off failed; the message names the peer."""
 
 
+class PeerGone(TransferError):
+    """The peer is not there any more: unreachable, or restarted (its KV went with it)."""
+
+
 FAST_PROGRESS_S = 0.001
 IDLE_PROGRESS_S = 0.02
 LINGER_S = 0.05  # fast this long after the agent's own READs and notifications
