@@ -16,8 +16,15 @@ token) / (tokens - 1), median over requests), and from the decode's /metrics, sa
 (pdd_batch_size). The summary gives admitted(dcp=N) / admitted(dcp=1) at the top level (target:
 exactly N) and the tokens/s ratio there.
 
+With ``--tracing off,1%,100%`` the cost of traces instead: the decode dcp = N stack runs once
+per sampling ratio (OpenTelemetry on, parent-based ratio sampler, spans exported over OTLP/HTTP
+to a receiver in this process that counts them; docs/tracing.md), each level against the same
+run's untraced stack: TPOT p50 and output tokens/s as ratios to ``off`` (target: <= 2 % at
+100 %), and the spans the receiver got.
+
     python bench/serving.py --quick                       # CPU, built-in model, a few minutes
     python bench/serving.py --device cuda --decode-tp 4 --model /models/DeepSeek-V2-Lite-Chat
+    python bench/serving.py --device cuda --decode-tp 1 --tracing off,1%,100%
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
 from stream_client import parse_metrics, stream_completion  # noqa: E402
+from trace_sink import TraceSink  # noqa: E402
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
@@ -60,6 +68,8 @@ class Level:
     max_waiting: int
     min_blocks_free: int
     mean_batch: float
+    tracing: str = "off"  # the sampling ratio the stack traced at (--tracing)
+    spans: int = 0  # spans the receiver got during the level
 
 
 class MetricsWatch:
@@ -169,16 +179,47 @@ def sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     return prompt, chunks * args.seqs_at_dcp1, chunks
 
 
-def row(r: Level) -> str:
-    return (f"{r.decode_dcp:>4} {r.concurrency:>5} {r.requests:>5} {r.errors:>4} "
+def tracing_modes(text: str) -> list[str]:
+    """``off,1%,100%`` (or ratios: ``0.01``) -> ["off", "0.01", "1"]; off always first."""
+    out = ["off"]
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part == "off":
+            continue
+        try:
+            ratio = float(part[:-1]) / 100 if part.endswith("%") else float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--tracing: off or a sampling ratio (1%, 0.01), got {part!r}") from None
+        if not 0 < ratio <= 1:
+            raise argparse.ArgumentTypeError(
+                f"--tracing: a ratio in (0, 1] or a percentage in (0, 100]%, got {part!r}")
+        out.append(f"{ratio:g}")
+    return list(dict.fromkeys(out))
+
+
+def tracing_env(mode: str, sink_url: str) -> dict[str, str]:
+    """The standard OTEL_* variables the operator renders for spec.tracing at ``mode``."""
+    if mode == "off":
+        return {}
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": sink_url, "OTEL_EXPORTER_OTLP_PROTOCOL":
+            "http/protobuf", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": mode}
+
+
+def row(r: Level, traced: bool = False) -> str:
+    """A level's line; with ``traced`` (--tracing) led by the sampling ratio, ended by spans."""
+    head = f"{r.tracing if r.tracing == 'off' else f'{float(r.tracing):.0%}':>5} " if traced \
+        else ""
+    return (f"{head}{r.decode_dcp:>4} {r.concurrency:>5} {r.requests:>5} {r.errors:>4} "
             f"{r.tokens_per_s:>9.1f} {r.ttft_p50_ms:>9.1f} {r.tpot_p50_ms:>9.2f} "
             f"{r.tpot_p90_ms:>9.2f} {r.max_running:>8} {r.max_waiting:>7} "
-            f"{r.min_blocks_free:>6} {r.mean_batch:>6.2f}")
+            f"{r.min_blocks_free:>6} {r.mean_batch:>6.2f}" + (f" {r.spans:>6}" if traced else ""))
 
 
-HEADER = (f"{'dcp':>4} {'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>9} {'TTFT p50':>9} "
-          f"{'TPOT p50':>9} {'TPOT p90':>9} {'admitted':>8} {'waiting':>7} {'free':>6} "
-          f"{'batch':>6}")
+HEADER = (f"{'dcp':>4} {'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>9} "
+          f"{'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p90':>9} {'admitted':>8} {'waiting':>7} "
+          f"{'free':>6} {'batch':>6}")
+TRACED_HEADER = f"{'trace':>5} {HEADER} {'spans':>6}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqs-at-dcp1", type=int, default=8,
                    help="sequences the decode's per-rank KV holds at dcp = 1 (default 8)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.add_argument("--tracing", type=tracing_modes, default=None, metavar="MODES",
+                   help="measure traces' cost: decode dcp = N once per sampling ratio, e.g. "
+                   "off,1%%,100%% (off is always run, first)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="keep each stack's logs in DIR/dcpN (default: a temporary folder, "
                    "removed)")
@@ -228,17 +272,21 @@ def main(argv: list[str] | None = None) -> int:
           f"sequences; at dcp {n}: {decode_blocks // (blocks_per_seq // n)}), "
           f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     results: list[Level] = []
-    for dcp in (1, n):
+    runs = [(n, mode) for mode in args.tracing] if args.tracing else [(1, "off"), (n, "off")]
+    sink = TraceSink() if args.tracing else None
+    for dcp, mode in runs:
         cfg = StackConfig(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
                           decode_tp=n, decode_dcp=dcp, model=args.model, device=args.device,
                           port=0, block_size=args.block_size, prefill_num_blocks=prefill_blocks,
                           decode_num_blocks=decode_blocks, dtype=args.dtype,
                           max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
-                          log_level="WARNING", drain_s=1.0)
+                          log_level="WARNING", drain_s=1.0,
+                          extra_env=tracing_env(mode, sink.url if sink else ""))
         found = check_config(cfg)
         if found:
             p.error("; ".join(found))
-        log_dir = Path(args.log_dir) / f"dcp{dcp}" if args.log_dir else None
+        log_dir = (Path(args.log_dir) / (f"dcp{dcp}" + (f"-trace{mode}" if args.tracing else ""))
+                   if args.log_dir else None)
         stack = LocalStack(cfg, log_dir)
         try:
             t0 = time.perf_counter()
@@ -246,16 +294,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode dcp {dcp}: stack ready in {time.perf_counter() - t0:.0f}s "
                   f"(logs {stack.log_dir})", flush=True)
             asyncio.run(run_level(stack, dcp, 2, 4, prompts, args.max_tokens))  # warm-up
-            print(HEADER, flush=True)
+            print(TRACED_HEADER if args.tracing else HEADER, flush=True)
             for c in levels:
+                spans = sink.spans if sink else 0
                 r = asyncio.run(run_level(stack, dcp, c, max(8, int(per_level * c)), prompts,
                                           args.max_tokens))
                 stack.raise_if_dead()
+                r.tracing = mode
+                r.spans = (sink.spans - spans) if sink else 0
                 results.append(r)
-                print(row(r), flush=True)
+                print(row(r, bool(args.tracing)), flush=True)
         finally:
             stack.stop()
             stack.cleanup()
+    if sink is not None:
+        sink.close()
+        return tracing_summary(args, levels, results)
     base = {r.concurrency: r for r in results if r.decode_dcp == 1}
     shard = {r.concurrency: r for r in results if r.decode_dcp == n}
     admitted = shard[top].max_running / max(1, base[top].max_running)
@@ -273,6 +327,31 @@ def main(argv: list[str] | None = None) -> int:
             "summary": {"admitted_ratio": admitted, "tokens_per_s_ratio": speed,
                         "target_ratio": n},
         }, indent=2) + "\n")
+    return 0
+
+
+def tracing_summary(args: argparse.Namespace, levels: list[int], results: list[Level]) -> int:
+    """Each traced level against the untraced run of the same level (same stack layout, same
+    run): TPOT p50 and output tokens/s ratios."""
+    off = {r.concurrency: r for r in results if r.tracing == "off"}
+    print(f"\ntraces' cost (decode dcp {args.decode_tp}; ratio to tracing off, same run):")
+    summary = []
+    for r in results:
+        if r.tracing == "off":
+            continue
+        b = off[r.concurrency]
+        tpot = r.tpot_p50_ms / b.tpot_p50_ms if b.tpot_p50_ms else float("nan")
+        speed = r.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
+        summary.append({"tracing": r.tracing, "concurrency": r.concurrency,
+                        "tpot_p50_ratio": tpot, "tokens_per_s_ratio": speed, "spans": r.spans})
+        print(f"  {float(r.tracing):>5.0%} at concurrency {r.concurrency:>4}: TPOT p50 "
+              f"{r.tpot_p50_ms:.2f} vs {b.tpot_p50_ms:.2f} ms = {tpot:.3f}x, output tok/s "
+              f"{speed:.3f}x, {r.spans} spans for {r.requests} requests")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": {k: v for k, v in vars(args).items() if k != "concurrency"}
+            | {"concurrency": levels}, "levels": [asdict(r) for r in results],
+            "tracing_summary": summary}, indent=2) + "\n")
     return 0
 
 

@@ -750,6 +750,7 @@ class InstanceDriver:
             kept = accepted_tokens(d.drafts, draws[first:first + d.rows])
             if spec is not None:
                 spec.record(seq.id, len(d.drafts), len(kept) - 1)
+                timing.count_speculation(seq.extra, len(d.drafts), len(kept) - 1)
             for j, tok in enumerate(kept):
                 if seq.state is not State.RUNNING:  # a stop or max_tokens ended it before
                     break

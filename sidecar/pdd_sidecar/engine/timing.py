@@ -25,6 +25,11 @@ STEP_START = "t_step_start"  # the first step that ran this sequence began
 LAUNCHED = "t_launched"  # prefill: the host finished launching the step that chose its token
 STEP_END = "t_step_end"  # the step that chose its first token ended, sampling included
 CLAIM_SECONDS = "claim_seconds"  # in a rank's pull stats: pull started -> claim answered
+# Counts for the request's trace (serve/instance/spans.py): the prefill steps that ran a chunk
+# of its prompt; on a decode, the draft tokens speculation proposed and those it kept.
+CHUNKS = "chunks"
+SPEC_DRAFT_TOKENS = "spec_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "spec_accepted_tokens"
 
 # Trip.stamps keys (router side).
 R_RECEIVED = "received"
@@ -65,7 +70,9 @@ def mark_step_start(plan: StepPlan, now: float) -> None:
     for seq in plan.pulls:
         seq.extra.setdefault(ADMITTED, now)
     for chunk in plan.prefill:
-        chunk.seq.extra.setdefault(STEP_START, now)
+        extra = chunk.seq.extra
+        extra.setdefault(STEP_START, now)
+        extra[CHUNKS] = extra.get(CHUNKS, 0) + 1
     for entry in plan.decode:
         entry.seq.extra.setdefault(STEP_START, now)
 
@@ -80,6 +87,12 @@ def mark_sampled(seqs: Iterable[Sequence], now: float) -> None:
     """Called once tokens are chosen, before anyone is told of them."""
     for seq in seqs:
         seq.extra.setdefault(STEP_END, now)
+
+
+def count_speculation(extra: dict[str, Any], drafted: int, accepted: int) -> None:
+    """One verify step of a sequence: ``drafted`` tokens proposed, ``accepted`` kept."""
+    extra[SPEC_DRAFT_TOKENS] = extra.get(SPEC_DRAFT_TOKENS, 0) + drafted
+    extra[SPEC_ACCEPTED_TOKENS] = extra.get(SPEC_ACCEPTED_TOKENS, 0) + accepted
 
 
 def prefill_timing(extra: Mapping[str, Any]) -> dict[str, float]:
