@@ -54,6 +54,9 @@ EXPORTERS = ("otlp", "console", "none")
 SAMPLER = "parentbased_traceidratio"  # what the operator renders: the client's choice wins
 TRACER_NAME = "pdd"
 TRACEPARENT = "traceparent"
+# Sent by the router with each decode request: which hand-off of the request this is (1 the
+# first; more after a decode refused it or its prefill was lost), for the hand-off's span.
+HANDOFF_ATTEMPT_HEADER = "x-pdd-handoff-attempt"
 
 # time.monotonic() stamps (engine/timing.py) to the epoch nanoseconds spans carry; taken once,
 # so the spans of one process keep the monotonic clock's order and durations exactly.
@@ -220,7 +223,7 @@ def start_span(name: str, parent: otel_context.Context | None = None,
     return tracer().start_span(
         name, context=parent, kind=kind,
         start_time=None if start_s is None else epoch_ns(start_s),
-        attributes=_clean(attributes) if attributes else None)
+        attributes=clean(attributes) if attributes else None)
 
 
 def record_span(name: str, parent: otel_context.Context | None, start_s: float, end_s: float,
@@ -239,7 +242,7 @@ def end_span(span: Span, end_s: float | None = None, error: str | None = None,
     """Set the outcome and end ``span`` at monotonic ``end_s`` (now when None)."""
     if span.is_recording():
         if attributes:
-            span.set_attributes(_clean(attributes))
+            span.set_attributes(clean(attributes))
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
     span.end(end_time=None if end_s is None else epoch_ns(end_s))
@@ -255,7 +258,7 @@ def activated(span: Span) -> Iterator[Span]:
         otel_context.detach(token)
 
 
-def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
+def clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """Attribute values OpenTelemetry takes (None dropped, other objects as text)."""
     out: dict[str, Any] = {}
     for k, v in attributes.items():

@@ -107,6 +107,9 @@ class StackConfig:
     gpu_memory_utilization: float = keys.DEFAULT_GPU_MEMORY_UTILIZATION
     prefill_memory_share: float = DEFAULT_PREFILL_MEMORY_SHARE
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # Per component (prefill, decode, router), after extra_env: what the operator renders for
+    # one role only (a PDDeployment's OTEL_SERVICE_NAME, say).
+    role_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     api_keys: tuple[str, ...] = ()  # the router's (serve/openai/api_keys.py); none: open
     api_key_file: str = ""
 
@@ -444,6 +447,7 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
         env[E.PDD_GPU_MEMORY_UTILIZATION] = str(
             cfg.gpu_memory_utilization if utilization is None else utilization)
     env.update(cfg.extra_env)
+    env.update(cfg.role_env.get(role, {}))
     return env
 
 
@@ -467,6 +471,7 @@ def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict
     if cfg.api_key_file:
         env[keys.ENV_API_KEY_FILE] = cfg.api_key_file
     env.update(cfg.extra_env)
+    env.update(cfg.role_env.get(keys.COMPONENT_ROUTER, {}))
     return env
 
 

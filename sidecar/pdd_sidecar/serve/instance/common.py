@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar import tracing
 from pdd_sidecar.engine.driver import InstanceDriver, on_loop
 from pdd_sidecar.engine.grammar_mask import Grammars
 from pdd_sidecar.engine.sampling import MAX_LOGPROBS, Logprob, SamplingError, SamplingParams
@@ -77,6 +78,7 @@ class InstanceState:
         while time.monotonic() < deadline and quiet < 2:
             quiet = quiet + 1 if self.driver.idle() and self.in_flight == 0 else 0
             time.sleep(0.1)
+        tracing.shutdown()  # the last requests' spans go out before the process does
         logging.shutdown()
         os._exit(0)
 

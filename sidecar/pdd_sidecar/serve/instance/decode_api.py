@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.sampling import MAX_CHOICES, choice_seed
 from pdd_sidecar.engine.scheduler import (
@@ -51,10 +52,12 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.grammar import GrammarError
-from pdd_sidecar.kv.grants import GRANT_MARGIN_S
+from pdd_sidecar.kv.errors import GRANT_REFUSED, LEASE_EXPIRED
+from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantExpired
 from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
 from pdd_sidecar.kv.transfer import join_paths
 from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
+from pdd_sidecar.serve.instance import spans
 from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
@@ -177,7 +180,12 @@ async def decode_sequence(request: web.Request, state: InstanceState,
         src = TransferParams.from_grant(body.get("kv_transfer_params"), state.worker.key,
                                         GRANT_MARGIN_S)
     except GRANT_ERRORS as exc:
-        raise grant_refusal(exc) from None
+        refusal = grant_refusal(exc)
+        if refusal.status != 400:  # a grant refused, not a body that holds none
+            state.metrics.handoff_failures.labels(
+                role="decode", cause=LEASE_EXPIRED if isinstance(exc, GrantExpired)
+                else GRANT_REFUSED).inc()
+        raise refusal from None
     watch = request.app[PEERS]
     if watch.session is not None and src.instance_id not in state.prefill_peers:
         await watch.round()  # a prefill that restarted since the last round
@@ -186,6 +194,7 @@ async def decode_sequence(request: web.Request, state: InstanceState,
     if where is not None and where != src.endpoints:
         # A grant verifies only if a prefill of this deployment signed it; even so the READ
         # goes where discovery found that instance's ranks, never to a host the request names.
+        state.metrics.handoff_failures.labels(role="decode", cause=GRANT_REFUSED).inc()
         raise RequestError(
             f"kv_transfer_params: names {_where(src.endpoints)} for the ranks of prefill "
             f"instance {src.instance_id}, which this decode found at {_where(where)}", 403,
@@ -263,6 +272,8 @@ async def decode(request: web.Request) -> web.StreamResponse:
     m = state.metrics
     start = time.monotonic()
     outcome = "error"
+    seq: Sequence | None = None
+    status, error = 500, None
     try:
         body = await read_json(request)
         seq = await decode_sequence(request, state, body)
@@ -270,16 +281,23 @@ async def decode(request: web.Request) -> web.StreamResponse:
         if body.get("stream"):
             response = await _stream(request, state, seq)
             outcome = "ok"
+            status = response.status
             return response
         await finished(request, state, seq)
         err = _error(seq)
         if err:
             raise err
         outcome = "ok"
+        status = 200
         return web.json_response(_summary(state, seq))
     except Exception as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        status, error = response.status, str(exc)
+        return response
     finally:
+        if tracing.enabled():
+            spans.decode(tracing.extract(request.headers), seq, start, status,
+                         request.headers.get(tracing.HANDOFF_ATTEMPT_HEADER), error)
         m.requests.labels(role="decode", endpoint="decode", outcome=outcome).inc()
         m.request_seconds.labels(role="decode", endpoint="decode").observe(
             time.monotonic() - start)

@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.sampling import MAX_CHOICES
 from pdd_sidecar.engine.scheduler import (
@@ -41,6 +42,7 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.handoff import TransferParams
+from pdd_sidecar.serve.instance import spans
 from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
@@ -122,9 +124,12 @@ async def prefill(request: web.Request) -> web.Response:
     m = state.metrics
     start = time.monotonic()
     outcome = "error"
+    seq: Sequence | None = None
+    status, error = 500, None
     try:
         seq, held = await run_prefill(request, state, await read_json(request))
         outcome = "ok"
+        status = 200
         answer = {
             "request_id": seq.id,
             "first_token": seq.output[0],
@@ -142,8 +147,12 @@ async def prefill(request: web.Request) -> web.Response:
             answer["first_finish_reasons"] = seq.extra[FIRST_FINISHES]
         return web.json_response(answer)
     except Exception as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        status, error = response.status, str(exc)
+        return response
     finally:
+        if tracing.enabled():
+            spans.prefill(tracing.extract(request.headers), seq, start, status, error)
         m.requests.labels(role="prefill", endpoint="prefill", outcome=outcome).inc()
         m.request_seconds.labels(role="prefill", endpoint="prefill").observe(
             time.monotonic() - start)
@@ -185,8 +194,8 @@ async def claim(request: web.Request) -> web.Response:
                 0 < hold_s <= MAX_HOLD_S):
             raise bad(f"hold_s: must be a number in (0, {MAX_HOLD_S:.0f}], got {hold_s!r}")
         refused = state.driver.claim(grant.request_id, grant.epoch, float(hold_s))
-        if refused:
-            raise RequestError(refused, 410, "gone")
+        if refused:  # its kind says why (lease_expired | grant_refused): the decode counts it
+            raise RequestError(refused, 410, refused.cause)
     except Exception as exc:
         return error_response(exc)
     return web.json_response({"claimed": True})

@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_sidecar import tracing
 from pdd_sidecar.engine.driver import InstanceDriver
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig
 from pdd_sidecar.engine.worker import RankWorker
@@ -38,6 +39,7 @@ from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from pdd_sidecar.model.config import ConfigError as ModelConfigError
 from pdd_sidecar.model.config import load_config
 from pdd_sidecar.routing_file import load_routing_file
+from pdd_sidecar.serve import access_log
 from pdd_sidecar.serve.discovery import INSTANCE_KEEPALIVE_S
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 from pdd_sidecar.serve.instance import decode_api, prefill_api, vllm_api
@@ -135,7 +137,8 @@ def build_app(state: InstanceState) -> web.Application:
         finally:
             state.in_flight -= 1
 
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[count_in_flight])
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[
+        access_log.middleware(access_log.enabled()), count_in_flight])
     app[STATE] = state
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -323,7 +326,8 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         load_config(settings.model_source)  # an unsupported checkpoint is refused by name
         speculative = speculative_config(settings)
         loop = loop_kind(settings.event_loop, uvloop_installed())
-    except (ConfigError, GrantError, ModelConfigError) as exc:
+        tracing.settings_from_env(settings.role, env)  # OTEL_* it cannot serve: refused
+    except (ConfigError, GrantError, ModelConfigError, tracing.TracingConfigError) as exc:
         print(f"pdd-sidecar: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     # The driver and pull threads give the GIL up in every torch call; the HTTP threads must
@@ -333,6 +337,7 @@ def serve(env: Mapping[str, str] | None = None) -> int:
         _setup_logging(settings, settings.local_ranks.start)
         return _serve_worker_pod(settings, plan_text)
     _setup_logging(settings, 0)
+    tracing.setup(settings.role, env)  # the HTTP process makes the spans (instance/spans.py)
     instance_id = uuid.uuid4().hex[:12]
     children = []
     if settings.ranks_per_pod > 1:

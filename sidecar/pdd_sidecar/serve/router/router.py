@@ -29,10 +29,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.gc_pauses import freeze_heap
 from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
+from pdd_sidecar.serve import access_log
 from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, KEEPALIVE_S, fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
 from pdd_sidecar.serve.openai.api_keys import ApiKeys, KeyFileError, key_check
@@ -48,6 +50,7 @@ from pdd_sidecar.serve.openai.openai_request import (
 )
 from pdd_sidecar.serve.openai.sse_chunks import ChunkFormat, sse
 from pdd_sidecar.serve.openai.text import ModelText, TextConfigError, load_model_text
+from pdd_sidecar.serve.router import spans
 from pdd_sidecar.serve.router.router_workers import run_workers
 from pdd_sidecar.serve.router.start_gate import StartGate, units_of
 from pdd_sidecar.serve.router.upstreams import Emit, Router, Step, Trip
@@ -98,6 +101,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     router = request.app[ROUTER]
     start = time.monotonic()
     outcome = "error"
+    trace = spans.RequestSpan.start(request, kind, router.settings.model_name, start)
+    status, error, trips = 500, None, []
     try:
         body = await _read_body(request)
         args = (kind, body, router.model, router.settings.model_name, router.max_model_len())
@@ -138,6 +143,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             trips = [Trip() for _ in reqs]
             for trip in trips:
                 trip.stamps[timing.R_RECEIVED] = start
+                trip.trace = trace.context if trace is not None else None
+            if trace is not None:
+                trace.requested(rid, reqs)
             if reqs[0].stream:
                 response = await _stream(request, router, rid, reqs, trips)
             else:
@@ -152,13 +160,18 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         finally:
             router.in_flight -= extra
         outcome = "ok"
+        status = response.status
         return response
     except ApiError as exc:
+        status, error = exc.status, str(exc)
         return exc.response()
     except (asyncio.CancelledError, ConnectionResetError):
         outcome = "cancelled"
+        error = "cancelled: the client went away"
         raise
     finally:
+        if trace is not None:
+            trace.end(status, error, trips)
         router.metrics.requests.labels(outcome=outcome).inc()
         router.metrics.request_seconds.observe(time.monotonic() - start)
 
@@ -404,7 +417,8 @@ def build_app(settings: RouterSettings, model: ModelText | None = None) -> web.A
         model = load_model_text(settings.model_source, settings.max_model_len or None)
     router = Router(settings, model)
     keys = ApiKeys(settings.api_keys, settings.api_key_file)  # KeyFileError: refuse to start
-    middlewares = [key_check(keys), openai_errors] if keys.enabled else [openai_errors]
+    middlewares = [access_log.middleware(access_log.enabled()),
+                   *([key_check(keys)] if keys.enabled else []), openai_errors]
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[ROUTER] = router
     app[START_GATE] = StartGate()
@@ -455,7 +469,8 @@ def main(env: Mapping[str, str] | None = None) -> int:
         loop = loop_kind(settings.event_loop, uvloop_installed())
         if settings.api_key_file:
             ApiKeys((), settings.api_key_file)
-    except (ConfigError, TextConfigError, KeyFileError) as exc:
+        tracing.settings_from_env("router", env)  # OTEL_* it cannot serve: refused
+    except (ConfigError, TextConfigError, KeyFileError, tracing.TracingConfigError) as exc:
         print(f"pdd-router: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     who = "router" if settings.worker is None else f"router[{settings.worker}]"
@@ -466,6 +481,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if settings.workers > 1 and settings.worker is None:
         return run_workers(settings)
+    tracing.setup("router", env)  # each worker process exports its own requests' spans
     log.info("router on %s:%d serving %s (%s, max length %d); prefill %s %s; decode %s %s",
              settings.bind_host, settings.port, settings.model_name, model.source,
              model.max_model_len, settings.prefill, settings.prefill_service, settings.decode,

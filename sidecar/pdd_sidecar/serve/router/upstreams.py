@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from opentelemetry.context import Context
 
+from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.metrics import RouterMetrics
@@ -36,6 +38,7 @@ from pdd_sidecar.serve.router.replica_pool import Pool
 from pdd_sidecar.serve.router.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
 from pdd_sidecar.serve.router.router_workers import mark_warm, warm_workers
 from pdd_sidecar.serve.router.routing_policy import make_policy
+from pdd_sidecar.serve.router.spans import record_decision
 from pdd_sidecar.serve.router.upstream_http import (
     CONNECT_TIMEOUT_S,
     Unreachable,
@@ -65,6 +68,18 @@ class Trip:
     logprobs: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
     prompt_logprobs: list[Any] = field(default_factory=list)
     finishes: dict[int, Any] = field(default_factory=dict)  # n > 1: each choice's, the decode's
+    # The request's trace context (its span in the router; serve/router/spans.py), None when
+    # neither tracing nor the client asked for one; and the hand-offs tried (decodes sent to).
+    trace: Context | None = None
+    handoffs: int = 0
+    output_tokens: int = 0  # handed to the client so far, every choice
+
+    def trace_headers(self) -> dict[str, str]:
+        """The W3C trace context for a call to an instance (none without a trace)."""
+        headers: dict[str, str] = {}
+        if self.trace is not None:
+            tracing.inject(headers, self.trace)
+        return headers
 
     def meta(self) -> dict[str, Any]:
         return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer,
@@ -350,16 +365,21 @@ class Router:
         last: ApiError | None = None
         prompt = body.get("prompt_ids")
         while True:
+            picking = time.monotonic()
             url = await self._choose_prefill(tried, prompt)
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica with a ready decode of "
                                        "its routing plan", type_="server_error")
+            if trip.trace is not None:  # before the pool records the prompt there
+                record_decision(trip.trace, self.prefill, url, self.prefill.candidates(
+                    tried, plans=self.decode.ready_plans()), prompt, picking)
             tried.add(url)
             trip.prefill = url
             trip.stamps[timing.R_PREFILL_SENT] = time.monotonic()
             self.prefill.started(url, prompt)
             try:
-                return url, await self._post("prefill", url, "/v1/prefill", body)
+                return url, await self._post("prefill", url, "/v1/prefill", body,
+                                             trip.trace_headers() or None)
             except ApiError as exc:
                 if exc.status < 500:
                     raise
@@ -412,11 +432,15 @@ class Router:
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
+            picking = time.monotonic()
             url = await self._choose_decode(plan, tried, req.prompt_ids)
             if url is None:
                 raise last or ApiError(503, "no ready decode replica"
                                        + (f" running routing plan {plan}" if plan else ""),
                                        type_="server_error")
+            if trip.trace is not None:
+                record_decision(trip.trace, self.decode, url,
+                                self.decode.candidates(tried, plan), req.prompt_ids, picking)
             tried.add(url)
             self.decode.started(url)  # until the stream ends (Router.tokens)
             opened = False
@@ -460,8 +484,13 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.request_timeout_s or None)
         trip.stamps[timing.R_DECODE_SENT] = time.monotonic()
+        trip.handoffs += 1
+        headers = trip.trace_headers()
+        if headers:
+            headers[tracing.HANDOFF_ATTEMPT_HEADER] = str(trip.handoffs)
         try:
-            resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout)
+            resp = await self.session.post(f"{url}/v1/decode", json=body, timeout=timeout,
+                                           headers=headers or None)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
                 aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
             # No answer began: the connection failed, or the replica went away with it (a
@@ -580,6 +609,7 @@ class Router:
             vllm = self._tokens_vllm(rid, req, trip)
             try:
                 async for tokens in vllm:
+                    trip.output_tokens += len(tokens)
                     yield 0, tokens
             finally:
                 await vllm.aclose()
@@ -596,6 +626,7 @@ class Router:
             try:
                 async for choice, batch in inner:
                     firsts.setdefault(choice, batch[0])
+                    trip.output_tokens += len(batch)
                     yield choice, batch
                 return
             except PrefillLost as lost:
