@@ -201,22 +201,24 @@ def run_shape(
     line.append(f"Triton FP8 speed-up over Triton bf16 {tb / t8:.2f}x")
     print("\n    ".join(line), flush=True)
     if args.tune:
-        best = None
-        for bn, w, st in TUNE:
-            def fn8(bn: int = bn, w: int = w, st: int = st) -> Any:
-                return md.paged_mla_decode_triton(
-                    case["q"], case["fp8"], case["layer"], case["tables"], case["lens"],
-                    C, scale, block_n=bn, num_warps=w, num_stages=st)
-            try:
-                t = time_graph(fn8, args.reps, args.samples, device)
-            except Exception as e:
-                print(f"    tune {bn}/{w}/{st}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                continue
-            if best is None or t < best[0]:
-                best = (t, bn, w, st)
-            print(f"    tune fp8 BLOCK_N {bn} warps {w} stages {st}: {t * 1e6:.1f} us",
-                  flush=True)
-        row["fp8_tuned"] = best
+        for variant in ("groups", "tile"):
+            best = None
+            for bn, w, st in TUNE:
+                def fn8(bn: int = bn, w: int = w, st: int = st, v: str = variant) -> Any:
+                    return md.paged_mla_decode_triton(
+                        case["q"], case["fp8"], case["layer"], case["tables"], case["lens"],
+                        C, scale, block_n=bn, num_warps=w, num_stages=st, fp8_kernel=v)
+                try:
+                    t = time_graph(fn8, args.reps, args.samples, device)
+                except Exception as e:
+                    print(f"    tune {variant} {bn}/{w}/{st}: {type(e).__name__}: "
+                          f"{str(e)[:80]}", flush=True)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, bn, w, st)
+                print(f"    tune fp8 {variant} BLOCK_N {bn} warps {w} stages {st}: "
+                      f"{t * 1e6:.1f} us", flush=True)
+            row[f"fp8_{variant}_tuned"] = best
     torch.cuda.empty_cache()
     return row
 

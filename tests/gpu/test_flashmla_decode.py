@@ -17,11 +17,9 @@ flash_mla = pytest.importorskip("flash_mla")
 if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("FlashMLA's dense kernel is SM90's", allow_module_level=True)
 
-from pdd_sidecar.kv import fp8_layout  # noqa: E402
 from pdd_sidecar.model.kernels import decode_backend  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
 from pdd_sidecar.model.kernels.flashmla_decode import flashmla_decode  # noqa: E402
-from pdd_sidecar.model.kernels.kv_write import write_latents  # noqa: E402
 
 DEV = torch.device("cuda")
 C, R, BS, LAYERS = 512, 64, 64, 2
@@ -32,16 +30,11 @@ def _case(heads: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=DEV).manual_seed(seed)
     nb = 8 * 64 + 1
     kv = (torch.randn(nb, LAYERS, BS, C + R, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
-    fp8 = torch.zeros(nb, LAYERS, BS, fp8_layout.token_bytes(C, R), dtype=torch.uint8,
-                      device=DEV)
-    flat = kv[:, 1].reshape(-1, C + R)
-    ids = torch.arange(flat.shape[0], device=DEV)
-    write_latents(fp8, 1, ids // BS, ids % BS, None, flat, kv_lora_rank=C)
     perm = torch.randperm(nb - 1, device=DEV, generator=g) + 1
     tables = perm[: len(LENS) * 64].view(len(LENS), 64).to(torch.int32)
     lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
     q = (torch.randn(len(LENS), heads, C + R, device=DEV, generator=g)).to(torch.bfloat16)
-    return kv, fp8, tables, lens, q
+    return kv, tables, lens, q
 
 
 def _close(o: torch.Tensor, lse: torch.Tensor, ref_o: torch.Tensor, ref_l: torch.Tensor) -> None:
@@ -57,7 +50,7 @@ def _close(o: torch.Tensor, lse: torch.Tensor, ref_o: torch.Tensor, ref_l: torch
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_dense_bf16_matches_reference(heads: int) -> None:
-    kv, _, tables, lens, q = _case(heads, 1)
+    kv, tables, lens, q = _case(heads, 1)
     scale = 192**-0.5
     ref_o, ref_l = md.paged_mla_decode_ref(q, kv, 1, tables, lens, C, scale)
     o, lse = flashmla_decode(flash_mla, q, kv, 1, tables, lens, C, scale)
@@ -65,7 +58,7 @@ def test_dense_bf16_matches_reference(heads: int) -> None:
 
 
 def test_backend_flashmla_in_a_graph() -> None:
-    kv, _, tables, lens, q = _case(16, 3)
+    kv, tables, lens, q = _case(16, 3)
     scale = 192**-0.5
     decode_backend.set_current(decode_backend.load_backend("flashmla"))
     try:
