@@ -25,6 +25,7 @@ from pdd_sidecar.engine.speculative.ngram import NgramIndex
 from pdd_sidecar.engine.speculative.speculator import draft_room
 from pdd_sidecar.engine.speculative.verify import accepted_tokens
 from pdd_sidecar.kv.cache import KVCacheFullError, num_table_blocks
+from pdd_sidecar.kv.fp8_layout import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pdd_sidecar.model.config import BUILTIN_SEED, load_config
 from pdd_sidecar.model.rank_model import load_rank_model, parse_dtype
 
@@ -53,6 +54,7 @@ class _Spec:
     keep_logits: bool
     forced_ids: tuple[int, ...] | None  # teacher forcing: feed these instead of greedy picks
     speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"
 
     def run(self, rank: int, comm: Comm) -> GenerationResult | None:
         return _rank_main(rank, comm, self)
@@ -69,7 +71,7 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
     # KV is written for every token but the last generated one.
     kv_tokens = len(spec.prompt_ids) + spec.max_tokens - 1
     num_blocks = spec.num_blocks or max(1, num_table_blocks(kv_tokens, spec.block_size, spec.dcp))
-    cache = new_cache(model, num_blocks, spec.block_size)
+    cache = new_cache(model, num_blocks, spec.block_size, kv_cache_dtype=spec.kv_cache_dtype)
     engine = RankEngine(model, cache, comm, spec.dcp)
     table = allocate_request(cache, kv_tokens, spec.dcp)
     out = GenerationResult(token_ids=[])
@@ -229,10 +231,12 @@ def generate_result(
     keep_logits: bool = False,
     forced_ids: Sequence[int] | None = None,
     speculative: SpeculativeConfig | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> GenerationResult:
     """Greedy generation with per-step logits kept on request; ``num_blocks`` (per rank)
     defaults to exactly what the request needs. ``speculative``: prompt-lookup drafts verified
-    per step (the same tokens; ``drafted`` and ``accepted`` say how many)."""
+    per step (the same tokens; ``drafted`` and ``accepted`` say how many). ``kv_cache_dtype``
+    ``fp8`` keeps the KV in kv/fp8_layout.py's FP8 tokens."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     if speculative is not None and forced_ids is not None:
@@ -257,6 +261,7 @@ def generate_result(
         keep_logits=keep_logits,
         forced_ids=None if forced_ids is None else tuple(forced_ids),
         speculative=speculative,
+        kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype),
     )
     if launcher == "procs" and tp > 1:
         result: GenerationResult = run_procs(spec)
@@ -299,6 +304,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dcp", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="auto: the model's dtype; fp8: e4m3 latents with a scale per 128")
     p.add_argument("-o", "--output", choices=["json", "text"], default="text")
     p.add_argument("--launcher", choices=["inproc", "procs"], default="inproc")
     p.add_argument("--block-size", type=int, default=16)
@@ -339,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             device=a.device,
             launcher=a.launcher,
             seed=a.seed,
+            kv_cache_dtype=a.kv_cache_dtype,
         )
     except (RuntimeError, ValueError) as e:  # KVCacheFullError, bad layout, a failed rank
         print(f"pdd generate: {e}", file=sys.stderr)

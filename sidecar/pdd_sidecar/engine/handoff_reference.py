@@ -54,6 +54,7 @@ class LayoutRun:
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: int
     imported: tuple[Exported, ...] | None = None
+    kv_cache_dtype: str = "auto"
 
     def run(self, rank: int, comm: Comm) -> list[Exported] | list[list[int]]:
         device = rank_device(self.device, rank)
@@ -61,7 +62,7 @@ class LayoutRun:
         longest = max(len(p) for p in self.prompts) + self.max_tokens
         # one prompt at a time: each frees its blocks before the next
         cache = new_cache(model, num_table_blocks(longest, self.block_size, self.dcp),
-                          self.block_size)
+                          self.block_size, kv_cache_dtype=self.kv_cache_dtype)
         engine = RankEngine(model, cache, comm, self.dcp)
         if self.imported is None:
             return [self._export(engine, cache, comm, rank, p) for p in self.prompts]
@@ -73,7 +74,7 @@ class LayoutRun:
         t = len(prompt)
         table = allocate_request(cache, t, self.dcp)
         first = int(torch.argmax(engine.prefill(prompt, table)))
-        latents = cache.kv.new_zeros(t, cache.num_layers, cache.latent_dim)
+        latents = cache.kv.new_zeros(t, cache.num_layers, cache.kv.shape[-1])
         pos, ids, offs = _local_slots(cache, table, t, self.dcp, rank)
         latents[pos] = cache.kv[ids, :, offs]
         if self.dcp > 1:  # each position held by one rank, zeros elsewhere: the sum is exact
@@ -87,7 +88,7 @@ class LayoutRun:
         t = len(prompt)
         table = allocate_request(cache, t + self.max_tokens - 1, self.dcp)
         pos, ids, offs = _local_slots(cache, table, t, self.dcp, rank)
-        cache.kv[ids, :, offs] = latents.to(cache.kv.device, cache.dtype)[pos]
+        cache.kv[ids, :, offs] = latents.to(cache.kv.device, cache.kv.dtype)[pos]
         tokens = [first]
         for step in range(1, self.max_tokens):
             logits = engine.decode_step(tokens[-1], t + step - 1, table)
@@ -117,6 +118,7 @@ def handoff_generate(
     device: str = "cpu",
     launcher: str = "inproc",
     seed: int = BUILTIN_SEED,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[int]]:
     """Greedy tokens per prompt of a P/D pair (``(tp, dcp)`` each) with the hand-off done in
     memory: two launches, one per layout, whatever the number of prompts."""
@@ -128,7 +130,8 @@ def handoff_generate(
         if tp < 1 or dcp not in (1, tp):
             raise ValueError(f"{side}: dcp must be 1 or tp ({tp}), got {dcp}")
     runs = [LayoutRun(model, tp, dcp, dtype, block_size, device, seed,
-                      tuple(tuple(int(x) for x in p) for p in prompts), max_tokens)
+                      tuple(tuple(int(x) for x in p) for p in prompts), max_tokens,
+                      kv_cache_dtype=kv_cache_dtype)
             for tp, dcp in (prefill, decode)]
     exported: list[Exported] = _launch(runs[0], launcher)  # type: ignore[assignment]
     decoded = _launch(replace(runs[1], imported=tuple(exported)), launcher)

@@ -30,6 +30,7 @@ from pdd_sidecar.engine.warmup_shape import (
     warmup_shape,
 )
 from pdd_sidecar.env import InstanceSettings
+from pdd_sidecar.kv.fp8_layout import token_bytes_for
 from pdd_sidecar.kv.pool_sizing import (
     CPU_DEFAULT_BLOCKS,
     NON_TORCH_FALLBACK_BYTES,
@@ -49,10 +50,13 @@ from pdd_sidecar.model.rank_model import RankModel
 log = logging.getLogger(__name__)
 
 
-def bytes_per_block(model: RankModel, block_size: int) -> int:
+def bytes_per_block(model: RankModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """A block of every layer, in the cache's dtype: an FP8 token (kv/fp8_layout.py) is 656
+    bytes against 1,152 in bf16 for V2/V3, so the same bytes hold 1.756x the tokens."""
     cfg = model.config
-    return cfg.num_hidden_layers * block_size * cfg.latent_dim * (torch.finfo(model.dtype).bits
-                                                                  // 8)
+    per_token = token_bytes_for(kv_cache_dtype, cfg.kv_lora_rank,
+                                cfg.latent_dim - cfg.kv_lora_rank, model.dtype)
+    return cfg.num_hidden_layers * block_size * per_token
 
 
 def max_positions(settings: InstanceSettings, model: RankModel) -> int:
@@ -162,7 +166,8 @@ def probe(model: RankModel, comm: Comm, settings: InstanceSettings, device: torc
     mem.reset_peak()
     held: dict[str, Any] = {}
     try:
-        cache = held["cache"] = rank_engine.new_cache(model, scratch_blocks, bs, device)
+        cache = held["cache"] = rank_engine.new_cache(model, scratch_blocks, bs, device,
+                                                      s.kv_cache_dtype)
         engine = held["engine"] = rank_engine.RankEngine(
             model, cache, comm, dcp, overtake=None if s.role == "prefill" else False,
             max_table_blocks=blocks_for(max_positions(s, model), bs, dcp))
@@ -208,8 +213,9 @@ def rank_blocks(model: RankModel, comm: Comm, settings: InstanceSettings,
     report = probe(model, comm, s, device, rank, memory)
     longest = max_positions(s, model)
     min_tokens, why = min_sequence(longest)
-    return size_pool(report, s.gpu_memory_utilization, bytes_per_block(model, s.block_size),
-                     s.block_size, s.dcp, min_tokens, why, longest).blocks
+    per_block = bytes_per_block(model, s.block_size, s.kv_cache_dtype)
+    return size_pool(report, s.gpu_memory_utilization, per_block, s.block_size, s.dcp,
+                     min_tokens, why, longest).blocks
 
 
 def size_rank_pool(model: RankModel, comm: Comm, settings: InstanceSettings,
@@ -218,7 +224,7 @@ def size_rank_pool(model: RankModel, comm: Comm, settings: InstanceSettings,
     """The instance's pool as this rank makes it: ``PDD_NUM_BLOCKS`` when set, a fixed count on
     a CPU, else sized from memory with every rank agreeing on the smallest."""
     s = settings
-    per_block = bytes_per_block(model, s.block_size)
+    per_block = bytes_per_block(model, s.block_size, s.kv_cache_dtype)
     longest = max_positions(s, model)
 
     def pool(blocks: int, source: str) -> PoolSize:

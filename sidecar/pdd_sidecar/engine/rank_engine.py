@@ -41,6 +41,8 @@ from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model import fusion
 from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
+from pdd_sidecar.model.kernels.kv_write import write_latents
+from pdd_sidecar.model.kernels.latent_read import read_latent_blocks, read_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
 from pdd_sidecar.model.kernels.norm_rope import add_rms_norm
 from pdd_sidecar.model.mla import (
@@ -123,8 +125,10 @@ def warmup_lengths(below: int) -> list[int]:
 
 
 def new_cache(
-    model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None
+    model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PagedKVCache:
+    """``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8`` (kv/fp8_layout.py)."""
     cfg = model.config
     return PagedKVCache(
         num_blocks,
@@ -133,6 +137,8 @@ def new_cache(
         cfg.latent_dim,
         model.dtype,
         model.device if device is None else device,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_lora_rank=cfg.kv_lora_rank,
     )
 
 
@@ -523,7 +529,12 @@ class RankEngine:
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
             latent = project_latent(a, lw.attn, cfg, cos, sin)
-            self.cache.write(i, blk, off, latent[mine.to(latent.device)])
+            if self.cache.fp8:  # quantised on write by the store kernel
+                write_latents(self.cache.kv, i, blk, off, None, latent[mine.to(latent.device)],
+                              kv_lora_rank=cfg.kv_lora_rank)
+            else:
+                self.cache.write(i, blk, off, latent[mine.to(latent.device)])
+            latent = self.cache.stored(latent)  # fresh prompts attend over what is kept
             o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
             if batch is not None:
                 r, seg = batch
@@ -724,12 +735,12 @@ class RankEngine:
         cb = views.batch
         if cb is not None:
             out, lse = chunk_prefill_attention(
-                q_nope, q_pe, self.cache.read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
+                q_nope, q_pe, self._read_blocks(layer, cb.blocks), cb.q_pos, cb.k_pos,
                 w_uk, w_uv, cfg.softmax_scale, q_lo=cb.q_lo)
             sb = cb.shared
             if sb is not None:
                 common = chunk_prefill_attention(
-                    q_nope, q_pe, self.cache.read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
+                    q_nope, q_pe, self._read_blocks(layer, sb.blocks), sb.q_pos, sb.k_pos,
                     w_uk, w_uv, cfg.softmax_scale)
                 out, lse = merge_partials(*common, out, lse)
             return out if self.dcp == 1 else dcp_merge(out, lse, comm)
@@ -738,7 +749,7 @@ class RankEngine:
         a = 0
         for cv in views.chunks:
             b = a + cv.q_pos.shape[0]
-            latent = self.cache.read(layer, cv.table, cv.n_local)
+            latent = self._read(layer, cv.table, cv.n_local)
             out[a:b], lse[a:b] = chunk_prefill_attention(
                 q_nope[a:b], q_pe[a:b], latent, cv.q_pos, cv.k_pos, w_uk, w_uv,
                 cfg.softmax_scale)
@@ -907,10 +918,30 @@ class RankEngine:
                 a, lw.attn, cfg, cos, sin, self.cache.kv, i, buf.write_blocks, buf.write_offsets,
                 buf.write_mask, want_latent=True)
             assert latent is not None
-            return varlen_prefill_attention(q_nope, q_pe, latent, buf.seg_start, lw.attn, cfg)
+            # fresh prompts attend over what is kept (an FP8 cache's rounded latents)
+            return varlen_prefill_attention(q_nope, q_pe, self.cache.stored(latent),
+                                            buf.seg_start, lw.attn, cfg)
 
         hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
         return self._logits(hidden.index_select(0, buf.last)) if want_logits else None
+
+    def _read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Every token of ``block_ids`` of ``layer`` as latents of the model's dtype; an FP8
+        cache's through the dequantising reader (one pass on CUDA)."""
+        if not self.cache.fp8:
+            return self.cache.read_blocks(layer, block_ids)
+        return read_latent_blocks(self.cache.kv, layer, block_ids,
+                                  kv_lora_rank=self.cfg.kv_lora_rank, dtype=self.cache.dtype)
+
+    def _read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` latents held in ``block_ids``, as ``_read_blocks``."""
+        if not self.cache.fp8:
+            return self.cache.read(layer, block_ids, num_tokens)
+        if num_tokens == 0:
+            return torch.empty(0, self.cfg.latent_dim, dtype=self.cache.dtype,
+                               device=self.cache.device)
+        return read_latents(self.cache.kv, layer, block_ids, num_tokens,
+                            kv_lora_rank=self.cfg.kv_lora_rank, dtype=self.cache.dtype)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.weights.lm_head).float()

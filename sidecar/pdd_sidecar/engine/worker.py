@@ -69,6 +69,7 @@ def compat_record(settings: InstanceSettings, plan_text: str, plan: RoutingPlan,
         cache_layout=cache_layout(num_layers, settings.block_size, latent_dim),
         plan_version=plan.version,
         plan_digest=plan_digest(plan_text),
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
 
 
@@ -171,7 +172,8 @@ class RankWorker:
             stage = "running the warm-up on a scratch cache to size the KV pool"
             self.pool = size_rank_pool(self.model, comm, s, dev, rank, self.lockstep.all_gather)
             stage = f"allocating the KV pool ({self.pool.blocks} blocks)"
-            self.cache = new_cache(self.model, self.pool.blocks, s.block_size, device)
+            self.cache = new_cache(self.model, self.pool.blocks, s.block_size, device,
+                                   s.kv_cache_dtype)
         except torch.cuda.OutOfMemoryError as exc:
             raise oom_error(stage, dev, free_at_start, total, s) from exc
         if rank == 0:

@@ -1,8 +1,11 @@
 """Paged latent KV cache, one per rank, and the DCP chunk arithmetic shared with the transfer layer.
 
-Layout (contract): ``kv[num_blocks, num_layers, block_size, kv_lora_rank + qk_rope_head_dim]``.
-Block-major, so one block of every layer is one contiguous region and a run of consecutive block
-ids is one contiguous region too: a request allocated as one run moves as one NIXL descriptor.
+Layout (contract): ``kv[num_blocks, num_layers, block_size, kv_lora_rank + qk_rope_head_dim]``
+in the model's dtype, or with ``kv_cache_dtype="fp8"`` ``uint8[num_blocks, num_layers,
+block_size, token_bytes]``: each token in kv/fp8_layout.py's FlashMLA layout (656 bytes for
+V2/V3 against 1,152 in bf16). Readers get the model's dtype back either way. Block-major, so
+one block of every layer is one contiguous region and a run of consecutive block ids is one
+contiguous region too: a request allocated as one run moves as one NIXL descriptor.
 
 Chunk ``g`` of a request is tokens ``[g*bs, (g+1)*bs)``. With ``dcp > 1`` rank ``r`` holds chunks
 ``g % dcp == r`` in local block ``g // dcp`` of the request's block table, which every rank of the
@@ -16,6 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from pdd_sidecar.kv.errors import KVCacheFullError as KVCacheFullError
+from pdd_sidecar.kv.fp8_layout import (
+    check_kv_cache_dtype,
+    dequantize_latents,
+    quantize_latents,
+    token_bytes,
+)
 
 # --- pure chunk / position arithmetic -------------------------------------------------------
 
@@ -107,6 +116,11 @@ def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class PagedKVCache:
+    """``dtype``: the model's, what reads return. ``kv_cache_dtype``: ``auto`` keeps latents
+    in ``dtype``; ``fp8`` keeps each token as ``token_bytes`` of kv/fp8_layout.py, whose first
+    ``kv_lora_rank`` values (the no-RoPE part) are e4m3 with a scale per 128 and the rest (RoPE)
+    bf16. Whatever moves blocks (hand-off, host tier, copies) moves ``kv``'s bytes as they are."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -115,24 +129,61 @@ class PagedKVCache:
         latent_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str = "auto",
+        kv_lora_rank: int | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.num_blocks = num_blocks
         self.num_layers = num_layers
         self.block_size = block_size
         self.latent_dim = latent_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kv_lora_rank = kv_lora_rank or 0
+        if self.fp8:
+            if not 0 < self.kv_lora_rank < latent_dim:
+                raise ValueError(f"kv_cache_dtype 'fp8' needs kv_lora_rank in (0, {latent_dim}),"
+                                 f" got {kv_lora_rank}")
+            self.token_width = token_bytes(self.kv_lora_rank, latent_dim - self.kv_lora_rank)
+        else:
+            self.token_width = latent_dim
         self.kv = torch.zeros(
-            num_blocks, num_layers, block_size, latent_dim, dtype=dtype, device=self.device
+            num_blocks, num_layers, block_size, self.token_width,
+            dtype=torch.uint8 if self.fp8 else dtype, device=self.device,
         )
         self._free = [True] * num_blocks
         self._num_free = num_blocks
 
     @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    @property
     def bytes_per_block(self) -> int:
-        return self.num_layers * self.block_size * self.latent_dim * self.kv.element_size()
+        return self.num_layers * self.block_size * self.token_width * self.kv.element_size()
+
+    def stored(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as a read of them would return them: rounded through FP8 for an FP8
+        cache (so a fresh prompt attends over the same latents a later chunk, a decode step
+        or a hand-off peer reads), unchanged otherwise."""
+        if not self.fp8:
+            return values
+        return dequantize_latents(quantize_latents(values, self.kv_lora_rank),
+                                  self.kv_lora_rank, values.dtype)
+
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        """``[N, latent]`` values as the cache's rows: FP8 tokens, or the model's dtype."""
+        if self.fp8:
+            return quantize_latents(values, self.kv_lora_rank)
+        return values.to(self.dtype)
+
+    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
+        """The cache's ``[N, token_width]`` rows as ``[N, latent]`` of the model's dtype."""
+        if self.fp8:
+            return dequantize_latents(rows, self.kv_lora_rank, self.dtype)
+        return rows
 
     @property
     def num_free(self) -> int:
@@ -190,12 +241,12 @@ class PagedKVCache:
     ) -> None:
         """Store ``values[i]`` at ``(block_idx[i], offsets[i])`` of ``layer``."""
         if values.numel():
-            self.kv[block_idx, layer, offsets] = values.to(self.dtype)
+            self.kv[block_idx, layer, offsets] = self.pack(values)
 
     def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` latents held in ``block_ids`` (filled in order), ``[N, D]``."""
         if num_tokens == 0:
-            return self.kv.new_empty(0, self.latent_dim)
+            return torch.empty(0, self.latent_dim, dtype=self.dtype, device=self.device)
         nb = -(-num_tokens // self.block_size)
         return self.read_blocks(layer, block_ids[:nb])[:num_tokens]
 
@@ -204,6 +255,6 @@ class PagedKVCache:
         D]``."""
         # One block of one layer is a contiguous row: gathering whole rows runs at copy speed,
         # several times faster than element-wise advanced indexing.
-        rows = self.kv.view(self.num_blocks * self.num_layers, self.block_size * self.latent_dim)
+        rows = self.kv.view(self.num_blocks * self.num_layers, self.block_size * self.token_width)
         blocks = rows.index_select(0, block_ids * self.num_layers + layer)
-        return blocks.view(block_ids.shape[0] * self.block_size, self.latent_dim)
+        return self.unpack(blocks.view(block_ids.shape[0] * self.block_size, self.token_width))

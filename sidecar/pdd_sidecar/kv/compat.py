@@ -2,7 +2,9 @@
 
 A decode rank that reads KV written by a different model, dtype, block size or layout would
 produce plausible-looking garbage, so both sides refuse the hand-off on any difference and say
-which field differs and both values.
+which field differs and both values. ``kv_cache_dtype`` is the KV cache's own dtype (``auto``:
+the model's ``dtype``; ``fp8``: kv/fp8_layout.py's 656-byte token): an FP8 token read as bf16
+rows (or the reverse) would be bytes of the wrong shape, so a peer that differs is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class CompatRecord:
     cache_layout: str
     plan_version: int
     plan_digest: str
+    kv_cache_dtype: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,12 +56,23 @@ class CompatRecord:
             raise CompatError(f"compatibility record lacks field {exc.args[0]!r}") from None
 
 
+# What to change when a field differs, where one setting decides it.
+_FIXES = {
+    "kv_cache_dtype": "prefill and decode must keep KV in one dtype: set the same "
+                      "kvCacheDtype on both roles (PDD_KV_CACHE_DTYPE, pdd serve "
+                      "--kv-cache-dtype)",
+}
+
+
 def check_compatible(local: CompatRecord, remote: CompatRecord, peer: str) -> None:
     """Raise naming every differing field with the local and the remote value."""
+    differ = [name for name in CompatRecord.__dataclass_fields__
+              if getattr(local, name) != getattr(remote, name)]
     problems = [
         f"{name}: local {getattr(local, name)!r} != {peer} {getattr(remote, name)!r}"
-        for name in CompatRecord.__dataclass_fields__
-        if getattr(local, name) != getattr(remote, name)
+        for name in differ
     ]
+    fixes = [_FIXES[name] for name in differ if name in _FIXES]
     if problems:
-        raise CompatError(f"incompatible with {peer}: " + "; ".join(problems))
+        raise CompatError(f"incompatible with {peer}: " + "; ".join(problems)
+                          + "".join(f" ({fix})" for fix in fixes))
