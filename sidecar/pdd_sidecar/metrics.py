@@ -14,6 +14,8 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from pdd_sidecar.gc_pauses import BUCKETS as _GC_BUCKETS
 from pdd_sidecar.gc_pauses import PauseTimer
@@ -21,7 +23,13 @@ from pdd_sidecar.kv.errors import HANDOFF_FAILURE_CAUSES
 
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
 
-__all__ = ["CONTENT_TYPE_LATEST", "InstanceMetrics", "RouterMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "OPENMETRICS_TYPE", "InstanceMetrics", "RouterMetrics",
+           "wants_openmetrics"]
+
+
+def wants_openmetrics(accept: str) -> bool:
+    """Whether a scraper's Accept header asks for OpenMetrics (which carries exemplars)."""
+    return "application/openmetrics-text" in accept
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -249,10 +257,14 @@ class RouterMetrics:
             registry=r, multiprocess_mode="max",
         )
 
-    def expose(self) -> bytes:
+    def expose(self, openmetrics: bool = False) -> bytes:
+        """The text format, or OpenMetrics (with the TTFT's exemplars: the trace ids of sampled
+        requests, which a dashboard links to their traces; one process only, prometheus_client
+        keeps none in multiprocess mode)."""
         self.gc_pauses.flush()
+        generate = generate_openmetrics if openmetrics else generate_latest
         if not self.multiprocess:
-            return generate_latest(self.registry)
+            return generate(self.registry)
         merged = CollectorRegistry()
         MultiProcessCollector(merged)
-        return generate_latest(merged)
+        return generate(merged)

@@ -208,6 +208,13 @@ def context_trace_id(ctx: otel_context.Context) -> str | None:
     return trace_id(trace.get_current_span(ctx))
 
 
+def sampled_trace_id(ctx: otel_context.Context) -> str | None:
+    """The trace id of a context's span when that span is sampled (exported), else None."""
+    sc = trace.get_current_span(ctx).get_span_context()
+    return trace.format_trace_id(sc.trace_id) if sc.is_valid and sc.trace_flags.sampled \
+        else None
+
+
 # --- spans
 
 

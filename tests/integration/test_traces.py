@@ -13,7 +13,8 @@ processes instead of a kubelet starting them.
 
 The sampling ratio is 0: only a request whose client asks for it (traceparent flags 01) is
 traced, which is the parent-based sampler honouring the client; a request without one leaves no
-trace, and both requests' trace ids are in the router's access log.
+trace, and both requests' trace ids are in the router's access log; the sampled one is the
+exemplar of the router's TTFT histogram (what the dashboard links a slow request's point by).
 """
 
 from __future__ import annotations
@@ -202,3 +203,13 @@ def test_one_trace_per_request_from_the_client_through_router_prefill_handoff_de
     assert logged[:2] == [trace_id, logged[1]] and logged[1] != trace_id, log
     time.sleep(1.5)  # two batch intervals of the exporters and of Jaeger
     assert jaeger.trace(logged[1]) is None
+
+    # The slow-request link of the dashboard: the router's TTFT keeps the sampled request's
+    # trace id as an exemplar (OpenMetrics), and only that one.
+    req = urllib.request.Request(f"{stack.url}/metrics",
+                                 headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    exemplars = re.findall(r'pdd_router_ttft_seconds_bucket\{[^}]*\} \S+ # '
+                           r'\{trace_id="([0-9a-f]{32})"\}', text)
+    assert exemplars == [trace_id], text

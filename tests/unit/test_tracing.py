@@ -158,3 +158,20 @@ def test_setup_off_installs_nothing() -> None:
     assert T.setup("decode", {}).exporter is None
     assert trace.get_tracer_provider() is before
     assert not T.enabled()
+
+
+def test_a_sampled_request_leaves_an_exemplar_on_the_router_ttft() -> None:
+    """The router's TTFT carries the trace id of sampled requests, in OpenMetrics only."""
+    from pdd_sidecar.metrics import RouterMetrics, wants_openmetrics
+
+    sampled = T.extract({"traceparent": CLIENT_PARENT})
+    unsampled = T.extract({"traceparent": CLIENT_PARENT[:-2] + "00"})
+    assert T.sampled_trace_id(sampled) == CLIENT_TRACE
+    assert T.sampled_trace_id(unsampled) is None
+    m = RouterMetrics()
+    m.ttft_seconds.observe(0.3, {"trace_id": CLIENT_TRACE})
+    om = m.expose(openmetrics=True).decode()
+    assert f'# {{trace_id="{CLIENT_TRACE}"}} 0.3' in om
+    assert CLIENT_TRACE not in m.expose().decode()
+    assert wants_openmetrics("application/openmetrics-text;version=1.0.0,text/plain;q=0.5")
+    assert not wants_openmetrics("text/plain")

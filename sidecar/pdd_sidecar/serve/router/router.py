@@ -33,7 +33,7 @@ from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.env import ConfigError, RouterSettings
 from pdd_sidecar.gc_pauses import freeze_heap
-from pdd_sidecar.metrics import CONTENT_TYPE_LATEST
+from pdd_sidecar.metrics import CONTENT_TYPE_LATEST, OPENMETRICS_TYPE, wants_openmetrics
 from pdd_sidecar.serve import access_log
 from pdd_sidecar.serve.discovery import DEFAULT_KEEPALIVE_S, KEEPALIVE_S, fresh_dns_connector
 from pdd_sidecar.serve.event_loop import loop_kind, new_event_loop, uvloop_installed
@@ -382,8 +382,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[ROUTER].metrics.expose(),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    om = wants_openmetrics(request.headers.get("Accept", ""))
+    return web.Response(body=request.app[ROUTER].metrics.expose(om),
+                        headers={"Content-Type": OPENMETRICS_TYPE if om else CONTENT_TYPE_LATEST})
 
 
 @web.middleware

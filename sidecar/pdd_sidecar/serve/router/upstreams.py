@@ -74,6 +74,13 @@ class Trip:
     handoffs: int = 0
     output_tokens: int = 0  # handed to the client so far, every choice
 
+    def exemplar(self) -> dict[str, str] | None:
+        """The trace id of a sampled request, for its TTFT's exemplar (a link to its trace)."""
+        if self.trace is None:
+            return None
+        tid = tracing.sampled_trace_id(self.trace)
+        return {"trace_id": tid} if tid is not None else None
+
     def trace_headers(self) -> dict[str, str]:
         """The W3C trace context for a call to an instance (none without a trace)."""
         headers: dict[str, str] = {}
@@ -844,7 +851,7 @@ class Router:
                 now = time.monotonic()
                 if before == 0 and count:
                     first_at = now
-                    self.metrics.ttft_seconds.observe(first_at - start)
+                    self.metrics.ttft_seconds.observe(first_at - start, trip.exemplar())
                     trip.stamps[timing.R_FIRST_TOKEN] = first_at
                 if before < 2 <= count:
                     trip.stamps[timing.R_SECOND_TOKEN] = now
