@@ -61,6 +61,14 @@ def test_greedy_tokens_are_plain_decodings_on_each_layout(tmp_path: Path, p: tup
         print(f"{p} -> {d}: drafted {drafted:.0f}, accepted {accepted:.0f}")
         assert 0 < accepted < drafted  # kept drafts and rejected ones both happened
         assert _counter(m, "pdd_spec_decode_num_accepted_tokens_per_pos") == accepted
+        # A follow-up turn reads the first one's KV from the decode's prefix cache: the KV its
+        # verify steps wrote (kept drafts', never a rejected one's) is plain decoding's.
+        follow = [*PROMPT, *out["choices"][0]["token_ids"][:30], *b" and the"]
+        hits = _counter(m, "pdd_prefix_cache_hits")
+        again = _complete(stack["router"].url, {"prompt": follow, "max_tokens": 12,
+                                                "temperature": 0})
+        assert again["choices"][0]["token_ids"] == reference_tokens(follow, 12, BLOCK)
+        assert _counter(_metrics(stack["decode"].url), "pdd_prefix_cache_hits") > hits
     finally:
         cluster.close()
 

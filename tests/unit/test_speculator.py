@@ -95,3 +95,12 @@ def test_settings_off_mean_no_speculation() -> None:
     assert SpeculativeConfig.from_settings("off", None) is None
     cfg = SpeculativeConfig.from_settings("ngram", 2, max_batch=8)
     assert cfg == SpeculativeConfig(tokens=2, max_batch=8)
+
+
+def test_a_large_batch_drafts_fewer_tokens_to_stay_within_the_largest_graph() -> None:
+    spec = Speculator(SpeculativeConfig(tokens=8), max_rows=16)
+    text = list(range(10)) * 2  # drafts of up to 10 tokens exist
+    assert [len(d) for d in spec.plan([(str(i), (text,), 9) for i in range(2)])] == [7, 7]
+    assert [len(d) for d in spec.plan([(str(i), (text,), 9) for i in range(4)])] == [3] * 4
+    assert spec.plan([(str(i), (text,), 9) for i in range(9)]) == [[]] * 9  # 9 x 2 > 16
+    assert spec.stats.skipped == {"batch": 9}

@@ -226,8 +226,10 @@ class InstanceDriver:
         self._heartbeat_s = HEARTBEAT_S if s.spans_pods else 0.0
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
-        self.speculator = (Speculator(speculative)
-                           if speculative is not None and s.role == "decode" else None)
+        engine = worker.engine
+        self.speculator = (Speculator(speculative, max_rows=(
+            engine.buckets[-1] if engine.decode_mode != "eager" else None))
+            if speculative is not None and s.role == "decode" else None)
         self._spec_seen = SpecStats(
             accepted_per_pos=[0] * (speculative.tokens if speculative else 0))
         self._pool_gauges()

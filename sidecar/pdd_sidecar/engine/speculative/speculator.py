@@ -62,11 +62,14 @@ def prompt_lookup(sid: str, index: NgramIndex, k: int) -> list[int]:
 
 class Speculator:
     """``drafter``: where drafts come from (default: prompt lookup; a bench replays or
-    spoils them)."""
+    spoils them). ``max_rows``: the most rows a step should have (the largest CUDA graph
+    bucket: more run eagerly, far slower), so a large batch drafts fewer tokens each."""
 
-    def __init__(self, cfg: SpeculativeConfig, drafter: Drafter = prompt_lookup) -> None:
+    def __init__(self, cfg: SpeculativeConfig, drafter: Drafter = prompt_lookup,
+                 max_rows: int | None = None) -> None:
         self.cfg = cfg
         self.drafter = drafter
+        self.max_rows = max_rows
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.tokens)
         self._seqs: dict[str, _SeqState] = {}
         self._step = 0
@@ -78,7 +81,10 @@ class Speculator:
         ``max_tokens`` allow; one list per item, empty where it drafts nothing."""
         self._step += 1
         out: list[list[int]] = [[] for _ in items]
-        if len(items) > self.cfg.max_batch:
+        k = self.cfg.tokens
+        if self.max_rows is not None and items:
+            k = min(k, self.max_rows // len(items) - 1)
+        if len(items) > self.cfg.max_batch or k < 1:
             self._skip("batch", len(items))
             return out
         for i, (sid, parts, room) in enumerate(items):
@@ -90,7 +96,7 @@ class Speculator:
                 self._skip("acceptance")
                 continue
             self._feed(st, parts)
-            drafts = self.drafter(sid, st.index, min(room, self.cfg.tokens))
+            drafts = self.drafter(sid, st.index, min(room, k))
             if not drafts:
                 self._skip("no_match")
             out[i] = drafts
