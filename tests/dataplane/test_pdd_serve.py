@@ -235,6 +235,26 @@ def test_sharded_to_sharded_completion_matches_reference_and_sigterm_stops_all(
     assert s.rest()[-2:] == ["pdd serve: SIGTERM received, stopping", "pdd serve: stopped"]
 
 
+def test_kv_cache_dtype_fp8_serves_the_tokens_of_one_fp8_instance(
+    serves: list[Serve], tmp_path: Path
+) -> None:
+    """`pdd serve --kv-cache-dtype fp8`: both instances keep FP8 KV (their compat records say
+    so) and a completion through the hand-off is what one FP8 instance generates."""
+    from pdd_sidecar.engine.generate import generate
+
+    s, url = _start(serves, tmp_path, "--prefill-tp", "1", "--decode-tp", "2",
+                    "--decode-dcp", "2", "--block-size", str(BLOCK), "--kv-cache-dtype", "fp8")
+    prompt = [(i * 37 + 11) % 256 for i in range(3 * BLOCK + 5)]
+    status, body = http("POST", f"{url}/v1/completions",
+                        {"prompt": prompt, "max_tokens": 7, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == generate("builtin", prompt, 7, block_size=BLOCK,
+                                                       kv_cache_dtype="fp8")
+    row_bytes = 3 * (32 + 4 + 8 * 2)  # the built-in model's FP8 token, every layer
+    assert body["pdd"]["transfer"]["bytes"] == len(prompt) * row_bytes
+    _stop_and_check(s, signal.SIGTERM, *_snapshot(s)[:2])
+
+
 def test_sigint_stops_all(serves: list[Serve], tmp_path: Path) -> None:
     s, url = _start(serves, tmp_path, "--prefill-tp", "2", "--decode-tp", "1")
     pids, pgids, tree = _snapshot(s)
