@@ -14,13 +14,17 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 
 from pdd_sidecar import tracing
 
 PDD_ACCESS_LOG = "PDD_ACCESS_LOG"
-TRACE_ID = "pdd_trace_id"  # request key a handler sets when it made the request's trace
+# The request key a handler sets when it made the request's trace (a typed key where aiohttp
+# has them, 3.11 on; a plain name before).
+TRACE_ID: Any = (web.RequestKey("pdd_trace_id", str) if hasattr(web, "RequestKey")
+                 else "pdd_trace_id")
 QUIET = frozenset({"/healthz", "/readyz", "/health", "/metrics"})
 MAX_LOGGED_BODY = 4096
 
