@@ -64,3 +64,25 @@ def test_a_grammar_cuts_drafts_at_the_first_it_refuses() -> None:
     g2 = Constrained(llguidance.LLMatcher(tok, grammar), 9)
     kept, states = grammar_drafts(g2, [a, b, c, a])
     assert kept == [a, b] and len(states) == 3
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)], ids=["tp1", "tp2-dcp2"])
+def test_verify_rows_through_the_padded_graph_path(plain: list[int], tp: int, dcp: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU twin of CUDA graphs: the verify rows staged into a bucket's static buffers,
+    several rows of one table, each storing its latent before any attends."""
+    from pdd_sidecar.engine import rank_engine
+
+    padded: list[int] = []
+    real = rank_engine.RankEngine._decode_padded
+
+    def counted(self, chunks, want_logits):  # type: ignore[no-untyped-def]
+        padded.append(len(chunks))
+        return real(self, chunks, want_logits)
+
+    monkeypatch.setenv("PDD_CUDA_GRAPHS", "padded")
+    monkeypatch.setattr(rank_engine.RankEngine, "_decode_padded", counted)
+    res = generate_result("builtin", PROMPT, STEPS, tp=tp, dcp=dcp, block_size=BLOCK,
+                          speculative=SpeculativeConfig(tokens=3))
+    assert res.token_ids == plain
+    assert any(n > 1 for n in padded)  # verify steps of several rows ran padded
