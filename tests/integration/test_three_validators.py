@@ -87,6 +87,11 @@ def _leaves() -> list[Leaf]:
         Leaf(("router", "resources", "limits"), "map_q"),
         Leaf(("rollout",), "obj"), Leaf(("rollout", "maxUnavailable"), "int"),
         Leaf(("networkPolicy",), "obj"), Leaf(("networkPolicy", "enabled"), "bool"),
+        Leaf(("tracing",), "obj"),
+        Leaf(("tracing", "endpoint"), "enum", ("http://jaeger:4317", "https://t:4318",
+                                               "jaeger:4317", "")),
+        Leaf(("tracing", "protocol"), "enum", ("grpc", "http/protobuf", "http/json", "GRPC")),
+        Leaf(("tracing", "samplingRatio"), "number"),
     ]
     for r in ROLES:
         out += [
@@ -313,6 +318,10 @@ def valid_spec(r: random.Random) -> dict[str, Any]:
             auto["intervalSeconds"] = r.choice([1, 15, 3600])
             auto["prometheusURL"] = "http://prometheus:9090"
         spec["autoscaling"] = auto
+    if r.random() < 0.2:
+        spec["tracing"] = {"endpoint": r.choice(["http://jaeger:4317", "https://otel:4318"]),
+                           "protocol": r.choice(["grpc", "http/protobuf"]),
+                           "samplingRatio": r.choice([0, 0.01, 1])}
     return spec
 
 
