@@ -529,7 +529,8 @@ class Router:
                   "return_token_ids": True}
         if req.sampling.get(STRUCTURED) is not None:
             common["structured_outputs"] = structured_outputs(req.sampling[STRUCTURED])
-        headers = {"X-Request-Id": rid}
+        # vLLM continues the trace where its own tracing is on (--otlp-traces-endpoint).
+        headers = {"X-Request-Id": rid, **trip.trace_headers()}
         url = await self._choose_prefill(set(), req.prompt_ids)
         if url is None:
             raise ApiError(503, "no ready prefill replica", type_="server_error")
