@@ -79,7 +79,7 @@ def test_finished_sequences_are_forgotten() -> None:
     assert set(spec._seqs) == {"b"}
 
 
-@pytest.mark.parametrize("kw,field", [({"method": "mtp"}, "speculative.method"),
+@pytest.mark.parametrize("kw,field", [({"method": "eagle"}, "speculative.method"),
                                       ({"tokens": 0}, "speculative.tokens"),
                                       ({"max_batch": -1}, "speculative.max_batch"),
                                       ({"min_acceptance": 1.5}, "speculative.min_acceptance"),
@@ -104,3 +104,10 @@ def test_a_large_batch_drafts_fewer_tokens_to_stay_within_the_largest_graph() ->
     assert [len(d) for d in spec.plan([(str(i), (text,), 9) for i in range(4)])] == [3] * 4
     assert spec.plan([(str(i), (text,), 9) for i in range(9)]) == [[]] * 9  # 9 x 2 > 16
     assert spec.stats.skipped == {"batch": 9}
+
+
+def test_mtp_is_a_method_and_drafts_one_token_unless_told() -> None:
+    assert SpeculativeConfig.from_settings("mtp", None) == SpeculativeConfig(method="mtp",
+                                                                             tokens=1)
+    assert SpeculativeConfig.from_settings("mtp", 2) == SpeculativeConfig(method="mtp", tokens=2)
+    assert SpeculativeConfig.from_settings("ngram", None) == SpeculativeConfig(tokens=3)

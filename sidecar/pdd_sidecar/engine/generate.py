@@ -21,6 +21,7 @@ from pdd_sidecar.engine.comm import Comm, TorchDistComm, run_threads
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig
+from pdd_sidecar.engine.speculative.mtp import MTPDrafter
 from pdd_sidecar.engine.speculative.ngram import NgramIndex
 from pdd_sidecar.engine.speculative.speculator import draft_room
 from pdd_sidecar.engine.speculative.verify import accepted_tokens
@@ -37,6 +38,7 @@ class GenerationResult:
     step_logits: list[torch.Tensor] = field(default_factory=list)  # per decode step, [V] fp32
     drafted: int = 0  # speculation: tokens drafted, and those kept
     accepted: int = 0
+    drafts: list[tuple[int, list[int]]] = field(default_factory=list)  # (position fed, drafts)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class _Spec:
     forced_ids: tuple[int, ...] | None  # teacher forcing: feed these instead of greedy picks
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"
+    spoil_drafts: bool = False  # tests: every draft replaced by a token it is not
 
     def run(self, rank: int, comm: Comm) -> GenerationResult | None:
         return _rank_main(rank, comm, self)
@@ -75,6 +78,13 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
     engine = RankEngine(model, cache, comm, spec.dcp)
     table = allocate_request(cache, kv_tokens, spec.dcp)
     out = GenerationResult(token_ids=[])
+    if spec.speculative is not None and spec.speculative.method == "mtp":
+        drafter = MTPDrafter.load(spec.model, model, cache, comm, spec.dcp, spec.seed)
+        logits = engine.step([SeqChunk(spec.prompt_ids, 0, table)], keep=[0])
+        assert logits is not None
+        _speculate_mtp(engine, drafter, spec, table, engine.kept[0], logits[0], out)
+        cache.free(table)
+        return out if rank == 0 else None
     logits = engine.prefill(spec.prompt_ids, table, all_logits=spec.keep_logits)
     if spec.keep_logits:
         out.prompt_logits = logits.cpu()
@@ -125,6 +135,41 @@ def _speculate(engine: RankEngine, spec: _Spec, table: list[int], logits: torch.
             out.step_logits.extend(r.cpu() for r in rows[:len(kept)])
         out.token_ids.extend(kept)
         index.extend(kept)
+        pos += len(kept)
+    del out.token_ids[spec.max_tokens:]
+
+
+def _speculate_mtp(engine: RankEngine, drafter: MTPDrafter, spec: _Spec, table: list[int],
+                   prompt_hidden: torch.Tensor, logits: torch.Tensor,
+                   out: GenerationResult) -> None:
+    """Greedy generation with MTP drafts: after the prefill and after each verify step the
+    module runs over the positions whose next token became known (the prompt's, then the fed
+    token's and the accepted drafts'), from the main model's hidden states there, and drafts
+    what follows; the verify step is the n-gram one's (rows of one decode step, the keep
+    rule)."""
+    assert spec.speculative is not None
+    first = int(torch.argmax(logits))
+    out.token_ids.append(first)
+    pos = len(spec.prompt_ids)
+    k = spec.speculative.tokens
+    # the module's positions still to run: from ``start``, the tokens after them, and h there
+    start, after, hidden = 0, [*spec.prompt_ids[1:], first], prompt_hidden
+    while len(out.token_ids) < spec.max_tokens:
+        room = min(k, draft_room(spec.max_tokens, len(out.token_ids)))
+        drafts = drafter.draft([(SeqChunk(after, start, table), hidden)], [room])[0]
+        if spec.spoil_drafts:
+            drafts = [(d + 1) % engine.cfg.vocab_size for d in drafts]
+        out.drafts.append((pos, drafts))
+        feed = [out.token_ids[-1], *drafts]
+        rows = engine.step([SeqChunk([t], pos + j, table) for j, t in enumerate(feed)],
+                           want_logits=True, keep=range(len(feed)))
+        assert rows is not None
+        kept = accepted_tokens(drafts, [int(t) for t in torch.argmax(rows, -1).tolist()])
+        out.drafted += len(drafts)
+        out.accepted += len(kept) - 1
+        out.token_ids.extend(kept)
+        start, after = pos, kept
+        hidden = torch.cat([engine.kept[j] for j in range(len(kept))])
         pos += len(kept)
     del out.token_ids[spec.max_tokens:]
 
@@ -232,11 +277,13 @@ def generate_result(
     forced_ids: Sequence[int] | None = None,
     speculative: SpeculativeConfig | None = None,
     kv_cache_dtype: str = "auto",
+    spoil_drafts: bool = False,
 ) -> GenerationResult:
     """Greedy generation with per-step logits kept on request; ``num_blocks`` (per rank)
-    defaults to exactly what the request needs. ``speculative``: prompt-lookup drafts verified
-    per step (the same tokens; ``drafted`` and ``accepted`` say how many). ``kv_cache_dtype``
-    ``fp8`` keeps the KV in kv/fp8_layout.py's FP8 tokens."""
+    defaults to exactly what the request needs. ``speculative``: prompt-lookup or MTP drafts
+    verified per step (the same tokens; ``drafted`` and ``accepted`` say how many, ``drafts``
+    what was drafted where; ``spoil_drafts`` replaces every MTP draft by another token).
+    ``kv_cache_dtype`` ``fp8`` keeps the KV in kv/fp8_layout.py's FP8 tokens."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     if speculative is not None and forced_ids is not None:
@@ -262,6 +309,7 @@ def generate_result(
         forced_ids=None if forced_ids is None else tuple(forced_ids),
         speculative=speculative,
         kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype),
+        spoil_drafts=spoil_drafts,
     )
     if launcher == "procs" and tp > 1:
         result: GenerationResult = run_procs(spec)

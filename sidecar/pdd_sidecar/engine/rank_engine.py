@@ -392,6 +392,25 @@ class RankEngine:
         ends = to_device(lengths, torch.long, hidden.device).cumsum(0)
         return self._logits(hidden[ends - 1])
 
+    @torch.inference_mode()
+    def forward_hidden(self, chunks: Sequence[SeqChunk],
+                       embeds: torch.Tensor | None = None, normed: bool = True
+                       ) -> torch.Tensor:
+        """The final hidden state of every row of the chunks ``[N, H]`` (before the final norm
+        unless ``normed``), eagerly and in order, each rank alike; ``embeds`` (one row per
+        token) replaces the token embedding as the first layer's input: the MTP module feeds
+        its own (engine/speculative/mtp.py). The chunks' tokens still place the rows
+        (positions, cache slots)."""
+        if not chunks:
+            raise ValueError("empty step")
+        self.kept = {}
+        launched = None if self.overtaking is None else self.overtaking.in_order(chunks)
+        try:
+            return self._forward(chunks, embeds=embeds, normed=normed)
+        finally:
+            if launched is not None:
+                launched()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states (``kept``'s rows)."""
         return self._logits(hidden)
@@ -508,7 +527,8 @@ class RankEngine:
         return tuple(to_device(t, torch.long, dev) for t in (positions, mine, blk, off))
 
     def _forward(self, chunks: Sequence[SeqChunk],
-                 after_layer: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                 after_layer: Callable[[int, int], None] | None = None,
+                 embeds: torch.Tensor | None = None, normed: bool = True) -> torch.Tensor:
         cfg, w, dev = self.cfg, self.model.weights, self.model.device
         all_tokens = [t for c in chunks for t in c.tokens]
         self._check_tokens(all_tokens)
@@ -524,7 +544,13 @@ class RankEngine:
         batch = self._fresh_rows(fresh, bounds, w.embed.dtype)
         positions = positions.to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
-        x = F.embedding(to_device(all_tokens, torch.long, dev), w.embed)
+        if embeds is None:
+            x = F.embedding(to_device(all_tokens, torch.long, dev), w.embed)
+        else:
+            if embeds.shape != (len(all_tokens), cfg.hidden_size):
+                raise ValueError(f"embeds: need [{len(all_tokens)}, {cfg.hidden_size}], got "
+                                 f"{list(embeds.shape)}")
+            x = embeds.to(w.embed.dtype)
         for i, lw in enumerate(w.layers):
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
@@ -554,7 +580,7 @@ class RankEngine:
             x = self._layer_rest(x, o, lw)
             if after_layer is not None:
                 after_layer(i, len(w.layers))
-        return rms_norm(x, w.norm, cfg.rms_norm_eps)
+        return rms_norm(x, w.norm, cfg.rms_norm_eps) if normed else x
 
     def _fresh_rows(
         self, fresh: Sequence[int], bounds: Sequence[int], dtype: torch.dtype

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,15 @@ from pdd_sidecar.model.config import ConfigError, ModelConfig
 from pdd_sidecar.model.kernels.norm_rope import rms_norm
 from pdd_sidecar.model.mla import prefill_attention, project_latent, project_q
 from pdd_sidecar.model.moe import dense_mlp, moe
+from pdd_sidecar.model.rank_model import RankModel
 from pdd_sidecar.model.rope import Rotary
-from pdd_sidecar.model.weights import LayerWeights, TensorSource, load_rank_weights
+from pdd_sidecar.model.weights import (
+    LayerWeights,
+    RankWeights,
+    TensorSource,
+    load_rank_weights,
+    open_source,
+)
 
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
 _RENAMED = {
@@ -179,3 +187,24 @@ def mtp_reference_logits(
         assert lw.mlp is not None
         x = x + dense_mlp(m, lw.mlp)
     return F.linear(rms_norm(x, w.norm, eps), w.head).float()
+
+
+def load_mtp_rank_model(model: str | Path, main: RankModel, seed: int = 0
+                        ) -> tuple[MTPWeights, RankModel]:
+    """The MTP module of ``model`` beside its main rank model ``main`` (same rank, TP share,
+    dtype, device, rotary table), as a one-layer ``RankModel`` the engine runs like the main
+    one (its embedding and head are the module's; its input comes from ``mtp_input``). Refused
+    with a message naming the setting and the model when the checkpoint has no module."""
+    cfg = main.config
+    src = open_source(model, cfg, seed)
+    if not has_mtp(cfg, src):
+        raise ConfigError(
+            f"speculative.method: 'mtp' needs a checkpoint with an MTP module, and model "
+            f"{str(model)!r} has none (num_nextn_predict_layers {cfg.num_nextn_predict_layers}"
+            f"{'' if cfg.num_nextn_predict_layers == 0 else ', no ' + mtp_prefix(cfg) + 'eh_proj'}"
+            f"); use method 'ngram' or a V3-family checkpoint"
+        )
+    w = load_mtp_weights(cfg, src, main.rank, main.tp, main.dtype, main.device)
+    weights = RankWeights(embed=w.embed, layers=[w.layer], norm=w.norm, lm_head=w.head)
+    return w, RankModel(w.layer_config, weights, main.rotary, main.rank, main.tp, main.dtype,
+                        main.device)

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 from pdd_sidecar.engine.speculative.ngram import NgramConfig
 
-METHODS = ("ngram",)  # "mtp" joins once the MTP head is loaded (issue 47 item 1)
+# "mtp": DeepSeek-V3's MTP module drafts (engine/speculative/mtp.py); refused at load for a
+# checkpoint without one (model/mtp.py load_mtp_rank_model)
+METHODS = ("ngram", "mtp")
+DEFAULT_TOKENS = {"ngram": 3, "mtp": 1}  # MTP: one module, chained for more (acceptance drops)
 
 # Above this many running sequences a decode step verifies no drafts. A verify step runs k + 1
 # rows per drafting sequence through the same decode kernel as plain decoding (one CUDA graph
@@ -35,7 +38,8 @@ DEFAULT_PAUSE_STEPS = 32
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method`` drafts ``tokens`` tokens per sequence per decode step (n-gram: the longest
-    ending of ``ngram_min`` .. ``ngram_max`` tokens that occurred before); speculation is off
+    ending of ``ngram_min`` .. ``ngram_max`` tokens that occurred before; mtp: the MTP module's
+    greedy guesses, chained on its own output past the first); speculation is off
     for a step of more than ``max_batch`` running sequences, and per sequence while its
     acceptance EMA is below ``min_acceptance``."""
 
@@ -74,7 +78,8 @@ class SpeculativeConfig:
         (no speculation); the other settings default as above."""
         if method in (None, "", "off"):
             return None
-        return cls(method=method, tokens=3 if tokens is None else int(tokens),
+        default = DEFAULT_TOKENS.get(method, 3)
+        return cls(method=method, tokens=default if tokens is None else int(tokens),
                    **more)  # type: ignore[arg-type]
 
 

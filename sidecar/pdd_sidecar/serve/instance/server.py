@@ -302,6 +302,9 @@ def speculative_config(settings: InstanceSettings) -> SpeculativeConfig | None:
     s = settings.speculative
     if s is None:
         return None
+    if s.method == "mtp":  # engine/speculative/mtp.py drafts with it; the driver does not yet
+        raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: 'mtp' is not served by this sidecar yet "
+                          f"(its decode driver drafts n-gram only); use 'ngram'")
     more: dict[str, int | float] = {}
     if s.max_batch is not None:
         more["max_batch"] = s.max_batch

@@ -1,0 +1,103 @@
+"""Drafts from DeepSeek-V3's MTP module (model/mtp.py), run by the engine beside the main model.
+
+The module is one more decoder layer: position ``i`` reads the main model's final normed hidden
+state ``h_i`` and the token at ``i + 1`` and predicts the token at ``i + 2``. It keeps its own
+latent KV in a one-layer paged cache addressed by the main cache's block ids (the same block
+table, the same DCP split: each rank stores the module's latents of the blocks it stores for
+the main layers), so the main cache's allocator alone accounts for a sequence's blocks.
+
+After each verify step the engine hands the drafter the main model's hidden states of the
+positions whose tokens are now known (the fed token and the accepted drafts) with the tokens
+that follow them; the module runs over those positions (writing its KV there) and the argmax
+of its logits at the last one is draft 1. Draft ``j + 1`` chains the module on its own output
+(its hidden state before the shared head's norm, as vLLM feeds it back) and draft ``j``, one
+position on; those chained positions' KV is overwritten by the next step's run from the main
+model's hidden states. A draft is a greedy guess: the verify step's keep rule
+(engine/speculative/verify.py) keeps the output plain decoding's whatever it drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pdd_sidecar.engine.comm import Comm
+from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model.kernels.norm_rope import rms_norm
+from pdd_sidecar.model.mtp import MTPWeights, load_mtp_rank_model, mtp_input
+from pdd_sidecar.model.rank_model import RankModel
+
+
+class MTPDrafter:
+    """One rank's MTP module and its KV; every rank of the instance makes the same calls (the
+    module's layer is TP-sharded like a main one, and its collectives meet the other ranks')."""
+
+    def __init__(self, weights: MTPWeights, model: RankModel, main_cache: PagedKVCache,
+                 comm: Comm, dcp: int = 1) -> None:
+        self.w = weights
+        self.eps = model.config.rms_norm_eps
+        self.cache = new_cache(model, main_cache.num_blocks, main_cache.block_size,
+                               main_cache.device)
+        self.engine = RankEngine(model, self.cache, comm, dcp, decode_mode="eager",
+                                 prefill_buckets=(), overtake=False)
+
+    @classmethod
+    def load(cls, model: str | Path, main: RankModel, main_cache: PagedKVCache, comm: Comm,
+             dcp: int = 1, seed: int = 0) -> MTPDrafter:
+        """The module of checkpoint ``model`` beside ``main``; a ConfigError naming the setting
+        and the model when it has none."""
+        w, m = load_mtp_rank_model(model, main, seed)
+        return cls(w, m, main_cache, comm, dcp)
+
+    @torch.inference_mode()
+    def draft(self, seqs: Sequence[tuple[SeqChunk, torch.Tensor]], k: Sequence[int]
+              ) -> list[list[int]]:
+        """Per sequence ``(chunk, hidden)``: the chunk's tokens are the tokens at positions
+        ``start + 1 ..`` (each the token after the position of its row), ``hidden`` ``[n, H]``
+        the main model's final normed hidden states at positions ``start ..``; the module runs
+        there (its KV written) and drafts up to ``k[i]`` tokens following the last position's
+        next token (none where ``k[i]`` is 0: the KV is still written, so a later step may
+        draft). Positions beyond a chunk's end get the chained drafts' KV, overwritten later."""
+        if not seqs:
+            return []
+        chunks = [c for c, _ in seqs]
+        out: list[list[int]] = [[] for _ in seqs]
+        hidden = torch.cat([h for _, h in seqs]).to(self.w.embed.device)
+        last = self._run(chunks, hidden)
+        todo = [i for i in range(len(seqs)) if k[i] > 0]
+        depth = 0
+        while todo:
+            logits = self.engine.logits(rms_norm(last[todo], self.w.norm, self.eps))
+            picks = torch.argmax(logits, -1).tolist()
+            for i, t in zip(todo, picks, strict=True):
+                out[i].append(int(t))
+            depth += 1
+            todo_next = [i for i in todo if len(out[i]) < k[i]]
+            if not todo_next:
+                break
+            nxt = [SeqChunk([out[i][-1]], chunks[i].start + len(chunks[i].tokens) - 1 + depth,
+                            chunks[i].block_ids) for i in todo_next]
+            last = last.clone()
+            last[todo_next] = self._run(nxt, last[todo_next])
+            todo = todo_next
+        return out
+
+    def _run(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """The module over the chunks' rows; its output hidden state (before the shared head's
+        norm) at each chunk's last row ``[len(chunks), H]``."""
+        dev = hidden.device
+        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long,
+                              device=dev)
+        positions = torch.tensor([c.start + j for c in chunks for j in range(len(c.tokens))],
+                                 dtype=torch.long, device=dev)
+        x = mtp_input(self.w, self.eps, hidden, tokens, positions)
+        h = self.engine.forward_hidden(chunks, embeds=x, normed=False)
+        ends = torch.tensor([len(c.tokens) for c in chunks], device=dev).cumsum(0) - 1
+        return h[ends]
+
+
+__all__ = ["MTPDrafter"]

@@ -1,0 +1,98 @@
+"""MTP drafts in the engine (engine/speculative/mtp.py) on a V3 checkpoint with the module:
+greedy output identical with and without speculation on every layout, the drafts are the
+module's (its torch reference's argmax), and a checkpoint without one is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_mtp import mtp_checkpoint  # noqa: F401  (the fixture: a V3 checkpoint with the module)
+
+from pdd_sidecar.engine.comm import SingleComm
+from pdd_sidecar.engine.generate import generate_result
+from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
+from pdd_sidecar.engine.seq_chunk import SeqChunk
+from pdd_sidecar.engine.speculative.config import SpeculativeConfig
+from pdd_sidecar.engine.speculative.mtp import MTPDrafter
+from pdd_sidecar.model.config import ConfigError
+from pdd_sidecar.model.mtp import load_mtp_rank_model, mtp_reference_logits
+from pdd_sidecar.model.rank_model import load_rank_model
+
+pytestmark = pytest.mark.dataplane
+
+PROMPT = list(range(40, 77))  # 37 tokens: 9 full blocks of 4 and one partial
+BLOCK = 4
+STEPS = 24
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_checkpoint) -> list[int]:  # noqa: F811
+    return generate_result(mtp_checkpoint[0], PROMPT, STEPS, block_size=BLOCK).token_ids
+
+
+@pytest.mark.parametrize("tp,dcp,k", LAYOUTS, ids=[f"tp{t}-dcp{d}-k{k}" for t, d, k in LAYOUTS])
+def test_greedy_tokens_are_plain_decodings(mtp_checkpoint, plain, tp, dcp, k):  # noqa: F811
+    res = generate_result(mtp_checkpoint[0], PROMPT, STEPS, tp=tp, dcp=dcp, block_size=BLOCK,
+                          speculative=SpeculativeConfig(method="mtp", tokens=k))
+    print(f"tp{tp} dcp{dcp} k{k}: drafted {res.drafted}, accepted {res.accepted}")
+    assert res.token_ids == plain
+    assert res.drafted >= (STEPS - 1) // (k + 1)  # it drafted at every step that had room
+
+
+def test_drafts_are_the_modules_argmax(mtp_checkpoint, plain):  # noqa: F811
+    """Draft 1 fed at position p is the reference module's argmax at p - 1 over the whole
+    sequence (the main model's hidden states of the plain run, the tokens that followed); a
+    draft spoiled into another token is then never kept, and the output stays the same."""
+    path = mtp_checkpoint[0]
+    res = generate_result(path, PROMPT, STEPS, block_size=BLOCK,
+                          speculative=SpeculativeConfig(method="mtp", tokens=1))
+    seq = [*PROMPT, *plain]
+    model = load_rank_model(path)
+    cache = new_cache(model, 64, BLOCK)
+    engine = RankEngine(model, cache, SingleComm(), decode_mode="eager")
+    table = allocate_request(cache, len(seq), 1)
+    engine.step([SeqChunk(seq, 0, table)], keep=[0])
+    hidden = engine.kept[0]
+    w, _ = load_mtp_rank_model(path, model)
+    n = len(seq) - 1
+    ref = mtp_reference_logits(w, model.config, model.rotary, hidden[:n],
+                               torch.tensor(seq[1:]), torch.arange(n)).argmax(-1)
+    checked = 0
+    for pos, drafts in res.drafts:
+        if drafts:
+            assert drafts[0] == int(ref[pos - 1]), f"draft fed at {pos}"
+            checked += 1
+    assert checked >= STEPS // 2
+    assert res.accepted > 0  # the fixture's module guesses some right: the accept path ran
+    spoiled = generate_result(path, PROMPT, STEPS, block_size=BLOCK, spoil_drafts=True,
+                              speculative=SpeculativeConfig(method="mtp", tokens=1))
+    assert spoiled.token_ids == plain
+    assert spoiled.drafted > 0 and spoiled.accepted == 0
+
+
+def test_the_drafter_runs_the_modules_kv_like_the_reference(mtp_checkpoint):  # noqa: F811
+    """Position by position (one decode row each, reading the module's paged KV) the drafter's
+    picks equal the reference's over the whole sequence at once."""
+    path = mtp_checkpoint[0]
+    model = load_rank_model(path)
+    cache = new_cache(model, 32, BLOCK)
+    drafter = MTPDrafter.load(path, model, cache, SingleComm())
+    g = torch.Generator().manual_seed(5)
+    n = 19
+    hidden = torch.randn(n, model.config.hidden_size, generator=g)
+    after = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    table = allocate_request(cache, n + 1, 1)
+    ref = mtp_reference_logits(drafter.w, model.config, model.rotary, hidden,
+                               torch.tensor(after), torch.arange(n)).argmax(-1)
+    got = drafter.draft([(SeqChunk(after[:7], 0, table), hidden[:7])], [1])[0]
+    picks = [got[0]]
+    for p in range(7, n):
+        picks.append(drafter.draft([(SeqChunk([after[p]], p, table), hidden[p:p + 1])], [1])[0][0])
+    assert picks == ref[6:].tolist()
+
+
+def test_a_checkpoint_without_the_module_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"speculative\.method.*'mtp'.*'builtin'"):
+        generate_result("builtin", [1, 2, 3], 4,
+                        speculative=SpeculativeConfig(method="mtp", tokens=1))
