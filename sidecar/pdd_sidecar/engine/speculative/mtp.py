@@ -41,7 +41,7 @@ class MTPDrafter:
         self.w = weights
         self.eps = model.config.rms_norm_eps
         self.cache = new_cache(model, main_cache.num_blocks, main_cache.block_size,
-                               main_cache.device)
+                               main_cache.device, kv_cache_dtype=main_cache.kv_cache_dtype)
         self.engine = RankEngine(model, self.cache, comm, dcp, decode_mode="eager",
                                  prefill_buckets=(), overtake=False)
 
