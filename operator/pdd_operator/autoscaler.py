@@ -237,6 +237,11 @@ class Autoscaler:
                 out = await self.kube.patch_status(KIND, meta["namespace"], meta["name"], patch)
                 self.rec.observe_pdd(out)
                 st.written_at = now
+        if moved:
+            # Before the events: they go last at the API server's gate, and the pass that
+            # builds the decision must not wait on them (the status write's own watch event
+            # starts no pass: handlers.is_echo).
+            self.rec.kick(*key)
         for kind, reason, message, subject in events_for(decisions, status):
             await self.kube.post_event(body, kind, reason, message, series=subject)
         for d in decisions.values():
@@ -245,6 +250,4 @@ class Autoscaler:
                 d.role, {"up": "up", "down": "down"}.get(d.direction, "hold"), d.reason).inc()
             if d.reason in (SCALED_UP, SCALED_DOWN) or d.direction != "none":
                 log.info("%s/%s %s", key[0], key[1], d.message)
-        if moved:
-            self.rec.kick(*key)
         return decisions

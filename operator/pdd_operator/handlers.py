@@ -5,7 +5,8 @@
   own light watches (kube.Kube.watch) -> one pass for the owner, so a deleted pod comes back
   and a pod turning Ready updates status at once;
 - a periodic pass (re-list, then one pass per PDDeployment), paused with kopf's peering;
-- the validating webhook -> the same rules as `pdd validate`;
+- the validating webhook -> the same rules as `pdd validate`, served on its own thread
+  (webhook_server.py), outside kopf;
 - PDDRoleScale events, and PDDeployment events for the PDDRoleScales naming it -> the role's
   spec.<role>.replicas follows the PDDRoleScale, its status follows the role (role_scale.py).
 kopf's peering pauses all of this in every replica but the leader (the parts outside kopf read
@@ -28,14 +29,15 @@ from pdd_operator.config import CONFIG
 from pdd_operator.kube import KINDS, ApiError, Kube, now_rfc3339
 from pdd_operator.peering import paused
 from pdd_operator.reconciler import Reconciler
-from pdd_operator.tls_reload import NEVER, reload_forever, server_context
+from pdd_operator.tls_reload import server_context
 from pdd_operator.webhook import (
     HANDLER_ID,
-    admission_problems,
     ensure_webhook_configuration,
     prepare_tls,
+    review,
     rotate_forever,
 )
+from pdd_operator.webhook_server import WebhookThread
 
 log = logging.getLogger("pdd_operator")
 
@@ -53,6 +55,7 @@ class _State:
     reconciler: Reconciler | None = None
     kube: Kube | None = None
     tasks: list[asyncio.Task[Any]] = []
+    webhook: WebhookThread | None = None
 
 
 STATE = _State()
@@ -127,17 +130,13 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.tasks.append(loop.create_task(rec.watch_children(cfg.namespaces or None)))
     if cfg.webhook_port:
         tls = await prepare_tls(kube, cfg)
-        # A renewed certificate (rotate_forever's, or cert-manager's) is loaded into the live
-        # context; kopf's own file check, which would restart the server, never fires.
-        context = server_context(tls.certfile, tls.keyfile)
-        settings.admission.server = kopf.WebhookServer(
-            addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
-            certfile=str(tls.certfile), pkeyfile=str(tls.keyfile), cadata=tls.ca_pem,
-            context=context, file_check_interval=NEVER,
-        )
-        STATE.tasks.append(loop.create_task(reload_forever(
-            context, tls.certfile, tls.keyfile,
-            min(60.0, max(1.0, cfg.cert_validity_seconds / 30)))))
+        # Its own thread and event loop (webhook_server.py): admission reviews never wait
+        # behind the passes. A renewed certificate (rotate_forever's, or cert-manager's) is
+        # loaded into the live context there.
+        STATE.webhook = WebhookThread(
+            cfg.webhook_addr, cfg.webhook_port, f"/{HANDLER_ID}",
+            server_context(tls.certfile, tls.keyfile), tls.certfile, tls.keyfile,
+            min(60.0, max(1.0, cfg.cert_validity_seconds / 30)), review).start()
         if tls.bundle is not None:
             await ensure_webhook_configuration(kube, cfg, tls.bundle.ca_pem)
             STATE.tasks.append(loop.create_task(
@@ -178,6 +177,8 @@ async def ensure_peering(kube: Kube, name: str, namespaces: list[str]) -> None:
 async def cleanup(**_: Any) -> None:
     for task in STATE.tasks:
         task.cancel()
+    if STATE.webhook is not None:
+        STATE.webhook.stop()
     if STATE.kube is not None:
         await STATE.kube.close()
 
@@ -187,11 +188,25 @@ async def pddeployment_event(event: kopf.RawEvent, **_: Any) -> None:
     obj = cast(dict[str, Any], event["object"])
     rec = reconciler()
     deleted = event["type"] == "DELETED"
+    echo = not deleted and is_echo(rec, obj)
     ns, name = rec.observe_pdd(obj, deleted=deleted)
-    if not deleted:
+    if not deleted and not echo:
         rec.kick(ns, name)
     for scale in rec.role_scales_in(ns, name):
         await sync_role_scale(rec, scale)
+
+
+def is_echo(rec: Reconciler, obj: dict[str, Any]) -> bool:
+    """The event shows the very version the operator holds already: the answer of its own
+    status write (a pass's or the planner's), which it took when it wrote it. The writer has
+    acted on everything it knew; a pass more would find nothing to do (one per status write
+    and PDDeployment, hundreds at once when hundreds are created)."""
+    meta = obj.get("metadata") or {}
+    held = rec.pdds.get((str(meta.get("namespace")), str(meta.get("name"))))
+    if held is None or not meta.get("resourceVersion"):
+        return False
+    return bool(held["metadata"].get("uid") == meta.get("uid")
+                and held["metadata"].get("resourceVersion") == meta["resourceVersion"])
 
 
 @kopf.on.event(API_GROUP, API_VERSION, ROLE_SCALE_PLURAL)
@@ -277,17 +292,3 @@ async def peering_paused(kube: Kube, cfg: Any) -> bool:
     else:
         objs = [await kube.get("ClusterKopfPeering", None, cfg.peering_name)]
     return any(paused((o or {}).get("status"), cfg.priority) for o in objs)
-
-
-async def validate(**kwargs: Any) -> None:
-    old = kwargs.get("old")
-    new = dict(kwargs["body"])
-    problems = admission_problems(new, dict(old) if old is not None else None)
-    if problems:
-        raise kopf.AdmissionError("; ".join(problems), code=422)
-
-
-# kopf refuses to start with an admission handler but no server: register it only when served.
-if CONFIG.webhook_port:
-    kopf.on.validate(API_GROUP, API_VERSION, PLURAL, id=HANDLER_ID,
-                     operations=["CREATE", "UPDATE"])(validate)

@@ -383,7 +383,8 @@ class Reconciler:
         router_obs = self.store.get("Deployment", ns, name)
         status = compute_status(
             generation=generation, problems=[], plan=desired.plan, routing_published=published,
-            roles=roles, wanted={"prefill": spec.prefill.replicas, "decode": spec.decode.replicas},
+            roles=self._roles_after_creates(owner, spec, desired, roles, outcome),
+            wanted={"prefill": spec.prefill.replicas, "decode": spec.decode.replicas},
             max_unavailable=spec.rollout.maxUnavailable,
             router=router_state(spec.router.enabled, desired.router_deployment, router_obs),
             previous=body.get("status"), now=now_rfc3339(), roll_note=_roll_note(roll, infos),
@@ -412,6 +413,26 @@ class Reconciler:
         if outcome.errors:
             raise PassErrors(outcome.errors)
         return outcome
+
+    def _roles_after_creates(self, owner: Owner, spec: PDDeploymentSpec, desired: Desired,
+                             roles: dict[str, RolePlan], outcome: Outcome) -> dict[str, RolePlan]:
+        """What status reports of each role once this pass's pods are created: the store holds
+        them (their create answers), so status says `<pod> is Pending` rather than `being
+        created`. Status computed from the plan made before the creates changed again in the
+        very next pass (the pods' watch events trigger it): two status writes, two events of
+        the PDDeployment for kopf, for every new PDDeployment; now the next pass finds nothing
+        new to write. Only a pass that created pods and removed none (a roll or a scale-down
+        keeps the plan it acted on); LeaderWorkerSet roles keep their own plans."""
+        if (not any(c.startswith("Pod ") for c in outcome.created) or outcome.deleted
+                or outcome.replaced or outcome.ended or builders_lws.lws_roles(desired)):
+            return roles
+        out = dict(roles)
+        for role in ("prefill", "decode"):
+            observed = [p for p in self._role_pods(owner.namespace, owner.name, role)
+                        if not _is_surge(p)]
+            out[role] = plan_role(desired.pods[role], observed, owner.uid,
+                                  spec.rollout.maxUnavailable, owner.name)
+        return out
 
     def _conflicts(self, key: Key) -> list[tuple[str, str]]:
         """Each role's writer that is not its owner (replica_owner.conflict)."""

@@ -1,7 +1,7 @@
-"""The webhook's TLS context, reloaded in place when its files change. kopf's own file check
-restarts its server, and while it restarts the API server's admission calls are refused
-(failurePolicy Fail turns that into a refused `kubectl apply`); a context reloaded in place keeps
-the listening socket, and every handshake after the reload gets the new certificate."""
+"""The webhook's TLS context, reloaded in place when its files change. Restarting the server
+for a new certificate would refuse the API server's admission calls meanwhile (failurePolicy
+Fail turns that into a refused `kubectl apply`); a context reloaded in place keeps the listening
+socket, and every handshake after the reload gets the new certificate."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 log = logging.getLogger("pdd_operator.tls_reload")
-NEVER = 10 * 365 * 86400.0  # kopf's own file check interval: its restart is what this avoids
 
 
 def _public(key: Any) -> bytes:

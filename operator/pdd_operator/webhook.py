@@ -35,6 +35,22 @@ def admission_problems(new: Mapping[str, Any], old: Mapping[str, Any] | None) ->
     return validate_document(new)
 
 
+def review(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The AdmissionReview answer to an AdmissionReview request (admission.k8s.io/v1): refused
+    with HTTP 422 and the problems joined by "; " (the API server shows them after `admission
+    webhook "validate.pddeployments.serving.pdd.dev" denied the request: `)."""
+    req = request.get("request") or {}
+    new = req.get("object")
+    old = req.get("oldObject")
+    problems = (admission_problems(new, old if isinstance(old, Mapping) else None)
+                if isinstance(new, Mapping) else [])
+    response: dict[str, Any] = {"uid": req.get("uid", ""), "allowed": not problems}
+    if problems:
+        response["status"] = {"code": 422, "message": "; ".join(problems)}
+    return {"apiVersion": request.get("apiVersion", "admission.k8s.io/v1"),
+            "kind": "AdmissionReview", "response": response}
+
+
 def webhook_hosts(cfg: Config) -> list[str]:
     if cfg.webhook_service:
         ns, name = cfg.webhook_service.split("/", 1)

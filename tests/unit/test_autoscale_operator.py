@@ -514,3 +514,37 @@ def test_the_condition_tells_the_most_telling_role(reasons: list[str], reason: s
     assert (c["type"], c["reason"], c["status"], c["observedGeneration"]) == (
         AUTOSCALING, reason, status, 7)
     assert c["message"] == "; ".join(f"role {i}: {r}" for i, r in enumerate(reasons))
+
+
+def test_a_decision_kicks_its_pass_before_the_events_are_posted() -> None:
+    """Events go last at the API server's gate: the pass that builds the new replicas must not
+    wait for them (nothing else starts it: the status write's echo starts no pass)."""
+    REC.pdds.clear()
+    REC.kicks.clear()
+    body = copy.deepcopy(BODY)
+    body["spec"] = autoscaled(decode={"maxReplicas": 4}, intervalSeconds=10,
+                              prefill={"enabled": False, "ttft": None})
+    REC.pdds[("ns1", "demo")] = body
+    kicked_at_event: list[int] = []
+
+    class Kube(FakeKube):
+        async def post_event(self, body: Any, kind: str, reason: str, message: str,
+                             series: str = "") -> None:
+            kicked_at_event.append(len(REC.kicks))
+            await super().post_event(body, kind, reason, message, series)
+
+    kube = Kube()
+    feed = [0.06, 0.065]
+
+    async def fetch(body: Any, spec: Any, roles: Sequence[str], now: float) -> dict[str, Sample]:
+        return {"decode": Sample(time=now, replicas=1, latency=feed.pop(0), kv_blocks_used=500,
+                                 kv_blocks_total=1000, running_sequences=30)}
+
+    scaler = Autoscaler(REC, kube, fetch=fetch)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        await scaler.step_all(100.0)
+        await scaler.step_all(110.0)
+    asyncio.run(run())
+    assert [e[1] for e in kube.events] == ["Stable", "ScaledUp"]
+    assert kicked_at_event == [0, 1]  # ScaledUp's event posted after the kick
