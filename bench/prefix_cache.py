@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                           block_size=args.block_size, num_blocks=args.num_blocks,
                           dtype=args.dtype,
                           max_num_seqs=256, max_waiting=512, log_level="WARNING", drain_s=1.0,
-                          prefix_cache=cache)
+                          prefix_cache=cache, local_prefill_tokens=0)  # the prefill's cache
         found = check_config(cfg)
         if found:
             p.error("; ".join(found))

@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bursts = [tuple(int(x) for x in b.split(":")) for b in args.bursts.split(",")]
     # The router as `pdd serve` configures it, its upstreams the stubs.
-    cfg = StackConfig(port=0, log_level="WARNING", router_workers=args.workers)
+    # Every request through the (stub) prefill: the hand-off's router work is what is counted.
+    cfg = StackConfig(port=0, log_level="WARNING", router_workers=args.workers,
+                      local_prefill_tokens=0)
     ports = pick_ports(cfg)
     stubs = subprocess.Popen([sys.executable, __file__, "--stubs", str(ports.prefill[0].http),
                               str(ports.decode[0].http), str(args.pace_ms / 1e3)])

@@ -737,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-workers", type=router_workers_arg, default="auto",
                    help="router processes sharing its port (pdd serve --router-workers; "
                    "default auto, as pdd serve's)")
+    p.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="pdd serve --local-prefill-tokens: prompts with at most N uncached "
+                   "tokens prefilled on the decode (default 0: every request through the "
+                   "prefill, the path the breakdown describes); run with 0 and with the prompt "
+                   "length to compare the two paths' TTFT on the same stack")
     p.add_argument("--reps", type=int, default=10, help="timed decode steps per bound")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--log-dir", default=None, metavar="DIR",
@@ -806,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, port=0, block_size=bs, num_blocks=args.num_blocks,
                        dtype=dtype, max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
                        log_level="WARNING", drain_s=1.0, extra_env=extra_env,
-                       router_workers=args.router_workers)
+                       router_workers=args.router_workers,
+                       local_prefill_tokens=args.local_prefill_tokens)
     found = check_config(scfg)
     if found:
         p.error("; ".join(found))

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                           port=0, block_size=args.block_size, prefill_num_blocks=prefill_blocks,
                           decode_num_blocks=decode_blocks, dtype=args.dtype,
                           max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
-                          log_level="WARNING", drain_s=1.0,
+                          log_level="WARNING", drain_s=1.0, local_prefill_tokens=0,
                           extra_env=tracing_env(mode, sink.url if sink else ""))
         found = check_config(cfg)
         if found:

@@ -81,6 +81,9 @@ DIST_PORT = 29500  # torch.distributed's customary rendezvous port
 ENV_PREFIX_CACHE = "PDD_PREFIX_CACHE"
 ENV_ROUTER_POLICY = "PDD_ROUTER_POLICY"
 ENV_ROUTER_WORKERS = "PDD_ROUTER_WORKERS"
+# Where the router prefills a request (spec.router.localPrefillTokens, spec.router.noPrefill).
+ENV_ROUTER_LOCAL_PREFILL_TOKENS = "PDD_ROUTER_LOCAL_PREFILL_TOKENS"
+ENV_ROUTER_NO_PREFILL = "PDD_ROUTER_NO_PREFILL"
 
 # KV memory (issue 38): the share of a GPU's memory an instance may fill (weights, activations,
 # graphs and KV; the pool gets what is left), an explicit pool size that overrides it, and the

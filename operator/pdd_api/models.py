@@ -45,6 +45,17 @@ DEFAULT_SPECULATIVE_TOKENS = 1
 # The n-gram drafter's defaults (sidecar engine/speculative/ngram.py NgramConfig).
 DEFAULT_NGRAM_MAX_N = 4
 DEFAULT_NGRAM_MIN_N = 1
+# Where the router prefills a request (sidecar serve/router/prefill_path.py): on the decode when
+# the prompt's part the decode does not cache is at most this many tokens (0: always through a
+# prefill while one is ready). A conservative default until the crossing point of the two paths
+# is measured on a GPU.
+DEFAULT_LOCAL_PREFILL_TOKENS = 256
+MAX_LOCAL_PREFILL_TOKENS = 1 << 20
+# What a request meets when no prefill replica is ready: served on a decode (counted and shown
+# as the fallback) or refused with a 503.
+NoPrefillMode = Literal["fallback", "refuse"]
+NO_PREFILL_MODES: tuple[str, ...] = get_args(NoPrefillMode)
+DEFAULT_NO_PREFILL: NoPrefillMode = "fallback"
 # The share of a GPU's memory an instance fills unless told otherwise (vLLM's default too);
 # keys.py re-exports it for the sidecars.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -355,6 +366,20 @@ class RouterSpec(_Strict):
         "prompt to the prefill that was sent its longest prefix before unless that one is "
         "overloaded, and each decode by load; least-loaded picks both by load alone; "
         "round-robin in turn.",
+    )
+    localPrefillTokens: int = Field(
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        description="A request whose prompt, less what the chosen decode already caches, is at "
+        "most this many tokens is prefilled on that decode itself, in its running batch, "
+        "instead of through a prefill and a KV hand-off (PDD_ROUTER_LOCAL_PREFILL_TOKENS). 0: "
+        "every request goes through a prefill while one is ready. The default is a "
+        "conservative guess; measure where the two paths cross on your GPU (docs/serving.md).",
+    )
+    noPrefill: NoPrefillMode = Field(
+        default=DEFAULT_NO_PREFILL,
+        description="When no prefill replica is ready: fallback serves requests on a decode "
+        "(the Disaggregated condition turns False with reason NoPrefillReady, and the router "
+        "counts them under path=\"fallback\"); refuse answers 503 (PDD_ROUTER_NO_PREFILL).",
     )
     image: str | None = Field(
         default=None,

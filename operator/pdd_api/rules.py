@@ -19,6 +19,7 @@ from pdd_api.models import (
     GPU_RESOURCE,
     KV_CACHE_DTYPES,
     MAX_DRAIN_SECONDS,
+    MAX_LOCAL_PREFILL_TOKENS,
     OWNED_CONTAINER_FIELDS,
     OWNED_POD_FIELDS,
     ROLES,
@@ -887,6 +888,7 @@ def _rules() -> tuple[Rule, ...]:
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),
         RangeRule("router.workers", 1, MAX_ROUTER_WORKERS),
+        RangeRule("router.localPrefillTokens", 0, MAX_LOCAL_PREFILL_TOKENS),
         RangeRule("rollout.maxUnavailable", 1, MAX_REPLICAS),
     ]
     for role in ROLES:

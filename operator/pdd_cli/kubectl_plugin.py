@@ -19,6 +19,7 @@ from pdd_api.models import (
     API_VERSION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_LOCAL_PREFILL_TOKENS,
     ROLE_SCALE_KIND,
     ROLE_SCALE_PLURAL,
 )
@@ -206,6 +207,20 @@ def autoscaling_report(pdd: Obj, role_scales: Sequence[Obj] = ()) -> list[str]:
     return ["", "AUTOSCALING", *_table(rows)]
 
 
+def request_paths(pdd: Obj) -> str:
+    """Where the router prefills requests now: through the prefill pods (short uncached
+    prompts on their decode), or, with no prefill ready, on the decode pods or nowhere."""
+    router = (pdd.get("spec") or {}).get("router") or {}
+    local = router.get("localPrefillTokens", DEFAULT_LOCAL_PREFILL_TOKENS)
+    conds = {c.get("type"): c for c in (pdd.get("status") or {}).get("conditions") or []}
+    dis = conds.get("Disaggregated")
+    if dis is not None and dis.get("status") == "False":
+        return f"requests: NOT DISAGGREGATED ({dis.get('reason')}): {dis.get('message')}"
+    short = (f"prompts with at most {local} uncached tokens on their decode" if local
+             else "never on the decode")
+    return f"requests: prefilled on the prefill pods; {short}"
+
+
 def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: int = 10,
                   role_scales: Sequence[Obj] = ()) -> str:
     meta, spec, st = _meta(pdd), pdd.get("spec") or {}, pdd.get("status") or {}
@@ -214,6 +229,7 @@ def status_report(pdd: Obj, pods: Sequence[Obj], events: Sequence[Obj], limit: i
              + ("" if gen == seen else "  (operator has not caught up)")]
     if st.get("routingCase"):
         lines.append(f"routing: {st['routingCase']}: {st.get('routingSummary', '')}")
+    lines.append(request_paths(pdd))
     lines += ["", "ROLES"]
     rows = [["ROLE", "TP", "DCP", "DESIRED", "PODS", "READY", "UPDATED", "KV-POOL", "HOST-KV",
              "KV-DTYPE"]]

@@ -21,6 +21,8 @@ from pdd_api.models import (
     API_VERSION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_LOCAL_PREFILL_TOKENS,
+    DEFAULT_NO_PREFILL,
     DEFAULT_ROUTER_POLICY,
     GPU_RESOURCE,
     KIND,
@@ -610,6 +612,10 @@ def build_router(owner: Owner, spec: PDDeploymentSpec,
           if spec.router.policy != DEFAULT_ROUTER_POLICY else []),
         *([_env(keys.ENV_ROUTER_WORKERS, spec.router.workers)]
           if spec.router.workers != 1 else []),
+        *([_env(keys.ENV_ROUTER_LOCAL_PREFILL_TOKENS, spec.router.localPrefillTokens)]
+          if spec.router.localPrefillTokens != DEFAULT_LOCAL_PREFILL_TOKENS else []),
+        *([_env(keys.ENV_ROUTER_NO_PREFILL, spec.router.noPrefill)]
+          if spec.router.noPrefill != DEFAULT_NO_PREFILL else []),
         *([_env(keys.ENV_MODEL_SOURCE, spec.model.source)] if spec.model.source else []),
         _env(keys.ENV_PREFILL_URLS, _role_urls(owner, "prefill", counts["prefill"])),
         _env(keys.ENV_DECODE_URLS, _role_urls(owner, "decode", counts["decode"])),

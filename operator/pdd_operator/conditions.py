@@ -31,7 +31,13 @@ VALIDATED, ROUTING_READY, READY = "Validated", "RoutingReady", "Ready"
 # object, an invalid spec); kstatus-based tools (Flux, kpt, cli-utils) then report Failed.
 STALLED = "Stalled"
 AVAILABLE = {"prefill": "PrefillAvailable", "decode": "DecodeAvailable"}
-CONDITION_TYPES = (VALIDATED, ROUTING_READY, AVAILABLE["prefill"], AVAILABLE["decode"], READY)
+# Whether requests can be prefilled on a prefill pod: False (reason NoPrefillReady) while no
+# prefill pod is ready, when the router serves them on the decode pods or refuses them
+# (spec.router.noPrefill). A P/D deployment that silently serves decode-only is what this shows.
+DISAGGREGATED = "Disaggregated"
+NO_PREFILL_READY, PREFILL_READY = "NoPrefillReady", "PrefillReady"
+CONDITION_TYPES = (VALIDATED, ROUTING_READY, AVAILABLE["prefill"], AVAILABLE["decode"],
+                   DISAGGREGATED, READY)
 # Reasons the Argo CD health check calls Degraded: they do not resolve by waiting.
 STUCK_REASONS = ("Unschedulable", "CrashLooping", "ImagePullFailed", "ContainerCreateFailed",
                  "PodFailed", "InvalidSpec")
@@ -143,6 +149,22 @@ def role_condition(role: str, rp: RolePlan, want: int, max_unavailable: int) -> 
     return False, "PodsNotReady", message
 
 
+def disaggregated_condition(prefill_ready: int, decode_ready: int, no_prefill: str
+                            ) -> tuple[bool, str, str]:
+    """(ok, reason, message) of the Disaggregated condition."""
+    if prefill_ready > 0:
+        return True, PREFILL_READY, (f"{prefill_ready} prefill pod"
+                                     f"{'s' if prefill_ready > 1 else ''} ready")
+    if no_prefill == "refuse":
+        serves = "the router refuses requests with 503 (spec.router.noPrefill: refuse)"
+    elif decode_ready > 0:
+        serves = ("the router prefills requests on the decode pods (spec.router.noPrefill: "
+                  "fallback; counted as pdd_router_request_paths_total{path=\"fallback\"})")
+    else:
+        serves = "and no decode pod is ready either"
+    return False, NO_PREFILL_READY, f"no prefill pod is ready: {serves}"
+
+
 def compute_status(
     *,
     generation: int,
@@ -156,6 +178,7 @@ def compute_status(
     previous: Mapping[str, Any] | None,
     now: str,
     roll_note: str = "",
+    no_prefill: str = "fallback",
 ) -> dict[str, Any]:
     """`roll_note`: a routing-plan roll is still under way (old or surge pods remain), so the
     deployment is not Ready even where every replica is."""
@@ -194,6 +217,8 @@ def compute_status(
         role_ok[role] = ok
         role_msgs[role] = message
         conds.append(cond(AVAILABLE[role], ok, reason, message))
+    conds.append(cond(DISAGGREGATED, *disaggregated_condition(
+        roles["prefill"].ready, roles["decode"].ready, no_prefill)))
 
     settled = all(roles[r].settled and roles[r].ready == wanted[r] for r in roles)
     router_ok = not router.enabled or (router.ready >= router.replicas and router.updated)

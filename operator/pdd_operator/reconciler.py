@@ -40,7 +40,9 @@ from pdd_operator.builders import (
 )
 from pdd_operator.conditions import (
     AVAILABLE,
+    DISAGGREGATED,
     NAME_CONFLICT,
+    NO_PREFILL_READY,
     READY,
     REPLICAS_CONFLICT,
     STUCK_REASONS,
@@ -388,6 +390,7 @@ class Reconciler:
             max_unavailable=spec.rollout.maxUnavailable,
             router=router_state(spec.router.enabled, desired.router_deployment, router_obs),
             previous=body.get("status"), now=now_rfc3339(), roll_note=_roll_note(roll, infos),
+            no_prefill=spec.router.noPrefill,
         )
         for role in ("prefill", "decode"):
             status[role]["selector"] = ",".join(
@@ -883,6 +886,11 @@ class Reconciler:
                 b is None or b.get("status") != "True"
             ):
                 posts.append(("Normal", "Ready", c["message"]))
+            elif c["type"] == DISAGGREGATED and c["status"] == "False" and (
+                    b is not None and b.get("status") == "True"):
+                # Every prefill lost after one was ready: said once per transition (a new
+                # deployment whose prefills are not ready yet is no news).
+                posts.append(("Warning", NO_PREFILL_READY, c["message"]))
         if all(c["type"] != REPLICAS_CONFLICT for c in new.get("conditions") or []):
             self._conflict_posted.pop(body["metadata"].get("uid", ""), None)
         self._post(body, posts)

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from pdd_api import keys, rules
 from pdd_api.models import (
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_LOCAL_PREFILL_TOKENS,
     DEFAULT_NGRAM_MAX_N,
     DEFAULT_NGRAM_MIN_N,
     DEFAULT_ROUTER_POLICY,
     DEFAULT_SPECULATIVE_TOKENS,
     KV_CACHE_DTYPES,
+    MAX_LOCAL_PREFILL_TOKENS,
+    NO_PREFILL_MODES,
     ROUTER_POLICIES,
     SPECULATIVE_METHODS,
 )
@@ -159,6 +162,11 @@ PDD_ROUTER_WORKERS_DIR = "PDD_ROUTER_WORKERS_DIR"  # likewise: the folder the wo
 # How the router picks replicas (serve/router/routing_policy.py): cache-aware (default),
 # least-loaded or round-robin.
 PDD_ROUTER_POLICY = keys.ENV_ROUTER_POLICY
+# Where a request is prefilled (serve/router/prefill_path.py): on the decode when the prompt's
+# part the decode does not cache is at most this many tokens (0: always through a prefill while
+# one is ready); and, with no prefill ready, fallback (serve on a decode) or refuse (503).
+PDD_ROUTER_LOCAL_PREFILL_TOKENS = keys.ENV_ROUTER_LOCAL_PREFILL_TOKENS
+PDD_ROUTER_NO_PREFILL = keys.ENV_ROUTER_NO_PREFILL
 # How the router talks to its upstreams: pdd (/v1/prefill, /v1/decode) or vllm (vLLM's P/D
 # proxy flow on /v1/completions, which pdd instances and vLLM servers both speak)
 PDD_ROUTER_UPSTREAM_PROTOCOL = "PDD_ROUTER_UPSTREAM_PROTOCOL"
@@ -533,6 +541,8 @@ class RouterSettings:
     upstream_protocol: str = "pdd"
     ready_wait_s: float = 5.0
     router_policy: str = DEFAULT_ROUTER_POLICY
+    local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
+    no_prefill: str = NO_PREFILL_MODES[0]
     block_size: int = 64  # the instances' (the prefix index keys whole blocks of prompts)
     workers: int = 1  # processes serving the port, each a whole router
     worker: int | None = None  # this process's index among them; None: not a worker
@@ -561,6 +571,9 @@ class RouterSettings:
             upstream_protocol=_choice(env, PDD_ROUTER_UPSTREAM_PROTOCOL, UPSTREAM_PROTOCOLS),
             ready_wait_s=_float(env, PDD_ROUTER_READY_WAIT_S, 5.0),
             router_policy=_choice(env, PDD_ROUTER_POLICY, ROUTER_POLICIES),
+            local_prefill_tokens=_int(env, PDD_ROUTER_LOCAL_PREFILL_TOKENS,
+                                      DEFAULT_LOCAL_PREFILL_TOKENS, 0),
+            no_prefill=_choice(env, PDD_ROUTER_NO_PREFILL, NO_PREFILL_MODES),
             block_size=_int(env, PDD_BLOCK_SIZE, 64, 1),
             workers=_int(env, PDD_ROUTER_WORKERS, 1, 1),
             worker=_optional_int(env, PDD_ROUTER_WORKER, 0),
@@ -569,6 +582,9 @@ class RouterSettings:
             api_keys=tuple(k.strip() for k in env.get(PDD_API_KEY, "").split(",") if k.strip()),
             api_key_file=env.get(PDD_API_KEY_FILE, ""),
         )
+        if settings.local_prefill_tokens > MAX_LOCAL_PREFILL_TOKENS:
+            raise ConfigError(f"{PDD_ROUTER_LOCAL_PREFILL_TOKENS}: must be <= "
+                              f"{MAX_LOCAL_PREFILL_TOKENS}, got {settings.local_prefill_tokens}")
         if settings.workers > MAX_ROUTER_WORKERS:
             raise ConfigError(f"{PDD_ROUTER_WORKERS}: must be <= {MAX_ROUTER_WORKERS}, got "
                               f"{settings.workers}")

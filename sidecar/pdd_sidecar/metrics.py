@@ -231,6 +231,14 @@ class RouterMetrics:
         self.requests = Counter(
             "pdd_router_requests", "Completions requests", ["outcome"], registry=r
         )
+        # Where each routed request's prompt was prefilled (serve/router/prefill_path.py):
+        # remote_prefill, local_prefill (a short uncached part, on its decode) or fallback (no
+        # prefill was ready). Counted apart from pdd_router_requests so that its series keep
+        # their labels.
+        self.paths = Counter(
+            "pdd_router_request_paths", "Routed requests by where their prompt was prefilled",
+            ["path"], registry=r,
+        )
         self.request_seconds = Histogram(
             "pdd_router_request_seconds", "Completions latency", buckets=_SECONDS, registry=r
         )

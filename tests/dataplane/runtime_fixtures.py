@@ -217,6 +217,9 @@ class LocalCluster:
             "PDD_DECODE_URLS": ",".join(p.url for p in decode),
             "PDD_ROUTER_HEALTH_INTERVAL_S": "0.3",
             "PDD_LOG_LEVEL": "WARNING",
+            # Every request through a prefill and the hand-off these tests are about; those of
+            # the per-request decision set it (test_request_paths.py).
+            "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "0",
         }
         env.update({k: str(v) for k, v in extra.items()})
         process = _context().Process(target=_router_entry, args=(env,), daemon=False)

@@ -32,7 +32,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         fake.url = loop.serve(fake.app())
         env = {"PDD_PREFILL_URLS": fake.url, "PDD_DECODE_URLS": fake.url,
                "PDD_MODEL_NAME": "served", "PDD_MODEL_SOURCE": str(ckpt),
-               "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2", "PDD_API_KEY": "sk-env",
+               "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2", "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "0",
+               "PDD_API_KEY": "sk-env",
                "PDD_API_KEY_FILE": str(key_file)}
         yield loop.serve(build_app(RouterSettings.from_env(env))), key_file
     finally:

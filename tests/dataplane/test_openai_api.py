@@ -293,7 +293,9 @@ def stack(hf_dir: Path) -> Iterator[Stack]:
             env = {"PDD_PREFILL_URLS": ",".join(f.url for f in prefill),
                    "PDD_DECODE_URLS": fakes[0].url, "PDD_MODEL_NAME": "served",
                    "PDD_MODEL_SOURCE": source, "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2",
-                   "PDD_ROUTER_MAX_BODY_BYTES": "65536", **extra}
+                   "PDD_ROUTER_MAX_BODY_BYTES": "65536",
+                   # The fakes script the prefill -> decode protocol: every request through it.
+                   "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "0", **extra}
             settings = RouterSettings.from_env(env)
             return loop.serve(build_app(settings))
 
@@ -369,7 +371,7 @@ def test_models_reports_the_length_the_instances_hold(stack: Stack) -> None:
     small.script.kv_capacity_tokens = 100
     env = {"PDD_PREFILL_URLS": small.url, "PDD_DECODE_URLS": small.url,
            "PDD_MODEL_NAME": "served", "PDD_MODEL_SOURCE": "builtin",
-           "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2"}
+           "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2", "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "0"}
     router = stack.loop.serve(build_app(RouterSettings.from_env(env)))
     status, body = http("GET", f"{router}/v1/models")
     assert status == 200 and body["data"][0]["max_model_len"] == 101, body

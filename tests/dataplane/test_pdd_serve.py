@@ -405,8 +405,10 @@ def test_xpyd_routes_each_prefix_and_each_conversation_to_the_instance_holding_i
     the decode that served its first and moves only its new tokens' KV. Without the prompt in
     the router's prefill choice or in what it records as routed, the prefixes land on both
     prefills and miss; without what the decodes served, the turns land on either decode."""
+    # Every request through a prefill: the prefills' prefix routing is what is checked.
     s, url = _start(serves, tmp_path, "--prefill-replicas", "2", "--decode-replicas", "2",
-                    "--router-workers", "1", "--block-size", str(BLOCK))
+                    "--router-workers", "1", "--block-size", str(BLOCK),
+                    "--local-prefill-tokens", "0")
     assert s.stdout[-1].endswith("(2 x prefill tp1/dcp1, 2 x decode tp1/dcp1)"), s.stdout
     pids, pgids, tree = _snapshot(s)
     assert sorted(tree.values()) == ["decode", "decode", "prefill", "prefill", "router"], tree

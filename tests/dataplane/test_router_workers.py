@@ -30,7 +30,8 @@ OK_COUNT = re.compile(r'^pdd_router_requests_total\{outcome="ok"\} ([0-9.e+]+)$'
 @pytest.fixture
 def stubs() -> Iterator[tuple[StackConfig, object]]:
     """Stub upstreams (bench/router_overhead.py's) answering at once."""
-    cfg = StackConfig(port=0, log_level="WARNING", router_workers=2)
+    # The stubs answer the prefill -> decode protocol: every request through it.
+    cfg = StackConfig(port=0, log_level="WARNING", router_workers=2, local_prefill_tokens=0)
     ports = pick_ports(cfg)
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "router_overhead.py"),
                              "--stubs", str(ports.prefill[0].http), str(ports.decode[0].http),

@@ -124,8 +124,9 @@ def _drain(stack: LocalStack, traffic: Traffic, role: str) -> tuple[float, str]:
 
 def test_a_drained_decode_and_prefill_finish_their_work_and_take_no_new(
         tmp_path: Path) -> None:
+    # Every request through a prefill, so that draining one is seen by the traffic.
     cfg = StackConfig(port=0, prefill_replicas=2, decode_replicas=2, num_blocks=512,
-                      log_level="WARNING", drain_s=DRAIN_S)
+                      log_level="WARNING", drain_s=DRAIN_S, local_prefill_tokens=0)
     with LocalStack(cfg, tmp_path / "logs") as stack:
         stack.start()
         with Traffic(stack.url) as traffic:

@@ -143,10 +143,15 @@ def test_admission_reserves_blocks_and_dcp_multiplies_what_fits() -> None:
         sched.submit(Sequence("huge", [], 8, 25 * 2 * BLOCK - 8))
     full = Scheduler("decode", PagedKVCache(4, 1, BLOCK, 4), BLOCK, 1, 1, max_running=1,
                      max_waiting=0)
-    full.submit(Sequence("a", [], 4, 8))
+    full.submit(Sequence("a", [], 4, 8, source=SRC))
     full.plan()
     with pytest.raises(QueueFull):
-        full.submit(Sequence("b", [], 4, 8))
+        full.submit(Sequence("b", [], 4, 8, source=SRC))
+
+
+# Where a decode sequence pulls its prompt's KV from (one without a source is a prompt the decode
+# prefills itself, engine/scheduler.py "Local prefill").
+SRC = type("Src", (), {"num_tokens": 0})()
 
 
 def test_the_queue_limit_counts_only_what_the_next_step_cannot_admit() -> None:
@@ -157,16 +162,16 @@ def test_the_queue_limit_counts_only_what_the_next_step_cannot_admit() -> None:
     by_slots = Scheduler("decode", PagedKVCache(24, 1, BLOCK, 4), BLOCK, 1, 1, max_running=2,
                          max_waiting=1)
     for i in range(3):
-        by_slots.submit(Sequence(f"r{i}", [], 4, 8))
+        by_slots.submit(Sequence(f"r{i}", [], 4, 8, source=SRC))
     with pytest.raises(QueueFull, match="1 requests already waiting \\(limit 1\\)"):
-        by_slots.submit(Sequence("r3", [], 4, 8))
+        by_slots.submit(Sequence("r3", [], 4, 8, source=SRC))
     assert len(by_slots.plan().pulls) == 2 and len(by_slots.waiting) == 1
     # Blocks for two (3 each), slots for all: the third waits, the fourth is refused.
     by_blocks = Scheduler("decode", PagedKVCache(6, 1, BLOCK, 4), BLOCK, 1, 1, max_waiting=1)
     for i in range(3):
-        by_blocks.submit(Sequence(f"r{i}", [], 4, 3 * BLOCK))
+        by_blocks.submit(Sequence(f"r{i}", [], 4, 3 * BLOCK, source=SRC))
     with pytest.raises(QueueFull):
-        by_blocks.submit(Sequence("r3", [], 4, 3 * BLOCK))
+        by_blocks.submit(Sequence("r3", [], 4, 3 * BLOCK, source=SRC))
     assert len(by_blocks.plan().pulls) == 2 and len(by_blocks.waiting) == 1
 
 

@@ -51,7 +51,9 @@ def served(ckpt: Path) -> Iterator[tuple[FakeInstance, str]]:
         fake.url = loop.serve(fake.app())
         env = {"PDD_PREFILL_URLS": fake.url, "PDD_DECODE_URLS": fake.url,
                "PDD_MODEL_NAME": "served", "PDD_MODEL_SOURCE": str(ckpt),
-               "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2"}
+               "PDD_ROUTER_HEALTH_INTERVAL_S": "0.2",
+               # The fake scripts the prefill -> decode protocol: every request through it.
+               "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "0"}
         yield fake, loop.serve(build_app(RouterSettings.from_env(env)))
     finally:
         loop.close()

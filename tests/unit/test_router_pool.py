@@ -291,9 +291,13 @@ def test_a_burst_s_first_tokens_go_out_before_its_decode_streams_open() -> None:
     """Prefill answers that arrive together are relayed to their clients before any of them
     opens its decode stream: opening one costs the router's loop as much as a relay, and the
     TTFT of the 64th request in a burst would otherwise carry 63 of them."""
+    # Every request through the prefill (short prompts would otherwise go to the decode).
     settings = RouterSettings.from_env({"PDD_PREFILL_URLS": "http://p:1",
-                                        "PDD_DECODE_URLS": "http://d:1"})
+                                        "PDD_DECODE_URLS": "http://d:1",
+                                        "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "0"})
     router = Router(settings, MODEL)  # type: ignore[arg-type]
+    router.prefill.mark("http://p:1", True)
+    router.decode.mark("http://d:1", True)
     events: list[str] = []
 
     async def run() -> None:

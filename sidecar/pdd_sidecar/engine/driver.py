@@ -550,7 +550,9 @@ class InstanceDriver:
 
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
-        if self.speculator is not None and plan.decode:
+        # A step that prefills a prompt here (scheduler.py: Local prefill) drafts nothing: the
+        # verify sampler takes decode rows only.
+        if self.speculator is not None and plan.decode and not plan.prefill:
             self._draft(plan.decode)
         chunks = self._seq_chunks(plan)
         recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
@@ -816,6 +818,8 @@ class InstanceDriver:
             if seq.state is not State.RUNNING:  # cancelled while its token was on the way
                 continue
             complete = seq.grammar is not None and advance(seq.grammar.matcher, tok)
+            if seq.source is None and not seq.output:  # a prompt prefilled here is done
+                self.metrics.tokens.labels(kind="prompt").inc(len(seq.prompt))
             self.metrics.tokens.labels(kind="generated").inc()
             self.scheduler.on_token(seq, tok, complete)
 

@@ -46,6 +46,12 @@ Policy (one place, pure Python, no torch):
   it holds KV for (prompt, first token and the generated tokens it fed) and keeps its last
   partial unit as a tail. A follow-up turn whose prompt extends that conversation then pulls
   only its new tokens' KV (and the previous answer's last token, which was never fed).
+- **Local prefill** (decode, a sequence with no ``source``): the decode runs the prompt
+  itself, as a prefill would (the same chunking and packing, its prefix cache looked up and
+  filled the same way, the last prompt token always run), in its own steps beside the running
+  batch; the first token is sampled from the last chunk's logits into ``output`` and the
+  sequence then decodes with the others. A short prompt costs the running batch one longer
+  step instead of a hand-off; the router sends only those here (serve/router/prefill_path.py).
 
 - **Frees wait for the device** (``fence``, engine/free_fence.py): a sequence that finishes
   or is cancelled gives its blocks back through the fence, which holds them while a queued
@@ -441,11 +447,11 @@ class Scheduler:
         return keys  # type: ignore[no-any-return]
 
     def _usable_units(self, seq: Sequence, pc: PrefixCache) -> int:
-        """Whole units a hit may cover: a prefill always runs the prompt's last token (its
-        logits give the first token); a decode feeds the first token itself."""
+        """Whole units a hit may cover: a prompt run here always runs its last token (its
+        logits give the first token); a pulled decode feeds the first token itself."""
         if seq.prompt_logprobs is not None:
             return 0  # every prompt position's logits are needed: the cache is bypassed
-        usable = len(seq.prompt) if self.role == "decode" else len(seq.prompt) - 1
+        usable = len(seq.prompt) if self._pulls(seq) else len(seq.prompt) - 1
         return max(usable, 0) // pc.unit_tokens
 
     def _awaits_pending(self, seq: Sequence, pc: PrefixCache) -> bool:
@@ -496,7 +502,7 @@ class Scheduler:
         host = ht.lookup(whole[len(hits):]) if ht is not None else []
         found = len(hits) + len(host)
         tail = host_tail = None
-        if self.role == "decode" and found < need:
+        if self._pulls(seq) and found < need:
             start = found * unit
             parent = keys[found - 1] if found else pc.root
             tail = pc.lookup_tail(parent, seq.prompt[start:start + unit])
@@ -513,12 +519,16 @@ class Scheduler:
             seq.extra[FORK_BLOCKS] = pc.allocate(extra)
         seq.extra[CACHED_TOKENS] = found * unit + (
             tail.tokens if tail else host_tail.tokens if host_tail else 0)
-        if self.role != "decode":
+        if not self._pulls(seq):
             seq.computed = seq.extra[CACHED_TOKENS]
             # Units loaded from the host are pending too: in no index until the chunk after
             # them is done, they are loaded once, and a prompt sharing them waits for that.
             self._mark_pending(seq, keys, len(hits))
         return True
+
+    def _pulls(self, seq: Sequence) -> bool:
+        """``seq`` is a decode's that pulls its prompt's KV (else its prompt runs here)."""
+        return self.role == "decode" and seq.source is not None
 
     def start_token(self, seq: Sequence) -> int:
         """The first prompt token a decode pulls: those before it are in its prefix cache."""
@@ -529,9 +539,14 @@ class Scheduler:
         first token and every generated token but the last (never fed, so never written); the
         partial unit after them becomes a tail, its block leaving ``seq.blocks``."""
         keys = seq.extra.get(UNIT_KEYS)
-        if keys is None or not seq.prompt or seq.first_token is None:
+        if keys is None or not seq.prompt:
             return
-        fed = ([seq.first_token, *seq.output[:-1]] if seq.output else [])
+        if seq.source is None:  # prefilled here: its first token is in ``output``
+            fed = seq.output[:-1]
+        elif seq.first_token is None:
+            return
+        else:
+            fed = [seq.first_token, *seq.output[:-1]] if seq.output else []
         unit = pc.unit_tokens
         rest = seq.prompt[len(keys) * unit:] + fed  # after the prompt's units keyed at admission
         more = unit_keys(keys[-1] if keys else pc.root, rest, unit)
@@ -547,28 +562,45 @@ class Scheduler:
         plan = StepPlan()
         if self.role == "decode":
             for seq in self._admit():
+                if seq.source is None:  # prefilled here (module docstring: Local prefill)
+                    seq.state = State.RUNNING
+                    self.running[seq.id] = seq
+                    continue
                 seq.state = State.PULLING
                 self.pulling[seq.id] = seq
                 plan.pulls.append(seq)
+            plan.prefill = self._prefill_chunks(
+                [s for s in self.running.values() if s.source is None and self._left(s) > 0])
             for seq in self.running.values():
-                fed = seq.output[-1] if seq.output else seq.first_token
-                assert fed is not None
-                plan.decode.append(DecodeEntry(seq, fed, seq.context + len(seq.output)))
+                entry = self._decode_entry(seq)
+                if entry is not None:
+                    plan.decode.append(entry)
             return plan
         self._admit_prompts()
-        plan.prefill = self._prefill_chunks()
+        plan.prefill = self._prefill_chunks(
+            [s for s in self.running.values() if self._left(s) > 0])
         return plan
+
+    def _decode_entry(self, seq: Sequence) -> DecodeEntry | None:
+        """The token ``seq`` feeds next and its position; None for a prompt still running here
+        (its chunks, then its first token, come first)."""
+        if seq.source is None:
+            if self._left(seq) > 0 or not seq.output:
+                return None
+            return DecodeEntry(seq, seq.output[-1], len(seq.prompt) + len(seq.output) - 1)
+        fed = seq.output[-1] if seq.output else seq.first_token
+        assert fed is not None
+        return DecodeEntry(seq, fed, seq.context + len(seq.output))
 
     def _admit_prompts(self) -> None:
         for seq in self._admit():
             seq.state = State.RUNNING
             self.running[seq.id] = seq
 
-    def _prefill_chunks(self) -> list[PrefillChunk]:
-        """This step's prompt chunks: fewest tokens left first, the oldest prompt's share kept
-        (module docstring)."""
-        # A prompt whose last chunk ran waits only for its token (sampled on the device).
-        running = [s for s in self.running.values() if self._left(s) > 0]
+    def _prefill_chunks(self, running: list[Sequence]) -> list[PrefillChunk]:
+        """This step's prompt chunks of ``running`` (the prompts with tokens left; one whose
+        last chunk ran waits only for its token): fewest tokens left first, the oldest
+        prompt's share kept (module docstring)."""
         # A prompt that one chunk holds shares these steps: long prompts keep them short, and
         # one that ran in the last step sits this one out, never two in a row.
         shared = any(self._fits_chunk(s) for s in running)

@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from pdd_api import keys
-from pdd_api.models import DEFAULT_KV_CACHE_DTYPE, KV_CACHE_DTYPES, SpeculativeSpec
+from pdd_api.models import (
+    DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_LOCAL_PREFILL_TOKENS,
+    DEFAULT_NO_PREFILL,
+    KV_CACHE_DTYPES,
+    NO_PREFILL_MODES,
+    SpeculativeSpec,
+)
 from pdd_api.routing import plan_for_spec
 from pdd_api.speculative import speculative_env
 from pdd_api.validation import parse_spec, validate_spec
@@ -55,6 +62,7 @@ ROLE_FLAGS = {
     "spec.decode.decodeContextParallelSize": "--decode-dcp",
     "spec.blockSize": "--block-size",
     "spec.model.dtype": "--dtype",
+    "spec.router.localPrefillTokens": "--local-prefill-tokens",
 }
 # Flags that stand for a whole part of the spec: every problem under it names the flag.
 PART_FLAGS = {"spec.decode.speculative": "--speculative"}
@@ -101,6 +109,10 @@ class StackConfig:
     # spec.decode.speculative as given (JSON): judged by the spec's rules; None: no drafter
     speculative: Mapping[str, Any] | None = None
     router_workers: int = 1  # router processes sharing its port
+    # Prompts whose uncached part is at most this many tokens are prefilled on their decode
+    # (0: always through a prefill); with no prefill ready, fallback or refuse (503).
+    local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
+    no_prefill: str = DEFAULT_NO_PREFILL
     log_level: str = "INFO"
     # Share of each GPU's memory the stack's instances fill, and the prefill's part of it where
     # a prefill and a decode share a GPU (memory_utilizations)
@@ -217,6 +229,7 @@ def deployment_spec(cfg: StackConfig) -> dict[str, Any]:
         "decode": {"tensorParallelSize": cfg.decode_tp,
                    "decodeContextParallelSize": cfg.decode_dcp,
                    **({"speculative": cfg.speculative} if cfg.speculative is not None else {})},
+        "router": {"localPrefillTokens": cfg.local_prefill_tokens, "noPrefill": cfg.no_prefill},
     }
     if cfg.kv_cache_dtype != DEFAULT_KV_CACHE_DTYPE:
         for role in ("prefill", "decode"):
@@ -464,6 +477,8 @@ def router_env(cfg: StackConfig, ports: Ports, grant_key_file: str = "") -> dict
         E.PDD_BLOCK_SIZE: str(cfg.resolved_block_size),
         E.PDD_LOG_LEVEL: cfg.log_level,
         E.PDD_ROUTER_WORKERS: str(cfg.router_workers),
+        E.PDD_ROUTER_LOCAL_PREFILL_TOKENS: str(cfg.local_prefill_tokens),
+        E.PDD_ROUTER_NO_PREFILL: cfg.no_prefill,
         keys.ENV_GRANT_KEY_FILE: grant_key_file,
     }
     if cfg.api_keys:
@@ -868,6 +883,16 @@ def parser() -> argparse.ArgumentParser:
                    "its per-request and per-token work over more cores (default auto: one per "
                    f"{CPUS_PER_ROUTER_WORKER} CPUs this process may use, 1 to "
                    f"{AUTO_ROUTER_WORKERS_MAX})")
+    p.add_argument("--local-prefill-tokens", type=int,
+                   default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
+                   help="prefill a prompt on its decode, in the running batch, when the part "
+                   "of it that decode does not cache is at most N tokens; 0: always through a "
+                   "prefill (default %(default)s, a conservative guess: measure the crossing "
+                   "point on your GPU, docs/serving.md)")
+    p.add_argument("--no-prefill", choices=NO_PREFILL_MODES,
+                   default=DEFAULT_NO_PREFILL,
+                   help="with no prefill ready: serve requests on a decode (fallback, counted "
+                   "as such) or answer 503 (refuse) (default %(default)s)")
     p.add_argument("--api-key", dest="api_keys", action="append", default=[], metavar="KEY",
                    help="a key clients must send as `Authorization: Bearer KEY` (repeat for "
                    "several; default: none, the router is open)")
@@ -895,6 +920,7 @@ def config_from_args(a: argparse.Namespace) -> StackConfig:
         max_waiting=a.max_waiting, max_step_tokens=a.max_step_tokens,
         chunk_tokens=a.chunk_tokens, long_chunk_tokens=a.long_chunk_tokens,
         prefix_cache=a.prefix_cache, router_workers=a.router_workers,
+        local_prefill_tokens=a.local_prefill_tokens, no_prefill=a.no_prefill,
         host_kv_cache_gib=a.host_kv_cache_gib,
         kv_cache_dtype=a.kv_cache_dtype, speculative=a.speculative,
         log_level=a.log_level.upper(),

@@ -24,6 +24,14 @@ choices interleaved as their tokens come, and the final line lists each choice's
 `finish_reason` (and `logprobs`) under `choices`. `POST /v1/decode/end {"request_id",
 "choice"}` ends one choice while the others run on (202; the router found a stop string in its
 text, so what it would still generate is thrown away): its final finish reason is "stop".
+
+Local prefill: `"local_prefill": true` with `prompt_ids` and no `kv_transfer_params` (nor
+`first_token`, `choices`) runs the prompt on this decode itself, chunked in its own steps beside
+the running batch and through its own prefix cache (engine/scheduler.py), each rank keeping its
+DCP share as a prefill's rank would; the stream's first token line is then the first token, and
+`max_new_tokens` counts the tokens after it as for a hand-off. The router sends a request here
+when the part of its prompt this decode does not cache is short, or when no prefill is ready
+(serve/router/prefill_path.py). One choice, no `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -171,11 +179,39 @@ def _prompt_ids(state: InstanceState, body: dict[str, Any], src: TransferParams)
     return prompt
 
 
+def _local_sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
+    """A request whose prompt this decode prefills itself (module docstring)."""
+    for key in ("kv_transfer_params", "first_token", "choices", "prompt_logprobs"):
+        if body.get(key) is not None:
+            raise bad(f"{key}: a local_prefill request runs its prompt here and takes no "
+                      f"{key}, got {body[key]!r}")
+    if body.get("prompt_ids") is None:
+        raise bad("prompt_ids: a local_prefill request needs the prompt's token ids")
+    prompt = token_ids(state, body["prompt_ids"], "prompt_ids")
+    if not prompt:
+        raise bad("prompt_ids: must hold at least one token id, got []")
+    max_new = int_field(body, "max_new_tokens", 16, 0)
+    assert max_new is not None
+    total = len(prompt) + 1 + max_new
+    if total > state.max_model_len:
+        raise bad(f"max_new_tokens: prompt ({len(prompt)} tokens) + 1 + max_new_tokens "
+                  f"({max_new}) = {total} exceeds the maximum model length "
+                  f"{state.max_model_len}")
+    # ``max_tokens`` counts the first token too: it is sampled here, into the output.
+    return Sequence(request_id(body, lambda: uuid.uuid4().hex), prompt, max_new + 1,
+                    len(prompt) + max_new, **sequence_options(state, body))
+
+
 async def decode_sequence(request: web.Request, state: InstanceState,
                           body: dict[str, Any]) -> Sequence:
     """The sequence of a decode request body (RequestError on refusal). Its grant is parsed
     and verified here, once; the ranks get the typed parameters."""
     state.require_serving("decode")
+    local = body.get("local_prefill", False)
+    if not isinstance(local, bool):
+        raise bad(f"local_prefill: must be a boolean, got {local!r}")
+    if local:
+        return _local_sequence(state, body)
     try:
         src = TransferParams.from_grant(body.get("kv_transfer_params"), state.worker.key,
                                         GRANT_MARGIN_S)

@@ -64,6 +64,11 @@ class Pool:
         if token_ids:
             self.policy.routed(url, token_ids, self.capacity.get(url))
 
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """The most of the prompt any ready replica caches, as the policy estimates it."""
+        return max((self.policy.cached_tokens(u, prompt_ids) for u in self.candidates()),
+                   default=0)
+
     def finished(self, url: str) -> None:
         load = self._load(url)
         load.outstanding = max(0, load.outstanding - 1)

@@ -372,7 +372,9 @@ async def readyz(request: web.Request) -> web.Response:
         body["workers_warm"] = f"{warm}/{workers}"
     if not ready:
         body["reason"] = ("no ready prefill with a ready decode of its routing plan"
-                          if not router.pools_ready else
+                          + ("" if router.settings.no_prefill == "refuse" else
+                             ", and no ready decode to fall back on")
+                          if not router.routable else
                           "warm round trip not done yet" + (f" (last: {router.warm.last_error})"
                                                             if router.warm.last_error else "")
                           if not router.warm.done else

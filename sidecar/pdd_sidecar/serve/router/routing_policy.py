@@ -149,6 +149,11 @@ class RoutingPolicy:
     def forget(self, url: str) -> None:
         """The replica restarted or left: what it held is gone."""
 
+    def cached_tokens(self, url: str, prompt_ids: Sequence[int]) -> int:
+        """The prompt's tokens the replica most likely caches (a policy that tracks no prefixes
+        knows of none)."""
+        return 0
+
 
 class LeastLoaded(RoutingPolicy):
     name = "least-loaded"
@@ -212,6 +217,11 @@ class CacheAware(LeastLoaded):
 
     def forget(self, url: str) -> None:
         self.index.forget(url)
+
+    def cached_tokens(self, url: str, prompt_ids: Sequence[int]) -> int:
+        """Whole blocks of the prompt routed to ``url`` before (prompts and, for a decode, the
+        answers it finished), from the start."""
+        return self.index.match(url, self.index.keys(prompt_ids)) * self.index.block_size
 
 
 def make_policy(name: str, block_size: int, shared: bool = False) -> RoutingPolicy:

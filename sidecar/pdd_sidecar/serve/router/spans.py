@@ -39,6 +39,7 @@ class Trip(Protocol):
     cached_tokens: int
     handoffs: int
     output_tokens: int
+    path: str | None
 
 OPERATIONS = {"completion": "text_completion", "chat": "chat"}  # gen_ai.operation.name
 
@@ -96,6 +97,8 @@ class RequestSpan:
             attrs.update({
                 "gen_ai.usage.output_tokens": sum(tr.output_tokens for tr in trips),
                 "pdd.prefill": trip.prefill, "pdd.decode": trip.decode,
+                # remote_prefill, local_prefill or fallback (prefill_path.py)
+                "pdd.request_path": trip.path,
                 "pdd.prefill.cached_tokens": sum(tr.cached_tokens for tr in trips),
                 "pdd.handoff.attempts": sum(tr.handoffs for tr in trips),
                 "pdd.ttft_ms": t.get("ttft"), "pdd.second_token_ms": t.get("second_token"),

@@ -34,6 +34,7 @@ from pdd_sidecar.serve.openai.openai_request import ApiError, GenRequest, bad, i
 from pdd_sidecar.serve.openai.structured_request import STRUCTURED, structured_outputs
 from pdd_sidecar.serve.openai.text import ModelText
 from pdd_sidecar.serve.router.connection_warmer import WARM_CONNECTIONS, ConnectionWarmer
+from pdd_sidecar.serve.router.prefill_path import FALLBACK, LOCAL, REMOTE, prefill_path
 from pdd_sidecar.serve.router.replica_pool import Pool
 from pdd_sidecar.serve.router.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
 from pdd_sidecar.serve.router.router_workers import mark_warm, warm_workers
@@ -73,6 +74,8 @@ class Trip:
     trace: Context | None = None
     handoffs: int = 0
     output_tokens: int = 0  # handed to the client so far, every choice
+    path: str | None = None  # where the prompt was prefilled (serve/router/prefill_path.py)
+    warmup: bool = False  # the warm round trip: through a prefill whenever one is ready
 
     def exemplar(self) -> dict[str, str] | None:
         """The trace id of a sampled request, for its TTFT's exemplar (a link to its trace)."""
@@ -89,7 +92,8 @@ class Trip:
         return headers
 
     def meta(self) -> dict[str, Any]:
-        return {"prefill": self.prefill, "decode": self.decode, "transfer": self.transfer,
+        return {"prefill": self.prefill, "decode": self.decode, "path": self.path,
+                "transfer": self.transfer,
                 "timing": timing.request_timing(self.stamps, self.prefill_timing,
                                                 self.decode_timing)}
 
@@ -217,9 +221,31 @@ class Router:
         return bool(self.prefill.candidates(plans=self.decode.ready_plans()))
 
     @property
+    def routable(self) -> bool:
+        """Requests can be served: through a prefill, or on a decode while none is ready and
+        the fallback is on (serve/router/prefill_path.py)."""
+        return self.pools_ready or (self.settings.no_prefill == "fallback"
+                                    and bool(self.decode.candidates()))
+
+    @property
     def ready(self) -> bool:
-        """Routable, and one round trip has run (serve/router/router_warmup.py), in every worker."""
-        return self.warm.done and self.pools_ready and self.workers_warm == self.settings.workers
+        """Routable, and one round trip has run (serve/router/router_warmup.py), in every worker.
+        The round trip runs through a prefill: a router is first ready only once the hand-off
+        worked; later, with no prefill ready, the fallback keeps it serving."""
+        return self.warm.done and self.routable and self.workers_warm == self.settings.workers
+
+    def choose_path(self, req: GenRequest, trip: Trip) -> str | None:
+        """Where this request's prompt is prefilled; None: through a prefill, refused if none
+        becomes ready (serve/router/prefill_path.py)."""
+        s = self.settings
+        ready = self.pools_ready
+        if trip.warmup and ready:
+            return REMOTE
+        decode_can = req.n == 1 and req.prompt_logprobs is None and req.max_tokens > 0
+        cached = (self.decode.cached_tokens(req.prompt_ids)
+                  if ready and decode_can and s.local_prefill_tokens else 0)
+        return prefill_path(len(req.prompt_ids), cached, s.local_prefill_tokens, ready,
+                            s.no_prefill, decode_can)
 
     @property
     def workers_warm(self) -> int:
@@ -304,7 +330,7 @@ class Router:
                      self.model.max_model_len, self.prefill.largest_capacity(),
                      self.decode.largest_capacity())
             self._served_len = served
-        self.warm.ensure(self, self.warmup_request, Trip, self._warmed)
+        self.warm.ensure(self, self.warmup_request, lambda: Trip(warmup=True), self._warmed)
         if self.warmer is not None:
             self.warmer.ensure(self.session, [u for pool in (self.prefill, self.decode)
                                               for u in pool.urls if pool.healthy.get(u)])
@@ -432,8 +458,9 @@ class Router:
     def release_soon(self, prefill_url: str, rid: str, grant: Any = None) -> None:
         self.soon(self.release(prefill_url, rid, grant))
 
-    async def _open_decode(self, rid: str, choices: list[tuple[int, int]], pre: dict[str, Any],
-                           req: GenRequest, trip: Trip) -> aiohttp.ClientResponse:
+    async def _open_decode(self, rid: str, choices: list[tuple[int, int]],
+                           pre: dict[str, Any] | None, req: GenRequest,
+                           trip: Trip) -> aiohttp.ClientResponse:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
         tried: set[str] = set()
@@ -470,23 +497,26 @@ class Router:
                     self.decode.finished(url)
 
     async def _open_decode_on(self, url: str, rid: str, choices: list[tuple[int, int]],
-                              pre: dict[str, Any], req: GenRequest, trip: Trip
+                              pre: dict[str, Any] | None, req: GenRequest, trip: Trip
                               ) -> aiohttp.ClientResponse:
         """``choices``: ``(index, first token)`` of each choice the decode runs (n > 1: those
-        the first token did not end)."""
+        the first token did not end). ``pre`` None: the decode prefills the prompt itself."""
         assert self.session is not None
         trip.decode = url
         body: dict[str, Any] = {
                 "request_id": rid, "max_new_tokens": req.max_tokens - 1,
-                "kv_transfer_params": pre.get("kv_transfer_params"),
                 "prompt_ids": req.prompt_ids, "sampling": req.sampling,
                 "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                 "stream": True}
         if req.logprobs is not None:
             body["logprobs"] = req.logprobs
-        if req.n == 1:
+        if pre is None:  # the decode prefills the prompt itself
+            body["local_prefill"] = True
+        elif req.n == 1:
+            body["kv_transfer_params"] = pre.get("kv_transfer_params")
             body["first_token"] = choices[0][1]
         else:
+            body["kv_transfer_params"] = pre.get("kv_transfer_params")
             body["choices"] = [list(c) for c in choices]
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.request_timeout_s or None)
@@ -626,6 +656,18 @@ class Router:
         # during a roll) costs the request nothing the client sees: no decode token was sent
         # yet, so the prompt runs again on another prefill, while there is one, and the decode
         # is fed the first token the client already has.
+        path = self.choose_path(req, trip)
+        if path in (LOCAL, FALLBACK):
+            trip.path = path
+            self.metrics.paths.labels(path=path).inc()
+            local = self._tokens_pdd(rid, req, trip, set(), None, local=True)
+            try:
+                async for choice, batch in local:
+                    trip.output_tokens += len(batch)
+                    yield choice, batch
+            finally:
+                await local.aclose()
+            return
         skip: set[str] = set()
         firsts: dict[int, int] = {}  # each choice's first token, as the client has it
         sent_first: list[int] | None = None
@@ -649,74 +691,92 @@ class Router:
                 await inner.aclose()
 
     async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip, skip: set[str],
-                          sent_first: list[int] | None) -> AsyncGenerator[Batch, None]:
+                          sent_first: list[int] | None, local: bool = False
+                          ) -> AsyncGenerator[Batch, None]:
         """One try of pdd's own flow: a prefill (not one in ``skip``), its token to the client
         at once (n > 1: each choice's), then the hand-off to a decode. On a second try
         (``sent_first``: the client has the first tokens) the prefill only has to hold the
-        prompt's KV: its own tokens are not used, and no stop may end it there."""
-        prefill_body: dict[str, Any] = {
-            "request_id": rid, "prompt_ids": req.prompt_ids, "max_tokens": req.max_tokens,
-            "sampling": req.sampling, "stop_token_ids": req.stop_token_ids,
-            "ignore_eos": req.ignore_eos}
-        if req.n > 1:
-            prefill_body["n"] = req.n
-        if req.logprobs is not None:
-            prefill_body["logprobs"] = req.logprobs
-        if req.prompt_logprobs is not None:
-            prefill_body["prompt_logprobs"] = req.prompt_logprobs
-        if sent_first is not None:  # its tokens and log-probabilities are not used
-            prefill_body.update(stop_token_ids=[], ignore_eos=True)
-            prefill_body.pop("logprobs", None)
-            prefill_body.pop("prompt_logprobs", None)
-        try:
-            prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip)
-            trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
-            trip.prefill_timing = pre.get("timing")
-            trip.cached_tokens = _cached_tokens(pre)
-        except asyncio.CancelledError:
-            # The client left while the prefill ran: it may hold blocks for this id by now.
-            if trip.prefill is not None:
-                self.release_soon(trip.prefill, rid)
-            raise
-        chosen = _first_tokens(pre, req.n)
-        if chosen is None:
-            self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
-            raise ApiError(502, f"prefill {prefill_url}: answer without a first_token"
-                           + ("" if req.n == 1 else f" and {req.n} first_tokens"))
-        firsts = chosen if sent_first is None else sent_first
-        if sent_first is None:
+        prompt's KV: its own tokens are not used, and no stop may end it there.
+
+        ``local``: no prefill; the decode prefills the prompt itself and its stream begins with
+        the first token (serve/router/prefill_path.py)."""
+        pre: dict[str, Any] | None = None
+        prefill_url = ""
+        firsts: list[int] = []
+        finished: Any = None
+        held = False
+        live: list[tuple[int, int]] = [(0, -1)]  # the one choice; its first token comes later
+        running = {0}
+        first: int | None = None
+        if not local:
+            prefill_body: dict[str, Any] = {
+                "request_id": rid, "prompt_ids": req.prompt_ids, "max_tokens": req.max_tokens,
+                "sampling": req.sampling, "stop_token_ids": req.stop_token_ids,
+                "ignore_eos": req.ignore_eos}
+            if req.n > 1:
+                prefill_body["n"] = req.n
+            if req.logprobs is not None:
+                prefill_body["logprobs"] = req.logprobs
+            if req.prompt_logprobs is not None:
+                prefill_body["prompt_logprobs"] = req.prompt_logprobs
+            if sent_first is not None:  # its tokens and log-probabilities are not used
+                prefill_body.update(stop_token_ids=[], ignore_eos=True)
+                prefill_body.pop("logprobs", None)
+                prefill_body.pop("prompt_logprobs", None)
             try:
-                _take_logprobs(req, pre, prefill_url, trip)
-            except ApiError:
-                self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
+                prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip)
+                trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
+                trip.prefill_timing = pre.get("timing")
+                trip.cached_tokens = _cached_tokens(pre)
+                if sent_first is None:  # counted once, however many prefills it took
+                    trip.path = REMOTE
+                    self.metrics.paths.labels(path=REMOTE).inc()
+            except asyncio.CancelledError:
+                # The client left while the prefill ran: it may hold blocks for this id by now.
+                if trip.prefill is not None:
+                    self.release_soon(trip.prefill, rid)
                 raise
-        # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
-        finished = pre.get("finish_reason") if sent_first is None else None
-        held = pre.get("finish_reason") is None
-        # The choices the decode runs: those their first token did not end (a stop id, or on
-        # the prefill a grammar it completed).
-        ended = pre.get("first_finish_reasons") if req.n > 1 else None
-        if isinstance(ended, list) and len(ended) == req.n:
-            trip.finishes.update({j: "stop" for j, f in enumerate(ended) if f == "stop"})
-        live = [(j, t) for j, t in enumerate(firsts)
-                if t not in req.local_stop_ids and j not in trip.finishes]
-        running = {j for j, _ in live}
-        first = live[0][1] if live else firsts[0]
+            chosen = _first_tokens(pre, req.n)
+            if chosen is None:
+                self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
+                raise ApiError(502, f"prefill {prefill_url}: answer without a first_token"
+                               + ("" if req.n == 1 else f" and {req.n} first_tokens"))
+            firsts = chosen if sent_first is None else sent_first
+            if sent_first is None:
+                try:
+                    _take_logprobs(req, pre, prefill_url, trip)
+                except ApiError:
+                    self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
+                    raise
+            # Pre-v2 prefills send no finish_reason and hold the blocks until released or read.
+            finished = pre.get("finish_reason") if sent_first is None else None
+            held = pre.get("finish_reason") is None
+            # The choices the decode runs: those their first token did not end (a stop id, or on
+            # the prefill a grammar it completed).
+            ended = pre.get("first_finish_reasons") if req.n > 1 else None
+            if isinstance(ended, list) and len(ended) == req.n:
+                trip.finishes.update({j: "stop" for j, f in enumerate(ended) if f == "stop"})
+            live = [(j, t) for j, t in enumerate(firsts)
+                    if t not in req.local_stop_ids and j not in trip.finishes]
+            running = {j for j, _ in live}
+            first = live[0][1] if live else firsts[0]
         resp: aiohttp.ClientResponse | None = None
         complete = False
         decoded: list[int] = []  # the first live choice's (it keys the decode's prefix)
         try:
-            if req.max_tokens == 0:  # an echo of the prompt alone: the prefill held nothing
+            if local:
+                pass
+            elif req.max_tokens == 0:  # an echo of the prompt alone: the prefill held nothing
                 trip.finish = "length"
                 return
-            if sent_first is None:
+            if sent_first is None and not local:
                 for j, t in enumerate(firsts):
                     yield j, [t]
                 # The hand-off waits one loop turn: the other prefill answers that arrived
                 # with this one reach their clients first (a burst's prefill step ends 64
                 # requests at once, and opening a decode stream costs as much as a relay).
                 await asyncio.sleep(0)
-            if finished is not None or req.max_tokens == 1 or not live:
+            if not local and (finished is not None or req.max_tokens == 1 or not live):
                 trip.finish = finished
                 return
             try:
@@ -797,10 +857,13 @@ class Router:
                     if req.n > 1:
                         trip.finishes.update(_choice_finishes(msg))
                     trip.transfer = msg.get("transfer")
+                    if local:
+                        trip.cached_tokens = _cached_tokens(msg)
                     # It holds the KV of all it was fed: the prompt, the first token and
-                    # every token it generated but the last.
-                    self.decode.served(str(trip.decode),
-                                       [*req.prompt_ids, first, *decoded[:-1]])
+                    # every token it generated but the last (its stream began with the first
+                    # token when it prefilled the prompt itself).
+                    self.decode.served(str(trip.decode), [
+                        *req.prompt_ids, *([] if first is None else [first]), *decoded[:-1]])
                     return
                 if batch:
                     yield at, batch
@@ -812,7 +875,7 @@ class Router:
                     resp.release()
                 else:
                     resp.close()
-            if held:
+            if held and pre is not None:
                 self.release_soon(prefill_url, rid, pre.get("kv_transfer_params"))
 
     async def generate(self, rid: str, req: GenRequest, trip: Trip,
