@@ -4,12 +4,14 @@ module's (its torch reference's argmax), and a checkpoint without one is refused
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_mtp import mtp_checkpoint  # noqa: F401  (the fixture: a V3 checkpoint with the module)
 
 from pdd_sidecar.engine.comm import SingleComm
-from pdd_sidecar.engine.generate import generate_result
+from pdd_sidecar.engine.generate import generate_result, main
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig
@@ -96,3 +98,16 @@ def test_a_checkpoint_without_the_module_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"speculative\.method.*'mtp'.*'builtin'"):
         generate_result("builtin", [1, 2, 3], 4,
                         speculative=SpeculativeConfig(method="mtp", tokens=1))
+
+
+def test_pdd_generate_speculates_with_mtp(mtp_checkpoint, plain, capsys):  # noqa: F811
+    argv = ["generate", "--model", str(mtp_checkpoint[0]), "--prompt-ids",
+            ",".join(map(str, PROMPT)), "--max-tokens", str(STEPS), "--block-size", str(BLOCK),
+            "-o", "json"]
+    assert main([*argv, "--speculative", "mtp"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain and out["drafted"] > out["accepted"] >= 0
+    assert main(["generate", "--prompt-ids", "1,2", "--max-tokens", "3", "--speculative",
+                 "mtp"]) == 1
+    assert "speculative.method: 'mtp' needs a checkpoint with an MTP module" in \
+        capsys.readouterr().err

@@ -360,6 +360,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks per rank")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=BUILTIN_SEED, help="seed of the built-in model")
+    p.add_argument("--speculative", choices=["off", "ngram", "mtp"], default="off",
+                   help="drafts verified per step (the same tokens): prompt lookup, or the "
+                        "checkpoint's MTP module (V3-family checkpoints that carry one)")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="drafts per step (default: 3 for ngram, 1 for mtp)")
     return p
 
 
@@ -382,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.model != "builtin" and not os.path.isdir(a.model):
         parser.error(f"--model: {a.model!r} is neither 'builtin' nor a directory")
     try:
-        ids = generate(
+        speculative = SpeculativeConfig.from_settings(a.speculative, a.speculative_tokens)
+    except ValueError as e:
+        parser.error(f"--speculative-tokens: {e}")
+    try:
+        res = generate_result(
             a.model,
             prompt,
             a.max_tokens,
@@ -395,14 +404,21 @@ def main(argv: list[str] | None = None) -> int:
             launcher=a.launcher,
             seed=a.seed,
             kv_cache_dtype=a.kv_cache_dtype,
+            speculative=speculative,
         )
-    except (RuntimeError, ValueError) as e:  # KVCacheFullError, bad layout, a failed rank
-        print(f"pdd generate: {e}", file=sys.stderr)
+    except (RuntimeError, ValueError) as e:  # KVCacheFullError, bad layout, a failed rank,
+        print(f"pdd generate: {e}", file=sys.stderr)  # a checkpoint without an MTP module
         return 1
+    ids = res.token_ids
     if a.output == "json":
-        print(json.dumps({"token_ids": ids}))
+        extra = ({} if speculative is None else
+                 {"drafted": res.drafted, "accepted": res.accepted})
+        print(json.dumps({"token_ids": ids, **extra}))
     else:
         print(" ".join(str(t) for t in ids))
+        if speculative is not None:
+            print(f"speculative {speculative.method} k={speculative.tokens}: drafted "
+                  f"{res.drafted}, accepted {res.accepted}", file=sys.stderr)
     return 0
 
 
