@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from polling import wait_for
 
 from pdd_sidecar.kv import claims
 from pdd_sidecar.kv.claims import ClaimRefused, claim
@@ -152,7 +153,8 @@ def test_a_failed_planning_is_raised_and_its_connection_not_reused(prefill: Pref
         claim(prefill.url, GRANT, 30.0, 5.0, plan)
     claim(prefill.url, GRANT, 30.0, 5.0)  # its answer unread, that connection was dropped
     assert prefill.connections == 2
-    assert len(prefill.bodies) == 2
+    # The dropped connection's handler may still be reading its body on a loaded machine.
+    wait_for("both claims received", lambda: len(prefill.bodies) == 2, timeout=10, interval=0.05)
 
 
 def test_a_claim_sent_again_on_a_new_connection_plans_once(prefill: Prefill) -> None:
