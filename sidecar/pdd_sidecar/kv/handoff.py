@@ -13,9 +13,11 @@ stays in engine/worker.py: kv importing it would point an import back up the lay
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdd_sidecar.kv.grants import sign, verify
@@ -25,6 +27,55 @@ VERSION = 1
 
 class MalformedGrant(ValueError):
     """`kv_transfer_params` that are not a grant at all (wrong shape or types, unknown version)."""
+
+
+DRAFT_STATE_DTYPES = {"float32": 4, "bfloat16": 2}  # name -> bytes per value
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """What a decode's first MTP draft needs from the prefill (issue 47): the main model's final
+    normed hidden state at the prompt's last position ``position``, as raw little-endian
+    ``dtype`` values (base64 on the wire, ``draft_state: {position, dtype, hidden}``;
+    engine/speculative/draft_state.py converts it to and from a tensor).
+
+    Optional and outside the signature: a decode of version 1 without this field ignores it
+    and still verifies the grant, a decode given a grant without it drafts from its next step,
+    and a forged one can cost acceptance but never change a token (drafts are kept only while
+    they equal the decode's own draws, engine/speculative/verify.py)."""
+
+    position: int
+    dtype: str
+    data: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"position": self.position, "dtype": self.dtype,
+                "hidden": base64.b64encode(self.data).decode("ascii")}
+
+    @classmethod
+    def parse(cls, value: Any, num_tokens: int) -> DraftState:
+        """The wire form of a grant of ``num_tokens`` tokens; MalformedGrant naming the field."""
+        field = "kv_transfer_params.draft_state"
+        if not isinstance(value, Mapping):
+            raise MalformedGrant(f"{field}: must be an object, got {value!r:.60}")
+        position, dtype, hidden = value.get("position"), value.get("dtype"), value.get("hidden")
+        if position != num_tokens - 1 or isinstance(position, bool):
+            raise MalformedGrant(f"{field}.position: must be the prompt's last position "
+                                 f"({num_tokens - 1}), got {position!r}")
+        if dtype not in DRAFT_STATE_DTYPES:
+            raise MalformedGrant(f"{field}.dtype: must be one of "
+                                 f"{', '.join(DRAFT_STATE_DTYPES)}, got {dtype!r:.40}")
+        try:
+            if not isinstance(hidden, str):
+                raise TypeError
+            data = base64.b64decode(hidden, validate=True)
+        except (TypeError, binascii.Error):
+            raise MalformedGrant(f"{field}.hidden: must be base64 text, got {hidden!r:.40}"
+                                 ) from None
+        if not data or len(data) % DRAFT_STATE_DTYPES[dtype]:
+            raise MalformedGrant(f"{field}.hidden: {len(data)} bytes is no whole number of "
+                                 f"{dtype} values")
+        return cls(position, dtype, data)
 
 
 @dataclass(frozen=True)
@@ -48,6 +99,7 @@ class TransferParams:
     rank_endpoints: tuple[tuple[str, int], ...] | None = None  # an instance spanning pods
     lease_seconds: float | None = None  # informational, unsigned
     version: int = VERSION
+    draft_state: DraftState | None = None  # for the decode's first MTP draft; unsigned
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:
@@ -81,6 +133,8 @@ class TransferParams:
             fields["lease_seconds"] = self.lease_seconds
         if self.rank_endpoints is not None:
             fields["rank_endpoints"] = [list(e) for e in self.rank_endpoints]
+        if self.draft_state is not None:  # beside the signed fields, not under the signature
+            fields["draft_state"] = self.draft_state.to_wire()
         return sign(fields, key)
 
     @classmethod
@@ -133,6 +187,9 @@ class TransferParams:
             raise MalformedGrant(f"kv_transfer_params: missing {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise MalformedGrant(f"kv_transfer_params: malformed: {exc}") from None
+        if params.get("draft_state") is not None:
+            out = replace(out, draft_state=DraftState.parse(params["draft_state"],
+                                                             out.num_tokens))
         if (out.num_tokens < 1 or not 0 < out.side_channel_port < 65536 or out.tp < 1
                 or out.dcp < 1 or out.block_size < 1):
             raise MalformedGrant("kv_transfer_params: num_tokens, tp, dcp, block_size and "
