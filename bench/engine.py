@@ -47,6 +47,7 @@ from pdd_sidecar.model import fusion  # noqa: E402
 from pdd_sidecar.model.config import ModelConfig, RopeConfig  # noqa: E402
 from pdd_sidecar.model.kernels import chunk_attention as ca  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
+from pdd_sidecar.model.kernels.dense_gemv import small_linear  # noqa: E402
 from pdd_sidecar.model.kernels.norm_rope import add_rms_norm  # noqa: E402
 from pdd_sidecar.model.mla import (  # noqa: E402
     absorb_q,
@@ -314,7 +315,7 @@ class Model:
             o, _ = md.paged_mla_decode(
                 q, kv, i, batch.tables, batch.seq_lens, cfg.kv_lora_rank, cfg.softmax_scale
             )
-            o = F.linear(unabsorb_v_flat(o.to(x.dtype), lw.attn), lw.attn.o_proj)
+            o = small_linear(unabsorb_v_flat(o.to(x.dtype), lw.attn), lw.attn.o_proj)
             x, m = add_rms_norm(x, o, lw.post_norm, eps)
             nxt = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm
             x, a = add_rms_norm(x, self._mlp(m, lw, None), nxt, eps)
@@ -973,6 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--tune", action="store_true", help="sweep the decode kernel's tunables")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="batch-1 tiles of the dense and expert GEMVs (CUDA)")
     p.add_argument("--engine", action="store_true", help="also time RankEngine at batch 1")
     p.add_argument("--no-engine", action="store_true",
                    help="skip the decode rows through RankEngine.step (eager and graph)")
@@ -991,10 +994,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown-prefill", type=int, default=None, help="tokens: per-kernel time")
     p.add_argument("--fusion", default=None,
                    help="comma list of the model's kernel paths the decode rows and breakdowns "
-                        "time, each in this run: off (unfused), on (fused; shared experts in the "
-                        "GEMV up to PDD_SHARED_IN_GEMV_TOKENS), on:N (fused, shared experts in "
-                        "the GEMV up to N tokens), -r after either (the router's projection and "
-                        "top-k apart); default off,on on CUDA, on on the CPU")
+                        "time, each in this run: off (unfused), on (fused, defaults), options "
+                        "after on: +shared=N (shared experts in the GEMV up to N tokens), "
+                        "+router=apart, +dense=N (Triton GEMV for the dense projections up to N "
+                        "tokens), +grouped=N (per-expert GEMV from 2 up to N tokens); default "
+                        "off,on on CUDA, on on the CPU")
+    p.add_argument("--breakdown-fusion", default=None,
+                   help="the --fusion items the breakdowns run (default: all of them)")
     p.add_argument("--only", default="", help="comma list of sections: attn,moe,prefill,decode")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
@@ -1073,6 +1079,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.tune and dev.type == "cuda":
             result["tune"] = tune(model, kv, ceil, args)
+        if args.gemv_sweep and dev.type == "cuda":
+            result["gemv_sweep"] = gemv_sweep(model, ceil, args)
 
         only = set(filter(None, args.only.split(",")))
 
@@ -1084,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--breakdown takes B,ctx pairs, got {args.breakdown}")
             pairs_b = list(zip(args.breakdown[::2], args.breakdown[1::2], strict=True))
             result["breakdown"] = []
-            for variant in variants:
+            for variant in (args.breakdown_fusion or ",".join(variants)).split(","):
                 with fusion_variant(variant):
                     for b_, c_ in pairs_b:
                         print(f"\n(fusion {variant})", end="")
@@ -1242,15 +1250,26 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def fusion_variant(name: str) -> Iterator[None]:
-    """The model's kernel path for the block (``--fusion``): ``off``, ``on``, ``on:N`` (the
-    shared experts in the GEMV up to N tokens), each ``on`` form with ``-r`` for the router's
-    projection and softmax/top-k apart (``on-r``, ``on:N-r``)."""
-    base, dash, opt = name.partition("-")
-    kind, _, n = base.partition(":")
-    if (kind not in ("on", "off") or (n and (not n.isdigit() or kind == "off"))
-            or (dash and (opt != "r" or kind == "off"))):
-        raise ValueError(f"--fusion: each item is off, on, on:N, on-r or on:N-r, got {name!r}")
-    fusion.set_fused(kind == "on", int(n) if n else None, False if dash else None)
+    """The model's kernel path for the block (``--fusion``): ``off``, or ``on`` with options
+    ``+shared=N`` (the shared experts in the routed GEMV up to N tokens), ``+router=apart``
+    (the router's fp32 projection and its softmax/top-k kernel apart), ``+dense=N`` (the
+    dense projections as Triton GEMVs up to N tokens; 0: cuBLAS) and ``+grouped=N`` (the
+    per-expert GEMV from 2 up to N tokens; 0: never)."""
+    kind, *opts = name.split("+")
+    settings: dict[str, Any] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key in ("shared", "dense", "grouped") and value.isdigit():
+            settings[key] = int(value)
+        elif key == "router" and value in ("apart", "fused"):
+            settings["router"] = value == "fused"
+        else:
+            kind = "?"
+    if kind not in ("on", "off") or (kind == "off" and opts):
+        raise ValueError(f"--fusion: each item is off or on[+shared=N][+router=apart]"
+                         f"[+dense=N][+grouped=N], got {name!r}")
+    fusion.set_fused(kind == "on", settings.get("shared"), settings.get("router"),
+                     settings.get("dense"), settings.get("grouped"))
     try:
         yield
     finally:
@@ -1286,6 +1305,82 @@ def _tensors(w: RankWeights) -> list[torch.Tensor]:
                 out += [v for k, v in vars(part).items()
                         if isinstance(v, torch.Tensor) and k != "qkv_a"]
         out += [lw.input_norm, lw.post_norm]
+    return out
+
+
+def gemv_sweep(model: Model, ceil: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+    """Batch-1 tiles (BLOCK_N, BLOCK_K, warps) of the GEMVs, every layer once, graph-replayed,
+    against the bytes read: the dense projections (stacked q/kv_a and o_proj) as Triton GEMVs
+    beside cuBLAS, and the routed experts' GEMV with the shared experts inside, its gate/up
+    tiles and its down tiles swept apart."""
+    from pdd_sidecar.model.kernels import dense_gemv as dg
+    from pdd_sidecar.model.kernels import moe_grouped as mg
+    from pdd_sidecar.model.kernels.moe_route import router_topk
+
+    cfg, dev = model.cfg, model.device
+    tiles = [(16, 512, 4), (8, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 8), (16, 1024, 8),
+             (8, 1024, 4), (64, 256, 8)]  # fmt: skip
+    out: dict[str, Any] = {}
+    g = torch.Generator(device=dev).manual_seed(5)
+    x = torch.randn(1, cfg.hidden_size, device=dev, generator=g).to(model.w.embed.dtype)
+
+    def timed(fn: Callable[[], object], nbytes: int) -> tuple[float, float]:
+        sec = time_fn(graph_of(fn, dev), dev, args.reps, warmup=2)
+        return sec * 1e6, nbytes / sec / ceil["hbm_read_Bps"]
+
+    print("\ngemv sweep, batch 1: us over every layer (of HBM read)")
+    for name in ("qkv_a", "o_proj"):
+        ws = [getattr(lw.attn, name) for lw in model.w.layers]
+        if any(w_ is None for w_ in ws):
+            continue
+        nbytes = sum(_nbytes(w_) for w_ in ws)
+        xs = x if name == "qkv_a" else x[:, : ws[0].shape[1]].contiguous()
+        rows = {"cublas": timed(lambda ws=ws, xs=xs: [F.linear(xs, w_) for w_ in ws], nbytes)}
+        for t_ in tiles:
+            rows[str(t_)] = timed(lambda ws=ws, xs=xs, t_=t_: [dg.linear_gemv(xs, w_, t_)
+                                                                 for w_ in ws], nbytes)
+        out[name] = rows
+        print(f"  {name:<7} " + "  ".join(f"{k} {us:.0f} ({f:.0%})" for k, (us, f) in rows.items()),
+              flush=True)  # fmt: skip
+    layers = [lw.moe for lw in model.w.layers if lw.moe is not None]
+    parts = mg.shared_chunks(layers[0])
+    routes = [router_topk(x, mw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                          cfg.routed_scaling_factor, parts) for mw in layers]  # fmt: skip
+    per = _nbytes(layers[0].w_gate[0], layers[0].w_up[0], layers[0].w_down[0])
+    nbytes = len(layers) * per * (cfg.num_experts_per_tok + parts)
+    for which in ("gate_up", "down"):
+        rows = {}
+        for t_ in tiles:
+            kw: dict[str, Any] = ({"block_n": t_[0], "block_k": t_[1], "num_warps": t_[2],
+                                   "down_tiles": mg.GEMV_FEW_TILES}
+                                  if which == "gate_up" else {"down_tiles": t_})
+            rows[str(t_)] = timed(lambda kw=kw: [mg.gemv_experts(x, ids, mw, shared=parts > 0,
+                                                                 **kw)
+                                                 for mw, (_, ids) in zip(layers, routes,
+                                                                         strict=True)], nbytes)
+        out["experts_" + which] = rows
+        print(f"  experts, {which} tiles swept: "
+              + "  ".join(f"{k} {us:.0f} ({f:.0%})" for k, (us, f) in rows.items()), flush=True)
+    print("gemv sweep, 16 tokens: the routed experts (shared apart), us over every MoE layer "
+          "(of HBM read of the experts chosen)")
+    x16 = torch.randn(16, cfg.hidden_size, device=dev, generator=g).to(x.dtype)
+    r16 = [route(x16, mw.router, cfg) for mw in layers]
+    used = sum(int(torch.unique(ids).numel()) for _, ids in r16)
+    nbytes = used * per
+    rows = {
+        "per-pair gemv": timed(lambda: [mg.grouped_experts(x16, wt, ids, mw, True)
+                                        for mw, (wt, ids) in zip(layers, r16, strict=True)],
+                               nbytes),
+        "grouped_mm": timed(lambda: [mg.grouped_experts(x16, wt, ids, mw, False)
+                                     for mw, (wt, ids) in zip(layers, r16, strict=True)], nbytes),
+    }
+    for gt in ((16, 64, 128, 4), (16, 32, 128, 4), (16, 64, 64, 4), (16, 128, 64, 4),
+               (16, 32, 256, 4), (16, 64, 256, 8), (16, 128, 128, 8)):
+        rows[str(gt)] = timed(lambda gt=gt: [mg.grouped_gemv_experts(x16, wt, ids, mw, None, gt)
+                                             for mw, (wt, ids) in zip(layers, r16, strict=True)],
+                              nbytes)
+    out["experts_16"] = rows
+    print("  " + "  ".join(f"{k} {us:.0f} ({f:.0%})" for k, (us, f) in rows.items()), flush=True)
     return out
 
 
@@ -1328,7 +1423,8 @@ def tune(
     moe_rows: list[dict[str, Any]] = []
     print("\ntune: expert GEMV (block_n, block_k, warps)")
     saved = (mg.GEMV_BLOCK_N, mg.GEMV_BLOCK_K, mg.GEMV_WARPS)
-    saved_few = mg.GEMV_FEW_TILES
+    saved_few, saved_down = mg.GEMV_FEW_TILES, mg.GEMV_FEW_DOWN_TILES
+    mg.GEMV_FEW_DOWN_TILES = None  # both kernels take the swept tiles
     for t in (1, 16):
         for bn, bk, nw in ((32, 256, 4), (16, 256, 4), (64, 256, 4), (32, 512, 4), (32, 256, 8),
                            (64, 512, 8), (16, 512, 4)):  # fmt: skip
@@ -1341,7 +1437,7 @@ def tune(
                   f"{r['gemv_of_hbm']:.0%} (grouped_mm {r['grouped_mm_us']:.1f} us)",
                   flush=True)  # fmt: skip
     mg.GEMV_BLOCK_N, mg.GEMV_BLOCK_K, mg.GEMV_WARPS = saved
-    mg.GEMV_FEW_TILES = saved_few
+    mg.GEMV_FEW_TILES, mg.GEMV_FEW_DOWN_TILES = saved_few, saved_down
     return {"attention": rows, "moe": moe_rows}
 
 

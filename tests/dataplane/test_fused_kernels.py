@@ -109,11 +109,42 @@ got = mr.combine_ref(y, w_all, None, None)
 h = F.silu(F.linear(x, sh.gate)) * F.linear(x, sh.up)
 want = mg.loop_experts(x, weights, ids, mw) + F.linear(h, sh.down)
 close(got, want, 1e-5, "shared in gemv")
+y2 = mg.gemv_experts(x, ids_all, mw, block_n=16, block_k=32, num_warps=4, shared=True,
+                     down_tiles=(8, 16, 2))
+close(mr.combine_ref(y2, w_all, None, None), want, 1e-5, "down tiles apart")
 print("shared gemv ok")
+
+from pdd_sidecar.model.kernels import dense_gemv as dg
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+    wd_ = (torch.randn(40, 300) / 17).to(dtype)
+    x_ = torch.randn(3, 400).to(dtype)[:, :300]  # a strided row view, as the attention output
+    y_ = dg.linear_gemv_triton(x_, wd_, (16, 128, 4))
+    close(y_, F.linear(x_.float(), wd_.float()).to(dtype), tol, "dense gemv")
+print("dense gemv ok")
+
+# fp32 here (the interpreter's dots do not take bf16); bf16 in tests/gpu
+for dtype, tol in ((torch.float32, 1e-4),):
+    e_, inter_, hid_, k_ = 8, 48, 80, 2
+    mw_ = MoEWeights(router=torch.randn(e_, hid_),
+                     w_gate=(torch.randn(e_, inter_, hid_) / 9).to(dtype),
+                     w_up=(torch.randn(e_, inter_, hid_) / 9).to(dtype),
+                     w_down=(torch.randn(e_, hid_, inter_) / 7).to(dtype), shared=None)
+    t_ = 21  # 42 pairs over 8 experts: groups longer than one BLOCK_M of 16, and empty ones
+    # expert 0 takes every token (21 pairs: two tiles of BLOCK_M 16), 6 and 7 none
+    ids_ = torch.stack([torch.zeros(t_, dtype=torch.long), torch.randint(1, e_ - 2, (t_,))], 1)
+    wts_ = torch.rand(t_, k_)
+    x_ = torch.randn(t_, hid_).to(dtype)
+    sh_ = torch.randn(t_, hid_).to(dtype)
+    got_ = mg.grouped_gemv_experts(x_, wts_, ids_, mw_, sh_, tiles=(16, 16, 32, 4))
+    fw = MoEWeights(mw_.router, mw_.w_gate.float(), mw_.w_up.float(), mw_.w_down.float(), None)
+    want_ = mg.loop_experts(x_.float(), wts_, ids_, fw) + sh_.float()
+    close(got_.float(), want_, tol, ("grouped gemv", dtype))
+print("grouped gemv ok")
 '''
 
 
 def test_fused_decode_kernels_in_the_interpreter() -> None:
     out = _child(CHILD)
-    for what in ("add_rms_norm", "router", "rope_kv_write", "shared gemv"):
+    for what in ("add_rms_norm", "router", "rope_kv_write", "shared gemv", "dense gemv",
+                 "grouped gemv"):
         assert f"{what} ok" in out, what

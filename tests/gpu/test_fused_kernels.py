@@ -161,3 +161,41 @@ def test_absorbed_query_and_unabsorb_fused_match_unfused(tokens: int) -> None:
     assert qs[1].shape == qs[0].shape and rel_err(qs[1], qs[0]) < 1e-2
     assert rel_err(caches[1], caches[0]) < 1e-2
     assert rel_err(flat, unabsorb_v(out, w).flatten(1)) < 1e-2
+
+
+@pytest.mark.parametrize("n,k", [(3648, 2048), (2048, 2048)])
+@pytest.mark.parametrize("tiles", [None, (8, 1024, 4), (32, 256, 4)])
+def test_dense_gemv_matches_linear_and_replays(n: int, k: int, tiles: tuple | None) -> None:
+    from pdd_sidecar.model.kernels import dense_gemv as dg
+
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    with no_host_sync():
+        got = dg.linear_gemv(x, w, tiles)
+    assert rel_err(got, torch.nn.functional.linear(x, w)) < 1e-2
+    graph, out = _graphed(lambda: dg.linear_gemv(x, w, tiles))
+    x.normal_()
+    graph.replay()
+    assert rel_err(out, torch.nn.functional.linear(x, w)) < 1e-2  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens", [2, 16, 21, 64])
+def test_grouped_gemv_matches_loop_and_replays(tokens: int) -> None:
+    from test_kernels import _as_float
+
+    from pdd_sidecar.model.kernels.moe_grouped import grouped_gemv_experts, loop_experts
+
+    torch.manual_seed(tokens)
+    w = _moe_weights(64, 2048, 1408, torch.bfloat16)
+    x = torch.randn(tokens, 2048, device=DEV).to(torch.bfloat16)
+    weights = torch.rand(tokens, 6, device=DEV)
+    ids = torch.stack([torch.randperm(64, device=DEV)[:6] for _ in range(tokens)])
+    ids[:, 0] = 3  # one expert for every token: more than one tile of 16 rows at 21 and 64
+    with no_host_sync():
+        got = grouped_gemv_experts(x, weights, ids, w)
+    want = loop_experts(x.float(), weights, ids, _as_float(w))
+    assert rel_err(got, want) < 1e-2
+    graph, out = _graphed(lambda: grouped_gemv_experts(x, weights, ids, w))
+    x.normal_()
+    graph.replay()
+    assert rel_err(out, loop_experts(x.float(), weights, ids, _as_float(w))) < 1e-2  # type: ignore[arg-type]

@@ -41,6 +41,7 @@ from pdd_sidecar.kv import cache as kvc
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model import fusion
 from pdd_sidecar.model.kernels.chunk_attention import HAS_TRITON, merge_partials
+from pdd_sidecar.model.kernels.dense_gemv import small_linear
 from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.latent_read import read_latent_blocks, read_latents
 from pdd_sidecar.model.kernels.mla_decode import num_splits_for, paged_mla_decode, sm_count
@@ -614,7 +615,10 @@ class RankEngine:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + o_proj(o), its post-attention norm)``: one kernel for the add and the norm."""
         lead = self.rank == 0  # adds the biases of row-sharded projections exactly once
-        o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
+        if lw.attn.o_bias is None:
+            o = small_linear(o.flatten(1), lw.attn.o_proj)
+        else:
+            o = F.linear(o.flatten(1), lw.attn.o_proj, lw.attn.o_bias if lead else None)
         return _add_norm(x, self.comm.all_reduce(o) if self.tp > 1 else o, lw.post_norm,
                          self.cfg.rms_norm_eps)
 

@@ -42,6 +42,7 @@ def shared_in_gemv_tokens() -> int:
     return int(_state["shared_tokens"])  # type: ignore[call-overload]
 
 
+
 def fused_router() -> bool:
     """Whether the fused path routes with the one-kernel router (default) or with the fp32
     projection and the softmax/top-k kernel apart (``set_fused(router=False)``: the bench's
@@ -49,11 +50,33 @@ def fused_router() -> bool:
     return fused() and bool(_state.get("router", True))
 
 
+# 0: cuBLAS. The Triton GEMV measured slower at batch 1 on an H100 (qkv_a 51 % of the HBM read
+# rate at its best tiles against cuBLAS's 58 %, o_proj 33 % against 41 %; --gemv-sweep), so it
+# only runs when asked (bench/engine.py --fusion on+dense=N)
+DENSE_GEMV_TOKENS = 0
+GROUPED_GEMV_TOKENS = 21  # --fusion on+grouped=N: the per-expert GEMV from 2 tokens up to N
+
+
+def grouped_gemv_tokens() -> int:
+    """Up to how many tokens (from 2) the fused path runs the routed experts as the per-expert
+    GEMV (``grouped_gemv_experts``) rather than the per-pair GEMV or the grouped GEMMs
+    (``set_fused(grouped=N)``; 0: never)."""
+    return int(_state.get("grouped", GROUPED_GEMV_TOKENS))  # type: ignore[call-overload]
+
+
+def dense_gemv_tokens() -> int:
+    """Up to how many tokens the fused path runs the dense projections (the stacked query and
+    latent one, the output one) as Triton GEMVs rather than cuBLAS (``set_fused(dense=N)``)."""
+    return int(_state.get("dense", DENSE_GEMV_TOKENS))  # type: ignore[call-overload]
+
+
 def set_fused(on: bool | None, shared_tokens: int | None = None,
-              router: bool | None = None) -> None:
-    """Overrides the environment for this process (``None``: read it again; the router
-    setting back to its default)."""
-    for key, value in (("fused", on), ("shared_tokens", shared_tokens), ("router", router)):
+              router: bool | None = None, dense: int | None = None,
+              grouped: int | None = None) -> None:
+    """Overrides the environment for this process (``None``: read it again; the router, dense
+    and grouped settings back to their defaults)."""
+    for key, value in (("fused", on), ("shared_tokens", shared_tokens), ("router", router),
+                       ("dense", dense), ("grouped", grouped)):
         if value is None:
             _state.pop(key, None)
         else:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pdd_sidecar.model import fusion
 from pdd_sidecar.model.config import ModelConfig
 from pdd_sidecar.model.kernels.chunk_attention import chunk_attention, merge_partials
+from pdd_sidecar.model.kernels.dense_gemv import small_linear
 from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.norm_rope import apply_rope, rms_norm
 from pdd_sidecar.model.kernels.rope_kv_write import rope_kv_write
@@ -109,7 +110,7 @@ def _split_projection(
     """``(q_nope, q_pe, ckv)`` from one GEMV over the stacked ``qkv_a`` (views of its output;
     with a query LoRA, ``q_a`` normed and up-projected first)."""
     assert w.qkv_a is not None
-    both = F.linear(x, w.qkv_a)
+    both = small_linear(x, w.qkv_a)
     n_q = both.shape[-1] - cfg.latent_dim
     q, ckv = both[:, :n_q], both[:, n_q:]
     if w.q_b_proj is not None:

@@ -19,6 +19,8 @@ from pdd_sidecar.model.kernels.moe_grouped import (
     can_group,
     gemv_experts,
     grouped_experts,
+    grouped_gemv_applies,
+    grouped_gemv_experts,
     loop_experts,
     shared_chunks,
 )
@@ -130,6 +132,9 @@ def _moe_fused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool)
     if fold:
         return combine(gemv_experts(x, ids, w, shared=True), weights, None, None)
     shared = None if w.shared is None else dense_mlp(x, w.shared, add_bias)
+    if (path != "loop" and 2 <= x.shape[0] <= fusion.grouped_gemv_tokens()
+            and grouped_gemv_applies(x, w)):
+        return grouped_gemv_experts(x, weights, ids, w, shared)
     if path != "loop":
         return grouped_experts(x, weights, ids, w, gemv=path == "gemv", shared=shared)
     out = loop_experts(x, weights, ids, w)
