@@ -111,3 +111,29 @@ def test_pdd_generate_speculates_with_mtp(mtp_checkpoint, plain, capsys):  # noq
                  "mtp"]) == 1
     assert "speculative.method: 'mtp' needs a checkpoint with an MTP module" in \
         capsys.readouterr().err
+
+
+def test_a_batch_drafts_as_each_sequence_alone(mtp_checkpoint):  # noqa: F811
+    """Sequences of one call (different tables, positions, draft counts, chained drafts) get
+    the drafts each gets in a call of its own: the decode driver drafts for a whole step."""
+    path = mtp_checkpoint[0]
+    model = load_rank_model(path)
+    g = torch.Generator().manual_seed(9)
+    h = model.config.hidden_size
+    lens, ks = [11, 6, 9], [2, 3, 0]
+    hidden = [torch.randn(n, h, generator=g) for n in lens]
+    after = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+    def run(which: list[int]) -> list[list[int]]:
+        cache = new_cache(model, 32, BLOCK)
+        drafter = MTPDrafter.load(path, model, cache, SingleComm())
+        tables = [allocate_request(cache, 16, 1) for _ in lens]
+        split = 4  # a first call over the first positions, then the rest: the KV is read back
+        drafter.draft([(SeqChunk(after[i][:split], 0, tables[i]), hidden[i][:split])
+                       for i in which], [1] * len(which))
+        return drafter.draft([(SeqChunk(after[i][split:], split, tables[i]),
+                               hidden[i][split:]) for i in which], [ks[i] for i in which])
+
+    together = run([0, 1, 2])
+    assert together == [run([0])[0], run([1])[0], run([2])[0]]
+    assert [len(d) for d in together] == ks
