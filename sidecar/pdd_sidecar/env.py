@@ -551,6 +551,12 @@ class RouterSettings:
     api_keys: tuple[str, ...] = ()
     api_key_file: str = ""
 
+    @property
+    def aggregated(self) -> bool:
+        """No prefill instance at all (`pdd serve --prefill-replicas 0`): every request is
+        prefilled on its decode (serve/router/prefill_path.py)."""
+        return not (self.prefill or self.prefill_service)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
         env = os.environ if env is None else env
@@ -588,8 +594,6 @@ class RouterSettings:
         if settings.workers > MAX_ROUTER_WORKERS:
             raise ConfigError(f"{PDD_ROUTER_WORKERS}: must be <= {MAX_ROUTER_WORKERS}, got "
                               f"{settings.workers}")
-        if not (settings.prefill or settings.prefill_service):
-            raise ConfigError(f"{PDD_PREFILL_URLS} or {PDD_PREFILL_SERVICE}: one is required")
         if not (settings.decode or settings.decode_service):
             raise ConfigError(f"{PDD_DECODE_URLS} or {PDD_DECODE_SERVICE}: one is required")
         return settings

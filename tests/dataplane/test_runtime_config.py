@@ -67,8 +67,10 @@ def test_instance_settings_defaults_and_refusals() -> None:
 
 
 def test_router_settings_need_replicas_from_somewhere() -> None:
-    with pytest.raises(ConfigError, match="PDD_PREFILL_URLS or PDD_PREFILL_SERVICE"):
-        RouterSettings.from_env({"PDD_DECODE_URLS": "a:1"})
+    with pytest.raises(ConfigError, match="PDD_DECODE_URLS or PDD_DECODE_SERVICE"):
+        RouterSettings.from_env({"PDD_PREFILL_URLS": "a:1"})
+    # No prefill at all: aggregated (every request prefilled on its decode).
+    assert RouterSettings.from_env({"PDD_DECODE_URLS": "a:1"}).aggregated
     s = RouterSettings.from_env({"PDD_PREFILL_SERVICE": "x-prefill.ns.svc",
                                  "PDD_DECODE_URLS": "http://d0:8000/, d1:9000"})
     assert s.decode == ["http://d0:8000", "http://d1:9000"] and s.port == 8000

@@ -61,6 +61,7 @@ def _router(**env: str) -> Any:
     router.prefill.mark("http://p:1", True)
     for url in ("http://d:1", "http://d:2"):
         router.decode.mark(url, True)
+        router.decode.local_prefill.add(url)  # its /readyz says so
     return router
 
 
@@ -99,6 +100,9 @@ def test_the_router_falls_back_only_when_no_prefill_is_ready() -> None:
     assert router.choose_path(_req(long), Trip(warmup=True)) == FALLBACK
     assert router.choose_path(_req(long, n=2), Trip()) is None
     assert router.routable and not router.pools_ready
+    # A decode that does not say it prefills itself (an older one) gets no such request.
+    router.decode.local_prefill.clear()
+    assert router.choose_path(_req(long), Trip()) is None and not router.routable
     refusing = _router(PDD_ROUTER_NO_PREFILL="refuse")
     refusing.prefill.mark("http://p:1", False)
     assert refusing.choose_path(_req(long[:8]), Trip()) is None

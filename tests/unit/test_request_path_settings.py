@@ -75,3 +75,32 @@ def test_the_crd_fields_reach_the_router_pod_only_when_not_the_default() -> None
     assert env[keys.ENV_ROUTER_NO_PREFILL] == "refuse"
     s = RouterSettings.from_env({**env, "PDD_PREFILL_URLS": "http://p"})
     assert (s.local_prefill_tokens, s.no_prefill) == (64, "refuse")
+
+
+def test_prefill_replicas_0_is_an_aggregated_stack() -> None:
+    from types import SimpleNamespace
+
+    from pdd_sidecar.serve.local_stack import problems
+    from pdd_sidecar.serve.openai.openai_request import GenRequest
+    from pdd_sidecar.serve.router.prefill_path import LOCAL
+    from pdd_sidecar.serve.router.upstreams import Router, Trip
+
+    cfg = config_from_args(parser().parse_args(["--prefill-replicas", "0"]))
+    assert problems(cfg) == []
+    assert cfg.layout().startswith("aggregated: decode tp1/dcp1")
+    ports = Ports(router=8000, prefill=(), decode=PORTS.decode)
+    env = router_env(cfg, ports)
+    assert env["PDD_PREFILL_URLS"] == ""
+    s = RouterSettings.from_env(env)
+    assert s.aggregated
+    router = Router(s, SimpleNamespace(vocab_size=256, max_model_len=4096))
+    assert not router.warmable and not router.routable  # no decode ready yet
+    router.decode.mark(s.decode[0], True)
+    assert not router.warmable  # an older decode (its /readyz says nothing) cannot serve it
+    router.decode.local_prefill.add(s.decode[0])
+    assert router.warmable and router.routable
+    long = GenRequest("completion", list(range(1, 2001)), 4, {}, [], [], True, False, False)
+    assert router.choose_path(long, Trip(warmup=True)) == LOCAL
+    long.n = 2
+    assert router.choose_path(long, Trip()) is None
+    assert RouterSettings.from_env({"PDD_DECODE_URLS": "http://d"}).aggregated

@@ -76,7 +76,7 @@ PORTS = Ports(router=8000, prefill=(InstancePorts(http=11000, side=12000, dist=1
         (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization", "got nan"),
         (["--prefill-memory-share", "1"], "--prefill-memory-share", "must be in (0, 1)"),
         (["--prefill-memory-share", "0"], "--prefill-memory-share", "got 0.0"),
-        (["--prefill-replicas", "0"], "--prefill-replicas", "between 1 and 16, got 0"),
+        (["--prefill-replicas", "-1"], "--prefill-replicas", "between 0 and 16, got -1"),
         (["--decode-replicas", "17"], "--decode-replicas", "between 1 and 16, got 17"),
         (["--speculative", '{"method": "ngram", "tokens": 9}'], "--speculative",
          "spec.decode.speculative.tokens: must be between 1 and 8, got 9"),

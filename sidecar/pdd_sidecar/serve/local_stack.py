@@ -137,6 +137,10 @@ class StackConfig:
         def times(n: int) -> str:
             return f"{n} x " if n != 1 else ""
 
+        if not self.prefill_replicas:
+            return (f"aggregated: {times(self.decode_replicas)}decode tp{self.decode_tp}/"
+                    f"dcp{self.decode_dcp} prefilling its own requests")
+
         return (f"{times(self.prefill_replicas)}prefill tp{self.prefill_tp}/dcp{self.prefill_dcp}"
                 f", {times(self.decode_replicas)}decode tp{self.decode_tp}/dcp{self.decode_dcp}")
 
@@ -289,10 +293,11 @@ def problems(cfg: StackConfig, attention_heads: int | None = None,
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
         out.append(f"--kv-cache-dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                    f"{cfg.kv_cache_dtype!r}")
-    for flag, value in (("--prefill-replicas", cfg.prefill_replicas),
-                        ("--decode-replicas", cfg.decode_replicas)):
-        if not 1 <= value <= MAX_REPLICAS:
-            out.append(f"{flag}: must be between 1 and {MAX_REPLICAS}, got {value}")
+    # 0 prefills: aggregated, each decode prefills its requests itself.
+    for flag, value, least in (("--prefill-replicas", cfg.prefill_replicas, 0),
+                               ("--decode-replicas", cfg.decode_replicas, 1)):
+        if not least <= value <= MAX_REPLICAS:
+            out.append(f"{flag}: must be between {least} and {MAX_REPLICAS}, got {value}")
     if not 1 <= cfg.router_workers <= E.MAX_ROUTER_WORKERS:
         out.append(f"--router-workers: must be between 1 and {E.MAX_ROUTER_WORKERS}, got "
                    f"{cfg.router_workers}")
@@ -813,7 +818,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-dcp", type=int, default=1, help="1 or --decode-tp (default 1)")
     p.add_argument("--prefill-replicas", type=int, default=1,
                    help="prefill instances behind the router, each with its own ports, log and "
-                   "(on cuda) the next GPUs in turn (default 1)")
+                   "(on cuda) the next GPUs in turn; 0: aggregated, each decode prefills its "
+                   "requests itself and has its GPUs' memory to itself (default 1)")
     p.add_argument("--decode-replicas", type=int, default=1,
                    help="decode instances behind the router, each reading from every prefill "
                    "(default 1)")

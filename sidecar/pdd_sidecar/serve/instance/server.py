@@ -67,6 +67,10 @@ async def readyz(request: web.Request) -> web.Response:
             "load": {"running": len(sched.running) + len(sched.pulling),
                      "waiting": len(sched.waiting), "free_blocks": sched.allocator.num_free,
                      "num_blocks": sched.allocator.num_blocks}}
+    if state.settings.role == "decode":
+        # It prefills a prompt itself when asked (decode_api.py, local_prefill): a router sends
+        # such requests only to a decode that says so (an older one would refuse them).
+        body["local_prefill"] = True
     if not state.ready:
         body["reason"] = state.not_ready_reason
         return web.json_response(body, status=503)

@@ -23,6 +23,7 @@ class Pool:
         self.plans: dict[str, str] = {}  # replica -> digest of the routing plan it runs
         self.capacity: dict[str, int] = {}  # replica -> KV tokens one sequence can hold there
         self.load: dict[str, ReplicaLoad] = {}
+        self.local_prefill: set[str] = set()  # decodes that prefill a prompt themselves
         self.policy = policy if policy is not None else make_policy("cache-aware", 64)
 
     def pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
@@ -65,9 +66,15 @@ class Pool:
             self.policy.routed(url, token_ids, self.capacity.get(url))
 
     def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """The most of the prompt any ready replica caches, as the policy estimates it."""
-        return max((self.policy.cached_tokens(u, prompt_ids) for u in self.candidates()),
+        """The most of the prompt any ready replica that prefills itself caches, as the policy
+        estimates it."""
+        return max((self.policy.cached_tokens(u, prompt_ids) for u in self.local_candidates()),
                    default=0)
+
+    def local_candidates(self) -> list[str]:
+        """The ready replicas that prefill a prompt themselves (a decode whose /readyz says
+        ``local_prefill``)."""
+        return [u for u in self.candidates() if u in self.local_prefill]
 
     def finished(self, url: str) -> None:
         load = self._load(url)

@@ -26,7 +26,7 @@ RETRY_S = 1.0
 
 class Generates(Protocol):
     @property
-    def pools_ready(self) -> bool: ...
+    def warmable(self) -> bool: ...
 
     async def generate(self, rid: str, req: Any, trip: Any, emit: Any) -> Any: ...
 
@@ -49,7 +49,7 @@ class WarmRoundTrip:
     def ensure(self, router: Generates, make_request: Any, make_trip: Any,
                on_done: Callable[[float], None]) -> None:
         """Start the round trip if the pools are ready and none runs or ran."""
-        if self.done or not router.pools_ready:
+        if self.done or not router.warmable:
             return
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(

@@ -224,8 +224,16 @@ class Router:
     def routable(self) -> bool:
         """Requests can be served: through a prefill, or on a decode while none is ready and
         the fallback is on (serve/router/prefill_path.py)."""
-        return self.pools_ready or (self.settings.no_prefill == "fallback"
-                                    and bool(self.decode.candidates()))
+        s = self.settings
+        return self.pools_ready or ((s.aggregated or s.no_prefill == "fallback")
+                                    and bool(self.decode.local_candidates()))
+
+    @property
+    def warmable(self) -> bool:
+        """The warm round trip can run: through a prefill, or on a decode when there is no
+        prefill at all (aggregated)."""
+        return self.pools_ready or (self.settings.aggregated
+                                    and bool(self.decode.local_candidates()))
 
     @property
     def ready(self) -> bool:
@@ -241,7 +249,10 @@ class Router:
         ready = self.pools_ready
         if trip.warmup and ready:
             return REMOTE
-        decode_can = req.n == 1 and req.prompt_logprobs is None and req.max_tokens > 0
+        decode_can = (req.n == 1 and req.prompt_logprobs is None and req.max_tokens > 0
+                      and bool(self.decode.local_candidates()))
+        if s.aggregated:  # no prefill at all: every prompt runs on its decode
+            return LOCAL if decode_can else None
         cached = (self.decode.cached_tokens(req.prompt_ids)
                   if ready and decode_can and s.local_prefill_tokens else 0)
         return prefill_path(len(req.prompt_ids), cached, s.local_prefill_tokens, ready,
@@ -315,6 +326,10 @@ class Router:
                         pool.capacity[url] = body["kv_capacity_tokens"]
                     if isinstance(body, dict) and isinstance(body.get("load"), dict):
                         pool.report(url, body["load"])
+                    if isinstance(body, dict) and body.get("local_prefill") is True:
+                        pool.local_prefill.add(url)
+                    elif ok:
+                        pool.local_prefill.discard(url)
                 except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                     ok = False
                 if ok != pool.healthy.get(url):
@@ -463,7 +478,9 @@ class Router:
                            trip: Trip) -> aiohttp.ClientResponse:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
-        tried: set[str] = set()
+        # Prefilled on the decode: only one that says it does (an older one would refuse).
+        tried: set[str] = (set() if pre is not None else
+                           {u for u in self.decode.urls if u not in self.decode.local_prefill})
         last: ApiError | None = None
         while True:
             picking = time.monotonic()
@@ -657,6 +674,12 @@ class Router:
         # yet, so the prompt runs again on another prefill, while there is one, and the decode
         # is fed the first token the client already has.
         path = self.choose_path(req, trip)
+        if path is None and self.settings.aggregated:
+            field = ("n" if req.n > 1 else "prompt_logprobs" if req.prompt_logprobs is not None
+                     else "max_tokens")
+            raise bad(f"{field}: this deployment has no prefill instance, and a decode "
+                      f"prefills only requests of one choice, without prompt log-probabilities, "
+                      f"that generate at least one token", field)
         if path in (LOCAL, FALLBACK):
             trip.path = path
             self.metrics.paths.labels(path=path).inc()
