@@ -78,7 +78,7 @@ def test_the_drafter_runs_the_modules_kv_like_the_reference(mtp_checkpoint):  # 
     picks equal the reference's over the whole sequence at once."""
     path = mtp_checkpoint[0]
     model = load_rank_model(path)
-    cache = new_cache(model, 32, BLOCK)
+    cache = new_cache(model, 32, BLOCK, extra_layers=1)
     drafter = MTPDrafter.load(path, model, cache, SingleComm())
     g = torch.Generator().manual_seed(5)
     n = 19
@@ -92,6 +92,10 @@ def test_the_drafter_runs_the_modules_kv_like_the_reference(mtp_checkpoint):  # 
     for p in range(7, n):
         picks.append(drafter.draft([(SeqChunk([after[p]], p, table), hidden[p:p + 1])], [1])[0][0])
     assert picks == ref[6:].tolist()
+    # the main layers' latents are untouched: the module's are the cache's last layer
+    assert cache.kv[:, :-1].abs().sum() == 0 and cache.kv[:, -1].abs().sum() > 0
+    with pytest.raises(ValueError, match="build the cache with extra_layers=1"):
+        MTPDrafter.load(path, model, new_cache(model, 32, BLOCK), SingleComm())
 
 
 def test_a_checkpoint_without_the_module_is_refused_by_name():
@@ -125,7 +129,7 @@ def test_a_batch_drafts_as_each_sequence_alone(mtp_checkpoint):  # noqa: F811
     after = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
 
     def run(which: list[int]) -> list[list[int]]:
-        cache = new_cache(model, 32, BLOCK)
+        cache = new_cache(model, 32, BLOCK, extra_layers=1)
         drafter = MTPDrafter.load(path, model, cache, SingleComm())
         tables = [allocate_request(cache, 16, 1) for _ in lens]
         split = 4  # a first call over the first positions, then the rest: the KV is read back

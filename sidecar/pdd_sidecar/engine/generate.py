@@ -74,8 +74,10 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
     # KV is written for every token but the last generated one.
     kv_tokens = len(spec.prompt_ids) + spec.max_tokens - 1
     num_blocks = spec.num_blocks or max(1, num_table_blocks(kv_tokens, spec.block_size, spec.dcp))
-    cache = new_cache(model, num_blocks, spec.block_size, kv_cache_dtype=spec.kv_cache_dtype)
-    engine = RankEngine(model, cache, comm, spec.dcp)
+    mtp = int(spec.speculative is not None and spec.speculative.method == "mtp")
+    cache = new_cache(model, num_blocks, spec.block_size, kv_cache_dtype=spec.kv_cache_dtype,
+                      extra_layers=mtp)  # the MTP module's KV after the main layers'
+    engine = RankEngine(model, cache, comm, spec.dcp, extra_layers=mtp)
     table = allocate_request(cache, kv_tokens, spec.dcp)
     out = GenerationResult(token_ids=[])
     if spec.speculative is not None and spec.speculative.method == "mtp":

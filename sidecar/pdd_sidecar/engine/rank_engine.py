@@ -127,13 +127,15 @@ def warmup_lengths(below: int) -> list[int]:
 
 def new_cache(
     model: RankModel, num_blocks: int, block_size: int, device: str | torch.device | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", extra_layers: int = 0,
 ) -> PagedKVCache:
-    """``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8`` (kv/fp8_layout.py)."""
+    """``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8`` (kv/fp8_layout.py).
+    ``extra_layers``: layers after the model's (the MTP module's KV, engine/speculative/mtp.py),
+    so a block holds a position's every latent and moves whole."""
     cfg = model.config
     return PagedKVCache(
         num_blocks,
-        cfg.num_hidden_layers,
+        cfg.num_hidden_layers + extra_layers,
         block_size,
         cfg.latent_dim,
         model.dtype,
@@ -240,6 +242,8 @@ class RankEngine:
         max_table_blocks: int | None = None,
         prefill_buckets: Sequence[int] | None = None,
         overtake: bool | None = None,
+        extra_layers: int = 0,
+        layer_base: int = 0,
     ) -> None:
         cfg = model.config
         if comm.world_size != model.tp or comm.rank != model.rank:
@@ -249,8 +253,15 @@ class RankEngine:
             )
         if dcp not in (1, model.tp):
             raise ValueError(f"dcp must be 1 or tp ({model.tp}), got {dcp}")
-        if (cache.num_layers, cache.latent_dim) != (cfg.num_hidden_layers, cfg.latent_dim):
+        if (cache.num_layers, cache.latent_dim) != (
+                layer_base + cfg.num_hidden_layers + extra_layers, cfg.latent_dim):
             raise ValueError("cache shape does not match the model (layers, latent dim)")
+        if layer_base and decode_mode != "eager":
+            raise ValueError("layer_base needs decode_mode 'eager' (padded steps store at the "
+                             "model's own layers)")
+        # The cache's layers: this model's from ``layer_base``, then ``extra_layers`` of
+        # another's (the MTP module's, engine/speculative/mtp.py, after the main layers).
+        self.layer_base = layer_base
         self.model = model
         self.cfg = cfg
         self.cache = cache
@@ -553,14 +564,15 @@ class RankEngine:
                                  f"{list(embeds.shape)}")
             x = embeds.to(w.embed.dtype)
         for i, lw in enumerate(w.layers):
+            layer = self.layer_base + i  # its latents' layer of the cache
             a = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q_nope, q_pe = project_q(a, lw.attn, cfg, cos, sin)
             latent = project_latent(a, lw.attn, cfg, cos, sin)
             if self.cache.fp8:  # quantised on write by the store kernel
-                write_latents(self.cache.kv, i, blk, off, None, latent[mine.to(latent.device)],
+                write_latents(self.cache.kv, layer, blk, off, None, latent[mine.to(latent.device)],
                               kv_lora_rank=cfg.kv_lora_rank)
             else:
-                self.cache.write(i, blk, off, latent[mine.to(latent.device)])
+                self.cache.write(layer, blk, off, latent[mine.to(latent.device)])
             latent = self.cache.stored(latent)  # fresh prompts attend over what is kept
             o = x.new_empty(x.shape[0], q_nope.shape[1], cfg.v_head_dim)
             if batch is not None:
@@ -574,10 +586,11 @@ class RankEngine:
             if views.decode_rows is not None:
                 r = views.decode_rows
                 q = absorb_q(q_nope[r], q_pe[r], lw.attn)
-                o[r] = unabsorb_v(self._decode_attention(q, i, views).to(x.dtype), lw.attn)
+                o[r] = unabsorb_v(self._decode_attention(q, layer, views).to(x.dtype),
+                                  lw.attn)
             if views.chunk_rows is not None:
                 r = views.chunk_rows
-                o[r] = self._chunk_attention(q_nope[r], q_pe[r], i, lw, views).to(x.dtype)
+                o[r] = self._chunk_attention(q_nope[r], q_pe[r], layer, lw, views).to(x.dtype)
             x = self._layer_rest(x, o, lw)
             if after_layer is not None:
                 after_layer(i, len(w.layers))

@@ -1,10 +1,11 @@
 """Drafts from DeepSeek-V3's MTP module (model/mtp.py), run by the engine beside the main model.
 
 The module is one more decoder layer: position ``i`` reads the main model's final normed hidden
-state ``h_i`` and the token at ``i + 1`` and predicts the token at ``i + 2``. It keeps its own
-latent KV in a one-layer paged cache addressed by the main cache's block ids (the same block
-table, the same DCP split: each rank stores the module's latents of the blocks it stores for
-the main layers), so the main cache's allocator alone accounts for a sequence's blocks.
+state ``h_i`` and the token at ``i + 1`` and predicts the token at ``i + 2``. Its latent KV is
+one more layer of the main paged cache, after the main layers (``new_cache(...,
+extra_layers=1)``): the same block table and DCP split (each rank stores the module's latents of
+the blocks it stores for the main layers), one allocator, a block's bytes counting the module's
+latents, and a block that moves (a hand-off, the host tier) carrying them with the rest.
 
 After each verify step the engine hands the drafter the main model's hidden states of the
 positions whose tokens are now known (the fed token and the accepted drafts) with the tokens
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pdd_sidecar.engine.comm import Comm
-from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+from pdd_sidecar.engine.rank_engine import RankEngine
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv.cache import PagedKVCache
 from pdd_sidecar.model.kernels.norm_rope import rms_norm
@@ -37,13 +38,19 @@ class MTPDrafter:
     module's layer is TP-sharded like a main one, and its collectives meet the other ranks')."""
 
     def __init__(self, weights: MTPWeights, model: RankModel, main_cache: PagedKVCache,
-                 comm: Comm, dcp: int = 1) -> None:
+                 comm: Comm, dcp: int, main_layers: int) -> None:
+        """``main_cache``: the main model's (``main_layers`` layers), built with
+        ``extra_layers=1``; the module's latents are its last layer."""
+        if main_cache.num_layers != main_layers + 1:
+            raise ValueError(f"the MTP module's KV is the cache's layer {main_layers}: build "
+                             f"the cache with extra_layers=1 ({main_layers + 1} layers), got "
+                             f"{main_cache.num_layers}")
         self.w = weights
         self.eps = model.config.rms_norm_eps
-        self.cache = new_cache(model, main_cache.num_blocks, main_cache.block_size,
-                               main_cache.device, kv_cache_dtype=main_cache.kv_cache_dtype)
-        self.engine = RankEngine(model, self.cache, comm, dcp, decode_mode="eager",
-                                 prefill_buckets=(), overtake=False)
+        self.cache = main_cache
+        base = main_layers
+        self.engine = RankEngine(model, main_cache, comm, dcp, decode_mode="eager",
+                                 prefill_buckets=(), overtake=False, layer_base=base)
 
     @classmethod
     def load(cls, model: str | Path, main: RankModel, main_cache: PagedKVCache, comm: Comm,
@@ -51,7 +58,7 @@ class MTPDrafter:
         """The module of checkpoint ``model`` beside ``main``; a ConfigError naming the setting
         and the model when it has none."""
         w, m = load_mtp_rank_model(model, main, seed)
-        return cls(w, m, main_cache, comm, dcp)
+        return cls(w, m, main_cache, comm, dcp, main.config.num_hidden_layers)
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[tuple[SeqChunk, torch.Tensor]], k: Sequence[int]
