@@ -242,8 +242,10 @@ def test_kv_cache_dtype_fp8_serves_the_tokens_of_one_fp8_instance(
     so) and a completion through the hand-off is what one FP8 instance generates."""
     from pdd_sidecar.engine.generate import generate
 
+    # Through the hand-off (its bytes are checked), not prefilled on the decode.
     s, url = _start(serves, tmp_path, "--prefill-tp", "1", "--decode-tp", "2",
-                    "--decode-dcp", "2", "--block-size", str(BLOCK), "--kv-cache-dtype", "fp8")
+                    "--decode-dcp", "2", "--block-size", str(BLOCK), "--kv-cache-dtype", "fp8",
+                    "--local-prefill-tokens", "0")
     prompt = [(i * 37 + 11) % 256 for i in range(3 * BLOCK + 5)]
     status, body = http("POST", f"{url}/v1/completions",
                         {"prompt": prompt, "max_tokens": 7, "temperature": 0})

@@ -429,11 +429,14 @@ def reference(prompt_ids: list[int], max_tokens: int, dtype: str) -> list[int]:
 
 
 def example(name: str) -> tuple[str, dict[str, Any]]:
-    """(YAML text, parsed document) of one reference example."""
+    """(YAML text, parsed document) of one reference example, every request through a prefill
+    and the KV hand-off these tests check (spec.router.localPrefillTokens 0: no prompt is
+    prefilled on its decode)."""
     import yaml
 
-    text = (EXAMPLES / f"{name}.yaml").read_text()
-    return text, dict(yaml.safe_load(text))
+    doc = dict(yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()))
+    doc["spec"].setdefault("router", {}).setdefault("localPrefillTokens", 0)
+    return yaml.safe_dump(doc, sort_keys=False), doc
 
 
 def spec_dtype(doc: dict[str, Any]) -> str:

@@ -69,6 +69,8 @@ def spec(name: str, prefill: Side, decode: Side) -> dict[str, Any]:
             "kvTransfer": {"backend": "UCX", "sideChannelPort": 5600},
             "prefill": role(prefill),
             "decode": role(decode),
+            # Through the hand-off these tests check, never prefilled on the decode.
+            "router": {"localPrefillTokens": 0},
         },
     }
 

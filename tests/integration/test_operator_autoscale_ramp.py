@@ -340,9 +340,10 @@ def manifest(url: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    # Every prompt through the prefill, whose queue the planner scales on.
     cfg = StackConfig(port=0, log_level="WARNING", decode_num_blocks=DECODE_BLOCKS,
                       max_step_tokens=STEP_TOKENS, chunk_tokens=STEP_TOKENS,
-                      long_chunk_tokens=STEP_TOKENS)
+                      long_chunk_tokens=STEP_TOKENS, local_prefill_tokens=0)
     with LocalStack(cfg, tmp_path_factory.mktemp("ramp-stack")) as s:
         s.start(timeout_s=180)
         yield s

@@ -89,7 +89,8 @@ def rendered(kube: Kubectl, operator: Operator, op_namespace: str,
 @pytest.fixture(scope="module")
 def stack(rendered: dict[str, dict[str, str]],
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    cfg = StackConfig(port=0, log_level="INFO", block_size=BLOCK,
+    # Through the prefill and the hand-off, whose spans are checked.
+    cfg = StackConfig(port=0, log_level="INFO", block_size=BLOCK, local_prefill_tokens=0,
                       # The batch processors' standard delay (5 s) shortened for the test.
                       extra_env={"PDD_ACCESS_LOG": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"},
                       role_env=rendered)
