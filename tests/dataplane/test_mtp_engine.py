@@ -141,3 +141,25 @@ def test_a_batch_drafts_as_each_sequence_alone(mtp_checkpoint):  # noqa: F811
     together = run([0, 1, 2])
     assert together == [run([0])[0], run([1])[0], run([2])[0]]
     assert [len(d) for d in together] == ks
+
+
+@pytest.mark.parametrize("send_state", [True, False], ids=["with-state", "without-state"])
+def test_pd_hands_the_draft_state_over(mtp_checkpoint, plain, send_state):  # noqa: F811
+    """Prefill tp1 -> decode tp2/dcp2: the module's latents move with the prompt's blocks and,
+    with the draft state, the decode's drafts are the one-instance run's from the first step;
+    without it, the first step drafts nothing and is counted, and the rest are the same."""
+    from pdd_sidecar.engine.speculative.mtp_handoff import mtp_handoff_generate
+
+    cfg = SpeculativeConfig(method="mtp", tokens=1)
+    one = generate_result(mtp_checkpoint[0], PROMPT, STEPS, block_size=BLOCK, speculative=cfg)
+    res = mtp_handoff_generate(str(mtp_checkpoint[0]), PROMPT, STEPS, (1, 1), (2, 2), cfg,
+                               send_state=send_state, block_size=BLOCK)
+    assert res.token_ids == plain
+    by_pos = dict(one.drafts)
+    if send_state:
+        assert res.drafts == one.drafts and res.missing_draft_state == 0
+    else:
+        assert res.drafts[0] == (len(PROMPT), []) and res.missing_draft_state == 1
+        later = [(p, d) for p, d in res.drafts[1:] if d]
+        assert later and all(by_pos.get(p, d) == d for p, d in later)
+        assert sum(p in by_pos for p, _ in later) >= len(later) - 1

@@ -39,6 +39,7 @@ class GenerationResult:
     drafted: int = 0  # speculation: tokens drafted, and those kept
     accepted: int = 0
     drafts: list[tuple[int, list[int]]] = field(default_factory=list)  # (position fed, drafts)
+    missing_draft_state: int = 0  # P/D: decodes whose prefill sent no MTP draft state
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,12 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
         drafter = MTPDrafter.load(spec.model, model, cache, comm, spec.dcp, spec.seed)
         logits = engine.step([SeqChunk(spec.prompt_ids, 0, table)], keep=[0])
         assert logits is not None
-        _speculate_mtp(engine, drafter, spec, table, engine.kept[0], logits[0], out)
+        first = int(torch.argmax(logits[0]))
+        out.token_ids.append(first)
+        # the module's positions still to run: from 0, the tokens after them, h there
+        pending = (0, [*spec.prompt_ids[1:], first], engine.kept[0])
+        speculate_mtp(engine, drafter, spec.speculative, spec.max_tokens, table,
+                      len(spec.prompt_ids), pending, out, spec.spoil_drafts)
         cache.free(table)
         return out if rank == 0 else None
     logits = engine.prefill(spec.prompt_ids, table, all_logits=spec.keep_logits)
@@ -141,25 +147,25 @@ def _speculate(engine: RankEngine, spec: _Spec, table: list[int], logits: torch.
     del out.token_ids[spec.max_tokens:]
 
 
-def _speculate_mtp(engine: RankEngine, drafter: MTPDrafter, spec: _Spec, table: list[int],
-                   prompt_hidden: torch.Tensor, logits: torch.Tensor,
-                   out: GenerationResult) -> None:
-    """Greedy generation with MTP drafts: after the prefill and after each verify step the
-    module runs over the positions whose next token became known (the prompt's, then the fed
-    token's and the accepted drafts'), from the main model's hidden states there, and drafts
-    what follows; the verify step is the n-gram one's (rows of one decode step, the keep
-    rule)."""
-    assert spec.speculative is not None
-    first = int(torch.argmax(logits))
-    out.token_ids.append(first)
-    pos = len(spec.prompt_ids)
-    k = spec.speculative.tokens
-    # the module's positions still to run: from ``start``, the tokens after them, and h there
-    start, after, hidden = 0, [*spec.prompt_ids[1:], first], prompt_hidden
-    while len(out.token_ids) < spec.max_tokens:
-        room = min(k, draft_room(spec.max_tokens, len(out.token_ids)))
-        drafts = drafter.draft([(SeqChunk(after, start, table), hidden)], [room])[0]
-        if spec.spoil_drafts:
+def speculate_mtp(engine: RankEngine, drafter: MTPDrafter, cfg: SpeculativeConfig,
+                  max_tokens: int, table: list[int], pos: int,
+                  pending: tuple[int, list[int], torch.Tensor] | None,
+                  out: GenerationResult, spoil: bool = False) -> None:
+    """Greedy generation with MTP drafts, ``out.token_ids`` holding the first token, fed next
+    at ``pos``: after each verify step the module runs over the positions whose next token
+    became known (the fed token's and the accepted drafts'), from the main model's hidden
+    states there, and drafts what follows; the verify step is the n-gram one's (rows of one
+    decode step, the keep rule). ``pending``: the module's positions still to run before the
+    first draft (from ``start``: the tokens after them, the hidden states there); None (a
+    decode whose prefill sent no draft state) drafts nothing in the first step."""
+    k = cfg.tokens
+    while len(out.token_ids) < max_tokens:
+        drafts: list[int] = []
+        if pending is not None:
+            start, after, hidden = pending
+            room = min(k, draft_room(max_tokens, len(out.token_ids)))
+            drafts = drafter.draft([(SeqChunk(after, start, table), hidden)], [room])[0]
+        if spoil:
             drafts = [(d + 1) % engine.cfg.vocab_size for d in drafts]
         out.drafts.append((pos, drafts))
         feed = [out.token_ids[-1], *drafts]
@@ -170,10 +176,9 @@ def _speculate_mtp(engine: RankEngine, drafter: MTPDrafter, spec: _Spec, table: 
         out.drafted += len(drafts)
         out.accepted += len(kept) - 1
         out.token_ids.extend(kept)
-        start, after = pos, kept
-        hidden = torch.cat([engine.kept[j] for j in range(len(kept))])
+        pending = (pos, kept, torch.cat([engine.kept[j] for j in range(len(kept))]))
         pos += len(kept)
-    del out.token_ids[spec.max_tokens:]
+    del out.token_ids[max_tokens:]
 
 
 def _free_port() -> int:
