@@ -4,7 +4,9 @@ keeping its share as a prefill rank would), chunked, and through its own prefix 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -40,14 +42,21 @@ def local_decode(decode: Proc, prompt: list[int], max_new: int, rid: str,
     return tokens, final
 
 
-@pytest.fixture(scope="module", params=[((1, 1), (1, 1)), ((2, 1), (2, 2))],
-                ids=["tp1-to-tp1", "tp2-to-tp2dcp2"])
+# A decode that speculates (n-gram drafts verified in its steps, always on): a step that
+# prefills a prompt drafts nothing, and the tokens stay the same.
+SPECULATING = {"PDD_SPECULATIVE_METHOD": "ngram", "PDD_SPECULATIVE_TOKENS": "3",
+               "PDD_SPECULATIVE_MIN_ACCEPTANCE": "0"}
+
+
+@pytest.fixture(scope="module", params=[((1, 1), (1, 1), {}), ((2, 1), (2, 2), {}),
+                                        ((1, 1), (1, 1), SPECULATING)],
+                ids=["tp1-to-tp1", "tp2-to-tp2dcp2", "tp1-speculating"])
 def stack(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
     cluster = LocalCluster(tmp_path_factory.mktemp("local_prefill"))
-    p, d = request.param
+    p, d, extra = request.param
     try:
-        yield pd_stack(cluster, p, d, BLOCK, decode_env={"PDD_CHUNK_TOKENS": CHUNK})
+        yield pd_stack(cluster, p, d, BLOCK, decode_env={"PDD_CHUNK_TOKENS": CHUNK, **extra})
     finally:
         cluster.close()
 
@@ -82,6 +91,26 @@ def test_local_prefill_uses_and_fills_the_decode_prefix_cache(stack: dict[str, P
     assert again == reference_tokens(second, 4, BLOCK)
     unit = BLOCK * int(stack["decode"].env["PDD_DCP_SIZE"])
     assert final["cached_tokens"] >= (len(first) // unit) * unit > 0
+
+
+def test_a_prompt_prefilled_beside_running_sequences(stack: dict[str, Proc]) -> None:
+    """Local prompts arrive while hand-off sequences decode (repetitive ones, which a
+    speculating decode drafts for): every one gets the reference's tokens."""
+    loop = [3, 4, 5, 6] * 10
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        remote = [pool.submit(_remote, stack, loop, 40) for _ in range(2)]
+        local = [pool.submit(local_decode, stack["decode"],
+                             [(i * 29 + j) % 199 + 1 for i in range(70)], 7, f"beside-{j}")
+                 for j in range(2)]
+        for f in remote:
+            assert f.result() == reference_tokens(loop, 40, BLOCK)
+        for j, f in enumerate(local):
+            prompt = [(i * 29 + j) % 199 + 1 for i in range(70)]
+            assert f.result()[0] == reference_tokens(prompt, 8, BLOCK)
+    if "PDD_SPECULATIVE_METHOD" in stack["decode"].env:  # it did speculate meanwhile
+        _, text = http("GET", f"{stack['decode'].url}/metrics")
+        drafts = re.search(r"^pdd_spec_decode_num_drafts_total (\S+)$", str(text), re.M)
+        assert drafts is not None and float(drafts.group(1)) > 0, drafts
 
 
 def test_a_local_prefill_request_is_checked(stack: dict[str, Proc]) -> None:
