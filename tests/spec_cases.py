@@ -65,6 +65,8 @@ def speculative(value: Any, model: str = "deepseek-ai/DeepSeek-V3") -> dict[str,
     return spec
 
 
+MTP_NOT_SERVED = ("spec.decode.speculative.method: mtp is served with engine vllm only for now "
+                  "(engine pdd drafts with mtp in pdd generate, not yet when serving); use ngram")
 MTP_ON_V2_LITE = ("spec.decode.speculative.method: mtp needs a checkpoint with a multi-token-"
                   "prediction module (DeepSeek-V3/R1: num_nextn_predict_layers 1), and "
                   "deepseek-ai/DeepSeek-V2-Lite-Chat has none; use ngram")
@@ -74,6 +76,14 @@ VLLM: dict[str, Any] = {**BASE, "engine": "vllm", "image": "vllm/vllm-openai:v0.
                         "router": {"image": "pdd:0.1.0"}}
 VLLM_ROUTER_IMAGE = ("spec.router.image: required with engine vllm (spec.image is then a vLLM "
                      "image; the router needs a pdd image)")
+
+
+
+def vllm_mtp(value: Any, model: str = "deepseek-ai/DeepSeek-V3") -> dict[str, Any]:
+    """spec.decode.speculative on engine vllm, which serves mtp."""
+    return {**VLLM, "model": {"name": model},
+            "decode": {"tensorParallelSize": 4, "speculative": value}}
+
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("P TP4/DCP2", with_("prefill.decodeContextParallelSize", 2),
@@ -260,7 +270,10 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("vllm D mtp on V2-Lite", {**VLLM, "decode": {"tensorParallelSize": 4,
                                                   "speculative": {"method": "mtp"}}},
      MTP_ON_V2_LITE),
-    ("D speculative tokens 0", speculative({"method": "mtp", "tokens": 0}),
+    ("D mtp with engine pdd", speculative({"method": "mtp"}), MTP_NOT_SERVED),
+    ("D mtp on a name the validators do not know", speculative(
+        {"method": "mtp", "tokens": 2}, "my-org/DeepSeek-V2-Lite-Chat-mtp"), MTP_NOT_SERVED),
+    ("D speculative tokens 0", speculative({"method": "ngram", "tokens": 0}),
      "spec.decode.speculative.tokens: must be between 1 and 8, got 0"),
     ("D speculative tokens 9", speculative({"method": "ngram", "tokens": 9}),
      "spec.decode.speculative.tokens: must be between 1 and 8, got 9"),
@@ -281,7 +294,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.decode.speculative.ngram.maxN: must be between 1 and 16, got 17"),
     ("D ngram minN 0", speculative({"method": "ngram", "ngram": {"minN": 0}}),
      "spec.decode.speculative.ngram.minN: must be between 1 and 16, got 0"),
-    ("D ngram lengths with mtp", speculative({"method": "mtp", "ngram": {"maxN": 3}}),
+    ("D ngram lengths with mtp", vllm_mtp({"method": "mtp", "ngram": {"maxN": 3}}),
      "spec.decode.speculative.ngram: only with method ngram, got method mtp"),
     ("P speculative", with_("prefill.speculative", {"method": "ngram"}),
      "spec.prefill.speculative: unknown field"),
@@ -404,9 +417,9 @@ VALID_EDGES = [
     # Speculative decoding: mtp on checkpoints with the module (or names the validators do not
     # know: the sidecar checks the checkpoint), ngram on any model, k and n-gram lengths at
     # their bounds.
-    speculative({"method": "mtp"}),
-    speculative({"method": "mtp", "tokens": 8}, "deepseek-ai/DeepSeek-R1-0528"),
-    speculative({"method": "mtp", "tokens": 2}, "my-org/DeepSeek-V2-Lite-Chat-mtp"),
+    vllm_mtp({"method": "mtp"}),
+    vllm_mtp({"method": "mtp", "tokens": 8}, "deepseek-ai/DeepSeek-R1-0528"),
+    vllm_mtp({"method": "mtp", "tokens": 2}, "my-org/DeepSeek-V2-Lite-Chat-mtp"),
     with_("decode.speculative", {"method": "ngram"}),
     with_("decode.speculative", {"method": "ngram", "tokens": 3,
                                  "ngram": {"maxN": 16, "minN": 16}}),

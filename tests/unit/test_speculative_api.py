@@ -13,7 +13,7 @@ from spec_cases import BASE, VLLM, speculative
 
 from pdd_api import keys
 from pdd_api.models_catalog import KNOWN_MODELS, without_mtp
-from pdd_api.validation import parse_spec
+from pdd_api.validation import InvalidSpecError, parse_spec
 from pdd_operator.builders import Owner, build
 from pdd_sidecar.engine.speculative.ngram import NgramConfig
 from pdd_sidecar.env import ConfigError, InstanceSettings, SpeculativeSettings
@@ -29,6 +29,16 @@ def env_of(pod: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
 
 
+def test_mtp_is_refused_where_the_decode_cannot_serve_it() -> None:
+    """pdd's decode refuses mtp at start (it drafts with it in pdd generate only): admission
+    says so instead of a crash-looping pod; vLLM serves it."""
+    with pytest.raises(InvalidSpecError, match="mtp is served with engine vllm only"):
+        parse_spec(speculative({"method": "mtp"}))
+    vllm = speculative({"method": "mtp"})
+    vllm.update(engine="vllm", image="vllm/vllm-openai:v0.33.0", router={"image": "pdd:0.1.0"})
+    assert parse_spec(vllm).decode.speculative is not None
+
+
 def test_the_catalog_knows_which_checkpoints_carry_mtp() -> None:
     assert KNOWN_MODELS["deepseek-ai/DeepSeek-V3"].mtp_layers == 1
     assert KNOWN_MODELS["deepseek-ai/DeepSeek-R1"].mtp_layers == 1
@@ -37,7 +47,6 @@ def test_the_catalog_knows_which_checkpoints_carry_mtp() -> None:
 
 
 @pytest.mark.parametrize(("value", "want"), [
-    ({"method": "mtp"}, {"PDD_SPECULATIVE_METHOD": "mtp", "PDD_SPECULATIVE_TOKENS": "1"}),
     ({"method": "ngram", "tokens": 3},
      {"PDD_SPECULATIVE_METHOD": "ngram", "PDD_SPECULATIVE_TOKENS": "3",
       "PDD_SPECULATIVE_NGRAM_MAX": "4", "PDD_SPECULATIVE_NGRAM_MIN": "1"}),
