@@ -260,6 +260,12 @@ class RouterMetrics:
             "pdd_router_replica_healthy", "1 if the replica answered /readyz",
             ["role", "replica"], registry=r, multiprocess_mode="mostrecent",
         )
+        # The decision's threshold (spec.router.localPrefillTokens), beside the paths it splits.
+        self.local_prefill_tokens = Gauge(
+            "pdd_router_local_prefill_tokens", "Uncached prompt tokens up to which a request "
+            "is prefilled on its decode (0: always through a prefill)",
+            registry=r, multiprocess_mode="max",
+        )
         self.warmup_seconds = Gauge(
             "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
             registry=r, multiprocess_mode="max",

@@ -155,3 +155,9 @@ def test_handoff_failures_by_cause_and_links_to_traces() -> None:
     traced = [u for u in links if u.startswith("${traces_url}/search?service=pdd-router")]
     assert any("minDuration=${__value.raw}s" in u for u in traced), links
     assert all("start=${__from}000&end=${__to}000" in u for u in traced), traced
+
+
+def test_request_paths_and_the_local_prefill_threshold_are_shown() -> None:
+    e = exprs()
+    assert any("pdd_router_request_paths_total" in x and "by (path)" in x for x in e)
+    assert any("pdd_router_local_prefill_tokens" in x for x in e)

@@ -104,3 +104,17 @@ def test_prefill_replicas_0_is_an_aggregated_stack() -> None:
     long.n = 2
     assert router.choose_path(long, Trip()) is None
     assert RouterSettings.from_env({"PDD_DECODE_URLS": "http://d"}).aggregated
+
+
+def test_the_router_exposes_its_threshold_beside_the_paths() -> None:
+    """The dashboard plots the decision's threshold next to the paths it splits."""
+    from types import SimpleNamespace
+
+    from pdd_sidecar.serve.router.upstreams import Router
+
+    env = {"PDD_PREFILL_URLS": "http://p", "PDD_DECODE_URLS": "http://d",
+           "PDD_ROUTER_LOCAL_PREFILL_TOKENS": "96"}
+    router = Router(RouterSettings.from_env(env), SimpleNamespace(vocab_size=256,
+                                                                   max_model_len=4096))
+    text = router.metrics.expose().decode()
+    assert "pdd_router_local_prefill_tokens 96.0" in text

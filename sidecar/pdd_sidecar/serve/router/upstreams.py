@@ -201,6 +201,7 @@ class Router:
         self.decode = Pool("decode", settings.decode, settings.decode_service,
                            make_policy(settings.router_policy, settings.block_size, shared))
         self.metrics = RouterMetrics()
+        self.metrics.local_prefill_tokens.set(settings.local_prefill_tokens)
         self.session: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None  # probes never queue behind work
         self.in_flight = 0
