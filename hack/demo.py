@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         banner(f"applying the reference example {args.example}")
         stack.create_namespace(args.namespace)
         path = harness.EXAMPLES / f"{args.example}.yaml"
-        say(f"$ kubectl apply -n {args.namespace} -f {path.relative_to(REPO_ROOT)}")
-        say(stack.kubectl("apply", "-n", args.namespace, "-f", str(path)).rstrip())
+        # The demo's prompt is short: by default the router would prefill it on its decode
+        # (spec.router.localPrefillTokens); with 0 it shows the prefill and the NIXL hand-off.
+        say(f"$ kubectl apply -n {args.namespace} -f {path.relative_to(REPO_ROOT)}  "
+            "# with spec.router.localPrefillTokens: 0, so the prompt takes the P/D path")
+        say(stack.kubectl("apply", "-n", args.namespace, "-f", "-", input=text).rstrip())
 
         banner("waiting for the operator's pods to become Ready (sidecars load the model)")
         stack.wait_ready(name, args.namespace, timeout=900)
