@@ -127,7 +127,7 @@ def test_status_shows_roles_pods_conditions_events(
     reasons = {e["reason"] for e in events_of(kube, ns, NAME)}
     assert reasons and all(any(f" {r} " in ln for ln in out) for r in reasons)
     decode = next(ln for ln in out if ln.split()[:1] == ["decode"])
-    assert decode.split()[1:] == ["2", "2", "2", "2", "2", "2", "90%-of-GPU", "-"]
+    assert decode.split()[1:] == ["2", "2", "2", "2", "2", "2", "90%-of-GPU", "-", "auto"]
 
 
 def test_namespace_from_the_kubeconfig_context_and_errors(
