@@ -65,7 +65,7 @@ def test_example(path: Path, kube: Kubectl, operator: Operator, op_namespace: st
     assert status["routingSummary"] == summary
     conds = conditions(obj)
     assert sorted(conds) == sorted(["Validated", "RoutingReady", "PrefillAvailable",
-                                    "DecodeAvailable", "Ready"])
+                                    "DecodeAvailable", "Disaggregated", "Ready"])
     assert all(c["status"] == "True" for c in conds.values()), conds
     assert conds["RoutingReady"]["message"] == f"{plan['case']}: {summary}"
 
