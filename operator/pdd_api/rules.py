@@ -347,6 +347,23 @@ class NgramOnlyRule:
         )
 
 
+_WITHOUT_MTP = without_mtp()
+_MODEL_NAME = "self.model.name"
+
+
+def _lacks_mtp(name: Any) -> bool:
+    """A model name the catalog knows to lack an MTP module, with or without an owner."""
+    return isinstance(name, str) and any(name == b or name.endswith(f"/{b}")
+                                         for b in _WITHOUT_MTP)
+
+
+def _cel_lacks_mtp() -> str:
+    """:func:`_lacks_mtp` of spec.model.name in CEL (false when it is unset)."""
+    n, known = _MODEL_NAME, "[" + ", ".join(f"'{b}'" for b in _WITHOUT_MTP) + "]"
+    return (f"(has(self.model) && has({n}) && "
+            f"{known}.exists(b, {n} == b || {n}.endsWith('/' + b)))")
+
+
 @dataclass(frozen=True)
 class MtpModelRule:
     """mtp drafts with the checkpoint's own multi-token-prediction module: DeepSeek-V3/R1 carry
@@ -357,7 +374,6 @@ class MtpModelRule:
 
     field: str = f"{SPECULATIVE}.method"
     reads: tuple[tuple[str, ...], ...] = ()
-    names: tuple[str, ...] = without_mtp()
 
     @staticmethod
     def _words(name: str) -> str:
@@ -367,20 +383,15 @@ class MtpModelRule:
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
         name = lookup(spec, "model.name")
-        if lookup(spec, self.field) != "mtp" or not isinstance(name, str):
+        if lookup(spec, self.field) != "mtp" or not _lacks_mtp(name):
             return None
-        if any(name == b or name.endswith(f"/{b}") for b in self.names):
-            return self._words(name)
-        return None
+        return self._words(name)
 
     def cel(self) -> dict[str, str]:
-        n = "self.model.name"
-        known = "[" + ", ".join(f"'{b}'" for b in self.names) + "]"
         return _cel(
             self.field,
-            f"{_cel_guard(self.field)}self.{self.field} != 'mtp' || !has(self.model) || "
-            f"!has({n}) || !{known}.exists(b, {n} == b || {n}.endsWith('/' + b))",
-            _fmt(self._words("%s"), n),
+            f"{_cel_guard(self.field)}self.{self.field} != 'mtp' || !{_cel_lacks_mtp()}",
+            _fmt(self._words("%s"), _MODEL_NAME),
         )
 
 
@@ -392,27 +403,21 @@ class MtpServedRule:
 
     field: str = f"{SPECULATIVE}.method"
     reads: tuple[tuple[str, ...], ...] = ()
-    names: tuple[str, ...] = without_mtp()
     message: str = (f"spec.{SPECULATIVE}.method: mtp is served with engine vllm only for now "
                     "(engine pdd drafts with mtp in pdd generate, not yet when serving); use "
                     "ngram")
 
     def check(self, spec: Mapping[str, Any]) -> str | None:
-        if lookup(spec, self.field) != "mtp" or _vllm(spec):
-            return None
-        name = lookup(spec, "model.name")
-        if isinstance(name, str) and any(name == b or name.endswith(f"/{b}") for b in self.names):
+        if lookup(spec, self.field) != "mtp" or _vllm(spec) or _lacks_mtp(
+                lookup(spec, "model.name")):
             return None
         return self.message
 
     def cel(self) -> dict[str, str]:
-        n = "self.model.name"
-        known = "[" + ", ".join(f"'{b}'" for b in self.names) + "]"
         return _cel(
             self.field,
             f"{_cel_guard(self.field)}self.{self.field} != 'mtp' || "
-            f"(has(self.engine) && self.engine == 'vllm') || (has(self.model) && has({n}) && "
-            f"{known}.exists(b, {n} == b || {n}.endsWith('/' + b)))",
+            f"(has(self.engine) && self.engine == 'vllm') || {_cel_lacks_mtp()}",
             f"'{self.message}'",
         )
 
