@@ -242,6 +242,24 @@ def error_text(body: Any) -> str:
     return str(err)
 
 
+def unready_reason(proc: Proc, needle: str, tries: int = 600) -> tuple[int, str]:
+    """Poll ``proc``'s /readyz until its reason names ``needle`` (or ``tries`` run out): the
+    last status and reason, so a test can assert the refusal a peer mismatch leaves there.
+    The process must stay alive meanwhile: a mismatch is reported, never a crash."""
+    reason, status = "", 0
+    for _ in range(tries):
+        try:
+            status, body = http("GET", f"{proc.url}/readyz")
+        except OSError:  # not listening yet
+            body = {}
+        reason = body.get("reason", "") if isinstance(body, dict) else ""
+        if needle in reason:
+            break
+        assert proc.alive()
+        time.sleep(0.1)
+    return status, reason
+
+
 def plan_json(p: tuple[int, int], d: tuple[int, int], block_size: int) -> str:
     """The routing plan (contract JSON) of prefill ``(tp, dcp)`` to decode ``(tp, dcp)``."""
     from pdd_api.plan import SidePlan

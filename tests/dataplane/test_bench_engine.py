@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
+from bench_fixtures import load_bench
 
 pytestmark = pytest.mark.dataplane
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
 
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_engine", BENCH)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_small_config_reports_every_section(tmp_path: Path) -> None:
-    mod = _bench()
+def test_small_config_reports_every_section(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench("engine.py", monkeypatch)
     out = tmp_path / "engine.json"
     argv = ["--device", "cpu", "--small", "--batches", "1,2", "--contexts", "40", "--prefill"]
     argv += ["24", "--attn-contexts", "64", "--moe-tokens", "1", "--reps", "1", "--json", str(out)]
@@ -56,10 +46,11 @@ def test_small_config_reports_every_section(tmp_path: Path) -> None:
         assert r["ms"] > 0 and r["per_prompt_attention_ms"] > 0 and not r["batched_attention"]
 
 
-def test_prefill_flops_count_causal_attention_over_the_whole_prompt() -> None:
+def test_prefill_flops_count_causal_attention_over_the_whole_prompt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The quadratic term is causal attention over every earlier token and the token itself:
     per layer and head, qk dims for the scores and v dims for the weighted sum, 2 FLOPs each."""
-    mod = _bench()
+    mod = load_bench("engine.py", monkeypatch)
     cfg = mod.v2_lite_config()
     f = mod.prefill_flops
     t = 1000
@@ -69,10 +60,11 @@ def test_prefill_flops_count_causal_attention_over_the_whole_prompt() -> None:
     assert math.isclose(second_diff, per_pair, rel_tol=1e-6)
 
 
-def test_breakdown_groups_kernels_by_name_per_layer_against_the_step() -> None:
+def test_breakdown_groups_kernels_by_name_per_layer_against_the_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels of one name are summed (templates and parameters stripped from the name), per
     step and per layer, as a share of the step's wall time, most time first."""
-    mod = _bench()
+    mod = load_bench("engine.py", monkeypatch)
     times = [
         ("void at::native::vectorized_elementwise_kernel<4, AddFunctor<float>>(int, float)", 2e-6),
         ("_gemv_gate_up", 40e-6),
@@ -89,8 +81,8 @@ def test_breakdown_groups_kernels_by_name_per_layer_against_the_step() -> None:
     assert summary["kernels"] >= 1 and "between kernels" in text
 
 
-def test_kv_budget_from_free_memory_or_as_asked() -> None:
-    mod = _bench()
+def test_kv_budget_from_free_memory_or_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench("engine.py", monkeypatch)
     cpu = mod.torch.device("cpu")
     assert mod.kv_budget_gib(cpu, 3.5, 12.0, small=False) == 3.5
     assert mod.kv_budget_gib(cpu, None, 12.0, small=False) == 1.0

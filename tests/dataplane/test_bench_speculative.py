@@ -2,38 +2,25 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from bench_fixtures import load_bench
 
 pytestmark = pytest.mark.dataplane
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "speculative.py"
 
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_expected_tokens_per_verify_step() -> None:
-    mod = _bench()
+def test_expected_tokens_per_verify_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench("speculative.py", monkeypatch)
     assert mod.expected_tokens(0.0, 3) == 1.0
     assert mod.expected_tokens(1.0, 3) == 4.0
     assert mod.expected_tokens(0.5, 1) == pytest.approx(1.5)
     assert mod.expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
-def test_small_config_reports_every_figure(tmp_path: Path) -> None:
-    mod = _bench()
+def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench("speculative.py", monkeypatch)
     out = tmp_path / "spec.json"
     argv = ["--device", "cpu", "--small", "--batches", "1,2", "--ks", "1,2", "--context", "8",
             "--tokens", "3", "--block-size", "4", "--json", str(out)]

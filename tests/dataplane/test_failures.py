@@ -20,7 +20,14 @@ from typing import Any
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
 import torch  # noqa: F401  (the tier needs it; never skip)
-from runtime_fixtures import LocalCluster, error_text, free_ports, http, plan_json  # noqa: E402
+from runtime_fixtures import (  # noqa: E402
+    LocalCluster,
+    error_text,
+    free_ports,
+    http,
+    plan_json,
+    unready_reason,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -267,18 +274,7 @@ def test_metadata_mismatch_is_refused_naming_both_values(cluster: LocalCluster) 
     decode = cluster.instance("decode", 2, 1, routing, BLOCK, PDD_NUM_BLOCKS=NUM_BLOCKS,
                               PDD_PREFILL_URLS=prefill.url)
     # Not ready: its only prefill peer is incompatible, and /readyz says why.
-    reason = ""
-    status = 0
-    for _ in range(600):
-        try:
-            status, body = http("GET", f"{decode.url}/readyz")
-        except OSError:  # not listening yet
-            body = {}
-        reason = body.get("reason", "") if isinstance(body, dict) else ""
-        if "dtype" in reason:
-            break
-        assert decode.alive()
-        threading.Event().wait(0.1)
+    status, reason = unready_reason(decode, "dtype")
     assert status == 503
     assert "dtype: local 'bfloat16' != decode 0 rank 0 'float32'" in reason, reason
     # A hand-off from that peer is refused with the same message, and nothing leaks.

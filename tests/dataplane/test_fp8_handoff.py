@@ -8,14 +8,13 @@ its prefill's is refused at the handshake and at the hand-off, naming both value
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
 import pytest
-from runtime_fixtures import LocalCluster, Proc, error_text, http, plan_json
+from runtime_fixtures import LocalCluster, Proc, error_text, http, plan_json, unready_reason
 
 from pdd_sidecar.engine.generate import generate
 
@@ -108,17 +107,7 @@ def test_a_decode_whose_kv_dtype_differs_is_refused_naming_both(cluster: LocalCl
     stack = _stack(cluster, (1, 1), (1, 1), FP8, {}, ready=False)
     prefill, decode = stack["prefill"], stack["decode"]
     prefill.wait_ready()
-    reason, status = "", 0
-    for _ in range(600):
-        try:
-            status, body = http("GET", f"{decode.url}/readyz")
-        except OSError:  # not listening yet
-            body = {}
-        reason = body.get("reason", "") if isinstance(body, dict) else ""
-        if "kv_cache_dtype" in reason:
-            break
-        assert decode.alive()
-        threading.Event().wait(0.1)
+    status, reason = unready_reason(decode, "kv_cache_dtype")
     assert status == 503
     # the prefill refuses the decode's handshake: its side of the message
     assert "kv_cache_dtype: local 'fp8' != decode 0 rank 0 'auto'" in reason, reason
