@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from pdd_sidecar.kv import fp8_layout  # noqa: E402
 from pdd_sidecar.model.kernels import flashmla_decode as fm  # noqa: E402
 from pdd_sidecar.model.kernels import mla_decode as md  # noqa: E402
+from pdd_sidecar.model.kernels.decode_backend import flashmla_wins  # noqa: E402
 from pdd_sidecar.model.kernels.kv_write import write_latents  # noqa: E402
 
 C, R, BS, LAYERS = 512, 64, 64, 2
@@ -199,6 +200,11 @@ def run_shape(
             line.append(f"Triton bf16 / {fname} time {tb / fl:.2f}, "
                         f"Triton FP8 / {fname} time {t8 / fl:.2f}")
     line.append(f"Triton FP8 speed-up over Triton bf16 {tb / t8:.2f}x")
+    if "us" in row.get("flashmla_bf16", {}):  # what a user gets: PDD_ATTENTION_BACKEND=auto
+        pick = "flashmla_bf16" if flashmla_wins(batch, heads) else "triton_bf16"
+        row["auto"] = pick
+        line.append(f"default (auto) runs {pick}: time / flashmla_bf16 "
+                    f"{row[pick]['us'] / row['flashmla_bf16']['us']:.2f}")
     print("\n    ".join(line), flush=True)
     if args.tune:
         for variant in ("groups", "tile"):
