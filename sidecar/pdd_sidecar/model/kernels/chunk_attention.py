@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.model.kernels.pow2 import next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -156,10 +158,6 @@ if HAS_TRITON:
 LAST_LAUNCH: dict[str, Any] = {}  # the last launch's config and compiled kernel (for the bench)
 
 
-def _p2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
-
-
 def tile_bounds(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
@@ -278,7 +276,7 @@ def _launch(
         kn.stride(0), kn.stride(1), kr.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         m, n, tiles,
-        DN=dn, DR=dr, DV=dv, DN_P2=_p2(dn), DR_P2=_p2(dr), DV_P2=_p2(dv),
+        DN=dn, DR=dr, DV=dv, DN_P2=next_pow2(dn), DR_P2=next_pow2(dr), DV_P2=next_pow2(dv),
         BLOCK_M=bm, BLOCK_N=bn, IEEE=kn.dtype == torch.float32, HAS_LO=q_lo is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip

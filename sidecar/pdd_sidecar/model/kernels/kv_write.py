@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pdd_sidecar.kv import fp8_layout
+from pdd_sidecar.model.kernels.pow2 import next_pow2
 
 try:
     import triton
@@ -127,13 +128,9 @@ def _write_fp8_triton(
     kernel[(vals.shape[0],)](
         layer_view, block_ids, offsets, mask, vals,
         layer_view.stride(0), layer_view.stride(1), vals.stride(0),
-        C=nope, R=rope, NG_P2=_p2(groups, 1), G_P2=_p2(min(nope, fp8_layout.GROUP)),
-        R_P2=_p2(rope), E4M3_MAX=fp8_layout.E4M3_MAX, MIN_SCALE=fp8_layout._MIN_SCALE,
+        C=nope, R=rope, NG_P2=next_pow2(groups, 1), G_P2=next_pow2(min(nope, fp8_layout.GROUP)),
+        R_P2=next_pow2(rope), E4M3_MAX=fp8_layout.E4M3_MAX, MIN_SCALE=fp8_layout._MIN_SCALE,
     )  # fmt: skip
-
-
-def _p2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
 
 
 if HAS_TRITON:

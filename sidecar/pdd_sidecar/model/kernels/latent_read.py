@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pdd_sidecar.kv import fp8_layout
+from pdd_sidecar.model.kernels.pow2 import next_pow2
 
 try:
     import triton
@@ -115,14 +116,10 @@ def _read_fp8_triton(
     kernel[(n,)](
         layer_view, block_ids, out, layer_view.stride(0), layer_view.stride(1),
         out.stride(0), BS=bs, C=kv_lora_rank, R=latent - kv_lora_rank,
-        NG_P2=_p2(fp8_layout.num_groups(kv_lora_rank), 1),
-        G_P2=_p2(min(kv_lora_rank, fp8_layout.GROUP)), R_P2=_p2(latent - kv_lora_rank),
+        NG_P2=next_pow2(fp8_layout.num_groups(kv_lora_rank), 1),
+        G_P2=next_pow2(min(kv_lora_rank, fp8_layout.GROUP)), R_P2=next_pow2(latent - kv_lora_rank),
     )  # fmt: skip
     return out
-
-
-def _p2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
 
 
 if HAS_TRITON:

@@ -28,6 +28,7 @@ import torch
 from pdd_sidecar.kv import fp8_layout
 from pdd_sidecar.model.kernels import decode_backend
 from pdd_sidecar.model.kernels.flashmla_decode import flashmla_decode
+from pdd_sidecar.model.kernels.pow2 import next_pow2
 from pdd_sidecar.model.mla import decode_attention
 
 try:
@@ -182,10 +183,6 @@ def num_splits_for(batch: int, head_groups: int, capacity: int, sms: int) -> int
     return max(1, min(want, most, MAX_SPLITS))
 
 
-def _p2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
-
-
 def paged_mla_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -242,12 +239,12 @@ def paged_mla_decode_triton(
     extra: dict[str, Any] = {}
     if fp8:
         ng = fp8_layout.num_groups(c)
-        extra = {"NG": ng, "G_P2": _p2(min(c, fp8_layout.GROUP))}
+        extra = {"NG": ng, "G_P2": next_pow2(min(c, fp8_layout.GROUP))}
         variant = fp8_kernel or FP8_KERNEL
         if variant == "groups":
             kernel = _mla_decode_split_fp8
         elif variant == "tile":
-            extra.update(FP8=True, NG_P2=_p2(ng, 1))
+            extra.update(FP8=True, NG_P2=next_pow2(ng, 1))
         else:
             raise ValueError(f"fp8_kernel {variant!r} is not one of groups, tile")
         num_warps = num_warps or FP8_NUM_WARPS
@@ -277,8 +274,8 @@ def paged_mla_decode_triton(
         BS=bs,
         C=c,
         R=r,
-        C_P2=_p2(c),
-        R_P2=_p2(r),
+        C_P2=next_pow2(c),
+        R_P2=next_pow2(r),
         BLOCK_H=block_h,
         BLOCK_N=bn,
         TILE_IN_BLOCK=bs % bn == 0,
@@ -308,8 +305,8 @@ def paged_mla_decode_triton(
             BS=bs,
             BLOCK_N=bn,
             C=c,
-            C_P2=_p2(c),
-            S_P2=_p2(num_splits, 2),
+            C_P2=next_pow2(c),
+            S_P2=next_pow2(num_splits, 2),
             num_warps=4,
         )
     return out, lse

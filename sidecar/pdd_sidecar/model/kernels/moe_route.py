@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.model.kernels.pow2 import next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -120,7 +122,7 @@ def router_topk_triton(
                                device=x.device)
         _COUNTERS[key] = counters
     splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
-    e_p2 = max(16, 1 << (e - 1).bit_length())
+    e_p2 = next_pow2(e)
     part = torch.empty(splits, t, e_p2, dtype=torch.float32, device=x.device)
     kk = k + always
     weights = torch.empty(t, kk, dtype=torch.float32, device=x.device)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.model.kernels.pow2 import next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -51,10 +53,6 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return out.flatten(-2).to(x.dtype)
 
 
-def _p2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` over the last dimension, normalized in fp32 and rounded to
     ``x``'s dtype before the weight, as transformers does."""
@@ -70,7 +68,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     rows = x if x.dim() == 2 else x.reshape(-1, n)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     kernel: Any = _rms_norm_rows
-    block = _p2(n)
+    block = next_pow2(n)
     kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
                              num_warps=4 if block <= 2048 else 8)
     return out.view(x.shape)
@@ -96,7 +94,7 @@ def add_rms_norm_triton(
     total = torch.empty_like(xr)
     normed = torch.empty_like(xr)
     kernel: Any = _add_rms_norm_rows
-    block = _p2(n)
+    block = next_pow2(n)
     kernel[(xr.shape[0],)](xr, yr, weight, total, normed, n, eps, BLOCK=block,
                            num_warps=4 if block <= 2048 else 8)
     return total.view(x.shape), normed.view(x.shape)
@@ -125,7 +123,7 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     c, s = cos.float().contiguous(), sin.float().contiguous()
     kernel: Any = _rope_rows
     kernel[(t * m,)](view, c, s, out, m, view.stride(0), view.stride(1), HALF=dim // 2,
-                     HALF_P2=_p2(dim // 2))
+                     HALF_P2=next_pow2(dim // 2))
     return out.view(x.shape)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.norm_rope import apply_rope, apply_rope_ref, rms_norm, rms_norm_ref
+from pdd_sidecar.model.kernels.pow2 import next_pow2
 
 try:
     import triton
@@ -112,17 +113,13 @@ def rope_kv_write_triton(
         ckv, q_pe, norm_w, c, s, layer_view, blk, off, mask, lat, q_out,
         ckv.stride(0), q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1),
         layer_view.stride(0), layer_view.stride(1), heads, eps,
-        KVL=kvl, KVL_P2=_p2(kvl), HALF=rope // 2, HALF_P2=_p2(rope // 2),
-        H_P2=_p2(heads, 1), WRITE_CACHE=direct, STORE_LATENT=latent is not None,
+        KVL=kvl, KVL_P2=next_pow2(kvl), HALF=rope // 2, HALF_P2=next_pow2(rope // 2),
+        H_P2=next_pow2(heads, 1), WRITE_CACHE=direct, STORE_LATENT=latent is not None,
     )  # fmt: skip
     if not direct:
         assert latent is not None
         _store(kv_cache, layer, blk, off, mask, latent, kvl)
     return q_out, latent if want_latent else None
-
-
-def _p2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
 
 
 if HAS_TRITON:
