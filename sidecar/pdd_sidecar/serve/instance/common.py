@@ -18,7 +18,7 @@ from pdd_sidecar import tracing
 from pdd_sidecar.engine.driver import InstanceDriver, on_loop
 from pdd_sidecar.engine.grammar_mask import Grammars
 from pdd_sidecar.engine.sampling import MAX_LOGPROBS, Logprob, SamplingError, SamplingParams
-from pdd_sidecar.engine.scheduler import FORKS, Sequence
+from pdd_sidecar.engine.scheduler import FORKS, GROUP, Sequence
 from pdd_sidecar.engine.worker import RankWorker, RequestError
 from pdd_sidecar.grammar import GrammarError
 from pdd_sidecar.kv.grants import GrantError, GrantExpired
@@ -154,6 +154,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", 400, "invalid_request")
     return body
+
+
+def choice_members(seq: Sequence) -> list[Sequence]:
+    """The sequences of a request's choices (itself alone without forks)."""
+    group = seq.extra.get(GROUP)
+    return group.members if group is not None else [seq]
 
 
 def first_error(results: list[Any]) -> RequestError | None:

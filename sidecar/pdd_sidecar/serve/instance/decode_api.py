@@ -52,7 +52,6 @@ from pdd_sidecar.engine.sampling import MAX_CHOICES, choice_seed
 from pdd_sidecar.engine.scheduler import (
     CACHED_TOKENS,
     FORKS,
-    GROUP,
     LOGPROBS,
     PENALTY_PROMPT,
     Fork,
@@ -71,6 +70,7 @@ from pdd_sidecar.serve.instance.common import (
     STATE,
     InstanceState,
     bad,
+    choice_members,
     error_response,
     finished,
     first_error,
@@ -106,13 +106,7 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
     claim_url = _claim_url(state, src)
     choices = _choices(state, body)
     first = choices[0][1]
-    max_new = int_field(body, "max_new_tokens", 16, 0)
-    assert max_new is not None
-    total = src.num_tokens + 1 + max_new
-    if total > state.max_model_len:
-        raise bad(f"max_new_tokens: prompt ({src.num_tokens} tokens) + 1 + max_new_tokens "
-                  f"({max_new}) = {total} exceeds the maximum model length "
-                  f"{state.max_model_len}")
+    max_new = _max_new_tokens(state, body, src.num_tokens)
     prompt = _prompt_ids(state, body, src)
     options = sequence_options(state, body, first)
     penalizes_prompt = options["sampling"].repetition_penalty != 1.0
@@ -136,6 +130,18 @@ def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -
                 base, seed=choice_seed(base.seed, j)), grammar=_grammar(state, base, t))
                 for j, t in choices[1:]]
     return seq
+
+
+def _max_new_tokens(state: InstanceState, body: dict[str, Any], prompt_tokens: int) -> int:
+    """The tokens a request decodes after its first, refused (400) past the model's length."""
+    max_new = int_field(body, "max_new_tokens", 16, 0)
+    assert max_new is not None
+    total = prompt_tokens + 1 + max_new
+    if total > state.max_model_len:
+        raise bad(f"max_new_tokens: prompt ({prompt_tokens} tokens) + 1 + max_new_tokens "
+                  f"({max_new}) = {total} exceeds the maximum model length "
+                  f"{state.max_model_len}")
+    return max_new
 
 
 def _grammar(state: InstanceState, sampling: Any, first: int) -> Any:
@@ -190,13 +196,7 @@ def _local_sequence(state: InstanceState, body: dict[str, Any]) -> Sequence:
     prompt = token_ids(state, body["prompt_ids"], "prompt_ids")
     if not prompt:
         raise bad("prompt_ids: must hold at least one token id, got []")
-    max_new = int_field(body, "max_new_tokens", 16, 0)
-    assert max_new is not None
-    total = len(prompt) + 1 + max_new
-    if total > state.max_model_len:
-        raise bad(f"max_new_tokens: prompt ({len(prompt)} tokens) + 1 + max_new_tokens "
-                  f"({max_new}) = {total} exceeds the maximum model length "
-                  f"{state.max_model_len}")
+    max_new = _max_new_tokens(state, body, len(prompt))
     # ``max_tokens`` counts the first token too: it is sampled here, into the output.
     return Sequence(request_id(body, lambda: uuid.uuid4().hex), prompt, max_new + 1,
                     len(prompt) + max_new, **sequence_options(state, body))
@@ -251,12 +251,6 @@ def info_endpoints(info: dict[str, Any]) -> list[tuple[str, int]]:
     return parse_endpoints(listed, tp)
 
 
-def _members(seq: Sequence) -> list[Sequence]:
-    """The sequences of a request's choices (itself alone without forks)."""
-    group = seq.extra.get(GROUP)
-    return group.members if group is not None else [seq]
-
-
 def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
     m = state.metrics
     ranks = []
@@ -290,13 +284,13 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
         out["choices"] = [{"index": m.extra["choice"], "token_ids": m.output,
                            "finish_reason": m.finish_reason,
                            **({"logprobs": logprob_json(m.extra.get(LOGPROBS, []))}
-                              if m.logprobs is not None else {})} for m in _members(seq)]
+                              if m.logprobs is not None else {})} for m in choice_members(seq)]
     return out
 
 
 def _error(seq: Sequence) -> RequestError | None:
     """The request's error: its own, or that of a choice forked from it."""
-    for m in _members(seq):
+    for m in choice_members(seq):
         err = sequence_error(m)
         if err:
             return err
@@ -362,7 +356,7 @@ def _choice_lines(seq: Sequence, tokens: list[tuple[int, int]], sent: dict[int, 
     entry, stored on that choice's sequence before the token was delivered."""
     if seq.logprobs is None:
         return b"".join(b'{"choice": %d, "token": %d}\n' % jt for jt in tokens)
-    members = {m.extra["choice"]: m for m in _members(seq)}
+    members = {m.extra["choice"]: m for m in choice_members(seq)}
     out = []
     for j, t in tokens:
         at = sent.get(j, 0)

@@ -19,26 +19,33 @@ from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
+from pdd_sidecar.serve.instance.common import choice_members
 
 # How the hand-off's path is named in a trace: NIXL moves KV over UCX (its one backend here,
 # spec.kvTransfer.backend), a peer on this host's GPUs by a device copy over CUDA IPC.
 PATHS = {"nixl": "ucx", "cuda_ipc": "cuda_ipc"}
 
 
-def _members(seq: Sequence) -> list[Sequence]:
-    group = seq.extra.get("choice_group")
-    return list(group.members) if group is not None else [seq]
-
-
 def _error(seq: Sequence | None, status: int | None) -> str | None:
     if seq is not None and seq.error:
         return str(seq.error.get("error") or seq.error)
     return None if status is None or status < 400 else f"HTTP {status}"
+
+
+def _server_span(name: str, parent: Context, start: float,
+                 attrs: dict[str, Any]) -> tuple[Span, Context] | None:
+    """The request's span in this instance and the context its children take; None (the span
+    ended) when it is not recorded, so no child is built."""
+    span = tracing.start_span(name, parent, SpanKind.SERVER, start, attrs)
+    if not span.is_recording():
+        span.end()
+        return None
+    return span, tracing.with_span(span)
 
 
 def prefill(parent: Context, seq: Sequence | None, start: float, status: int,
@@ -62,11 +69,10 @@ def prefill(parent: Context, seq: Sequence | None, start: float, status: int,
         if seq.finish_reason is not None:
             attrs["gen_ai.response.finish_reasons"] = [seq.finish_reason]
     err = error or _error(seq, status)
-    span = tracing.start_span("pdd.prefill", parent, SpanKind.SERVER, start, attrs)
-    if not span.is_recording():
-        span.end()
+    opened = _server_span("pdd.prefill", parent, start, attrs)
+    if opened is None:
         return
-    ctx = tracing.with_span(span)
+    span, ctx = opened
     for name, a, b in (("pdd.prefill.queue", timing.RECEIVED, timing.STEP_START),
                        ("pdd.prefill.compute", timing.STEP_START, timing.STEP_END)):
         if a in extra and b in extra:
@@ -83,7 +89,7 @@ def decode(parent: Context, seq: Sequence | None, start: float, status: int,
     members: list[Sequence] = []
     if seq is not None:
         extra = seq.extra
-        members = _members(seq)
+        members = choice_members(seq)
         attrs.update({
             "pdd.request_id": seq.id,
             "gen_ai.usage.output_tokens": sum(len(m.output) for m in members),
@@ -97,11 +103,10 @@ def decode(parent: Context, seq: Sequence | None, start: float, status: int,
             attrs["pdd.speculative.draft_tokens"] = extra[timing.SPEC_DRAFT_TOKENS]
             attrs["pdd.speculative.accepted_tokens"] = extra.get(timing.SPEC_ACCEPTED_TOKENS, 0)
     err = error or _error(seq, status)
-    span = tracing.start_span("pdd.decode", parent, SpanKind.SERVER, start, attrs)
-    if not span.is_recording():
-        span.end()
+    opened = _server_span("pdd.decode", parent, start, attrs)
+    if opened is None:
         return
-    ctx = tracing.with_span(span)
+    span, ctx = opened
     received, admitted = extra.get(timing.RECEIVED), extra.get(timing.ADMITTED)
     if received is not None and admitted is not None:
         tracing.record_span("pdd.decode.queue", ctx, received, admitted)
