@@ -33,7 +33,7 @@
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
 # SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, SERVE_PATH_IN_ORDER_S 150,
 # PREFIX_CACHE_S 300, KV_TIERS_S 420, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90,
-# STRUCTURED_S 300.
+# STRUCTURED_S 300, SERVE_COMPARE_S 420, TRACING_S 300.
 #   kv_tiers bench/kv_tiers.py on the same kind of checkpoint: the KV pool's defaults against
 #            explicit pools, the host tier, no reuse, a burst sharing one prefix
 #            (KV_TIERS_ARGS adds flags, e.g. --parts a,d); one GPU is enough
@@ -47,6 +47,13 @@
 #            vocabulary beside it): decode TPOT at 64 streams with 0, 25 and 100 % of requests
 #            under a JSON schema, and with top_logprobs 5 on all (STRUCTURED_ARGS adds flags);
 #            needs llguidance (its wheel in .whl/); one GPU is enough
+#   serve_compare  bench/serve_compare.py on that checkpoint: several pdd serve settings side by
+#            side against one engine bound (COMPARE_MODES, default remote,local,default: the
+#            per-request P/D decision off, always local, as shipped; COMPARE_LEVELS adds
+#            --levels; COMPARE_ARGS other flags); one GPU is enough
+#   tracing  bench/serving.py --tracing off,1%,100% on that checkpoint, one decode rank: TPOT
+#            and tokens/s with OpenTelemetry off and at two sampling ratios (TRACING_ARGS adds
+#            flags); one GPU is enough
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -212,6 +219,24 @@ if want structured; then
         2>&1 | tee "$OUT/structured_tpot.log" || rc=1
     mkdir -p /tmp/gpu-all-extra && cp -r /tmp/structured-logs /tmp/gpu-all-extra/ 2>/dev/null
     say "structured done"
+fi
+if want serve_compare; then
+    say "stage serve_compare"
+    checkpoint
+    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${SERVE_COMPARE_S:-420}" $PY \
+        bench/serve_compare.py --device cuda --dtype bfloat16 --model "$CKPT" \
+        --modes "${COMPARE_MODES:-remote,local,default}" \
+        ${COMPARE_LEVELS:+--levels "$COMPARE_LEVELS"} --json "$OUT/serve_compare.json" \
+        ${COMPARE_ARGS:-} 2>&1 | tee "$OUT/serve_compare.log" || rc=1
+    say "serve_compare done"
+fi
+if want tracing; then
+    say "stage tracing"
+    checkpoint
+    PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${TRACING_S:-300}" $PY bench/serving.py \
+        --device cuda --dtype bfloat16 --model "$CKPT" --decode-tp 1 --tracing off,1%,100% \
+        --json "$OUT/tracing.json" ${TRACING_ARGS:-} 2>&1 | tee "$OUT/tracing.log" || rc=1
+    say "tracing done"
 fi
 rm -rf "$CKPT"
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files
