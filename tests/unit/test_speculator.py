@@ -111,3 +111,63 @@ def test_mtp_is_a_method_and_drafts_one_token_unless_told() -> None:
                                                                              tokens=1)
     assert SpeculativeConfig.from_settings("mtp", 2) == SpeculativeConfig(method="mtp", tokens=2)
     assert SpeculativeConfig.from_settings("ngram", None) == SpeculativeConfig(tokens=3)
+
+
+def _always_wrong(steps: int, cfg: SpeculativeConfig) -> list[int]:
+    """The steps (1-based) at which one sequence whose every draft misses verifies drafts."""
+    spec = Speculator(cfg, drafter=lambda sid, index, k: [0] * k)
+    verified = []
+    for step in range(1, steps + 1):
+        (drafts,) = spec.plan([("a", ([5, 6, 7],), 8)])
+        if drafts:
+            verified.append(step)
+            spec.record("a", len(drafts), 0)
+    return verified
+
+
+def test_probes_of_a_sequence_whose_drafts_always_miss_back_off_to_the_cap() -> None:
+    cfg = SpeculativeConfig(tokens=2, pause_steps=32, pause_max_steps=1024)
+    verified = _always_wrong(8192, cfg)
+    # two misses pause it (EMA 1 -> 0.5 -> 0.25); each probe that misses doubles the pause
+    gaps = [b - a - 1 for a, b in zip(verified, verified[1:], strict=False)]
+    assert verified[:2] == [1, 2]
+    assert gaps[1:8] == [32, 64, 128, 256, 512, 1024, 1024], gaps
+    # about one verify step per 1024 once backed off; a fixed 32-step pause (cap = base)
+    # verifies every 33rd step for ever
+    assert len(verified) == 14, verified
+    assert len(_always_wrong(8192, SpeculativeConfig(tokens=2, pause_steps=32,
+                                                     pause_max_steps=32))) == 250
+
+
+def test_a_good_probe_resets_the_backoff() -> None:
+    cfg = SpeculativeConfig(tokens=2, min_acceptance=0.35, pause_steps=4, pause_max_steps=64)
+    spec = Speculator(cfg)
+    item = [("a", (REPEAT,), 4)]
+
+    def run_until_drafting() -> int:
+        waited = 0
+        while not spec.plan(item)[0]:
+            waited += 1
+        return waited
+
+    assert run_until_drafting() == 0
+    spec.record("a", 2, 0)
+    assert run_until_drafting() == 0
+    spec.record("a", 2, 0)  # paused for 4
+    assert run_until_drafting() == 4
+    spec.record("a", 2, 0)  # the probe missed: 8
+    assert run_until_drafting() == 8
+    spec.record("a", 2, 2)  # the probe was good: drafting again, backoff reset
+    assert run_until_drafting() == 0
+    spec.record("a", 2, 0)  # EMA (0.35 + 1) / 2 = 0.675 -> 0.34: paused for the base again
+    assert run_until_drafting() == 4
+
+
+def test_the_backoff_pause_never_passes_its_cap() -> None:
+    from pdd_sidecar.engine.speculative.backoff import PauseBackoff
+    b = PauseBackoff(32, 1024)
+    assert [b.steps(n) for n in (0, 1, 5, 6, 100, 10**6)] == [32, 64, 1024, 1024, 1024, 1024]
+    assert PauseBackoff(0, 0).steps(10) == 0
+    assert PauseBackoff(3, 10).steps(2) == 10
+    with pytest.raises(ValueError, match="speculative.pause_max_steps"):
+        SpeculativeConfig(pause_steps=32, pause_max_steps=16)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdd_sidecar.engine.speculative.backoff import PauseBackoff
 from pdd_sidecar.engine.speculative.ngram import NgramConfig
 
 # "mtp": DeepSeek-V3's MTP module drafts (engine/speculative/mtp.py); refused at load for a
@@ -26,13 +27,18 @@ DEFAULT_MAX_BATCH = 64
 
 # A sequence whose recent acceptance (an EMA of accepted / drafted tokens over its verify
 # steps) falls below this drafts nothing for ``DEFAULT_PAUSE_STEPS`` steps, then tries one
-# verify step again (text turns repetitive and back). Set from bench/speculative.py's
-# modelled curve on one H100: at batch 1-16 a verify step costs 1.25-1.8x a plain one (each
-# extra row also routes to its own experts), so speculation pays from about 25 % (k = 1) to
-# 40 % (k = 3) acceptance; at batch 32-64 from about 10 %.
+# verify step again (text turns repetitive and back); each probe that misses as well doubles
+# the pause up to ``DEFAULT_PAUSE_MAX_STEPS`` (engine/speculative/backoff.py). Set from
+# bench/speculative.py's modelled curve on one H100: at batch 1-16 a verify step costs
+# 1.25-1.8x a plain one (each extra row also routes to its own experts), so speculation pays
+# from about 25 % (k = 1) to 40 % (k = 3) acceptance; at batch 32-64 from about 10 %.
 DEFAULT_MIN_ACCEPTANCE = 0.35
 DEFAULT_EMA_DECAY = 0.5  # weight of the past in the acceptance EMA, per verify step
 DEFAULT_PAUSE_STEPS = 32
+# Each probe after a pause that misses again doubles the pause, up to this many steps
+# (engine/speculative/backoff.py): a sequence that never gets a draft right then costs about
+# one verify step per 1024 steps (under 0.1 % of TPOT at a verify step of 1.6x a plain one).
+DEFAULT_PAUSE_MAX_STEPS = 1024
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,8 @@ class SpeculativeConfig:
     ending of ``ngram_min`` .. ``ngram_max`` tokens that occurred before; mtp: the MTP module's
     greedy guesses, chained on its own output past the first); speculation is off
     for a step of more than ``max_batch`` running sequences, and per sequence while its
-    acceptance EMA is below ``min_acceptance``."""
+    acceptance EMA is below ``min_acceptance`` (``pause_steps``, doubled per failed probe up
+    to ``pause_max_steps``)."""
 
     method: str = "ngram"
     tokens: int = 3
@@ -51,6 +58,7 @@ class SpeculativeConfig:
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
     ema_decay: float = DEFAULT_EMA_DECAY
     pause_steps: int = DEFAULT_PAUSE_STEPS
+    pause_max_steps: int = DEFAULT_PAUSE_MAX_STEPS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,12 +72,15 @@ class SpeculativeConfig:
                              f"{self.min_acceptance}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"speculative.ema_decay: must be in [0, 1), got {self.ema_decay}")
-        if self.pause_steps < 0:
-            raise ValueError(f"speculative.pause_steps: must be >= 0, got {self.pause_steps}")
+        self.backoff  # checks pause_steps, pause_max_steps  # noqa: B018
 
     @property
     def ngram(self) -> NgramConfig:
         return NgramConfig(k=self.tokens, max_n=self.ngram_max, min_n=self.ngram_min)
+
+    @property
+    def backoff(self) -> PauseBackoff:
+        return PauseBackoff(self.pause_steps, self.pause_max_steps)
 
     @classmethod
     def from_settings(cls, method: str | None, tokens: int | None,

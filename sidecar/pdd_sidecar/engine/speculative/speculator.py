@@ -5,7 +5,8 @@ more than its KV reservation holds (admission reserved the positions of ``max_to
 and a verify step writes the KV of every draft), and never past ``max_tokens`` (the step emits
 at most ``drafts + 1`` tokens). A step drafts nothing when more sequences run than
 ``max_batch`` (verification would cost more than it saves), and a sequence drafts nothing for
-a while once its acceptance EMA fell below ``min_acceptance`` (engine/speculative/config.py).
+a while once its acceptance EMA fell below ``min_acceptance`` (engine/speculative/config.py),
+longer each time its probe after the pause misses too (engine/speculative/backoff.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class _SeqState:
     fed: int = 0  # tokens of the text already in the index
     ema: float = 1.0  # recent acceptance; optimistic until measured
     paused_until: int = 0  # the step from which it drafts again
+    probing: bool = False  # its next verify step follows a pause
+    failed_probes: int = 0  # probes in a row that paused it again (backoff.py)
 
 
 # (sequence id, its text's index, at most how many) -> drafts: where they come from
@@ -70,6 +73,7 @@ class Speculator:
         self.cfg = cfg
         self.drafter = drafter
         self.max_rows = max_rows
+        self._backoff = cfg.backoff
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.tokens)
         self._seqs: dict[str, _SeqState] = {}
         self._step = 0
@@ -118,8 +122,14 @@ class Speculator:
         d = self.cfg.ema_decay
         st.ema = d * st.ema + (1 - d) * accepted / drafted
         if st.ema < self.cfg.min_acceptance:
-            st.paused_until = self._step + 1 + self.cfg.pause_steps
+            if st.probing:  # the probe missed too: a longer pause
+                st.failed_probes += 1
+            st.paused_until = self._step + 1 + self._backoff.steps(st.failed_probes)
             st.ema = self.cfg.min_acceptance  # a probe after the pause: one miss pauses again
+            st.probing = True
+        elif st.probing:  # the probe was good: the next low spell pauses for the base again
+            st.probing = False
+            st.failed_probes = 0
 
     def retain(self, live: Iterable[str]) -> None:
         """Forget the sequences not in ``live`` (finished, cancelled)."""
