@@ -314,8 +314,16 @@ def _speculative(env: Mapping[str, str], role: str) -> SpeculativeSettings | Non
         raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: must be one of "
                           f"{', '.join(SPECULATIVE_METHODS)}, got {method!r}")
     if role != "decode":
-        raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: only a decode drafts, got {method!r} on "
-                          f"a {role}")
+        # A prefill of an mtp decode runs the module over the prompt and sends the draft
+        # state (engine/speculative/mtp_served.py); it drafts nothing, so nothing else applies.
+        stray = next((k for k in (PDD_SPECULATIVE_TOKENS, *ngram_keys, *tuning) if env.get(k)),
+                     None)
+        if method != "mtp" or stray is not None:
+            raise ConfigError(f"{stray or PDD_SPECULATIVE_METHOD}: only a decode drafts, got "
+                              f"{env.get(stray) if stray else method!r} on a {role} (a "
+                              f"prefill takes {PDD_SPECULATIVE_METHOD}=mtp alone: it fills "
+                              f"the MTP draft state)")
+        return SpeculativeSettings(method=method)
     if method != "ngram":
         stray = next((k for k in ngram_keys if env.get(k)), None)
         if stray is not None:
@@ -395,6 +403,12 @@ class InstanceSettings:
     host_kv_cache_gib: float = 0.0
     kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # one of pdd_api.models.KV_CACHE_DTYPES
     speculative: SpeculativeSettings | None = None  # decode's drafter; None: no speculation
+
+    @property
+    def cache_extra_layers(self) -> int:
+        """Cache layers after the model's: the MTP module's latents (engine/speculative/
+        mtp.py), on a decode drafting with it and on its prefill, which fills them."""
+        return 1 if self.speculative is not None and self.speculative.method == "mtp" else 0
 
     @property
     def ranks_per_pod(self) -> int:

@@ -210,6 +210,10 @@ class InstanceMetrics:
             "(more running than the threshold), acceptance (recently too low), no_match (no "
             "earlier occurrence of the text's ending), room (max_tokens reached next)",
             ["reason"], registry=r)
+        self.spec_draft_state_missing = Counter(
+            "pdd_spec_decode_draft_state_missing", "Sequences pulled from a prefill that sent "
+            "no MTP draft state: their first step drafted nothing (engine/speculative/"
+            "mtp_served.py)", registry=r)
 
     def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
         """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""

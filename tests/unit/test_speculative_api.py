@@ -89,8 +89,12 @@ def test_no_drafter_renders_nothing() -> None:
      "PDD_SPECULATIVE_NGRAM_MIN: must not exceed PDD_SPECULATIVE_NGRAM_MAX (4), got 5"),
     ({"PDD_SPECULATIVE_METHOD": "mtp", "PDD_SPECULATIVE_NGRAM_MAX": "3"},
      "PDD_SPECULATIVE_NGRAM_MAX: only with PDD_SPECULATIVE_METHOD=ngram, got 'mtp'"),
-    ({"PDD_ROLE": "prefill", "PDD_SPECULATIVE_METHOD": "mtp"},
-     "PDD_SPECULATIVE_METHOD: only a decode drafts, got 'mtp' on a prefill"),
+    ({"PDD_ROLE": "prefill", "PDD_SPECULATIVE_METHOD": "ngram"},
+     "PDD_SPECULATIVE_METHOD: only a decode drafts, got 'ngram' on a prefill (a prefill "
+     "takes PDD_SPECULATIVE_METHOD=mtp alone: it fills the MTP draft state)"),
+    ({"PDD_ROLE": "prefill", "PDD_SPECULATIVE_METHOD": "mtp", "PDD_SPECULATIVE_TOKENS": "2"},
+     "PDD_SPECULATIVE_TOKENS: only a decode drafts, got '2' on a prefill (a prefill "
+     "takes PDD_SPECULATIVE_METHOD=mtp alone: it fills the MTP draft state)"),
 ])
 def test_the_sidecar_refuses_a_drafter_it_cannot_run_naming_the_variable(
         extra: dict[str, str], message: str) -> None:

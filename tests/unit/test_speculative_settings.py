@@ -25,10 +25,20 @@ def test_the_engine_runs_what_the_settings_say() -> None:
     assert speculative_config(InstanceSettings.from_env(ENV)) is None
 
 
-def test_a_method_this_sidecar_does_not_run_is_refused_at_start() -> None:
+def test_mtp_on_a_checkpoint_without_the_module_is_refused_at_start() -> None:
     s = InstanceSettings.from_env({**ENV, "PDD_SPECULATIVE_METHOD": "mtp"})
-    with pytest.raises(ConfigError, match="PDD_SPECULATIVE_METHOD: .*'mtp'"):
+    with pytest.raises(ConfigError, match="PDD_SPECULATIVE_METHOD: 'mtp' needs a checkpoint "
+                                          "with an MTP module, and model 'builtin' has none"):
         speculative_config(s)
+
+
+def test_the_prefill_of_an_mtp_decode_runs_the_module_and_drafts_nothing() -> None:
+    """PDD_SPECULATIVE_METHOD=mtp alone on a prefill: its cache has the module's layer (as
+    its decode's must, for the hand-off's layout check) and its driver does not speculate."""
+    s = InstanceSettings.from_env({**ENV, "PDD_ROLE": "prefill",
+                                   "PDD_SPECULATIVE_METHOD": "mtp"})
+    assert s.speculative is not None and s.cache_extra_layers == 1
+    assert InstanceSettings.from_env(NGRAM).cache_extra_layers == 0
 
 
 @pytest.mark.parametrize(("extra", "message"), [

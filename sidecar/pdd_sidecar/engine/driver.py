@@ -78,6 +78,13 @@ from pdd_sidecar.engine.scheduler import (
 )
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig
+from pdd_sidecar.engine.speculative.mtp_served import (
+    DRAFT_HIDDEN,
+    DRAFT_STATE,
+    ServedMTPDrafts,
+    draft_state_of,
+    prefill_after,
+)
 from pdd_sidecar.engine.speculative.rows import grammar_drafts, row_histories
 from pdd_sidecar.engine.speculative.speculator import SpecStats, Speculator, draft_room
 from pdd_sidecar.engine.speculative.verify import accepted_tokens
@@ -227,8 +234,11 @@ class InstanceDriver:
         self._epochs = itertools.count(1)
         self.fatal: str | None = None
         engine = worker.engine
+        # MTP drafts come from the module every rank runs (engine/speculative/mtp_served.py)
+        self.mtp = (ServedMTPDrafts(worker.run_as_leader)
+                    if worker.mtp is not None and s.role == "decode" else None)
         self.speculator = (Speculator(speculative, max_rows=(
-            engine.buckets[-1] if engine.decode_mode != "eager" else None))
+            engine.buckets[-1] if engine.decode_mode != "eager" else None), batch=self.mtp)
             if speculative is not None and s.role == "decode" else None)
         self._spec_seen = SpecStats(
             accepted_per_pos=[0] * (speculative.tokens if speculative else 0))
@@ -407,7 +417,7 @@ class InstanceDriver:
         """The step's prompt chunks as the ranks run them: prefix-cache hits recomputed in a
         prefill graph where that is the faster step (engine/graphed_hits.py)."""
         chunks = [SeqChunk(c.tokens, c.start, c.seq.blocks) for c in plan.prefill]
-        if not self._scratch or not chunks or _keeps(plan):
+        if not self._scratch or not chunks or _keeps(plan) or self.worker.mtp is not None:
             return chunks
         engine = self.worker.engine
         unit = self.scheduler.block_size * self.scheduler.dcp
@@ -541,6 +551,7 @@ class InstanceDriver:
         spec = self.speculator
         assert spec is not None
         spec.retain(d.seq.id for d in decode)
+        self._mtp_begin(decode)
         items = [(d.seq.id, _text(d.seq), draft_room(d.seq.max_tokens, len(d.seq.output)))
                  for d in decode]
         for d, drafts in zip(decode, spec.plan(items), strict=True):
@@ -548,12 +559,28 @@ class InstanceDriver:
                 drafts, d.states = grammar_drafts(d.seq.grammar, drafts)
             d.drafts = drafts
 
+    def _mtp_begin(self, decode: list[DecodeEntry]) -> None:
+        """The MTP drafter learns each sequence's table, and a new one pulled from a prefill
+        its draft state (counted when the prefill sent none)."""
+        if self.mtp is None:
+            return
+        for d in decode:
+            seq = d.seq
+            src = seq.source
+            if self.mtp.begin(seq.id, seq.blocks, seq.context, seq.first_token,
+                              getattr(src, "draft_state", None), src is not None):
+                self.metrics.spec_draft_state_missing.inc()
+
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
         # A step that prefills a prompt here (scheduler.py: Local prefill) drafts nothing: the
-        # verify sampler takes decode rows only.
+        # verify sampler takes decode rows only. The MTP module still runs for its decode
+        # sequences, so its latents keep up with their text.
         if self.speculator is not None and plan.decode and not plan.prefill:
             self._draft(plan.decode)
+        elif self.mtp is not None and plan.decode:
+            self._mtp_begin(plan.decode)
+            self.mtp.propose([(d.seq.id, 0) for d in plan.decode])
         chunks = self._seq_chunks(plan)
         recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
                                                                        strict=True))
@@ -570,6 +597,8 @@ class InstanceDriver:
             "poll": poll,
         }
         keep = _keeps(plan)
+        if self.worker.mtp is not None:
+            keep = self._mtp_command(plan, cmd, keep)
         if keep:
             cmd["keep"] = keep
         copies = self.scheduler.take_copies()
@@ -627,9 +656,13 @@ class InstanceDriver:
                 if held is not None:
                     self.scheduler.fence.free(held.blocks)
         seqs = [c.seq for c in plan.prefill] + [d.seq for d in plan.decode]
+        emitted = [len(d.seq.output) for d in plan.decode]
         if not failed:
             try:
                 self._sample(plan)
+                if self.mtp is not None:  # the positions whose next token is now known
+                    for d, before in zip(plan.decode, emitted, strict=True):
+                        self.mtp.verified(d.seq.id, d.position, d.seq.output[before:])
             except Exception as exc:  # rank 0 alone: fail this step's sequences, not the loop
                 log.error("sampling failed: %s", traceback.format_exc())
                 failed = {"error": f"sampling failed: {type(exc).__name__}: {exc}",
@@ -639,11 +672,31 @@ class InstanceDriver:
                 seq.error = failed
                 self.scheduler.cancel(seq.id)
 
+    def _mtp_command(self, plan: StepPlan, cmd: dict[str, Any], keep: list[int]) -> list[int]:
+        """What the step's ranks do for the MTP module (engine/speculative/mtp_served.py): a
+        decode keeps its decode rows' hidden states; a prefill keeps its chunks' and runs the
+        module over their positions whose next token the prompt has. The step's kept chunks."""
+        rows = len(plan.prefill)
+        if self.role == "decode":
+            mtp_keep = []
+            for d in plan.decode:
+                mtp_keep.append((d.seq.id, rows, d.rows))
+                rows += d.rows
+            cmd["mtp_keep"] = mtp_keep
+            return sorted({*keep, *range(len(plan.prefill), rows)})
+        work = [(i, c.start, prefill_after(c.seq.prompt, c.start, len(c.tokens)),
+                 list(c.seq.blocks)) for i, c in enumerate(plan.prefill)]
+        cmd["mtp_prefill"] = work
+        return sorted({*keep, *range(len(plan.prefill))})
+
     def _sample(self, plan: StepPlan) -> None:
         logits = self.worker.logits
         rows: list[tuple[int, Sequence]] = []
         for i, c in enumerate(plan.prefill):
             self.scheduler.on_chunk_done(c)
+            if c.last and self.worker.mtp is not None and self.role == "prefill":
+                # the draft state (mtp_served.py), read on the host once the token is
+                c.seq.extra[DRAFT_HIDDEN] = self.worker.engine.kept[i][-1].clone()
             if c.seq.prompt_logprobs is not None and c.seq.state is State.RUNNING:
                 self._prompt_logprobs(c, self.worker.engine.kept[i])
             if c.last:
@@ -827,6 +880,9 @@ class InstanceDriver:
         """The prompt's first token of each choice is chosen (``completes``: which ended its
         grammar): the KV is held for a decode unless every choice already ended."""
         seq.output.append(tokens[0])
+        hidden = seq.extra.pop(DRAFT_HIDDEN, None)
+        if hidden is not None:
+            seq.extra[DRAFT_STATE] = draft_state_of(hidden, len(seq.prompt))
         ended = [t in seq.stop_ids or c for t, c in zip(tokens, completes, strict=True)]
         if len(tokens) > 1:
             seq.extra[FIRST_TOKENS] = tokens

@@ -50,13 +50,15 @@ from pdd_sidecar.model.rank_model import RankModel
 log = logging.getLogger(__name__)
 
 
-def bytes_per_block(model: RankModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
-    """A block of every layer, in the cache's dtype: an FP8 token (kv/fp8_layout.py) is 656
-    bytes against 1,152 in bf16 for V2/V3, so the same bytes hold 1.756x the tokens."""
+def bytes_per_block(model: RankModel, block_size: int, kv_cache_dtype: str = "auto",
+                    extra_layers: int = 0) -> int:
+    """A block of every layer (``extra_layers``: the MTP module's, after the model's), in the
+    cache's dtype: an FP8 token (kv/fp8_layout.py) is 656 bytes against 1,152 in bf16 for
+    V2/V3, so the same bytes hold 1.756x the tokens."""
     cfg = model.config
     per_token = token_bytes_for(kv_cache_dtype, cfg.kv_lora_rank,
                                 cfg.latent_dim - cfg.kv_lora_rank, model.dtype)
-    return cfg.num_hidden_layers * block_size * per_token
+    return (cfg.num_hidden_layers + extra_layers) * block_size * per_token
 
 
 def max_positions(settings: InstanceSettings, model: RankModel) -> int:
@@ -213,7 +215,7 @@ def rank_blocks(model: RankModel, comm: Comm, settings: InstanceSettings,
     report = probe(model, comm, s, device, rank, memory)
     longest = max_positions(s, model)
     min_tokens, why = min_sequence(longest)
-    per_block = bytes_per_block(model, s.block_size, s.kv_cache_dtype)
+    per_block = bytes_per_block(model, s.block_size, s.kv_cache_dtype, s.cache_extra_layers)
     return size_pool(report, s.gpu_memory_utilization, per_block, s.block_size, s.dcp,
                      min_tokens, why, longest).blocks
 
@@ -224,7 +226,7 @@ def size_rank_pool(model: RankModel, comm: Comm, settings: InstanceSettings,
     """The instance's pool as this rank makes it: ``PDD_NUM_BLOCKS`` when set, a fixed count on
     a CPU, else sized from memory with every rank agreeing on the smallest."""
     s = settings
-    per_block = bytes_per_block(model, s.block_size, s.kv_cache_dtype)
+    per_block = bytes_per_block(model, s.block_size, s.kv_cache_dtype, s.cache_extra_layers)
     longest = max_positions(s, model)
 
     def pool(blocks: int, source: str) -> PoolSize:

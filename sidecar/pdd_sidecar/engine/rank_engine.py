@@ -334,8 +334,9 @@ class RankEngine:
         """One forward pass over every chunk of the batch; fp32 logits ``[len(chunks), V]`` of
         each chunk's last token (None without ``want_logits``: only rank 0 samples). The final
         hidden states of every position of the chunks ``keep`` names stay in ``kept`` (chunk
-        index -> ``[T, H]``, rank 0) for their prompt log-probabilities (``logits``); such a
-        step runs eagerly, in order, on every rank alike."""
+        index -> ``[T, H]``, on every rank) for their prompt log-probabilities (``logits``)
+        and the MTP module (engine/speculative/mtp_served.py); such a step runs eagerly, in
+        order, on every rank alike."""
         if not chunks:
             raise ValueError("empty step")
         self.kept = {}
@@ -396,11 +397,11 @@ class RankEngine:
         finally:
             if launched is not None:
                 launched()
-        if not want_logits:
-            return None
         lengths = [len(c.tokens) for c in chunks]
         offsets = [sum(lengths[:i]) for i in range(len(chunks))]
         self.kept = {i: hidden[offsets[i]:offsets[i] + lengths[i]] for i in keep}
+        if not want_logits:
+            return None
         ends = to_device(lengths, torch.long, hidden.device).cumsum(0)
         return self._logits(hidden[ends - 1])
 

@@ -22,7 +22,7 @@ import datetime
 import logging
 import os
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdd_api.plan import RoutingPlan
 from pdd_sidecar.engine.seq_chunk import SeqChunk
@@ -35,6 +35,9 @@ from pdd_sidecar.kv.puller import KVPuller, PullJob
 from pdd_sidecar.kv.side_channel import SideChannelServer, publication
 from pdd_sidecar.kv.transfer import KVTransferAgent, TransferError
 from pdd_sidecar.kv.transport import local_record
+
+if TYPE_CHECKING:
+    from pdd_sidecar.engine.speculative.mtp_served import RankMTP
 
 log = logging.getLogger(__name__)
 
@@ -173,14 +176,27 @@ class RankWorker:
             self.pool = size_rank_pool(self.model, comm, s, dev, rank, self.lockstep.all_gather)
             stage = f"allocating the KV pool ({self.pool.blocks} blocks)"
             self.cache = new_cache(self.model, self.pool.blocks, s.block_size, device,
-                                   s.kv_cache_dtype)
+                                   s.kv_cache_dtype, extra_layers=s.cache_extra_layers)
         except torch.cuda.OutOfMemoryError as exc:
             raise oom_error(stage, dev, free_at_start, total, s) from exc
         if rank == 0:
             log.info("%s %d: %s", s.role, s.replica, self.pool.describe())
-        # A decode runs no fresh prompts: nothing of its would overtake
+        # A decode runs no fresh prompts: nothing of its would overtake; a prefill that runs
+        # the MTP module keeps every step's hidden states, in order (no overtaking either).
         self.engine = RankEngine(self.model, self.cache, comm, s.dcp,
-                                 overtake=None if s.role == "prefill" else False)
+                                 overtake=None if s.role == "prefill"
+                                 and not s.cache_extra_layers else False,
+                                 extra_layers=s.cache_extra_layers)
+        # The MTP module beside the model (engine/speculative/mtp_served.py): a decode drafts
+        # with it, its prefill fills its latents and the draft state.
+        self.mtp: RankMTP | None = None
+        if s.cache_extra_layers:
+            from pdd_sidecar.engine.speculative.mtp import MTPDrafter
+            from pdd_sidecar.engine.speculative.mtp_served import RankMTP
+
+            self.mtp = RankMTP(MTPDrafter.load(s.model_source, self.model, self.cache, comm,
+                                               s.dcp, s.model_seed),
+                               self.model.config.hidden_size)
         self.host_tier = RankHostTier.for_rank(self.cache, self.engine, s)
         self.compat = compat_record(
             s, plan_text, plan, self.cache.num_layers, self.cache.latent_dim
@@ -225,6 +241,9 @@ class RankWorker:
                 self.engine.warm_up(cmd["blocks"], cmd["prompt_tokens"], cmd["chunk_tokens"],
                                     cmd["batch_sizes"], want_logits=self.rank == 0)
                 out = {}
+            elif op == "mtp_draft":
+                assert self.mtp is not None
+                out = {"drafts": self.mtp.draft(cmd["seqs"])}
             elif op in ("stats", "shutdown"):
                 out = {}
             else:
@@ -266,6 +285,10 @@ class RankWorker:
         if chunks:
             self.logits = self.engine.step(chunks, want_logits=self.rank == 0,
                                            keep=cmd.get("keep", ()))
+            if self.mtp is not None and "mtp_keep" in cmd:
+                self.mtp.keep(self.engine.kept, cmd["mtp_keep"])
+            if self.mtp is not None and cmd.get("mtp_prefill"):
+                self.mtp.prefill(self.engine.kept, cmd["mtp_prefill"])
         if cmd.get("poll"):
             out["notified"] = [rid for m in self.agent.poll_notifs()
                                if (rid := parse_notif(m)) is not None]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig
 from pdd_sidecar.engine.speculative.ngram import NgramIndex
@@ -63,15 +64,28 @@ def prompt_lookup(sid: str, index: NgramIndex, k: int) -> list[int]:
     return index.propose(k)
 
 
+class BatchDrafter(Protocol):
+    """Drafts made for a whole step at once, by a model every rank runs (the MTP module,
+    engine/speculative/mtp_served.py). Asked about every sequence of every decode step, with
+    the most it may draft (0 where it must draft nothing: the module still runs there, so its
+    KV keeps up with the text)."""
+
+    def propose(self, asks: Sequence[tuple[str, int]]) -> list[list[int]]: ...
+
+    def retain(self, live: Iterable[str]) -> None: ...
+
+
 class Speculator:
     """``drafter``: where drafts come from (default: prompt lookup; a bench replays or
     spoils them). ``max_rows``: the most rows a step should have (the largest CUDA graph
     bucket: more run eagerly, far slower), so a large batch drafts fewer tokens each."""
 
     def __init__(self, cfg: SpeculativeConfig, drafter: Drafter = prompt_lookup,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, batch: BatchDrafter | None = None) -> None:
+        """``batch``: drafts from a model for the whole step (mtp) instead of ``drafter``."""
         self.cfg = cfg
         self.drafter = drafter
+        self.batch = batch
         self.max_rows = max_rows
         self._backoff = cfg.backoff
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.tokens)
@@ -88,22 +102,31 @@ class Speculator:
         k = self.cfg.tokens
         if self.max_rows is not None and items:
             k = min(k, self.max_rows // len(items) - 1)
+        budgets = [0] * len(items)
         if len(items) > self.cfg.max_batch or k < 1:
             self._skip("batch", len(items))
-            return out
-        for i, (sid, parts, room) in enumerate(items):
-            st = self._state(sid)
-            if room <= 0:
-                self._skip("room")
-                continue
-            if st.paused_until > self._step:
-                self._skip("acceptance")
-                continue
-            self._feed(st, parts)
-            drafts = self.drafter(sid, st.index, min(room, k))
-            if not drafts:
+        else:
+            for i, (sid, _, room) in enumerate(items):
+                st = self._state(sid)
+                if room <= 0:
+                    self._skip("room")
+                elif st.paused_until > self._step:
+                    self._skip("acceptance")
+                else:
+                    budgets[i] = min(room, k)
+        if self.batch is not None:
+            out = self.batch.propose([(sid, b) for (sid, _, _), b in zip(items, budgets,
+                                                                          strict=True)])
+        else:
+            for i, (sid, parts, _) in enumerate(items):
+                if budgets[i]:
+                    st = self._state(sid)
+                    self._feed(st, parts)
+                    out[i] = self.drafter(sid, st.index, budgets[i])
+        for i, b in enumerate(budgets):
+            out[i] = out[i][:b]
+            if b and not out[i]:
                 self._skip("no_match")
-            out[i] = drafts
         return out
 
     def record(self, sid: str, drafted: int, accepted: int) -> None:
@@ -136,6 +159,8 @@ class Speculator:
         keep = set(live)
         for sid in [s for s in self._seqs if s not in keep]:
             del self._seqs[sid]
+        if self.batch is not None:
+            self.batch.retain(keep)
 
     def _state(self, sid: str) -> _SeqState:
         st = self._seqs.get(sid)
@@ -169,4 +194,4 @@ def draft_room(max_tokens: int, generated: int) -> int:
     return max(0, max_tokens - generated - 1)
 
 
-__all__ = ["SpecStats", "Speculator", "draft_room"]
+__all__ = ["BatchDrafter", "SpecStats", "Speculator", "draft_room"]

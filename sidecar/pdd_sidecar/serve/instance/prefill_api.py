@@ -40,6 +40,7 @@ from pdd_sidecar.engine.scheduler import (
     PROMPT_LOGPROBS,
     Sequence,
 )
+from pdd_sidecar.engine.speculative.mtp_served import DRAFT_STATE
 from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.kv.handoff import TransferParams
 from pdd_sidecar.serve.instance import spans
@@ -116,6 +117,8 @@ def _held_params(state: InstanceState, seq: Sequence, num_tokens: int) -> Transf
         # An instance spanning pods says where each rank is read from (signed with the rest).
         rank_endpoints=tuple(state.worker.endpoints) if s.spans_pods else None,
         lease_seconds=s.lease_seconds,
+        # the decode's first MTP draft's input, when this prefill runs the module
+        draft_state=seq.extra.get(DRAFT_STATE),
     )
 
 

@@ -301,14 +301,19 @@ def _serve_worker_pod(settings: InstanceSettings, plan_text: str) -> int:
 
 
 def speculative_config(settings: InstanceSettings) -> SpeculativeConfig | None:
-    """The decode's drafting (engine/speculative/) as its settings ask; ConfigError naming the
-    variable for a method this sidecar does not run."""
+    """The decode's drafting (engine/speculative/) as its settings ask (None on a prefill);
+    ConfigError naming the variable for a method this sidecar cannot run."""
     s = settings.speculative
     if s is None:
         return None
-    if s.method == "mtp":  # engine/speculative/mtp.py drafts with it; the driver does not yet
-        raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: 'mtp' is not served by this sidecar yet "
-                          f"(its decode driver drafts n-gram only); use 'ngram'")
+    if s.method == "mtp":  # the module is loaded by every rank (engine/worker.py)
+        cfg = load_config(settings.model_source)
+        if cfg.num_nextn_predict_layers < 1:
+            raise ConfigError(f"{PDD_SPECULATIVE_METHOD}: 'mtp' needs a checkpoint with an MTP "
+                              f"module, and model {settings.model_source!r} has none "
+                              f"(num_nextn_predict_layers 0); use 'ngram'")
+        if settings.role != "decode":
+            return None  # a prefill fills the module's latents and the draft state only
     more: dict[str, int | float] = {}
     if s.max_batch is not None:
         more["max_batch"] = s.max_batch
