@@ -396,33 +396,6 @@ class MtpModelRule:
 
 
 @dataclass(frozen=True)
-class MtpServedRule:
-    """pdd's decode drafts with mtp in ``pdd generate`` but does not serve it yet (it would
-    refuse to start and crash-loop), so a PDDeployment asking for it is refused at admission;
-    vLLM serves it. Names MtpModelRule refuses are left to that rule's one message."""
-
-    field: str = f"{SPECULATIVE}.method"
-    reads: tuple[tuple[str, ...], ...] = ()
-    message: str = (f"spec.{SPECULATIVE}.method: mtp is served with engine vllm only for now "
-                    "(engine pdd drafts with mtp in pdd generate, not yet when serving); use "
-                    "ngram")
-
-    def check(self, spec: Mapping[str, Any]) -> str | None:
-        if lookup(spec, self.field) != "mtp" or _vllm(spec) or _lacks_mtp(
-                lookup(spec, "model.name")):
-            return None
-        return self.message
-
-    def cel(self) -> dict[str, str]:
-        return _cel(
-            self.field,
-            f"{_cel_guard(self.field)}self.{self.field} != 'mtp' || "
-            f"(has(self.engine) && self.engine == 'vllm') || {_cel_lacks_mtp()}",
-            f"'{self.message}'",
-        )
-
-
-@dataclass(frozen=True)
 class VllmRouterImageRule:
     """With engine vllm, spec.image is a vLLM image, which has no pdd router in it."""
 
@@ -922,7 +895,6 @@ def _rules() -> tuple[Rule, ...]:
         NgramOrderRule(),
         NgramOnlyRule(),
         MtpModelRule(),
-        MtpServedRule(),
         VllmRouterImageRule(),
         RangeRule("kvTransfer.sideChannelPort", 1024, 65535 - MAX_TP),
         RangeRule("router.replicas", 1, 16),

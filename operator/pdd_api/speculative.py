@@ -7,11 +7,15 @@ from pdd_api import keys
 from pdd_api.models import NgramSpec, SpeculativeSpec
 
 
-def speculative_env(spec: SpeculativeSpec | None) -> dict[str, str]:
+def speculative_env(spec: SpeculativeSpec | None, role: str = "decode") -> dict[str, str]:
     """Nothing without a drafter (so pods of a spec without one keep their hash); the n-gram
-    lengths only for ngram, written out with their defaults."""
+    lengths only for ngram, written out with their defaults. A prefill gets the method alone,
+    for mtp only: it runs the module over the prompt and sends the decode its draft state (and
+    its cache holds the module's latents, as the decode's must for the hand-off)."""
     if spec is None:
         return {}
+    if role != "decode":
+        return {keys.ENV_SPECULATIVE_METHOD: spec.method} if spec.method == "mtp" else {}
     env = {keys.ENV_SPECULATIVE_METHOD: spec.method,
            keys.ENV_SPECULATIVE_TOKENS: str(spec.tokens)}
     if spec.method == "ngram":

@@ -436,8 +436,7 @@ def role_env(spec: PDDeploymentSpec, role: Role, index: int,
         env.append(_env(keys.ENV_HOST_KV_CACHE_GIB, plain_number(r.hostKVCacheGiB)))
     if r.kvCacheDtype != DEFAULT_KV_CACHE_DTYPE:
         env.append(_env(keys.ENV_KV_CACHE_DTYPE, r.kvCacheDtype))
-    if role == "decode":
-        env += [_env(k, v) for k, v in speculative_env(spec.decode.speculative).items()]
+    env += [_env(k, v) for k, v in speculative_env(spec.decode.speculative, role).items()]
     if spec.model.source:
         env.append(_env(keys.ENV_MODEL_SOURCE, spec.model.source))
     env.append(_env(keys.ENV_GRANT_KEY_FILE, keys.GRANT_KEY_FILE))

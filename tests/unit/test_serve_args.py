@@ -450,6 +450,14 @@ def test_kv_cache_dtype_and_speculative_flags_reach_their_instances(tmp_path: Pa
                 "ngram", 2, 3, 1)
     env = instance_env(default, "decode", PORTS, str(f), None, "/k")
     assert not [k for k in env if k.startswith(("PDD_SPECULATIVE_", "PDD_KV_CACHE_DTYPE"))]
+    # mtp: the prefill runs the module too (its cache holds the module's latents, as the
+    # decode's; it sends the draft state), told by the method alone
+    mtp = config_from_args(parser().parse_args(["--speculative", '{"method": "mtp"}']))
+    for role, tokens in (("prefill", None), ("decode", "1")):
+        env = instance_env(mtp, role, PORTS, str(f), None, "/k")
+        assert env["PDD_SPECULATIVE_METHOD"] == "mtp"
+        assert env.get("PDD_SPECULATIVE_TOKENS") == tokens
+        assert InstanceSettings.from_env(env).cache_extra_layers == 1
 
 
 def test_mtp_on_a_checkpoint_without_the_module_names_the_flag() -> None:

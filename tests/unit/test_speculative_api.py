@@ -13,7 +13,7 @@ from spec_cases import BASE, VLLM, speculative
 
 from pdd_api import keys
 from pdd_api.models_catalog import KNOWN_MODELS, without_mtp
-from pdd_api.validation import InvalidSpecError, parse_spec
+from pdd_api.validation import parse_spec
 from pdd_operator.builders import Owner, build
 from pdd_sidecar.engine.speculative.ngram import NgramConfig
 from pdd_sidecar.env import ConfigError, InstanceSettings, SpeculativeSettings
@@ -29,11 +29,10 @@ def env_of(pod: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
 
 
-def test_mtp_is_refused_where_the_decode_cannot_serve_it() -> None:
-    """pdd's decode refuses mtp at start (it drafts with it in pdd generate only): admission
-    says so instead of a crash-looping pod; vLLM serves it."""
-    with pytest.raises(InvalidSpecError, match="mtp is served with engine vllm only"):
-        parse_spec(speculative({"method": "mtp"}))
+def test_mtp_is_served_by_both_engines() -> None:
+    """pdd's decode serves mtp (engine/speculative/mtp_served.py), as vLLM does; only names
+    known to lack the module are refused (MtpModelRule)."""
+    assert parse_spec(speculative({"method": "mtp"})).decode.speculative is not None
     vllm = speculative({"method": "mtp"})
     vllm.update(engine="vllm", image="vllm/vllm-openai:v0.33.0", router={"image": "pdd:0.1.0"})
     assert parse_spec(vllm).decode.speculative is not None
@@ -47,6 +46,8 @@ def test_the_catalog_knows_which_checkpoints_carry_mtp() -> None:
 
 
 @pytest.mark.parametrize(("value", "want"), [
+    ({"method": "mtp", "tokens": 2},
+     {"PDD_SPECULATIVE_METHOD": "mtp", "PDD_SPECULATIVE_TOKENS": "2"}),
     ({"method": "ngram", "tokens": 3},
      {"PDD_SPECULATIVE_METHOD": "ngram", "PDD_SPECULATIVE_TOKENS": "3",
       "PDD_SPECULATIVE_NGRAM_MAX": "4", "PDD_SPECULATIVE_NGRAM_MIN": "1"}),
@@ -54,14 +55,19 @@ def test_the_catalog_knows_which_checkpoints_carry_mtp() -> None:
      {"PDD_SPECULATIVE_METHOD": "ngram", "PDD_SPECULATIVE_TOKENS": "2",
       "PDD_SPECULATIVE_NGRAM_MAX": "6", "PDD_SPECULATIVE_NGRAM_MIN": "2"}),
 ])
-def test_the_drafter_reaches_the_decode_only_and_its_sidecar_reads_it(
+def test_the_drafter_reaches_the_decode_and_its_sidecar_reads_it(
         value: dict[str, Any], want: dict[str, str]) -> None:
     raw = speculative(value)
     raw["decode"]["env"] = [{"name": keys.ENV_SPECULATIVE_TOKENS, "value": "8"}]
     desired = build(OWNER, parse_spec(raw))
     decode = env_of(desired.pods["decode"][0])
     assert {k: v for k, v in decode.items() if k in SPEC_KEYS} == want  # user env dropped
-    assert not SPEC_KEYS & set(env_of(desired.pods["prefill"][0]))
+    prefill = {k: v for k, v in env_of(desired.pods["prefill"][0]).items() if k in SPEC_KEYS}
+    # the prefill of an mtp decode runs the module (the draft state), told by the method alone
+    assert prefill == ({"PDD_SPECULATIVE_METHOD": "mtp"} if value["method"] == "mtp" else {})
+    if prefill:
+        p = InstanceSettings.from_env({**ENV, **prefill, "PDD_ROLE": "prefill"})
+        assert p.cache_extra_layers == 1
     s = InstanceSettings.from_env({**ENV, **want}).speculative
     assert s is not None and s.method == value["method"]
     assert s.tokens == value.get("tokens", 1)

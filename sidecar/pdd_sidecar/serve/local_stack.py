@@ -457,8 +457,8 @@ def instance_env(cfg: StackConfig, role: str, ports: Ports, routing_file: str,
         env[E.PDD_KV_CACHE_DTYPE] = cfg.kv_cache_dtype
     if role == "decode":
         env[E.PDD_PREFILL_URLS] = ",".join(urls(cfg, ports, "prefill"))
-        if cfg.speculative is not None:  # problems() has judged it by the spec's rules
-            env.update(speculative_env(SpeculativeSpec.model_validate(cfg.speculative)))
+    if cfg.speculative is not None:  # problems() has judged it by the spec's rules
+        env.update(speculative_env(SpeculativeSpec.model_validate(cfg.speculative), role))
     if cfg.device == "cuda" and gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if cfg.device == "cuda":
