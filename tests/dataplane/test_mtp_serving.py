@@ -38,8 +38,8 @@ def plain(mtp_checkpoint: Any) -> list[int]:  # noqa: F811
 
 
 @pytest.mark.parametrize("p,d,k", [((1, 1), (1, 1), 1), ((1, 1), (1, 1), 2),
-                                   ((2, 2), (2, 2), 1)],
-                         ids=["p1-d1-k1", "p1-d1-k2", "p2dcp2-d2dcp2-k1"])
+                                   ((2, 2), (2, 2), 1), ((1, 1), (2, 2), 2)],
+                         ids=["p1-d1-k1", "p1-d1-k2", "p2dcp2-d2dcp2-k1", "p1-d2dcp2-k2"])
 def test_served_greedy_tokens_are_plain_decodings(tmp_path: Path, mtp_checkpoint: Any,  # noqa: F811
                                                   plain: list[int], p: tuple[int, int],
                                                   d: tuple[int, int], k: int) -> None:
@@ -175,3 +175,62 @@ def test_the_served_drafters_drafts_are_one_processes(mtp_checkpoint: Any,  # no
         assert log == one.drafts
     else:
         assert log[0] == (t, []) and log[1:] == one.drafts[1:len(log)], (log, one.drafts)
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory: pytest.TempPathFactory, mtp_checkpoint: Any) -> Any:  # noqa: F811
+    """One MTP prefill, a decode that runs the module but never drafts (max batch 0) and one
+    that drafts at every step (self-disable off), a router in front of each."""
+    from runtime_fixtures import plan_json
+
+    cluster = LocalCluster(tmp_path_factory.mktemp("mtp-twins"))
+    model = {"PDD_MODEL_SOURCE": str(mtp_checkpoint[0]), **MTP}
+    try:
+        routing = cluster.plan_file(plan_json((1, 1), (1, 1), BLOCK))
+        prefill = cluster.instance("prefill", 1, 1, routing, BLOCK, **model)
+        plain = cluster.instance("decode", 1, 1, routing, BLOCK, PDD_PREFILL_URLS=prefill.url,
+                                 PDD_SPECULATIVE_MAX_BATCH="0", **model)
+        spec = cluster.instance("decode", 1, 1, routing, BLOCK, replica=1,
+                                PDD_PREFILL_URLS=prefill.url, PDD_SPECULATIVE_TOKENS="2",
+                                PDD_SPECULATIVE_MIN_ACCEPTANCE="0", **model)
+        routers = [cluster.router([prefill], [plain]), cluster.router([prefill], [spec])]
+        for proc in (prefill, plain, spec, *routers):
+            proc.wait_ready()
+        yield [r.url for r in routers], plain.url, spec.url
+    finally:
+        cluster.close()
+
+
+CASES = {
+    "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
+    "hot": {"temperature": 1.5, "top_k": 20, "seed": 11},
+    "penalties": {"temperature": 0.3, "seed": 3, "frequency_penalty": 0.1,
+                  "repetition_penalty": 1.05, "min_tokens": 5},
+    "logprobs": {"temperature": 0.5, "seed": 5, "logprobs": 3},
+    "stop_ids": {"temperature": 0, "stop_token_ids": [PROMPT[5]]},
+    "choices": {"temperature": 0.7, "seed": 9, "n": 3},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_served_sampling_is_plain_decodings(twins: Any, case: str) -> None:
+    """Seeded sampling, penalties, log-probabilities, stops and choices through MTP drafts:
+    what the decode that never drafts serves, token for token."""
+    (plain_router, spec_router), plain_url, spec_url = twins
+    body = {"prompt": PROMPT, "max_tokens": STEPS, **CASES[case]}
+    drafts = _counter(spec_url, "pdd_spec_decode_num_drafts")
+    status_a, a = http("POST", f"{plain_router}/v1/completions", body, timeout=120)
+    status_b, b = http("POST", f"{spec_router}/v1/completions", body, timeout=120)
+    assert status_a == status_b == 200, (a, b)
+    assert _counter(spec_url, "pdd_spec_decode_num_drafts") > drafts
+    assert _counter(plain_url, "pdd_spec_decode_num_drafts") == 0
+    assert len(a["choices"]) == len(b["choices"]) == body.get("n", 1)
+    for ca, cb in zip(a["choices"], b["choices"], strict=True):
+        assert cb["token_ids"] == ca["token_ids"]
+        assert cb["finish_reason"] == ca["finish_reason"]
+        if "logprobs" in body:
+            assert cb["logprobs"]["token_logprobs"] == pytest.approx(
+                ca["logprobs"]["token_logprobs"], abs=1e-4)
+    # (the second request's prompt is a prefix-cache hit on the shared prefill: cached_tokens)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [b["usage"][k] for k in counts] == [a["usage"][k] for k in counts]
