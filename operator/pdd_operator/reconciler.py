@@ -225,7 +225,7 @@ class Reconciler:
                 log.warning("cannot tell whether %s is served: %s", kind, exc)
             if not self.lws_served:
                 await asyncio.sleep(LWS_DISCOVERY_PERIOD)
-        await asyncio.gather(*(self.kube.watch(kind, ns, MANAGED_SELECTOR, handler(kind))
+        await asyncio.gather(*(self.kube.watch(kind, ns, MANAGED_SELECTOR, handler(kind), lean)
                                for ns in (namespaces or [None])))  # type: ignore[list-item]
 
     async def seed(self, namespaces: list[str] | None) -> None:
@@ -233,7 +233,7 @@ class Reconciler:
         self.lws_served = await self.kube.serves(builders_lws.LWS_KIND)
         for ns in namespaces or [None]:  # type: ignore[list-item]
             for kind in self._child_kinds():
-                for obj in await self.kube.list_objects(kind, ns, MANAGED_SELECTOR):
+                for obj in await self.kube.list_objects(kind, ns, MANAGED_SELECTOR, keep=lean):
                     self.store.upsert(kind, obj)
 
     async def resync(self, namespace: str, name: str) -> None:
@@ -241,7 +241,7 @@ class Reconciler:
         selector = f"{MANAGED_SELECTOR},{keys.LABEL_INSTANCE}={name}"
         for kind in self._child_kinds():
             since = self.store.mark()
-            objs = await self.kube.list_objects(kind, namespace, selector)
+            objs = await self.kube.list_objects(kind, namespace, selector, keep=lean)
             self.store.replace_instance(kind, namespace, name, objs, since)
 
     async def resync_all(self) -> None:
@@ -251,7 +251,7 @@ class Reconciler:
             names = [n for n_ns, n in self.pdds if n_ns == ns]
             for kind in self._child_kinds():
                 since = self.store.mark()
-                objs = await self.kube.list_objects(kind, ns, MANAGED_SELECTOR)
+                objs = await self.kube.list_objects(kind, ns, MANAGED_SELECTOR, keep=lean)
                 grouped: dict[str, list[Obj]] = {n: [] for n in names}
                 for o in objs:
                     inst = (o["metadata"].get("labels") or {}).get(keys.LABEL_INSTANCE)
