@@ -100,6 +100,18 @@ def test_a_grant_without_the_draft_state_still_serves_and_is_counted(
         assert answers[True][0] == answers[False][0] == plain[1:]
         # without the state the first step drafted nothing: one verify step fewer at k = 1
         assert answers[False][1] == answers[True][1] - 1, answers
+        # A prompt the decode prefills itself (local_prefill) drafts from its first step too:
+        # the module ran over the prompt and at its last position from the kept hidden state.
+        drafted = _counter(decode, "pdd_spec_decode_num_draft_tokens")
+        status, body = http("POST", f"{decode}/v1/decode", {
+            "request_id": "r-local", "local_prefill": True, "max_new_tokens": STEPS - 1,
+            "prompt_ids": PROMPT}, timeout=120)
+        assert status == 200, body
+        assert body["token_ids"] == plain
+        one = generate_result(str(mtp_checkpoint[0]), PROMPT, STEPS, block_size=BLOCK,
+                              speculative=SpeculativeConfig(method="mtp", tokens=1))
+        assert _counter(decode, "pdd_spec_decode_num_draft_tokens") - drafted == one.drafted
+        assert _counter(decode, "pdd_spec_decode_draft_state_missing") == 1  # not counted
     finally:
         cluster.close()
 

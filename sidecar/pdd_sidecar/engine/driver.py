@@ -663,6 +663,10 @@ class InstanceDriver:
                 if self.mtp is not None:  # the positions whose next token is now known
                     for d, before in zip(plan.decode, emitted, strict=True):
                         self.mtp.verified(d.seq.id, d.position, d.seq.output[before:])
+                    for c in plan.prefill:  # a prompt prefilled here: its last position
+                        if c.last and c.seq.output:
+                            self.mtp.verified(c.seq.id, len(c.seq.prompt) - 1,
+                                              c.seq.output[:1])
             except Exception as exc:  # rank 0 alone: fail this step's sequences, not the loop
                 log.error("sampling failed: %s", traceback.format_exc())
                 failed = {"error": f"sampling failed: {type(exc).__name__}: {exc}",
@@ -673,21 +677,25 @@ class InstanceDriver:
                 self.scheduler.cancel(seq.id)
 
     def _mtp_command(self, plan: StepPlan, cmd: dict[str, Any], keep: list[int]) -> list[int]:
-        """What the step's ranks do for the MTP module (engine/speculative/mtp_served.py): a
-        decode keeps its decode rows' hidden states; a prefill keeps its chunks' and runs the
-        module over their positions whose next token the prompt has. The step's kept chunks."""
+        """What the step's ranks do for the MTP module (engine/speculative/mtp_served.py): the
+        step's prompt chunks keep their hidden states and the module runs over their positions
+        whose next token the prompt has; a decode keeps its rows' hidden states (and those of
+        the last position of a prompt it prefilled). The step's kept chunks."""
         rows = len(plan.prefill)
-        if self.role == "decode":
-            mtp_keep = []
-            for d in plan.decode:
-                mtp_keep.append((d.seq.id, rows, d.rows))
-                rows += d.rows
-            cmd["mtp_keep"] = mtp_keep
-            return sorted({*keep, *range(len(plan.prefill), rows)})
-        work = [(i, c.start, prefill_after(c.seq.prompt, c.start, len(c.tokens)),
-                 list(c.seq.blocks)) for i, c in enumerate(plan.prefill)]
-        cmd["mtp_prefill"] = work
-        return sorted({*keep, *range(len(plan.prefill))})
+        if plan.prefill:
+            cmd["mtp_prefill"] = [(i, c.start, prefill_after(c.seq.prompt, c.start,
+                                                             len(c.tokens)), list(c.seq.blocks))
+                                  for i, c in enumerate(plan.prefill)]
+        if self.role != "decode":
+            return sorted({*keep, *range(rows)})
+        # A prompt prefilled here (scheduler.py: Local prefill) keeps its last position's
+        # hidden state for the module's run there once the first token is known.
+        mtp_keep = [(c.seq.id, i, 1) for i, c in enumerate(plan.prefill) if c.last]
+        for d in plan.decode:
+            mtp_keep.append((d.seq.id, rows, d.rows))
+            rows += d.rows
+        cmd["mtp_keep"] = mtp_keep
+        return sorted({*keep, *range(rows)})
 
     def _sample(self, plan: StepPlan) -> None:
         logits = self.worker.logits

@@ -18,10 +18,12 @@ carry only positions and tokens:
   up to the prompt's second-to-last (``prefill``), so the module's latents (the cache's last
   layer) move with the prompt's blocks; the prompt's last position waits for the first token,
   which the decode has: it runs the module there from the ``draft_state`` the prefill sends.
+  A prompt the decode prefills itself (scheduler.py: Local prefill) is run so too, its last
+  position's hidden state kept on the ranks instead of sent.
 
-Drafts are greedy guesses: a missing or stale latent of the module (a prefix-cache hit, a
-prompt prefilled on the decode itself) can lower acceptance, never change a token (the verify
-step's keep rule, engine/speculative/verify.py).
+Drafts are greedy guesses: a missing or stale latent of the module (the last prompt position
+of a prefix-cache entry) can lower acceptance, never change a token (the verify step's keep
+rule, engine/speculative/verify.py).
 """
 
 from __future__ import annotations
@@ -123,9 +125,10 @@ class RankMTP:
         self._kept: dict[str, torch.Tensor] = {}
 
     def keep(self, kept: dict[int, torch.Tensor], rows: Sequence[tuple[str, int, int]]) -> None:
-        """After a decode step: sequence ``sid``'s rows are the step's chunks ``first ..
-        first + n - 1`` (one token each), their hidden states in ``kept``."""
-        self._kept = {sid: torch.cat([kept[i] for i in range(first, first + n)])
+        """After a decode step: sequence ``sid``'s rows are the last positions of the step's
+        chunks ``first .. first + n - 1`` (decode rows: one token each; a prompt prefilled on
+        the decode: its last chunk), their hidden states in ``kept``."""
+        self._kept = {sid: torch.cat([kept[i][-1:] for i in range(first, first + n)])
                       for sid, first, n in rows}
 
     def draft(self, seqs: Sequence[tuple[str, int, list[int], int, list[int],
