@@ -98,6 +98,18 @@ def test_a_grant_without_the_draft_state_still_serves_and_is_counted(
             missing = _counter(decode, "pdd_spec_decode_draft_state_missing")
             assert missing == (0 if send else 1)
         assert answers[True][0] == answers[False][0] == plain[1:]
+        # a state of another model's width is refused by name, before any step
+        status, pre = http("POST", f"{prefill}/v1/prefill",
+                           {"prompt_ids": PROMPT, "max_tokens": STEPS}, timeout=60)
+        grant = pre["kv_transfer_params"]
+        grant["draft_state"]["hidden"] = grant["draft_state"]["hidden"][:16]  # 3 values
+        status, body = http("POST", f"{decode}/v1/decode", {
+            "request_id": "r-narrow", "first_token": pre["first_token"],
+            "max_new_tokens": 4, "kv_transfer_params": grant}, timeout=60)
+        assert status == 400, body
+        assert "kv_transfer_params.draft_state.hidden: 3 values, this model's hidden size" \
+            in str(body), body
+        http("POST", f"{prefill}/v1/release", {"kv_transfer_params": pre["kv_transfer_params"]})
         # without the state the first step drafted nothing: one verify step fewer at k = 1
         assert answers[False][1] == answers[True][1] - 1, answers
         # A prompt the decode prefills itself (local_prefill) drafts from its first step too:

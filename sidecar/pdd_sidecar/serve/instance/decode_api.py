@@ -61,7 +61,7 @@ from pdd_sidecar.engine.worker import RequestError
 from pdd_sidecar.grammar import GrammarError
 from pdd_sidecar.kv.errors import GRANT_REFUSED, LEASE_EXPIRED
 from pdd_sidecar.kv.grants import GRANT_MARGIN_S, GrantExpired
-from pdd_sidecar.kv.handoff import TransferParams, parse_endpoints
+from pdd_sidecar.kv.handoff import DRAFT_STATE_DTYPES, TransferParams, parse_endpoints
 from pdd_sidecar.kv.transfer import join_paths
 from pdd_sidecar.serve.discovery import fresh_dns_connector, replicas
 from pdd_sidecar.serve.instance import spans
@@ -102,8 +102,23 @@ def _claim_url(state: InstanceState, src: TransferParams) -> str:
     return url
 
 
+def _check_draft_state(state: InstanceState, src: TransferParams) -> None:
+    """A draft state of another model's width (its prefill serves another checkpoint) is
+    refused here, naming the field, not found on the ranks in the middle of a step; a decode
+    that drafts no MTP ignores the field (kv/handoff.py ``DraftState``)."""
+    ds = src.draft_state
+    if ds is None or state.worker.mtp is None:
+        return
+    values = len(ds.data) // DRAFT_STATE_DTYPES[ds.dtype]
+    hidden = state.worker.model.config.hidden_size
+    if values != hidden:
+        raise bad(f"kv_transfer_params.draft_state.hidden: {values} values, this model's "
+                  f"hidden size is {hidden}")
+
+
 def _sequence(state: InstanceState, body: dict[str, Any], src: TransferParams) -> Sequence:
     claim_url = _claim_url(state, src)
+    _check_draft_state(state, src)
     choices = _choices(state, body)
     first = choices[0][1]
     max_new = _max_new_tokens(state, body, src.num_tokens)
