@@ -103,6 +103,7 @@ class RunResult:
     drafted: int
     accepted: int
     agreed: int  # drafts equal to the draws (``accepted`` but for ``force``)
+    verify_steps: int = 0  # steps in which some sequence verified drafts
 
     @property
     def tpot_ms(self) -> float:
@@ -125,7 +126,7 @@ def decode_run(engine: RankEngine, batch: Batch, n_tokens: int,
     b = len(batch.first)
     outs = [[t] for t in batch.first]
     target = n_tokens + 1
-    steps = drafted = accepted = agreed = 0
+    steps = drafted = accepted = agreed = verify_steps = 0
     sync(engine.cache.device)
     t0 = time.perf_counter()
     while True:
@@ -139,6 +140,7 @@ def decode_run(engine: RankEngine, batch: Batch, n_tokens: int,
         chunks = [SeqChunk([t], batch.context + len(outs[i]) - 1 + j, batch.tables[i])
                   for i, d in zip(live, drafts, strict=True)
                   for j, t in enumerate([outs[i][-1], *d])]
+        verify_steps += any(drafts)
         logits = engine.step(chunks)
         assert logits is not None
         draws = torch.argmax(logits, -1).tolist()  # the host waits for the step, as serving
@@ -156,7 +158,8 @@ def decode_run(engine: RankEngine, batch: Batch, n_tokens: int,
             outs[i] += kept[:target - len(outs[i])]
         steps += 1
     sync(engine.cache.device)
-    return RunResult(time.perf_counter() - t0, steps, outs, drafted, accepted, agreed)
+    return RunResult(time.perf_counter() - t0, steps, outs, drafted, accepted, agreed,
+                     verify_steps)
 
 
 def replaying(ref: list[list[int]], wrong: bool, vocab: int) -> Any:
@@ -184,6 +187,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     kmax = max(args.ks)
     after = args.tokens + kmax + 2
     per_seq = num_table_blocks(args.context + after, args.block_size, 1)
+    # a longer self-disabled floor run holds its own batch beside the main one
+    longer = max(0, (args.floor_tokens or 0) - args.tokens)
+    per_seq += num_table_blocks(args.context + after + longer, args.block_size, 1) if longer else 0
     engine = build_engine(cfg, dtype, dev, per_seq * max(args.batches) + 1, args.block_size)
     vocab = cfg.vocab_size
     rows: list[dict[str, Any]] = []
@@ -201,11 +207,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                          lambda raw=raw, d=right: Speculator(raw, d), force=True)
             floor = timed(engine, batch, args.tokens,
                           lambda raw=raw, d=wrong: Speculator(raw, d))
-            auto = timed(engine, batch, args.tokens,
-                         lambda k=k, d=wrong: Speculator(SpeculativeConfig(tokens=k), d))
+            # the floor's self-disabled run may be longer (--floor-tokens): its probes back
+            # off (engine/speculative/backoff.py), so their share falls with the run's length
+            floor_tokens = args.floor_tokens or args.tokens
+            if floor_tokens > args.tokens:
+                batch_long = prefill(engine, b, args.context, floor_tokens + kmax + 2, seed=b)
+                ref_long = timed(engine, batch_long, floor_tokens, lambda: None)
+                wrong_long = replaying(ref_long.tokens, True, vocab)
+                auto = timed(engine, batch_long, floor_tokens, lambda k=k, d=wrong_long:
+                             Speculator(SpeculativeConfig(tokens=k), d))
+                auto_plain = ref_long
+                engine.cache.free([x for t in batch_long.tables for x in t])
+            else:
+                auto = timed(engine, batch, args.tokens,
+                             lambda k=k, d=wrong: Speculator(SpeculativeConfig(tokens=k), d))
+                auto_plain = plain
             # plain decoding's tokens whatever the drafts (exact in fp32; in bf16 a row count
             # other than plain's may order a near-tie otherwise)
-            same = floor.tokens == ref and auto.tokens == ref
+            same = floor.tokens == ref and auto.tokens == auto_plain.tokens
             verify_ms = floor.step_ms  # every step verifies k drafts of every sequence
             model = {f"{a:.2f}": plain.tpot_ms / (verify_ms / expected_tokens(a, k))
                      for a in [x / 10 for x in range(11)] + [PUBLISHED_ACCEPTANCE]}
@@ -218,7 +237,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "floor_tpot_ms": floor.tpot_ms,
                 "floor_slowdown": floor.tpot_ms / plain.tpot_ms,
                 "floor_self_disabled_tpot_ms": auto.tpot_ms,
-                "floor_self_disabled_slowdown": auto.tpot_ms / plain.tpot_ms,
+                "floor_self_disabled_slowdown": auto.tpot_ms / auto_plain.tpot_ms,
+                "floor_self_disabled_tokens": floor_tokens,
+                # its steps that verified (the probes), and the slowdown they alone explain
+                "floor_self_disabled_verify_steps": auto.verify_steps,
+                "floor_self_disabled_probe_share": 1 + auto.verify_steps * (
+                    floor.step_ms / plain.step_ms - 1) / max(1, auto.steps),
                 "verify_step_ms": verify_ms,
                 "modelled_speedup": model,
                 "same_tokens": same,
@@ -228,7 +252,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                   f"draws equal to the replayed drafts {r['ceiling_draw_agreement']:.1%}); "
                   f"floor {floor.tpot_ms:.2f} ms "
                   f"({r['floor_slowdown']:.2f}x of plain), self-disabled "
-                  f"{auto.tpot_ms:.2f} ms ({r['floor_self_disabled_slowdown']:.3f}x); "
+                  f"{auto.tpot_ms:.2f} ms ({r['floor_self_disabled_slowdown']:.3f}x over "
+                  f"{floor_tokens} tokens, {auto.verify_steps} verify steps of {auto.steps}: "
+                  f"{r['floor_self_disabled_probe_share']:.3f}x from them); "
                   f"verify step {verify_ms:.2f} ms vs plain {plain.step_ms:.2f} ms; modelled "
                   f"at 81 %: {model[f'{PUBLISHED_ACCEPTANCE:.2f}']:.2f}x; same tokens: {same}")
         rows.append(row)
@@ -265,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", type=_ints, default=[1, 2, 3])
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--tokens", type=int, default=32, help="tokens each sequence decodes")
+    p.add_argument("--floor-tokens", type=int, default=None,
+                   help="tokens of the self-disabled floor's run (default: --tokens); its "
+                   "probes back off, so a longer run shows their cost falling")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

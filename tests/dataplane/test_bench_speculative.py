@@ -23,7 +23,7 @@ def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.M
     mod = load_bench("speculative.py", monkeypatch)
     out = tmp_path / "spec.json"
     argv = ["--device", "cpu", "--small", "--batches", "1,2", "--ks", "1,2", "--context", "8",
-            "--tokens", "3", "--block-size", "4", "--json", str(out)]
+            "--tokens", "3", "--floor-tokens", "6", "--block-size", "4", "--json", str(out)]
     assert mod.main(argv) == 0
     res = json.loads(out.read_text())
     assert [r["batch"] for r in res["rows"]] == [1, 2]
@@ -36,6 +36,9 @@ def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.M
             assert f["same_tokens"]
             assert f["ceiling_tpot_ms"] > 0 and f["floor_tpot_ms"] > 0
             assert f["floor_self_disabled_tpot_ms"] > 0 and f["verify_step_ms"] > 0
+            # always-wrong drafts: two verify steps, then paused (6 tokens, no probe yet)
+            assert f["floor_self_disabled_tokens"] == 6
+            assert f["floor_self_disabled_verify_steps"] == 2
             m = f["modelled_speedup"]
             assert set(m) == {f"{a / 10:.2f}" for a in range(11)} | {"0.81"}
             assert m["0.00"] < m["0.50"] < m["1.00"]
