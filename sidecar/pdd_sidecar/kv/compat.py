@@ -61,6 +61,10 @@ _FIXES = {
     "kv_cache_dtype": "prefill and decode must keep KV in one dtype: set the same "
                       "kvCacheDtype on both roles (PDD_KV_CACHE_DTYPE, pdd serve "
                       "--kv-cache-dtype)",
+    # the most likely cause where the checkpoints agree: one side holds the MTP module's layer
+    "cache_layout": "an instance with PDD_SPECULATIVE_METHOD=mtp holds one more layer (the MTP "
+                    "module's): a prefill and its mtp decode must both set it, as the operator "
+                    "and pdd serve do",
 }
 
 
