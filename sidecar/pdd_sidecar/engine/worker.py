@@ -124,6 +124,7 @@ class RankWorker:
         from pdd_sidecar.engine.host_tier import RankHostTier
         from pdd_sidecar.engine.memory_probe import oom_error, size_rank_pool
         from pdd_sidecar.engine.rank_engine import RankEngine, new_cache
+        from pdd_sidecar.model.mtp import load_mtp_rank_model
         from pdd_sidecar.model.rank_model import load_rank_model
 
         self.torch = torch
@@ -172,6 +173,10 @@ class RankWorker:
             self.model = load_rank_model(
                 s.model_source, rank, s.tp, s.dtype, device, s.model_seed
             )
+            # The MTP module's weights before the pool is sized from what is left
+            stage = "loading the MTP module"
+            mtp_weights = (load_mtp_rank_model(s.model_source, self.model, s.model_seed)
+                           if s.cache_extra_layers else None)
             stage = "running the warm-up on a scratch cache to size the KV pool"
             self.pool = size_rank_pool(self.model, comm, s, dev, rank, self.lockstep.all_gather)
             stage = f"allocating the KV pool ({self.pool.blocks} blocks)"
@@ -190,13 +195,13 @@ class RankWorker:
         # The MTP module beside the model (engine/speculative/mtp_served.py): a decode drafts
         # with it, its prefill fills its latents and the draft state.
         self.mtp: RankMTP | None = None
-        if s.cache_extra_layers:
+        if mtp_weights is not None:
             from pdd_sidecar.engine.speculative.mtp import MTPDrafter
             from pdd_sidecar.engine.speculative.mtp_served import RankMTP
 
-            self.mtp = RankMTP(MTPDrafter.load(s.model_source, self.model, self.cache, comm,
-                                               s.dcp, s.model_seed),
-                               self.model.config.hidden_size)
+            cfg = self.model.config
+            self.mtp = RankMTP(MTPDrafter(*mtp_weights, self.cache, comm, s.dcp,
+                                          cfg.num_hidden_layers), cfg.hidden_size)
         self.host_tier = RankHostTier.for_rank(self.cache, self.engine, s)
         self.compat = compat_record(
             s, plan_text, plan, self.cache.num_layers, self.cache.latent_dim
