@@ -65,6 +65,17 @@ def test_served_greedy_tokens_are_plain_decodings(tmp_path: Path, mtp_checkpoint
         assert (drafted, accepted) == (one.drafted, one.accepted)
         assert accepted > 0  # the fixture's module guesses some right: the keep path ran
         assert _counter(url, "pdd_spec_decode_draft_state_missing") == 0
+        # A follow-up turn reads the first one's KV (the module's latents with it) from the
+        # decode's prefix cache and pulls the rest: still plain decoding's tokens.
+        follow = [*PROMPT, *plain[:10], 5, 6, 7]
+        hits = _counter(url, "pdd_prefix_cache_hits")
+        status, again = http("POST", f"{stack['router'].url}/v1/completions",
+                             {"prompt": follow, "max_tokens": 12, "temperature": 0},
+                             timeout=120)
+        assert status == 200, again
+        assert again["choices"][0]["token_ids"] == generate_result(
+            str(mtp_checkpoint[0]), follow, 12, block_size=BLOCK).token_ids
+        assert _counter(url, "pdd_prefix_cache_hits") > hits
     finally:
         cluster.close()
 
