@@ -19,7 +19,8 @@ Per level and mode: TTFT p50 and p99, TPOT p50, output tokens/s, the router's re
   not slower), the figure pdd serve's default threshold is set from;
 - default and remote: the decision's targets (64:32:2 TTFT <= 1.1x the engine's bound with the
   decision on; 64:1024:128 unchanged within 3 %);
-- bf16 and fp8: each level's TPOT and tokens/s of FP8 KV against bf16 KV, and the pools' tokens.
+- fp8 and bf16 (or default, whose KV is the model's bf16): each level's TPOT and tokens/s
+  of FP8 KV against bf16 KV, and the pools' tokens.
 
     python bench/serve_compare.py --quick                        # CPU, built-in model
     python bench/serve_compare.py --device cuda --model /dev/shm/pdd-random-v2lite-4 \
@@ -277,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     if "default" in results and "remote" in results:
         summary += ["the decision's targets (default against remote, same run):",
                     *decision_targets(results["default"], results["remote"])]
-    if "bf16" in results and "fp8" in results:
-        summary += ["FP8 KV against bf16 KV (same run):", *kv_dtype_lines(results["bf16"],
-                                                                          results["fp8"])]
+    ref = "bf16" if "bf16" in results else "default"  # the default KV is the model's dtype
+    if ref in results and "fp8" in results:
+        summary += [f"FP8 KV against {ref} (bf16) KV (same run):",
+                    *kv_dtype_lines(results[ref], results["fp8"])]
     print("\n" + "\n".join(summary), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({
