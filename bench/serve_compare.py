@@ -112,6 +112,17 @@ def run_mode(cfg: StackConfig, levels: list[sp.LevelSpec], min_requests: int, vo
         out["skipped"] = skipped
         for why in skipped:
             print(f"  skipped {why}", flush=True)
+        # The first request after ready, as a user's first one meets it (a path warm-up
+        # left cold shows here), then each level's shape once at up to 8 streams, untimed.
+        first = kept[0]
+        r = asyncio.run(sp.run_level(stack, sp.LevelSpec(1, first.prompt, 2), 1, vocab, 900))
+        out["first_ttft_ms"] = r.ttft_p50_ms
+        print(f"  first request after ready (1:{first.prompt}:2): TTFT {r.ttft_p50_ms:.1f} ms",
+              flush=True)
+        for i, lv in enumerate(kept):
+            c = min(lv.concurrency, 8)
+            asyncio.run(sp.run_level(stack, sp.LevelSpec(c, lv.prompt, lv.max_tokens), c,
+                                     vocab, 500 + i))
         for i, lv in enumerate(kept):
             before = router_paths(stack.url)
             r = asyncio.run(sp.run_level(stack, lv, max(lv.concurrency, min_requests), vocab,

@@ -240,11 +240,23 @@ def test_the_warmups_fresh_prompts_fit_their_blocks_at_any_block_size() -> None:
 def test_a_decode_warms_up_every_bucket_up_to_its_running_limit() -> None:
     buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     shape = warmup_shape("decode", 1024, 64, 1, 8192, 100, buckets, False)
-    assert shape.batch_sizes == [1, 2, 4, 8, 16, 32, 64, 128] and shape.blocks == 1
-    assert shape.prompt_tokens == 0
+    assert shape.batch_sizes == [1, 2, 4, 8, 16, 32, 64, 128]
     assert warmup_shape("decode", 1024, 64, 1, 8192, 1000, buckets, False).batch_sizes[-1] == 256
     assert warmup_shape("decode", 1024, 64, 1, 8192, 100, buckets, True).batch_sizes == [1]
-    assert unbounded_warmup_blocks("decode", 64, 1, 8192) == 1
+
+
+def test_a_decode_warms_up_its_own_prefill_path_as_a_prefill_does() -> None:
+    """A decode prefills short prompts itself (and every prompt while no prefill is ready): the
+    same chunk-sized prompt and ragged continuation as a prefill's warm-up, so its first local
+    prefill compiles and captures nothing on a request's path."""
+    buckets = (1, 2, 4, 8)
+    decode = warmup_shape("decode", 10_000, 64, 1, 8192, 8, buckets, False)
+    prefill = warmup_shape("prefill", 10_000, 64, 1, 8192, 8, buckets, False)
+    assert decode.prompt_tokens == prefill.prompt_tokens == 8192 + 32 + 1
+    assert decode.blocks == prefill.blocks == 129 + 2 * 3
+    assert unbounded_warmup_blocks("decode", 64, 1, 8192) == 135
+    cut = warmup_shape("decode", 20, 16, 2, 512, 8, buckets, False)
+    assert cut.prompt_tokens == 512 and cut.blocks == 20 and cut.batch_sizes == [1, 2, 4, 8]
 
 
 def test_the_probe_runs_the_largest_step_when_it_is_more_than_a_chunk() -> None:

@@ -496,6 +496,11 @@ class RankEngine:
                 self.step([SeqChunk(tokens[:n], 0, main)], want_logits)
         for n in batch_sizes:
             self.step([SeqChunk([1], 1, block_ids[:1]) for _ in range(n)], want_logits)
+        if batch_sizes and prompt_tokens:
+            # A decode's local prefill: a prompt's chunk beside running sequences in one step.
+            n = min(prompt_tokens, fresh_prompt_lengths(bs)[0])
+            self.step([SeqChunk(tokens[:n], 0, main), SeqChunk([1], 1, block_ids[:1]),
+                       SeqChunk([2], 1, block_ids[:1])], want_logits)
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
 

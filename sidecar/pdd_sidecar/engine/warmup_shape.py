@@ -24,9 +24,9 @@ def warmup_fresh_blocks(block_size: int, dcp: int) -> int:
 
 @dataclass(frozen=True)
 class WarmupShape:
-    """A prefill's warm-up runs a ``prompt_tokens`` prompt in chunks of the scheduler's chunk
-    size (and shorter fresh prompts in the blocks it leaves); a decode's, a decode step at each
-    of ``batch_sizes``. ``blocks``: what it allocates from the cache."""
+    """A warm-up runs a ``prompt_tokens`` prompt in chunks of the scheduler's chunk size (and
+    shorter fresh prompts in the blocks it leaves); a decode's then a decode step at each of
+    ``batch_sizes``. ``blocks``: what it allocates from the cache."""
 
     prompt_tokens: int
     blocks: int
@@ -35,27 +35,30 @@ class WarmupShape:
 
 def warmup_shape(role: str, num_blocks: int, block_size: int, dcp: int, chunk_tokens: int,
                  max_running: int, buckets: Sequence[int], eager_decode: bool) -> WarmupShape:
-    """A prefill: a chunk-sized prompt and a ragged continuation of it (the cached-latent path
+    """Both roles: a chunk-sized prompt and a ragged continuation of it (the cached-latent path
     and the shapes Triton specializes on, lengths divisible by 16 or not), as much of it as the
-    cache holds. A decode: every CUDA-graph bucket up to its running limit (the first alone
-    when decode steps run eagerly: nothing to capture per bucket)."""
+    cache holds. A decode prefills prompts too (a short one's local prefill, every request
+    while no prefill is ready), so it warms that path as a prefill does; without it the first
+    such prompt compiled kernels and captured prefill graphs on a request's path (TTFT 0.9 s
+    for 64 prompts of 32 tokens on one H100 against 48 ms through a prefill). A decode also
+    runs every CUDA-graph bucket up to its running limit (the first alone when decode steps
+    run eagerly: nothing to capture per bucket)."""
+    spare = 2 * warmup_fresh_blocks(block_size, dcp)
+    prompt = min(chunk_tokens + block_size // 2 + 1,
+                 max(1, num_blocks - spare) * block_size * dcp)
+    blocks = blocks_for(prompt, block_size, dcp) + spare
     if role == "prefill":
-        spare = 2 * warmup_fresh_blocks(block_size, dcp)
-        prompt = min(chunk_tokens + block_size // 2 + 1,
-                     max(1, num_blocks - spare) * block_size * dcp)
-        return WarmupShape(prompt, blocks_for(prompt, block_size, dcp) + spare)
+        return WarmupShape(prompt, blocks)
     limit = next((b for b in buckets if b >= max_running), buckets[-1])
     batches = [b for b in buckets if b <= limit]
     if eager_decode:
         batches = batches[:1]
-    return WarmupShape(0, 1, batches)
+    return WarmupShape(prompt, blocks, batches)
 
 
 def unbounded_warmup_blocks(role: str, block_size: int, dcp: int, chunk_tokens: int) -> int:
     """Blocks a warm-up needs when the cache does not cut its prompt short: the scratch cache
-    the memory probe runs it on."""
-    if role != "prefill":
-        return 1
+    the memory probe runs it on (the same for both roles: a decode prefills too)."""
     prompt = chunk_tokens + block_size // 2 + 1
     return blocks_for(prompt, block_size, dcp) + 2 * warmup_fresh_blocks(block_size, dcp)
 
