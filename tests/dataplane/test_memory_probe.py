@@ -122,12 +122,18 @@ def test_a_prefill_probe_runs_the_warm_up_and_the_largest_step_then_frees_it(
 
 
 def test_a_decode_probe_and_the_blocks_it_sizes(model: Any, tracked: dict[str, Any]) -> None:
-    s = settings("decode", PDD_GPU_MEMORY_UTILIZATION="0.5")
+    s = settings("decode", PDD_GPU_MEMORY_UTILIZATION="0.5", PDD_CHUNK_TOKENS="256")
     mem = PretendMemory(tracked)
     blocks = memory_probe.rank_blocks(model, SingleComm(), s, torch.device("cpu"), 0, mem)
-    assert [len(step) for step in tracked["steps"]] == [1]  # batch 1: eager on a CPU
-    scratch = memory_probe.bytes_per_block(model, BS)  # a decode's warm-up needs one block
+    steps = tracked["steps"]
+    # A decode prefills prompts too (local prefill, fallback): the warm-up's chunk first, as a
+    # prefill's; the decode step at batch 1 (eager on a CPU); last a prompt chunk beside
+    # running rows, as a local prefill's steps are.
+    assert steps[0] == [(0, 256)]
+    assert [(1, 1)] in steps
+    assert steps[-1] == [(0, BS + 3), (1, 1), (1, 1)]
     per_block = memory_probe.bytes_per_block(model, BS)
+    scratch = (1 + 256 // BS + 6) * per_block  # 265 tokens and the fresh prompts' spare
     # 0.5 x 100 GiB, less the peak without the scratch cache, less 1 GiB outside torch
     assert blocks == (50 * GIB - (14 * GIB - scratch) - GIB) // per_block
     assert mem.alive_at_settle == [False, False]
