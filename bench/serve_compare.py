@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import serve_path as sp  # noqa: E402
 from stream_client import instance_pool, parse_metrics  # noqa: E402
 
-from pdd_sidecar import env as E  # noqa: E402
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
 
@@ -236,22 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.model)
     bs = sp.DEFAULT_BLOCK_SIZES[args.device]
     step, chunk, long_chunk = sp.step_budget(args.device, None, None, None)
-    per_block = sp.kv_bytes_per_block(args.model, dtype, bs)
-    budget = int(sp.BOUNDS_KV_GIB[args.device] * 2**30 // per_block)
-    want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
-    levels, skipped = sp.plan_levels(levels, cfg.max_position_embeddings,
-                                     max(1, min(want + 8, budget)) * bs)
+    req, levels, skipped = sp.bounds_request(args.model, args.device, dtype, bs, levels,
+                                             step, chunk, long_chunk, args.reps)
     for why in skipped:
         print(f"skipped {why}", flush=True)
     if not levels:
         p.error("--levels: every level was skipped")
-    req = {"model": args.model, "device": args.device, "dtype": dtype, "block_size": bs,
-           "num_blocks": max(1, min(want + 8, budget)), "chunk_tokens": chunk,
-           "long_chunk_tokens": long_chunk, "step_tokens": step, "reps": args.reps,
-           "prefills": sorted({(lv.concurrency, lv.prompt) for lv in levels}),
-           "decodes": sorted({(lv.concurrency, lv.decode_context) for lv in levels})}
-    env = {E.PDD_CHUNK_TOKENS: str(chunk), E.PDD_LONG_CHUNK_TOKENS: str(long_chunk),
-           E.PDD_MAX_STEP_TOKENS: str(step)}
+    env = sp.budget_env(req)
     print(f"serve_compare: model {args.model}, {args.device} {dtype}, block {bs}, modes "
           f"{', '.join(modes)}, levels {', '.join(lv.label for lv in levels)}", flush=True)
     t0 = time.perf_counter()

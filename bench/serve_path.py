@@ -670,6 +670,34 @@ def plan_levels(levels: list[LevelSpec], max_len: int, capacity_tokens: int
     return kept, skipped
 
 
+def bounds_request(model: str, device: str, dtype: str, bs: int, levels: list[LevelSpec],
+                   step_tokens: int, chunk_tokens: int, long_chunk_tokens: int, reps: int
+                   ) -> tuple[dict[str, Any], list[LevelSpec], list[str]]:
+    """What the engine-bound process measures for these levels (`measure_bounds`), its own
+    cache holding every level within BOUNDS_KV_GIB; the levels it can hold and why not the
+    others."""
+    per_block = kv_bytes_per_block(model, dtype, bs)
+    budget = int(BOUNDS_KV_GIB[device] * 2**30 // per_block)
+    want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
+    blocks = max(1, min(want + 8, budget))
+    levels, skipped = plan_levels(levels, load_config(model).max_position_embeddings,
+                                  blocks * bs)
+    req = {"model": model, "device": device, "dtype": dtype, "block_size": bs,
+           "num_blocks": blocks, "chunk_tokens": chunk_tokens,
+           "long_chunk_tokens": long_chunk_tokens, "step_tokens": step_tokens, "reps": reps,
+           "prefills": sorted({(lv.concurrency, lv.prompt) for lv in levels}),
+           "decodes": sorted({(lv.concurrency, lv.decode_context) for lv in levels})}
+    return req, levels, skipped
+
+
+def budget_env(req: dict[str, Any]) -> dict[str, str]:
+    """The step budgets of a bounds request as the stack's environment, so the stack's
+    scheduler and the bound's run the same steps."""
+    return {E.PDD_CHUNK_TOKENS: str(req["chunk_tokens"]),
+            E.PDD_LONG_CHUNK_TOKENS: str(req["long_chunk_tokens"]),
+            E.PDD_MAX_STEP_TOKENS: str(req["step_tokens"])}
+
+
 HEADER = (f"{'level':>14} {'reqs':>4} {'err':>3} {'wall s':>7} {'tok/s':>8} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'2nd p50':>8} {'TPOT p50':>8} {'READ GB/s':>9} | {'bound':>9} "
           f"{'ratio':>6} judged by: bound")
@@ -764,12 +792,10 @@ def main(argv: list[str] | None = None) -> int:
     min_requests = args.min_requests or (4 if args.quick else 8)
     bs = args.block_size or DEFAULT_BLOCK_SIZES[args.device]
     cfg = load_config(args.model)
-    per_block = kv_bytes_per_block(args.model, dtype, bs)
-    # The engine bounds' own cache holds every level (within BOUNDS_KV_GIB)
-    budget = int(BOUNDS_KV_GIB[args.device] * 2**30 // per_block)
-    want = max(lv.concurrency * -(-(lv.prompt + lv.max_tokens) // bs) for lv in levels)
-    bound_blocks = max(1, min(want + 8, budget))
-    levels, skipped = plan_levels(levels, cfg.max_position_embeddings, bound_blocks * bs)
+    req, levels, skipped = bounds_request(args.model, args.device, dtype, bs, levels,
+                                          args.step_tokens, args.chunk_tokens,
+                                          args.long_chunk_tokens, args.reps)
+    bound_blocks = req["num_blocks"]
     loop = loop_kind(os.environ.get(E.PDD_EVENT_LOOP, "") or E.EVENT_LOOPS[0], uvloop_installed())
     print(f"serve_path: P tp1 -> D tp1, model {args.model}, {args.device} {dtype}, block {bs}, "
           f"chunk {args.chunk_tokens} (long prompts {args.long_chunk_tokens}), "
@@ -782,15 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped {why}", flush=True)
     if not levels:
         p.error("--levels: every level was skipped")
-    extra_env = {E.PDD_CHUNK_TOKENS: str(args.chunk_tokens),
-                 E.PDD_LONG_CHUNK_TOKENS: str(args.long_chunk_tokens),
-                 E.PDD_MAX_STEP_TOKENS: str(args.step_tokens)}
-    req = {"model": args.model, "device": args.device, "dtype": dtype, "block_size": bs,
-           "num_blocks": bound_blocks, "chunk_tokens": args.chunk_tokens,
-           "long_chunk_tokens": args.long_chunk_tokens,
-           "step_tokens": args.step_tokens, "reps": args.reps,
-           "prefills": sorted({(lv.concurrency, lv.prompt) for lv in levels}),
-           "decodes": sorted({(lv.concurrency, lv.decode_context) for lv in levels})}
+    extra_env = budget_env(req)
     t0 = time.perf_counter()
     bounds = run_bounds(req, {**os.environ, **extra_env})
     print(f"engine bounds ({bounds['decode_mode']} decode, separate process, "
