@@ -43,17 +43,25 @@ SHARED_MAX = 100_000  # distinct strings kept for sharing; then the table starts
 SHARED_LEN = 64  # longer strings are rarely repeated across objects
 
 
+class Lean(dict):  # type: ignore[type-arg]
+    """An object `lean` made: kept as it is when it reaches the store (a LIST's pages are
+    leaned as they come, kube.Kube.list_rv's `keep`, then stored)."""
+
+
 def lean(obj: Obj) -> Obj:
     """A copy of an API object for keeping: without metadata.managedFields (who set which
     field, never read here: about a third of a pod), and with its keys and short strings
     shared with every other object kept (each JSON answer brings its own copies of "metadata",
-    "nvidia.com/gpu", an image name...). Halves what hundreds of pods take in memory."""
+    "nvidia.com/gpu", an image name...). Halves what hundreds of pods take in memory. An object
+    already lean is returned as it is."""
+    if isinstance(obj, Lean):
+        return obj
     meta = obj.get("metadata")
     if isinstance(meta, dict) and "managedFields" in meta:
         obj = {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
     if len(_SHARED) > SHARED_MAX:
         _SHARED.clear()
-    return _share(obj)  # type: ignore[no-any-return]
+    return Lean(_share(obj))
 
 
 def _share(value: Any) -> Any:

@@ -84,3 +84,17 @@ def test_an_expired_continue_token_starts_the_list_over() -> None:
     assert [o["metadata"]["name"] for o in items] == [f"p{i}" for i in range(PODS)]
     assert "continue" not in api.asked[2]  # the 410 answered asked[1]; asked[2] starts over
     assert rv == "77"
+
+
+def test_a_leaned_page_is_stored_as_it_is_not_leaned_again() -> None:
+    """The pages come leaned (`keep=lean`); the store keeps those objects without walking
+    them a second time."""
+    from pdd_operator.store import Store, lean
+
+    pod = {"kind": "Pod", "metadata": {"name": "p0", "namespace": "ns", "uid": "u",
+                                       "resourceVersion": "1", "managedFields": [{}]}}
+    kept = lean(pod)
+    assert lean(kept) is kept and "managedFields" not in kept["metadata"]
+    store = Store()
+    store.upsert("Pod", kept)
+    assert store.get("Pod", "ns", "p0") is kept
