@@ -39,7 +39,8 @@ endif
 
 .PHONY: cluster-build cluster-up cluster-down cluster-status cluster-build-node cluster-node-deps
 
-cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/etcd $(CLUSTER_BIN)/lws
+cluster-build: $(CLUSTER_BIN)/kube $(CLUSTER_BIN)/kwok $(CLUSTER_BIN)/kwok-pod-stages.yaml \
+	$(CLUSTER_BIN)/etcd $(CLUSTER_BIN)/lws
 
 # The real node's binaries: kubelet and kube-proxy (one multi-call binary `node`, same module
 # and version as `kube`), `pause`, the static program in the node's only local image, and
@@ -93,6 +94,14 @@ $(CLUSTER_BIN)/kwok: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_D
 	@mkdir -p $(@D)
 	cd $(CLUSTER_DIR) && $(CLUSTER_GO) -ldflags '$(KWOK_LDFLAGS)' -o $(CURDIR)/$@.tmp sigs.k8s.io/kwok/cmd/kwok
 	@mv $@.tmp $@
+
+# kwok's own fast pod stages (Running at once, Jobs' pods Succeeded), from the module that built
+# it; `localcluster.py` adds its own pod-delete stages beside them.
+$(CLUSTER_BIN)/kwok-pod-stages.yaml: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/go.mod $(CLUSTER_DIR)/go.sum
+	@mkdir -p $(@D)
+	dir="$$(cd $(CLUSTER_DIR) && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)/kustomize/stage/pod/fast"; \
+		{ cat "$$dir/pod-ready.yaml"; echo '---'; cat "$$dir/pod-complete.yaml"; } > $@.tmp
+	@chmod 644 $@.tmp && mv $@.tmp $@
 
 $(CLUSTER_BIN)/etcd: $(CLUSTER_DIR)/cluster.mk $(CLUSTER_DIR)/etcd/go.mod $(CLUSTER_DIR)/etcd/go.sum $(CLUSTER_DIR)/etcd/main.go
 	@$(call cluster-check-pins,go.etcd.io/etcd/server/v3,$(ETCD_VERSION),$(CLUSTER_DIR)/etcd/go.mod)

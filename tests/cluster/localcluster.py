@@ -54,6 +54,45 @@ COMPONENTS = ("etcd", "apiserver", "controller-manager", "scheduler", "kwok")
 # Opt-in (`up --lws`, CLUSTER_LWS=1, or ensure_lws): the LeaderWorkerSet controller.
 LWS_COMPONENTS = ("lws",)
 LWS_CRD_FILE = "lws-crd.yaml"  # copied next to the binary from the module by cluster.mk
+KWOK_POD_STAGES_FILE = "kwok-pod-stages.yaml"  # kwok's fast pod stages, copied by cluster.mk
+LWS_POD_LABEL = "leaderworkerset.sigs.k8s.io/name"
+# How long kwok keeps a LeaderWorkerSet's terminating pod before it deletes it, as a kubelet
+# takes its time to stop the containers. LWS recreates a group when it sees a worker pod
+# terminating (RecreateGroupOnPodRestart); a pod deleted at once is gone from its cache before
+# a busy controller looks, and the group is never recreated.
+LWS_POD_TERMINATION_MS = 5000
+
+
+def _pod_delete_stages(lws_delay_ms: int) -> str:
+    """kwok's fast pod-delete split in two: other pods go at once (as kwok's own stage), a
+    LeaderWorkerSet's after ``lws_delay_ms``."""
+
+    def stage(name: str, operator: str, delay_ms: int) -> str:
+        delay = f"  delay:\n    durationMilliseconds: {delay_ms}\n" if delay_ms else ""
+        return (
+            "apiVersion: kwok.x-k8s.io/v1alpha1\nkind: Stage\n"
+            f"metadata:\n  name: {name}\n"
+            "spec:\n  resourceRef:\n    apiGroup: v1\n    kind: Pod\n"
+            "  selector:\n    matchExpressions:\n"
+            "    - key: '.metadata.deletionTimestamp'\n      operator: 'Exists'\n"
+            f"    - key: '.metadata.labels[\"{LWS_POD_LABEL}\"]'\n      operator: '{operator}'\n"
+            f"{delay}"
+            "  next:\n    finalizers:\n      empty: true\n    delete: true\n"
+        )
+
+    return (stage("pod-delete", "DoesNotExist", 0) + "---\n"
+            + stage("pod-delete-lws", "Exists", lws_delay_ms))
+
+
+def _kwok_config(bin_dir: Path) -> str:
+    """kwok's configuration: its fast pod stages, with the pod-delete stages above (a config
+    that names any pod stage replaces all of kwok's built-in ones)."""
+    stages = bin_dir / KWOK_POD_STAGES_FILE
+    if not stages.is_file():
+        raise ClusterError(f"{stages} is missing: build it with `make cluster-build`")
+    return ("apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n"
+            f"---\n{stages.read_text().strip()}\n---\n"
+            + _pod_delete_stages(LWS_POD_TERMINATION_MS))
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 LWS_WEBHOOK_CONFIG = "pdd-local-lws"
 
@@ -1061,9 +1100,7 @@ def _up(
             ],
         )
         kwok_config = state_dir / "kwok.yaml"
-        kwok_config.write_text(
-            "apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n"
-        )
+        kwok_config.write_text(_kwok_config(bin_dir))
         start(
             "kwok",
             [

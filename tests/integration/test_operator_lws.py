@@ -158,10 +158,21 @@ def test_a_deleted_worker_pod_recreates_its_whole_group(
               for p in lws_pods(kube, ns, f"{NAME}-prefill")}
     assert sorted(before) == [f"{NAME}-prefill-0", f"{NAME}-prefill-0-1"]
     kube("delete", "pod", f"{NAME}-prefill-0-1", "-n", ns, "--wait=false")
-    pods = wait_for("a new leader and worker Running", lambda: (
-        (live := running(lws_pods(kube, ns, f"{NAME}-prefill"), 2)) is not None
-        and all(p["metadata"]["uid"] != before[p["metadata"]["name"]] for p in live)
-        and live), timeout=90)
+    seen: list[tuple[str, str, str, bool]] = []
+
+    def regrouped() -> list[dict[str, Any]] | None:
+        pods = lws_pods(kube, ns, f"{NAME}-prefill")
+        seen[:] = [(p["metadata"]["name"], p["status"].get("phase", ""),
+                    "same uid" if p["metadata"]["uid"] in before.values() else "new uid",
+                    bool(p["metadata"].get("deletionTimestamp"))) for p in pods]
+        live = running(pods, 2)
+        return live if live and all(p["metadata"]["uid"] not in before.values()
+                                    for p in live) else None
+
+    try:
+        pods = wait_for("a new leader and worker Running", regrouped, timeout=90)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\npods (name, phase, uid, terminating): {seen}") from None
     assert [p["metadata"]["name"] for p in pods] == sorted(before)
     events = kube.json("get", "events", "-n", ns, "--field-selector",
                        f"involvedObject.kind=LeaderWorkerSet,involvedObject.name={NAME}-prefill"
