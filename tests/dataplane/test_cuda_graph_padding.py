@@ -255,3 +255,73 @@ def test_prefill_buckets_need_a_padded_mode() -> None:
         RankEngine(model, cache, _single(), decode_mode="padded", prefill_buckets=(0, 8))
     assert RankEngine(model, cache, _single(), decode_mode="padded").prefill_buckets == ()
     assert cuda_graphs.PREFILL_BUCKETS == tuple(sorted(set(cuda_graphs.PREFILL_BUCKETS)))
+
+
+# A decode's local prefill beside its running batch: fresh prompts first, then one-token rows.
+# (prompt lengths, running sequences' rows) per step; the last step's prompt continues one
+# prompted before (eager), the one before it holds more tokens than the largest bucket (eager).
+MIXED = [([5], 2), ([3, 6], 3), ([9], 1), ([20, 20], 2), ([7], 4)]
+
+
+def _mixed_run(rank: int, comm: Comm, tp: int, dcp: int, buckets: tuple[int, ...]
+               ) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int, int]]:
+    """Four sequences prefilled, then steps that prefill new prompts beside one decode row of
+    some of them; every logits row, the cache, and (split, padded prefill, padded decode)
+    step counts."""
+    model = load_rank_model("builtin", rank, tp, "float32", "cpu")
+    cache = new_cache(model, NUM_BLOCKS, BLOCK)
+    cache.kv.fill_(SENTINEL)
+    mode = "padded" if buckets else "eager"
+    eng = RankEngine(model, cache, comm, dcp, decode_mode=mode, graph_buckets=BUCKETS,
+                     prefill_buckets=buckets)
+    order = [0] + [b for b in range(NUM_BLOCKS - 1, 0, -1) if b % 3]
+    per = 64 // BLOCK
+    tables = [order[i * per:(i + 1) * per] for i in range(4)]
+    order = order[4 * per:]
+    nxt, pos = [], []
+    for i in range(4):
+        p = _prompt(4 + i, 10 + i)
+        logits = eng.step([SeqChunk(p, 0, tables[i])])
+        assert logits is not None
+        nxt.append(int(logits[0].argmax()))
+        pos.append(len(p))
+    out: list[torch.Tensor] = []
+    salt, last = 20, None
+    for lengths, rows in MIXED:
+        fresh = []
+        for n in lengths:
+            need = -(-(2 * n + 1) // BLOCK)
+            fresh.append(SeqChunk(_prompt(n, salt), 0, order[:need]))
+            order = order[need:]
+            salt += 1
+        if lengths == MIXED[-1][0] and last is not None:
+            fresh = [SeqChunk(_prompt(7, salt), len(last.tokens), last.block_ids)]
+        decode = [SeqChunk([nxt[s]], pos[s], tables[s]) for s in range(rows)]
+        logits = eng.step(fresh + decode)
+        assert logits is not None and logits.shape[0] == len(fresh) + len(decode)
+        out += [row.clone() for row in logits]
+        for s in range(rows):
+            nxt[s] = int(logits[len(fresh) + s].argmax())
+            pos[s] += 1
+        last = fresh[0]
+    return out, cache.kv.clone(), (eng.split_steps, eng.padded_prefills, eng.padded_steps)
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 1), (2, 2)])
+def test_fresh_prompts_beside_decode_rows_split_into_padded_steps(tp: int, dcp: int) -> None:
+    """Such a step runs as a padded prefill and a padded decode step (on CUDA: two graph
+    replays) and gives the eager mixed step's logits and latents; a step whose prompts a
+    bucket does not hold, or whose prompt continues, runs eagerly."""
+    def go(buckets: tuple[int, ...]) -> tuple:
+        res = run_threads(tp, lambda r, c: _mixed_run(r, c, tp, dcp, buckets))
+        return res[0][0], [r[1] for r in res], res[0][2]
+
+    (ref, ref_kv, ref_counts), (got, got_kv, got_counts) = go(()), go(PREFILL_BUCKETS)
+    assert ref_counts == (0, 0, 0)
+    assert got_counts == (3, 4 + 3, 3)  # the four prompts above, then three split steps
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert int(a.argmax()) == int(b.argmax()), i
+        assert float((a - b).abs().max()) <= TOL["float32"], i
+    for r, (a, b) in enumerate(zip(ref_kv, got_kv, strict=True)):
+        assert torch.equal(a == SENTINEL, b == SENTINEL), f"rank {r}: other slots written"
+        assert float((a - b).abs().max()) <= TOL["float32"], f"rank {r}"

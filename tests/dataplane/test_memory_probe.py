@@ -128,10 +128,11 @@ def test_a_decode_probe_and_the_blocks_it_sizes(model: Any, tracked: dict[str, A
     steps = tracked["steps"]
     # A decode prefills prompts too (local prefill, fallback): the warm-up's chunk first, as a
     # prefill's; the decode step at batch 1 (eager on a CPU); last a prompt chunk beside
-    # running rows, as a local prefill's steps are.
+    # running rows, as a local prefill's steps are: a fresh one (split into graphs on a
+    # GPU), then one that continues it (eager).
     assert steps[0] == [(0, 256)]
     assert [(1, 1)] in steps
-    assert steps[-1] == [(0, BS + 3), (1, 1), (1, 1)]
+    assert steps[-2:] == [[(0, BS + 3), (1, 1), (1, 1)], [(BS + 3, BS + 3), (1, 1), (1, 1)]]
     per_block = memory_probe.bytes_per_block(model, BS)
     scratch = (1 + 256 // BS + 6) * per_block  # 265 tokens and the fresh prompts' spare
     # 0.5 x 100 GiB, less the peak without the scratch cache, less 1 GiB outside torch

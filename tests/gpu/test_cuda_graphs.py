@@ -230,6 +230,47 @@ def test_prefill_graph_replay_matches_eager(kind: str) -> None:
     assert float(rel.median()) <= 0.05 and float(rel.max()) <= 0.5
 
 
+def test_fresh_prompts_beside_decode_rows_replay_two_graphs() -> None:
+    """A decode's local prefill beside its running batch (fresh prompts, then one-token rows)
+    replays a prefill and a decode graph, equal to the padded twin and to the eager mixed step
+    to rounding; the graphs captured are the buckets' own, shared with unmixed steps."""
+    model = _model("small", torch.bfloat16)
+    engines = {m: RankEngine(model, new_cache(model, NUM_BLOCKS, BLOCK), SingleComm(),
+                             decode_mode=m, graph_buckets=BUCKETS,
+                             prefill_buckets=() if m == "eager" else PREFILL_BUCKETS)
+               for m in ("eager", "padded", "graph")}
+    rng = random.Random(7)
+    ids = list(range(NUM_BLOCKS))
+    rng.shuffle(ids)
+    vocab = model.config.vocab_size
+    running = []
+    for n in (40, 90, 300, 17):
+        table = [ids.pop() for _ in range(-(-(n + 64) // BLOCK))]
+        running.append(SeqChunk([rng.randrange(vocab) for _ in range(n)], 0, table))
+    first = engines["eager"].step(running)
+    for m in ("padded", "graph"):
+        engines[m].step(running)
+    nxt = first.argmax(-1).tolist()
+    pos = [len(c.tokens) for c in running]
+    for lengths, rows in (([32], 4), ([5, 200], 2), ([700], 3), ([32], 4)):
+        fresh = []
+        for n in lengths:
+            table = [ids.pop() for _ in range(-(-(n + 1) // BLOCK))]
+            fresh.append(SeqChunk([rng.randrange(vocab) for _ in range(n)], 0, table))
+        decode = [SeqChunk([nxt[i]], pos[i], running[i].block_ids) for i in range(rows)]
+        out = {m: e.step(fresh + decode) for m, e in engines.items()}
+        eager, padded, graph = out["eager"], out["padded"], out["graph"]
+        assert torch.equal(graph.argmax(-1), padded.argmax(-1)), lengths
+        assert float((graph - padded).abs().max()) <= 1e-2, lengths
+        assert float((graph - eager).abs().max()) <= 0.5, lengths
+        for i in range(rows):
+            nxt[i] = int(eager[len(fresh) + i].argmax())
+            pos[i] += 1
+    g = engines["graph"]
+    assert g.split_steps == engines["padded"].split_steps == 4
+    assert g.graph_captures == 1 + 3 + 2  # prefill 512 (the first step), 32, 256, 768; 4, 2
+
+
 def _row_errors(ref: torch.Tensor, got: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
     """Each stored latent row's relative error (L2)."""
     rows = written.any(-1)

@@ -325,6 +325,7 @@ class RankEngine:
         self.pacer: LaunchPacer | None = None
         self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
         self.padded_prefills = 0  # prefill steps that ran padded (replayed or eager)
+        self.split_steps = 0  # mixed steps run as a padded prefill and a padded decode step
 
     # --- public API ----------------------------------------------------------------------
 
@@ -380,6 +381,12 @@ class RankEngine:
                        ) -> torch.Tensor | None:
         if self.decode_mode != "eager" and self._paddable(chunks):
             return self._decode_padded(chunks, want_logits)
+        split = self._split_at(chunks, want_logits)
+        if split:
+            head = self._prefill_padded(chunks[:split], want_logits)
+            tail = self._decode_padded(chunks[split:], want_logits)
+            self.split_steps += 1
+            return None if head is None or tail is None else torch.cat([head, tail])
         pacer = self.pacer
         if pacer is not None and not pacer.paces(sum(len(c.tokens) for c in chunks)):
             pacer = None
@@ -497,10 +504,13 @@ class RankEngine:
         for n in batch_sizes:
             self.step([SeqChunk([1], 1, block_ids[:1]) for _ in range(n)], want_logits)
         if batch_sizes and prompt_tokens:
-            # A decode's local prefill: a prompt's chunk beside running sequences in one step.
+            # A decode's local prefill: a prompt's chunk beside running sequences in one step,
+            # fresh (split into the graphs above, ``_split_at``) and continuing (eager).
             n = min(prompt_tokens, fresh_prompt_lengths(bs)[0])
-            self.step([SeqChunk(tokens[:n], 0, main), SeqChunk([1], 1, block_ids[:1]),
-                       SeqChunk([2], 1, block_ids[:1])], want_logits)
+            rows = [SeqChunk([1], 1, block_ids[:1]), SeqChunk([2], 1, block_ids[:1])]
+            self.step([SeqChunk(tokens[:n], 0, main), *rows], want_logits)
+            if 2 * n <= prompt_tokens:
+                self.step([SeqChunk(tokens[n:2 * n], n, main), *rows], want_logits)
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
 
@@ -833,6 +843,21 @@ class RankEngine:
         self.padded_steps += 1
         return self._replay_or_run(("decode", bucket, want_logits), n,
                                    lambda: self._decode_static(buf, want_logits))
+
+    def _split_at(self, chunks: Sequence[SeqChunk], want_logits: bool) -> int:
+        """Where a step of fresh prompts followed by one-token rows of running sequences (a
+        decode's local prefill beside its batch) splits into a padded prefill and a padded
+        decode step; 0 where it does not. Eagerly, such a mixed step is the host launching
+        every kernel of every layer (tens of ms on a GPU); split, it is two graph replays.
+        The two parts share no sequence, so neither reads what the other writes."""
+        if self.decode_mode == "eager":
+            return 0
+        k = next((i for i, c in enumerate(chunks) if c.start > 0), len(chunks))
+        if not 0 < k < len(chunks):
+            return 0
+        head, tail = chunks[:k], chunks[k:]
+        ok = self._prefill_paddable(head, want_logits) and self._paddable(tail)
+        return k if ok else 0
 
     def runs_padded(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> bool:
         """Whether a step of these chunks runs as a padded (on CUDA: graphed) prefill."""
