@@ -163,3 +163,45 @@ def test_pd_hands_the_draft_state_over(mtp_checkpoint, plain, send_state):  # no
         later = [(p, d) for p, d in res.drafts[1:] if d]
         assert later and all(by_pos.get(p, d) == d for p, d in later)
         assert sum(p in by_pos for p, _ in later) >= len(later) - 1
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_padded_rows_draft_as_the_eager_module(mtp_checkpoint, tp, dcp):  # noqa: F811
+    """The module's decode-side rows (a few positions per sequence, chained drafts) padded to
+    a batch bucket, the CPU twin of its CUDA graphs, draft what the eager module drafts and
+    store the same latents; a prompt's positions still run as a chunk, eagerly."""
+    from pdd_sidecar.engine.comm import run_threads
+
+    path = mtp_checkpoint[0]
+    lens, ks = [11, 6, 9], [2, 3, 1]
+
+    def run(rank, comm, mode):
+        model = load_rank_model(path, rank, tp)
+        h = model.config.hidden_size
+        g = torch.Generator().manual_seed(9)
+        hidden = [torch.randn(n, h, generator=g) for n in lens]
+        after = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+                 for n in lens]
+        cache = new_cache(model, 48, BLOCK, extra_layers=1)
+        main = RankEngine(model, cache, comm, dcp, decode_mode=mode, extra_layers=1,
+                          graph_buckets=(1, 2, 4, 8))
+        drafter = MTPDrafter.load(path, model, cache, comm, dcp, like=main)
+        tables = [allocate_request(cache, 16, dcp) for _ in lens]
+        drafter.draft([(SeqChunk(after[i][:5], 0, tables[i]), hidden[i][:5])
+                       for i in range(3)], [0, 0, 0])
+        out = []
+        pos = 5
+        while pos < min(lens):  # one or two positions a sequence a call, as a decode's steps
+            n = 1 + pos % 2
+            out.append(drafter.draft([(SeqChunk(after[i][pos:pos + n], pos, tables[i]),
+                                       hidden[i][pos:pos + n]) for i in range(3)], ks))
+            pos += n
+        return out, cache.kv[:, -1].clone(), drafter.engine.padded_steps
+
+    eager = run_threads(tp, lambda r, c: run(r, c, "eager"))
+    padded = run_threads(tp, lambda r, c: run(r, c, "padded"))
+    assert eager[0][0] == padded[0][0]
+    assert [len(d) for d in padded[0][0][0]] == ks
+    assert eager[0][2] == 0 and padded[0][2] > 0
+    for (_, a, _), (_, b, _) in zip(eager, padded, strict=True):
+        assert float((a - b).abs().max()) <= 1e-5

@@ -37,17 +37,24 @@ def plain(mtp_checkpoint: Any) -> list[int]:  # noqa: F811
     return generate_result(str(mtp_checkpoint[0]), PROMPT, STEPS, block_size=BLOCK).token_ids
 
 
-@pytest.mark.parametrize("p,d,k", [((1, 1), (1, 1), 1), ((1, 1), (1, 1), 2),
-                                   ((2, 2), (2, 2), 1), ((1, 1), (2, 2), 2)],
-                         ids=["p1-d1-k1", "p1-d1-k2", "p2dcp2-d2dcp2-k1", "p1-d2dcp2-k2"])
+# "padded": the decode runs its steps and the module's rows padded to graph buckets (the CPU
+# twin of CUDA graphs), warmed up as on a GPU
+@pytest.mark.parametrize("p,d,k,graphs", [((1, 1), (1, 1), 1, ""), ((1, 1), (1, 1), 2, ""),
+                                          ((2, 2), (2, 2), 1, ""), ((1, 1), (2, 2), 2, ""),
+                                          ((1, 1), (1, 1), 2, "padded"),
+                                          ((1, 1), (2, 2), 1, "padded")],
+                         ids=["p1-d1-k1", "p1-d1-k2", "p2dcp2-d2dcp2-k1", "p1-d2dcp2-k2",
+                              "p1-d1-k2-padded", "p1-d2dcp2-k1-padded"])
 def test_served_greedy_tokens_are_plain_decodings(tmp_path: Path, mtp_checkpoint: Any,  # noqa: F811
                                                   plain: list[int], p: tuple[int, int],
-                                                  d: tuple[int, int], k: int) -> None:
+                                                  d: tuple[int, int], k: int,
+                                                  graphs: str) -> None:
     model = {"PDD_MODEL_SOURCE": str(mtp_checkpoint[0])}
+    padded = {"PDD_CUDA_GRAPHS": graphs} if graphs else {}
     cluster = LocalCluster(tmp_path)
     try:
         stack = pd_stack(cluster, p, d, BLOCK, prefill_env={**model, **MTP},
-                         decode_env={**model, **MTP, "PDD_SPECULATIVE_TOKENS": str(k),
+                         decode_env={**model, **MTP, **padded, "PDD_SPECULATIVE_TOKENS": str(k),
                                      "PDD_SPECULATIVE_MIN_ACCEPTANCE": "0"})
         status, out = http("POST", f"{stack['router'].url}/v1/completions",
                            {"prompt": PROMPT, "max_tokens": STEPS, "temperature": 0},

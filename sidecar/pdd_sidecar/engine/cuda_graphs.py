@@ -91,6 +91,7 @@ class StaticDecode:
     graph: torch.cuda.CUDAGraph | None = None
     width_used: int = 0  # table columns the last step filled (later columns may be stale)
     num_splits: int | None = None  # the decode kernel's, fixed per bucket (None: its default)
+    hidden: torch.Tensor | None = None  # [B, H]: rows' given hidden states (hidden_from)
 
     @classmethod
     def empty(cls, batch: int, width: int, device: torch.device) -> StaticDecode:

@@ -82,7 +82,8 @@ def _rank_main(rank: int, comm: Comm, spec: _Spec) -> GenerationResult | None:
     table = allocate_request(cache, kv_tokens, spec.dcp)
     out = GenerationResult(token_ids=[])
     if spec.speculative is not None and spec.speculative.method == "mtp":
-        drafter = MTPDrafter.load(spec.model, model, cache, comm, spec.dcp, spec.seed)
+        drafter = MTPDrafter.load(spec.model, model, cache, comm, spec.dcp, spec.seed,
+                                  like=engine)
         logits = engine.step([SeqChunk(spec.prompt_ids, 0, table)], keep=[0])
         assert logits is not None
         first = int(torch.argmax(logits[0]))

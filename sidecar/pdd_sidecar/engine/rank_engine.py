@@ -64,6 +64,11 @@ from pdd_sidecar.model.rank_model import RankModel
 from pdd_sidecar.model.weights import LayerWeights
 
 log = logging.getLogger(__name__)
+# (tokens, positions, hidden) -> the first layer's input rows (RankEngine.hidden_from)
+RowInput = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer index, its weights, normed input, cos, sin) -> attention output (a padded step's)
+StaticAttend = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor],
+                        torch.Tensor]
 
 
 def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
@@ -244,6 +249,7 @@ class RankEngine:
         overtake: bool | None = None,
         extra_layers: int = 0,
         layer_base: int = 0,
+        input_fn: RowInput | None = None,
     ) -> None:
         cfg = model.config
         if comm.world_size != model.tp or comm.rank != model.rank:
@@ -256,12 +262,12 @@ class RankEngine:
         if (cache.num_layers, cache.latent_dim) != (
                 layer_base + cfg.num_hidden_layers + extra_layers, cfg.latent_dim):
             raise ValueError("cache shape does not match the model (layers, latent dim)")
-        if layer_base and decode_mode != "eager":
-            raise ValueError("layer_base needs decode_mode 'eager' (padded steps store at the "
-                             "model's own layers)")
         # The cache's layers: this model's from ``layer_base``, then ``extra_layers`` of
         # another's (the MTP module's, engine/speculative/mtp.py, after the main layers).
         self.layer_base = layer_base
+        # The first layer's input from each row's token, position and a given hidden state, in
+        # place of the token embedding (``hidden_from``: the MTP module's, mtp.py).
+        self.input_fn = input_fn
         self.model = model
         self.cfg = cfg
         self.cache = cache
@@ -413,23 +419,36 @@ class RankEngine:
         return self._logits(hidden[ends - 1])
 
     @torch.inference_mode()
-    def forward_hidden(self, chunks: Sequence[SeqChunk],
-                       embeds: torch.Tensor | None = None, normed: bool = True
-                       ) -> torch.Tensor:
-        """The final hidden state of every row of the chunks ``[N, H]`` (before the final norm
-        unless ``normed``), eagerly and in order, each rank alike; ``embeds`` (one row per
-        token) replaces the token embedding as the first layer's input: the MTP module feeds
-        its own (engine/speculative/mtp.py). The chunks' tokens still place the rows
-        (positions, cache slots)."""
+    def hidden_from(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """Every row's final hidden state before and after the final norm ``[N, 2, H]``, the
+        first layer's input ``input_fn(tokens, positions, hidden)`` (``hidden`` one row per
+        token) instead of the embedding; each rank alike. Chunks of one token at cached
+        positions (a sequence's several rows share its table and see each other's latents,
+        as a verify step's rows do) run padded to a decode bucket, on CUDA replayed from its
+        graph; other steps run eagerly, in order."""
         if not chunks:
             raise ValueError("empty step")
+        if self.input_fn is None:
+            raise ValueError("hidden_from needs the engine's input_fn")
+        n = sum(len(c.tokens) for c in chunks)
+        if hidden.shape != (n, self.cfg.hidden_size):
+            raise ValueError(f"hidden: need [{n}, {self.cfg.hidden_size}], got "
+                             f"{list(hidden.shape)}")
         self.kept = {}
+        if self.decode_mode != "eager" and self._paddable(chunks):
+            return self._rows_padded(chunks, hidden)
+        dev = self.model.device
+        tokens = to_device([t for c in chunks for t in c.tokens], torch.long, dev)
+        positions = to_device([c.start + j for c in chunks for j in range(len(c.tokens))],
+                              torch.long, dev)
+        x = self.input_fn(tokens, positions, hidden.to(dev))
         launched = None if self.overtaking is None else self.overtaking.in_order(chunks)
         try:
-            return self._forward(chunks, embeds=embeds, normed=normed)
+            h = self._forward(chunks, embeds=x, normed=False)
         finally:
             if launched is not None:
                 launched()
+        return torch.stack([h, rms_norm(h, self.model.weights.norm, self.cfg.rms_norm_eps)], 1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states (``kept``'s rows)."""
@@ -661,15 +680,13 @@ class RankEngine:
         return self.comm.all_reduce(y) if lw.mlp_sharded else y
 
     def _static_layers(
-        self, x: torch.Tensor, buf: StaticDecode | StaticPrefill,
-        attend: Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor],
-                         torch.Tensor],
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, buf: StaticDecode | StaticPrefill, attend: StaticAttend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers of a padded step, each one's projections, cache store and attention
-        ``attend(layer, lw, normed input, cos, sin)``; returns the final norm of the hidden
-        rows. Each layer's residual add after the MLP and the next layer's input norm (the final
-        norm after the last) are one kernel (``add_rms_norm``), so a row's hidden state is read
-        once between layers."""
+        ``attend(layer, lw, normed input, cos, sin)``; returns the hidden rows before and after
+        the final norm. Each layer's residual add after the MLP and the next layer's input
+        norm (the final norm after the last) are one kernel (``add_rms_norm``), so a row's
+        hidden state is read once between layers."""
         cfg, w = self.cfg, self.model.weights
         eps = cfg.rms_norm_eps
         cos, sin = self.model.rotary.cos_sin(buf.positions)
@@ -679,7 +696,7 @@ class RankEngine:
             x, m = self._attn_residual(x, o, lw)
             nxt = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm
             x, a = _add_norm(x, self._mlp(m, lw), nxt, eps)
-        return a
+        return x, a
 
     def _cached_views(
         self, chunks: Sequence[SeqChunk], cached: Sequence[int], bounds: Sequence[int],
@@ -829,11 +846,16 @@ class RankEngine:
     def _decode_padded(
         self, chunks: Sequence[SeqChunk], want_logits: bool
     ) -> torch.Tensor | None:
+        buf = self._stage_decode(chunks)
+        return self._replay_or_run(("decode", buf.tokens.shape[0], want_logits), len(chunks),
+                                   lambda: self._decode_static(buf, want_logits))
+
+    def _stage_decode(self, chunks: Sequence[SeqChunk]) -> StaticDecode:
+        """The bucket's static inputs filled for one-token rows (checked first)."""
         self._check_tokens([c.tokens[0] for c in chunks])
         for c in chunks:
             self._check_table(c.block_ids, c.start + 1)
-        n = len(chunks)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = next(b for b in self.buckets if b >= len(chunks))
         buf = self._static.get(bucket)
         if buf is None:
             buf = StaticDecode.empty(bucket, self.table_width, self.cache.device)
@@ -841,8 +863,7 @@ class RankEngine:
             self._static[bucket] = buf
         stage(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_steps += 1
-        return self._replay_or_run(("decode", bucket, want_logits), n,
-                                   lambda: self._decode_static(buf, want_logits))
+        return buf
 
     def _split_at(self, chunks: Sequence[SeqChunk], want_logits: bool) -> int:
         """Where a step of fresh prompts followed by one-token rows of running sequences (a
@@ -938,6 +959,15 @@ class RankEngine:
         cap = kvc.num_table_blocks(max(1, self.cfg.max_position_embeddings), bs, self.dcp) * bs
         return num_splits_for(bucket, groups, cap, sm_count(dev))
 
+    def share_graph_pool(self, other: RankEngine) -> None:
+        """Capture into ``other``'s graph memory pool: graphs replayed one after another on
+        one stream may share it, as each engine's buckets do (the MTP module's beside the main
+        model's: its graphs then take little memory beyond what the main ones hold)."""
+        if self.decode_mode == "graph" and other.decode_mode == "graph":
+            if other._pool is None:
+                other._pool = torch.cuda.graph_pool_handle()
+            self._pool = other._pool
+
     def _capture(
         self, run: Callable[[], torch.Tensor | None]
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
@@ -959,25 +989,54 @@ class RankEngine:
         self.graph_captures += 1
         return graph, out
 
-    def _decode_static(self, buf: StaticDecode, want_logits: bool) -> torch.Tensor | None:
-        """``_forward`` for one new token per row, reading only ``buf``'s tensors: no host
-        values, no data-dependent shapes, so it can be captured."""
-        cfg, w, comm = self.cfg, self.model.weights, self.comm
+    def _decode_attend(self, buf: StaticDecode) -> StaticAttend:
+        """A padded decode step's attention of layer ``i`` over ``buf``'s tables, after
+        storing its rows' latents (masked)."""
+        cfg, comm = self.cfg, self.comm
 
         def attend(i: int, lw: LayerWeights, a: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
-            q = absorbed_query_and_store(a, lw.attn, cfg, cos, sin, self.cache.kv, i,
+            layer = self.layer_base + i
+            q = absorbed_query_and_store(a, lw.attn, cfg, cos, sin, self.cache.kv, layer,
                                          buf.write_blocks, buf.write_offsets, buf.write_mask)
             if self.dcp > 1:
                 q = comm.all_gather(q, dim=1)
-            out, lse = paged_mla_decode(q, self.cache.kv, i, buf.tables, buf.seq_lens,
+            out, lse = paged_mla_decode(q, self.cache.kv, layer, buf.tables, buf.seq_lens,
                                         cfg.kv_lora_rank, cfg.softmax_scale, buf.num_splits)
             if self.dcp > 1:
                 out = dcp_merge(out, lse, comm)
             return unabsorb_v_flat(out.to(a.dtype), lw.attn)
 
-        hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
+        return attend
+
+    def _decode_static(self, buf: StaticDecode, want_logits: bool) -> torch.Tensor | None:
+        """``_forward`` for one new token per row, reading only ``buf``'s tensors: no host
+        values, no data-dependent shapes, so it can be captured."""
+        x = F.embedding(buf.tokens, self.model.weights.embed)
+        _, hidden = self._static_layers(x, buf, self._decode_attend(buf))
         return self._logits(hidden) if want_logits else None
+
+    def _rows_padded(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden_from`` for one-token rows padded to their bucket (padded rows: a zero
+        hidden state, token 0 at position 0, nothing stored)."""
+        buf = self._stage_decode(chunks)
+        n = len(chunks)
+        if buf.hidden is None:
+            buf.hidden = torch.zeros(buf.tokens.shape[0], self.cfg.hidden_size,
+                                     dtype=self.model.dtype, device=self.cache.device)
+        buf.hidden[:n].copy_(hidden)
+        buf.hidden[n:].zero_()
+        out = self._replay_or_run(("rows", buf.tokens.shape[0], False), n,
+                                  lambda: self._rows_static(buf))
+        assert out is not None
+        return out
+
+    def _rows_static(self, buf: StaticDecode) -> torch.Tensor:
+        """``hidden_from``'s padded step, reading only ``buf``'s tensors (capturable)."""
+        assert self.input_fn is not None and buf.hidden is not None
+        x = self.input_fn(buf.tokens, buf.positions, buf.hidden)
+        before, after = self._static_layers(x, buf, self._decode_attend(buf))
+        return torch.stack([before, after], 1)
 
     def _prefill_static(self, buf: StaticPrefill, want_logits: bool) -> torch.Tensor | None:
         """``_forward`` for fresh prompts padded to their bucket, reading only ``buf``'s
@@ -989,14 +1048,14 @@ class RankEngine:
         def attend(i: int, lw: LayerWeights, a: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
             q_nope, q_pe, latent = project_and_store(
-                a, lw.attn, cfg, cos, sin, self.cache.kv, i, buf.write_blocks, buf.write_offsets,
-                buf.write_mask, want_latent=True)
+                a, lw.attn, cfg, cos, sin, self.cache.kv, self.layer_base + i, buf.write_blocks,
+                buf.write_offsets, buf.write_mask, want_latent=True)
             assert latent is not None
             # fresh prompts attend over what is kept (an FP8 cache's rounded latents)
             return varlen_prefill_attention(q_nope, q_pe, self.cache.stored(latent),
                                             buf.seg_start, lw.attn, cfg)
 
-        hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
+        _, hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
         return self._logits(hidden.index_select(0, buf.last)) if want_logits else None
 
     def _read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:

@@ -201,7 +201,8 @@ class RankWorker:
 
             cfg = self.model.config
             self.mtp = RankMTP(MTPDrafter(*mtp_weights, self.cache, comm, s.dcp,
-                                          cfg.num_hidden_layers), cfg.hidden_size)
+                                          cfg.num_hidden_layers, like=self.engine),
+                               cfg.hidden_size)
         self.host_tier = RankHostTier.for_rank(self.cache, self.engine, s)
         self.compat = compat_record(
             s, plan_text, plan, self.cache.num_layers, self.cache.latent_dim
@@ -245,6 +246,8 @@ class RankWorker:
             elif op == "warmup":
                 self.engine.warm_up(cmd["blocks"], cmd["prompt_tokens"], cmd["chunk_tokens"],
                                     cmd["batch_sizes"], want_logits=self.rank == 0)
+                if self.mtp is not None:
+                    self.mtp.drafter.warm_up(cmd["blocks"], cmd["batch_sizes"])
                 out = {}
             elif op == "mtp_draft":
                 assert self.mtp is not None

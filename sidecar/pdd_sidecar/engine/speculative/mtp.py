@@ -15,6 +15,13 @@ of its logits at the last one is draft 1. Draft ``j + 1`` chains the module on i
 position on; those chained positions' KV is overwritten by the next step's run from the main
 model's hidden states. A draft is a greedy guess: the verify step's keep rule
 (engine/speculative/verify.py) keeps the output plain decoding's whatever it drafts.
+
+In a decode step the module runs over a few positions per sequence (the fed token and the
+kept drafts, then one per chained draft): those run as one-token rows through the paged decode
+kernel, as a verify step's rows do, padded to a batch bucket and on CUDA replayed from a graph
+of the module's own (``RankEngine.hidden_from``; captured by ``warm_up``, in the main model's
+graph memory pool). A prompt's positions (a prefill's, or a prompt prefilled on the decode)
+run as chunks, eagerly.
 """
 
 from __future__ import annotations
@@ -25,12 +32,16 @@ from pathlib import Path
 import torch
 
 from pdd_sidecar.engine.comm import Comm
+from pdd_sidecar.engine.cuda_graphs import DEFAULT_BUCKETS
 from pdd_sidecar.engine.rank_engine import RankEngine
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv.cache import PagedKVCache
-from pdd_sidecar.model.kernels.norm_rope import rms_norm
 from pdd_sidecar.model.mtp import MTPWeights, load_mtp_rank_model, mtp_input
 from pdd_sidecar.model.rank_model import RankModel
+
+# A chunk of at most this many positions after cached ones runs as one-token rows (a decode
+# step's: the fed token and up to k kept drafts); longer ones (a prompt's) as a chunk.
+ROWS_MAX = 8
 
 
 class MTPDrafter:
@@ -38,9 +49,12 @@ class MTPDrafter:
     module's layer is TP-sharded like a main one, and its collectives meet the other ranks')."""
 
     def __init__(self, weights: MTPWeights, model: RankModel, main_cache: PagedKVCache,
-                 comm: Comm, dcp: int, main_layers: int) -> None:
+                 comm: Comm, dcp: int, main_layers: int, like: RankEngine | None = None,
+                 decode_mode: str | None = "eager") -> None:
         """``main_cache``: the main model's (``main_layers`` layers), built with
-        ``extra_layers=1``; the module's latents are its last layer."""
+        ``extra_layers=1``; the module's latents are its last layer. ``like``: the main
+        model's engine, whose decode mode and buckets the module's rows take and whose graph
+        memory pool its graphs share; else ``decode_mode``."""
         if main_cache.num_layers != main_layers + 1:
             raise ValueError(f"the MTP module's KV is the cache's layer {main_layers}: build "
                              f"the cache with extra_layers=1 ({main_layers + 1} layers), got "
@@ -48,17 +62,28 @@ class MTPDrafter:
         self.w = weights
         self.eps = model.config.rms_norm_eps
         self.cache = main_cache
-        base = main_layers
-        self.engine = RankEngine(model, main_cache, comm, dcp, decode_mode="eager",
-                                 prefill_buckets=(), overtake=False, layer_base=base)
+        self.engine = RankEngine(
+            model, main_cache, comm, dcp,
+            decode_mode=like.decode_mode if like is not None else decode_mode,
+            graph_buckets=like.buckets if like is not None else DEFAULT_BUCKETS,
+            max_table_blocks=like.table_width if like is not None else None,
+            prefill_buckets=(), overtake=False, layer_base=main_layers, input_fn=self._input)
+        if like is not None:
+            self.engine.share_graph_pool(like)
+
+    def _input(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+               ) -> torch.Tensor:
+        return mtp_input(self.w, self.eps, hidden, tokens, positions)
 
     @classmethod
     def load(cls, model: str | Path, main: RankModel, main_cache: PagedKVCache, comm: Comm,
-             dcp: int = 1, seed: int = 0) -> MTPDrafter:
+             dcp: int = 1, seed: int = 0, like: RankEngine | None = None,
+             decode_mode: str | None = "eager") -> MTPDrafter:
         """The module of checkpoint ``model`` beside ``main``; a ConfigError naming the setting
         and the model when it has none."""
         w, m = load_mtp_rank_model(model, main, seed)
-        return cls(w, m, main_cache, comm, dcp, main.config.num_hidden_layers)
+        return cls(w, m, main_cache, comm, dcp, main.config.num_hidden_layers, like,
+                   decode_mode)
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[tuple[SeqChunk, torch.Tensor]], k: Sequence[int]
@@ -74,11 +99,11 @@ class MTPDrafter:
         chunks = [c for c, _ in seqs]
         out: list[list[int]] = [[] for _ in seqs]
         hidden = torch.cat([h for _, h in seqs]).to(self.w.embed.device)
-        last = self._run(chunks, hidden)
+        last, normed = self._run(chunks, hidden)
         todo = [i for i in range(len(seqs)) if k[i] > 0]
         depth = 0
         while todo:
-            logits = self.engine.logits(rms_norm(last[todo], self.w.norm, self.eps))
+            logits = self.engine.logits(normed[todo])
             picks = torch.argmax(logits, -1).tolist()
             for i, t in zip(todo, picks, strict=True):
                 out[i].append(int(t))
@@ -88,23 +113,33 @@ class MTPDrafter:
                 break
             nxt = [SeqChunk([out[i][-1]], chunks[i].start + len(chunks[i].tokens) - 1 + depth,
                             chunks[i].block_ids) for i in todo_next]
-            last = last.clone()
-            last[todo_next] = self._run(nxt, last[todo_next])
+            last, normed = last.clone(), normed.clone()
+            last[todo_next], normed[todo_next] = self._run(nxt, last[todo_next])
             todo = todo_next
         return out
 
-    def _run(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
-        """The module over the chunks' rows; its output hidden state (before the shared head's
-        norm) at each chunk's last row ``[len(chunks), H]``."""
-        dev = hidden.device
-        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long,
-                              device=dev)
-        positions = torch.tensor([c.start + j for c in chunks for j in range(len(c.tokens))],
-                                 dtype=torch.long, device=dev)
-        x = mtp_input(self.w, self.eps, hidden, tokens, positions)
-        h = self.engine.forward_hidden(chunks, embeds=x, normed=False)
-        ends = torch.tensor([len(c.tokens) for c in chunks], device=dev).cumsum(0) - 1
-        return h[ends]
+    def _run(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module over the chunks' rows: at each chunk's last row, its output hidden state
+        before and after the shared head's norm ``[len(chunks), H]`` each (module
+        docstring: rows or chunks)."""
+        rows: Sequence[SeqChunk] = chunks
+        if all(c.start > 0 and len(c.tokens) <= ROWS_MAX for c in chunks):
+            rows = [SeqChunk([t], c.start + j, c.block_ids)
+                    for c in chunks for j, t in enumerate(c.tokens)]
+        h = self.engine.hidden_from(rows, hidden)
+        ends = torch.tensor([len(c.tokens) for c in chunks], device=h.device).cumsum(0) - 1
+        last = h[ends]
+        return last[:, 0], last[:, 1]
+
+    @torch.inference_mode()
+    def warm_up(self, block_ids: Sequence[int], batch_sizes: Sequence[int]) -> None:
+        """A draft over ``n`` one-token rows for each of ``batch_sizes``, so each bucket's
+        graph is captured before serving. Writes scratch latents into ``block_ids[0]``."""
+        h = torch.zeros(1, self.w.embed.shape[1], dtype=self.w.embed.dtype,
+                        device=self.w.embed.device)
+        for n in batch_sizes:
+            self.draft([(SeqChunk([1], 1, block_ids[:1]), h)] * n, [1] * n)
 
 
 __all__ = ["MTPDrafter"]

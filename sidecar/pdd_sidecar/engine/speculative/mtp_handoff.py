@@ -52,7 +52,7 @@ class _Side:
         cache = new_cache(model, num_table_blocks(t + self.max_tokens, self.block_size,
                                                   self.dcp), self.block_size, extra_layers=1)
         engine = RankEngine(model, cache, comm, self.dcp, extra_layers=1)
-        drafter = MTPDrafter.load(self.model, model, cache, comm, self.dcp)
+        drafter = MTPDrafter.load(self.model, model, cache, comm, self.dcp, like=engine)
         if self.imported is None:
             table = allocate_request(cache, t, self.dcp)
             logits = engine.step([SeqChunk(self.prompt, 0, table)], keep=[0])
