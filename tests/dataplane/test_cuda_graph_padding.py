@@ -325,3 +325,39 @@ def test_fresh_prompts_beside_decode_rows_split_into_padded_steps(tp: int, dcp: 
     for r, (a, b) in enumerate(zip(ref_kv, got_kv, strict=True)):
         assert torch.equal(a == SENTINEL, b == SENTINEL), f"rank {r}: other slots written"
         assert float((a - b).abs().max()) <= TOL["float32"], f"rank {r}"
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_a_decode_step_that_keeps_hidden_states_runs_padded(tp: int, dcp: int) -> None:
+    """An MTP decode keeps its rows' final hidden states (``keep``): its decode steps run
+    padded too (on CUDA: a graph of their own), with the eager step's logits and kept rows."""
+    def run(rank: int, comm: Comm, mode: str) -> tuple[list[torch.Tensor], int]:
+        model = load_rank_model("builtin", rank, tp, "float32", "cpu")
+        cache = new_cache(model, NUM_BLOCKS, BLOCK)
+        eng = RankEngine(model, cache, comm, dcp, decode_mode=mode, graph_buckets=BUCKETS)
+        tables = _tables(dcp)
+        out: list[torch.Tensor] = []
+        nxt = []
+        for i in range(3):
+            logits = eng.step([SeqChunk(_prompt(5 + i, i), 0, tables[i])])
+            assert logits is not None
+            nxt.append(int(logits[0].argmax()))
+        for pos in range(8, 11):  # three rows, the last two of one sequence (a verify step's)
+            chunks = [SeqChunk([nxt[0]], pos - 3, tables[0]), SeqChunk([nxt[1]], pos - 2,
+                                                                      tables[1]),
+                      SeqChunk([nxt[2]], pos, tables[2]), SeqChunk([5], pos + 1, tables[2])]
+            logits = eng.step(chunks, keep=[0, 3])
+            assert logits is not None
+            out += [eng.kept[0], eng.kept[3], logits]
+            nxt = [int(r.argmax()) for r in logits[:3]]
+            assert set(eng.kept) == {0, 3} and eng.kept[3].shape == (1, model.config.hidden_size)
+        return out, eng.padded_steps
+
+    def go(mode: str) -> list[tuple[list[torch.Tensor], int]]:
+        return run_threads(tp, lambda r, c: run(r, c, mode))
+
+    eager, padded = go("eager"), go("padded")
+    for (ref, ref_n), (got, got_n) in zip(eager, padded, strict=True):
+        assert ref_n == 0 and got_n == 3
+        for a, b in zip(ref, got, strict=True):
+            assert float((a - b).abs().max()) <= TOL["float32"]

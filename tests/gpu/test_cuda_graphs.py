@@ -271,6 +271,26 @@ def test_fresh_prompts_beside_decode_rows_replay_two_graphs() -> None:
     assert g.graph_captures == 1 + 3 + 2  # prefill 512 (the first step), 32, 256, 768; 4, 2
 
 
+def test_a_decode_step_that_keeps_hidden_states_replays_a_graph() -> None:
+    """An MTP decode's steps keep their rows' hidden states: replayed, logits and kept rows
+    equal the padded twin's."""
+    model = _model("small", torch.bfloat16)
+    engines = {m: RankEngine(model, new_cache(model, 256, BLOCK), SingleComm(), decode_mode=m,
+                             graph_buckets=BUCKETS) for m in ("padded", "graph")}
+    out: dict[str, list[torch.Tensor]] = {m: [] for m in engines}
+    for m, e in engines.items():
+        e.step([SeqChunk(list(range(30)), 0, [1, 2, 3])])
+        e.step([SeqChunk(list(range(50)), 0, [5, 6, 7, 8])])
+        for pos in range(3):
+            chunks = [SeqChunk([7], 30 + pos, [1, 2, 3]), SeqChunk([9], 50 + 2 * pos, [5, 6, 7, 8]),
+                      SeqChunk([11], 51 + 2 * pos, [5, 6, 7, 8])]
+            logits = e.step(chunks, keep=[0, 2])
+            out[m] += [logits, e.kept[0].float(), e.kept[2].float()]
+    for a, b in zip(out["padded"], out["graph"], strict=True):
+        assert float((a - b).abs().max()) <= 1e-2
+    assert engines["graph"].graph_captures == 1  # one bucket (4 rows), replayed after
+
+
 def _row_errors(ref: torch.Tensor, got: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
     """Each stored latent row's relative error (L2)."""
     rows = written.any(-1)

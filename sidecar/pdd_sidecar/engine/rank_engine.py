@@ -342,8 +342,9 @@ class RankEngine:
         each chunk's last token (None without ``want_logits``: only rank 0 samples). The final
         hidden states of every position of the chunks ``keep`` names stay in ``kept`` (chunk
         index -> ``[T, H]``, on every rank) for their prompt log-probabilities (``logits``)
-        and the MTP module (engine/speculative/mtp_served.py); such a step runs eagerly, in
-        order, on every rank alike."""
+        and the MTP module (engine/speculative/mtp_served.py); such a step runs in order, on
+        every rank alike: padded (a graph on CUDA) when every chunk is one decode token, else
+        eagerly."""
         if not chunks:
             raise ValueError("empty step")
         self.kept = {}
@@ -406,6 +407,8 @@ class RankEngine:
                    keep: Sequence[int]) -> torch.Tensor | None:
         launched = None if self.overtaking is None else self.overtaking.in_order(chunks)
         try:
+            if self.decode_mode != "eager" and self._paddable(chunks):
+                return self._decode_padded_kept(chunks, want_logits, keep)
             hidden = self._forward(chunks)
         finally:
             if launched is not None:
@@ -850,6 +853,20 @@ class RankEngine:
         return self._replay_or_run(("decode", buf.tokens.shape[0], want_logits), len(chunks),
                                    lambda: self._decode_static(buf, want_logits))
 
+    def _decode_padded_kept(self, chunks: Sequence[SeqChunk], want_logits: bool,
+                            keep: Sequence[int]) -> torch.Tensor | None:
+        """A padded decode step that also returns its rows' final normed hidden states (as
+        fp32 columns after the logits), kept for the rows ``keep`` names."""
+        buf = self._stage_decode(chunks)
+        out = self._replay_or_run(("decode_kept", buf.tokens.shape[0], want_logits),
+                                  len(chunks), lambda: self._decode_static(buf, want_logits,
+                                                                          kept=True))
+        assert out is not None
+        h = self.cfg.hidden_size
+        hidden = out[:, out.shape[1] - h:].to(self.model.dtype)
+        self.kept = {i: hidden[i:i + 1] for i in keep}
+        return out[:, :out.shape[1] - h] if want_logits else None
+
     def _stage_decode(self, chunks: Sequence[SeqChunk]) -> StaticDecode:
         """The bucket's static inputs filled for one-token rows (checked first)."""
         self._check_tokens([c.tokens[0] for c in chunks])
@@ -1009,12 +1026,18 @@ class RankEngine:
 
         return attend
 
-    def _decode_static(self, buf: StaticDecode, want_logits: bool) -> torch.Tensor | None:
+    def _decode_static(self, buf: StaticDecode, want_logits: bool, kept: bool = False
+                       ) -> torch.Tensor | None:
         """``_forward`` for one new token per row, reading only ``buf``'s tensors: no host
-        values, no data-dependent shapes, so it can be captured."""
+        values, no data-dependent shapes, so it can be captured. ``kept``: the final normed
+        hidden rows follow the logits as fp32 columns (or come alone without logits)."""
         x = F.embedding(buf.tokens, self.model.weights.embed)
         _, hidden = self._static_layers(x, buf, self._decode_attend(buf))
-        return self._logits(hidden) if want_logits else None
+        if not kept:
+            return self._logits(hidden) if want_logits else None
+        if not want_logits:
+            return hidden.float()
+        return torch.cat([self._logits(hidden), hidden.float()], -1)
 
     def _rows_padded(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
         """``hidden_from`` for one-token rows padded to their bucket (padded rows: a zero
