@@ -276,7 +276,8 @@ def test_a_decode_step_that_keeps_hidden_states_replays_a_graph() -> None:
     equal the padded twin's."""
     model = _model("small", torch.bfloat16)
     engines = {m: RankEngine(model, new_cache(model, 256, BLOCK), SingleComm(), decode_mode=m,
-                             graph_buckets=BUCKETS) for m in ("padded", "graph")}
+                             graph_buckets=BUCKETS, prefill_buckets=())
+               for m in ("padded", "graph")}
     out: dict[str, list[torch.Tensor]] = {m: [] for m in engines}
     for m, e in engines.items():
         e.step([SeqChunk(list(range(30)), 0, [1, 2, 3])])
