@@ -19,9 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -159,13 +157,6 @@ def _held(url: str) -> int:
     status, stats = http("GET", f"{url}/v1/stats", timeout=10)
     assert status == 200, stats
     return sum(stats["num_blocks"] - r["free_blocks"] for r in stats["ranks"])
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def test_sigkill_under_load_gives_reference_tokens_or_errors_and_leaks_nothing(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,13 +23,6 @@ pytestmark = pytest.mark.dataplane
 
 BLOCK = 16
 LAG_S = 1.0
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _prompt(n: int, salt: int) -> list[int]:

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +41,6 @@ def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
 
 def _prompt(n: int) -> list[int]:
     return [(i * 53 + 7) % 256 for i in range(n)]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _all_free(url: str) -> list[int]:

@@ -8,8 +8,6 @@ its prefill's is refused at the handshake and at the hand-off, naming both value
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -38,13 +36,6 @@ def _fp8_reference(prompt: list[int], max_tokens: int) -> list[int]:
         _REFS[key] = generate("builtin", prompt, max_tokens, block_size=BLOCK,
                               kv_cache_dtype="fp8")
     return _REFS[key]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],

@@ -16,9 +16,8 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -232,13 +231,6 @@ def _error_shaped(text: str) -> bool:
 
 def _plan(p: tuple[int, int], d: tuple[int, int]) -> str:
     return plan_json(p, d, BLOCK)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _stack(cluster: LocalCluster) -> dict[str, Proc]:

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -397,13 +396,6 @@ def test_prompts_that_arrive_together_load_a_host_prefix_once() -> None:
 
 
 # -- through a running stack ----------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -43,13 +41,6 @@ def references() -> dict[int, list[int]]:
 
     return {n: generate("builtin", _prompt(n), MAX_TOKENS, block_size=BLOCK)
             for n in PROMPT_LENGTHS}
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 Side = tuple[int, int, int | None]  # tp, dcp, ranks per pod (None: one pod)

@@ -9,8 +9,6 @@ import concurrent.futures
 import functools
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nixl  # noqa: F401  (the tier needs it; never skip)
@@ -29,13 +27,6 @@ def _tokens(n: int, salt: int) -> list[int]:
 
 def _reference(prompt: list[int], max_tokens: int) -> list[int]:
     return reference_tokens(prompt, max_tokens, BLOCK)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],

@@ -54,13 +54,6 @@ def _stack(cluster: LocalCluster, prefills: int, **prefill_env: Any) -> dict[str
     return {"prefill": p, "decode": d, "router": router}
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
-
-
 def test_a_busy_prefill_keeps_its_prefix_until_the_overload_allowance_is_spent(
         cluster: LocalCluster) -> None:
     """Requests of one cached prefix, all in flight at once on its slowed prefill: the policy

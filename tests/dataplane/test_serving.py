@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +43,6 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 
 def _reference(prompt: list[int], max_tokens: int) -> list[int]:
     return reference_tokens(prompt, max_tokens, BLOCK)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
 
 
 def _stack(cluster: LocalCluster, p: tuple[int, int], d: tuple[int, int],

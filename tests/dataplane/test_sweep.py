@@ -71,13 +71,6 @@ def sweep_table(request: pytest.FixtureRequest) -> Iterator[None]:
             reporter.write_line("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path)
-    yield c
-    c.close()
-
-
 IDS = [f"P{p[0]}{p[1]}-D{d[0]}{d[1]}" for p, d in CONFIGS]
 
 
