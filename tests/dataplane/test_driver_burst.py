@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from pdd_sidecar.engine import driver
 from pdd_sidecar.engine.driver import Inbox, gather_burst
 
 pytestmark = pytest.mark.dataplane
@@ -50,11 +51,11 @@ def test_gathering_stops_at_its_bound_while_work_keeps_coming() -> None:
     t.start()
     start = time.monotonic()
     try:
-        n = gather_burst(inbox, lambda *item: None, quiet_s=0.5, max_s=0.1)
+        n = gather_burst(inbox, lambda *item: None, quiet_s=3.0, max_s=0.1)
     finally:
         stop.set()
         t.join()
-    assert n > 0 and time.monotonic() - start < 0.5  # the bound, not the quiet gap, ended it
+    assert n > 0 and time.monotonic() - start < 2.0  # the bound, not the quiet gap, ended it
 
 
 def test_nothing_more_coming_costs_one_quiet_gap() -> None:
@@ -74,12 +75,24 @@ def test_gathering_stops_once_the_first_step_is_full() -> None:
     assert n == 8 and got == list(range(8)) and inbox.qsize() == 32
 
 
-def test_the_driver_sleeps_through_the_gap_and_takes_the_burst_at_once() -> None:
+def test_the_driver_sleeps_through_the_gap_and_takes_the_burst_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests arriving 0.2 ms apart are not handled one by one as they come (each wake of
     the driver would take the GIL from the HTTP loop reading the rest), but together after
-    the quiet gap."""
+    the quiet gap: what was there when it began at once, the rest in one take after it."""
+    sleeps = [0]
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            sleeps[0] += 1
+            time.sleep(s)
+
+    monkeypatch.setattr(driver, "time", Clock)
     inbox: Inbox = queue.Queue()
-    handled: list[float] = []
+    taken_after: list[int] = []  # for each request handled, the gaps slept before it
 
     def send() -> None:
         for i in range(10):
@@ -87,14 +100,10 @@ def test_the_driver_sleeps_through_the_gap_and_takes_the_burst_at_once() -> None
             time.sleep(0.0002)
 
     sender = threading.Thread(target=send)
-    start = time.monotonic()
     sender.start()
-    n = gather_burst(inbox, lambda *item: handled.append(time.monotonic()), quiet_s=0.1,
+    n = gather_burst(inbox, lambda *item: taken_after.append(sleeps[0]), quiet_s=0.3,
                      max_s=5.0)
     sender.join()
     assert n == 10
-    # What was there when it began (the sender's first) at once, the rest after one gap:
-    # handled as they came, all ten would be within a few ms of the start.
-    late = [t - start for t in handled if t - start >= 0.09]
-    assert len(late) >= 8, [round(t - start, 4) for t in handled]
-    assert max(late) - min(late) < 0.05, late  # one take, not a wake each
+    # handled as they came, the ten would spread over up to ten takes
+    assert len(set(taken_after)) <= 2 and taken_after.count(1) >= 8, taken_after
