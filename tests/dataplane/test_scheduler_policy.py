@@ -198,3 +198,21 @@ def test_while_a_step_is_launched_only_fresh_prompts_outside_it_are_planned() ->
     assert [c.seq.id for c in after] == ["next"]
     decode = Scheduler("decode", PagedKVCache(64, 1, BLOCK, 4), BLOCK, 1, 1)
     assert decode.plan_fresh(set()).prefill == []
+
+
+def test_prompts_an_instance_runs_itself_are_gathered_as_a_burst() -> None:
+    """An idle instance gathers a burst (engine/driver.py) while prompts it prefills itself
+    wait: every prompt of a prefill, a decode's local ones, never a decode's pulls alone."""
+    assert not _prefill(8192, 8192).prompts_waiting()
+    sched = _prefill(8192, 8192)
+    _submit(sched, "p", 40)
+    assert sched.prompts_waiting()
+    decode = Scheduler("decode", PagedKVCache(4096, 1, BLOCK, 4), BLOCK, 1, 1)
+
+    class Grant:
+        num_tokens = 40
+
+    decode.submit(Sequence("pulled", [], 8, 48, source=Grant()))
+    assert not decode.prompts_waiting()
+    decode.submit(Sequence("local", list(range(30)), 8, 38))
+    assert decode.prompts_waiting()

@@ -104,7 +104,8 @@ Future = concurrent.futures.Future
 # An idle instance whose ranks span pods runs an empty command this often: a rank gone on another
 # pod breaks it, and the leader exits (one pod watches its own rank processes instead).
 HEARTBEAT_S = 1.0
-# An idle prefill's first step waits for the rest of a burst (gather_burst): until nothing came
+# An idle instance's first step of prompts it runs itself (a prefill's, a decode's local ones)
+# waits for the rest of a burst (gather_burst): until nothing came
 # for BURST_QUIET_S, for at most BURST_MAX_S.
 BURST_QUIET_S = 0.0015
 BURST_MAX_S = 0.05
@@ -326,7 +327,7 @@ class InstanceDriver:
                 self.scheduler.fence.settle()
                 idle = not self._has_work()
                 self._drain(block=idle or held)
-                if idle and self.role == "prefill" and self.scheduler.waiting:
+                if idle and self.scheduler.prompts_waiting():
                     gather_burst(self._inbox, self._handle, self.scheduler.first_step_full)
                 plan = self.scheduler.plan()
                 timing.mark_planned(plan, time.monotonic())

@@ -379,11 +379,17 @@ class Scheduler:
         return None
 
     def first_step_full(self) -> bool:
-        """The waiting prompts fill a step's budget or its running slots: an idle prefill
+        """The waiting prompts fill a step's budget or its running slots: an idle instance
         gathering a burst (engine/driver.py) starts at once."""
         tokens = accumulate(min(len(s.prompt), self.chunk_tokens) for s in self.waiting)
         return (len(self.waiting) >= self.max_running
                 or any(n >= self.step_tokens for n in tokens))
+
+    def prompts_waiting(self) -> bool:
+        """Prompts this instance runs itself wait in the queue (a prefill's; a decode's local
+        ones): an idle instance gathers their burst before its first step (engine/driver.py),
+        so a burst is one step, not a first few prompts alone while the rest queue."""
+        return any(self.role == "prefill" or s.source is None for s in self.waiting)
 
     def _queued_beyond_next_step(self, need: int, slots_needed: int = 1) -> int:
         """How many of the waiting, with a newcomer needing ``need`` blocks at the back, the
