@@ -363,3 +363,32 @@ def test_a_decode_step_that_keeps_hidden_states_runs_padded(tp: int, dcp: int) -
         assert ref_n == 0 and got_n == 3
         for a, b in zip(ref, got, strict=True):
             assert float((a - b).abs().max()) <= TOL["float32"]
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_a_prefill_step_that_keeps_hidden_states_runs_padded(tp: int, dcp: int) -> None:
+    """Prompt log-probabilities and an MTP prefill keep every row's hidden state: a step of
+    fresh prompts that a bucket holds still runs padded, with the eager step's logits and
+    kept rows."""
+    def run(rank: int, comm: Comm, buckets: tuple[int, ...]) -> tuple[list[torch.Tensor], int]:
+        model = load_rank_model("builtin", rank, tp, "float32", "cpu")
+        cache = new_cache(model, NUM_BLOCKS, BLOCK)
+        mode = "padded" if buckets else "eager"
+        eng = RankEngine(model, cache, comm, dcp, decode_mode=mode, prefill_buckets=buckets)
+        tables = _tables(dcp)
+        out: list[torch.Tensor] = []
+        for group in ([0], [1, 2, 3], [4, 5]):
+            chunks = [SeqChunk(_prompt(4 + 2 * i, i), 0, tables[i]) for i in group]
+            logits = eng.step(chunks, keep=[0, len(group) - 1])
+            assert logits is not None and set(eng.kept) == {0, len(group) - 1}
+            assert eng.kept[0].shape == (len(chunks[0].tokens), model.config.hidden_size)
+            out += [logits, eng.kept[0], eng.kept[len(group) - 1]]
+        return out, eng.padded_prefills
+
+    def go(buckets: tuple[int, ...]) -> list[tuple[list[torch.Tensor], int]]:
+        return run_threads(tp, lambda r, c: run(r, c, buckets))
+
+    for (ref, ref_n), (got, got_n) in zip(go(()), go(PREFILL_BUCKETS), strict=True):
+        assert ref_n == 0 and got_n == 3
+        for a, b in zip(ref, got, strict=True):
+            assert float((a - b).abs().max()) <= TOL["float32"]

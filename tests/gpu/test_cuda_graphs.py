@@ -292,6 +292,28 @@ def test_a_decode_step_that_keeps_hidden_states_replays_a_graph() -> None:
     assert engines["graph"].graph_captures == 1  # one bucket (4 rows), replayed after
 
 
+def test_a_prefill_step_that_keeps_hidden_states_replays_a_graph() -> None:
+    """Prompt log-probabilities and an MTP prefill keep every row: replayed, logits and kept
+    rows equal the padded twin's."""
+    model = _model("small", torch.bfloat16)
+    engines = {m: RankEngine(model, new_cache(model, 256, BLOCK), SingleComm(), decode_mode=m,
+                             prefill_buckets=PREFILL_BUCKETS) for m in ("padded", "graph")}
+    out: dict[str, list[torch.Tensor]] = {m: [] for m in engines}
+    for m, e in engines.items():
+        for lengths in ([100], [30, 200], [100]):
+            first = 1
+            chunks = []
+            for n in lengths:
+                chunks.append(SeqChunk([(7 * i) % 256 for i in range(n)], 0,
+                                       list(range(first, first + n // BLOCK + 1))))
+                first += n // BLOCK + 1
+            logits = e.step(chunks, keep=[len(chunks) - 1])
+            out[m] += [logits, e.kept[len(chunks) - 1].float()]
+    for a, b in zip(out["padded"], out["graph"], strict=True):
+        assert float((a - b).abs().max()) <= 1e-2
+    assert engines["graph"].graph_captures == 2  # buckets 128 and 256, the first replayed
+
+
 def _row_errors(ref: torch.Tensor, got: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
     """Each stored latent row's relative error (L2)."""
     rows = written.any(-1)

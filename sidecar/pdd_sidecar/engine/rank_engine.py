@@ -343,8 +343,8 @@ class RankEngine:
         hidden states of every position of the chunks ``keep`` names stay in ``kept`` (chunk
         index -> ``[T, H]``, on every rank) for their prompt log-probabilities (``logits``)
         and the MTP module (engine/speculative/mtp_served.py); such a step runs in order, on
-        every rank alike: padded (a graph on CUDA) when every chunk is one decode token, else
-        eagerly."""
+        every rank alike: padded (a graph on CUDA) when every chunk is one decode token or a
+        fresh prompt a prefill bucket holds, else eagerly."""
         if not chunks:
             raise ValueError("empty step")
         self.kept = {}
@@ -409,10 +409,18 @@ class RankEngine:
         try:
             if self.decode_mode != "eager" and self._paddable(chunks):
                 return self._decode_padded_kept(chunks, want_logits, keep)
+            if self._prefill_paddable(chunks, want_logits):
+                return self._prefill_padded_kept(chunks, want_logits, keep)
             hidden = self._forward(chunks)
         finally:
             if launched is not None:
                 launched()
+        return self._keep_rows(chunks, hidden, want_logits, keep)
+
+    def _keep_rows(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor, want_logits: bool,
+                   keep: Sequence[int]) -> torch.Tensor | None:
+        """``kept`` from a step's hidden rows (the chunks' rows one after the other), and the
+        logits of each chunk's last row."""
         lengths = [len(c.tokens) for c in chunks]
         offsets = [sum(lengths[:i]) for i in range(len(chunks))]
         self.kept = {i: hidden[offsets[i]:offsets[i] + lengths[i]] for i in keep}
@@ -915,6 +923,24 @@ class RankEngine:
 
     def _prefill_padded(self, chunks: Sequence[SeqChunk], want_logits: bool
                         ) -> torch.Tensor | None:
+        buf = self._stage_prefill(chunks)
+        return self._replay_or_run(("prefill", buf.tokens.shape[0], want_logits), len(chunks),
+                                   lambda: self._prefill_static(buf, want_logits))
+
+    def _prefill_padded_kept(self, chunks: Sequence[SeqChunk], want_logits: bool,
+                             keep: Sequence[int]) -> torch.Tensor | None:
+        """A padded prefill step whose graph returns every row's final normed hidden state;
+        the rows of the chunks ``keep`` names are kept, the logits taken from the last rows
+        after it."""
+        buf = self._stage_prefill(chunks)
+        rows = sum(len(c.tokens) for c in chunks)
+        hidden = self._replay_or_run(("prefill_kept", buf.tokens.shape[0], False), rows,
+                                     lambda: self._prefill_static_hidden(buf))
+        assert hidden is not None
+        return self._keep_rows(chunks, hidden, want_logits, keep)
+
+    def _stage_prefill(self, chunks: Sequence[SeqChunk]) -> StaticPrefill:
+        """The bucket's static inputs filled for fresh prompts (checked first)."""
         for c in chunks:
             self._check_tokens(c.tokens)
             self._check_table(c.block_ids, len(c.tokens))
@@ -926,8 +952,7 @@ class RankEngine:
             self._static_prefill[bucket] = buf
         stage_prefill(buf, chunks, self.cache.block_size, self.dcp, self.rank)
         self.padded_prefills += 1
-        return self._replay_or_run(("prefill", bucket, want_logits), len(chunks),
-                                   lambda: self._prefill_static(buf, want_logits))
+        return buf
 
     def _replay_or_run(
         self, key: tuple[str, int, bool], rows: int, run: Callable[[], torch.Tensor | None]
@@ -1066,6 +1091,11 @@ class RankEngine:
         tensors (capturable): every rank attends over the whole prompts, as the eager path
         does, and stores its own chunks' latents. ``[P, V]`` logits, a row per prompt's last
         token (rows past the prompts: row 0's)."""
+        hidden = self._prefill_static_hidden(buf)
+        return self._logits(hidden.index_select(0, buf.last)) if want_logits else None
+
+    def _prefill_static_hidden(self, buf: StaticPrefill) -> torch.Tensor:
+        """The padded prefill's final normed hidden rows ``[B, H]``."""
         cfg, w = self.cfg, self.model.weights
 
         def attend(i: int, lw: LayerWeights, a: torch.Tensor, cos: torch.Tensor,
@@ -1078,8 +1108,7 @@ class RankEngine:
             return varlen_prefill_attention(q_nope, q_pe, self.cache.stored(latent),
                                             buf.seg_start, lw.attn, cfg)
 
-        _, hidden = self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)
-        return self._logits(hidden.index_select(0, buf.last)) if want_logits else None
+        return self._static_layers(F.embedding(buf.tokens, w.embed), buf, attend)[1]
 
     def _read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
         """Every token of ``block_ids`` of ``layer`` as latents of the model's dtype; an FP8
