@@ -33,7 +33,7 @@
 # Time limits (s): TESTS_S 240, ENGINE_S 300, SWEEP_S 300, SERVING_S 280, SERVE_PATH_S 300,
 # SERVE_PATH_WORKERS_S 200, SERVE_PATH_ASYNCIO_S 150, SERVE_PATH_IN_ORDER_S 150,
 # PREFIX_CACHE_S 300, KV_TIERS_S 420, PROFILE_S 120, HANDOFF_S 120, LAUNCH_QUEUE_S 90,
-# STRUCTURED_S 300, SERVE_COMPARE_S 420, TRACING_S 300.
+# STRUCTURED_S 300, SERVE_COMPARE_S 420, TRACING_S 300, SPECULATIVE_S 400.
 #   kv_tiers bench/kv_tiers.py on the same kind of checkpoint: the KV pool's defaults against
 #            explicit pools, the host tier, no reuse, a burst sharing one prefix
 #            (KV_TIERS_ARGS adds flags, e.g. --parts a,d); one GPU is enough
@@ -54,6 +54,9 @@
 #   tracing  bench/serving.py --tracing off,1%,100% on that checkpoint, one decode rank: TPOT
 #            and tokens/s with OpenTelemetry off and at two sampling ratios (TRACING_ARGS adds
 #            flags); one GPU is enough
+#   speculative  bench/speculative.py on a random 27-layer V2-Lite-width model: ceiling, floor
+#            (self-disabled over 512 tokens), the modelled curve and the MTP module's cost at
+#            batch 1, 16, 64 and k 1, 2, 3 (SPECULATIVE_ARGS replaces those flags); one GPU
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -237,6 +240,13 @@ if want tracing; then
         --device cuda --dtype bfloat16 --model "$CKPT" --decode-tp 1 --tracing off,1%,100% \
         --json "$OUT/tracing.json" ${TRACING_ARGS:-} 2>&1 | tee "$OUT/tracing.log" || rc=1
     say "tracing done"
+fi
+if want speculative; then
+    say "stage speculative"
+    eval "set -- ${SPECULATIVE_ARGS:---batches 1,16,64 --ks 1,2,3 --tokens 64 --floor-tokens 512}"
+    timeout -k 10 "${SPECULATIVE_S:-400}" $PY bench/speculative.py --device cuda \
+        --json "$OUT/speculative.json" "$@" 2>&1 | tee "$OUT/speculative.log" || rc=1
+    say "speculative done"
 fi
 rm -rf "$CKPT"
 if [ -d /tmp/gpu-all-extra ]; then  # the rest in one archive: $OUT keeps to eight files

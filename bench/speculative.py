@@ -15,7 +15,11 @@ batch x k, every figure beside plain decoding of the same batch in the same run:
   at acceptance a per draft, from the measured step times, for a = 0 .. 100 % with the
   published 81 % (DeepSeek-R1 MTP-1 in vLLM) marked; and the break-even batch per k, the
   smallest measured batch at which 81 % no longer beats plain decoding
-  (``DEFAULT_MAX_BATCH`` in engine/speculative/config.py comes from it).
+  (``DEFAULT_MAX_BATCH`` in engine/speculative/config.py comes from it);
+- **the MTP module's cost** (unless ``--no-mtp``): a random module of the model's width (one
+  MoE layer, DeepSeek-V3's), its latents the cache's last layer, run as a decode drafts with it
+  (engine/speculative/mtp.py: the fed token and k kept drafts as rows, then the chained drafts,
+  replayed from its graphs): the ceiling and the model again with that time added to each step.
 
     python bench/speculative.py --device cuda --json /tmp/spec.json
     python bench/speculative.py --device cpu --small      # smoke run, seconds
@@ -24,6 +28,7 @@ batch x k, every figure beside plain decoding of the same batch in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,18 +41,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import random_weights, small_config, sync, v2_lite_config  # noqa: E402
+from engine import random_weights, small_config, sync, time_fn, v2_lite_config  # noqa: E402
 
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
 from pdd_sidecar.engine.rank_engine import RankEngine  # noqa: E402
 from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
 from pdd_sidecar.engine.speculative.config import SpeculativeConfig  # noqa: E402
+from pdd_sidecar.engine.speculative.mtp import MTPDrafter  # noqa: E402
 from pdd_sidecar.engine.speculative.ngram import NgramIndex  # noqa: E402
 from pdd_sidecar.engine.speculative.speculator import Speculator, draft_room  # noqa: E402
 from pdd_sidecar.engine.speculative.verify import accepted_tokens  # noqa: E402
 from pdd_sidecar.kv.cache import PagedKVCache, num_table_blocks  # noqa: E402
+from pdd_sidecar.model.mtp import MTPWeights  # noqa: E402
 from pdd_sidecar.model.rank_model import RankModel  # noqa: E402
 from pdd_sidecar.model.rope import Rotary  # noqa: E402
+from pdd_sidecar.model.weights import RankWeights  # noqa: E402
 
 PUBLISHED_ACCEPTANCE = 0.81  # DeepSeek-R1 MTP-1 in vLLM: 81-83 %
 
@@ -68,12 +76,44 @@ class Batch:
 
 
 def build_engine(cfg: Any, dtype: torch.dtype, dev: torch.device, blocks: int,
-                 block_size: int) -> RankEngine:
+                 block_size: int, mtp: bool = False) -> RankEngine:
+    """``mtp``: the cache holds one more layer, the MTP module's (``build_mtp``)."""
     w = random_weights(cfg, dtype, dev)
     rm = RankModel(cfg, w, Rotary(cfg.rope, cfg.qk_rope_head_dim, dev), 0, 1, dtype, dev)
-    cache = PagedKVCache(blocks, cfg.num_hidden_layers, block_size, cfg.latent_dim, dtype, dev)
+    cache = PagedKVCache(blocks, cfg.num_hidden_layers + int(mtp), block_size, cfg.latent_dim,
+                         dtype, dev)
     mode = "graph" if dev.type == "cuda" else "eager"
-    return RankEngine(rm, cache, SingleComm(), decode_mode=mode, prefill_buckets=())
+    return RankEngine(rm, cache, SingleComm(), decode_mode=mode, prefill_buckets=(),
+                      extra_layers=int(mtp))
+
+
+def build_mtp(engine: RankEngine, seed: int = 1) -> MTPDrafter:
+    """A random MTP module beside ``engine``'s model: one MoE layer of its width (V3's module),
+    its own embedding, norms, ``eh_proj`` and head; its rows graphed like the engine's."""
+    cfg, dev, dtype = engine.cfg, engine.cache.device, engine.model.dtype
+    one = dataclasses.replace(cfg, num_hidden_layers=1, first_k_dense_replace=0,
+                              moe_layer_freq=1)
+    rw = random_weights(one, dtype, dev, seed)
+    h = cfg.hidden_size
+    g = torch.Generator(device=dev).manual_seed(seed)
+    eh = torch.randn(h, 2 * h, device=dev, dtype=dtype, generator=g).mul_((2 * h) ** -0.5)
+    ones = torch.ones(h, device=dev, dtype=dtype)
+    w = MTPWeights(enorm=ones, hnorm=ones.clone(), eh_proj=eh, layer=rw.layers[0],
+                   embed=rw.embed, norm=rw.norm, head=rw.lm_head, layer_config=one)
+    model = RankModel(one, RankWeights(rw.embed, [w.layer], rw.norm, rw.lm_head),
+                      engine.model.rotary, 0, 1, dtype, dev)
+    return MTPDrafter(w, model, engine.cache, SingleComm(), 1, cfg.num_hidden_layers,
+                      like=engine)
+
+
+def mtp_draft_ms(drafter: MTPDrafter, batch: Batch, k: int, reps: int) -> float:
+    """A decode step's module call when every draft was kept: k + 1 rows a sequence (the fed
+    token and the k drafts), then k - 1 chained drafts; median ms."""
+    h = torch.zeros(k + 1, drafter.w.embed.shape[1], dtype=drafter.w.embed.dtype,
+                    device=drafter.w.embed.device)
+    seqs = [(SeqChunk([1] * (k + 1), batch.context + 1, table), h) for table in batch.tables]
+    ks = [k] * len(seqs)
+    return time_fn(lambda: drafter.draft(seqs, ks), drafter.w.embed.device, reps) * 1e3
 
 
 def prefill(engine: RankEngine, b: int, context: int, tokens_after: int, seed: int) -> Batch:
@@ -190,7 +230,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # a longer self-disabled floor run holds its own batch beside the main one
     longer = max(0, (args.floor_tokens or 0) - args.tokens)
     per_seq += num_table_blocks(args.context + after + longer, args.block_size, 1) if longer else 0
-    engine = build_engine(cfg, dtype, dev, per_seq * max(args.batches) + 1, args.block_size)
+    engine = build_engine(cfg, dtype, dev, per_seq * max(args.batches) + 1, args.block_size,
+                          mtp=args.mtp)
+    drafter = build_mtp(engine) if args.mtp else None
     vocab = cfg.vocab_size
     rows: list[dict[str, Any]] = []
     for b in args.batches:
@@ -200,6 +242,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"batch": b, "plain_tpot_ms": plain.tpot_ms,
                                "plain_step_ms": plain.step_ms, "k": {}}
         print(f"batch {b}: plain TPOT {plain.tpot_ms:.2f} ms")
+        # the floor's self-disabled run may be longer (--floor-tokens): its probes back off
+        # (engine/speculative/backoff.py), so their share falls with the run's length; its
+        # batch and plain reference are made once for every k
+        floor_tokens = args.floor_tokens or args.tokens
+        batch_long, ref_long = batch, plain
+        if floor_tokens > args.tokens:
+            batch_long = prefill(engine, b, args.context, floor_tokens + kmax + 2, seed=b)
+            ref_long = timed(engine, batch_long, floor_tokens, lambda: None)
         for k in args.ks:
             raw = SpeculativeConfig(tokens=k, max_batch=10**6, min_acceptance=0.0)
             right, wrong = replaying(ref, False, vocab), replaying(ref, True, vocab)
@@ -207,21 +257,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                          lambda raw=raw, d=right: Speculator(raw, d), force=True)
             floor = timed(engine, batch, args.tokens,
                           lambda raw=raw, d=wrong: Speculator(raw, d))
-            # the floor's self-disabled run may be longer (--floor-tokens): its probes back
-            # off (engine/speculative/backoff.py), so their share falls with the run's length
-            floor_tokens = args.floor_tokens or args.tokens
-            if floor_tokens > args.tokens:
-                batch_long = prefill(engine, b, args.context, floor_tokens + kmax + 2, seed=b)
-                ref_long = timed(engine, batch_long, floor_tokens, lambda: None)
-                wrong_long = replaying(ref_long.tokens, True, vocab)
-                auto = timed(engine, batch_long, floor_tokens, lambda k=k, d=wrong_long:
-                             Speculator(SpeculativeConfig(tokens=k), d))
-                auto_plain = ref_long
-                engine.cache.free([x for t in batch_long.tables for x in t])
-            else:
-                auto = timed(engine, batch, args.tokens,
-                             lambda k=k, d=wrong: Speculator(SpeculativeConfig(tokens=k), d))
-                auto_plain = plain
+            wrong_long = replaying(ref_long.tokens, True, vocab)
+            auto = timed(engine, batch_long, floor_tokens, lambda k=k, d=wrong_long:
+                         Speculator(SpeculativeConfig(tokens=k), d))
+            auto_plain = ref_long
             # plain decoding's tokens whatever the drafts (exact in fp32; in bf16 a row count
             # other than plain's may order a near-tie otherwise)
             same = floor.tokens == ref and auto.tokens == auto_plain.tokens
@@ -247,6 +286,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "modelled_speedup": model,
                 "same_tokens": same,
             }
+            if drafter is not None:
+                mtp_ms = mtp_draft_ms(drafter, batch, k, args.mtp_reps)
+                r["mtp_draft_ms"] = mtp_ms
+                r["mtp_ceiling_speedup"] = plain.tpot_ms / (ceil.tpot_ms + mtp_ms / (k + 1))
+                r["mtp_modelled_speedup"] = {
+                    a: plain.tpot_ms / ((verify_ms + mtp_ms) / expected_tokens(float(a), k))
+                    for a in model}
             row["k"][str(k)] = r
             print(f"  k={k}: ceiling TPOT {ceil.tpot_ms:.2f} ms ({r['ceiling_speedup']:.2f}x, "
                   f"draws equal to the replayed drafts {r['ceiling_draw_agreement']:.1%}); "
@@ -257,8 +303,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                   f"{r['floor_self_disabled_probe_share']:.3f}x from them); "
                   f"verify step {verify_ms:.2f} ms vs plain {plain.step_ms:.2f} ms; modelled "
                   f"at 81 %: {model[f'{PUBLISHED_ACCEPTANCE:.2f}']:.2f}x; same tokens: {same}")
+            if "mtp_draft_ms" in r:
+                print(f"  k={k}: with the MTP module's {r['mtp_draft_ms']:.2f} ms a step: "
+                      f"ceiling {r['mtp_ceiling_speedup']:.2f}x, modelled at 81 %: "
+                      f"{r['mtp_modelled_speedup'][f'{PUBLISHED_ACCEPTANCE:.2f}']:.2f}x")
         rows.append(row)
         engine.cache.free([x for t in batch.tables for x in t])
+        if batch_long is not batch:
+            engine.cache.free([x for t in batch_long.tables for x in t])
     breakeven: dict[str, int | None] = {}
     for k in args.ks:
         slower = [r["batch"] for r in rows
@@ -295,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens of the self-disabled floor's run (default: --tokens); its "
                    "probes back off, so a longer run shows their cost falling")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--no-mtp", dest="mtp", action="store_false",
+                   help="leave out the MTP module's cost (a random module of the model's width)")
+    p.add_argument("--mtp-reps", type=int, default=20, help="timed calls of the module a figure")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     res = bench(args)

@@ -36,6 +36,11 @@ def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.M
             assert f["same_tokens"]
             assert f["ceiling_tpot_ms"] > 0 and f["floor_tpot_ms"] > 0
             assert f["floor_self_disabled_tpot_ms"] > 0 and f["verify_step_ms"] > 0
+            # the MTP module's time is added to each step: never faster than without it
+            assert f["mtp_draft_ms"] > 0
+            assert f["mtp_ceiling_speedup"] < f["ceiling_speedup"]
+            assert all(f["mtp_modelled_speedup"][a] < m
+                       for a, m in f["modelled_speedup"].items())
             # always-wrong drafts: two verify steps, then paused (6 tokens, no probe yet)
             assert f["floor_self_disabled_tokens"] == 6
             assert f["floor_self_disabled_verify_steps"] == 2
