@@ -108,6 +108,25 @@ def v2_lite_config() -> ModelConfig:
     )
 
 
+def v3_width_config(layers: int = 2) -> ModelConfig:
+    """DeepSeek-V3's widths (7,168 hidden, 128 heads, 256 routed experts of 2,048, top 8, one
+    shared, a 129,280-token head) in ``layers`` MoE layers, as many as one GPU holds (a layer's
+    experts are 22.5 GB in bf16); its router in the greedy softmax form and its query
+    projection unfactored, which change neither the experts read nor the step's shape."""
+    return v2_lite_config().replace(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_hidden_layers=layers,
+        num_attention_heads=128,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=0,
+    )
+
+
 def small_config() -> ModelConfig:
     return v2_lite_config().replace(
         vocab_size=512,

@@ -56,7 +56,8 @@
 #            flags); one GPU is enough
 #   speculative  bench/speculative.py on a random 27-layer V2-Lite-width model: ceiling, floor
 #            (self-disabled over 512 tokens), the modelled curve and the MTP module's cost at
-#            batch 1, 16, 64 and k 1, 2, 3 (SPECULATIVE_ARGS replaces those flags); one GPU
+#            batch 1, 16, 64 and k 1, 2, 3 (SPECULATIVE_ARGS replaces those flags; "--model
+#            v3 --layers 1" for DeepSeek-V3's widths, which fit an H100 with the module); one GPU
 # Each stage leaves one or two files in $OUT; all five at once would pass eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -41,7 +41,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import random_weights, small_config, sync, time_fn, v2_lite_config  # noqa: E402
+from engine import (  # noqa: E402
+    random_weights,
+    small_config,
+    sync,
+    time_fn,
+    v2_lite_config,
+    v3_width_config,
+)
 
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
 from pdd_sidecar.engine.rank_engine import RankEngine  # noqa: E402
@@ -222,7 +229,14 @@ def timed(engine: RankEngine, batch: Batch, n_tokens: int,
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device(args.device)
-    cfg = small_config() if args.small else v2_lite_config()
+    if args.small:
+        cfg = small_config()
+    elif args.model == "v3":
+        cfg = v3_width_config(args.layers or 2)
+    else:
+        cfg = v2_lite_config()
+        if args.layers:
+            cfg = cfg.replace(num_hidden_layers=args.layers)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     kmax = max(args.ks)
     after = args.tokens + kmax + 2
@@ -324,7 +338,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             m = r["k"][str(k)]["modelled_speedup"]
             print(f"  batch {r['batch']:>3} k={k}: " + " ".join(
                 f"{float(a):.0%}:{v:.2f}" for a, v in m.items()))
-    return {"config": "small" if args.small else "v2lite", "device": str(dev),
+    return {"config": "small" if args.small else args.model,
+            "layers": cfg.num_hidden_layers, "device": str(dev),
             "card": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "context": args.context, "tokens": args.tokens, "rows": rows,
             "breakeven_batch": breakeven}
@@ -339,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
+    p.add_argument("--model", choices=["v2lite", "v3"], default="v2lite",
+                   help="v2lite: V2-Lite's widths, 27 layers; v3: DeepSeek-V3's widths in "
+                   "--layers MoE layers (default 2: about 50 GB, 77 GB with the MTP module)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the model (see --model)")
     p.add_argument("--batches", type=_ints, default=[1, 16, 64])
     p.add_argument("--ks", type=_ints, default=[1, 2, 3])
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
