@@ -140,6 +140,35 @@ def error_response(exc: BaseException) -> web.Response:
     return web.json_response(body, status=status, headers=headers)
 
 
+class RequestRecord:
+    """One ``/v1/prefill`` or ``/v1/decode`` request's outcome, HTTP status and error, counted
+    once in the instance's request metrics whatever happened (``close`` in a ``finally``) and
+    read by its span."""
+
+    def __init__(self, metrics: InstanceMetrics, role: str) -> None:
+        self.metrics = metrics
+        self.role = role
+        self.start = time.monotonic()
+        self.outcome = "error"
+        self.status = 500
+        self.error: str | None = None
+
+    def ok(self, status: int = 200) -> None:
+        self.outcome, self.status = "ok", status
+
+    def failed(self, exc: BaseException) -> web.Response:
+        """The OpenAI-style error answer for ``exc``, recorded."""
+        response = error_response(exc)
+        self.status, self.error = response.status, str(exc)
+        return response
+
+    def close(self) -> None:
+        self.metrics.requests.labels(role=self.role, endpoint=self.role,
+                                     outcome=self.outcome).inc()
+        self.metrics.request_seconds.labels(role=self.role, endpoint=self.role).observe(
+            time.monotonic() - self.start)
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object; whatever a client sends instead is its error (4xx): too big,
     not UTF-8, not JSON, an integer past Python's 4,300 digits, nesting past the recursion limit."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 import uuid
 from typing import Any
 
@@ -69,6 +68,7 @@ from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
     InstanceState,
+    RequestRecord,
     bad,
     choice_members,
     error_response,
@@ -314,38 +314,29 @@ def _error(seq: Sequence) -> RequestError | None:
 
 async def decode(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    m = state.metrics
-    start = time.monotonic()
-    outcome = "error"
+    rec = RequestRecord(state.metrics, "decode")
     seq: Sequence | None = None
-    status, error = 500, None
     try:
         body = await read_json(request)
         seq = await decode_sequence(request, state, body)
-        seq.extra[timing.RECEIVED] = start
+        seq.extra[timing.RECEIVED] = rec.start
         if body.get("stream"):
             response = await _stream(request, state, seq)
-            outcome = "ok"
-            status = response.status
+            rec.ok(response.status)
             return response
         await finished(request, state, seq)
         err = _error(seq)
         if err:
             raise err
-        outcome = "ok"
-        status = 200
+        rec.ok()
         return web.json_response(_summary(state, seq))
     except Exception as exc:
-        response = error_response(exc)
-        status, error = response.status, str(exc)
-        return response
+        return rec.failed(exc)
     finally:
         if tracing.enabled():
-            spans.decode(tracing.extract(request.headers), seq, start, status,
-                         request.headers.get(tracing.HANDOFF_ATTEMPT_HEADER), error)
-        m.requests.labels(role="decode", endpoint="decode", outcome=outcome).inc()
-        m.request_seconds.labels(role="decode", endpoint="decode").observe(
-            time.monotonic() - start)
+            spans.decode(tracing.extract(request.headers), seq, rec.start, rec.status,
+                         request.headers.get(tracing.HANDOFF_ATTEMPT_HEADER), rec.error)
+        rec.close()
 
 
 def _token_lines(tokens: list[int]) -> bytes:

@@ -48,6 +48,7 @@ from pdd_sidecar.serve.instance.common import (
     GRANT_ERRORS,
     STATE,
     InstanceState,
+    RequestRecord,
     bad,
     error_response,
     finished,
@@ -124,15 +125,11 @@ def _held_params(state: InstanceState, seq: Sequence, num_tokens: int) -> Transf
 
 async def prefill(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    m = state.metrics
-    start = time.monotonic()
-    outcome = "error"
+    rec = RequestRecord(state.metrics, "prefill")
     seq: Sequence | None = None
-    status, error = 500, None
     try:
         seq, held = await run_prefill(request, state, await read_json(request))
-        outcome = "ok"
-        status = 200
+        rec.ok()
         answer = {
             "request_id": seq.id,
             "first_token": seq.output[0],
@@ -150,15 +147,12 @@ async def prefill(request: web.Request) -> web.Response:
             answer["first_finish_reasons"] = seq.extra[FIRST_FINISHES]
         return web.json_response(answer)
     except Exception as exc:
-        response = error_response(exc)
-        status, error = response.status, str(exc)
-        return response
+        return rec.failed(exc)
     finally:
         if tracing.enabled():
-            spans.prefill(tracing.extract(request.headers), seq, start, status, error)
-        m.requests.labels(role="prefill", endpoint="prefill", outcome=outcome).inc()
-        m.request_seconds.labels(role="prefill", endpoint="prefill").observe(
-            time.monotonic() - start)
+            spans.prefill(tracing.extract(request.headers), seq, rec.start, rec.status,
+                          rec.error)
+        rec.close()
 
 
 def _own_grant(state: InstanceState, body: dict[str, Any]) -> TransferParams:
