@@ -168,3 +168,22 @@ def test_an_overtaking_step_waits_for_an_in_order_graph_still_queued() -> None:
     assert done.query()
     torch.testing.assert_close(got_first, want_first, rtol=0, atol=0)
     torch.testing.assert_close(got_second, want_second, rtol=0, atol=0)
+
+
+def test_an_overtaking_step_waits_for_an_in_order_decode_graph_still_queued() -> None:
+    """The same for a decode bucket's graph an in-order step replayed (a prefill whose prompt
+    has one token left after its cached prefix runs it as a decode row): ``step`` fences it."""
+    eng = _engines()[True]
+    assert eng.overtaking is not None
+    _warm(eng)
+    prompt = SeqChunk([(3 * i + 1) % 100 for i in range(40)], 0, [20, 21, 22])
+    eng.step([prompt])
+    row = SeqChunk([7], 40, [20, 21, 22])
+    eng.step([row])  # its decode graph captured, nothing queued
+    torch.cuda.synchronize()
+    done, _ = _queued_work()  # queued, unknown to the overtaking order: only the fence holds
+    eng.step([SeqChunk([8], 41, [20, 21, 22])])  # an in-order replay behind it
+    eng.step([SeqChunk([1] * 90, 0, list(range(200, 210)))])  # fresh: would overtake
+    assert eng.overtaking.waited == 1
+    torch.cuda.synchronize()
+    assert done.query()

@@ -332,6 +332,7 @@ class RankEngine:
         self.padded_steps = 0  # decode steps that ran padded (replayed or eager)
         self.padded_prefills = 0  # prefill steps that ran padded (replayed or eager)
         self.split_steps = 0  # mixed steps run as a padded prefill and a padded decode step
+        self._replayed = False  # the step being run replayed a graph (``_fence_replays``)
 
     # --- public API ----------------------------------------------------------------------
 
@@ -348,8 +349,10 @@ class RankEngine:
         if not chunks:
             raise ValueError("empty step")
         self.kept = {}
+        self._replayed = False
         if keep:
             out = self._step_kept(chunks, want_logits, keep)
+            self._fence_replays()
             self.logits_stream = None
             return out
         if self.overtakes(chunks, want_logits):
@@ -373,9 +376,17 @@ class RankEngine:
             finally:
                 if launched is not None:
                     launched()
+            self._fence_replays()
         # Set last: a step that overtook this one half-way set its own.
         self.logits_stream = None
         return out
+
+    def _fence_replays(self) -> None:
+        """An in-order step that replayed graphs (a decode bucket's, a split mixed step's, a
+        kept step's): a later overtaking step waits for them, as for an in-order prefill
+        graph's (engine/overtaking.py: every graph draws on one memory pool)."""
+        if self.overtaking is not None and self._replayed:
+            self.overtaking.after_graph()
 
     def overtakes(self, chunks: Sequence[SeqChunk], want_logits: bool = True) -> bool:
         """Whether ``step`` would run these chunks ahead of the device work queued before them
@@ -977,6 +988,7 @@ class RankEngine:
             if key in self._graphs:
                 graph, out = self._graphs[key]
                 graph.replay()
+                self._replayed = True
                 return None if out is None else out[:rows].clone()
         out = run()
         return None if out is None else out[:rows]
