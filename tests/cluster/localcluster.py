@@ -61,44 +61,44 @@ LWS_POD_LABEL = "leaderworkerset.sigs.k8s.io/name"
 # terminating (RecreateGroupOnPodRestart); a pod deleted at once is gone from its cache before
 # a busy controller looks, and the group is never recreated.
 LWS_POD_TERMINATION_MS = 5000
-
-
-def _pod_delete_stages(lws_delay_ms: int) -> str:
-    """kwok's fast pod-delete split in two: other pods go at once (as kwok's own stage), a
-    LeaderWorkerSet's after ``lws_delay_ms``."""
-
-    def stage(name: str, operator: str, delay_ms: int) -> str:
-        delay = f"  delay:\n    durationMilliseconds: {delay_ms}\n" if delay_ms else ""
-        return (
-            "apiVersion: kwok.x-k8s.io/v1alpha1\nkind: Stage\n"
-            f"metadata:\n  name: {name}\n"
-            "spec:\n  resourceRef:\n    apiGroup: v1\n    kind: Pod\n"
-            "  selector:\n    matchExpressions:\n"
-            "    - key: '.metadata.deletionTimestamp'\n      operator: 'Exists'\n"
-            f"    - key: '.metadata.labels[\"{LWS_POD_LABEL}\"]'\n      operator: '{operator}'\n"
-            f"{delay}"
-            "  next:\n    finalizers:\n      empty: true\n    delete: true\n"
-        )
-
-    return (stage("pod-delete", "DoesNotExist", 0) + "---\n"
-            + stage("pod-delete-lws", "Exists", lws_delay_ms))
-
-
-def _kwok_config(bin_dir: Path) -> str:
-    """kwok's configuration: its fast pod stages, with the pod-delete stages above (a config
-    that names any pod stage replaces all of kwok's built-in ones)."""
-    stages = bin_dir / KWOK_POD_STAGES_FILE
-    if not stages.is_file():
-        raise ClusterError(f"{stages} is missing: build it with `make cluster-build`")
-    return ("apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n"
-            f"---\n{stages.read_text().strip()}\n---\n"
-            + _pod_delete_stages(LWS_POD_TERMINATION_MS))
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 LWS_WEBHOOK_CONFIG = "pdd-local-lws"
 
 
 class ClusterError(RuntimeError):
     """The control plane could not be started or is not healthy; the message says why."""
+
+
+def _pod_delete_stage(name: str, label_operator: str, delay_ms: int) -> dict[str, Any]:
+    """kwok's fast pod-delete stage (finalizers emptied, the pod deleted) for the terminating
+    pods whose LeaderWorkerSet label matches ``label_operator``, after ``delay_ms``."""
+    spec: dict[str, Any] = {
+        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+        "selector": {"matchExpressions": [
+            {"key": ".metadata.deletionTimestamp", "operator": "Exists"},
+            {"key": f'.metadata.labels["{LWS_POD_LABEL}"]', "operator": label_operator},
+        ]},
+        "next": {"finalizers": {"empty": True}, "delete": True},
+    }
+    if delay_ms:
+        spec["delay"] = {"durationMilliseconds": delay_ms}
+    return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def _kwok_config(bin_dir: Path) -> str:
+    """kwok's configuration: its fast pod stages, with pod-delete split in two (other pods
+    deleted at once, a LeaderWorkerSet's after LWS_POD_TERMINATION_MS). A config that names
+    any pod stage replaces all of kwok's built-in ones. JSON documents are YAML ones."""
+    stages = bin_dir / KWOK_POD_STAGES_FILE
+    if not stages.is_file():
+        raise ClusterError(f"{stages} is missing: build it with `make cluster-build`")
+    docs = [json.dumps({"apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+                        "kind": "KwokConfiguration", "options": {}}),
+            stages.read_text().strip(),
+            json.dumps(_pod_delete_stage("pod-delete", "DoesNotExist", 0)),
+            json.dumps(_pod_delete_stage("pod-delete-lws", "Exists", LWS_POD_TERMINATION_MS))]
+    return "\n---\n".join(docs) + "\n"
 
 
 def _env_path(name: str, default: Path) -> Path:

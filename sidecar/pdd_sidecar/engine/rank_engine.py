@@ -362,8 +362,7 @@ class RankEngine:
             return out
         if self._prefill_paddable(chunks, want_logits):
             out = self._prefill_padded(chunks, want_logits)
-            if self.overtaking is not None:
-                self.overtaking.after_graph()
+            self._fence_replays()
         else:
             # Registered before its launch: a paced launch (``pacer``) lets steps overtake it
             # half-way, and those must see the blocks it writes. Ended whatever happens: a
@@ -382,9 +381,9 @@ class RankEngine:
         return out
 
     def _fence_replays(self) -> None:
-        """An in-order step that replayed graphs (a decode bucket's, a split mixed step's, a
-        kept step's): a later overtaking step waits for them, as for an in-order prefill
-        graph's (engine/overtaking.py: every graph draws on one memory pool)."""
+        """An in-order step that replayed graphs (any bucket's: prefill, decode, a split mixed
+        step's, a kept step's): a later overtaking step waits for them (engine/overtaking.py:
+        every graph draws on one memory pool)."""
         if self.overtaking is not None and self._replayed:
             self.overtaking.after_graph()
 
@@ -442,9 +441,9 @@ class RankEngine:
 
     @torch.inference_mode()
     def hidden_from(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
-        """Every row's final hidden state before and after the final norm ``[N, 2, H]``, the
-        first layer's input ``input_fn(tokens, positions, hidden)`` (``hidden`` one row per
-        token) instead of the embedding; each rank alike. Chunks of one token at cached
+        """Every row's final hidden state before the final norm ``[N, H]``, the first layer's
+        input ``input_fn(tokens, positions, hidden)`` (``hidden`` one row per token) instead
+        of the embedding; each rank alike. Chunks of one token at cached
         positions (a sequence's several rows share its table and see each other's latents,
         as a verify step's rows do) run padded to a decode bucket, on CUDA replayed from its
         graph; other steps run eagerly, in order."""
@@ -466,11 +465,10 @@ class RankEngine:
         x = self.input_fn(tokens, positions, hidden.to(dev))
         launched = None if self.overtaking is None else self.overtaking.in_order(chunks)
         try:
-            h = self._forward(chunks, embeds=x, normed=False)
+            return self._forward(chunks, embeds=x, normed=False)
         finally:
             if launched is not None:
                 launched()
-        return torch.stack([h, rms_norm(h, self.model.weights.norm, self.cfg.rms_norm_eps)], 1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states (``kept``'s rows)."""
@@ -874,17 +872,13 @@ class RankEngine:
 
     def _decode_padded_kept(self, chunks: Sequence[SeqChunk], want_logits: bool,
                             keep: Sequence[int]) -> torch.Tensor | None:
-        """A padded decode step that also returns its rows' final normed hidden states (as
-        fp32 columns after the logits), kept for the rows ``keep`` names."""
+        """A padded decode step whose graph returns its rows' final normed hidden states; the
+        rows ``keep`` names are kept, the logits taken from them after it."""
         buf = self._stage_decode(chunks)
-        out = self._replay_or_run(("decode_kept", buf.tokens.shape[0], want_logits),
-                                  len(chunks), lambda: self._decode_static(buf, want_logits,
-                                                                          kept=True))
-        assert out is not None
-        h = self.cfg.hidden_size
-        hidden = out[:, out.shape[1] - h:].to(self.model.dtype)
-        self.kept = {i: hidden[i:i + 1] for i in keep}
-        return out[:, :out.shape[1] - h] if want_logits else None
+        hidden = self._replay_or_run(("decode_kept", buf.tokens.shape[0], False), len(chunks),
+                                     lambda: self._decode_static_hidden(buf))
+        assert hidden is not None
+        return self._keep_rows(chunks, hidden, want_logits, keep)
 
     def _stage_decode(self, chunks: Sequence[SeqChunk]) -> StaticDecode:
         """The bucket's static inputs filled for one-token rows (checked first)."""
@@ -1063,18 +1057,16 @@ class RankEngine:
 
         return attend
 
-    def _decode_static(self, buf: StaticDecode, want_logits: bool, kept: bool = False
-                       ) -> torch.Tensor | None:
+    def _decode_static(self, buf: StaticDecode, want_logits: bool) -> torch.Tensor | None:
         """``_forward`` for one new token per row, reading only ``buf``'s tensors: no host
-        values, no data-dependent shapes, so it can be captured. ``kept``: the final normed
-        hidden rows follow the logits as fp32 columns (or come alone without logits)."""
+        values, no data-dependent shapes, so it can be captured."""
+        hidden = self._decode_static_hidden(buf)  # every rank runs the layers
+        return self._logits(hidden) if want_logits else None
+
+    def _decode_static_hidden(self, buf: StaticDecode) -> torch.Tensor:
+        """The padded decode step's final normed hidden rows ``[B, H]``."""
         x = F.embedding(buf.tokens, self.model.weights.embed)
-        _, hidden = self._static_layers(x, buf, self._decode_attend(buf))
-        if not kept:
-            return self._logits(hidden) if want_logits else None
-        if not want_logits:
-            return hidden.float()
-        return torch.cat([self._logits(hidden), hidden.float()], -1)
+        return self._static_layers(x, buf, self._decode_attend(buf))[1]
 
     def _rows_padded(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
         """``hidden_from`` for one-token rows padded to their bucket (padded rows: a zero
@@ -1095,8 +1087,7 @@ class RankEngine:
         """``hidden_from``'s padded step, reading only ``buf``'s tensors (capturable)."""
         assert self.input_fn is not None and buf.hidden is not None
         x = self.input_fn(buf.tokens, buf.positions, buf.hidden)
-        before, after = self._static_layers(x, buf, self._decode_attend(buf))
-        return torch.stack([before, after], 1)
+        return self._static_layers(x, buf, self._decode_attend(buf))[0]
 
     def _prefill_static(self, buf: StaticPrefill, want_logits: bool) -> torch.Tensor | None:
         """``_forward`` for fresh prompts padded to their bucket, reading only ``buf``'s

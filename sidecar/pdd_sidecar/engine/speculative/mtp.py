@@ -36,6 +36,7 @@ from pdd_sidecar.engine.cuda_graphs import DEFAULT_BUCKETS
 from pdd_sidecar.engine.rank_engine import RankEngine
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv.cache import PagedKVCache
+from pdd_sidecar.model.kernels.norm_rope import rms_norm
 from pdd_sidecar.model.mtp import MTPWeights, load_mtp_rank_model, mtp_input
 from pdd_sidecar.model.rank_model import RankModel
 
@@ -49,12 +50,12 @@ class MTPDrafter:
     module's layer is TP-sharded like a main one, and its collectives meet the other ranks')."""
 
     def __init__(self, weights: MTPWeights, model: RankModel, main_cache: PagedKVCache,
-                 comm: Comm, dcp: int, main_layers: int, like: RankEngine | None = None,
-                 decode_mode: str | None = "eager") -> None:
+                 comm: Comm, dcp: int, main_layers: int, like: RankEngine | None = None
+                 ) -> None:
         """``main_cache``: the main model's (``main_layers`` layers), built with
         ``extra_layers=1``; the module's latents are its last layer. ``like``: the main
         model's engine, whose decode mode and buckets the module's rows take and whose graph
-        memory pool its graphs share; else ``decode_mode``."""
+        memory pool its graphs share; without it the module runs eagerly."""
         if main_cache.num_layers != main_layers + 1:
             raise ValueError(f"the MTP module's KV is the cache's layer {main_layers}: build "
                              f"the cache with extra_layers=1 ({main_layers + 1} layers), got "
@@ -64,7 +65,7 @@ class MTPDrafter:
         self.cache = main_cache
         self.engine = RankEngine(
             model, main_cache, comm, dcp,
-            decode_mode=like.decode_mode if like is not None else decode_mode,
+            decode_mode=like.decode_mode if like is not None else "eager",
             graph_buckets=like.buckets if like is not None else DEFAULT_BUCKETS,
             max_table_blocks=like.table_width if like is not None else None,
             prefill_buckets=(), overtake=False, layer_base=main_layers, input_fn=self._input)
@@ -77,13 +78,11 @@ class MTPDrafter:
 
     @classmethod
     def load(cls, model: str | Path, main: RankModel, main_cache: PagedKVCache, comm: Comm,
-             dcp: int = 1, seed: int = 0, like: RankEngine | None = None,
-             decode_mode: str | None = "eager") -> MTPDrafter:
+             dcp: int = 1, seed: int = 0, like: RankEngine | None = None) -> MTPDrafter:
         """The module of checkpoint ``model`` beside ``main``; a ConfigError naming the setting
         and the model when it has none."""
         w, m = load_mtp_rank_model(model, main, seed)
-        return cls(w, m, main_cache, comm, dcp, main.config.num_hidden_layers, like,
-                   decode_mode)
+        return cls(w, m, main_cache, comm, dcp, main.config.num_hidden_layers, like)
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[tuple[SeqChunk, torch.Tensor]], k: Sequence[int]
@@ -99,11 +98,11 @@ class MTPDrafter:
         chunks = [c for c, _ in seqs]
         out: list[list[int]] = [[] for _ in seqs]
         hidden = torch.cat([h for _, h in seqs]).to(self.w.embed.device)
-        last, normed = self._run(chunks, hidden)
+        last = self._run(chunks, hidden)
         todo = [i for i in range(len(seqs)) if k[i] > 0]
         depth = 0
         while todo:
-            logits = self.engine.logits(normed[todo])
+            logits = self.engine.logits(rms_norm(last[todo], self.w.norm, self.eps))
             picks = torch.argmax(logits, -1).tolist()
             for i, t in zip(todo, picks, strict=True):
                 out[i].append(int(t))
@@ -113,24 +112,22 @@ class MTPDrafter:
                 break
             nxt = [SeqChunk([out[i][-1]], chunks[i].start + len(chunks[i].tokens) - 1 + depth,
                             chunks[i].block_ids) for i in todo_next]
-            last, normed = last.clone(), normed.clone()
-            last[todo_next], normed[todo_next] = self._run(nxt, last[todo_next])
+            last = last.clone()
+            last[todo_next] = self._run(nxt, last[todo_next])
             todo = todo_next
         return out
 
-    def _run(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module over the chunks' rows: at each chunk's last row, its output hidden state
-        before and after the shared head's norm ``[len(chunks), H]`` each (module
-        docstring: rows or chunks)."""
+    def _run(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """The module over the chunks' rows (module docstring: rows or chunks); its output
+        hidden state (before the shared head's norm) at each chunk's last row
+        ``[len(chunks), H]``."""
         rows: Sequence[SeqChunk] = chunks
         if all(c.start > 0 and len(c.tokens) <= ROWS_MAX for c in chunks):
             rows = [SeqChunk([t], c.start + j, c.block_ids)
                     for c in chunks for j, t in enumerate(c.tokens)]
         h = self.engine.hidden_from(rows, hidden)
         ends = torch.tensor([len(c.tokens) for c in chunks], device=h.device).cumsum(0) - 1
-        last = h[ends]
-        return last[:, 0], last[:, 1]
+        return h[ends]
 
     @torch.inference_mode()
     def warm_up(self, block_ids: Sequence[int], batch_sizes: Sequence[int]) -> None:
