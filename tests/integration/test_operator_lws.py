@@ -9,8 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,12 +154,21 @@ def test_spanning_role_runs_as_one_lws_group_with_lws_env(
 def test_a_deleted_worker_pod_recreates_its_whole_group(
         lws: Cluster, kube: Kubectl, operator: Operator, op_namespace: str) -> None:
     """RecreateGroupOnPodRestart: the ranks of an instance share collectives, so LWS replaces
-    the leader too when a worker goes; the PDDeployment is Ready again on the new group."""
+    the leader too when a worker goes; the PDDeployment is Ready again on the new group. The
+    controller is paused for 2 s across the delete, as a busy one lags: LWS acts on a worker it
+    sees terminating, so the fake node must keep it a while, as a kubelet does
+    (localcluster.LWS_POD_TERMINATION_MS); deleted at once, the group was never recreated."""
     ns = op_namespace
     before = {p["metadata"]["name"]: p["metadata"]["uid"]
               for p in lws_pods(kube, ns, f"{NAME}-prefill")}
     assert sorted(before) == [f"{NAME}-prefill-0", f"{NAME}-prefill-0-1"]
-    kube("delete", "pod", f"{NAME}-prefill-0-1", "-n", ns, "--wait=false")
+    controller = lws.processes["lws"].pid
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        kube("delete", "pod", f"{NAME}-prefill-0-1", "-n", ns, "--wait=false")
+        time.sleep(2)
+    finally:
+        os.kill(controller, signal.SIGCONT)
     seen: list[tuple[str, str, str, bool]] = []
 
     def regrouped() -> list[dict[str, Any]] | None:
