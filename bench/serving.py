@@ -17,10 +17,11 @@ token) / (tokens - 1), median over requests), and from the decode's /metrics, sa
 exactly N) and the tokens/s ratio there.
 
 With ``--tracing off,1%,100%`` the cost of traces instead: the decode dcp = N stack runs once
-per sampling ratio (OpenTelemetry on, parent-based ratio sampler, spans exported over OTLP/HTTP
-to a receiver in this process that counts them; docs/tracing.md), each level against the same
-run's untraced stack: TPOT p50 and output tokens/s as ratios to ``off`` (target: <= 2 % at
-100 %), and the spans the receiver got.
+per sampling ratio and round (``--rounds``, the order rotated each round; OpenTelemetry on,
+parent-based ratio sampler, spans exported over OTLP/HTTP to a receiver in this process that
+counts them; docs/tracing.md), each level against the same run's untraced stacks: the medians
+over rounds of TPOT p50 and output tokens/s as ratios to ``off`` (target: <= 2 % at 100 %),
+and the spans the receiver got.
 
     python bench/serving.py --quick                       # CPU, built-in model, a few minutes
     python bench/serving.py --device cuda --decode-tp 4 --model /models/DeepSeek-V2-Lite-Chat
@@ -251,11 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument("--tracing", type=tracing_modes, default=None, metavar="MODES",
                    help="measure traces' cost: decode dcp = N once per sampling ratio, e.g. "
-                   "off,1%%,100%% (off is always run, first)")
+                   "off,1%%,100%% (off is always run)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="with --tracing: every mode's stack this many times, the order rotated "
+                   "each round; each figure is the median over rounds (default 2)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="keep each stack's logs in DIR/dcpN (default: a temporary folder, "
                    "removed)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1, got {args.rounds}")
     levels = args.concurrency or ([1, 4, 16, 32] if args.quick else [1, 4, 16, 64, 256])
     per_level = args.requests_per_level or (2.0 if args.quick else 4.0)
     args.max_tokens = args.max_tokens or (16 if args.quick else 32)
@@ -277,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
           f"sequences; at dcp {n}: {decode_blocks // (blocks_per_seq // n)}), "
           f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     results: list[Level] = []
-    runs = [(n, mode) for mode in args.tracing] if args.tracing else [(1, "off"), (n, "off")]
+    runs = tracing_runs(n, args.tracing, args.rounds) if args.tracing else [(1, "off"), (n, "off")]
     sink = TraceSink() if args.tracing else None
-    for dcp, mode in runs:
+    for i, (dcp, mode) in enumerate(runs):
         cfg = StackConfig(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
                           decode_tp=n, decode_dcp=dcp, model=args.model, device=args.device,
                           port=0, block_size=args.block_size, prefill_num_blocks=prefill_blocks,
@@ -290,15 +296,19 @@ def main(argv: list[str] | None = None) -> int:
         found = check_config(cfg)
         if found:
             p.error("; ".join(found))
-        log_dir = (Path(args.log_dir) / (f"dcp{dcp}" + (f"-trace{mode}" if args.tracing else ""))
-                   if args.log_dir else None)
+        name = f"dcp{dcp}" + (f"-trace{mode}-{i}" if args.tracing else "")
+        log_dir = Path(args.log_dir) / name if args.log_dir else None
         stack = LocalStack(cfg, log_dir)
         try:
             t0 = time.perf_counter()
             stack.start()
             print(f"decode dcp {dcp}: stack ready in {time.perf_counter() - t0:.0f}s "
                   f"(logs {stack.log_dir})", flush=True)
-            asyncio.run(run_level(stack, dcp, 2, 4, prompts, args.max_tokens))  # warm-up
+            # Warm-up; with --tracing at the top level too, so that no mode's first level meets
+            # the first burst of concurrent prompts alone.
+            asyncio.run(run_level(stack, dcp, 2, 4, prompts, args.max_tokens))
+            if args.tracing:
+                asyncio.run(run_level(stack, dcp, top, top, prompts, args.max_tokens))
             if sink is not None and mode != "off":
                 time.sleep(2 * EXPORT_DELAY_MS / 1e3)  # its spans, before the first level's
             print(TRACED_HEADER if args.tracing else HEADER, flush=True)
@@ -339,23 +349,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def tracing_runs(n: int, modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """Each mode's stack ``rounds`` times, the order rotated every round: stacks of one run
+    differ by several % (which CPUs, the first stack's cold caches), so no mode is always
+    first and each figure is a median."""
+    return [(n, modes[(r + i) % len(modes)]) for r in range(rounds) for i in range(len(modes))]
+
+
 def tracing_summary(args: argparse.Namespace, levels: list[int], results: list[Level]) -> int:
-    """Each traced level against the untraced run of the same level (same stack layout, same
-    run): TPOT p50 and output tokens/s ratios."""
-    off = {r.concurrency: r for r in results if r.tracing == "off"}
-    print(f"\ntraces' cost (decode dcp {args.decode_tp}; ratio to tracing off, same run):")
+    """Each traced level against the untraced runs of the same level (same stack layout, same
+    run): the medians over rounds of TPOT p50 and output tokens/s, as ratios."""
+    def median(mode: str, c: int, key: str) -> float:
+        return statistics.median(getattr(r, key) for r in results
+                                 if r.tracing == mode and r.concurrency == c)
+
+    print(f"\ntraces' cost (decode dcp {args.decode_tp}; ratio to tracing off, same run, medians "
+          f"over {args.rounds} rounds):")
     summary = []
-    for r in results:
-        if r.tracing == "off":
-            continue
-        b = off[r.concurrency]
-        tpot = r.tpot_p50_ms / b.tpot_p50_ms if b.tpot_p50_ms else float("nan")
-        speed = r.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
-        summary.append({"tracing": r.tracing, "concurrency": r.concurrency,
-                        "tpot_p50_ratio": tpot, "tokens_per_s_ratio": speed, "spans": r.spans})
-        print(f"  {float(r.tracing):>5.0%} at concurrency {r.concurrency:>4}: TPOT p50 "
-              f"{r.tpot_p50_ms:.2f} vs {b.tpot_p50_ms:.2f} ms = {tpot:.3f}x, output tok/s "
-              f"{speed:.3f}x, {r.spans} spans for {r.requests} requests")
+    for mode in dict.fromkeys(r.tracing for r in results):
+        for c in levels:
+            each = [r for r in results if r.tracing == mode and r.concurrency == c]
+            label = mode if mode == "off" else f"{float(mode):.0%}"
+            print(f"  {label:>5} at concurrency {c:>4}: TPOT p50 per round "
+                  f"{', '.join(f'{r.tpot_p50_ms:.2f}' for r in each)} ms, output tok/s "
+                  f"{', '.join(f'{r.tokens_per_s:.0f}' for r in each)}")
+    for mode in dict.fromkeys(r.tracing for r in results if r.tracing != "off"):
+        for c in levels:
+            tpot_off, speed_off = median("off", c, "tpot_p50_ms"), median("off", c, "tokens_per_s")
+            tpot_on, speed_on = median(mode, c, "tpot_p50_ms"), median(mode, c, "tokens_per_s")
+            tpot = tpot_on / tpot_off if tpot_off else float("nan")
+            speed = speed_on / speed_off if speed_off else float("nan")
+            spans = sum(r.spans for r in results if r.tracing == mode and r.concurrency == c)
+            reqs = sum(r.requests for r in results if r.tracing == mode and r.concurrency == c)
+            summary.append({"tracing": mode, "concurrency": c, "tpot_p50_ms": tpot_on,
+                            "tpot_p50_ms_off": tpot_off, "tpot_p50_ratio": tpot,
+                            "tokens_per_s_ratio": speed, "spans": spans, "requests": reqs})
+            print(f"  {float(mode):>5.0%} at concurrency {c:>4}: TPOT p50 {tpot_on:.2f} vs "
+                  f"{tpot_off:.2f} ms = {tpot:.3f}x, output tok/s {speed:.3f}x, {spans} spans "
+                  f"for {reqs} requests")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {k: v for k, v in vars(args).items() if k != "concurrency"}
