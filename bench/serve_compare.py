@@ -13,7 +13,9 @@ streaming greedy completions of random token ids, ignore_eos). Modes, joined wit
 
 Per level and mode: TTFT p50 and p99, TPOT p50, output tokens/s, the router's requests by path
 (pdd_router_request_paths_total) and the ratio to the engine's bound (serve_path's
-`level_bounds`). Then, where the modes were run:
+`level_bounds`). One burst of 64 requests varies by tens of % between two stacks of one run;
+`--rounds R` starts every mode's stack R times, the order rotated each round, and takes each
+figure's median over the rounds. Then, where the modes were run:
 - remote and local: for each prompt length of the levels with max_tokens <= 2, which path's
   TTFT is lower, and the crossing point (the longest prompt where the decode's own prefill is
   not slower), the figure pdd serve's default threshold is set from;
@@ -35,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 import urllib.request
@@ -142,6 +145,31 @@ def run_mode(cfg: StackConfig, levels: list[sp.LevelSpec], min_requests: int, vo
     return out
 
 
+MEDIAN_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "second_p50_ms", "tpot_p50_ms", "tokens_per_s")
+
+
+def mode_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """``(round, mode)`` for every stack, the order rotated each round: stacks of one run
+    differ (which CPUs, the first stack on a cold GPU), so no mode is always first."""
+    return [(r, modes[(r + i) % len(modes)]) for r in range(rounds) for i in range(len(modes))]
+
+
+def median_of_rounds(runs: list[dict[str, Any]], bounds: dict[str, Any]) -> dict[str, Any]:
+    """One mode's result from its rounds: each level's latencies and tokens/s the median over
+    the rounds (its ratios to the engine's ``bounds`` taken again), the rest the first
+    round's; the rounds themselves kept under ``rounds``."""
+    out = {**runs[0], "rounds": [[asdict(lv) for lv in r["levels"]] for r in runs]}
+    levels = []
+    for i, lv in enumerate(runs[0]["levels"]):
+        same = [r["levels"][i] for r in runs]
+        med = replace(lv, **{f: statistics.median(getattr(x, f) for x in same)
+                             for f in MEDIAN_FIELDS})
+        med.bounds = sp.level_bounds(med, sp.parse_levels(lv.level)[0], bounds)
+        levels.append(med)
+    out["levels"] = levels
+    return out
+
+
 def by_level(result: dict[str, Any]) -> dict[str, sp.LevelResult]:
     return {r.level: r for r in result["levels"]}
 
@@ -218,10 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=None,
                    help="requests per level: max(concurrency, this) (default 8; --quick 4)")
     p.add_argument("--reps", type=int, default=10, help="timed decode steps per bound")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="every mode's stack this many times, the order rotated each round; "
+                   "each figure the median over rounds (default 1)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="keep each stack's logs under DIR/<mode> (default: removed)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1, got {args.rounds}")
     if args.quick:
         args.device, args.model = "cpu", "builtin"
     modes = args.modes or ["remote", "local", "default"]
@@ -255,20 +288,31 @@ def main(argv: list[str] | None = None) -> int:
                        max_num_seqs=max(256, top), max_waiting=max(256, 2 * top),
                        log_level="WARNING", drain_s=1.0)
     longest = max(lv.prompt for lv in levels)
-    results: dict[str, dict[str, Any]] = {}
-    for mode in modes:
-        mcfg = mode_config(base, mode, longest)
+    configs = {mode: mode_config(base, mode, longest) for mode in modes}
+    for mode, mcfg in configs.items():
         found = check_config(mcfg)
         if found:
             p.error(f"--modes {mode}: " + "; ".join(found))
-        print(f"\nmode {mode}: {mcfg.layout()}, local prefill up to {mcfg.local_prefill_tokens} "
-              f"tokens, KV {mcfg.kv_cache_dtype}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for rnd, mode in mode_order(modes, args.rounds):
+        mcfg = configs[mode]
+        print(f"\nmode {mode}" + (f", round {rnd + 1}" if args.rounds > 1 else "")
+              + f": {mcfg.layout()}, local prefill up to {mcfg.local_prefill_tokens} tokens, "
+              f"KV {mcfg.kv_cache_dtype}", flush=True)
         print(f"  {sp.HEADER}", flush=True)
-        log_dir = str(Path(args.log_dir) / mode) if args.log_dir else None
-        results[mode] = run_mode(mcfg, levels, min_requests, cfg.vocab_size, bounds, log_dir)
+        name = mode if args.rounds == 1 else f"{mode}-{rnd + 1}"
+        log_dir = str(Path(args.log_dir) / name) if args.log_dir else None
+        run = run_mode(mcfg, levels, min_requests, cfg.vocab_size, bounds, log_dir)
+        runs[mode].append(run)
         print("  KV pools: " + "; ".join(f"{role} {pool['tokens']} tokens ({pool['sized_by']})"
-                                         for role, pool in results[mode]["pools"].items()),
-              flush=True)
+                                         for role, pool in run["pools"].items()), flush=True)
+    results = {mode: median_of_rounds(r, bounds) for mode, r in runs.items()}
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} rounds:", flush=True)
+        for mode, r in results.items():
+            print(f"  mode {mode}\n  {sp.HEADER}", flush=True)
+            for lv in r["levels"]:
+                print(f"  {sp.row(lv)}", flush=True)
     summary: list[str] = []
     if "remote" in results and "local" in results:
         lines, best = crossing(results["remote"], results["local"])
@@ -289,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"model": args.model, "device": args.device, "dtype": dtype,
                        "block_size": bs, "modes": modes, "skipped": skipped},
             "bounds": bounds, "summary": summary,
+            "rounds": args.rounds,
             "modes": {m: {**r, "levels": [asdict(lv) for lv in r["levels"]]}
                       for m, r in results.items()},
         }, indent=2) + "\n")
