@@ -52,7 +52,8 @@
 #            per-request P/D decision off, always local, as shipped; COMPARE_LEVELS adds
 #            --levels; COMPARE_ARGS other flags); one GPU is enough
 #   tracing  bench/serving.py --tracing off,1%,100% on that checkpoint, one decode rank: TPOT
-#            and tokens/s with OpenTelemetry off and at two sampling ratios (TRACING_ARGS adds
+#            and tokens/s with OpenTelemetry off and at two sampling ratios, each stack in two
+#            rotated rounds, 1 and 64 streams of 128 tokens (TRACING_ARGS replaces those
 #            flags); one GPU is enough
 #   speculative  bench/speculative.py on a random 27-layer V2-Lite-width model: ceiling, floor
 #            (self-disabled over 512 tokens), the modelled curve and the MTP module's cost at
@@ -239,7 +240,8 @@ if want tracing; then
     checkpoint
     PDD_ROUTER_REQUEST_TIMEOUT_S=600 timeout -k 10 "${TRACING_S:-300}" $PY bench/serving.py \
         --device cuda --dtype bfloat16 --model "$CKPT" --decode-tp 1 --tracing off,1%,100% \
-        --json "$OUT/tracing.json" ${TRACING_ARGS:-} 2>&1 | tee "$OUT/tracing.log" || rc=1
+        --json "$OUT/tracing.json" ${TRACING_ARGS:---concurrency 1,64 --seqs-at-dcp1 64 \
+        --requests-per-level 2 --max-tokens 128 --rounds 2} 2>&1 | tee "$OUT/tracing.log" || rc=1
     say "tracing done"
 fi
 if want speculative; then
