@@ -138,6 +138,8 @@ def run_mode(cfg: StackConfig, levels: list[sp.LevelSpec], min_requests: int, vo
             print(f"  {sp.row(r)}  paths "
                   + ", ".join(f"{p} {n:.0f}" for p, n in out["paths"][lv.label].items() if n),
                   flush=True)
+            print("    stages p50 ms: " + ", ".join(f"{k} {v:.1f}"
+                                                 for k, v in r.timing_p50_ms.items()), flush=True)
     finally:
         stack.stop()
         if not log_dir:

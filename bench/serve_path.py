@@ -724,7 +724,8 @@ SHORT = {"router_to_prefill": "r>P", "prefill_queue": "Pq", "prefill_compute": "
          "prefill_to_router": "P>r", "to_client": "r>cl", "ttft": "TTFT",
          "grant_to_decode": "r>D", "decode_queue": "Dq", "claim": "claim", "read": "read",
          "join": "join", "first_step": "step1", "decode_to_client": "D>cl",
-         "second_token": "2nd"}
+         "second_token": "2nd", "router_to_decode": "r>Dl", "local_queue": "Lq",
+         "local_gather": "Lg", "local_compute": "Lc"}
 
 
 def timing_row(r: LevelResult) -> str:

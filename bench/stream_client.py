@@ -17,9 +17,11 @@ from typing import Any
 
 import aiohttp
 
-from pdd_sidecar.engine.timing import STAGES
+from pdd_sidecar.engine.timing import LOCAL_STAGES, PREFILL_DETAIL, STAGES
 
-TIMING_NAMES = (*STAGES, "ttft", "second_token")  # the keys of a completion's `pdd.timing`
+# The keys of a completion's `pdd.timing`: the hand-off path's, then a local prefill's.
+TIMING_NAMES = tuple(dict.fromkeys((*STAGES, "ttft", "second_token", *LOCAL_STAGES,
+                                    *(f"local_{k}" for k in PREFILL_DETAIL))))
 
 _SAMPLE = re.compile(r"^(pdd_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 

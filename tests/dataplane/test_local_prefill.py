@@ -78,6 +78,8 @@ def test_local_prefill_answers_the_tokens_of_the_hand_off(stack: dict[str, Proc]
     assert local == remote == reference_tokens(prompt, 6, BLOCK)
     assert final["done"] and final["token_ids"] == local
     assert final["transfer"]["bytes"] == 0  # nothing was pulled
+    # Its timing is a prefill's (the router lays it out as local_queue, local_compute).
+    assert {"queue", "compute"} <= set(final["timing"]) and "claim" not in final["timing"]
 
 
 def test_local_prefill_uses_and_fills_the_decode_prefix_cache(stack: dict[str, Proc]) -> None:

@@ -89,3 +89,29 @@ def test_instance_stamps() -> None:
     T.mark_sampled([dec], 1.050)
     assert T.decode_timing(dec.extra) == {"queue": 2.0, "claim": 1.0, "read": 20.0,
                                           "join": 17.0, "first_step": 10.0}
+
+
+def test_a_prompt_prefilled_on_its_decode_adds_up_to_the_ttft() -> None:
+    """local_prefill: no prefill round trip; the decode's queue and compute (a prefill's
+    stages) and the hops around them add up to the TTFT, the detail beside them."""
+    s = stamps(received=100, decode_sent=101, first_token=140, second_token=150)
+    out = T.request_timing(s, None, {"queue": 12.0, "compute": 20.0, "gather": 9.0,
+                                     "launch": 2.0})
+    assert out["router_to_decode"] == 1.0
+    assert out["local_queue"] == 12.0 and out["local_compute"] == 20.0
+    assert out["local_gather"] == 9.0 and out["local_launch"] == 2.0
+    assert out["decode_to_client"] == 7.0
+    assert out["ttft"] == 40.0 and out["second_token"] == 50.0
+    assert abs(sum(out[k] for k in T.LOCAL_STAGES) - out["ttft"]) < 1e-6
+    assert not {"router_to_prefill", "grant_to_decode", "decode_queue"} & set(out)
+    # What the decode did not report is left out; the remainder never goes negative.
+    bare = T.request_timing(s, None, {"queue": 60.0})
+    assert bare["decode_to_client"] == 0.0 and "local_compute" not in bare
+
+
+def test_a_decode_reports_a_prompt_it_prefilled_as_a_prefill_would() -> None:
+    extra = {T.RECEIVED: 1.0, T.HANDLED: 1.002, T.PLANNED: 1.010, T.STEP_START: 1.011,
+             T.LAUNCHED: 1.015, T.STEP_END: 1.030}
+    assert T.decode_timing(extra, prefilled_here=True) == T.prefill_timing(extra)
+    assert T.decode_timing(extra, prefilled_here=True)["queue"] == 11.0
+    assert "queue" not in T.decode_timing(extra)  # pulled: queue is received -> admitted

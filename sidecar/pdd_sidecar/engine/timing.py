@@ -58,6 +58,9 @@ TTFT_STAGES = ("router_to_prefill", "prefill_queue", "prefill_compute", "prefill
 HANDOFF_STAGES = ("grant_to_decode", "decode_queue", "claim", "read", "join", "first_step",
                   "decode_to_client")
 STAGES = TTFT_STAGES + HANDOFF_STAGES
+# A prompt its decode prefilled itself (local_prefill): the first token is the decode's, and
+# these add up to ``ttft``; the decode's PREFILL_DETAIL comes beside them as ``local_inbox``..
+LOCAL_STAGES = ("router_to_decode", "local_queue", "local_compute", "decode_to_client")
 
 
 def _ms(seconds: float) -> float:
@@ -109,10 +112,13 @@ def slowest_pull(transfer: Mapping[Any, Any]) -> tuple[float, float] | None:
     return max(pairs, key=sum) if pairs else None
 
 
-def decode_timing(extra: Mapping[str, Any]) -> dict[str, float]:
+def decode_timing(extra: Mapping[str, Any], prefilled_here: bool = False) -> dict[str, float]:
     """The decode instance's part. ``join`` is what is left between admission and the first
     step once the slowest rank's claim and READ are taken out: pull threads picking the job up,
-    notifying the prefill, the driver hearing of it, the step boundary."""
+    notifying the prefill, the driver hearing of it, the step boundary. A prompt it prefilled
+    itself (``prefilled_here``) pulled nothing: its part is a prefill's (``prefill_timing``)."""
+    if prefilled_here:
+        return prefill_timing(extra)
     out: dict[str, float] = {}
     received, admitted = extra.get(RECEIVED), extra.get(ADMITTED)
     start, end = extra.get(STEP_START), extra.get(STEP_END)
@@ -154,6 +160,8 @@ def request_timing(stamps: Mapping[str, float], prefill: Any = None,
     if R_RECEIVED not in s or R_FIRST_TOKEN not in s:
         return out
     first = s[R_FIRST_TOKEN]
+    if R_PREFILL_SENT not in s and s.get(R_DECODE_SENT, first + 1) <= first:
+        return _local_timing(s, decode)
     # After a hand-off that failed, the prompt ran again on another prefill once the client
     # had its first token: that prefill's stamps are the hand-off's time, not the TTFT's.
     again = s.get(R_PREFILL_GOT, first) > first
@@ -176,4 +184,20 @@ def request_timing(stamps: Mapping[str, float], prefill: Any = None,
             rest = _ms(s[R_SECOND_TOKEN] - s[R_DECODE_SENT])
             out["decode_to_client"] = max(0.0, round(rest - sum(dec.values()), 3))
             out["second_token"] = _ms(s[R_SECOND_TOKEN] - s[R_RECEIVED])
+    return out
+
+
+def _local_timing(s: Mapping[str, float], decode: Any) -> dict[str, float]:
+    """``request_timing`` of a prompt its decode prefilled itself: ``router_to_decode`` until
+    the decode request was sent, the decode's queue and compute (a prefill's stages, and their
+    detail beside them), and ``decode_to_client``, the rest of the decode round trip until the
+    client had the first token (both hops, HTTP handling, the router's work)."""
+    first = s[R_FIRST_TOKEN]
+    out = {"router_to_decode": _ms(s[R_DECODE_SENT] - s[R_RECEIVED])}
+    own = _parts(decode, PREFILL_STAGES)
+    out |= {f"local_{k}": v for k, v in {**own, **_parts(decode, PREFILL_DETAIL)}.items()}
+    out["decode_to_client"] = max(0.0, round(_ms(first - s[R_DECODE_SENT]) - sum(own.values()), 3))
+    out["ttft"] = _ms(first - s[R_RECEIVED])
+    if R_SECOND_TOKEN in s:
+        out["second_token"] = _ms(s[R_SECOND_TOKEN] - s[R_RECEIVED])
     return out

@@ -293,7 +293,7 @@ def _summary(state: InstanceState, seq: Sequence) -> dict[str, Any]:
             "path": join_paths(r["path"] for r in ranks),
             "ranks": ranks,
         },
-        "timing": timing.decode_timing(seq.extra),
+        "timing": timing.decode_timing(seq.extra, seq.source is None),
     }
     if "choice" in seq.extra:
         out["choices"] = [{"index": m.extra["choice"], "token_ids": m.output,
@@ -393,7 +393,7 @@ async def _stream(request: web.Request, state: InstanceState,
                 line = {"token": head}
                 if seq.logprobs is not None:
                     line["logprob"] = logprob_json(seq.extra[LOGPROBS][:1])[0]
-            line["timing"] = timing.decode_timing(seq.extra)
+            line["timing"] = timing.decode_timing(seq.extra, seq.source is None)
             await response.write(json.dumps(line).encode() + b"\n" + (
                 _choice_lines(seq, first[1:], each) if multi else _lines(seq, first[1:], 1)))
             sent = len(first)
