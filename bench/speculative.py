@@ -19,7 +19,8 @@ batch x k, every figure beside plain decoding of the same batch in the same run:
 - **the MTP module's cost** (unless ``--no-mtp``): a random module of the model's width (one
   MoE layer, DeepSeek-V3's), its latents the cache's last layer, run as a decode drafts with it
   (engine/speculative/mtp.py: the fed token and k kept drafts as rows, then the chained drafts,
-  replayed from its graphs): the ceiling and the model again with that time added to each step.
+  replayed from its graphs): the ceiling and the model again with that time added to each
+  step, and how much of that time the device was busy (the rest is the host's).
 
     python bench/speculative.py --device cuda --json /tmp/spec.json
     python bench/speculative.py --device cpu --small      # smoke run, seconds
@@ -113,14 +114,37 @@ def build_mtp(engine: RankEngine, seed: int = 1) -> MTPDrafter:
                       like=engine)
 
 
-def mtp_draft_ms(drafter: MTPDrafter, batch: Batch, k: int, reps: int) -> float:
+def mtp_draft_ms(drafter: MTPDrafter, batch: Batch, k: int, reps: int) -> tuple[float, float]:
     """A decode step's module call when every draft was kept: k + 1 rows a sequence (the fed
-    token and the k drafts), then k - 1 chained drafts; median ms."""
-    h = torch.zeros(k + 1, drafter.w.embed.shape[1], dtype=drafter.w.embed.dtype,
-                    device=drafter.w.embed.device)
+    token and the k drafts), then k - 1 chained drafts: (median ms, the device's busy ms of
+    it; the rest is the host's)."""
+    dev = drafter.w.embed.device
+    h = torch.zeros(k + 1, drafter.w.embed.shape[1], dtype=drafter.w.embed.dtype, device=dev)
     seqs = [(SeqChunk([1] * (k + 1), batch.context + 1, table), h) for table in batch.tables]
     ks = [k] * len(seqs)
-    return time_fn(lambda: drafter.draft(seqs, ks), drafter.w.embed.device, reps) * 1e3
+
+    def call() -> None:
+        drafter.draft(seqs, ks)
+
+    return time_fn(call, dev, reps) * 1e3, device_busy_ms(call, dev, reps)
+
+
+def device_busy_ms(fn: Any, device: torch.device, reps: int) -> float:
+    """The mean of the device's kernel and copy time per call of ``fn`` (the profiler's
+    CUDA self time, graph replays' kernels included where CUPTI reports them): beside a wall
+    time it says how much of a call is the host's. NaN off CUDA or where nothing is reported."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / reps / 1e3 if total_us > 0 else float("nan")
 
 
 def prefill(engine: RankEngine, b: int, context: int, tokens_after: int, seed: int) -> Batch:
@@ -301,8 +325,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "same_tokens": same,
             }
             if drafter is not None:
-                mtp_ms = mtp_draft_ms(drafter, batch, k, args.mtp_reps)
+                mtp_ms, mtp_busy = mtp_draft_ms(drafter, batch, k, args.mtp_reps)
                 r["mtp_draft_ms"] = mtp_ms
+                r["mtp_draft_device_ms"] = mtp_busy
                 r["mtp_ceiling_speedup"] = plain.tpot_ms / (ceil.tpot_ms + mtp_ms / (k + 1))
                 r["mtp_modelled_speedup"] = {
                     a: plain.tpot_ms / ((verify_ms + mtp_ms) / expected_tokens(float(a), k))
@@ -318,7 +343,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                   f"verify step {verify_ms:.2f} ms vs plain {plain.step_ms:.2f} ms; modelled "
                   f"at 81 %: {model[f'{PUBLISHED_ACCEPTANCE:.2f}']:.2f}x; same tokens: {same}")
             if "mtp_draft_ms" in r:
-                print(f"  k={k}: with the MTP module's {r['mtp_draft_ms']:.2f} ms a step: "
+                print(f"  k={k}: with the MTP module's {r['mtp_draft_ms']:.2f} ms a step "
+                      f"(the device busy {r['mtp_draft_device_ms']:.2f} ms of it): "
                       f"ceiling {r['mtp_ceiling_speedup']:.2f}x, modelled at 81 %: "
                       f"{r['mtp_modelled_speedup'][f'{PUBLISHED_ACCEPTANCE:.2f}']:.2f}x")
         rows.append(row)

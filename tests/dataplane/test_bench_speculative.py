@@ -38,6 +38,7 @@ def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.M
             assert f["floor_self_disabled_tpot_ms"] > 0 and f["verify_step_ms"] > 0
             # the MTP module's time is added to each step: never faster than without it
             assert f["mtp_draft_ms"] > 0
+            assert "mtp_draft_device_ms" in f  # NaN on the CPU: no device to profile
             assert f["mtp_ceiling_speedup"] < f["ceiling_speedup"]
             assert all(f["mtp_modelled_speedup"][a] < m
                        for a, m in f["modelled_speedup"].items())
