@@ -15,14 +15,24 @@ position's logits:
   the argmax between two tokens a hair apart says little about the cache; positions with a
   clear winner say how often FP8 changes a decision that matters.
 
-The checkpoints are written here with random weights (scaled 1/sqrt(fan_in), as
-bench/random_checkpoint.py does) and DeepSeek's real MLA widths (latent 512 + RoPE 64, so every
-token has four 128-value scale groups): V2 (softmax routing, no q LoRA) and V3 (sigmoid routing
-with the score-correction bias, group-limited top-k, q LoRA). The sequence is uniform random
-token ids, the same for both runs. Random weights are not a trained model: these figures bound
-what FP8 rounding does to this engine's arithmetic, not a benchmark score.
+The checkpoints have DeepSeek's real MLA widths (latent 512 + RoPE 64, so every token has four
+128-value scale groups): V2 (softmax routing, no q LoRA) and V3 (sigmoid routing with the
+score-correction bias, group-limited top-k, q LoRA). Their weights are either
+
+- ``--weights random`` (the default): scaled 1/sqrt(fan_in), as bench/random_checkpoint.py
+  does, and the sequence uniform random token ids. Random weights are not a trained model:
+  these figures bound what FP8 rounding does to this engine's arithmetic, not a benchmark
+  score; or
+- ``--weights trained``: the same architectures trained on the CPU on the bytes of the Python
+  standard library's source (bench/train_tiny.py, cached under .cache/kv_accuracy/), and the
+  sequence held-out source text the training never saw. Their next-token distributions are
+  peaked the way a trained model's are, so a flip of the argmax means something; the rows also
+  give the held-out loss (nats/byte) under each KV dtype.
+
+The same sequence goes through both runs.
 
     python bench/kv_dtype_accuracy.py --tokens 4096 --json /tmp/kv_dtype.json
+    python bench/kv_dtype_accuracy.py --weights trained --tokens 4096 --seqs 3
     python bench/kv_dtype_accuracy.py --tokens 256 --layers 2     # smoke run
 """
 
@@ -41,6 +51,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_tiny import TrainSettings, held_out_sequences, trained_checkpoint  # noqa: E402
 
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
 from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache  # noqa: E402
@@ -150,17 +163,26 @@ def compare(ref: torch.Tensor, got: torch.Tensor, margin: float = DEFAULT_MARGIN
         median_margin=float(lead.median()))
 
 
+def next_token_loss(logp: torch.Tensor, tokens: list[int]) -> float:
+    """Mean negative log-probability (nats per token) of each next token of ``tokens``."""
+    nxt = torch.tensor(tokens[1:])[:, None]
+    return -float(logp[:-1].gather(1, nxt).mean())
+
+
 def run_one(model_dir: str, tokens: list[int], dtype: str, chunk: int, device: str,
-            margin: float) -> tuple[Agreement, Agreement | None]:
+            margin: float) -> tuple[Agreement, Agreement | None, dict[str, float]]:
     """FP8 KV against ``dtype`` KV, and the yardstick: ``dtype`` against float32 throughout
-    (the same checkpoint, KV in the model's dtype), what bf16 arithmetic alone moves."""
+    (the same checkpoint, KV in the model's dtype), what bf16 arithmetic alone moves; with
+    the next-token loss of the sequence under each (meaningful where the text is real)."""
     ref = teacher_forced(model_dir, tokens, "auto", dtype, chunk, device=device)
     got = teacher_forced(model_dir, tokens, "fp8", dtype, chunk, device=device)
+    loss = {"kv_dtype": next_token_loss(ref, tokens), "fp8": next_token_loss(got, tokens)}
     floor = None
     if dtype != "float32":
         wide = teacher_forced(model_dir, tokens, "auto", "float32", chunk, device=device)
         floor = compare(wide, ref, margin)
-    return compare(ref, got, margin), floor
+        loss["float32"] = next_token_loss(wide, tokens)
+    return compare(ref, got, margin), floor, loss
 
 
 def describe(r: Agreement) -> str:
@@ -171,9 +193,39 @@ def describe(r: Agreement) -> str:
             f"{r.median_margin:.3f} nats, widest lead overturned {r.flip_max_margin:.3f}")
 
 
+def checkpoint(kind: str, a: argparse.Namespace, tmp: Path) -> tuple[ModelConfig, str]:
+    """``kind``'s config and checkpoint folder: random weights written to ``tmp``, or trained
+    weights from bench/train_tiny.py's cache (trained first when not there)."""
+    cfg = test_config(kind, a.layers, max(4096, a.tokens))
+    if a.weights == "random":
+        return cfg, str(write_checkpoint(cfg, tmp / kind))
+    path, info = trained_checkpoint(cfg, TrainSettings(steps=a.train_steps), log=print)
+    st = info["settings"]
+    print(f"{kind}: trained {st['steps']} + {st['long_steps']} steps in {info['seconds']:.0f} s, "
+          f"training loss {info['first_loss']:.3f} -> {info['last_loss']:.3f} nats/byte "
+          f"({st['seq_len']}-byte windows), {info['long_loss']:.3f} ({st['long_len']}-byte)",
+          flush=True)
+    return cfg, str(path)
+
+
+def sequences(cfg: ModelConfig, a: argparse.Namespace) -> list[list[int]]:
+    """Uniform random token ids for random weights; held-out text's bytes for trained ones."""
+    if a.weights == "trained":
+        return held_out_sequences(a.seqs, a.tokens)
+    return [torch.randint(0, cfg.vocab_size, (a.tokens,),
+                          generator=torch.Generator().manual_seed(1000 + s)).tolist()
+            for s in range(a.seqs)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="v2,v3", help="comma list of v2, v3")
+    p.add_argument("--weights", default="random", choices=["random", "trained"],
+                   help="random weights and token ids, or trained weights and held-out text")
+    p.add_argument("--train-steps", type=int, default=TrainSettings.steps,
+                   help="with --weights trained: AdamW steps on 512-byte windows, before the "
+                   "4,096-byte ones (part of the cache key)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--tokens", type=int, default=4096, help="sequence length")
     p.add_argument("--seqs", type=int, default=1, help="sequences per model")
     p.add_argument("--layers", type=int, default=4)
@@ -183,23 +235,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in a.models.split(","):
-            cfg = test_config(kind, a.layers, max(4096, a.tokens))
-            ckpt = str(write_checkpoint(cfg, Path(tmp) / kind))
-            for s in range(a.seqs):
-                g = torch.Generator().manual_seed(1000 + s)
-                tokens = torch.randint(0, cfg.vocab_size, (a.tokens,), generator=g).tolist()
+            cfg, ckpt = checkpoint(kind, a, Path(tmp))
+            for s, tokens in enumerate(sequences(cfg, a)):
                 t = time.perf_counter()
-                r, floor = run_one(ckpt, tokens, a.dtype, a.chunk, a.device, a.margin)
+                r, floor, loss = run_one(ckpt, tokens, a.dtype, a.chunk, a.device, a.margin)
                 rows.append({"model": kind, "seq": s, "fp8_vs_kv_dtype": asdict(r),
                              "dtype_vs_float32": None if floor is None else asdict(floor),
+                             "loss_nats_per_token": loss,
                              "seconds": time.perf_counter() - t})
                 print(f"{kind} seq {s}: FP8 KV against {a.dtype} KV: {describe(r)}", flush=True)
                 if floor is not None:
                     print(f"{kind} seq {s}: yardstick, {a.dtype} against float32 (KV in each "
                           f"model dtype): {describe(floor)}", flush=True)
+                print(f"{kind} seq {s}: next-token loss, nats/token (a byte when trained): "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in loss.items()), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
     return 0
