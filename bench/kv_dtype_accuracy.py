@@ -60,7 +60,7 @@ from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cac
 from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
 from pdd_sidecar.model.config import V2, V3, ModelConfig, RopeConfig  # noqa: E402
 from pdd_sidecar.model.rank_model import load_rank_model  # noqa: E402
-from pdd_sidecar.model.weights import hf_shapes  # noqa: E402
+from pdd_sidecar.model.weights import hf_shapes, write_checkpoint  # noqa: E402
 
 DEFAULT_MARGIN = 0.5  # nats between bf16's top-1 and runner-up
 
@@ -83,10 +83,8 @@ def test_config(kind: str, layers: int, max_positions: int) -> ModelConfig:
     raise ValueError(f"--models: {kind!r} is not v2 or v3")
 
 
-def write_checkpoint(cfg: ModelConfig, path: Path, seed: int = 0) -> Path:
+def random_checkpoint(cfg: ModelConfig, path: Path, seed: int = 0) -> Path:
     """Random bf16 weights and config.json, as bench/random_checkpoint.py writes them."""
-    from safetensors.torch import save_file
-
     g = torch.Generator().manual_seed(seed)
     shapes = dict(hf_shapes(cfg))
     if cfg.scoring_func == "sigmoid":
@@ -105,11 +103,8 @@ def write_checkpoint(cfg: ModelConfig, path: Path, seed: int = 0) -> Path:
             w = torch.randn(shape, generator=g)
         else:
             w = torch.randn(shape, generator=g) / math.sqrt(shape[1])
-        state[name] = w.to(torch.bfloat16).contiguous()
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    save_file(state, str(path / "model.safetensors"))
-    return path
+        state[name] = w.to(torch.bfloat16)
+    return write_checkpoint(path, cfg, state)
 
 
 def teacher_forced(model_dir: str, tokens: list[int], kv_cache_dtype: str, dtype: str = "bfloat16",
@@ -198,7 +193,7 @@ def checkpoint(kind: str, a: argparse.Namespace, tmp: Path) -> tuple[ModelConfig
     weights from bench/train_tiny.py's cache (trained first when not there)."""
     cfg = test_config(kind, a.layers, max(4096, a.tokens))
     if a.weights == "random":
-        return cfg, str(write_checkpoint(cfg, tmp / kind))
+        return cfg, str(random_checkpoint(cfg, tmp / kind))
     path, info = trained_checkpoint(cfg, TrainSettings(steps=a.train_steps), log=print)
     st = info["settings"]
     print(f"{kind}: trained {st['steps']} + {st['long_steps']} steps in {info['seconds']:.0f} s, "

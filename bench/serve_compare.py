@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import serve_path as sp  # noqa: E402
-from stream_client import instance_pool, parse_metrics  # noqa: E402
+from stream_client import instance_pool, parse_metrics, rotated_rounds  # noqa: E402
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
 from pdd_sidecar.serve.local_stack import LocalStack, StackConfig, check_config  # noqa: E402
@@ -148,12 +148,6 @@ def run_mode(cfg: StackConfig, levels: list[sp.LevelSpec], min_requests: int, vo
 
 
 MEDIAN_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "second_p50_ms", "tpot_p50_ms", "tokens_per_s")
-
-
-def mode_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
-    """``(round, mode)`` for every stack, the order rotated each round: stacks of one run
-    differ (which CPUs, the first stack on a cold GPU), so no mode is always first."""
-    return [(r, modes[(r + i) % len(modes)]) for r in range(rounds) for i in range(len(modes))]
 
 
 def median_of_rounds(runs: list[dict[str, Any]], bounds: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         if found:
             p.error(f"--modes {mode}: " + "; ".join(found))
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-    for rnd, mode in mode_order(modes, args.rounds):
+    for rnd, mode in rotated_rounds(modes, args.rounds):
         mcfg = configs[mode]
         print(f"\nmode {mode}" + (f", round {rnd + 1}" if args.rounds > 1 else "")
               + f": {mcfg.layout()}, local prefill up to {mcfg.local_prefill_tokens} tokens, "

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import aiohttp  # noqa: E402
-from stream_client import parse_metrics, stream_completion  # noqa: E402
+from stream_client import parse_metrics, rotated_rounds, stream_completion  # noqa: E402
 from trace_sink import TraceSink  # noqa: E402
 
 from pdd_sidecar.model.config import load_config  # noqa: E402
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
           f"sequences; at dcp {n}: {decode_blocks // (blocks_per_seq // n)}), "
           f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     results: list[Level] = []
-    runs = tracing_runs(n, args.tracing, args.rounds) if args.tracing else [(1, "off"), (n, "off")]
+    runs = ([(n, mode) for _, mode in rotated_rounds(args.tracing, args.rounds)]
+            if args.tracing else [(1, "off"), (n, "off")])
     sink = TraceSink() if args.tracing else None
     for i, (dcp, mode) in enumerate(runs):
         cfg = StackConfig(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
@@ -347,13 +348,6 @@ def main(argv: list[str] | None = None) -> int:
                         "target_ratio": n},
         }, indent=2) + "\n")
     return 0
-
-
-def tracing_runs(n: int, modes: list[str], rounds: int) -> list[tuple[int, str]]:
-    """Each mode's stack ``rounds`` times, the order rotated every round: stacks of one run
-    differ by several % (which CPUs, the first stack's cold caches), so no mode is always
-    first and each figure is a median."""
-    return [(n, modes[(r + i) % len(modes)]) for r in range(rounds) for i in range(len(modes))]
 
 
 def tracing_summary(args: argparse.Namespace, levels: list[int], results: list[Level]) -> int:

@@ -82,6 +82,13 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
     return out
 
 
+def rotated_rounds(items: list[str], rounds: int) -> list[tuple[int, str]]:
+    """``(round, item)`` for each of ``rounds`` rounds of every item, the order rotated each
+    round: stacks of one run differ by several % (which CPUs, the first one on a cold device),
+    so a bench that starts one per setting never lets one setting always go first."""
+    return [(r, items[(r + i) % len(items)]) for r in range(rounds) for i in range(len(items))]
+
+
 def stage_medians(timings: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """The median of each `pdd.timing` stage (and the TTFT) over the requests that report it."""
     timings = list(timings)

@@ -14,14 +14,14 @@ pytestmark = pytest.mark.dataplane
 
 def test_each_round_runs_every_mode_in_a_rotated_order(monkeypatch: pytest.MonkeyPatch) -> None:
     sc = load_bench("serve_compare.py", monkeypatch)
-    order = sc.mode_order(["remote", "local", "default"], 3)
+    order = sc.rotated_rounds(["remote", "local", "default"], 3)
     assert [m for r, m in order if r == 0] == ["remote", "local", "default"]
     assert [m for r, m in order if r == 1] == ["local", "default", "remote"]
     assert [m for r, m in order if r == 2] == ["default", "remote", "local"]
     firsts = [next(m for r, m in order if r == k) for k in range(3)]
     assert sorted(firsts) == ["default", "local", "remote"]
     sv = load_bench("serving.py", monkeypatch)
-    runs = sv.tracing_runs(1, ["off", "0.01", "1"], 2)
+    runs = sv.rotated_rounds(["off", "0.01", "1"], 2)
     assert [m for _, m in runs] == ["off", "0.01", "1", "0.01", "1", "off"]
 
 

@@ -114,7 +114,7 @@ def test_fp8_kv_on_cuda_stays_within_the_cpu_figures_of_bf16_kv(tmp_path: Path,
     55 % and 0.3 (tests/dataplane/test_fp8_kv.py)."""
     mod = _bench()
     cfg = mod.test_config(kind, 4, 4096)
-    ckpt = str(mod.write_checkpoint(cfg, tmp_path / kind))
+    ckpt = str(mod.random_checkpoint(cfg, tmp_path / kind))
     tokens = torch.randint(0, cfg.vocab_size, (2048,),
                            generator=torch.Generator().manual_seed(1000)).tolist()
     r = mod.run_one(ckpt, tokens, "bfloat16", 512, "cuda", 0.5)[0]
