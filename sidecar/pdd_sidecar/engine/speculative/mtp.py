@@ -26,6 +26,7 @@ run as chunks, eagerly.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 
 from pdd_sidecar.engine.comm import Comm
 from pdd_sidecar.engine.cuda_graphs import DEFAULT_BUCKETS
+from pdd_sidecar.engine.device_queue import to_device
 from pdd_sidecar.engine.rank_engine import RankEngine
 from pdd_sidecar.engine.seq_chunk import SeqChunk
 from pdd_sidecar.kv.cache import PagedKVCache
@@ -97,13 +99,14 @@ class MTPDrafter:
             return []
         chunks = [c for c, _ in seqs]
         out: list[list[int]] = [[] for _ in seqs]
-        hidden = torch.cat([h for _, h in seqs]).to(self.w.embed.device)
-        last = self._run(chunks, hidden)
+        dev = self.w.embed.device
+        hidden = seqs[0][1] if len(seqs) == 1 else torch.cat([h for _, h in seqs])
+        last = self._run(chunks, hidden.to(dev))
         todo = [i for i in range(len(seqs)) if k[i] > 0]
         depth = 0
         while todo:
-            logits = self.engine.logits(rms_norm(last[todo], self.w.norm, self.eps))
-            picks = torch.argmax(logits, -1).tolist()
+            logits = self.engine.logits(rms_norm(_rows(last, todo), self.w.norm, self.eps))
+            picks = torch.argmax(logits, -1).tolist()  # the one wait for the device a depth
             for i, t in zip(todo, picks, strict=True):
                 out[i].append(int(t))
             depth += 1
@@ -112,8 +115,11 @@ class MTPDrafter:
                 break
             nxt = [SeqChunk([out[i][-1]], chunks[i].start + len(chunks[i].tokens) - 1 + depth,
                             chunks[i].block_ids) for i in todo_next]
-            last = last.clone()
-            last[todo_next] = self._run(nxt, last[todo_next])
+            ran = self._run(nxt, _rows(last, todo_next))
+            if len(todo_next) == last.shape[0]:
+                last = ran
+            else:
+                last = last.index_copy(0, to_device(todo_next, torch.long, dev), ran)
             todo = todo_next
         return out
 
@@ -126,8 +132,12 @@ class MTPDrafter:
             rows = [SeqChunk([t], c.start + j, c.block_ids)
                     for c in chunks for j, t in enumerate(c.tokens)]
         h = self.engine.hidden_from(rows, hidden)
-        ends = torch.tensor([len(c.tokens) for c in chunks], device=h.device).cumsum(0) - 1
-        return h[ends]
+        lengths = {len(c.tokens) for c in chunks}
+        if len(lengths) == 1:  # a view and one copy: no index from the host
+            n = lengths.pop()
+            return h.reshape(len(chunks), n, -1)[:, n - 1].clone()
+        ends = list(itertools.accumulate(len(c.tokens) for c in chunks))
+        return h.index_select(0, to_device([e - 1 for e in ends], torch.long, h.device))
 
     @torch.inference_mode()
     def warm_up(self, block_ids: Sequence[int], batch_sizes: Sequence[int]) -> None:
@@ -137,6 +147,13 @@ class MTPDrafter:
                         device=self.w.embed.device)
         for n in batch_sizes:
             self.draft([(SeqChunk([1], 1, block_ids[:1]), h)] * n, [1] * n)
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t``'s ``rows`` without an index from the host where they are all of them in order."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(rows, torch.long, t.device))
 
 
 __all__ = ["MTPDrafter"]
