@@ -48,7 +48,7 @@ def test_add_rms_norm_equals_add_then_norm(rows: int) -> None:
 
 
 @pytest.mark.parametrize("always", [0, 2])
-@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 16, 64, 300])
 def test_router_kernel_matches_reference_and_replays(tokens: int, always: int) -> None:
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 2048, device=DEV, dtype=torch.bfloat16)
@@ -69,6 +69,29 @@ def test_router_kernel_matches_reference_and_replays(tokens: int, always: int) -
         assert torch.equal(ids[:, 6:], ids_ref[:, 6:]) and torch.equal(w[:, 6:], w_ref[:, 6:])
     again, _ = mr.router_topk(x, router, 6, True, 2.0, always)
     assert torch.equal(again, mr.router_topk(x, router, 6, True, 2.0, always)[0])  # determinism
+
+
+def test_router_launches_on_two_streams_at_once_keep_apart() -> None:
+    """An overtaking prefill step's router runs on its own stream beside a queued chunk's: each
+    launch counts only its own programs (a shared counter let one launch's last program read
+    the other's partial logits, or never fire)."""
+    torch.manual_seed(0)
+    router = torch.randn(64, 2048, device=DEV) * 0.02
+    chunk = torch.randn(8192, 2048, device=DEV, dtype=torch.bfloat16)
+    rows = [torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16) for n in (1, 3, 16)]
+    want_chunk = mr.router_topk(chunk, router, 6, True, 1.0)[1]
+    want_rows = [mr.router_topk(r, router, 6, True, 1.0)[1] for r in rows]
+    side = torch.cuda.Stream(priority=-1)
+    got_chunk, got_rows = [], []
+    torch.cuda.synchronize()
+    for _ in range(10):
+        got_chunk.append(mr.router_topk(chunk, router, 6, True, 1.0)[1])
+        with torch.cuda.stream(side):
+            for _ in range(10):
+                got_rows.append([mr.router_topk(r, router, 6, True, 1.0)[1] for r in rows])
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, want_chunk) for g in got_chunk)
+    assert all(torch.equal(g, w) for gs in got_rows for g, w in zip(gs, want_rows, strict=True))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64])
