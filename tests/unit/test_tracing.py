@@ -109,8 +109,10 @@ def receiver() -> Iterator[HTTPServer]:
 
 CHILD = f"""
 from pdd_sidecar import tracing as T
+off = T.tracer()  # made while no provider is installed
 s = T.setup("router")
 assert T.enabled(), s
+assert T.tracer() is T.tracer() and T.tracer() is not off  # one a provider, made again
 ctx = T.extract({{"traceparent": "{CLIENT_PARENT}"}})
 span = T.start_span("pdd.router", ctx, attributes={{"pdd.replica": "d0", "skip": None}})
 T.record_span("pdd.child", T.with_span(span), 1.0, 2.0, {{"gen_ai.usage.input_tokens": 5}})
