@@ -1015,8 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of the model's kernel paths the decode rows and breakdowns "
                         "time, each in this run: off (unfused), on (fused, defaults), options "
                         "after on: +shared=N (shared experts in the GEMV up to N tokens), "
-                        "+router=apart, +router=blocks (the one-kernel router's block kernel "
-                        "at every batch), +dense=N (Triton GEMV for the dense projections up to N "
+                        "+router=apart, +dense=N (Triton GEMV for the dense projections up to N "
                         "tokens), +grouped=N (per-expert GEMV from 2 up to N tokens); default "
                         "off,on on CUDA, on on the CPU")
     p.add_argument("--breakdown-fusion", default=None,
@@ -1272,10 +1271,9 @@ def main(argv: list[str] | None = None) -> int:
 def fusion_variant(name: str) -> Iterator[None]:
     """The model's kernel path for the block (``--fusion``): ``off``, or ``on`` with options
     ``+shared=N`` (the shared experts in the routed GEMV up to N tokens), ``+router=apart``
-    (the router's fp32 projection and its softmax/top-k kernel apart), ``+router=blocks``
-    (the one-kernel router's block kernel at every batch: the few-row kernel's baseline),
-    ``+dense=N`` (the dense projections as Triton GEMVs up to N tokens; 0: cuBLAS) and
-    ``+grouped=N`` (the per-expert GEMV from 2 up to N tokens; 0: never)."""
+    (the router's fp32 projection and its softmax/top-k kernel apart), ``+dense=N`` (the
+    dense projections as Triton GEMVs up to N tokens; 0: cuBLAS) and ``+grouped=N`` (the
+    per-expert GEMV from 2 up to N tokens; 0: never)."""
     kind, *opts = name.split("+")
     settings: dict[str, Any] = {}
     for opt in opts:
@@ -1284,15 +1282,13 @@ def fusion_variant(name: str) -> Iterator[None]:
             settings[key] = int(value)
         elif key == "router" and value in ("apart", "fused"):
             settings["router"] = value == "fused"
-        elif key == "router" and value == "blocks":
-            settings["router_small"] = 0
         else:
             kind = "?"
     if kind not in ("on", "off") or (kind == "off" and opts):
-        raise ValueError(f"--fusion: each item is off or on[+shared=N][+router=apart|blocks]"
+        raise ValueError(f"--fusion: each item is off or on[+shared=N][+router=apart]"
                          f"[+dense=N][+grouped=N], got {name!r}")
     fusion.set_fused(kind == "on", settings.get("shared"), settings.get("router"),
-                     settings.get("dense"), settings.get("grouped"), settings.get("router_small"))
+                     settings.get("dense"), settings.get("grouped"))
     try:
         yield
     finally:

@@ -50,14 +50,6 @@ def fused_router() -> bool:
     return fused() and bool(_state.get("router", True))
 
 
-def router_small_tokens() -> int | None:
-    """Up to how many tokens the one-kernel router runs its few-row kernel (None: the kernel
-    module's ``ROUTER_SMALL_TOKENS``; ``set_fused(router_small=0)``: its block kernel at every
-    size, the bench's same-run comparison)."""
-    value = _state.get("router_small")
-    return None if value is None else int(value)  # type: ignore[call-overload]
-
-
 # 0: cuBLAS. The Triton GEMV measured slower at batch 1 on an H100 (qkv_a 51 % of the HBM read
 # rate at its best tiles against cuBLAS's 58 %, o_proj 33 % against 41 %; --gemv-sweep), so it
 # only runs when asked (bench/engine.py --fusion on+dense=N)
@@ -80,11 +72,11 @@ def dense_gemv_tokens() -> int:
 
 def set_fused(on: bool | None, shared_tokens: int | None = None,
               router: bool | None = None, dense: int | None = None,
-              grouped: int | None = None, router_small: int | None = None) -> None:
-    """Overrides the environment for this process (``None``: read it again; the router, dense,
-    grouped and router_small settings back to their defaults)."""
+              grouped: int | None = None) -> None:
+    """Overrides the environment for this process (``None``: read it again; the router, dense
+    and grouped settings back to their defaults)."""
     for key, value in (("fused", on), ("shared_tokens", shared_tokens), ("router", router),
-                       ("dense", dense), ("grouped", grouped), ("router_small", router_small)):
+                       ("dense", dense), ("grouped", grouped)):
         if value is None:
             _state.pop(key, None)
         else:

@@ -125,8 +125,7 @@ def _moe_fused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool)
             and x.shape[0] * (k + parts) <= mg.GEMV_MAX_PAIRS)
     if fusion.fused_router():
         weights, ids = router_topk(x, w.router, k, cfg.norm_topk_prob,
-                                   cfg.routed_scaling_factor, always=parts if fold else 0,
-                                   small_tokens=fusion.router_small_tokens())
+                                   cfg.routed_scaling_factor, always=parts if fold else 0)
     else:
         weights, ids = always_slots(*route(x, w.router, cfg), w.router.shape[0],
                                     parts if fold else 0)

@@ -89,32 +89,25 @@ def router_topk_ref(
 
 
 ROUTER_BLOCK_T, ROUTER_BLOCK_K = 16, 128
-# Up to this many tokens one block of rows runs without a tensor-core dot, its top-k taken by
-# ranks in one pass (a decode step's few rows: the block kernel's 16-row dot and its k rounds
-# of reductions were 10 us of a 120 us layer at batch 1 on an H100).
-ROUTER_SMALL_TOKENS = 4
-ROUTER_SMALL_BLOCK_K = 64
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 MAX_ROUTER_TOKENS = 16384  # token blocks with a counter each
 
 
 def router_topk(
-    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0,
-    small_tokens: int | None = None,
+    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``router_topk_ref`` in one kernel on CUDA: the logits of a block of tokens are split
     over the hidden dimension into programs (each reads a slice of the fp32 router, so a single
     token still spreads the read over many SMs), and the block's last program to finish sums
     the partial logits in a fixed order (deterministic), takes the softmax and the top-k, and
-    writes the weights and ids with the ``always`` slots (``small_tokens``: as
-    ``router_topk_triton`` takes it)."""
+    writes the weights and ids with the ``always`` slots."""
     t, hidden = x.shape
     e = router.shape[0]
     if (not (x.is_cuda and HAS_TRITON) or e > MAX_EXPERTS or k > e or t == 0
             or t > MAX_ROUTER_TOKENS or router.shape[1] != hidden or router.dtype != torch.float32
             or x.stride(-1) != 1 or router.stride(-1) != 1):
         return router_topk_ref(x, router, k, normalize, scale, always)
-    return router_topk_triton(x, router, k, normalize, scale, always, small_tokens)
+    return router_topk_triton(x, router, k, normalize, scale, always)
 
 
 def block_counters(device: torch.device) -> torch.Tensor:
@@ -134,39 +127,23 @@ def block_counters(device: torch.device) -> torch.Tensor:
 
 
 def router_topk_triton(
-    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0,
-    small_tokens: int | None = None,
+    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``small_tokens``: up to how many tokens the one-block kernel runs (default
-    ``ROUTER_SMALL_TOKENS``; 0: the block kernel at every size)."""
     t, hidden = x.shape
     e = router.shape[0]
     counters = block_counters(x.device)
+    splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
     e_p2 = next_pow2(e)
+    part = torch.empty(splits, t, e_p2, dtype=torch.float32, device=x.device)
     kk = k + always
-    kk_p2 = max(2, 1 << (kk - 1).bit_length())
     weights = torch.empty(t, kk, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, kk, dtype=torch.int64, device=x.device)
-    norm = bool(normalize and k > 1)
-    if t <= (ROUTER_SMALL_TOKENS if small_tokens is None else small_tokens):
-        bt = next_pow2(t)
-        splits = triton.cdiv(hidden, ROUTER_SMALL_BLOCK_K)
-        part = torch.empty(splits, bt, e_p2, dtype=torch.float32, device=x.device)
-        small: Any = _router_topk_small
-        small[(splits,)](
-            x, router, part, counters, weights, ids, t, e, hidden, x.stride(0), router.stride(0),
-            float(scale), K=k, ALWAYS=always, KK_P2=kk_p2, E_P2=e_p2, SPLITS=splits, BLOCK_T=bt,
-            BLOCK_K=ROUTER_SMALL_BLOCK_K, NORMALIZE=norm, num_warps=4,
-        )  # fmt: skip
-        return weights, ids
-    splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
-    part = torch.empty(splits, t, e_p2, dtype=torch.float32, device=x.device)
     kernel: Any = _router_topk_blocks
     kernel[(triton.cdiv(t, ROUTER_BLOCK_T), splits)](
         x, router, part, counters, weights, ids, t, e, hidden, x.stride(0), router.stride(0),
-        float(scale), K=k, ALWAYS=always, KK_P2=kk_p2,
+        float(scale), K=k, ALWAYS=always, KK_P2=max(2, 1 << (kk - 1).bit_length()),
         E_P2=e_p2, SPLITS=splits, BLOCK_T=ROUTER_BLOCK_T, BLOCK_K=ROUTER_BLOCK_K,
-        NORMALIZE=norm, num_warps=4,
+        NORMALIZE=bool(normalize and k > 1), num_warps=4,
     )  # fmt: skip
     return weights, ids
 
@@ -298,59 +275,6 @@ if HAS_TRITON:
             tl.store(W + out, vals, mask=m)
             tl.store(IDS + out, picks, mask=m)
             tl.atomic_xchg(CNT + tb, 0)  # ready for the next call (and the next replay)
-
-    @triton.jit
-    def _router_topk_small(
-        X, R, PART, CNT, W, IDS, t, e, hidden, stride_x, stride_r, scale,
-        K: tl.constexpr, ALWAYS: tl.constexpr, KK_P2: tl.constexpr, E_P2: tl.constexpr,
-        SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORMALIZE: tl.constexpr,
-    ):  # fmt: skip
-        sp = tl.program_id(0)
-        ex = tl.arange(0, E_P2)
-        live_e = ex < e
-        cols = sp * BLOCK_K + tl.arange(0, BLOCK_K)
-        live_k = cols < hidden
-        rv = tl.load(R + ex[:, None] * stride_r + cols[None, :],
-                     mask=live_e[:, None] & live_k[None, :], other=0.0)
-        for i in tl.static_range(BLOCK_T):
-            xi = tl.load(X + i * stride_x + cols, mask=live_k & (i < t), other=0.0)
-            li = tl.sum(rv * xi.to(tl.float32)[None, :], axis=1)  # [E_P2]
-            tl.store(PART + (sp * BLOCK_T + i) * E_P2 + ex, li)
-        tl.debug_barrier()
-        done = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:  # the last program: every partial is written
-            rows = tl.arange(0, BLOCK_T)
-            live_t = rows < t
-            acc = tl.zeros([BLOCK_T, E_P2], dtype=tl.float32)
-            for j in tl.static_range(SPLITS):  # a fixed order: the same sums every run
-                acc += tl.load(PART + (j * BLOCK_T + rows[:, None]) * E_P2 + ex[None, :],
-                               cache_modifier=".cg")
-            acc = tl.where(live_e[None, :], acc, float("-inf"))
-            p = tl.exp(acc - tl.max(acc, axis=1)[:, None])
-            p = p / tl.sum(p, axis=1)[:, None]
-            p = tl.where(live_e[None, :], p, -1.0)
-            # an expert's rank: how many beat it (ties to the lower id), as k rounds of
-            # max-and-remove would pick them, in one pass
-            pi = p[:, :, None]
-            pj = p[:, None, :]
-            ahead = (pj > pi) | ((pj == pi) & (ex[None, None, :] < ex[None, :, None]))
-            rank = tl.sum(ahead.to(tl.int32), axis=2)  # [BLOCK_T, E_P2]
-            slot = tl.arange(0, KK_P2)
-            hit = (rank[:, :, None] == slot[None, None, :]) & (slot[None, None, :] < K)
-            vals = tl.sum(tl.where(hit, p[:, :, None], 0.0), axis=1)  # [BLOCK_T, KK_P2]
-            picks = tl.sum(tl.where(hit, ex[None, :, None], 0), axis=1).to(tl.int64)
-            if NORMALIZE:
-                vals = vals / (tl.sum(vals, axis=1)[:, None] + 1e-20)
-            vals = vals * scale
-            extra = (slot[None, :] >= K) & (slot[None, :] < K + ALWAYS)
-            vals = tl.where(extra, 1.0, vals)
-            picks = tl.where(extra, (e + slot[None, :] - K).to(tl.int64), picks)
-            out = rows[:, None].to(tl.int64) * (K + ALWAYS) + slot[None, :]
-            m = live_t[:, None] & (slot[None, :] < K + ALWAYS)
-            tl.store(W + out, vals, mask=m)
-            tl.store(IDS + out, picks, mask=m)
-            tl.atomic_xchg(CNT, 0)  # ready for the next call (and the next replay)
 
     @triton.jit
     def _combine_rows(
