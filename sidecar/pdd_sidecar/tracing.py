@@ -111,13 +111,9 @@ _lock = threading.Lock()
 _provider: Any = None  # the SDK's TracerProvider once set up in this process
 
 
-def _exporter(s: TraceSettings) -> Any:
-    if s.exporter == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-        return ConsoleSpanExporter()
-    # The exporters read the endpoint (appending /v1/traces to a base URL over HTTP), headers,
-    # compression, timeout and certificates from the environment themselves.
+def otlp_exporter(s: TraceSettings) -> Any:
+    """The OTLP exporter of ``s.protocol``; it reads the endpoint (appending /v1/traces to a base
+    URL over HTTP), headers, compression, timeout and certificates from the environment."""
     if s.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
@@ -129,6 +125,18 @@ def _exporter(s: TraceSettings) -> Any:
     )
 
     return HttpExporter()
+
+
+def _exporter(s: TraceSettings) -> Any:
+    """Console spans are printed here; OTLP ones are encoded and sent by a child process
+    (tracing_export.py), off this process's GIL."""
+    if s.exporter == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    from pdd_sidecar.tracing_export import ChildProcessExporter
+
+    return ChildProcessExporter(s.protocol)
 
 
 def setup(role: str, env: Mapping[str, str] | None = None) -> TraceSettings:
