@@ -1,9 +1,10 @@
 """What a traced request costs the process that serves it, in CPU time per span: making the
-spans (the decode's four: ``pdd.decode`` and its children, as serve/instance/spans.py makes
-them), then exporting them either in the process (the SDK's OTLP/HTTP exporter: protobuf
-encoding and the POST, in Python) or by handing them to the exporting child process
-(pdd_sidecar/tracing_export.py: a tuple, a pickle and a pipe write). A local OTLP/HTTP
-receiver takes the spans; every batch is checked to arrive.
+spans (the decode's four: ``pdd.decode`` and its children) with the SDK, then exporting them
+either in the process (the SDK's OTLP/HTTP exporter: protobuf encoding and the POST, in Python)
+or by handing them to the exporting child process (pdd_sidecar/tracing_export.py: a tuple, a
+pickle and a pipe write); and, as an instance now does it, handing the request's spans over as
+one plan (``tracing.SpanPlan``) that the child makes into spans. A local OTLP/HTTP receiver
+takes the spans; every span is checked to arrive.
 
     python bench/span_cost.py                 # 4,000 spans per figure
     python bench/span_cost.py --spans 400     # quicker
@@ -78,6 +79,35 @@ def make_spans(n_requests: int, kept: InMemorySpanExporter) -> tuple[list[Readab
     return list(kept.get_finished_spans()), time.process_time() - t0
 
 
+def plans_cpu(n_requests: int, provider: TracerProvider) -> float:
+    """This process's CPU seconds (threads included) to hand ``n_requests`` decode plans to
+    the exporting child, the writer's pickling and writes included."""
+    from pdd_sidecar import tracing
+    from pdd_sidecar.tracing_export import ChildProcessExporter
+
+    child = ChildProcessExporter("http/protobuf", "decode", "pdd-decode")
+    tracing._provider, tracing._plan_sink = provider, child.submit_plan
+    attrs = {"http.response.status_code": 200, "pdd.request_id": "cmpl-0123456789abcdef",
+             "gen_ai.usage.output_tokens": 128, "pdd.decode.cached_tokens": 0,
+             "gen_ai.response.finish_reasons": ["length"], "pdd.decode.first_token_ms": 4.2}
+    kv = {"pdd.kv.bytes": 1 << 20, "pdd.kv.descriptors": 16, "pdd.kv.path": "cuda_ipc",
+          "pdd.kv.ranks": 1, "pdd.kv.claim_ms": 0.4, "pdd.kv.read_ms": 0.2, "pdd.kv.retries": 0}
+    parent = tracing.extract({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"
+                                             "00f067aa0ba902b7-01"})
+    t0 = time.process_time()
+    for _ in range(n_requests):
+        now = time.monotonic()
+        tracing.emit(tracing.SpanPlan(
+            "pdd.decode", now, now + 0.5, attrs, SpanKind.SERVER, None,
+            (tracing.SpanPlan("pdd.decode.queue", now, now + 0.001),
+             tracing.SpanPlan("pdd.kv_handoff", now + 0.001, now + 0.002, kv),
+             tracing.SpanPlan("pdd.decode.first_token", now + 0.002, now + 0.006))), parent)
+    child.shutdown()  # the writer sends the last plans
+    spent = time.process_time() - t0
+    tracing._provider = tracing._plan_sink = None
+    return spent
+
+
 def export_cpu(exporter: object, spans: list[ReadableSpan]) -> float:
     """This process's CPU seconds to export ``spans`` in batches (threads included)."""
     t0 = time.process_time()
@@ -127,15 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     child_s = export_cpu(child, spans)
     child.shutdown()
     wait_for(min(n, BATCH) + 2 * n)
+    plan_s = plans_cpu(n // 4, provider)
+    wait_for(min(n, BATCH) + 3 * n)
     server.shutdown()
     per = {"make_us": make_s / n * 1e6, "export_in_process_us": inproc_s / n * 1e6,
-           "hand_to_child_us": child_s / n * 1e6}
+           "hand_to_child_us": child_s / n * 1e6, "plan_to_child_us": plan_s / n * 1e6}
     print(f"{n} spans ({n // 4} requests of a decode's four), CPU us per span in the serving "
           f"process: make {per['make_us']:.1f}; export in the process "
           f"{per['export_in_process_us']:.1f} (make + export "
           f"{per['make_us'] + per['export_in_process_us']:.1f}); hand to the exporting child "
           f"{per['hand_to_child_us']:.1f} (make + hand "
-          f"{per['make_us'] + per['hand_to_child_us']:.1f}); every span received")
+          f"{per['make_us'] + per['hand_to_child_us']:.1f}); as a plan the child makes "
+          f"{per['plan_to_child_us']:.1f}; every span received")
     if args.json:
         args.json.write_text(json.dumps({"spans": n, **per}, indent=1) + "\n")
     return 0

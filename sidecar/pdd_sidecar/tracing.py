@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -109,6 +109,7 @@ def settings_from_env(role: str, env: Mapping[str, str] | None = None) -> TraceS
 
 _lock = threading.Lock()
 _provider: Any = None  # the SDK's TracerProvider once set up in this process
+_plan_sink: Any = None  # the exporting child's submit_plan, where spans are made there
 
 
 def otlp_exporter(s: TraceSettings) -> Any:
@@ -127,7 +128,7 @@ def otlp_exporter(s: TraceSettings) -> Any:
     return HttpExporter()
 
 
-def _exporter(s: TraceSettings) -> Any:
+def _exporter(s: TraceSettings, role: str) -> Any:
     """Console spans are printed here; OTLP ones are encoded and sent by a child process
     (tracing_export.py), off this process's GIL."""
     if s.exporter == "console":
@@ -136,13 +137,13 @@ def _exporter(s: TraceSettings) -> Any:
         return ConsoleSpanExporter()
     from pdd_sidecar.tracing_export import ChildProcessExporter
 
-    return ChildProcessExporter(s.protocol)
+    return ChildProcessExporter(s.protocol, role, s.service_name)
 
 
 def setup(role: str, env: Mapping[str, str] | None = None) -> TraceSettings:
     """Install this process's tracer provider as the settings say (once per process; a second
     call returns the settings and changes nothing). Off: nothing is imported or installed."""
-    global _provider
+    global _provider, _plan_sink
     settings = settings_from_env(role, env)
     if settings.exporter is None:
         return settings
@@ -157,9 +158,11 @@ def setup(role: str, env: Mapping[str, str] | None = None) -> TraceSettings:
         # the sampler comes from OTEL_TRACES_SAMPLER(_ARG), parent-based always-on by default.
         provider = TracerProvider(resource=Resource.create(
             {SERVICE_NAME: settings.service_name, "pdd.role": role}))
-        provider.add_span_processor(BatchSpanProcessor(_exporter(settings)))
+        exporter = _exporter(settings, role)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
         trace.set_tracer_provider(provider)
         _provider = provider
+        _plan_sink = getattr(exporter, "submit_plan", None)
     log.info("tracing: %s spans as %s to %s over %s", settings.exporter, settings.service_name,
              settings.endpoint or "the exporter's default endpoint", settings.protocol)
     return settings
@@ -172,9 +175,10 @@ def enabled() -> bool:
 
 def shutdown(timeout_s: float = 5.0) -> None:
     """Flush what is queued and stop exporting (a process leaving on SIGTERM calls it)."""
-    global _provider
+    global _provider, _plan_sink
     with _lock:
         provider, _provider = _provider, None
+        _plan_sink = None
     if provider is not None:
         provider.force_flush(int(timeout_s * 1000))
         provider.shutdown()
@@ -271,6 +275,54 @@ def end_span(span: Span, end_s: float | None = None, error: str | None = None,
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
     span.end(end_time=None if end_s is None else epoch_ns(end_s))
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """A finished span and its children as data, between monotonic stamps: what a process
+    timed anyway, made into spans later (``emit``), by the exporting child where there is one."""
+
+    name: str
+    start_s: float
+    end_s: float
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    kind: SpanKind = SpanKind.INTERNAL
+    error: str | None = None
+    children: tuple[SpanPlan, ...] = ()
+
+
+def make_spans(plan: SpanPlan, parent: otel_context.Context | None,
+               tracer_: Tracer | None = None) -> None:
+    """The plan's spans, made and ended here; its children only where its span is recorded."""
+    t = tracer_ or tracer()
+    span = t.start_span(plan.name, context=parent, kind=plan.kind,
+                        start_time=epoch_ns(plan.start_s),
+                        attributes=clean(plan.attributes) if plan.attributes else None)
+    if span.is_recording():
+        ctx = trace.set_span_in_context(span, parent)
+        for child in plan.children:
+            make_spans(child, ctx, t)
+        if plan.error is not None:
+            span.set_status(Status(StatusCode.ERROR, plan.error))
+    span.end(end_time=epoch_ns(max(plan.end_s, plan.start_s)))
+
+
+def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
+    """The plan's spans under ``parent``: handed to the exporting child, which makes and sends
+    them off this process's GIL, else made here. Nothing when tracing is off here, nor when
+    the sampler drops a span under ``parent`` (decided here, as the child would: the same
+    sampler on the same parent and trace id)."""
+    provider, sink = _provider, _plan_sink
+    if provider is None:
+        return
+    if sink is None:
+        make_spans(plan, parent)
+        return
+    sc = trace.get_current_span(parent).get_span_context()
+    if sc.is_valid and not provider.sampler.should_sample(
+            parent, sc.trace_id, plan.name, plan.kind).decision.is_sampled():
+        return
+    sink(inject({}, parent) if sc.is_valid else {}, plan)
 
 
 @contextmanager

@@ -1,5 +1,7 @@
 """OTLP export from a child process: the serving processes hand their finished spans over a pipe
-as plain tuples, and the child rebuilds them and runs the OpenTelemetry exporter.
+as plain tuples, and the child rebuilds them and runs the OpenTelemetry exporter. Spans a process
+only records after the fact (``tracing.SpanPlan``: an instance's spans of a request, the router's
+routing decisions) go over as plans, and the child makes them too.
 
 Why: the exporter encodes every span to protobuf in Python (about 25 us a span on a 2-core
 machine, more than making it) in the batch processor's thread, under the GIL that a process's
@@ -20,6 +22,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 CHILD_MODULE = "pdd_sidecar.tracing_export"
+PLAN_BATCH = 256  # plans a write, at the latest every PLAN_FLUSH_S
+PLAN_FLUSH_S = 0.2
+MAX_QUEUED_PLANS = 8192
 
 
 def _context(ctx: Any) -> tuple[int, int, bool, int, list[tuple[str, str]]] | None:
@@ -109,23 +115,53 @@ class ChildProcessExporter(SpanExporter):
     """A SpanExporter whose ``export`` only pickles the batch onto the child's stdin; the child
     (``python -m pdd_sidecar.tracing_export PROTOCOL``) runs the OTLP exporter."""
 
-    def __init__(self, protocol: str) -> None:
+    def __init__(self, protocol: str, role: str = "", service: str = "") -> None:
         """Starts the child now, while the process starts (its imports take a CPU second)."""
         self._lock = threading.Lock()
         self._closed = False
         self._warned = False
+        self._plans: deque[tuple[dict[str, str], Any]] = deque()
+        self.dropped_plans = 0
+        self._wake = threading.Event()
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE, protocol], stdin=subprocess.PIPE, bufsize=0,
-            env=dict(os.environ, PYTHONPATH=path))
+            [sys.executable, "-m", CHILD_MODULE, protocol, role, service], stdin=subprocess.PIPE,
+            bufsize=0, env=dict(os.environ, PYTHONPATH=path))
         # A process forked from this one (an engine rank) must not hold the child's pipe open
         # (the child ends when the last holder closes it).
         os.register_at_fork(after_in_child=self._forget)
+        self._writer = threading.Thread(target=self._write_plans, name="pdd-span-plans",
+                                        daemon=True)
+        self._writer.start()
+
+    def submit_plan(self, carrier: dict[str, str], plan: Any) -> None:
+        """A span plan for the child, under the parent ``carrier`` names (W3C headers): queued
+        here and written by this exporter's thread, so a full pipe never blocks the caller
+        (past ``MAX_QUEUED_PLANS`` waiting, plans are dropped and counted)."""
+        if len(self._plans) >= MAX_QUEUED_PLANS:
+            self.dropped_plans += 1
+            return
+        self._plans.append((carrier, plan))
+        if len(self._plans) >= PLAN_BATCH:
+            self._wake.set()
+
+    def _write_plans(self) -> None:
+        while True:
+            self._wake.wait(PLAN_FLUSH_S)
+            self._wake.clear()
+            batch: list[tuple[dict[str, str], Any]] = []
+            while self._plans and len(batch) < 4 * PLAN_BATCH:
+                batch.append(self._plans.popleft())
+            if batch:
+                self._send(("plans", batch))
+            if self._closed and not self._plans:
+                return
 
     def _forget(self) -> None:
         proc, self._proc = self._proc, None
-        self._closed = True
+        self._closed = True  # this process has no writer thread (threads do not fork)
+        self._plans.clear()
         if proc is not None and proc.stdin is not None:
             try:
                 proc.stdin.close()  # this process's copy of the pipe; unbuffered: nothing sent
@@ -133,10 +169,14 @@ class ChildProcessExporter(SpanExporter):
                 pass
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        data = pickle.dumps(batch_payload(spans), protocol=pickle.HIGHEST_PROTOCOL)
+        ok = self._send(("spans", batch_payload(spans)))
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def _send(self, message: tuple[str, Any]) -> bool:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
-            if self._closed or self._proc is None or self._proc.stdin is None:
-                return SpanExportResult.FAILURE
+            if self._proc is None or self._proc.stdin is None:
+                return False
             try:
                 _write_all(self._proc.stdin, _LEN.pack(len(data)) + data)
             except (OSError, ValueError):
@@ -144,8 +184,8 @@ class ChildProcessExporter(SpanExporter):
                     self._warned = True
                     log.warning("tracing: the exporting child process is gone; spans are "
                                 "dropped from now on")
-                return SpanExportResult.FAILURE
-        return SpanExportResult.SUCCESS
+                return False
+        return True
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return True  # what export() wrote is the child's to send; shutdown() waits for it
@@ -153,9 +193,12 @@ class ChildProcessExporter(SpanExporter):
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Close the pipe and wait for the child to send what it holds (killed past the
         timeout: no process is left behind)."""
+        self._closed = True  # the plans' writer sends what is queued, then ends
+        self._wake.set()
+        if self._writer.is_alive():
+            self._writer.join(timeout_s)
         with self._lock:
             proc, self._proc = self._proc, None
-            self._closed = True
         if proc is None:
             return
         if proc.stdin is not None:
@@ -189,9 +232,14 @@ def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
     return buf
 
 
-def child_main(protocol: str, stream: IO[bytes]) -> int:
-    """Export each batch read from ``stream`` until it ends, then shut the exporter down."""
-    from pdd_sidecar.tracing import TraceSettings, otlp_exporter
+def child_main(protocol: str, role: str, service: str, stream: IO[bytes]) -> int:
+    """Export each message read from ``stream`` until it ends (span batches as they are, span
+    plans made into spans by a provider configured as the parent's), then shut down."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from pdd_sidecar.tracing import TRACER_NAME, TraceSettings, extract, make_spans, otlp_exporter
 
     # The parent's SIGTERM or a terminal's SIGINT reach its process group: this child ends
     # when its pipe closes instead, once it has sent what it was handed.
@@ -199,18 +247,45 @@ def child_main(protocol: str, stream: IO[bytes]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s otlp-exporter %(levelname)s %(name)s: %(message)s")
-    exporter = otlp_exporter(TraceSettings("otlp", protocol, None, ""))
+    exporter = otlp_exporter(TraceSettings("otlp", protocol, None, service))
+    made = _Collect()
+    # the sampler from OTEL_TRACES_SAMPLER(_ARG), the resource merged as the parent's is
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service,
+                                                        "pdd.role": role}))
+    provider.add_span_processor(SimpleSpanProcessor(made))
+    tracer = provider.get_tracer(TRACER_NAME)
     cache: dict[Any, Any] = {}
     try:
         while (head := _read_exact(stream, _LEN.size)) is not None:
             body = _read_exact(stream, _LEN.unpack(head)[0])
             if body is None:
                 break
-            exporter.export(spans_from_payload(pickle.loads(body), cache))
+            kind, payload = pickle.loads(body)
+            if kind == "spans":
+                exporter.export(spans_from_payload(payload, cache))
+                continue
+            for carrier, plan in payload:
+                make_spans(plan, extract(carrier), tracer)
+            exporter.export(made.take())
     finally:
         exporter.shutdown()
     return 0
 
 
+class _Collect(SpanExporter):
+    """The spans the child made from plans, exported in one batch per message."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+    def take(self) -> list[ReadableSpan]:
+        out, self.spans = self.spans, []
+        return out
+
+
 if __name__ == "__main__":
-    raise SystemExit(child_main(sys.argv[1], sys.stdin.buffer))
+    raise SystemExit(child_main(sys.argv[1], sys.argv[2], sys.argv[3], sys.stdin.buffer))

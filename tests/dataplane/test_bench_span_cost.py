@@ -27,4 +27,4 @@ def test_every_span_arrives_both_ways_and_the_cpu_is_counted(tmp_path: Path) -> 
     got = json.loads(out.read_text())
     assert got["spans"] == 400
     assert got["make_us"] > 0 and got["export_in_process_us"] > 0
-    assert got["hand_to_child_us"] > 0
+    assert got["hand_to_child_us"] > 0 and got["plan_to_child_us"] > 0

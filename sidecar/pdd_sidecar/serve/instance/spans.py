@@ -9,7 +9,9 @@ claim and READ time of the rank the sequence waited for, its failure cause) and
 ``pdd.decode.first_token`` (the step that chose its first token). Attributes follow the
 OpenTelemetry GenAI conventions where they name the quantity (``gen_ai.usage.input_tokens``,
 ``gen_ai.usage.output_tokens``, ``gen_ai.response.finish_reasons``); the rest are ``pdd.*``.
-Nothing is built when tracing is off or the request is not sampled.
+Nothing is built when tracing is off or the request is not sampled. The spans go out as one
+``tracing.SpanPlan`` a request: with OTLP the exporting child makes and sends them, so the
+instance pays for a plan, not for the SDK's spans.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 
 from pdd_sidecar import tracing
 from pdd_sidecar.engine import timing
 from pdd_sidecar.engine.scheduler import CACHED_TOKENS, Sequence
 from pdd_sidecar.serve.instance.common import choice_members
+from pdd_sidecar.tracing import SpanPlan
 
 # How the hand-off's path is named in a trace: NIXL moves KV over UCX (its one backend here,
 # spec.kvTransfer.backend), a peer on this host's GPUs by a device copy over CUDA IPC.
@@ -37,21 +41,21 @@ def _error(seq: Sequence | None, status: int | None) -> str | None:
     return None if status is None or status < 400 else f"HTTP {status}"
 
 
-def _server_span(name: str, parent: Context, start: float,
-                 attrs: dict[str, Any]) -> tuple[Span, Context] | None:
-    """The request's span in this instance and the context its children take; None (the span
-    ended) when it is not recorded, so no child is built."""
-    span = tracing.start_span(name, parent, SpanKind.SERVER, start, attrs)
-    if not span.is_recording():
-        span.end()
-        return None
-    return span, tracing.with_span(span)
+def _sampled(parent: Context) -> bool:
+    """Whether a plan is worth building: tracing is on here and the parent (the router's span)
+    was sampled, or there is none (a direct call: the sampler decides on a new trace)."""
+    if not tracing.enabled():
+        return False
+    sc = trace.get_current_span(parent).get_span_context()
+    return not sc.is_valid or bool(sc.trace_flags.sampled)
 
 
 def prefill(parent: Context, seq: Sequence | None, start: float, status: int,
             error: str | None = None) -> None:
     """The prefill's spans of one request (``seq`` None: refused before it was made)."""
     end = time.monotonic()
+    if not _sampled(parent):
+        return
     attrs: dict[str, Any] = {"http.response.status_code": status,
                              "gen_ai.operation.name": "text_completion"}
     extra: Mapping[str, Any] = {}
@@ -68,25 +72,23 @@ def prefill(parent: Context, seq: Sequence | None, start: float, status: int,
         })
         if seq.finish_reason is not None:
             attrs["gen_ai.response.finish_reasons"] = [seq.finish_reason]
-    err = error or _error(seq, status)
-    opened = _server_span("pdd.prefill", parent, start, attrs)
-    if opened is None:
-        return
-    span, ctx = opened
-    for name, a, b in (("pdd.prefill.queue", timing.RECEIVED, timing.STEP_START),
-                       ("pdd.prefill.compute", timing.STEP_START, timing.STEP_END)):
-        if a in extra and b in extra:
-            tracing.record_span(name, ctx, extra[a], extra[b])
-    tracing.end_span(span, end, err)
+    children = tuple(SpanPlan(name, extra[a], extra[b])
+                     for name, a, b in (("pdd.prefill.queue", timing.RECEIVED, timing.STEP_START),
+                                        ("pdd.prefill.compute", timing.STEP_START,
+                                         timing.STEP_END))
+                     if a in extra and b in extra)
+    tracing.emit(SpanPlan("pdd.prefill", start, end, attrs, SpanKind.SERVER,
+                          error or _error(seq, status), children), parent)
 
 
 def decode(parent: Context, seq: Sequence | None, start: float, status: int,
            attempt: str | None = None, error: str | None = None) -> None:
     """The decode's spans of one request, ended as its stream ends."""
     end = time.monotonic()
+    if not _sampled(parent):
+        return
     attrs: dict[str, Any] = {"http.response.status_code": status}
     extra: Mapping[str, Any] = {}
-    members: list[Sequence] = []
     if seq is not None:
         extra = seq.extra
         members = choice_members(seq)
@@ -102,23 +104,20 @@ def decode(parent: Context, seq: Sequence | None, start: float, status: int,
         if timing.SPEC_DRAFT_TOKENS in extra:  # speculative decoding drafted for it
             attrs["pdd.speculative.draft_tokens"] = extra[timing.SPEC_DRAFT_TOKENS]
             attrs["pdd.speculative.accepted_tokens"] = extra.get(timing.SPEC_ACCEPTED_TOKENS, 0)
-    err = error or _error(seq, status)
-    opened = _server_span("pdd.decode", parent, start, attrs)
-    if opened is None:
-        return
-    span, ctx = opened
+    children: list[SpanPlan] = []
     received, admitted = extra.get(timing.RECEIVED), extra.get(timing.ADMITTED)
     if received is not None and admitted is not None:
-        tracing.record_span("pdd.decode.queue", ctx, received, admitted)
+        children.append(SpanPlan("pdd.decode.queue", received, admitted))
     if admitted is not None:
-        _handoff(ctx, seq, admitted, attempt)
+        children.append(_handoff(seq, admitted, attempt))
     if timing.STEP_START in extra and timing.STEP_END in extra:
-        tracing.record_span("pdd.decode.first_token", ctx, extra[timing.STEP_START],
-                            extra[timing.STEP_END])
-    tracing.end_span(span, end, err)
+        children.append(SpanPlan("pdd.decode.first_token", extra[timing.STEP_START],
+                                 extra[timing.STEP_END]))
+    tracing.emit(SpanPlan("pdd.decode", start, end, attrs, SpanKind.SERVER,
+                          error or _error(seq, status), tuple(children)), parent)
 
 
-def _handoff(ctx: Context, seq: Sequence | None, admitted: float, attempt: str | None) -> None:
+def _handoff(seq: Sequence | None, admitted: float, attempt: str | None) -> SpanPlan:
     """The KV pull, from the pull handed to the ranks until the slowest rank's claim and READ
     were done (or the first step, where none is timed)."""
     assert seq is not None
@@ -139,5 +138,5 @@ def _handoff(ctx: Context, seq: Sequence | None, admitted: float, attempt: str |
         "pdd.kv.retries": max(0, int(attempt) - 1) if attempt and attempt.isdigit() else 0,
         "pdd.kv.failure_cause": first_error.get("cause") if first_error else None,
     }
-    tracing.record_span("pdd.kv_handoff", ctx, admitted, done, attrs,
-                        error=str(first_error.get("error")) if first_error else None)
+    return SpanPlan("pdd.kv_handoff", admitted, done, attrs,
+                    error=str(first_error.get("error")) if first_error else None)
