@@ -140,6 +140,9 @@ class ChildProcessExporter(SpanExporter):
         here and written by this exporter's thread, so a full pipe never blocks the caller
         (past ``MAX_QUEUED_PLANS`` waiting, plans are dropped and counted)."""
         if len(self._plans) >= MAX_QUEUED_PLANS:
+            if not self.dropped_plans:
+                log.warning("tracing: %d span plans wait for the exporting child; later ones "
+                            "are dropped until it catches up", MAX_QUEUED_PLANS)
             self.dropped_plans += 1
             return
         self._plans.append((carrier, plan))
