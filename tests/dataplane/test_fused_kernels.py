@@ -50,7 +50,15 @@ for t, e, hidden, k, always in ((1, 64, 300, 6, 2), (19, 8, 128, 2, 0), (3, 160,
         assert torch.equal(ids[:, :k].gather(1, o), ir[:, :k].gather(1, o_ref)), (t, e, k)
         assert float((wt[:, :k].gather(1, o) - wr[:, :k].gather(1, o_ref)).abs().max()) < 1e-5
         assert torch.equal(ids[:, k:], ir[:, k:]) and torch.equal(wt[:, k:], wr[:, k:])
-    assert int(mr._COUNTERS["cpu"].abs().sum()) == 0  # every counter back to 0 for the next call
+    # every counter back to 0 for the next call
+    assert int(mr.block_counters(torch.device("cpu")).abs().sum()) == 0
+x = torch.randn(5, 128).to(torch.bfloat16)
+router = torch.randn(20, 128) * 0.3
+router[3] = router[5]  # an exact tie: the lower id first, and the best in slot 0
+wt, ids = mr.router_topk_triton(x, router, 6, True, 1.0)
+scores = torch.nn.functional.linear(x.float(), router).softmax(-1)
+first = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :6]
+assert torch.equal(ids, first), (ids, first)
 print("router ok")
 
 for dtype in (torch.float32, torch.bfloat16):
