@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
     from opentelemetry import trace
 
-    from pdd_sidecar.tracing import TraceSettings, otlp_exporter
-    from pdd_sidecar.tracing_export import ChildProcessExporter
+    from pdd_sidecar.tracing_export import ChildProcessExporter, otlp_exporter
 
     kept = InMemorySpanExporter()
     provider = TracerProvider()
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     make_spans(100, kept)  # imports and caches warm
     spans, make_s = make_spans(max(1, args.spans // 4), kept)
     n = len(spans)
-    in_process = otlp_exporter(TraceSettings("otlp", "http/protobuf", None, ""))
+    in_process = otlp_exporter("http/protobuf")
     export_cpu(in_process, spans[:BATCH])
     wait_for(min(n, BATCH))
     inproc_s = export_cpu(in_process, spans)

@@ -24,15 +24,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from pdd_sidecar.tracing_plan import TRACER_NAME as TRACER_NAME
+from pdd_sidecar.tracing_plan import SpanPlan as SpanPlan
+from pdd_sidecar.tracing_plan import clean as clean
+from pdd_sidecar.tracing_plan import epoch_ns as epoch_ns
+from pdd_sidecar.tracing_plan import make_spans
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +57,11 @@ PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_PROTOCOL = "http/protobuf"
 EXPORTERS = ("otlp", "console", "none")
 SAMPLER = "parentbased_traceidratio"  # what the operator renders: the client's choice wins
-TRACER_NAME = "pdd"
 TRACEPARENT = "traceparent"
 # Sent by the router with each decode request: which hand-off of the request this is (1 the
 # first; more after a decode refused it or its prefill was lost), for the hand-off's span.
 HANDOFF_ATTEMPT_HEADER = "x-pdd-handoff-attempt"
 
-# time.monotonic() stamps (engine/timing.py) to the epoch nanoseconds spans carry; taken once,
-# so the spans of one process keep the monotonic clock's order and durations exactly.
-_MONO_TO_EPOCH_NS = time.time_ns() - time.monotonic_ns()
 
 
 class TracingConfigError(ValueError):
@@ -110,22 +111,6 @@ def settings_from_env(role: str, env: Mapping[str, str] | None = None) -> TraceS
 _lock = threading.Lock()
 _provider: Any = None  # the SDK's TracerProvider once set up in this process
 _plan_sink: Any = None  # the exporting child's submit_plan, where spans are made there
-
-
-def otlp_exporter(s: TraceSettings) -> Any:
-    """The OTLP exporter of ``s.protocol``; it reads the endpoint (appending /v1/traces to a base
-    URL over HTTP), headers, compression, timeout and certificates from the environment."""
-    if s.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
-
-        return GrpcExporter()
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpExporter,
-    )
-
-    return HttpExporter()
 
 
 def _exporter(s: TraceSettings, role: str) -> Any:
@@ -240,11 +225,6 @@ def sampled_trace_id(ctx: otel_context.Context) -> str | None:
 # --- spans
 
 
-def epoch_ns(monotonic_s: float) -> int:
-    """A ``time.monotonic()`` stamp as the epoch nanoseconds a span's start or end takes."""
-    return _MONO_TO_EPOCH_NS + int(monotonic_s * 1e9)
-
-
 def start_span(name: str, parent: otel_context.Context | None = None,
                kind: SpanKind = SpanKind.INTERNAL, start_s: float | None = None,
                attributes: Mapping[str, Any] | None = None) -> Span:
@@ -277,36 +257,6 @@ def end_span(span: Span, end_s: float | None = None, error: str | None = None,
     span.end(end_time=None if end_s is None else epoch_ns(end_s))
 
 
-@dataclass(frozen=True)
-class SpanPlan:
-    """A finished span and its children as data, between monotonic stamps: what a process
-    timed anyway, made into spans later (``emit``), by the exporting child where there is one."""
-
-    name: str
-    start_s: float
-    end_s: float
-    attributes: Mapping[str, Any] = field(default_factory=dict)
-    kind: SpanKind = SpanKind.INTERNAL
-    error: str | None = None
-    children: tuple[SpanPlan, ...] = ()
-
-
-def make_spans(plan: SpanPlan, parent: otel_context.Context | None,
-               tracer_: Tracer | None = None) -> None:
-    """The plan's spans, made and ended here; its children only where its span is recorded."""
-    t = tracer_ or tracer()
-    span = t.start_span(plan.name, context=parent, kind=plan.kind,
-                        start_time=epoch_ns(plan.start_s),
-                        attributes=clean(plan.attributes) if plan.attributes else None)
-    if span.is_recording():
-        ctx = trace.set_span_in_context(span, parent)
-        for child in plan.children:
-            make_spans(child, ctx, t)
-        if plan.error is not None:
-            span.set_status(Status(StatusCode.ERROR, plan.error))
-    span.end(end_time=epoch_ns(max(plan.end_s, plan.start_s)))
-
-
 def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
     """The plan's spans under ``parent``: handed to the exporting child, which makes and sends
     them off this process's GIL, else made here. Nothing when tracing is off here, nor when
@@ -316,7 +266,7 @@ def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
     if provider is None:
         return
     if sink is None:
-        make_spans(plan, parent)
+        make_spans(plan, parent, tracer())
         return
     sc = trace.get_current_span(parent).get_span_context()
     if sc.is_valid and not provider.sampler.should_sample(
@@ -333,19 +283,3 @@ def activated(span: Span) -> Iterator[Span]:
         yield span
     finally:
         otel_context.detach(token)
-
-
-def clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """Attribute values OpenTelemetry takes (None dropped, other objects as text)."""
-    out: dict[str, Any] = {}
-    for k, v in attributes.items():
-        if v is None:
-            continue
-        if isinstance(v, bool | int | float | str):
-            out[k] = v
-        elif isinstance(v, list | tuple) and all(isinstance(x, bool | int | float | str)
-                                                  for x in v):
-            out[k] = list(v)
-        else:
-            out[k] = str(v)
-    return out

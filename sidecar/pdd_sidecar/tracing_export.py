@@ -111,6 +111,22 @@ def spans_from_payload(payload: tuple[Any, ...], cache: dict[Any, Any]) -> list[
         in rows]
 
 
+def otlp_exporter(protocol: str) -> Any:
+    """The OTLP exporter of ``protocol``; it reads the endpoint (appending /v1/traces to a base
+    URL over HTTP), headers, compression, timeout and certificates from the environment."""
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    return HttpExporter()
+
+
 class ChildProcessExporter(SpanExporter):
     """A SpanExporter whose ``export`` only pickles the batch onto the child's stdin; the child
     (``python -m pdd_sidecar.tracing_export PROTOCOL``) runs the OTLP exporter."""
@@ -238,11 +254,12 @@ def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
 def child_main(protocol: str, role: str, service: str, stream: IO[bytes]) -> int:
     """Export each message read from ``stream`` until it ends (span batches as they are, span
     plans made into spans by a provider configured as the parent's), then shut down."""
+    from opentelemetry.propagate import extract
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from pdd_sidecar.tracing import TRACER_NAME, TraceSettings, extract, make_spans, otlp_exporter
+    from pdd_sidecar.tracing_plan import TRACER_NAME, make_spans
 
     # The parent's SIGTERM or a terminal's SIGINT reach its process group: this child ends
     # when its pipe closes instead, once it has sent what it was handed.
@@ -250,7 +267,7 @@ def child_main(protocol: str, role: str, service: str, stream: IO[bytes]) -> int
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s otlp-exporter %(levelname)s %(name)s: %(message)s")
-    exporter = otlp_exporter(TraceSettings("otlp", protocol, None, service))
+    exporter = otlp_exporter(protocol)
     made = _Collect()
     # the sampler from OTEL_TRACES_SAMPLER(_ARG), the resource merged as the parent's is
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service,
