@@ -34,6 +34,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 from opentelemetry.trace import SpanKind  # noqa: E402
 
 BATCH = 512  # the batch span processor's default export batch
+# A decode's attributes as serve/instance/spans.py sets them, under a sampled router span.
+DECODE_ATTRS = {"http.response.status_code": 200, "pdd.request_id": "cmpl-0123456789abcdef",
+                "gen_ai.usage.output_tokens": 128, "pdd.decode.cached_tokens": 0,
+                "gen_ai.response.finish_reasons": ["length"], "pdd.decode.first_token_ms": 4.2}
+HANDOFF_ATTRS = {"pdd.kv.bytes": 1 << 20, "pdd.kv.descriptors": 16, "pdd.kv.path": "cuda_ipc",
+                 "pdd.kv.ranks": 1, "pdd.kv.claim_ms": 0.4, "pdd.kv.read_ms": 0.2,
+                 "pdd.kv.retries": 0}
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 class _Sink(BaseHTTPRequestHandler):
@@ -60,13 +68,8 @@ def make_spans(n_requests: int, kept: InMemorySpanExporter) -> tuple[list[Readab
     from pdd_sidecar import tracing
 
     kept.clear()
-    attrs = {"http.response.status_code": 200, "pdd.request_id": "cmpl-0123456789abcdef",
-             "gen_ai.usage.output_tokens": 128, "pdd.decode.cached_tokens": 0,
-             "gen_ai.response.finish_reasons": ["length"], "pdd.decode.first_token_ms": 4.2}
-    kv = {"pdd.kv.bytes": 1 << 20, "pdd.kv.descriptors": 16, "pdd.kv.path": "cuda_ipc",
-          "pdd.kv.ranks": 1, "pdd.kv.claim_ms": 0.4, "pdd.kv.read_ms": 0.2, "pdd.kv.retries": 0}
-    parent = tracing.extract({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"
-                                             "00f067aa0ba902b7-01"})
+    attrs, kv = DECODE_ATTRS, HANDOFF_ATTRS
+    parent = tracing.extract({"traceparent": PARENT})
     t0 = time.process_time()
     for _ in range(n_requests):
         now = time.monotonic()
@@ -87,13 +90,8 @@ def plans_cpu(n_requests: int, provider: TracerProvider) -> float:
 
     child = ChildProcessExporter("http/protobuf", "decode", "pdd-decode")
     tracing._provider, tracing._plan_sink = provider, child.submit_plan
-    attrs = {"http.response.status_code": 200, "pdd.request_id": "cmpl-0123456789abcdef",
-             "gen_ai.usage.output_tokens": 128, "pdd.decode.cached_tokens": 0,
-             "gen_ai.response.finish_reasons": ["length"], "pdd.decode.first_token_ms": 4.2}
-    kv = {"pdd.kv.bytes": 1 << 20, "pdd.kv.descriptors": 16, "pdd.kv.path": "cuda_ipc",
-          "pdd.kv.ranks": 1, "pdd.kv.claim_ms": 0.4, "pdd.kv.read_ms": 0.2, "pdd.kv.retries": 0}
-    parent = tracing.extract({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"
-                                             "00f067aa0ba902b7-01"})
+    attrs, kv = DECODE_ATTRS, HANDOFF_ATTRS
+    parent = tracing.extract({"traceparent": PARENT})
     t0 = time.process_time()
     for _ in range(n_requests):
         now = time.monotonic()
