@@ -20,6 +20,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
@@ -62,23 +63,28 @@ class _Sink(BaseHTTPRequestHandler):
         pass
 
 
+def decode_plan(now: float) -> Any:
+    """One request's decode spans as serve/instance/spans.py plans them."""
+    from pdd_sidecar.tracing import SpanPlan
+
+    return SpanPlan("pdd.decode", now, now + 0.5, DECODE_ATTRS, SpanKind.SERVER, None,
+                    (SpanPlan("pdd.decode.queue", now, now + 0.001),
+                     SpanPlan("pdd.kv_handoff", now + 0.001, now + 0.002, HANDOFF_ATTRS),
+                     SpanPlan("pdd.decode.first_token", now + 0.002, now + 0.006)))
+
+
 def make_spans(n_requests: int, kept: InMemorySpanExporter) -> tuple[list[ReadableSpan], float]:
-    """A decode's spans for ``n_requests`` requests, made through pdd's tracing helpers under
-    the process's provider (its spans kept by ``kept``); the CPU seconds that took."""
-    from pdd_sidecar import tracing
+    """A decode's spans for ``n_requests`` requests, made by the SDK in this process (as the
+    exporting child makes them, ``tracing_plan.make_spans``) under the process's provider,
+    its spans kept by ``kept``; the CPU seconds that took."""
+    from pdd_sidecar import tracing, tracing_plan
 
     kept.clear()
-    attrs, kv = DECODE_ATTRS, HANDOFF_ATTRS
     parent = tracing.extract({"traceparent": PARENT})
+    tracer = tracing.tracer()
     t0 = time.process_time()
     for _ in range(n_requests):
-        now = time.monotonic()
-        span = tracing.start_span("pdd.decode", parent, SpanKind.SERVER, now, attrs)
-        ctx = tracing.with_span(span)
-        tracing.record_span("pdd.decode.queue", ctx, now, now + 0.001)
-        tracing.record_span("pdd.kv_handoff", ctx, now + 0.001, now + 0.002, kv)
-        tracing.record_span("pdd.decode.first_token", ctx, now + 0.002, now + 0.006)
-        tracing.end_span(span, now + 0.5)
+        tracing_plan.make_spans(decode_plan(time.monotonic()), parent, tracer)
     return list(kept.get_finished_spans()), time.process_time() - t0
 
 
@@ -90,16 +96,10 @@ def plans_cpu(n_requests: int, provider: TracerProvider) -> float:
 
     child = ChildProcessExporter("http/protobuf", "decode", "pdd-decode")
     tracing._provider, tracing._plan_sink = provider, child.submit_plan
-    attrs, kv = DECODE_ATTRS, HANDOFF_ATTRS
     parent = tracing.extract({"traceparent": PARENT})
     t0 = time.process_time()
     for _ in range(n_requests):
-        now = time.monotonic()
-        tracing.emit(tracing.SpanPlan(
-            "pdd.decode", now, now + 0.5, attrs, SpanKind.SERVER, None,
-            (tracing.SpanPlan("pdd.decode.queue", now, now + 0.001),
-             tracing.SpanPlan("pdd.kv_handoff", now + 0.001, now + 0.002, kv),
-             tracing.SpanPlan("pdd.decode.first_token", now + 0.002, now + 0.006))), parent)
+        tracing.emit(decode_plan(time.monotonic()), parent)
     child.shutdown()  # the writer sends the last plans
     spent = time.process_time() - t0
     tracing._provider = tracing._plan_sink = None
@@ -159,15 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     server.shutdown()
     per = {"make_us": make_s / n * 1e6, "export_in_process_us": inproc_s / n * 1e6,
            "hand_to_child_us": child_s / n * 1e6, "plan_to_child_us": plan_s / n * 1e6}
+    baseline = per["make_us"] + per["export_in_process_us"]  # all in the serving process
+    ratios = {"make_and_hand_of_baseline": (per["make_us"] + per["hand_to_child_us"]) / baseline,
+              "plan_of_baseline": per["plan_to_child_us"] / baseline}
     print(f"{n} spans ({n // 4} requests of a decode's four), CPU us per span in the serving "
           f"process: make {per['make_us']:.1f}; export in the process "
-          f"{per['export_in_process_us']:.1f} (make + export "
-          f"{per['make_us'] + per['export_in_process_us']:.1f}); hand to the exporting child "
-          f"{per['hand_to_child_us']:.1f} (make + hand "
-          f"{per['make_us'] + per['hand_to_child_us']:.1f}); as a plan the child makes "
-          f"{per['plan_to_child_us']:.1f}; every span received")
+          f"{per['export_in_process_us']:.1f} (make + export {baseline:.1f}, the baseline); "
+          f"hand to the exporting child {per['hand_to_child_us']:.1f} (make + hand "
+          f"{per['make_us'] + per['hand_to_child_us']:.1f} = "
+          f"{ratios['make_and_hand_of_baseline']:.2f}x the baseline); as a plan the child "
+          f"makes {per['plan_to_child_us']:.1f} ({ratios['plan_of_baseline']:.2f}x); every "
+          f"span received")
     if args.json:
-        args.json.write_text(json.dumps({"spans": n, **per}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"spans": n, **per, **ratios}, indent=1) + "\n")
     return 0
 
 

@@ -235,17 +235,6 @@ def start_span(name: str, parent: otel_context.Context | None = None,
         attributes=clean(attributes) if attributes else None)
 
 
-def record_span(name: str, parent: otel_context.Context | None, start_s: float, end_s: float,
-                attributes: Mapping[str, Any] | None = None,
-                kind: SpanKind = SpanKind.INTERNAL, error: str | None = None) -> Span:
-    """A finished span between two monotonic stamps (an interval a process timed anyway)."""
-    span = start_span(name, parent, kind, start_s, attributes)
-    if error is not None and span.is_recording():
-        span.set_status(Status(StatusCode.ERROR, error))
-    span.end(end_time=epoch_ns(max(end_s, start_s)))
-    return span
-
-
 def end_span(span: Span, end_s: float | None = None, error: str | None = None,
              attributes: Mapping[str, Any] | None = None) -> None:
     """Set the outcome and end ``span`` at monotonic ``end_s`` (now when None)."""
@@ -257,21 +246,30 @@ def end_span(span: Span, end_s: float | None = None, error: str | None = None,
     span.end(end_time=None if end_s is None else epoch_ns(end_s))
 
 
+def sampled(parent: otel_context.Context | None, name: str,
+            kind: SpanKind = SpanKind.INTERNAL) -> bool:
+    """Whether a span ``name`` under ``parent`` would be recorded: tracing on here and the
+    sampler keeps it (decided here as the exporting child decides it: the same sampler on the
+    same parent and trace id; without a parent a new trace is the child's to decide). Callers
+    ask before building a plan's attributes."""
+    provider = _provider
+    if provider is None:
+        return False
+    sc = trace.get_current_span(parent).get_span_context()
+    return not sc.is_valid or provider.sampler.should_sample(
+        parent, sc.trace_id, name, kind).decision.is_sampled()
+
+
 def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
     """The plan's spans under ``parent``: handed to the exporting child, which makes and sends
-    them off this process's GIL, else made here. Nothing when tracing is off here, nor when
-    the sampler drops a span under ``parent`` (decided here, as the child would: the same
-    sampler on the same parent and trace id)."""
-    provider, sink = _provider, _plan_sink
-    if provider is None:
+    them off this process's GIL, else made here. Nothing when ``sampled`` says no."""
+    sink = _plan_sink
+    if not sampled(parent, plan.name, plan.kind):
         return
     if sink is None:
         make_spans(plan, parent, tracer())
         return
     sc = trace.get_current_span(parent).get_span_context()
-    if sc.is_valid and not provider.sampler.should_sample(
-            parent, sc.trace_id, plan.name, plan.kind).decision.is_sampled():
-        return
     sink(inject({}, parent) if sc.is_valid else {}, plan)
 
 

@@ -3,11 +3,11 @@ as plain tuples, and the child rebuilds them and runs the OpenTelemetry exporter
 only records after the fact (``tracing.SpanPlan``: an instance's spans of a request, the router's
 routing decisions) go over as plans, and the child makes them too.
 
-Why: in the serving process the SDK makes a span in about 23 us and the exporter encodes it
-to protobuf and sends it in about 28 us more (a 2-core machine; ``bench/span_cost.py``), in
-Python, under the GIL that the process's engine loop and event loop also need; with every
-request traced that cost a decode 9.9 % of its TPOT at 64 streams on an H100. Handing a made
-span over costs about 8 us, a plan about 6 us a span all told. The child is the process's own:
+Why: in the serving process the SDK makes a span and the exporter encodes it to protobuf and
+sends it, in Python, under the GIL that the process's engine loop and event loop also need;
+with every request traced that cost a decode 9.9 % of its TPOT at 64 streams on an H100. Made
+there and handed over, a span costs the process 0.7x of that; handed over as a plan, 0.13-0.16x
+(``bench/span_cost.py``, a 2-core machine). The child is the process's own:
 it reads the same environment (endpoint, protocol, headers, timeouts, sampler, resource), ends
 when its pipe closes (its parent gone, or ``shutdown``), and exports what it was handed first.
 """
@@ -259,6 +259,7 @@ def child_main(protocol: str, role: str, service: str, stream: IO[bytes]) -> int
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from pdd_sidecar.tracing_plan import TRACER_NAME, make_spans
 
@@ -269,7 +270,7 @@ def child_main(protocol: str, role: str, service: str, stream: IO[bytes]) -> int
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s otlp-exporter %(levelname)s %(name)s: %(message)s")
     exporter = otlp_exporter(protocol)
-    made = _Collect()
+    made = InMemorySpanExporter()  # the spans of one message's plans, exported as one batch
     # the sampler from OTEL_TRACES_SAMPLER(_ARG), the resource merged as the parent's is
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service,
                                                         "pdd.role": role}))
@@ -287,25 +288,11 @@ def child_main(protocol: str, role: str, service: str, stream: IO[bytes]) -> int
                 continue
             for carrier, plan in payload:
                 make_spans(plan, extract(carrier), tracer)
-            exporter.export(made.take())
+            exporter.export(made.get_finished_spans())
+            made.clear()
     finally:
         exporter.shutdown()
     return 0
-
-
-class _Collect(SpanExporter):
-    """The spans the child made from plans, exported in one batch per message."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
-
-    def take(self) -> list[ReadableSpan]:
-        out, self.spans = self.spans, []
-        return out
 
 
 if __name__ == "__main__":

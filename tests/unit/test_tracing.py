@@ -115,7 +115,7 @@ assert T.enabled(), s
 assert T.tracer() is T.tracer() and T.tracer() is not off  # one a provider, made again
 ctx = T.extract({{"traceparent": "{CLIENT_PARENT}"}})
 span = T.start_span("pdd.router", ctx, attributes={{"pdd.replica": "d0", "skip": None}})
-T.record_span("pdd.child", T.with_span(span), 1.0, 2.0, {{"gen_ai.usage.input_tokens": 5}})
+T.emit(T.SpanPlan("pdd.child", 1.0, 2.0, {{"gen_ai.usage.input_tokens": 5}}), T.with_span(span))
 T.end_span(span, error="boom")
 T.shutdown()
 """

@@ -20,7 +20,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
@@ -41,20 +40,11 @@ def _error(seq: Sequence | None, status: int | None) -> str | None:
     return None if status is None or status < 400 else f"HTTP {status}"
 
 
-def _sampled(parent: Context) -> bool:
-    """Whether a plan is worth building: tracing is on here and the parent (the router's span)
-    was sampled, or there is none (a direct call: the sampler decides on a new trace)."""
-    if not tracing.enabled():
-        return False
-    sc = trace.get_current_span(parent).get_span_context()
-    return not sc.is_valid or bool(sc.trace_flags.sampled)
-
-
 def prefill(parent: Context, seq: Sequence | None, start: float, status: int,
             error: str | None = None) -> None:
     """The prefill's spans of one request (``seq`` None: refused before it was made)."""
     end = time.monotonic()
-    if not _sampled(parent):
+    if not tracing.sampled(parent, "pdd.prefill", SpanKind.SERVER):
         return
     attrs: dict[str, Any] = {"http.response.status_code": status,
                              "gen_ai.operation.name": "text_completion"}
@@ -85,7 +75,7 @@ def decode(parent: Context, seq: Sequence | None, start: float, status: int,
            attempt: str | None = None, error: str | None = None) -> None:
     """The decode's spans of one request, ended as its stream ends."""
     end = time.monotonic()
-    if not _sampled(parent):
+    if not tracing.sampled(parent, "pdd.decode", SpanKind.SERVER):
         return
     attrs: dict[str, Any] = {"http.response.status_code": status}
     extra: Mapping[str, Any] = {}

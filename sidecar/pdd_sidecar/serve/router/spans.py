@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from aiohttp import web
-from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
@@ -147,8 +146,9 @@ def decision(pool: Pool, url: str, candidates: Sequence[str],
 def record_decision(parent: Context | None, pool: Pool, url: str, candidates: Sequence[str],
                     prompt_ids: Sequence[int] | None, started: float) -> None:
     """The ``pdd.route.<role>`` span of one pick, as a plan the exporting child makes (nothing
-    is read when the request's span is not recorded)."""
-    if parent is None or not trace.get_current_span(parent).is_recording():
+    is read when it would not be recorded)."""
+    name = f"pdd.route.{pool.role}"
+    if parent is None or not tracing.sampled(parent, name):
         return
-    tracing.emit(tracing.SpanPlan(f"pdd.route.{pool.role}", started, time.monotonic(),
+    tracing.emit(tracing.SpanPlan(name, started, time.monotonic(),
                                   decision(pool, url, candidates, prompt_ids)), parent)
