@@ -811,13 +811,38 @@ def bench_prefill(
     reps = 1 if t > 32768 else max(3, args.reps // 3)
     sec = time_fn(lambda: model.prefill(kv, tokens, table), dev, reps, 1)
     flops = prefill_flops(cfg, t)
-    return {
+    bound = prefill_bound_s(cfg, model.w, t, ceil)
+    row = {
         "tokens": t,
         "ms": sec * 1e3,
         "tokens_per_s": t / sec,
         "TFLOPS": flops / sec / 1e12,
         "of_matmul": flops / sec / ceil["matmul_flops"],
+        "bound_ms": bound * 1e3,
+        "of_bound": bound / sec,
+        "graph_ms": float("nan"),
+        "graph_of_bound": float("nan"),
     }
+    from pdd_sidecar.engine.cuda_graphs import PREFILL_BUCKETS
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
+
+    if dev.type == "cuda" and not args.no_graphs and t <= max(PREFILL_BUCKETS):
+        eng = engine_over(model, kv, "graph")
+        chunk = [SeqChunk(tokens.tolist(), 0, table.tolist())]
+        g_sec = time_fn(lambda: eng.step(chunk), dev, reps, 2)
+        row.update(graph_ms=g_sec * 1e3, graph_of_bound=bound / g_sec)
+    return row
+
+
+def prefill_bound_s(cfg: ModelConfig, w: RankWeights, t: int, ceil: dict[str, float]) -> float:
+    """The shorter a ``t``-token prompt can take: its FLOPs at the matmul rate or the weights it
+    must read at the HBM read rate, whichever is longer (a 1k prompt reads nearly every expert,
+    about 96 tokens each, so its weights bound it). Distinct experts under uniform routing."""
+    e, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok
+    used = round(e * (1 - (1 - k / e) ** t)) if e else 0
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    nbytes = sum(step_bytes(cfg, w, [used] * n_moe, t, t).values())
+    return max(prefill_flops(cfg, t) / ceil["matmul_flops"], nbytes / ceil["hbm_read_Bps"])
 
 
 def bench_chunked_prefill(
@@ -1016,7 +1041,8 @@ def main(argv: list[str] | None = None) -> int:
                         "time, each in this run: off (unfused), on (fused, defaults), options "
                         "after on: +shared=N (shared experts in the GEMV up to N tokens), "
                         "+router=apart, +dense=N (Triton GEMV for the dense projections up to N "
-                        "tokens), +grouped=N (per-expert GEMV from 2 up to N tokens); default "
+                        "tokens), +grouped=A-B (per-expert GEMV from A up to B tokens; N: from 2); "
+                        "default "
                         "off,on on CUDA, on on the CPU")
     p.add_argument("--breakdown-fusion", default=None,
                    help="the --fusion items the breakdowns run (default: all of them)")
@@ -1155,10 +1181,16 @@ def main(argv: list[str] | None = None) -> int:
             rows_p = [bench_prefill(model, kv, t, ceil, args) for t in prefills]
             result["prefill"] = rows_p
             print("\nprefill (one prompt)")
-            print(f"{'tokens':>7} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'of matmul':>10}")
+            print("(eager: the model's functions; graph: RankEngine.step replayed from its "
+                  "prompt-length bucket, as the serving path runs it; bound: the longer of the "
+                  "FLOPs at the matmul rate and the weights at the HBM read rate)")
+            print(f"{'tokens':>7} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'of matmul':>10} "
+                  f"{'bound ms':>9} {'of bound':>9} {'graph ms':>9} {'of bound':>9}")
             for r in rows_p:
                 print(f"{r['tokens']:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
-                      f"{r['TFLOPS']:>8.0f} {r['of_matmul']:>9.0%}", flush=True)  # fmt: skip
+                      f"{r['TFLOPS']:>8.0f} {r['of_matmul']:>9.0%} {r['bound_ms']:>9.2f} "
+                      f"{r['of_bound']:>8.0%} {r['graph_ms']:>9.1f} "
+                      f"{r['graph_of_bound']:>8.0%}", flush=True)  # fmt: skip
             print(f"\nprefill in chunks of {chunk} through RankEngine.step (one step a chunk), "
                   f"beside the one-pass prefill; FLOPs of the one-pass count")
             print(f"{'tokens':>7} {'steps':>6} {'s':>8} {'TFLOP/s':>8} {'of matmul':>10} "
@@ -1272,21 +1304,24 @@ def fusion_variant(name: str) -> Iterator[None]:
     """The model's kernel path for the block (``--fusion``): ``off``, or ``on`` with options
     ``+shared=N`` (the shared experts in the routed GEMV up to N tokens), ``+router=apart``
     (the router's fp32 projection and its softmax/top-k kernel apart), ``+dense=N`` (the
-    dense projections as Triton GEMVs up to N tokens; 0: cuBLAS) and ``+grouped=N`` (the
-    per-expert GEMV from 2 up to N tokens; 0: never)."""
+    dense projections as Triton GEMVs up to N tokens; 0: cuBLAS) and ``+grouped=A-B`` (the
+    per-expert GEMV from A up to B tokens; ``+grouped=N``: from 2; 0: never)."""
     kind, *opts = name.split("+")
     settings: dict[str, Any] = {}
     for opt in opts:
         key, _, value = opt.partition("=")
-        if key in ("shared", "dense", "grouped") and value.isdigit():
+        lo, dash, hi = value.partition("-")
+        if key in ("shared", "dense") and value.isdigit():
             settings[key] = int(value)
+        elif key == "grouped" and lo.isdigit() and (hi.isdigit() or not dash):
+            settings[key] = (int(lo), int(hi)) if dash else (2, int(lo))
         elif key == "router" and value in ("apart", "fused"):
             settings["router"] = value == "fused"
         else:
             kind = "?"
     if kind not in ("on", "off") or (kind == "off" and opts):
         raise ValueError(f"--fusion: each item is off or on[+shared=N][+router=apart]"
-                         f"[+dense=N][+grouped=N], got {name!r}")
+                         f"[+dense=N][+grouped=[A-]B], got {name!r}")
     fusion.set_fused(kind == "on", settings.get("shared"), settings.get("router"),
                      settings.get("dense"), settings.get("grouped"))
     try:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from bench_fixtures import load_bench
 
 pytestmark = pytest.mark.dataplane
@@ -24,6 +25,11 @@ def test_small_config_reports_every_section(tmp_path: Path,
     assert res["config"] == "small"
     assert res["ceilings"]["hbm_read_Bps"] > 0 and res["ceilings"]["matmul_flops"] > 0
     assert [r["tokens"] for r in res["prefill"]] == [24]
+    pre = res["prefill"][0]  # its bound: the longer of FLOPs at the matmul rate and bytes
+    flops_s = pre["of_matmul"] * pre["ms"] / 1e3
+    assert pre["bound_ms"] / 1e3 >= flops_s * (1 - 1e-9)
+    assert math.isclose(pre["of_bound"] * pre["ms"], pre["bound_ms"], rel_tol=1e-9)
+    assert math.isnan(pre["graph_ms"])  # the serving path's prefill graph: CUDA only
     assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 40), (2, 40)]
     for r in res["decode"]:
         assert r["eager_ms"] > 0 and math.isnan(r["graph_ms"])  # no graphs on the CPU
@@ -88,3 +94,39 @@ def test_kv_budget_from_free_memory_or_as_asked(monkeypatch: pytest.MonkeyPatch)
     assert mod.kv_budget_gib(cpu, None, 12.0, small=False) == 1.0
     with pytest.raises(SystemExit, match="--kv-gib must be positive, got -1"):
         mod.kv_budget_gib(cpu, -1.0, 12.0, small=False)
+
+
+def test_fusion_variant_sets_the_per_expert_gemv_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``+grouped=A-B`` is the range, ``+grouped=N`` runs from 2; both end with the block."""
+    mod = load_bench("engine.py", monkeypatch)
+    from pdd_sidecar.model import fusion
+
+    for name, want in (("on+grouped=5-21", (5, 21)), ("on+grouped=9", (2, 9)),
+                       ("on+shared=2+grouped=0", (2, 0))):
+        with mod.fusion_variant(name):
+            assert fusion.grouped_gemv_tokens() == want
+        assert fusion.grouped_gemv_tokens() == fusion.GROUPED_GEMV_TOKENS
+    with mod.fusion_variant("on+shared=3"):
+        assert fusion.shared_in_gemv_tokens() == 3
+    for bad in ("on+grouped=a-3", "on+grouped=3-", "on+grouped=-3"):
+        with pytest.raises(ValueError, match="grouped"), mod.fusion_variant(bad):
+            pass
+
+
+def test_prefill_bound_is_the_longer_of_flops_and_weight_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes: every weight the prompt uses once, the routed experts its tokens can reach (all of
+    them past a few tokens per expert)."""
+    mod = load_bench("engine.py", monkeypatch)
+    cfg = mod.small_config()
+    w = mod.random_weights(cfg, torch.float32, torch.device("cpu"))
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    t = 64
+    all_bytes = sum(mod.step_bytes(cfg, w, [cfg.n_routed_experts] * n_moe, t, t).values())
+    flops = mod.prefill_flops(cfg, t)
+    by_bytes = mod.prefill_bound_s(cfg, w, t, {"matmul_flops": 1e30, "hbm_read_Bps": 1e9})
+    assert math.isclose(by_bytes, all_bytes / 1e9, rel_tol=1e-9)
+    by_flops = mod.prefill_bound_s(cfg, w, t, {"matmul_flops": 1e9, "hbm_read_Bps": 1e30})
+    assert math.isclose(by_flops, flops / 1e9, rel_tol=1e-9)
+    one = mod.prefill_bound_s(cfg, w, 1, {"matmul_flops": 1e30, "hbm_read_Bps": 1e9})
+    assert one < by_bytes  # one token reaches only its own experts

@@ -27,10 +27,11 @@ def fused() -> bool:
 
 
 def shared_in_gemv_tokens() -> int:
-    """``PDD_SHARED_IN_GEMV_TOKENS`` (default 1): at batch 16 the shared experts apart measured
-    faster (each token's pairs would read the shared weights again), at batch 1 inside."""
+    """``PDD_SHARED_IN_GEMV_TOKENS`` (default ``SHARED_IN_GEMV_TOKENS``): at batch 16 the shared
+    experts apart measured faster (each token's pairs would read the shared weights again), at
+    one and two tokens (a speculative verify step's rows) inside."""
     if "shared_tokens" not in _state:
-        raw = os.environ.get(PDD_SHARED_IN_GEMV_TOKENS, "").strip() or "1"
+        raw = os.environ.get(PDD_SHARED_IN_GEMV_TOKENS, "").strip() or str(SHARED_IN_GEMV_TOKENS)
         try:
             n = int(raw)
         except ValueError:
@@ -54,14 +55,19 @@ def fused_router() -> bool:
 # rate at its best tiles against cuBLAS's 58 %, o_proj 33 % against 41 %; --gemv-sweep), so it
 # only runs when asked (bench/engine.py --fusion on+dense=N)
 DENSE_GEMV_TOKENS = 0
-GROUPED_GEMV_TOKENS = 21  # --fusion on+grouped=N: the per-expert GEMV from 2 tokens up to N
+# An H100 step at 1k context, engine graph: 2 rows 4.45 ms with the shared experts inside the
+# per-pair GEMV against 5.62 with them apart and the per-expert GEMV (4 rows: 6.60 per-pair
+# against 7.29); at 16 rows the per-expert GEMV wins (11.68 against 12.46)
+SHARED_IN_GEMV_TOKENS = 2
+GROUPED_GEMV_TOKENS = (5, 21)  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
 
 
-def grouped_gemv_tokens() -> int:
-    """Up to how many tokens (from 2) the fused path runs the routed experts as the per-expert
+def grouped_gemv_tokens() -> tuple[int, int]:
+    """From and up to how many tokens the fused path runs the routed experts as the per-expert
     GEMV (``grouped_gemv_experts``) rather than the per-pair GEMV or the grouped GEMMs
-    (``set_fused(grouped=N)``; 0: never)."""
-    return int(_state.get("grouped", GROUPED_GEMV_TOKENS))  # type: ignore[call-overload]
+    (``set_fused(grouped=(A, B))``; an empty range: never)."""
+    span: tuple[int, int] = _state.get("grouped", GROUPED_GEMV_TOKENS)  # type: ignore[assignment]
+    return span
 
 
 def dense_gemv_tokens() -> int:
@@ -72,7 +78,7 @@ def dense_gemv_tokens() -> int:
 
 def set_fused(on: bool | None, shared_tokens: int | None = None,
               router: bool | None = None, dense: int | None = None,
-              grouped: int | None = None) -> None:
+              grouped: tuple[int, int] | None = None) -> None:
     """Overrides the environment for this process (``None``: read it again; the router, dense
     and grouped settings back to their defaults)."""
     for key, value in (("fused", on), ("shared_tokens", shared_tokens), ("router", router),

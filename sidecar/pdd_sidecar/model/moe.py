@@ -132,8 +132,8 @@ def _moe_fused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool)
     if fold:
         return combine(gemv_experts(x, ids, w, shared=True), weights, None, None)
     shared = None if w.shared is None else dense_mlp(x, w.shared, add_bias)
-    if (path != "loop" and 2 <= x.shape[0] <= fusion.grouped_gemv_tokens()
-            and grouped_gemv_applies(x, w)):
+    lo, hi = fusion.grouped_gemv_tokens()
+    if path != "loop" and max(lo, 2) <= x.shape[0] <= hi and grouped_gemv_applies(x, w):
         return grouped_gemv_experts(x, weights, ids, w, shared)
     if path != "loop":
         return grouped_experts(x, weights, ids, w, gemv=path == "gemv", shared=shared)
