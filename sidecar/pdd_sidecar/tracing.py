@@ -24,8 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,13 +270,3 @@ def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
         return
     sc = trace.get_current_span(parent).get_span_context()
     sink(inject({}, parent) if sc.is_valid else {}, plan)
-
-
-@contextmanager
-def activated(span: Span) -> Iterator[Span]:
-    """Make ``span`` current for the block (not ended here)."""
-    token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        yield span
-    finally:
-        otel_context.detach(token)
