@@ -121,7 +121,7 @@ def test_rope_kv_write_matches_reference(tokens: int) -> None:
 
 
 @pytest.mark.parametrize("shared_tokens", [1, 64])
-@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 9, 16, 64])
 def test_fused_moe_matches_unfused(tokens: int, shared_tokens: int) -> None:
     cfg = ModelConfig(
         vocab_size=16, hidden_size=2048, intermediate_size=256, num_hidden_layers=1,

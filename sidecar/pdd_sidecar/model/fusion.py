@@ -55,11 +55,12 @@ def fused_router() -> bool:
 # rate at its best tiles against cuBLAS's 58 %, o_proj 33 % against 41 %; --gemv-sweep), so it
 # only runs when asked (bench/engine.py --fusion on+dense=N)
 DENSE_GEMV_TOKENS = 0
-# An H100 step at 1k context, engine graph: 2 rows 4.45 ms with the shared experts inside the
-# per-pair GEMV against 5.62 with them apart and the per-expert GEMV (4 rows: 6.60 per-pair
-# against 7.29); at 16 rows the per-expert GEMV wins (11.68 against 12.46)
+# An H100 step at 1k context, engine graph (docs/gpu.md, "Few rows"): 2 rows 4.18 ms with the
+# shared experts inside the per-pair GEMV against 5.17 with them apart and the per-expert GEMV;
+# the per-pair GEMV also at 3-8 rows (8: 8.63 against 8.77), the per-expert one at 16 (11.27
+# against 12.46 in an earlier run)
 SHARED_IN_GEMV_TOKENS = 2
-GROUPED_GEMV_TOKENS = (5, 21)  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
+GROUPED_GEMV_TOKENS = (9, 21)  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
 
 
 def grouped_gemv_tokens() -> tuple[int, int]:
