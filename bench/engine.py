@@ -835,8 +835,8 @@ def bench_prefill(
 
 
 def prefill_bound_s(cfg: ModelConfig, w: RankWeights, t: int, ceil: dict[str, float]) -> float:
-    """The shorter a ``t``-token prompt can take: its FLOPs at the matmul rate or the weights it
-    must read at the HBM read rate, whichever is longer (a 1k prompt reads nearly every expert,
+    """The least time a ``t``-token prompt can take: its FLOPs at the matmul rate or the weights
+    it must read at the HBM read rate, whichever is longer (a 1k prompt reads nearly every expert,
     about 96 tokens each, so its weights bound it). Distinct experts under uniform routing."""
     e, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok
     used = round(e * (1 - (1 - k / e) ** t)) if e else 0

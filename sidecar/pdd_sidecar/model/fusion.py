@@ -57,8 +57,8 @@ def fused_router() -> bool:
 DENSE_GEMV_TOKENS = 0
 # An H100 step at 1k context, engine graph (docs/gpu.md, "Few rows"): 2 rows 4.18 ms with the
 # shared experts inside the per-pair GEMV against 5.17 with them apart and the per-expert GEMV;
-# the per-pair GEMV also at 3-8 rows (8: 8.63 against 8.77), the per-expert one at 16 (11.27
-# against 12.46 in an earlier run)
+# the per-pair GEMV also at 3-8 rows (8: 8.63 against 8.77); the per-expert one at 16 (11.68
+# against 12.46, an earlier run)
 SHARED_IN_GEMV_TOKENS = 2
 GROUPED_GEMV_TOKENS = (9, 21)  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
 
