@@ -98,13 +98,21 @@ class Traffic:
 
 
 def _drain(stack: LocalStack, traffic: Traffic, role: str) -> tuple[float, str]:
-    """SIGTERM the role's second instance once it is busy; returns when it has exited."""
+    """SIGTERM the role's second instance just after it took a request; returns when it has
+    exited.
+
+    Busy alone is not enough: a sequence seen on its last token may reach its client before
+    the signal does on a loaded machine. One that joined since the previous poll has a whole
+    stream ahead of it."""
     victim = stack.role_children(role)[1]
     deadline = time.monotonic() + 60
+    seen: int | None = None
     while time.monotonic() < deadline:
         load = _load_of(victim.url)
-        if load.get("running", 0) + load.get("waiting", 0) > 0:
+        busy = load.get("running", 0) + load.get("waiting", 0)
+        if seen is not None and busy > seen:
             break
+        seen = busy if load else None
         time.sleep(0.02)
     else:
         pytest.fail(f"{victim.name} never ran a request under load")
