@@ -1375,6 +1375,7 @@ def gemv_sweep(model: Model, ceil: dict[str, float], args: argparse.Namespace) -
     from pdd_sidecar.model.kernels import dense_gemv as dg
     from pdd_sidecar.model.kernels import moe_grouped as mg
     from pdd_sidecar.model.kernels.moe_route import router_topk
+    from pdd_sidecar.model.moe import routing
 
     cfg, dev = model.cfg, model.device
     tiles = [(16, 512, 4), (8, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 8), (16, 1024, 8),
@@ -1403,8 +1404,7 @@ def gemv_sweep(model: Model, ceil: dict[str, float], args: argparse.Namespace) -
               flush=True)  # fmt: skip
     layers = [lw.moe for lw in model.w.layers if lw.moe is not None]
     parts = mg.shared_chunks(layers[0])
-    routes = [router_topk(x, mw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                          cfg.routed_scaling_factor, parts) for mw in layers]  # fmt: skip
+    routes = [router_topk(x, mw.router, routing(cfg), parts, mw.score_bias) for mw in layers]
     per = _nbytes(layers[0].w_gate[0], layers[0].w_up[0], layers[0].w_down[0])
     nbytes = len(layers) * per * (cfg.num_experts_per_tok + parts)
     for which in ("gate_up", "down"):

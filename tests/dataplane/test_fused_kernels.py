@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.dataplane
 
 CHILD = SHIM + r'''
+import dataclasses
 import torch.nn.functional as F
 from pdd_sidecar.model.kernels import norm_rope as nr
 from pdd_sidecar.model.kernels import moe_route as mr
@@ -39,23 +40,47 @@ for dtype in (torch.float32, torch.bfloat16):
     close(m, m_ref, 1e-6 if dtype == torch.float32 else 2 ** -7, "add norm")
 print("add_rms_norm ok")
 
-for t, e, hidden, k, always in ((1, 64, 300, 6, 2), (19, 8, 128, 2, 0), (3, 160, 256, 6, 1)):
+R = mr.Routing
+# (tokens, experts, hidden, routing, always, V3's bias): V2's greedy softmax, V2's group-limited
+# softmax (a group ranked by its best), V3's sigmoid (by its two best biased; one expert
+# normalised too)
+CASES = [(1, 64, 300, R(6, False, 1.0), 2, False), (19, 8, 128, R(2, False, 1.0), 0, False),
+         (3, 160, 256, R(6, False, 1.0), 1, False),
+         (7, 160, 200, R(6, False, 16.0, n_group=8, topk_group=3), 1, False),
+         (18, 64, 136, R(6, True, 2.5, sigmoid=True, n_group=8, topk_group=4), 1, True),
+         (5, 32, 128, R(1, True, 2.5, sigmoid=True, n_group=4, topk_group=1), 0, True),
+         (4, 48, 128, R(8, True, 1.0, sigmoid=True), 2, False)]
+changed = {"groups": 0, "bias": 0}
+for t, e, hidden, r, always, biased in CASES:
     x = torch.randn(t, hidden).to(torch.bfloat16)
     router = torch.randn(e, hidden) * 0.3
-    for normalize, scale in ((False, 1.0), (True, 2.5)):
-        wt, ids = mr.router_topk_triton(x, router, k, normalize, scale, always)
-        wr, ir = mr.router_topk_ref(x, router, k, normalize, scale, always)
+    bias = torch.randn(e) * 0.3 if biased else None
+    assert mr.kernel_routes(r, e, bias), r
+    for normalize, scale in ((r.normalize, r.scale), (not r.normalize, 2 * r.scale)):
+        rs = dataclasses.replace(r, normalize=normalize, scale=scale)
+        k = rs.k
+        wt, ids = mr.router_topk_triton(x, router, rs, always, bias)
+        wr, ir = mr.router_topk_ref(x, router, rs, always, bias)
         assert wt.shape == (t, k + always) and ids.dtype == ir.dtype
         o, o_ref = ids[:, :k].argsort(-1), ir[:, :k].argsort(-1)
-        assert torch.equal(ids[:, :k].gather(1, o), ir[:, :k].gather(1, o_ref)), (t, e, k)
+        assert torch.equal(ids[:, :k].gather(1, o), ir[:, :k].gather(1, o_ref)), (t, e, rs)
         assert float((wt[:, :k].gather(1, o) - wr[:, :k].gather(1, o_ref)).abs().max()) < 1e-5
         assert torch.equal(ids[:, k:], ir[:, k:]) and torch.equal(wt[:, k:], wr[:, k:])
     # every counter back to 0 for the next call
     assert int(mr.block_counters(torch.device("cpu")).abs().sum()) == 0
+    # the groups and the bias each changed some token's choice: the cases exercise them
+    picked = ir[:, :k].sort(-1).values
+    if r.grouped:
+        free = mr.router_topk_ref(x, router, dataclasses.replace(rs, n_group=1), 0, bias)[1]
+        changed["groups"] += not torch.equal(picked, free.sort(-1).values)
+    if biased:
+        unbiased = mr.router_topk_ref(x, router, rs, 0, None)[1]
+        changed["bias"] += not torch.equal(picked, unbiased.sort(-1).values)
+assert changed["groups"] >= 2 and changed["bias"] >= 1, changed
 x = torch.randn(5, 128).to(torch.bfloat16)
 router = torch.randn(20, 128) * 0.3
 router[3] = router[5]  # an exact tie: the lower id first, and the best in slot 0
-wt, ids = mr.router_topk_triton(x, router, 6, True, 1.0)
+wt, ids = mr.router_topk_triton(x, router, R(6, True, 1.0))
 scores = torch.nn.functional.linear(x.float(), router).softmax(-1)
 first = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :6]
 assert torch.equal(ids, first), (ids, first)

@@ -7,6 +7,7 @@ no host sync, captured in a CUDA graph and replayed on new inputs; and the MoE l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -47,28 +48,44 @@ def test_add_rms_norm_equals_add_then_norm(rows: int) -> None:
     assert rel_err(m, m_ref) < 1e-2 and torch.equal(m, nr.rms_norm(s_ref, w, 1e-6))
 
 
+# (experts, routing, with V3's bias): V2-Lite's greedy softmax, V2's group-limited softmax,
+# V3's biased sigmoid over groups
+ROUTINGS = {
+    "v2-lite": (64, mr.Routing(6, True, 2.0), False),
+    "v2-groups": (160, mr.Routing(6, False, 16.0, n_group=8, topk_group=3), False),
+    "v3": (256, mr.Routing(8, True, 2.5, sigmoid=True, n_group=8, topk_group=4), True),
+}
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
 @pytest.mark.parametrize("always", [0, 2])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 16, 64, 300])
-def test_router_kernel_matches_reference_and_replays(tokens: int, always: int) -> None:
+def test_router_kernel_matches_reference_and_replays(tokens: int, always: int,
+                                                     routing: str) -> None:
     torch.manual_seed(tokens)
+    e, r, biased = ROUTINGS[routing]
+    k = r.k
     x = torch.randn(tokens, 2048, device=DEV, dtype=torch.bfloat16)
-    router = torch.randn(64, 2048, device=DEV) * 0.02
+    router = torch.randn(e, 2048, device=DEV) * 0.02
+    bias = torch.randn(e, device=DEV) * 0.05 if biased else None
+    plain = dataclasses.replace(r, normalize=False, scale=1.0)
+    assert mr.kernel_routes(r, e, bias)
     with no_host_sync():
-        w, ids = mr.router_topk(x, router, 6, False, 1.0, always)
-    graph, out = _graphed(lambda: mr.router_topk(x, router, 6, True, 2.0, always))
+        w, ids = mr.router_topk(x, router, plain, always, bias)
+    graph, out = _graphed(lambda: mr.router_topk(x, router, r, always, bias))
     for step in range(3):
         if step:
             x.normal_()
             graph.replay()
             w, ids = out  # type: ignore[misc]
-        w_ref, ids_ref = mr.router_topk_ref(x, router, 6, step > 0, 2.0 if step else 1.0, always)
-        o, o_ref = ids[:, :6].argsort(-1), ids_ref[:, :6].argsort(-1)
-        same = (ids[:, :6].gather(1, o) == ids_ref[:, :6].gather(1, o_ref)).all(-1)
+        w_ref, ids_ref = mr.router_topk_ref(x, router, r if step else plain, always, bias)
+        o, o_ref = ids[:, :k].argsort(-1), ids_ref[:, :k].argsort(-1)
+        same = (ids[:, :k].gather(1, o) == ids_ref[:, :k].gather(1, o_ref)).all(-1)
         assert float(same.float().mean()) >= 0.99, step  # a near-tie may break either way
-        assert rel_err(w[same][:, :6].sort(-1).values, w_ref[same][:, :6].sort(-1).values) < 1e-5
-        assert torch.equal(ids[:, 6:], ids_ref[:, 6:]) and torch.equal(w[:, 6:], w_ref[:, 6:])
-    again, _ = mr.router_topk(x, router, 6, True, 2.0, always)
-    assert torch.equal(again, mr.router_topk(x, router, 6, True, 2.0, always)[0])  # determinism
+        assert rel_err(w[same][:, :k].sort(-1).values, w_ref[same][:, :k].sort(-1).values) < 1e-5
+        assert torch.equal(ids[:, k:], ids_ref[:, k:]) and torch.equal(w[:, k:], w_ref[:, k:])
+    again, _ = mr.router_topk(x, router, r, always, bias)
+    assert torch.equal(again, mr.router_topk(x, router, r, always, bias)[0])  # determinism
 
 
 def test_router_launches_on_two_streams_at_once_keep_apart() -> None:
@@ -79,16 +96,17 @@ def test_router_launches_on_two_streams_at_once_keep_apart() -> None:
     router = torch.randn(64, 2048, device=DEV) * 0.02
     chunk = torch.randn(8192, 2048, device=DEV, dtype=torch.bfloat16)
     rows = [torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16) for n in (1, 3, 16)]
-    want_chunk = mr.router_topk(chunk, router, 6, True, 1.0)[1]
-    want_rows = [mr.router_topk(r, router, 6, True, 1.0)[1] for r in rows]
+    want_chunk = mr.router_topk(chunk, router, mr.Routing(6, True, 1.0))[1]
+    want_rows = [mr.router_topk(r, router, mr.Routing(6, True, 1.0))[1] for r in rows]
     side = torch.cuda.Stream(priority=-1)
     got_chunk, got_rows = [], []
     torch.cuda.synchronize()
     for _ in range(10):
-        got_chunk.append(mr.router_topk(chunk, router, 6, True, 1.0)[1])
+        got_chunk.append(mr.router_topk(chunk, router, mr.Routing(6, True, 1.0))[1])
         with torch.cuda.stream(side):
             for _ in range(10):
-                got_rows.append([mr.router_topk(r, router, 6, True, 1.0)[1] for r in rows])
+                got_rows.append([mr.router_topk(r, router, mr.Routing(6, True, 1.0))[1]
+                                 for r in rows])
     torch.cuda.synchronize()
     assert all(torch.equal(g, want_chunk) for g in got_chunk)
     assert all(torch.equal(g, w) for gs in got_rows for g, w in zip(gs, want_rows, strict=True))
@@ -120,17 +138,25 @@ def test_rope_kv_write_matches_reference(tokens: int) -> None:
     assert torch.equal(kv != 0, kv_ref != 0)  # the masked rows and other layers untouched
 
 
+@pytest.mark.parametrize("v3", [False, True], ids=["v2", "v3"])
 @pytest.mark.parametrize("shared_tokens", [1, 64])
 @pytest.mark.parametrize("tokens", [1, 2, 4, 8, 9, 16, 64])
-def test_fused_moe_matches_unfused(tokens: int, shared_tokens: int) -> None:
+def test_fused_moe_matches_unfused(tokens: int, shared_tokens: int, v3: bool) -> None:
+    """V2's greedy softmax, and V3's biased sigmoid over groups (the router kernel and the
+    shared experts in the GEMV for both)."""
+    routing: dict = (dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                          topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+                     if v3 else {})
     cfg = ModelConfig(
         vocab_size=16, hidden_size=2048, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
         qk_rope_head_dim=16, v_head_dim=16, moe_intermediate_size=256, n_routed_experts=16,
-        n_shared_experts=2, num_experts_per_tok=6,
+        n_shared_experts=2, num_experts_per_tok=6, **routing,
     )  # fmt: skip
     torch.manual_seed(tokens)
     w = _moe_weights(16, 2048, 256, torch.bfloat16)
+    if v3:
+        w = dataclasses.replace(w, score_bias=torch.randn(16, device=DEV) * 0.05)
     x = torch.randn(tokens, 2048, device=DEV).to(torch.bfloat16)
     try:
         fusion.set_fused(False)

@@ -25,11 +25,12 @@ from pdd_sidecar.model.kernels.moe_grouped import (
     shared_chunks,
 )
 from pdd_sidecar.model.kernels.moe_route import (
+    Routing,
     always_slots,
     combine,
+    route_ref,
     router_topk,
     softmax_topk,
-    topk_weights,
 )
 from pdd_sidecar.model.weights import MLPWeights, MoEWeights
 
@@ -40,48 +41,26 @@ def dense_mlp(x: torch.Tensor, w: MLPWeights, add_bias: bool = True) -> torch.Te
     return F.linear(h, w.down, w.down_bias if add_bias else None)
 
 
+def routing(cfg: ModelConfig) -> Routing:
+    """The checkpoint's routing: V2's softmax (greedy, or ``group_limited_greedy``) or V3's
+    sigmoid ``noaux_tc``, always group-limited."""
+    sigmoid = cfg.scoring_func == "sigmoid"
+    if not (sigmoid or cfg.topk_method == "group_limited_greedy"):
+        return Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    assert cfg.n_group and cfg.topk_group
+    return Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                   sigmoid=sigmoid, n_group=cfg.n_group, topk_group=cfg.topk_group)
+
+
 def route(
     x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] fp32, expert ids [T, k])``. ``bias`` is V3's ``e_score_correction_bias``:
     it steers which experts are chosen but not how much they weigh."""
-    logits = F.linear(x.float(), router)
-    k = cfg.num_experts_per_tok
-    if cfg.scoring_func == "sigmoid":
-        return _route_noaux_tc(logits, cfg, bias)
-    if cfg.topk_method != "group_limited_greedy":
-        return softmax_topk(logits, k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    assert cfg.n_group and cfg.topk_group
-    scores = logits.softmax(dim=-1, dtype=torch.float32)
-    n_exp = scores.shape[-1]
-    groups = scores.view(-1, cfg.n_group, n_exp // cfg.n_group).max(dim=-1).values
-    keep = torch.zeros_like(groups)
-    keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
-    mask = keep.unsqueeze(-1).expand(-1, cfg.n_group, n_exp // cfg.n_group).reshape(-1, n_exp)
-    scores = scores.masked_fill(~mask.bool(), 0.0)
-    return topk_weights(scores, k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-
-
-def _route_noaux_tc(
-    logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's router, op for op as transformers runs it (the same ops keep near-ties
-    broken the same way): groups ranked by the sum of their two best biased scores, experts
-    picked among the ``topk_group`` best groups, weighted by their unbiased scores."""
-    assert cfg.n_group and cfg.topk_group
-    scores = logits.sigmoid()
-    choice = scores if bias is None else scores + bias
-    n_exp, g = scores.shape[-1], cfg.n_group
-    groups = choice.view(-1, g, n_exp // g).topk(2, dim=-1)[0].sum(dim=-1)
-    keep = torch.zeros_like(groups)
-    keep.scatter_(1, torch.topk(groups, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
-    mask = keep.unsqueeze(-1).expand(-1, g, n_exp // g).reshape(-1, n_exp)
-    choice = choice.masked_fill(~mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    r, logits = routing(cfg), F.linear(x.float(), router)
+    if not (r.sigmoid or r.grouped):  # the softmax and top-k in one kernel on CUDA
+        return softmax_topk(logits, r.k, r.normalize, r.scale)
+    return route_ref(logits, r, bias)
 
 
 def expert_path(x: torch.Tensor, w: MoEWeights, top_k: int) -> str:
@@ -95,15 +74,8 @@ def expert_path(x: torch.Tensor, w: MoEWeights, top_k: int) -> str:
     return "grouped" if can_group(x, w) else "loop"
 
 
-def fused_route_applies(cfg: ModelConfig, w: MoEWeights) -> bool:
-    """The one-kernel router (``router_topk``) serves V2's greedy softmax routing; V3's sigmoid
-    and group-limited routing keep ``route``."""
-    return (cfg.scoring_func == "softmax" and cfg.topk_method == "greedy"
-            and w.score_bias is None)
-
-
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool = True) -> torch.Tensor:
-    if fusion.fused() and x.is_cuda and fused_route_applies(cfg, w):
+    if fusion.fused() and x.is_cuda:
         return _moe_fused(x, w, cfg, add_bias)
     weights, ids = route(x, w.router, cfg, w.score_bias)
     path = expert_path(x, w, cfg.num_experts_per_tok)
@@ -123,12 +95,12 @@ def _moe_fused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, add_bias: bool)
     parts = shared_chunks(w)
     fold = (path == "gemv" and parts > 0 and x.shape[0] <= fusion.shared_in_gemv_tokens()
             and x.shape[0] * (k + parts) <= mg.GEMV_MAX_PAIRS)
+    always = parts if fold else 0
     if fusion.fused_router():
-        weights, ids = router_topk(x, w.router, k, cfg.norm_topk_prob,
-                                   cfg.routed_scaling_factor, always=parts if fold else 0)
+        weights, ids = router_topk(x, w.router, routing(cfg), always, w.score_bias)
     else:
-        weights, ids = always_slots(*route(x, w.router, cfg), w.router.shape[0],
-                                    parts if fold else 0)
+        weights, ids = always_slots(*route(x, w.router, cfg, w.score_bias), w.router.shape[0],
+                                    always)
     if fold:
         return combine(gemv_experts(x, ids, w, shared=True), weights, None, None)
     shared = None if w.shared is None else dense_mlp(x, w.shared, add_bias)

@@ -1,14 +1,17 @@
-"""The MoE layer's routing (softmax and greedy top-k) and the combine of the chosen experts'
-outputs, each one Triton kernel on CUDA beside its torch reference.
+"""The MoE layer's routing (V2's softmax with greedy or group-limited top-k, V3's biased
+sigmoid with group-limited top-k) and the combine of the chosen experts' outputs, each one Triton
+kernel on CUDA beside its torch reference.
 
-In torch the routing is a softmax, a top-k and a scaling, and the combine an unsort, two upcasts,
-a product, a sum and a downcast: small kernels that at decode batch sizes cost more than the
-bytes they move. The kernels run the same fp32 arithmetic; ties in the top-k go to the lowest
-expert id (torch's order among exact ties is unspecified).
+In torch the routing is a projection, a softmax or sigmoid, group scores, masks, two top-ks, a
+gather and a scaling, and the combine an unsort, two upcasts, a product, a sum and a downcast:
+small kernels that at decode batch sizes cost more than the bytes they move. The kernels run the
+same fp32 arithmetic; ties in a top-k go to the lowest id (torch's order among exact ties is
+unspecified).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +27,32 @@ else:
     HAS_TRITON = True
 
 MAX_EXPERTS = 1024  # one row of scores in one program
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What a checkpoint's router does with its logits (``model/moe.py`` reads it from the
+    config): ``k`` experts a token, their weights normalised to sum to one or not, then scaled.
+    Softmax scores (V2) or sigmoid scores (V3, whose ``e_score_correction_bias`` steers the
+    choice but not the weights, and which normalises even a single expert). With ``n_group``
+    > 1 a token picks among the ``topk_group`` best groups of consecutive experts only, a
+    group ranked by its best score (softmax, V2's ``group_limited_greedy``) or by the sum of
+    its two best biased scores (sigmoid, V3's ``noaux_tc``)."""
+
+    k: int
+    normalize: bool
+    scale: float
+    sigmoid: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def grouped(self) -> bool:
+        return self.n_group > 1
+
+    @property
+    def normalizes(self) -> bool:
+        return self.normalize and (self.k > 1 or self.sigmoid)
 
 
 def topk_weights(
@@ -79,12 +108,44 @@ def always_slots(
             torch.cat([ids, extra.expand(t, n)], 1))
 
 
-def router_topk_ref(
-    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
+def _group_mask(choice: torch.Tensor, r: Routing) -> torch.Tensor:
+    """True for the experts of each token's ``topk_group`` best groups."""
+    n_exp, g = choice.shape[-1], r.n_group
+    per = choice.view(-1, g, n_exp // g)
+    groups = per.topk(2, dim=-1)[0].sum(dim=-1) if r.sigmoid else per.max(dim=-1).values
+    keep = torch.zeros_like(groups)
+    keep.scatter_(1, torch.topk(groups, k=r.topk_group, dim=-1, sorted=False)[1], 1)
+    return keep.unsqueeze(-1).expand(-1, g, n_exp // g).reshape(-1, n_exp).bool()
+
+
+def route_ref(
+    logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy softmax router from the hidden rows: fp32 logits ``x @ router.T``, softmax,
-    top-k, then ``always`` slots (``always_slots``, ids from ``E``)."""
-    w, ids = softmax_topk(torch.nn.functional.linear(x.float(), router), k, normalize, scale)
+    """``(weights [T, k] fp32, expert ids [T, k])`` from fp32 logits, op for op as transformers
+    routes DeepSeek-V2 and V3 (the same ops keep near-ties broken the same way)."""
+    if not r.sigmoid:
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if r.grouped:
+            scores = scores.masked_fill(~_group_mask(scores, r), 0.0)
+        return topk_weights(scores, r.k, r.normalize, r.scale)
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if r.grouped:
+        choice = choice.masked_fill(~_group_mask(choice, r), float("-inf"))
+    ids = torch.topk(choice, k=r.k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if r.normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * r.scale, ids
+
+
+def router_topk_ref(
+    x: torch.Tensor, router: torch.Tensor, r: Routing, always: int = 0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router from the hidden rows: fp32 logits ``x @ router.T``, ``route_ref``, then
+    ``always`` slots (``always_slots``, ids from ``E``)."""
+    w, ids = route_ref(torch.nn.functional.linear(x.float(), router), r, bias)
     return always_slots(w, ids, router.shape[0], always)
 
 
@@ -93,21 +154,36 @@ _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 MAX_ROUTER_TOKENS = 16384  # token blocks with a counter each
 
 
+def kernel_routes(r: Routing, e: int, bias: torch.Tensor | None) -> bool:
+    """Whether ``_router_topk_blocks`` computes this routing over ``e`` experts: groups that
+    split the experts evenly and hold the ``k`` picks (and two experts each, for V3's group
+    score), a bias only with sigmoid scores."""
+    if e > MAX_EXPERTS or not 0 < r.k <= e or (bias is not None and (
+            not r.sigmoid or bias.shape != (e,) or bias.dtype != torch.float32)):
+        return False
+    if not r.grouped:
+        return True
+    per = e // r.n_group
+    return (e % r.n_group == 0 and 0 < r.topk_group <= r.n_group and r.k <= r.topk_group * per
+            and (per >= 2 or not r.sigmoid))
+
+
 def router_topk(
-    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
+    x: torch.Tensor, router: torch.Tensor, r: Routing, always: int = 0,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``router_topk_ref`` in one kernel on CUDA: the logits of a block of tokens are split
     over the hidden dimension into programs (each reads a slice of the fp32 router, so a single
     token still spreads the read over many SMs), and the block's last program to finish sums
-    the partial logits in a fixed order (deterministic), takes the softmax and the top-k, and
-    writes the weights and ids with the ``always`` slots."""
+    the partial logits in a fixed order (deterministic), scores them, picks the groups and the
+    top-k, and writes the weights and ids with the ``always`` slots."""
     t, hidden = x.shape
     e = router.shape[0]
-    if (not (x.is_cuda and HAS_TRITON) or e > MAX_EXPERTS or k > e or t == 0
+    if (not (x.is_cuda and HAS_TRITON) or not kernel_routes(r, e, bias) or t == 0
             or t > MAX_ROUTER_TOKENS or router.shape[1] != hidden or router.dtype != torch.float32
             or x.stride(-1) != 1 or router.stride(-1) != 1):
-        return router_topk_ref(x, router, k, normalize, scale, always)
-    return router_topk_triton(x, router, k, normalize, scale, always)
+        return router_topk_ref(x, router, r, always, bias)
+    return router_topk_triton(x, router, r, always, bias)
 
 
 def block_counters(device: torch.device) -> torch.Tensor:
@@ -127,7 +203,8 @@ def block_counters(device: torch.device) -> torch.Tensor:
 
 
 def router_topk_triton(
-    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, scale: float, always: int = 0
+    x: torch.Tensor, router: torch.Tensor, r: Routing, always: int = 0,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, hidden = x.shape
     e = router.shape[0]
@@ -135,15 +212,17 @@ def router_topk_triton(
     splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
     e_p2 = next_pow2(e)
     part = torch.empty(splits, t, e_p2, dtype=torch.float32, device=x.device)
-    kk = k + always
+    kk = r.k + always
     weights = torch.empty(t, kk, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, kk, dtype=torch.int64, device=x.device)
     kernel: Any = _router_topk_blocks
     kernel[(triton.cdiv(t, ROUTER_BLOCK_T), splits)](
-        x, router, part, counters, weights, ids, t, e, hidden, x.stride(0), router.stride(0),
-        float(scale), K=k, ALWAYS=always, KK_P2=max(2, 1 << (kk - 1).bit_length()),
-        E_P2=e_p2, SPLITS=splits, BLOCK_T=ROUTER_BLOCK_T, BLOCK_K=ROUTER_BLOCK_K,
-        NORMALIZE=bool(normalize and k > 1), num_warps=4,
+        x, router, bias if bias is not None else router, part, counters, weights, ids, t, e,
+        hidden, x.stride(0), router.stride(0), float(r.scale), K=r.k, ALWAYS=always,
+        KK_P2=max(2, 1 << (kk - 1).bit_length()), E_P2=e_p2, SPLITS=splits,
+        BLOCK_T=ROUTER_BLOCK_T, BLOCK_K=ROUTER_BLOCK_K, NORMALIZE=r.normalizes,
+        SIGMOID=r.sigmoid, HAS_BIAS=bias is not None, N_GROUP=r.n_group,
+        G_P2=max(2, next_pow2(r.n_group)), TOPK_GROUP=r.topk_group, num_warps=4,
     )  # fmt: skip
     return weights, ids
 
@@ -221,10 +300,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _router_topk_blocks(
-        X, R, PART, CNT, W, IDS, t, e, hidden, stride_x, stride_r, scale,
+        X, R, BIAS, PART, CNT, W, IDS, t, e, hidden, stride_x, stride_r, scale,
         K: tl.constexpr, ALWAYS: tl.constexpr, KK_P2: tl.constexpr, E_P2: tl.constexpr,
         SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORMALIZE: tl.constexpr,
+        NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+        N_GROUP: tl.constexpr, G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr,
     ):  # fmt: skip
         tb = tl.program_id(0)
         sp = tl.program_id(1)
@@ -251,18 +331,45 @@ if HAS_TRITON:
                 src = PART + (j * t + rows[:, None]).to(tl.int64) * E_P2 + ex[None, :]
                 acc += tl.load(src, mask=live_t[:, None], other=0.0, cache_modifier=".cg")
             acc = tl.where(live_e[None, :], acc, float("-inf"))
-            p = tl.exp(acc - tl.max(acc, axis=1)[:, None])
-            p = p / tl.sum(p, axis=1)[:, None]
-            p = tl.where(live_e[None, :], p, -1.0)
+            if SIGMOID:
+                p = tl.sigmoid(acc)
+            else:
+                p = tl.exp(acc - tl.max(acc, axis=1)[:, None])
+                p = p / tl.sum(p, axis=1)[:, None]
+            choice = p
+            if HAS_BIAS:
+                choice = p + tl.load(BIAS + ex, mask=live_e, other=0.0)[None, :]
+            choice = tl.where(live_e[None, :], choice, float("-inf"))
+            if N_GROUP > 1:
+                grp = ex // (e // N_GROUP)
+                gsel = tl.arange(0, G_P2)
+                gscore = tl.full([BLOCK_T, G_P2], float("-inf"), tl.float32)
+                for g in tl.static_range(N_GROUP):
+                    c = tl.where(grp[None, :] == g, choice, float("-inf"))
+                    top = tl.max(c, axis=1)
+                    if SIGMOID:  # V3: the sum of the group's two best
+                        at = tl.min(tl.where(c == top[:, None], ex[None, :], E_P2), axis=1)
+                        top += tl.max(tl.where(ex[None, :] == at[:, None], float("-inf"), c),
+                                      axis=1)
+                    gscore = tl.where(gsel[None, :] == g, top[:, None], gscore)
+                keep = tl.zeros([BLOCK_T, E_P2], dtype=tl.int32)
+                for _ in tl.static_range(TOPK_GROUP):
+                    best = tl.max(gscore, axis=1)
+                    at = tl.min(tl.where(gscore == best[:, None], gsel[None, :], G_P2), axis=1)
+                    keep = tl.where(grp[None, :] == at[:, None], 1, keep)
+                    gscore = tl.where(gsel[None, :] == at[:, None], float("-inf"), gscore)
+                choice = tl.where(keep != 0, choice, float("-inf"))
             slot = tl.arange(0, KK_P2)
             vals = tl.zeros([BLOCK_T, KK_P2], dtype=tl.float32)
             picks = tl.zeros([BLOCK_T, KK_P2], dtype=tl.int64)
             for j in tl.static_range(K):
-                best = tl.max(p, axis=1)
-                at = tl.min(tl.where(p == best[:, None], ex[None, :], E_P2), axis=1)
-                vals = tl.where(slot[None, :] == j, best[:, None], vals)
+                best = tl.max(choice, axis=1)
+                at = tl.min(tl.where(choice == best[:, None], ex[None, :], E_P2), axis=1)
+                hit = ex[None, :] == at[:, None]
+                val = tl.sum(tl.where(hit, p, 0.0), axis=1)  # the unbiased score
+                vals = tl.where(slot[None, :] == j, val[:, None], vals)
                 picks = tl.where(slot[None, :] == j, at[:, None].to(tl.int64), picks)
-                p = tl.where(ex[None, :] == at[:, None], -1.0, p)
+                choice = tl.where(hit, float("-inf"), choice)
             if NORMALIZE:
                 routed = slot[None, :] < K
                 vals = vals / (tl.sum(tl.where(routed, vals, 0.0), axis=1)[:, None] + 1e-20)
@@ -300,5 +407,6 @@ if HAS_TRITON:
         tl.store(OUT + t.to(tl.int64) * hidden + cols, res, mask=m)
 
 
-__all__ = ["HAS_TRITON", "always_slots", "combine", "combine_ref", "inverse_order",
-           "router_topk", "router_topk_ref", "softmax_topk", "softmax_topk_ref", "topk_weights"]
+__all__ = ["HAS_TRITON", "Routing", "always_slots", "combine", "combine_ref", "inverse_order",
+           "kernel_routes", "route_ref", "router_topk", "router_topk_ref", "softmax_topk",
+           "softmax_topk_ref", "topk_weights"]
