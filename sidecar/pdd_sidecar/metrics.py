@@ -17,6 +17,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
+from pdd_sidecar import tracing
 from pdd_sidecar.gc_pauses import BUCKETS as _GC_BUCKETS
 from pdd_sidecar.gc_pauses import PauseTimer
 from pdd_sidecar.kv.errors import HANDOFF_FAILURE_CAUSES
@@ -214,6 +215,10 @@ class InstanceMetrics:
             "pdd_spec_decode_draft_state_missing", "Sequences pulled from a prefill that sent "
             "no MTP draft state: their first step drafted nothing (engine/speculative/"
             "mtp_served.py)", registry=r)
+        self.trace_plans_dropped = Counter(
+            "pdd_trace_plans_dropped", "Requests' span plans dropped because the exporting "
+            "child was too far behind (their spans are missing from the traces)", registry=r)
+        tracing.on_dropped(self.trace_plans_dropped.inc)
 
     def host_kv_copied(self, kind: str, rank: int, copied: dict[str, float]) -> None:
         """One rank's finished host-tier copies of ``kind`` (bytes, seconds)."""
@@ -274,6 +279,10 @@ class RouterMetrics:
             "pdd_router_warmup_seconds", "The warm round trip (prefill -> decode) before ready",
             registry=r, multiprocess_mode="max",
         )
+        self.trace_plans_dropped = Counter(
+            "pdd_router_trace_plans_dropped", "Routing decisions' span plans dropped because "
+            "the exporting child was too far behind (missing from the traces)", registry=r)
+        tracing.on_dropped(self.trace_plans_dropped.inc)
 
     def expose(self, openmetrics: bool = False) -> bytes:
         """The text format, or OpenMetrics (with the TTFT's exemplars: the trace ids of sampled

@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping, MutableMapping
+import weakref
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,6 +260,15 @@ def sampled(parent: otel_context.Context | None, name: str,
         parent, sc.trace_id, name, kind).decision.is_sampled()
 
 
+_drop_listeners: list[weakref.WeakMethod[Callable[[], Any]]] = []
+
+
+def on_dropped(listener: Callable[[], Any]) -> None:
+    """``listener()`` (a bound method: held weakly) is called for each span plan the exporting
+    child could not take: the metrics count them (``pdd_trace_plans_dropped``)."""
+    _drop_listeners.append(weakref.WeakMethod(listener))  # type: ignore[arg-type]
+
+
 def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
     """The plan's spans under ``parent``: handed to the exporting child, which makes and sends
     them off this process's GIL, else made here. Nothing when ``sampled`` says no."""
@@ -269,4 +279,10 @@ def emit(plan: SpanPlan, parent: otel_context.Context | None) -> None:
         make_spans(plan, parent, tracer())
         return
     sc = trace.get_current_span(parent).get_span_context()
-    sink(inject({}, parent) if sc.is_valid else {}, plan)
+    if sink(inject({}, parent) if sc.is_valid else {}, plan) is False:
+        for ref in list(_drop_listeners):
+            listener = ref()
+            if listener is None:
+                _drop_listeners.remove(ref)
+            else:
+                listener()

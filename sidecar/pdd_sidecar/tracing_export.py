@@ -152,19 +152,21 @@ class ChildProcessExporter(SpanExporter):
                                         daemon=True)
         self._writer.start()
 
-    def submit_plan(self, carrier: dict[str, str], plan: Any) -> None:
+    def submit_plan(self, carrier: dict[str, str], plan: Any) -> bool:
         """A span plan for the child, under the parent ``carrier`` names (W3C headers): queued
-        here and written by this exporter's thread, so a full pipe never blocks the caller
-        (past ``MAX_QUEUED_PLANS`` waiting, plans are dropped and counted)."""
+        here and written by this exporter's thread, so a full pipe never blocks the caller.
+        False: dropped (``MAX_QUEUED_PLANS`` wait already; the caller counts it)."""
         if len(self._plans) >= MAX_QUEUED_PLANS:
             if not self.dropped_plans:
                 log.warning("tracing: %d span plans wait for the exporting child; later ones "
-                            "are dropped until it catches up", MAX_QUEUED_PLANS)
+                            "are dropped until it catches up (pdd_trace_plans_dropped counts "
+                            "them)", MAX_QUEUED_PLANS)
             self.dropped_plans += 1
-            return
+            return False
         self._plans.append((carrier, plan))
         if len(self._plans) >= PLAN_BATCH:
             self._wake.set()
+        return True
 
     def _write_plans(self) -> None:
         while True:

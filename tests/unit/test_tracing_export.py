@@ -201,3 +201,39 @@ def test_a_plan_under_an_unsampled_parent_is_not_sent(monkeypatch: pytest.Monkey
     assert sent == [({"traceparent": CLIENT_PARENT}, plan)]
     T.emit(plan, T.extract({}))  # no parent: a new trace, the child's sampler decides
     assert sent[-1] == ({}, plan)
+
+
+def test_a_plan_the_child_cannot_take_is_counted_on_metrics(otlp_env: HTTPServer,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Past MAX_QUEUED_PLANS waiting, submit_plan drops the plan and says so; emit passes
+    that on to every metrics object's counter (an instance's and a router's)."""
+    import gc
+
+    from pdd_sidecar import tracing_export
+    from pdd_sidecar.metrics import InstanceMetrics, RouterMetrics
+
+    exporter = ChildProcessExporter("http/protobuf")
+    try:
+        plan = T.SpanPlan("pdd.decode", 1.0, 2.0)
+        assert exporter.submit_plan({}, plan) is True
+        monkeypatch.setattr(tracing_export, "MAX_QUEUED_PLANS", 0)
+        assert exporter.submit_plan({}, plan) is False and exporter.dropped_plans == 1
+        inst, router = InstanceMetrics("decode"), RouterMetrics()
+        monkeypatch.setattr(T, "_plan_sink", exporter.submit_plan)
+        monkeypatch.setattr(T, "sampled", lambda *a, **k: True)
+        T.emit(plan, None)
+        T.emit(plan, None)
+        assert inst.registry.get_sample_value("pdd_trace_plans_dropped_total") == 2
+        assert router.registry.get_sample_value("pdd_router_trace_plans_dropped_total") == 2
+        monkeypatch.setattr(tracing_export, "MAX_QUEUED_PLANS", 8192)
+        T.emit(plan, None)  # taken: not counted
+        assert inst.registry.get_sample_value("pdd_trace_plans_dropped_total") == 2
+        del inst  # a metrics object gone stops listening (held weakly)
+        gc.collect()
+        monkeypatch.setattr(tracing_export, "MAX_QUEUED_PLANS", 0)
+        T.emit(plan, None)
+        assert router.registry.get_sample_value("pdd_router_trace_plans_dropped_total") == 3
+        assert all(ref() is not None for ref in T._drop_listeners)
+    finally:
+        exporter.shutdown()
