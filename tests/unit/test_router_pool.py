@@ -304,7 +304,8 @@ def test_a_burst_s_first_tokens_go_out_before_its_decode_streams_open() -> None:
         answered = asyncio.Event()
 
         async def run_prefill(rid: str, body: dict[str, Any], trip: Trip,
-                              skip: Any = None) -> tuple[str, dict[str, Any]]:
+                              skip: Any = None, wait: bool = True
+                              ) -> tuple[str, dict[str, Any]]:
             await answered.wait()  # every answer arrives in the same loop turn
             return "http://p:1", {"first_token": 7, "kv_transfer_params": {"pdd_grant": {}}}
 
@@ -394,7 +395,7 @@ def test_a_lost_handoff_of_several_choices_feeds_the_decode_the_first_tokens_sen
     opened: list[list[tuple[int, int]]] = []
 
     async def run_prefill(rid: str, body: dict[str, Any], trip: Trip,
-                          skip: Any = None) -> tuple[str, dict[str, Any]]:
+                          skip: Any = None, wait: bool = True) -> tuple[str, dict[str, Any]]:
         prefills.append(body)
         url = "http://p:1" if not skip else "http://p:2"
         firsts = [7, 9, 8] if len(prefills) == 1 else [1, 2, 3]

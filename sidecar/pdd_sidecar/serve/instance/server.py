@@ -71,6 +71,9 @@ async def readyz(request: web.Request) -> web.Response:
         # It prefills a prompt itself when asked (decode_api.py, local_prefill): a router sends
         # such requests only to a decode that says so (an older one would refuse them).
         body["local_prefill"] = True
+        # What its prefix cache reuses at a time, so the router's estimate of what it caches
+        # counts whole units only (engine/driver.py: block size x DCP).
+        body["cache_unit_tokens"] = state.settings.block_size * state.settings.dcp
     if not state.ready:
         body["reason"] = state.not_ready_reason
         return web.json_response(body, status=503)

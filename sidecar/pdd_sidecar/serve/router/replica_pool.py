@@ -24,6 +24,8 @@ class Pool:
         self.capacity: dict[str, int] = {}  # replica -> KV tokens one sequence can hold there
         self.load: dict[str, ReplicaLoad] = {}
         self.local_prefill: set[str] = set()  # decodes that prefill a prompt themselves
+        # replica -> tokens its prefix cache reuses at a time (block size x DCP), as it says
+        self.cache_unit: dict[str, int] = {}
         self.policy = policy if policy is not None else make_policy("cache-aware", 64)
 
     def pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
@@ -68,8 +70,15 @@ class Pool:
     def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         """The most of the prompt any ready replica that prefills itself caches, as the policy
         estimates it."""
-        return max((self.policy.cached_tokens(u, prompt_ids) for u in self.local_candidates()),
-                   default=0)
+        return max((self.cached_on(u, prompt_ids) for u in self.local_candidates()), default=0)
+
+    def cached_on(self, url: str, prompt_ids: Sequence[int]) -> int:
+        """The prompt's tokens ``url`` would reuse: the policy's estimate in whole units of
+        its prefix cache (a DCP decode keeps block size x DCP tokens a unit; a partial unit
+        is computed again)."""
+        cached = self.policy.cached_tokens(url, prompt_ids)
+        unit = self.cache_unit.get(url, 1)
+        return cached - cached % unit
 
     def local_candidates(self) -> list[str]:
         """The ready replicas that prefill a prompt themselves (a decode whose /readyz says

@@ -34,7 +34,13 @@ from pdd_sidecar.serve.openai.openai_request import ApiError, GenRequest, bad, i
 from pdd_sidecar.serve.openai.structured_request import STRUCTURED, structured_outputs
 from pdd_sidecar.serve.openai.text import ModelText
 from pdd_sidecar.serve.router.connection_warmer import WARM_CONNECTIONS, ConnectionWarmer
-from pdd_sidecar.serve.router.prefill_path import FALLBACK, LOCAL, REMOTE, prefill_path
+from pdd_sidecar.serve.router.prefill_path import (
+    FALLBACK,
+    LOCAL,
+    REMOTE,
+    prefill_path,
+    uncached_tokens,
+)
 from pdd_sidecar.serve.router.replica_pool import Pool
 from pdd_sidecar.serve.router.router_warmup import WARMUP_MAX_TOKENS, WarmRoundTrip, warmup_prompt
 from pdd_sidecar.serve.router.router_workers import mark_warm, warm_workers
@@ -108,6 +114,11 @@ def _cached_tokens(holder: Any) -> int:
 Step = tuple[list[int], str, str | None]
 Emit = Callable[[int, list[Step]], Awaitable[None]]  # (choice index, its steps)
 Batch = tuple[int, list[int]]  # a choice's index and tokens of it that arrived together
+
+
+def _retryable(exc: ApiError) -> bool:
+    """An upstream's refusal that another upstream may not give (full, not ready, gone)."""
+    return exc.status >= 500 or exc.status == 429
 
 
 def _token_line(line: bytes) -> int | None:
@@ -243,6 +254,28 @@ class Router:
         worked; later, with no prefill ready, the fallback keeps it serving."""
         return self.warm.done and self.routable and self.workers_warm == self.settings.workers
 
+    def _decode_can(self, req: GenRequest) -> bool:
+        """A decode that prefills prompts is ready, and this is a request it can prefill."""
+        return (req.n == 1 and req.prompt_logprobs is None and req.max_tokens > 0
+                and bool(self.decode.local_candidates()))
+
+    def _can_fall_back(self, req: GenRequest, trip: Trip) -> bool:
+        """Served on a decode if no prefill is (the warm round trip must go through one)."""
+        return (not trip.warmup and self.settings.no_prefill == "fallback"
+                and self._decode_can(req))
+
+    def _too_long_on(self, url: str, req: GenRequest) -> bool:
+        """The prompt's part ``url`` does not cache is over the decision's threshold."""
+        cached = self.decode.cached_on(url, req.prompt_ids)
+        return uncached_tokens(len(req.prompt_ids), cached) > self.settings.local_prefill_tokens
+
+    def _count_path(self, trip: Trip, path: str) -> None:
+        """Where the request was served, counted once it was taken there (not the warm round
+        trip's)."""
+        trip.path = path
+        if not trip.warmup:
+            self.metrics.paths.labels(path=path).inc()
+
     def choose_path(self, req: GenRequest, trip: Trip) -> str | None:
         """Where this request's prompt is prefilled; None: through a prefill, refused if none
         becomes ready (serve/router/prefill_path.py)."""
@@ -250,8 +283,7 @@ class Router:
         ready = self.pools_ready
         if trip.warmup and ready:
             return REMOTE
-        decode_can = (req.n == 1 and req.prompt_logprobs is None and req.max_tokens > 0
-                      and bool(self.decode.local_candidates()))
+        decode_can = self._decode_can(req)
         if s.aggregated:  # no prefill at all: every prompt runs on its decode
             return LOCAL if decode_can else None
         cached = (self.decode.cached_tokens(req.prompt_ids)
@@ -331,6 +363,9 @@ class Router:
                         pool.local_prefill.add(url)
                     elif ok:
                         pool.local_prefill.discard(url)
+                    unit = body.get("cache_unit_tokens") if isinstance(body, dict) else None
+                    if type(unit) is int and unit > 0:
+                        pool.cache_unit[url] = unit
                 except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                     ok = False
                 if ok != pool.healthy.get(url):
@@ -363,20 +398,23 @@ class Router:
     async def health_loop(self) -> None:
         while True:
             try:
-                await self.refresh()
+                # Shared with the requests' own rounds: two rounds at once would let the older
+                # one's late answer overwrite the newer's.
+                await self.probe_now()
             except Exception as exc:  # keep probing whatever happened
                 log.warning("health probe round failed: %s", exc)
             self.metrics.gc_pauses.flush()  # a scrape may reach another worker
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def _pick(self, pick: Callable[[set[str]], str | None],
-                    tried: set[str]) -> str | None:
+                    tried: set[str], wait: bool = True) -> str | None:
         """A ready replica not tried yet. When none is ready at all, what the last probe round
         saw may be a moment old (a pod just replaced during a roll, a probe that timed out
-        under load): probe again, for up to `ready_wait_s`, before the caller refuses. When
-        every ready replica was tried, refuse at once: waiting would not change their answer."""
+        under load): probe again, for up to `ready_wait_s`, before the caller refuses (unless
+        ``wait`` is False: the caller has somewhere else to go). When every ready replica was
+        tried, refuse at once: waiting would not change their answer."""
         url = pick(tried)
-        if url is not None:
+        if url is not None or not wait:
             return url
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.ready_wait_s
@@ -387,20 +425,28 @@ class Router:
                 return url
             await asyncio.sleep(READY_POLL_S)
 
-    async def _choose_prefill(self, tried: set[str],
-                              prompt_ids: list[int] | None = None) -> str | None:
+    async def _choose_prefill(self, tried: set[str], prompt_ids: list[int] | None = None,
+                              wait: bool = True) -> str | None:
         # Only a prefill whose plan some ready decode runs: during a plan-changing roll the new
         # plan's prefill may be ready before its decode.
         return await self._pick(
             lambda skip: self.prefill.pick(skip, plans=self.decode.ready_plans(),
-                                           prompt_ids=prompt_ids), tried)
+                                           prompt_ids=prompt_ids), tried, wait)
 
     async def _choose_decode(self, plan: str | None, tried: set[str],
-                             prompt_ids: list[int] | None = None) -> str | None:
+                             prompt_ids: list[int] | None = None,
+                             allowed: Callable[[str], bool] | None = None,
+                             wait: bool = True) -> str | None:
+        """``allowed``: only decodes it says yes to, judged at each pick (a probe round may
+        list new ones)."""
         # With the prompt: the decode that served the conversation so far most likely still
         # caches its KV (routing_policy.py), and then pulls only the new tokens'.
-        return await self._pick(lambda skip: self.decode.pick(skip, plan, prompt_ids=prompt_ids),
-                                tried)
+        def pick(skip: set[str]) -> str | None:
+            if allowed is not None:
+                skip = skip | {u for u in self.decode.urls if not allowed(u)}
+            return self.decode.pick(skip, plan, prompt_ids=prompt_ids)
+
+        return await self._pick(pick, tried, wait)
 
     async def _post(self, role: str, url: str, path: str, body: dict[str, Any],
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -409,13 +455,17 @@ class Router:
                                self.settings.request_timeout_s or None, headers)
 
     async def run_prefill(self, rid: str, body: dict[str, Any], trip: Trip,
-                          skip: set[str] | None = None) -> tuple[str, dict[str, Any]]:
+                          skip: set[str] | None = None,
+                          wait: bool = True) -> tuple[str, dict[str, Any]]:
+        """The first prefill not in ``skip`` that answers; each that failed with a 5xx is
+        added to ``skip`` (a later try of the same request passes them over). ``wait``: see
+        ``_pick``."""
         tried: set[str] = set(skip or ())
         last: ApiError | None = None
         prompt = body.get("prompt_ids")
         while True:
             picking = time.monotonic()
-            url = await self._choose_prefill(tried, prompt)
+            url = await self._choose_prefill(tried, prompt, wait)
             if url is None:
                 raise last or ApiError(503, "no ready prefill replica with a ready decode of "
                                        "its routing plan", type_="server_error")
@@ -435,6 +485,8 @@ class Router:
                 log.warning("prefill replica failed, trying another: %s", exc)
                 if exc.status == 502:  # unreachable: skip it until the next probe says ready
                     self.prefill.mark(url, False)
+                if skip is not None:
+                    skip.add(url)
                 last = exc
             finally:
                 self.prefill.finished(url)
@@ -479,13 +531,21 @@ class Router:
                            trip: Trip) -> aiohttp.ClientResponse:
         assert self.session is not None
         plan = self.prefill.plans.get(trip.prefill or "")
-        # Prefilled on the decode: only one that says it does (an older one would refuse).
-        tried: set[str] = (set() if pre is not None else
-                           {u for u in self.decode.urls if u not in self.decode.local_prefill})
+        tried: set[str] = set()
+        allowed: Callable[[str], bool] | None = None
+        wait = True
+        if pre is None:
+            # Prefilled on the decode: only one that says it does (an older one would refuse),
+            # and for a request the decision sent there (LOCAL), one that caches enough of the
+            # prompt; if none of those can take it, a prefill can (tokens()).
+            short = trip.path == LOCAL and not self.settings.aggregated
+            allowed = (lambda u: u in self.decode.local_prefill  # noqa: E731
+                       and not (short and self._too_long_on(u, req)))
+            wait = not (short and self.pools_ready)
         last: ApiError | None = None
         while True:
             picking = time.monotonic()
-            url = await self._choose_decode(plan, tried, req.prompt_ids)
+            url = await self._choose_decode(plan, tried, req.prompt_ids, allowed, wait)
             if url is None:
                 raise last or ApiError(503, "no ready decode replica"
                                        + (f" running routing plan {plan}" if plan else ""),
@@ -682,21 +742,25 @@ class Router:
                       f"prefills only requests of one choice, without prompt log-probabilities, "
                       f"that generate at least one token", field)
         if path in (LOCAL, FALLBACK):
-            trip.path = path
-            self.metrics.paths.labels(path=path).inc()
-            local = self._tokens_pdd(rid, req, trip, set(), None, local=True)
+            started = False
             try:
-                async for choice, batch in local:
-                    trip.output_tokens += len(batch)
+                async for choice, batch in self._local_tokens(rid, req, trip, path):
+                    started = True
                     yield choice, batch
-            finally:
-                await local.aclose()
-            return
+                return
+            except ApiError as exc:
+                # No token reached the client: every decode that could prefill it refused
+                # (draining, full, gone). A prefill serves it when one is ready.
+                if started or path != LOCAL or not _retryable(exc) or not self.pools_ready:
+                    raise
+                log.warning("no decode took request %s to prefill it itself, going through a "
+                            "prefill: %s", rid, exc)
         skip: set[str] = set()
         firsts: dict[int, int] = {}  # each choice's first token, as the client has it
         sent_first: list[int] | None = None
         while True:
-            inner = self._tokens_pdd(rid, req, trip, skip, sent_first)
+            inner = self._tokens_pdd(rid, req, trip, skip, sent_first,
+                                     wait=not self._can_fall_back(req, trip))
             try:
                 async for choice, batch in inner:
                     firsts.setdefault(choice, batch[0])
@@ -711,12 +775,35 @@ class Router:
                 log.warning("the hand-off from prefill %s failed before the decode's first "
                             "token; running the prompt again on another prefill: %s",
                             lost.url, lost.error)
+            except ApiError as exc:
+                # No prefill answered, and none is ready now: served on a decode, as a request
+                # arriving now would be (with the fallback on).
+                if (firsts or not _retryable(exc) or not self._can_fall_back(req, trip)
+                        or self.choose_path(req, trip) != FALLBACK):
+                    raise
+                log.warning("request %s lost its prefill and none is ready; falling back to "
+                            "a decode: %s", rid, exc)
+                break
             finally:
                 await inner.aclose()
+        async for choice, batch in self._local_tokens(rid, req, trip, FALLBACK):
+            yield choice, batch
+
+    async def _local_tokens(self, rid: str, req: GenRequest, trip: Trip,
+                            path: str) -> AsyncGenerator[Batch, None]:
+        """The request prefilled on its decode (``LOCAL`` or ``FALLBACK``)."""
+        trip.path = path  # which decodes may take it (_open_decode); counted once one does
+        local = self._tokens_pdd(rid, req, trip, set(), None, local=True)
+        try:
+            async for choice, batch in local:
+                trip.output_tokens += len(batch)
+                yield choice, batch
+        finally:
+            await local.aclose()
 
     async def _tokens_pdd(self, rid: str, req: GenRequest, trip: Trip, skip: set[str],
-                          sent_first: list[int] | None, local: bool = False
-                          ) -> AsyncGenerator[Batch, None]:
+                          sent_first: list[int] | None, local: bool = False,
+                          wait: bool = True) -> AsyncGenerator[Batch, None]:
         """One try of pdd's own flow: a prefill (not one in ``skip``), its token to the client
         at once (n > 1: each choice's), then the hand-off to a decode. On a second try
         (``sent_first``: the client has the first tokens) the prefill only has to hold the
@@ -748,13 +835,12 @@ class Router:
                 prefill_body.pop("logprobs", None)
                 prefill_body.pop("prompt_logprobs", None)
             try:
-                prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip)
+                prefill_url, pre = await self.run_prefill(rid, prefill_body, trip, skip, wait)
                 trip.stamps[timing.R_PREFILL_GOT] = time.monotonic()
                 trip.prefill_timing = pre.get("timing")
                 trip.cached_tokens = _cached_tokens(pre)
                 if sent_first is None:  # counted once, however many prefills it took
-                    trip.path = REMOTE
-                    self.metrics.paths.labels(path=REMOTE).inc()
+                    self._count_path(trip, REMOTE)
             except asyncio.CancelledError:
                 # The client left while the prefill ran: it may hold blocks for this id by now.
                 if trip.prefill is not None:
@@ -809,6 +895,8 @@ class Router:
                 if exc.status == 502 and exc.type == "transfer":  # the KV could not be read
                     raise PrefillLost(prefill_url, exc) from None
                 raise
+            if local:
+                self._count_path(trip, str(trip.path))
             # Every line that arrived is taken at once: while the router keeps up that is one
             # token, and when it falls behind the tokens go to the client in one write.
             pending = b""
