@@ -209,7 +209,8 @@ class InstanceMetrics:
         self.spec_skipped = Counter(
             "pdd_spec_decode_skipped", "Sequence-steps that drafted nothing, by reason: batch "
             "(more running than the threshold), acceptance (recently too low), no_match (no "
-            "earlier occurrence of the text's ending), room (max_tokens reached next)",
+            "earlier occurrence of the text's ending), room (max_tokens reached next), prefill "
+            "(a step that also prefilled a prompt on this decode verifies nothing)",
             ["reason"], registry=r)
         self.spec_draft_state_missing = Counter(
             "pdd_spec_decode_draft_state_missing", "Sequences pulled from a prefill that sent "

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from pdd_sidecar.engine.speculative import ngram
 from pdd_sidecar.engine.speculative.ngram import NgramConfig, NgramIndex, propose
 from pdd_sidecar.engine.speculative.verify import accepted_tokens
 
@@ -83,3 +84,42 @@ def test_the_incremental_index_proposes_what_the_scan_does() -> None:
             index.extend(more)
             assert index.propose() == propose(toks, cfg), (toks, cfg)
             assert index.propose(1) == propose(toks, cfg)[:1]
+
+
+def test_a_prompt_indexed_in_bulk_proposes_what_the_scan_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long first feed goes into the hashed arrays; what follows into the dict: the proposals
+    are the scan's, the latest occurrence winning across the two."""
+    monkeypatch.setattr(ngram, "BULK_TOKENS", 8)
+    rng = random.Random(11)
+    for _ in range(300):
+        max_n = rng.randrange(1, 6)
+        cfg = NgramConfig(k=rng.randrange(1, 5), max_n=max_n, min_n=rng.randrange(1, max_n + 1))
+        index = NgramIndex(cfg)
+        toks = [rng.randrange(4) for _ in range(rng.randrange(8, 60))]
+        index.extend(toks)
+        assert index._bulk or len(toks) <= cfg.min_n, "the first feed was not indexed in bulk"
+        assert index.propose() == propose(toks, cfg), (toks, cfg)
+        for _ in range(rng.randrange(1, 6)):
+            more = [rng.randrange(4) for _ in range(rng.randrange(0, 4))]
+            toks += more
+            index.extend(more)
+            assert index.propose() == propose(toks, cfg), (toks, cfg)
+
+
+def test_a_hash_collision_costs_a_draft_never_a_wrong_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """N-grams of equal sums hashed alike (a degenerate polynomial): a proposal is still the
+    follower of an earlier occurrence of the text's ending, or nothing."""
+    monkeypatch.setattr(ngram, "BULK_TOKENS", 8)
+    monkeypatch.setattr(ngram, "_P", 1)
+    rng = random.Random(12)
+    cfg = NgramConfig(k=3, max_n=4, min_n=1)
+    for _ in range(200):
+        toks = [rng.randrange(5) for _ in range(rng.randrange(8, 40))]
+        index = NgramIndex(cfg)
+        index.extend(toks)
+        got = index.propose()
+        if got:
+            assert any(toks[s:s + n] == toks[-n:] and toks[s + n:s + n + 3] == got
+                       for n in range(1, 5) for s in range(len(toks) - n)), (toks, got)

@@ -575,13 +575,17 @@ class InstanceDriver:
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
         # A step that prefills a prompt here (scheduler.py: Local prefill) drafts nothing: the
-        # verify sampler takes decode rows only. The MTP module still runs for its decode
-        # sequences, so its latents keep up with their text.
+        # verify sampler takes decode rows only; its decode sequences count it as skipped
+        # ("prefill"). The MTP module still runs for them, so its latents keep up with their
+        # text.
         if self.speculator is not None and plan.decode and not plan.prefill:
             self._draft(plan.decode)
-        elif self.mtp is not None and plan.decode:
-            self._mtp_begin(plan.decode)
-            self.mtp.propose([(d.seq.id, 0) for d in plan.decode])
+        elif plan.decode:
+            if self.speculator is not None:
+                self.speculator.skip_step([d.seq.id for d in plan.decode], "prefill")
+            if self.mtp is not None:
+                self._mtp_begin(plan.decode)
+                self.mtp.propose([(d.seq.id, 0) for d in plan.decode])
         chunks = self._seq_chunks(plan)
         recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
                                                                        strict=True))
@@ -814,9 +818,7 @@ class InstanceDriver:
         for d, first in spans:
             seq = d.seq
             kept = accepted_tokens(d.drafts, draws[first:first + d.rows])
-            if spec is not None:
-                spec.record(seq.id, len(d.drafts), len(kept) - 1)
-                timing.count_speculation(seq.extra, len(d.drafts), len(kept) - 1)
+            emitted = 0
             for j, tok in enumerate(kept):
                 if seq.state is not State.RUNNING:  # a stop or max_tokens ended it before
                     break
@@ -825,6 +827,11 @@ class InstanceDriver:
                 complete = seq.grammar is not None and advance(seq.grammar.matcher, tok)
                 self.metrics.tokens.labels(kind="generated").inc()
                 self.scheduler.on_token(seq, tok, complete)
+                emitted += 1
+            if spec is not None:  # the drafts it emitted: none past a token that ended it
+                accepted = max(0, min(len(kept), emitted) - 1)
+                spec.record(seq.id, len(d.drafts), accepted)
+                timing.count_speculation(seq.extra, len(d.drafts), accepted)
 
     def _collect(self) -> None:
         """The prefill's first tokens that reached the host: out, each sequence at once."""

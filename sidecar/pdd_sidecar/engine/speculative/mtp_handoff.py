@@ -6,8 +6,11 @@ position (the token after the last is the first token), so the module's latents 
 last layer) move with the prompt's blocks; it sends the last position's hidden state as the
 hand-off record's ``draft_state`` (kv/handoff.py, through its wire form). The decode imports the
 latents, runs the module at the last prompt position from that state and drafts in its first
-step; without the state it drafts from its next step (the module's latents of the prompt are
-there; only its first draft's input is not) and counts it (``missing_draft_state``).
+step; without the state it drafts from its next step and counts it (``missing_draft_state``).
+Here the prefill ran the module at the last position too, so the later drafts are the same; a
+served prefill stops one short (mtp_served.py), and without the state that latent is never
+written on the decode: its later drafts attend a damaged context (fewer accepted; the tokens
+are plain decoding's either way).
 """
 
 from __future__ import annotations

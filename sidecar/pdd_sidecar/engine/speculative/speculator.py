@@ -23,8 +23,9 @@ from pdd_sidecar.engine.speculative.ngram import NgramIndex
 class SpecStats:
     """Counts since start, in vLLM's terms: ``drafts`` verify steps of a sequence with at least
     one draft, ``draft_tokens`` tokens drafted, ``accepted_tokens`` drafts kept,
-    ``accepted_per_pos[i]`` drafts kept at position ``i``; ``skipped`` sequence-steps that
-    drafted nothing, by reason (batch, acceptance, no_match, room)."""
+    ``accepted_per_pos[i]`` drafts kept at position ``i`` (kept and emitted: none past a token
+    that ended the sequence); ``skipped`` sequence-steps that drafted nothing, by reason
+    (batch, acceptance, no_match, room, prefill: a step that also prefilled a prompt)."""
 
     drafts: int = 0
     draft_tokens: int = 0
@@ -153,6 +154,12 @@ class Speculator:
         elif st.probing:  # the probe was good: the next low spell pauses for the base again
             st.probing = False
             st.failed_probes = 0
+
+    def skip_step(self, live: Sequence[str], reason: str) -> None:
+        """A decode step that verifies nothing (one that also prefills a prompt): each of its
+        sequences counted as skipped for ``reason``; the finished ones forgotten."""
+        self.retain(live)
+        self._skip(reason, len(live))
 
     def retain(self, live: Iterable[str]) -> None:
         """Forget the sequences not in ``live`` (finished, cancelled)."""
