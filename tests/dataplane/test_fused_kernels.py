@@ -64,7 +64,9 @@ for t, e, hidden, r, always, biased in CASES:
         assert wt.shape == (t, k + always) and ids.dtype == ir.dtype
         o, o_ref = ids[:, :k].argsort(-1), ir[:, :k].argsort(-1)
         assert torch.equal(ids[:, :k].gather(1, o), ir[:, :k].gather(1, o_ref)), (t, e, rs)
-        assert float((wt[:, :k].gather(1, o) - wr[:, :k].gather(1, o_ref)).abs().max()) < 1e-5
+        # the logits summed in another order: a few ulps of the scaled weights
+        assert float((wt[:, :k].gather(1, o) - wr[:, :k].gather(1, o_ref)).abs().max()) < (
+            1e-5 * max(1.0, rs.scale))
         assert torch.equal(ids[:, k:], ir[:, k:]) and torch.equal(wt[:, k:], wr[:, k:])
     # every counter back to 0 for the next call
     assert int(mr.block_counters(torch.device("cpu")).abs().sum()) == 0
@@ -77,6 +79,9 @@ for t, e, hidden, r, always, biased in CASES:
         unbiased = mr.router_topk_ref(x, router, rs, 0, None)[1]
         changed["bias"] += not torch.equal(picked, unbiased.sort(-1).values)
 assert changed["groups"] >= 2 and changed["bias"] >= 1, changed
+# past 256 experts the router tile would not fit an H100's shared memory: the reference routes
+assert mr.kernel_routes(R(8, True, 1.0), 256, None)
+assert not mr.kernel_routes(R(8, True, 1.0), 512, None)
 x = torch.randn(5, 128).to(torch.bfloat16)
 router = torch.randn(20, 128) * 0.3
 router[3] = router[5]  # an exact tie: the lower id first, and the best in slot 0

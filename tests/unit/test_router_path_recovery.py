@@ -189,6 +189,70 @@ def test_a_request_whose_prefill_died_falls_back_at_once() -> None:
     assert paths == {REMOTE: 0, LOCAL: 0, FALLBACK: 1}
 
 
+def test_after_a_dead_prefill_the_fallback_takes_a_decode_of_any_plan() -> None:
+    """A plan-changing roll: the prefill of plan X died, the decode that prefills prompts runs
+    plan Y. The fallback is not held to the dead prefill's plan (nor does its answer name it)."""
+
+    async def run() -> tuple[str | None, str | None, list[int]]:
+        seen: list[dict[str, Any]] = []
+        server, d_new = await _serve([("POST", "/v1/decode", _decode_handler(seen))])
+        d_old, dead = "http://old:1", _free_url()
+        router = _router(PDD_PREFILL_URLS=dead, PDD_DECODE_URLS=f"{d_old},{d_new}",
+                         PDD_ROUTER_READY_WAIT_S="30")
+        await _with_sessions(router)
+        router.prefill.mark(dead, True)
+        router.prefill.plans[dead] = "X"
+        for url, plan in ((d_old, "X"), (d_new, "Y")):
+            router.decode.mark(url, True)
+            router.decode.plans[url] = plan
+        router.decode.local_prefill.add(d_new)
+        router.probe_now = _no_probe  # type: ignore[method-assign]
+        trip = Trip()
+        try:
+            outs = await router.generate("a", _req(list(range(1, 600))), trip, None)
+        finally:
+            await _close(router, server)
+        return trip.path, trip.prefill, outs[0].token_ids
+
+    path, prefill, tokens = asyncio.run(run())
+    assert path == FALLBACK and prefill is None and tokens == [10, 11, 12, 13]
+
+
+def test_a_local_decode_s_own_error_is_its_answer_not_a_refusal() -> None:
+    """A 500 from the decode that took the request is the request's answer: it is not run
+    again through a prefill (which would hand it back to the same decode)."""
+
+    async def run() -> tuple[int, list[str], dict[str, float]]:
+        sent: list[str] = []
+
+        async def broken(request: web.Request) -> web.Response:
+            sent.append("d")
+            return web.json_response({"error": {"message": "sampling failed"}}, status=500)
+
+        async def prefill(request: web.Request) -> web.Response:
+            sent.append("p")
+            return web.json_response({"first_token": 9, "kv_transfer_params": {}})
+
+        s1, d = await _serve([("POST", "/v1/decode", broken)])
+        s2, p = await _serve([("POST", "/v1/prefill", prefill)])
+        router = _router(PDD_PREFILL_URLS=p, PDD_DECODE_URLS=d)
+        await _with_sessions(router)
+        router.prefill.mark(p, True)
+        router.decode.mark(d, True)
+        router.decode.local_prefill.add(d)
+        try:
+            await router.generate("a", _req(list(range(1, 40))), Trip(), None)
+        except ApiError as exc:
+            return exc.status, sent, _paths(router)
+        finally:
+            await _close(router, s1, s2)
+        raise AssertionError("a decode's 500 was served")
+
+    status, sent, paths = asyncio.run(run())
+    assert status == 500 and sent == ["d"]
+    assert paths == {REMOTE: 0, LOCAL: 0, FALLBACK: 0}
+
+
 async def _no_probe() -> None:
     """The probe round a request may ask for sees what the last one saw."""
 

@@ -23,9 +23,11 @@ from pdd_sidecar.engine.speculative.ngram import NgramIndex
 class SpecStats:
     """Counts since start, in vLLM's terms: ``drafts`` verify steps of a sequence with at least
     one draft, ``draft_tokens`` tokens drafted, ``accepted_tokens`` drafts kept,
-    ``accepted_per_pos[i]`` drafts kept at position ``i`` (kept and emitted: none past a token
-    that ended the sequence); ``skipped`` sequence-steps that drafted nothing, by reason
-    (batch, acceptance, no_match, room, prefill: a step that also prefilled a prompt)."""
+    ``accepted_per_pos[i]`` drafts kept at position ``i``; a kept draft counts when the token
+    it let the step emit was emitted (none past a token that ended the sequence), so a verify
+    step emits ``accepted + 1`` tokens; ``skipped`` sequence-steps that drafted nothing, by
+    reason (batch, acceptance, no_match, room, prefill: a step that also prefilled a
+    prompt)."""
 
     drafts: int = 0
     draft_tokens: int = 0

@@ -121,6 +121,12 @@ def _retryable(exc: ApiError) -> bool:
     return exc.status >= 500 or exc.status == 429
 
 
+def _refused(exc: ApiError) -> bool:
+    """A decode did not take the request (``_open_decode``'s own test): incompatible, full,
+    not ready or draining, or not reachable. Its other errors are answers."""
+    return exc.status in (409, 429, 503) or isinstance(exc, Unreachable)
+
+
 def _token_line(line: bytes) -> int | None:
     """The id of a decode's ``{"token": id}`` line as json.dumps writes it (all but the first
     and last line of a stream), without the JSON decoder; None for any other line."""
@@ -564,7 +570,7 @@ class Router:
                 # Another decode may take what this one did not start: an incompatible one
                 # (409), one with a full queue (429), one not ready or draining before its exit
                 # (503), one not reachable.
-                if exc.status not in (409, 429, 503) and not isinstance(exc, Unreachable):
+                if not _refused(exc):
                     raise
                 if exc.status not in (409, 429):
                     self.decode.mark(url, False)  # until the next probe says ready
@@ -751,7 +757,7 @@ class Router:
             except ApiError as exc:
                 # No token reached the client: every decode that could prefill it refused
                 # (draining, full, gone). A prefill serves it when one is ready.
-                if started or path != LOCAL or not _retryable(exc) or not self.pools_ready:
+                if started or path != LOCAL or not _refused(exc) or not self.pools_ready:
                     raise
                 log.warning("no decode took request %s to prefill it itself, going through a "
                             "prefill: %s", rid, exc)
@@ -783,6 +789,7 @@ class Router:
                     raise
                 log.warning("request %s lost its prefill and none is ready; falling back to "
                             "a decode: %s", rid, exc)
+                trip.prefill = None  # any decode may take it, whatever that prefill's plan
                 break
             finally:
                 await inner.aclose()
