@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +20,8 @@ from pdd_sidecar.env import RouterSettings
 from pdd_sidecar.serve.openai.openai_request import ApiError, GenRequest
 from pdd_sidecar.serve.router.prefill_path import FALLBACK, LOCAL, REMOTE
 from pdd_sidecar.serve.router.upstreams import Router, Trip
+
+from .test_router_pool import _free_port_url, _serve
 
 MODEL = SimpleNamespace(vocab_size=256, max_model_len=8192, codec=None)
 
@@ -39,19 +40,14 @@ def _paths(router: Router) -> dict[str, float]:
             for p in (REMOTE, LOCAL, FALLBACK)}
 
 
-def _free_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+def _answers(sent: list[str], name: str, body: dict[str, Any], status: int = 200) -> Any:
+    """A replica's handler that notes it was called (``name``), then answers ``body``."""
 
+    async def handler(request: web.Request) -> web.Response:
+        sent.append(name)
+        return web.json_response(body, status=status)
 
-async def _serve(routes: list[tuple[str, str, Any]]) -> tuple[TestServer, str]:
-    app = web.Application()
-    for method, path, handler in routes:
-        app.router.add_route(method, path, handler)
-    server = TestServer(app)
-    await server.start_server()
-    return server, str(server.make_url("")).rstrip("/")
+    return handler
 
 
 def _decode_handler(seen: list[dict[str, Any]]) -> Any:
@@ -148,7 +144,7 @@ def test_the_probe_reads_the_decode_s_cache_unit() -> None:
                                       "cache_unit_tokens": 128})
 
         server, url = await _serve([("GET", "/readyz", readyz)])
-        router = _router(PDD_PREFILL_URLS=_free_url(), PDD_DECODE_URLS=url)
+        router = _router(PDD_PREFILL_URLS=_free_port_url(), PDD_DECODE_URLS=url)
         await _with_sessions(router)
         try:
             await router.refresh()
@@ -167,7 +163,7 @@ def test_a_request_whose_prefill_died_falls_back_at_once() -> None:
     async def run() -> tuple[float, str | None, list[int], dict[str, float]]:
         seen: list[dict[str, Any]] = []
         server, decode = await _serve([("POST", "/v1/decode", _decode_handler(seen))])
-        router = _router(PDD_PREFILL_URLS=_free_url(), PDD_DECODE_URLS=decode,
+        router = _router(PDD_PREFILL_URLS=_free_port_url(), PDD_DECODE_URLS=decode,
                          PDD_ROUTER_READY_WAIT_S="30")
         await _with_sessions(router)
         router.prefill.mark(router.prefill.urls[0], True)
@@ -196,7 +192,7 @@ def test_after_a_dead_prefill_the_fallback_takes_a_decode_of_any_plan() -> None:
     async def run() -> tuple[str | None, str | None, list[int]]:
         seen: list[dict[str, Any]] = []
         server, d_new = await _serve([("POST", "/v1/decode", _decode_handler(seen))])
-        d_old, dead = "http://old:1", _free_url()
+        d_old, dead = "http://old:1", _free_port_url()
         router = _router(PDD_PREFILL_URLS=dead, PDD_DECODE_URLS=f"{d_old},{d_new}",
                          PDD_ROUTER_READY_WAIT_S="30")
         await _with_sessions(router)
@@ -224,17 +220,9 @@ def test_a_local_decode_s_own_error_is_its_answer_not_a_refusal() -> None:
 
     async def run() -> tuple[int, list[str], dict[str, float]]:
         sent: list[str] = []
-
-        async def broken(request: web.Request) -> web.Response:
-            sent.append("d")
-            return web.json_response({"error": {"message": "sampling failed"}}, status=500)
-
-        async def prefill(request: web.Request) -> web.Response:
-            sent.append("p")
-            return web.json_response({"first_token": 9, "kv_transfer_params": {}})
-
+        broken = _answers(sent, "d", {"error": {"message": "sampling failed"}}, 500)
         s1, d = await _serve([("POST", "/v1/decode", broken)])
-        s2, p = await _serve([("POST", "/v1/prefill", prefill)])
+        s2, p = await _serve([("POST", "/v1/prefill", _answers(sent, "p", {"first_token": 9}))])
         router = _router(PDD_PREFILL_URLS=p, PDD_DECODE_URLS=d)
         await _with_sessions(router)
         router.prefill.mark(p, True)
@@ -263,15 +251,9 @@ def test_a_local_request_every_local_decode_refused_goes_through_a_prefill() -> 
 
     async def run() -> tuple[str | None, list[int], dict[str, float], list[str]]:
         sent: list[str] = []
-
-        async def draining(request: web.Request) -> web.Response:
-            sent.append("d1")
-            return web.json_response({"error": {"message": "draining"}}, status=503)
-
-        async def prefill(request: web.Request) -> web.Response:
-            sent.append("p")
-            return web.json_response({"first_token": 9, "finish_reason": None,
-                                      "kv_transfer_params": {"pdd_grant": {}}})
+        draining = _answers(sent, "d1", {"error": {"message": "draining"}}, 503)
+        prefill = _answers(sent, "p", {"first_token": 9, "finish_reason": None,
+                                       "kv_transfer_params": {"pdd_grant": {}}})
 
         seen: list[dict[str, Any]] = []
         s1, d1 = await _serve([("POST", "/v1/decode", draining)])
