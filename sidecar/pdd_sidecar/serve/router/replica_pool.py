@@ -70,15 +70,19 @@ class Pool:
     def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         """The most of the prompt any ready replica that prefills itself caches, as the policy
         estimates it."""
-        return max((self.cached_on(u, prompt_ids) for u in self.local_candidates()), default=0)
+        return max(self.cached_by(prompt_ids).values(), default=0)
+
+    def cached_by(self, prompt_ids: Sequence[int],
+                  urls: Sequence[str] | None = None) -> dict[str, int]:
+        """The prompt's tokens each replica (default: the ready ones that prefill themselves)
+        would reuse: the policy's estimate in whole units of its prefix cache (a DCP decode
+        keeps block size x DCP tokens a unit; a partial unit is computed again)."""
+        urls = self.local_candidates() if urls is None else urls
+        return {u: c - c % self.cache_unit.get(u, 1)
+                for u, c in self.policy.cached_tokens(urls, prompt_ids).items()}
 
     def cached_on(self, url: str, prompt_ids: Sequence[int]) -> int:
-        """The prompt's tokens ``url`` would reuse: the policy's estimate in whole units of
-        its prefix cache (a DCP decode keeps block size x DCP tokens a unit; a partial unit
-        is computed again)."""
-        cached = self.policy.cached_tokens(url, prompt_ids)
-        unit = self.cache_unit.get(url, 1)
-        return cached - cached % unit
+        return self.cached_by(prompt_ids, [url])[url]
 
     def local_candidates(self) -> list[str]:
         """The ready replicas that prefill a prompt themselves (a decode whose /readyz says

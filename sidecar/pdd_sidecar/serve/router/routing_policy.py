@@ -149,10 +149,10 @@ class RoutingPolicy:
     def forget(self, url: str) -> None:
         """The replica restarted or left: what it held is gone."""
 
-    def cached_tokens(self, url: str, prompt_ids: Sequence[int]) -> int:
-        """The prompt's tokens the replica most likely caches (a policy that tracks no prefixes
-        knows of none)."""
-        return 0
+    def cached_tokens(self, urls: Sequence[str], prompt_ids: Sequence[int]) -> dict[str, int]:
+        """The prompt's tokens each replica most likely caches (a policy that tracks no
+        prefixes knows of none)."""
+        return dict.fromkeys(urls, 0)
 
 
 class LeastLoaded(RoutingPolicy):
@@ -218,10 +218,11 @@ class CacheAware(LeastLoaded):
     def forget(self, url: str) -> None:
         self.index.forget(url)
 
-    def cached_tokens(self, url: str, prompt_ids: Sequence[int]) -> int:
-        """Whole blocks of the prompt routed to ``url`` before (prompts and, for a decode, the
-        answers it finished), from the start."""
-        return self.index.match(url, self.index.keys(prompt_ids)) * self.index.block_size
+    def cached_tokens(self, urls: Sequence[str], prompt_ids: Sequence[int]) -> dict[str, int]:
+        """Whole blocks of the prompt routed to each replica before (prompts and, for a decode,
+        the answers it finished), from the start; the prompt's blocks hashed once."""
+        keys = self.index.keys(prompt_ids)
+        return {u: self.index.match(u, keys) * self.index.block_size for u in urls}
 
 
 def make_policy(name: str, block_size: int, shared: bool = False) -> RoutingPolicy:

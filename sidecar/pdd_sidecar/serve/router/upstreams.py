@@ -270,11 +270,6 @@ class Router:
         return (not trip.warmup and self.settings.no_prefill == "fallback"
                 and self._decode_can(req))
 
-    def _too_long_on(self, url: str, req: GenRequest) -> bool:
-        """The prompt's part ``url`` does not cache is over the decision's threshold."""
-        cached = self.decode.cached_on(url, req.prompt_ids)
-        return uncached_tokens(len(req.prompt_ids), cached) > self.settings.local_prefill_tokens
-
     def _count_path(self, trip: Trip, path: str) -> None:
         """Where the request was served, counted once it was taken there (not the warm round
         trip's)."""
@@ -545,8 +540,12 @@ class Router:
             # and for a request the decision sent there (LOCAL), one that caches enough of the
             # prompt; if none of those can take it, a prefill can (tokens()).
             short = trip.path == LOCAL and not self.settings.aggregated
+            limit = self.settings.local_prefill_tokens
+            # the estimate once per request (one that appears later caches nothing)
+            cached = self.decode.cached_by(req.prompt_ids) if short else {}
             allowed = (lambda u: u in self.decode.local_prefill  # noqa: E731
-                       and not (short and self._too_long_on(u, req)))
+                       and not (short and uncached_tokens(len(req.prompt_ids),
+                                                          cached.get(u, 0)) > limit))
             wait = not (short and self.pools_ready)
         last: ApiError | None = None
         while True:
