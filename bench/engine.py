@@ -1043,8 +1043,8 @@ def main(argv: list[str] | None = None) -> int:
                         "time, each in this run: off (unfused), on (fused, defaults), options "
                         "after on: +shared=N (shared experts in the GEMV up to N tokens), "
                         "+router=apart, +dense=N (Triton GEMV for the dense projections up to N "
-                        "tokens), +grouped=A-B (per-expert GEMV from A up to B tokens; N: from 2); "
-                        "default "
+                        "tokens), +grouped=A-B (per-expert GEMV from A up to B tokens; N: from 2), "
+                        "+pdl (programmatic dependent launches); default "
                         "off,on on CUDA, on on the CPU")
     p.add_argument("--breakdown-fusion", default=None,
                    help="the --fusion items the breakdowns run (default: all of them)")
@@ -1310,7 +1310,8 @@ def fusion_variant(name: str) -> Iterator[None]:
     ``+shared=N`` (the shared experts in the routed GEMV up to N tokens), ``+router=apart``
     (the router's fp32 projection and its softmax/top-k kernel apart), ``+dense=N`` (the
     dense projections as Triton GEMVs up to N tokens; 0: cuBLAS) and ``+grouped=A-B`` (the
-    per-expert GEMV from A up to B tokens; ``+grouped=N``: from 2; 0: never)."""
+    per-expert GEMV from A up to B tokens; ``+grouped=N``: from 2; 0: never) and ``+pdl``
+    (the Triton kernels as programmatic dependent launches; ``+pdl=0``: not)."""
     kind, *opts = name.split("+")
     settings: dict[str, Any] = {}
     for opt in opts:
@@ -1322,13 +1323,15 @@ def fusion_variant(name: str) -> Iterator[None]:
             settings[key] = (int(lo), int(hi)) if dash else (2, int(lo))
         elif key == "router" and value in ("apart", "fused"):
             settings["router"] = value == "fused"
+        elif key == "pdl" and value in ("", "1", "0"):
+            settings["pdl"] = value != "0"
         else:
             kind = "?"
     if kind not in ("on", "off") or (kind == "off" and opts):
         raise ValueError(f"--fusion: each item is off or on[+shared=N][+router=apart]"
-                         f"[+dense=N][+grouped=[A-]B], got {name!r}")
+                         f"[+dense=N][+grouped=[A-]B][+pdl], got {name!r}")
     fusion.set_fused(kind == "on", settings.get("shared"), settings.get("router"),
-                     settings.get("dense"), settings.get("grouped"))
+                     settings.get("dense"), settings.get("grouped"), settings.get("pdl"))
     try:
         yield
     finally:

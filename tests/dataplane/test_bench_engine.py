@@ -113,6 +113,20 @@ def test_fusion_variant_sets_the_per_expert_gemv_range(monkeypatch: pytest.Monke
             pass
 
 
+def test_fusion_variant_switches_pdl_for_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDD_PDL", raising=False)
+    mod = load_bench("engine.py", monkeypatch)
+    from pdd_sidecar.model import fusion
+
+    for name, want in (("on+pdl", True), ("on+pdl=1+shared=2", True), ("on+pdl=0", False),
+                       ("on", fusion.PDL_DEFAULT)):
+        with mod.fusion_variant(name):
+            assert fusion.pdl() is want
+        assert fusion.pdl() is fusion.PDL_DEFAULT
+    with pytest.raises(ValueError, match="pdl"), mod.fusion_variant("on+pdl=yes"):
+        pass
+
+
 def test_prefill_bound_is_the_longer_of_flops_and_weight_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Bytes: every weight the prompt uses once, the routed experts its tokens can reach (all of

@@ -16,6 +16,7 @@ from pdd_sidecar.switch import switch
 
 PDD_FUSED_DECODE = "PDD_FUSED_DECODE"
 PDD_SHARED_IN_GEMV_TOKENS = "PDD_SHARED_IN_GEMV_TOKENS"
+PDD_PDL = "PDD_PDL"
 _state: dict[str, object] = {}
 
 
@@ -44,6 +45,15 @@ def shared_in_gemv_tokens() -> int:
 
 
 
+def pdl() -> bool:
+    """``PDD_PDL``: ``1`` or ``0`` (default), unless ``set_fused(pdl=...)`` said otherwise:
+    whether the step's Triton kernels launch as programmatic dependents of the kernel before
+    them (kernels/pdl.py; Hopper and later only)."""
+    if "pdl" not in _state:
+        _state["pdl"] = switch(os.environ, PDD_PDL, PDL_DEFAULT)
+    return bool(_state["pdl"])
+
+
 def fused_router() -> bool:
     """Whether the fused path routes with the one-kernel router (default) or with the fp32
     projection and the softmax/top-k kernel apart (``set_fused(router=False)``: the bench's
@@ -60,7 +70,8 @@ DENSE_GEMV_TOKENS = 0
 # the per-pair GEMV also at 3-8 rows (8: 8.63 against 8.77); the per-expert one at 16 (11.68
 # against 12.46, an earlier run)
 SHARED_IN_GEMV_TOKENS = 2
-GROUPED_GEMV_TOKENS = (9, 21)  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
+GROUPED_GEMV_TOKENS = (9, 21)
+PDL_DEFAULT = False  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
 
 
 def grouped_gemv_tokens() -> tuple[int, int]:
@@ -79,11 +90,11 @@ def dense_gemv_tokens() -> int:
 
 def set_fused(on: bool | None, shared_tokens: int | None = None,
               router: bool | None = None, dense: int | None = None,
-              grouped: tuple[int, int] | None = None) -> None:
+              grouped: tuple[int, int] | None = None, pdl: bool | None = None) -> None:
     """Overrides the environment for this process (``None``: read it again; the router, dense
     and grouped settings back to their defaults)."""
     for key, value in (("fused", on), ("shared_tokens", shared_tokens), ("router", router),
-                       ("dense", dense), ("grouped", grouped)):
+                       ("dense", dense), ("grouped", grouped), ("pdl", pdl)):
         if value is None:
             _state.pop(key, None)
         else:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pdd_sidecar.kv import fp8_layout
+from pdd_sidecar.model.kernels import pdl
 from pdd_sidecar.model.kernels.pow2 import next_pow2
 
 try:
@@ -70,7 +71,7 @@ def write_latents(
         kernel[(n,)](
             layer_view, block_ids, offsets, mask, vals,
             layer_view.stride(0), layer_view.stride(1), vals.stride(0),
-            L=latent, L_P2=max(16, 1 << (latent - 1).bit_length()),
+            L=latent, L_P2=max(16, 1 << (latent - 1).bit_length()), **pdl.launch(vals.device),
         )  # fmt: skip
         return
     keep = mask.to(torch.bool)
@@ -130,6 +131,7 @@ def _write_fp8_triton(
         layer_view.stride(0), layer_view.stride(1), vals.stride(0),
         C=nope, R=rope, NG_P2=next_pow2(groups, 1), G_P2=next_pow2(min(nope, fp8_layout.GROUP)),
         R_P2=next_pow2(rope), E4M3_MAX=fp8_layout.E4M3_MAX, MIN_SCALE=fp8_layout._MIN_SCALE,
+        **pdl.launch(vals.device),
     )  # fmt: skip
 
 
@@ -139,8 +141,10 @@ if HAS_TRITON:
     def _write_rows(
         KV, BLK, OFF, MASK, V, stride_kvb, stride_kvt, stride_v,
         L: tl.constexpr, L_P2: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         i = tl.program_id(0)
+        pdl.pdl_wait(PDL)
         keep = tl.load(MASK + i) != 0
         blk = tl.load(BLK + i).to(tl.int64)
         off = tl.load(OFF + i).to(tl.int64)
@@ -154,10 +158,12 @@ if HAS_TRITON:
         KV, BLK, OFF, MASK, V, stride_kvb, stride_kvt, stride_v,
         C: tl.constexpr, R: tl.constexpr, NG_P2: tl.constexpr, G_P2: tl.constexpr,
         R_P2: tl.constexpr, E4M3_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """One row: the no-RoPE values as [groups, 128], a scale per group (amax / 448, as
         fp8_layout computes it), the e4m3 bytes, the scales' bytes, then the RoPE in bf16."""
         i = tl.program_id(0)
+        pdl.pdl_wait(PDL)
         keep = tl.load(MASK + i) != 0
         blk = tl.load(BLK + i).to(tl.int64)
         off = tl.load(OFF + i).to(tl.int64)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from pdd_sidecar.kv import fp8_layout
-from pdd_sidecar.model.kernels import decode_backend
+from pdd_sidecar.model.kernels import decode_backend, pdl
 from pdd_sidecar.model.kernels.flashmla_decode import flashmla_decode
 from pdd_sidecar.model.kernels.pow2 import next_pow2
 from pdd_sidecar.model.mla import decode_attention
@@ -283,6 +283,7 @@ def paged_mla_decode_triton(
         num_warps=num_warps or NUM_WARPS,
         num_stages=num_stages or NUM_STAGES,
         **extra,
+        **pdl.launch(q.device),
     )
     if num_splits > 1:
         reduce: Any = _mla_decode_reduce
@@ -308,6 +309,7 @@ def paged_mla_decode_triton(
             C_P2=next_pow2(c),
             S_P2=next_pow2(num_splits, 2),
             num_warps=4,
+            **pdl.launch(q.device),
         )
     return out, lse
 
@@ -350,10 +352,12 @@ if HAS_TRITON:
         NG: tl.constexpr = 1,
         NG_P2: tl.constexpr = 1,
         G_P2: tl.constexpr = 16,
+        PDL: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         s = tl.program_id(1)
         hg = tl.program_id(2)
+        pdl.pdl_wait(PDL)
         offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < num_heads
         offs_c = tl.arange(0, C_P2)
@@ -514,6 +518,7 @@ if HAS_TRITON:
         IEEE: tl.constexpr,
         NG: tl.constexpr,
         G_P2: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """The bf16 split kernel's walk over an FP8 cache (``KV`` bytes, strides in bytes).
         The scales never touch the K tile: scores are ``sum_g s_g (q_g . k_g)`` and the output
@@ -524,6 +529,7 @@ if HAS_TRITON:
         b = tl.program_id(0)
         s = tl.program_id(1)
         hg = tl.program_id(2)
+        pdl.pdl_wait(PDL)
         offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < num_heads
         offs_j = tl.arange(0, G_P2)
@@ -649,9 +655,11 @@ if HAS_TRITON:
         C: tl.constexpr,
         C_P2: tl.constexpr,
         S_P2: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        pdl.pdl_wait(PDL)
         # the splits that stored: as the split kernel cuts the sequence
         seq_len = tl.minimum(tl.load(SL + b).to(tl.int32), max_blocks * BS)
         per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdd_sidecar.model.kernels import pdl
 from pdd_sidecar.model.kernels.moe_route import combine, inverse_order
 from pdd_sidecar.model.weights import MoEWeights
 
@@ -153,13 +154,13 @@ def grouped_gemv_experts(
         x, w.w_gate, w.w_up, rows32, offs, h,
         hidden, inter, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
         w.w_up.stride(0), w.w_up.stride(1), h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch(x.device),
     )  # fmt: skip
     down: Any = _grouped_down
     down[(e, triton.cdiv(hidden, bn))](
         h, w.w_down, offs, y,
         inter, hidden, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch(x.device),
     )  # fmt: skip
     return combine(y, weights, inverse_order(order), shared)
 
@@ -247,14 +248,14 @@ def gemv_experts(
         hidden, inter, e, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
         w.w_up.stride(0), w.w_up.stride(1), h.stride(0),
         TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SHARED=sh is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     down: Any = _gemv_down
     down[(pairs, triton.cdiv(hidden, dn))](
         h, w.w_down, sd, flat, y,
         inter, hidden, e, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), sd_row,
         y.stride(0),
-        BLOCK_N=dn, BLOCK_K=dk, HAS_SHARED=sh is not None, num_warps=dw,
+        BLOCK_N=dn, BLOCK_K=dk, HAS_SHARED=sh is not None, num_warps=dw, **pdl.launch(x.device),
     )  # fmt: skip
     return y
 
@@ -266,9 +267,11 @@ if HAS_TRITON:
         X, WG, WU, ROWS, OFFS, H,
         K, N, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ht,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         e = tl.program_id(0)
         nb = tl.program_id(1)
+        pdl.pdl_wait(PDL)
         end = tl.load(OFFS + e)
         start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -302,14 +305,16 @@ if HAS_TRITON:
         H, WD, OFFS, Y,
         K, N, stride_ht, stride_de, stride_dn, stride_yt,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         e = tl.program_id(0)
         nb = tl.program_id(1)
-        end = tl.load(OFFS + e)
+        end = tl.load(OFFS + e)  # the sort's, two kernels back: complete (pdl.py)
         start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         d_rows = WD + e.to(tl.int64) * stride_de + offs_n[:, None].to(tl.int64) * stride_dn
+        pdl.pdl_wait(PDL)
         for m0 in range(start, end, BLOCK_M):
             pm = m0 + tl.arange(0, BLOCK_M)
             live = pm < end
@@ -331,9 +336,11 @@ if HAS_TRITON:
         K, N, E, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ht,
         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         HAS_SHARED: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         s = tl.program_id(0)
         nb = tl.program_id(1)
+        pdl.pdl_wait(PDL)
         tok = s // TOPK
         e = tl.load(IDS + s).to(tl.int64)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -367,10 +374,11 @@ if HAS_TRITON:
         H, WD, SD, IDS, Y,
         K, N, E, stride_ht, stride_de, stride_dn, stride_sdn, stride_yt,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         s = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.load(IDS + s).to(tl.int64)
+        e = tl.load(IDS + s).to(tl.int64)  # the router's, two kernels back: complete (pdl.py)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -378,6 +386,7 @@ if HAS_TRITON:
         if HAS_SHARED:
             if e >= E:  # a part of the shared experts: their down's columns (e - E) * K ..
                 rows = SD + (e - E) * K + offs_n[:, None].to(tl.int64) * stride_sdn
+        pdl.pdl_wait(PDL)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K

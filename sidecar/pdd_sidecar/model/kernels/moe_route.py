@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.model.kernels import pdl
 from pdd_sidecar.model.kernels.pow2 import next_pow2
 
 try:
@@ -226,6 +227,7 @@ def router_topk_triton(
         BLOCK_T=ROUTER_BLOCK_T, BLOCK_K=ROUTER_BLOCK_K, NORMALIZE=r.normalizes,
         SIGMOID=r.sigmoid, HAS_BIAS=bias is not None, N_GROUP=r.n_group,
         G_P2=max(2, next_pow2(r.n_group)), TOPK_GROUP=r.topk_group, num_warps=4,
+        **pdl.launch(x.device),
     )  # fmt: skip
     return weights, ids
 
@@ -260,7 +262,7 @@ def combine_triton(y: torch.Tensor, weights: torch.Tensor, src: torch.Tensor | N
     kernel: Any = _combine_rows
     kernel[(t, triton.cdiv(hidden, block))](
         y, w, r, s, out, y.stride(0), s.stride(0), hidden, K=k, BLOCK=block,
-        HAS_SRC=src is not None, HAS_SHARED=shared is not None,
+        HAS_SRC=src is not None, HAS_SHARED=shared is not None, **pdl.launch(y.device),
     )  # fmt: skip
     return out
 
@@ -308,6 +310,7 @@ if HAS_TRITON:
         SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
         NORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
         N_GROUP: tl.constexpr, G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         tb = tl.program_id(0)
         sp = tl.program_id(1)
@@ -317,10 +320,11 @@ if HAS_TRITON:
         live_e = ex < e
         cols = sp * BLOCK_K + tl.arange(0, BLOCK_K)
         live_k = cols < hidden
-        xv = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
-                     mask=live_t[:, None] & live_k[None, :], other=0.0).to(tl.float32)
         rv = tl.load(R + ex[:, None] * stride_r + cols[None, :],
                      mask=live_e[:, None] & live_k[None, :], other=0.0)
+        pdl.pdl_wait(PDL)  # the router's weights are read while the kernel before finishes
+        xv = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                     mask=live_t[:, None] & live_k[None, :], other=0.0).to(tl.float32)
         logits = tl.dot(xv, tl.trans(rv), input_precision="ieee")  # [BLOCK_T, E_P2]
         mine = PART + (sp * t + rows[:, None]).to(tl.int64) * E_P2 + ex[None, :]
         tl.store(mine, logits, mask=live_t[:, None])
@@ -390,8 +394,10 @@ if HAS_TRITON:
     def _combine_rows(
         Y, W, SRC, S, OUT, stride_y, stride_s, hidden,
         K: tl.constexpr, BLOCK: tl.constexpr, HAS_SRC: tl.constexpr, HAS_SHARED: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         t = tl.program_id(0)
+        pdl.pdl_wait(PDL)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < hidden
         acc = tl.zeros([BLOCK], dtype=tl.float32)

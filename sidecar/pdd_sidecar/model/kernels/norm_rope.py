@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.model.kernels import pdl
 from pdd_sidecar.model.kernels.pow2 import next_pow2
 
 try:
@@ -70,7 +71,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     kernel: Any = _rms_norm_rows
     block = next_pow2(n)
     kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
-                             num_warps=4 if block <= 2048 else 8)
+                             num_warps=4 if block <= 2048 else 8, **pdl.launch(x.device))
     return out.view(x.shape)
 
 
@@ -96,7 +97,7 @@ def add_rms_norm_triton(
     kernel: Any = _add_rms_norm_rows
     block = next_pow2(n)
     kernel[(xr.shape[0],)](xr, yr, weight, total, normed, n, eps, BLOCK=block,
-                           num_warps=4 if block <= 2048 else 8)
+                           num_warps=4 if block <= 2048 else 8, **pdl.launch(x.device))
     return total.view(x.shape), normed.view(x.shape)
 
 
@@ -130,21 +131,26 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_rows(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
+    def _rms_norm_rows(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        pdl.pdl_wait(PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
         y = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_rows(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    def _add_rms_norm_rows(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, n, eps, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        pdl.pdl_wait(PDL)
         ty = sum_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
@@ -153,7 +159,6 @@ if HAS_TRITON:
         sf = s.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + eps)
         z = (sf * inv).to(ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (w * z).to(ty), mask=mask)
 
     @triton.jit

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pdd_sidecar.model.kernels import pdl
 from pdd_sidecar.model.kernels.kv_write import write_latents
 from pdd_sidecar.model.kernels.norm_rope import apply_rope, apply_rope_ref, rms_norm, rms_norm_ref
 from pdd_sidecar.model.kernels.pow2 import next_pow2
@@ -115,6 +116,7 @@ def rope_kv_write_triton(
         layer_view.stride(0), layer_view.stride(1), heads, eps,
         KVL=kvl, KVL_P2=next_pow2(kvl), HALF=rope // 2, HALF_P2=next_pow2(rope // 2),
         H_P2=next_pow2(heads, 1), WRITE_CACHE=direct, STORE_LATENT=latent is not None,
+        **pdl.launch(ckv.device),
     )  # fmt: skip
     if not direct:
         assert latent is not None
@@ -130,15 +132,17 @@ if HAS_TRITON:
         stride_c, stride_qt, stride_qh, stride_ot, stride_oh, stride_kvb, stride_kvt, heads, eps,
         KVL: tl.constexpr, KVL_P2: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
         H_P2: tl.constexpr, WRITE_CACHE: tl.constexpr, STORE_LATENT: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         ty = QOUT.dtype.element_ty
         row = CKV + t * stride_c
         cols = tl.arange(0, KVL_P2)
         live = cols < KVL
+        w = tl.load(NW + cols, mask=live, other=0.0).to(tl.float32)
+        pdl.pdl_wait(PDL)
         x = tl.load(row + cols, mask=live, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / KVL + eps)
-        w = tl.load(NW + cols, mask=live, other=0.0).to(tl.float32)
         c_norm = (w * (x * inv).to(ty).to(tl.float32)).to(ty)
         i = tl.arange(0, HALF_P2)
         li = i < HALF

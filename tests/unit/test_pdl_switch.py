@@ -1,0 +1,39 @@
+"""``PDD_PDL`` and the launch arguments it gives the step's Triton kernels: off by default,
+never on the CPU (Triton's interpreter has no grid-dependency instructions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd_sidecar.model import fusion
+from pdd_sidecar.model.kernels import pdl
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> object:
+    monkeypatch.delenv(fusion.PDD_PDL, raising=False)
+    fusion.set_fused(None)
+    yield
+    fusion.set_fused(None)
+
+
+def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fusion.pdl() is False
+    monkeypatch.setenv(fusion.PDD_PDL, "1")
+    fusion.set_fused(None)
+    assert fusion.pdl() is True
+    fusion.set_fused(None, pdl=False)
+    assert fusion.pdl() is False
+
+
+def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fusion.PDD_PDL, "yes")
+    with pytest.raises(ValueError, match="PDD_PDL: must be 0 or 1, got 'yes'"):
+        fusion.pdl()
+
+
+def test_the_cpu_never_launches_as_a_dependent() -> None:
+    fusion.set_fused(None, pdl=True)
+    assert pdl.supported(torch.device("cpu")) is False
+    assert pdl.launch(torch.device("cpu")) == {"PDL": False}
