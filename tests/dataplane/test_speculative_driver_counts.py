@@ -1,7 +1,7 @@
 """What the decode's driver counts of speculation (engine/driver.py with a toy next-token
 model in place of the ranks): a verify step counts the drafts it emitted, none past a token
-that ended the sequence; a step that also prefills a prompt drafts nothing and counts its
-sequences as skipped ("prefill")."""
+that ended the sequence; a step that also prefills a prompt samples the prompt's row apart
+and verifies the drafts beside it."""
 
 from __future__ import annotations
 
@@ -99,14 +99,21 @@ def test_a_verify_step_counts_no_draft_past_the_token_that_ended_it() -> None:
     assert seq.extra.get(timing.SPEC_ACCEPTED_TOKENS) == 1
 
 
-def test_a_step_that_also_prefills_drafts_nothing_and_says_so() -> None:
+def test_a_step_that_also_prefills_a_prompt_verifies_drafts_beside_it() -> None:
+    """A short prompt prefilled on the decode (scheduler.py: Local prefill) shares the step with
+    a speculating sequence: its first token comes from its own row, and the sequence's drafts
+    are verified from the rows after it as in a decode-only step."""
     d = _driver(_next([(A, B), (B, C), (C, A)]))
     seq = _running(d, "s", [A, B, C] * 6, A, 30)
-    assert _step(d, seq).drafts  # a plain step drafts
-    local = _running(d, "local", [A, B], 0, 4)
-    entry = _step(d, seq, [PrefillChunk(local, 0, [A, B])])
-    assert entry.drafts == []
-    assert d.speculator.stats.skipped.get("prefill") == 1
+    local = Sequence("local", [C, A, B], 4, 7, sampling=SamplingParams(), state=State.RUNNING)
+    d.scheduler.running["local"] = d.scheduler.by_id["local"] = local
+    entry = _step(d, seq, [PrefillChunk(local, 0, [C, A, B])])
+    assert entry.drafts == [B, C, A]
+    assert seq.output == [B, C, A, B]  # the three drafts kept and the row after them
+    assert local.output == [C]
+    st = d.speculator.stats
+    assert (st.drafts, st.draft_tokens, st.accepted_tokens) == (1, 3, 3)
+    assert "prefill" not in st.skipped
     d.scheduler.running.pop("s")
-    _step(d, _running(d, "t", [A, B, C] * 3, A, 8), [PrefillChunk(local, 0, [A, B])])
+    _step(d, _running(d, "t", [A, B, C] * 3, A, 8), [PrefillChunk(local, 0, [C, A, B])])
     assert "s" not in d.speculator._seqs  # a finished sequence forgotten in such a step too

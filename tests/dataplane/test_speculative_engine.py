@@ -86,3 +86,47 @@ def test_verify_rows_through_the_padded_graph_path(plain: list[int], tp: int, dc
                           speculative=SpeculativeConfig(tokens=3))
     assert res.token_ids == plain
     assert any(n > 1 for n in padded)  # verify steps of several rows ran padded
+
+
+@pytest.mark.parametrize("mode", ["eager", "padded"])
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)], ids=["tp1", "tp2-dcp2"])
+def test_verify_rows_beside_a_prompt_equal_each_alone(plain: list[int], tp: int, dcp: int,
+                                                      mode: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step that also prefills a prompt on the decode (a local prefill) and verifies a
+    sequence's fed token and three drafts: the prompt's row and each verify row give what they
+    give in steps of their own."""
+    import torch
+
+    from pdd_sidecar.engine.comm import Comm, run_threads
+    from pdd_sidecar.engine.rank_engine import RankEngine, allocate_request, new_cache
+    from pdd_sidecar.engine.seq_chunk import SeqChunk
+    from pdd_sidecar.model.rank_model import load_rank_model
+
+    if mode == "padded":  # the CPU twin of CUDA graphs
+        monkeypatch.setenv("PDD_CUDA_GRAPHS", "padded")
+    other = list(range(100, 113))
+    fed = plain[:4]  # the fed token and drafts that plain decoding would keep
+
+    def body(rank: int, comm: Comm) -> tuple[float, list[int]]:
+        model = load_rank_model("builtin", rank, tp)
+        runs = []
+        for _ in range(2):
+            eng = RankEngine(model, new_cache(model, 64, BLOCK), comm, dcp)
+            seq = allocate_request(eng.cache, len(PROMPT) + 8, dcp)
+            eng.prefill(PROMPT, seq)
+            runs.append((eng, seq, allocate_request(eng.cache, len(other) + 4, dcp)))
+
+        def rows(seq: list[int]) -> list[SeqChunk]:
+            return [SeqChunk([t], len(PROMPT) + j, seq) for j, t in enumerate(fed)]
+
+        eng, seq, prompt = runs[0]
+        mixed = eng.step([SeqChunk(other, 0, prompt), *rows(seq)])
+        eng, seq, prompt = runs[1]
+        alone = torch.cat([eng.step([SeqChunk(other, 0, prompt)]), eng.step(rows(seq))])
+        assert mixed is not None and mixed.shape == alone.shape == (5, mixed.shape[1])
+        return float((mixed - alone).abs().max()), mixed[1:].argmax(-1).tolist()
+
+    worst, picks = run_threads(tp, body)[0]
+    assert picks == plain[1:5]
+    assert worst < 1e-4, worst

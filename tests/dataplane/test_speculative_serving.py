@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -164,3 +165,34 @@ def test_the_speculating_decode_drafted_and_kept_some(twins: Any) -> None:
     drafts = _counter(m, "pdd_spec_decode_num_drafts")
     accepted = _counter(m, "pdd_spec_decode_num_accepted_tokens")
     assert drafts > 0 and 0 < accepted < _counter(m, "pdd_spec_decode_num_draft_tokens")
+
+
+def test_prompts_prefilled_on_the_speculating_decode_mid_stream_are_plain_decodings(
+        twins: Any) -> None:
+    """Short prompts the decode prefills itself (local prefill) arrive while long streams
+    speculate: the steps that prefill a prompt and verify drafts at once give every request
+    plain decoding's tokens, and no step skips its drafts for a prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime_fixtures import http
+
+    spec = twins[1]
+    before = _counter(_metrics(spec), "pdd_spec_decode_num_drafts")
+    asks = [(f"long-{i}", [*PROMPT, *PROMPT], 72, 0.0) for i in range(2)]
+    asks += [(f"short-{i}", [*PROMPT[: 6 + 2 * i], 97 + i], 8, 0.04 * (i + 1)) for i in range(8)]
+
+    def send(rid: str, prompt: list[int], n: int, delay: float) -> Any:
+        time.sleep(delay)
+        status, body = http("POST", f"{spec}/v1/decode", {
+            "request_id": rid, "local_prefill": True, "prompt_ids": prompt,
+            "max_new_tokens": n - 1}, timeout=120)
+        assert status == 200, body
+        return body["token_ids"]
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(lambda a: send(*a), asks))
+    for (rid, prompt, n, _), tokens in zip(asks, got, strict=True):
+        assert tokens == reference_tokens(prompt, n, BLOCK), rid
+    m = _metrics(spec)
+    assert _counter(m, "pdd_spec_decode_num_drafts") > before
+    assert 'reason="prefill"' not in m

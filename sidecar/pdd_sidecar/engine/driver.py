@@ -574,18 +574,10 @@ class InstanceDriver:
 
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
-        # A step that prefills a prompt here (scheduler.py: Local prefill) drafts nothing: the
-        # verify sampler takes decode rows only; its decode sequences count it as skipped
-        # ("prefill"). The MTP module still runs for them, so its latents keep up with their
-        # text.
-        if self.speculator is not None and plan.decode and not plan.prefill:
+        # A step that also prefills a prompt here (scheduler.py: Local prefill) drafts and
+        # verifies as a decode-only one: its prompt rows come first and are sampled apart.
+        if self.speculator is not None and plan.decode:
             self._draft(plan.decode)
-        elif plan.decode:
-            if self.speculator is not None:
-                self.speculator.skip_step([d.seq.id for d in plan.decode], "prefill")
-            if self.mtp is not None:
-                self._mtp_begin(plan.decode)
-                self.mtp.propose([(d.seq.id, 0) for d in plan.decode])
         chunks = self._seq_chunks(plan)
         recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
                                                                        strict=True))
@@ -716,9 +708,14 @@ class InstanceDriver:
                 rows.append((i, c.seq))
         base = len(plan.prefill)
         if any(d.drafts for d in plan.decode):
+            self._sample_rows(rows, logits)  # the prompts prefilled here, then the verify rows
             self._sample_verify(plan.decode, base, logits)
             return
-        rows += [(base + i, d.seq) for i, d in enumerate(plan.decode)]
+        self._sample_rows(rows + [(base + i, d.seq) for i, d in enumerate(plan.decode)], logits)
+
+    def _sample_rows(self, rows: list[tuple[int, Sequence]], logits: Any) -> None:
+        """One token for each of ``rows`` (logits row, sequence) still running: a prompt's
+        first or a decode row's next."""
         live = [(i, s) for i, s in rows if s.state is State.RUNNING]
         if not live or logits is None:
             return

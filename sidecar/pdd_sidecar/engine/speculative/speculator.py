@@ -157,12 +157,6 @@ class Speculator:
             st.probing = False
             st.failed_probes = 0
 
-    def skip_step(self, live: Sequence[str], reason: str) -> None:
-        """A decode step that verifies nothing (one that also prefills a prompt): each of its
-        sequences counted as skipped for ``reason``; the finished ones forgotten."""
-        self.retain(live)
-        self._skip(reason, len(live))
-
     def retain(self, live: Iterable[str]) -> None:
         """Forget the sequences not in ``live`` (finished, cancelled)."""
         keep = set(live)
