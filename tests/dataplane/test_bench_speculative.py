@@ -19,6 +19,16 @@ def test_expected_tokens_per_verify_step(monkeypatch: pytest.MonkeyPatch) -> Non
     assert mod.expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def test_speedups_with_the_module_only_at_the_checkpoints_depth(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = load_bench("speculative.py", monkeypatch)
+    assert mod.with_module_speedups("v3", 61, small=False)
+    assert not mod.with_module_speedups("v3", 1, small=False)
+    assert not mod.with_module_speedups("v2lite", 26, small=False)
+    assert mod.with_module_speedups("v2lite", 27, small=False)
+    assert mod.with_module_speedups("v2lite", 2, small=True)
+
+
 def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mod = load_bench("speculative.py", monkeypatch)
     out = tmp_path / "spec.json"
@@ -39,6 +49,7 @@ def test_small_config_reports_every_figure(tmp_path: Path, monkeypatch: pytest.M
             # the MTP module's time is added to each step: never faster than without it
             assert f["mtp_draft_ms"] > 0
             assert "mtp_draft_device_ms" in f  # NaN on the CPU: no device to profile
+            assert f["mtp_layers_of_step"] > 0
             assert f["mtp_ceiling_speedup"] < f["ceiling_speedup"]
             assert all(f["mtp_modelled_speedup"][a] < m
                        for a, m in f["modelled_speedup"].items())
