@@ -272,6 +272,28 @@ def plan_json(p: tuple[int, int], d: tuple[int, int], block_size: int) -> str:
     ).to_json()
 
 
+LocalAsk = tuple[str, list[int], int, float]  # request id, prompt ids, tokens, delay (s)
+
+
+def local_prefills(url: str, asks: list[LocalAsk], timeout: float = 180) -> list[list[int]]:
+    """Each ask sent to the decode at ``url`` as a local prefill (``/v1/decode`` with
+    ``local_prefill``) from a thread of its own after its delay; each answer's token ids (the
+    first token and ``tokens - 1`` more), in the asks' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(ask: LocalAsk) -> list[int]:
+        rid, prompt, n, delay = ask
+        time.sleep(delay)
+        status, body = http("POST", f"{url}/v1/decode", {
+            "request_id": rid, "local_prefill": True, "prompt_ids": prompt,
+            "max_new_tokens": n - 1}, timeout=timeout)
+        assert status == 200, (rid, body)
+        return list(body["token_ids"])
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        return list(pool.map(send, asks))
+
+
 _REFERENCES: dict[tuple[tuple[int, ...], int, int], list[int]] = {}
 
 

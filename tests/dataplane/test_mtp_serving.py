@@ -6,13 +6,12 @@ drafting from its next step, and counts it."""
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from runtime_fixtures import LocalCluster, http, pd_stack
+from runtime_fixtures import LocalAsk, LocalCluster, http, local_prefills, pd_stack
 from test_mtp import mtp_checkpoint  # noqa: F401  (the fixture: a V3 checkpoint with the module)
 
 from pdd_sidecar.engine.generate import generate_result
@@ -285,8 +284,6 @@ def test_prompts_prefilled_on_the_drafting_decode_mid_stream_are_plain_decodings
     """Short prompts the decode prefills itself arrive while longer ones draft with the
     module: steps that prefill a prompt (the module over its positions) and verify drafts at
     once give every request plain decoding's tokens."""
-    from concurrent.futures import ThreadPoolExecutor
-
     ckpt = str(mtp_checkpoint[0])
     padded = {"PDD_CUDA_GRAPHS": graphs} if graphs else {}
     cluster = LocalCluster(tmp_path)
@@ -297,19 +294,10 @@ def test_prompts_prefilled_on_the_drafting_decode_mid_stream_are_plain_decodings
                                      "PDD_SPECULATIVE_TOKENS": "2",
                                      "PDD_SPECULATIVE_MIN_ACCEPTANCE": "0"})
         url = stack["decode"].url
-        asks = [(f"long-{i}", [*PROMPT[i:], *PROMPT], 40, 0.0) for i in range(2)]
+        asks: list[LocalAsk] = [(f"long-{i}", [*PROMPT[i:], *PROMPT], 40, 0.0)
+                                for i in range(2)]
         asks += [(f"short-{i}", PROMPT[3 * i: 3 * i + 7], 6, 0.05 * (i + 1)) for i in range(6)]
-
-        def send(rid: str, prompt: list[int], n: int, delay: float) -> Any:
-            time.sleep(delay)
-            status, body = http("POST", f"{url}/v1/decode", {
-                "request_id": rid, "local_prefill": True, "prompt_ids": prompt,
-                "max_new_tokens": n - 1}, timeout=180)
-            assert status == 200, body
-            return body["token_ids"]
-
-        with ThreadPoolExecutor(len(asks)) as pool:
-            got = list(pool.map(lambda a: send(*a), asks))
+        got = local_prefills(url, asks)
         for (rid, prompt, n, _), tokens in zip(asks, got, strict=True):
             assert tokens == generate_result(ckpt, prompt, n, block_size=BLOCK).token_ids, rid
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:

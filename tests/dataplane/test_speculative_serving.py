@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from runtime_fixtures import LocalCluster, pd_stack, plan_json, reference_tokens
+from runtime_fixtures import (
+    LocalAsk,
+    LocalCluster,
+    local_prefills,
+    pd_stack,
+    plan_json,
+    reference_tokens,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -172,25 +178,11 @@ def test_prompts_prefilled_on_the_speculating_decode_mid_stream_are_plain_decodi
     """Short prompts the decode prefills itself (local prefill) arrive while long streams
     speculate: the steps that prefill a prompt and verify drafts at once give every request
     plain decoding's tokens, and no step skips its drafts for a prompt."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from runtime_fixtures import http
-
     spec = twins[1]
     before = _counter(_metrics(spec), "pdd_spec_decode_num_drafts")
-    asks = [(f"long-{i}", [*PROMPT, *PROMPT], 72, 0.0) for i in range(2)]
+    asks: list[LocalAsk] = [(f"long-{i}", [*PROMPT, *PROMPT], 72, 0.0) for i in range(2)]
     asks += [(f"short-{i}", [*PROMPT[: 6 + 2 * i], 97 + i], 8, 0.04 * (i + 1)) for i in range(8)]
-
-    def send(rid: str, prompt: list[int], n: int, delay: float) -> Any:
-        time.sleep(delay)
-        status, body = http("POST", f"{spec}/v1/decode", {
-            "request_id": rid, "local_prefill": True, "prompt_ids": prompt,
-            "max_new_tokens": n - 1}, timeout=120)
-        assert status == 200, body
-        return body["token_ids"]
-
-    with ThreadPoolExecutor(len(asks)) as pool:
-        got = list(pool.map(lambda a: send(*a), asks))
+    got = local_prefills(spec, asks)
     for (rid, prompt, n, _), tokens in zip(asks, got, strict=True):
         assert tokens == reference_tokens(prompt, n, BLOCK), rid
     m = _metrics(spec)
