@@ -9,8 +9,6 @@ kernel that read before its wait would read the kernel before it half-done, and 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,21 +16,14 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from engine import random_weights, small_config  # noqa: E402
+from test_cuda_graphs import BLOCK, DEV, NUM_BLOCKS, _model  # noqa: E402
 
 from pdd_sidecar.engine.comm import SingleComm  # noqa: E402
 from pdd_sidecar.engine.rank_engine import RankEngine, new_cache  # noqa: E402
 from pdd_sidecar.engine.seq_chunk import SeqChunk  # noqa: E402
 from pdd_sidecar.model import fusion  # noqa: E402
 from pdd_sidecar.model.kernels import pdl  # noqa: E402
-from pdd_sidecar.model.rank_model import RankModel  # noqa: E402
-from pdd_sidecar.model.rope import Rotary  # noqa: E402
 
-DEV = torch.device("cuda")
-BLOCK = 16
-NUM_BLOCKS = 2048
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 if not pdl.supported(DEV):
@@ -56,10 +47,8 @@ def test_launch_asks_for_pdl_only_when_switched_on() -> None:
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_decode_steps_with_pdl_equal_ordinary_launches(mode: str) -> None:
-    cfg = small_config().replace(max_position_embeddings=4096)
-    w = random_weights(cfg, torch.bfloat16, DEV, seed=3)
-    model = RankModel(cfg, w, Rotary(cfg.rope, cfg.qk_rope_head_dim, DEV), 0, 1,
-                      torch.bfloat16, DEV)
+    model = _model("small", torch.bfloat16)  # V2's MoE: the router, the GEMVs, the combine
+    cfg = model.config
     engines = {on: RankEngine(model, new_cache(model, NUM_BLOCKS, BLOCK), SingleComm(),
                               decode_mode=mode, graph_buckets=BUCKETS, prefill_buckets=())
                for on in (False, True)}
