@@ -46,7 +46,7 @@ def shared_in_gemv_tokens() -> int:
 
 
 def pdl() -> bool:
-    """``PDD_PDL``: ``1`` or ``0`` (default), unless ``set_fused(pdl=...)`` said otherwise:
+    """``PDD_PDL``: ``1`` or ``0`` (``PDL_DEFAULT``), unless ``set_fused(pdl=...)`` said otherwise:
     whether the step's Triton kernels launch as programmatic dependents of the kernel before
     them (kernels/pdl.py; Hopper and later only)."""
     if "pdl" not in _state:
@@ -70,8 +70,8 @@ DENSE_GEMV_TOKENS = 0
 # the per-pair GEMV also at 3-8 rows (8: 8.63 against 8.77); the per-expert one at 16 (11.68
 # against 12.46, an earlier run)
 SHARED_IN_GEMV_TOKENS = 2
-GROUPED_GEMV_TOKENS = (9, 21)
-PDL_DEFAULT = False  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
+GROUPED_GEMV_TOKENS = (9, 21)  # --fusion on+grouped=A-B: the per-expert GEMV from A to B tokens
+PDL_DEFAULT = False  # kernels/pdl.py: up to its MAX_ROWS
 
 
 def grouped_gemv_tokens() -> tuple[int, int]:

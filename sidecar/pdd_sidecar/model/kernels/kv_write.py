@@ -71,7 +71,8 @@ def write_latents(
         kernel[(n,)](
             layer_view, block_ids, offsets, mask, vals,
             layer_view.stride(0), layer_view.stride(1), vals.stride(0),
-            L=latent, L_P2=max(16, 1 << (latent - 1).bit_length()), **pdl.launch(vals.device),
+            L=latent, L_P2=max(16, 1 << (latent - 1).bit_length()),
+            **pdl.launch(vals.device, n),
         )  # fmt: skip
         return
     keep = mask.to(torch.bool)
@@ -131,7 +132,7 @@ def _write_fp8_triton(
         layer_view.stride(0), layer_view.stride(1), vals.stride(0),
         C=nope, R=rope, NG_P2=next_pow2(groups, 1), G_P2=next_pow2(min(nope, fp8_layout.GROUP)),
         R_P2=next_pow2(rope), E4M3_MAX=fp8_layout.E4M3_MAX, MIN_SCALE=fp8_layout._MIN_SCALE,
-        **pdl.launch(vals.device),
+        **pdl.launch(vals.device, vals.shape[0]),
     )  # fmt: skip
 
 

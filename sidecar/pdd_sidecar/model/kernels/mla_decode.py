@@ -283,7 +283,7 @@ def paged_mla_decode_triton(
         num_warps=num_warps or NUM_WARPS,
         num_stages=num_stages or NUM_STAGES,
         **extra,
-        **pdl.launch(q.device),
+        **pdl.launch(q.device, b),
     )
     if num_splits > 1:
         reduce: Any = _mla_decode_reduce
@@ -309,7 +309,7 @@ def paged_mla_decode_triton(
             C_P2=next_pow2(c),
             S_P2=next_pow2(num_splits, 2),
             num_warps=4,
-            **pdl.launch(q.device),
+            **pdl.launch(q.device, b),
         )
     return out, lse
 

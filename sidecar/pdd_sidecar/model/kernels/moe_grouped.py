@@ -154,13 +154,13 @@ def grouped_gemv_experts(
         x, w.w_gate, w.w_up, rows32, offs, h,
         hidden, inter, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
         w.w_up.stride(0), w.w_up.stride(1), h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch(x.device),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch(x.device, t),
     )  # fmt: skip
     down: Any = _grouped_down
     down[(e, triton.cdiv(hidden, bn))](
         h, w.w_down, offs, y,
         inter, hidden, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch(x.device),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch(x.device, t),
     )  # fmt: skip
     return combine(y, weights, inverse_order(order), shared)
 
@@ -248,14 +248,15 @@ def gemv_experts(
         hidden, inter, e, x.stride(0), w.w_gate.stride(0), w.w_gate.stride(1),
         w.w_up.stride(0), w.w_up.stride(1), h.stride(0),
         TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SHARED=sh is not None,
-        num_warps=num_warps, **pdl.launch(x.device),
+        num_warps=num_warps, **pdl.launch(x.device, t),
     )  # fmt: skip
     down: Any = _gemv_down
     down[(pairs, triton.cdiv(hidden, dn))](
         h, w.w_down, sd, flat, y,
         inter, hidden, e, h.stride(0), w.w_down.stride(0), w.w_down.stride(1), sd_row,
         y.stride(0),
-        BLOCK_N=dn, BLOCK_K=dk, HAS_SHARED=sh is not None, num_warps=dw, **pdl.launch(x.device),
+        BLOCK_N=dn, BLOCK_K=dk, HAS_SHARED=sh is not None, num_warps=dw,
+        **pdl.launch(x.device, t),
     )  # fmt: skip
     return y
 

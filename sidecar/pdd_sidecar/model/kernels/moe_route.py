@@ -227,7 +227,7 @@ def router_topk_triton(
         BLOCK_T=ROUTER_BLOCK_T, BLOCK_K=ROUTER_BLOCK_K, NORMALIZE=r.normalizes,
         SIGMOID=r.sigmoid, HAS_BIAS=bias is not None, N_GROUP=r.n_group,
         G_P2=max(2, next_pow2(r.n_group)), TOPK_GROUP=r.topk_group, num_warps=4,
-        **pdl.launch(x.device),
+        **pdl.launch(x.device, t),
     )  # fmt: skip
     return weights, ids
 
@@ -262,7 +262,7 @@ def combine_triton(y: torch.Tensor, weights: torch.Tensor, src: torch.Tensor | N
     kernel: Any = _combine_rows
     kernel[(t, triton.cdiv(hidden, block))](
         y, w, r, s, out, y.stride(0), s.stride(0), hidden, K=k, BLOCK=block,
-        HAS_SRC=src is not None, HAS_SHARED=shared is not None, **pdl.launch(y.device),
+        HAS_SRC=src is not None, HAS_SHARED=shared is not None, **pdl.launch(y.device, t),
     )  # fmt: skip
     return out
 

@@ -71,7 +71,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     kernel: Any = _rms_norm_rows
     block = next_pow2(n)
     kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
-                             num_warps=4 if block <= 2048 else 8, **pdl.launch(x.device))
+                             num_warps=4 if block <= 2048 else 8,
+                             **pdl.launch(x.device, rows.shape[0]))
     return out.view(x.shape)
 
 
@@ -97,7 +98,8 @@ def add_rms_norm_triton(
     kernel: Any = _add_rms_norm_rows
     block = next_pow2(n)
     kernel[(xr.shape[0],)](xr, yr, weight, total, normed, n, eps, BLOCK=block,
-                           num_warps=4 if block <= 2048 else 8, **pdl.launch(x.device))
+                           num_warps=4 if block <= 2048 else 8,
+                           **pdl.launch(x.device, xr.shape[0]))
     return total.view(x.shape), normed.view(x.shape)
 
 

@@ -10,8 +10,9 @@ activations or writes anything, and then lets the next kernel launch. Because ev
 waits before it lets the next one start, a kernel that starts early may also rely on everything
 two kernels back being complete.
 
-The arithmetic is unchanged: the outputs are bit-identical with and without it. Off by default
-(``PDD_PDL``, ``model/fusion.py``); the CPU, Triton's interpreter and older GPUs never use it.
+The arithmetic is unchanged: the outputs are bit-identical with and without it. For launches
+of up to ``MAX_ROWS`` rows where ``PDD_PDL`` (``model/fusion.py``) says so; the CPU, Triton's
+interpreter and older GPUs never use it.
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ def supported(device: torch.device) -> bool:
     return _capable[index]
 
 
-def launch(device: torch.device) -> dict[str, Any]:
-    """The keyword arguments of a kernel launch: its ``PDL`` constexpr, and Triton's
-    ``launch_pdl`` where the launch is a programmatic dependent (``fusion.pdl()`` on a device
-    that supports it)."""
-    if fusion.pdl() and supported(device):
+# An H100 step at 1k context (bench/engine.py --fusion on,on+pdl, one run): 2-3 % faster at 1
+# and 2 rows, the same at 16 and 64; larger launches (prefill) were not measured with it
+MAX_ROWS = 8
+
+
+def launch(device: torch.device, rows: int) -> dict[str, Any]:
+    """The keyword arguments of a kernel launch over ``rows`` tokens (or sequences): its ``PDL``
+    constexpr, and Triton's ``launch_pdl`` where the launch is a programmatic dependent
+    (``fusion.pdl()``, up to ``MAX_ROWS`` rows, on a device that supports it)."""
+    if rows <= MAX_ROWS and fusion.pdl() and supported(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

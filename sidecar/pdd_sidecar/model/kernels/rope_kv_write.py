@@ -116,7 +116,7 @@ def rope_kv_write_triton(
         layer_view.stride(0), layer_view.stride(1), heads, eps,
         KVL=kvl, KVL_P2=next_pow2(kvl), HALF=rope // 2, HALF_P2=next_pow2(rope // 2),
         H_P2=next_pow2(heads, 1), WRITE_CACHE=direct, STORE_LATENT=latent is not None,
-        **pdl.launch(ckv.device),
+        **pdl.launch(ckv.device, t),
     )  # fmt: skip
     if not direct:
         assert latent is not None
