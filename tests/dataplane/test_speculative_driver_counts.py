@@ -56,6 +56,7 @@ def _driver(table: torch.Tensor) -> InstanceDriver:
     d._launching = frozenset()
     d.host_tier = None
     d._last_poll = 0.0
+    d._drafted_for = {}
 
     def run_as_leader(cmd: dict[str, Any]) -> list[dict[str, Any]]:
         d.worker.logits = torch.stack([table[toks[-1]].clone() for toks, _, _ in cmd["chunks"]])
@@ -117,3 +118,14 @@ def test_a_step_that_also_prefills_a_prompt_verifies_drafts_beside_it() -> None:
     d.scheduler.running.pop("s")
     _step(d, _running(d, "t", [A, B, C] * 3, A, 8), [PrefillChunk(local, 0, [C, A, B])])
     assert "s" not in d.speculator._seqs  # a finished sequence forgotten in such a step too
+
+
+def test_a_request_id_reused_by_a_new_sequence_drafts_from_its_own_text() -> None:
+    """The id of a finished sequence, taken again by a new one before any step forgot it: the
+    new text's drafts, not the old index's (which would propose the old continuation)."""
+    d = _driver(_next([(A, B), (B, C), (C, A), (C, STOP), (STOP, C)]))
+    old = _running(d, "s", [A, B, C] * 6, A, 30)
+    assert _step(d, old).drafts == [B, C, A]
+    d.scheduler.running.pop("s")
+    new = _running(d, "s", [A, B, C, STOP, C, STOP] * 3, C, 30)
+    assert _step(d, new).drafts == [STOP, C]  # what follows its last "STOP, C" in its text

@@ -243,6 +243,7 @@ class InstanceDriver:
             if speculative is not None and s.role == "decode" else None)
         self._spec_seen = SpecStats(
             accepted_per_pos=[0] * (speculative.tokens if speculative else 0))
+        self._drafted_for: dict[str, Sequence] = {}  # the sequence each id last drafted for
         self._pool_gauges()
         if self.host_tier is not None:
             metrics.host_kv_blocks_total.set(self.host_tier.num_slots)
@@ -551,7 +552,9 @@ class InstanceDriver:
         where its grammar refuses one (engine/speculative/rows.py)."""
         spec = self.speculator
         assert spec is not None
-        spec.retain(d.seq.id for d in decode)
+        # a request id a new sequence reuses starts afresh (its text's index, the module's state)
+        spec.retain(d.seq.id for d in decode if self._drafted_for.get(d.seq.id, d.seq) is d.seq)
+        self._drafted_for = {d.seq.id: d.seq for d in decode}
         self._mtp_begin(decode)
         items = [(d.seq.id, _text(d.seq), draft_room(d.seq.max_tokens, len(d.seq.output)))
                  for d in decode]
