@@ -82,9 +82,9 @@ fi
 if [ ${#wheels[@]} -gt 0 ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "${wheels[@]}" 2>&1 | tail -5 | tee -a "$OUT/env.txt"
-    export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/sidecar
-else
-    export PYTHONPATH=$PWD/operator:$PWD/sidecar
+    export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/sidecar${PYTHONPATH:+:$PYTHONPATH}
+else  # what the caller's PYTHONPATH held (an earlier run's /tmp/site) stays on it
+    export PYTHONPATH=$PWD/operator:$PWD/sidecar${PYTHONPATH:+:$PYTHONPATH}
 fi
 say "installed ${#wheels[@]} wheels: ${wheels[*]:-none}"
 {

@@ -112,8 +112,8 @@ PDD_FUSED_DECODE = "PDD_FUSED_DECODE"
 # Up to this many tokens a step runs the shared experts as always-chosen experts inside the
 # routed experts' GEMV (default 1); above it, apart. Read by model/fusion.py.
 PDD_SHARED_IN_GEMV_TOKENS = "PDD_SHARED_IN_GEMV_TOKENS"
-# 1: the step's Triton kernels of up to 8 rows launch as programmatic dependents of the kernel
-# before them (Hopper and later; model/kernels/pdl.py); 0 (default): ordinary launches. Read by
+# 1 (default): the step's Triton kernels of up to 8 rows launch as programmatic dependents of
+# the kernel before them (Hopper and later; model/kernels/pdl.py); 0: ordinary launches. Read by
 # the model.
 PDD_PDL = "PDD_PDL"
 # 1 (default): on a single-rank CUDA prefill, graphed steps of fresh prompts run ahead of queued

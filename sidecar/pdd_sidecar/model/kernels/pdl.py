@@ -10,9 +10,9 @@ activations or writes anything, and then lets the next kernel launch. Because ev
 waits before it lets the next one start, a kernel that starts early may also rely on everything
 two kernels back being complete.
 
-The arithmetic is unchanged: the outputs are bit-identical with and without it. For launches
-of up to ``MAX_ROWS`` rows where ``PDD_PDL`` (``model/fusion.py``) says so; the CPU, Triton's
-interpreter and older GPUs never use it.
+The arithmetic is unchanged: the outputs are bit-identical with and without it. On by default
+for launches of up to ``MAX_ROWS`` rows (``PDD_PDL=0`` turns it off, ``model/fusion.py``); the
+CPU, Triton's interpreter and older GPUs never use it.
 """
 
 from __future__ import annotations
