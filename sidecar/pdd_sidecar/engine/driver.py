@@ -577,10 +577,17 @@ class InstanceDriver:
 
     def _run_step(self, plan: StepPlan, poll: bool) -> None:
         timing.mark_step_start(plan, time.monotonic())
+        # the unit a forked choice's prompt ends in: its own copy (scheduler.py), made before
+        # the module's command when one runs (it writes there), else in the step's
+        copies = self.scheduler.take_copies()
+        if self.mtp is not None:
+            self.mtp.carry(copies)
         # A step that also prefills a prompt here (scheduler.py: Local prefill) drafts and
         # verifies as a decode-only one: its prompt rows come first and are sampled apart.
         if self.speculator is not None and plan.decode:
             self._draft(plan.decode)
+        if self.mtp is not None:
+            copies = self.mtp.uncarried()
         chunks = self._seq_chunks(plan)
         recomputed = sum(len(c.tokens) - len(p.tokens) for c, p in zip(chunks, plan.prefill,
                                                                        strict=True))
@@ -601,8 +608,7 @@ class InstanceDriver:
             keep = self._mtp_command(plan, cmd, keep)
         if keep:
             cmd["keep"] = keep
-        copies = self.scheduler.take_copies()
-        if copies:  # the unit a forked choice's prompt ends in: its own copy (scheduler.py)
+        if copies:
             cmd["copies"] = copies
         if self.host_tier is not None and self.host_tier.pending():
             cmd["tier"] = self.host_tier.take().to_command()

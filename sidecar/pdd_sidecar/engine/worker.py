@@ -251,6 +251,8 @@ class RankWorker:
                 out = {}
             elif op == "mtp_draft":
                 assert self.mtp is not None
+                if cmd.get("copies"):  # a forked choice's own unit, before the module writes it
+                    self.cache.copy_blocks(cmd["copies"])
                 out = {"drafts": self.mtp.draft(cmd["seqs"])}
             elif op in ("stats", "shutdown"):
                 out = {}

@@ -62,6 +62,18 @@ class ServedMTPDrafts:
         self._pending: dict[str, _Pending] = {}
         self._tables: dict[str, list[int]] = {}
         self._known: set[str] = set()
+        self._copies: list[tuple[int, int]] = []
+
+    def carry(self, copies: list[tuple[int, int]]) -> None:
+        """Block copies the step must run before anything writes the copies (a forked
+        choice's own unit, scheduler.py: Choices): sent with this step's module command, which
+        runs before the step's and writes the choice's first latent into that unit."""
+        self._copies = list(copies)
+
+    def uncarried(self) -> list[tuple[int, int]]:
+        """The copies no module command took (it did not run): the step's command runs them."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def begin(self, sid: str, blocks: list[int], context: int, first_token: int | None,
               state: DraftState | None, pulled: bool) -> bool:
@@ -100,9 +112,13 @@ class ServedMTPDrafts:
         out: list[list[int]] = [[] for _ in asks]
         if not work:
             return out
-        results = self.run({"op": "mtp_draft", "seqs": work})
+        cmd: dict[str, Any] = {"op": "mtp_draft", "seqs": work}
+        if self._copies:
+            cmd["copies"], self._copies = self._copies, []
+        results = self.run(cmd)
         failed = next((r for r in results if r.get("error")), None)
-        if failed:  # the step still runs, without drafts; its sequences drafts later
+        if failed:  # the step still runs, without drafts (and makes the copies again)
+            self._copies = cmd.get("copies", [])
             return out
         for i, drafts in zip(where, results[0]["drafts"], strict=True):
             out[i] = list(drafts)
