@@ -130,10 +130,11 @@ def test_the_estimate_counts_whole_units_of_the_decode_s_prefix_cache() -> None:
     first = [1 + i % 200 for i in range(500)]
     router.decode.served("http://d:1", first)
     req = _req(first + [7] * 200)
-    assert router.decode.cached_on("http://d:1", req.prompt_ids) == 448  # as the blocks go
+    # as the blocks go
+    assert router.decode.cached_by(req.prompt_ids, ["http://d:1"])["http://d:1"] == 448
     assert router.choose_path(req, Trip()) == LOCAL
     router.decode.cache_unit["http://d:1"] = 512
-    assert router.decode.cached_on("http://d:1", req.prompt_ids) == 0
+    assert router.decode.cached_by(req.prompt_ids, ["http://d:1"])["http://d:1"] == 0
     assert router.choose_path(req, Trip()) == REMOTE
 
 

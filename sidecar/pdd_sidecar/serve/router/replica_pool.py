@@ -67,11 +67,6 @@ class Pool:
         if token_ids:
             self.policy.routed(url, token_ids, self.capacity.get(url))
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """The most of the prompt any ready replica that prefills itself caches, as the policy
-        estimates it."""
-        return max(self.cached_by(prompt_ids).values(), default=0)
-
     def cached_by(self, prompt_ids: Sequence[int],
                   urls: Sequence[str] | None = None) -> dict[str, int]:
         """The prompt's tokens each replica (default: the ready ones that prefill themselves)
@@ -80,9 +75,6 @@ class Pool:
         urls = self.local_candidates() if urls is None else urls
         return {u: c - c % self.cache_unit.get(u, 1)
                 for u, c in self.policy.cached_tokens(urls, prompt_ids).items()}
-
-    def cached_on(self, url: str, prompt_ids: Sequence[int]) -> int:
-        return self.cached_by(prompt_ids, [url])[url]
 
     def local_candidates(self) -> list[str]:
         """The ready replicas that prefill a prompt themselves (a decode whose /readyz says

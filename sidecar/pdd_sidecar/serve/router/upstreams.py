@@ -70,6 +70,8 @@ class Trip:
     prefill_timing: Any = None
     decode_timing: Any = None
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
+    # the decision's estimate of the prompt's tokens each decode that prefills caches (choose_path)
+    local_cache: dict[str, int] = field(default_factory=dict)
     # Log-probability entries (serve/openai/logprob_format.py): each choice's, one per token handed
     # out, in order; the prompt's (computed once, whatever n), from its second token on.
     logprobs: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
@@ -287,10 +289,10 @@ class Router:
         decode_can = self._decode_can(req)
         if s.aggregated:  # no prefill at all: every prompt runs on its decode
             return LOCAL if decode_can else None
-        cached = (self.decode.cached_tokens(req.prompt_ids)
-                  if ready and decode_can and s.local_prefill_tokens else 0)
-        return prefill_path(len(req.prompt_ids), cached, s.local_prefill_tokens, ready,
-                            s.no_prefill, decode_can)
+        trip.local_cache = (self.decode.cached_by(req.prompt_ids)
+                            if ready and decode_can and s.local_prefill_tokens else {})
+        return prefill_path(len(req.prompt_ids), max(trip.local_cache.values(), default=0),
+                            s.local_prefill_tokens, ready, s.no_prefill, decode_can)
 
     @property
     def workers_warm(self) -> int:
@@ -541,8 +543,8 @@ class Router:
             # prompt; if none of those can take it, a prefill can (tokens()).
             short = trip.path == LOCAL and not self.settings.aggregated
             limit = self.settings.local_prefill_tokens
-            # the estimate once per request (one that appears later caches nothing)
-            cached = self.decode.cached_by(req.prompt_ids) if short else {}
+            # the decision's estimate (a decode that appeared since caches nothing)
+            cached = trip.local_cache
             allowed = (lambda u: u in self.decode.local_prefill  # noqa: E731
                        and not (short and uncached_tokens(len(req.prompt_ids),
                                                           cached.get(u, 0)) > limit))
