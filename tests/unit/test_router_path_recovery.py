@@ -355,3 +355,86 @@ def test_probe_rounds_never_overlap() -> None:
 
     asyncio.run(run())
     assert running[1] == 1
+
+
+def _roll_router(**env: str) -> tuple[Router, dict[str, str]]:
+    """A plan-changing roll as the router sees it just after the old prefill began draining:
+    the old pair (plan X) ready in the last probe, the new prefill (plan Y) ready, the new
+    decode not yet seen ready."""
+    urls = {"p_old": "http://p-old:1", "p_new": "http://p-new:1",
+            "d_old": "http://d-old:1", "d_new": "http://d-new:1"}
+    router = _router(PDD_PREFILL_URLS=f"{urls['p_old']},{urls['p_new']}",
+                     PDD_DECODE_URLS=f"{urls['d_old']},{urls['d_new']}",
+                     PDD_ROUTER_POLICY="round-robin", PDD_ROUTER_LOCAL_PREFILL_TOKENS="0",
+                     PDD_ROUTER_READY_WAIT_S="5", **env)
+    for role, pool in (("p", router.prefill), ("d", router.decode)):
+        for age, plan in (("old", "X"), ("new", "Y")):
+            url = urls[f"{role}_{age}"]
+            pool.mark(url, age == "old" or role == "p")
+            pool.plans[url] = plan
+    router.decode.local_prefill.update({urls["d_old"], urls["d_new"]})
+    router.release_soon = lambda *a, **k: None  # type: ignore[method-assign]
+    return router, urls
+
+
+def _draining_prefill(router: Router, urls: dict[str, str], sent: list[str]) -> None:
+    async def post(role: str, url: str, path: str, body: dict[str, Any],
+                   headers: Any = None) -> dict[str, Any]:
+        sent.append(url)
+        if url == urls["p_old"]:
+            raise ApiError(503, "not ready: draining: shutting down", type_="not_ready")
+        return {"first_token": 9, "finish_reason": None, "kv_transfer_params": {}}
+
+    router._post = post  # type: ignore[method-assign]
+
+
+def test_a_draining_prefill_s_refusal_falls_back_to_its_decode() -> None:
+    """The old prefill answers 503 (draining) before the next probe says so, and the new
+    prefill's decode is not seen ready yet: the request is served on the old decode (the
+    fallback), not refused with the draining prefill's 503."""
+    router, urls = _roll_router()
+    sent: list[str] = []
+    opened: list[tuple[str | None, bool]] = []
+    _draining_prefill(router, urls, sent)
+    router.probe_now = _no_probe  # type: ignore[method-assign]
+
+    async def open_decode(rid: str, choices: Any, pre: Any, req: GenRequest,
+                          trip: Trip) -> Any:
+        opened.append((trip.prefill, pre is None))
+        raise ApiError(418, "stop here")  # the path is what is checked
+
+    router._open_decode = open_decode  # type: ignore[method-assign]
+    trip = Trip()
+    try:
+        asyncio.run(router.generate("a", _req(list(range(1, 40))), trip, None))
+    except ApiError as exc:
+        assert exc.status == 418, exc
+    assert sent == [urls["p_old"]]
+    assert trip.path == FALLBACK and opened == [(None, True)]
+    assert router.prefill.healthy[urls["p_old"]] is False
+
+
+def test_a_draining_prefill_s_refusal_waits_for_the_new_pair_without_the_fallback() -> None:
+    """As above with the fallback off: the router probes again, sees the new decode ready and
+    serves the request through the new prefill."""
+    router, urls = _roll_router(PDD_ROUTER_NO_PREFILL="refuse")
+    sent: list[str] = []
+    _draining_prefill(router, urls, sent)
+    decoded: list[tuple[str | None, Any]] = []
+
+    async def probe() -> None:
+        router.decode.mark(urls["d_new"], True)
+
+    async def open_decode(rid: str, choices: Any, pre: Any, req: GenRequest,
+                          trip: Trip) -> Any:
+        decoded.append((trip.prefill, router.prefill.plans.get(trip.prefill or "")))
+        raise ApiError(418, "stop here")
+
+    router.probe_now = probe  # type: ignore[method-assign]
+    router._open_decode = open_decode  # type: ignore[method-assign]
+    try:
+        asyncio.run(router.generate("a", _req(list(range(1, 40))), Trip(), None))
+    except ApiError as exc:
+        assert exc.status == 418, exc
+    assert sent == [urls["p_old"], urls["p_new"]]
+    assert decoded == [(urls["p_new"], "Y")]

@@ -486,8 +486,8 @@ class Router:
                 if exc.status < 500:
                     raise
                 log.warning("prefill replica failed, trying another: %s", exc)
-                if exc.status == 502:  # unreachable: skip it until the next probe says ready
-                    self.prefill.mark(url, False)
+                if exc.status in (502, 503):  # unreachable, or not ready (draining, starting):
+                    self.prefill.mark(url, False)  # skipped until the next probe says ready
                 if skip is not None:
                     skip.add(url)
                 last = exc
