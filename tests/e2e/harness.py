@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "cluster"))
 
 import localcluster  # noqa: E402
 import realnode  # noqa: E402
+from pod_logs import PodLogs  # noqa: E402
 
 # The committed CRD; PDD_CRD_FILE points elsewhere only to try an unreleased one.
 CRD_FILE = Path(
@@ -113,6 +114,7 @@ class Stack:
     started_cluster: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
     _lock_file: Any = None
+    pod_logs: PodLogs | None = None
     _service_ips: dict[tuple[str, str], str] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- lifecycle
@@ -184,6 +186,8 @@ class Stack:
         self.wait("operator webhook", lambda: _tcp_open("127.0.0.1", webhook_port), 90,
                   procs=["operator"])  # fmt: skip
         self.say(f"operator up (python -m pdd_operator, webhook on 127.0.0.1:{webhook_port})")
+        self.pod_logs = PodLogs(self.kubeconfig, self.work_dir / "pod-logs")
+        self.pod_logs.start()
 
     def _prepare_real_node(self) -> None:
         """The images into the node's containerd. The node's taint keeps the fake-node tests'
@@ -222,6 +226,8 @@ class Stack:
         proc = self.procs.get("operator")
         if proc is not None:
             proc.stop()
+        if self.pod_logs is not None:
+            self.pod_logs.stop()
         if self.started_cluster and os.environ.get("PDD_KEEP_CLUSTER") != "1":
             localcluster.down(self.work_dir / "cluster", log=lambda _m: None)
         self.say("stack stopped")
@@ -240,6 +246,9 @@ class Stack:
                                             check=False)  # fmt: skip
                 out.append(f"----- kubectl logs -n {ns} {name} (last {lines} lines) -----\n"
                            f"{logs.stdout or logs.stderr}")
+        for path in self.pod_logs.gone() if self.pod_logs is not None else []:
+            out.append(f"----- {path} (a pod gone since; last {lines} lines) -----\n"
+                       f"{tail(path, lines)}")
         return "\n".join(out)
 
     def check_alive(self, names: Sequence[str] = ("operator",)) -> None:
@@ -431,11 +440,18 @@ def reference(prompt_ids: list[int], max_tokens: int, dtype: str) -> list[int]:
 def example(name: str) -> tuple[str, dict[str, Any]]:
     """(YAML text, parsed document) of one reference example, every request through a prefill
     and the KV hand-off these tests check (spec.router.localPrefillTokens 0: no prompt is
-    prefilled on its decode)."""
+    prefilled on its decode), every request logged by every pod (PDD_ACCESS_LOG)."""
     import yaml
+
+    from pdd_api import keys
 
     doc = dict(yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()))
     doc["spec"].setdefault("router", {}).setdefault("localPrefillTokens", 0)
+    # A line for every request in each pod's log (the diagnostics of a failed request).
+    for role, container in (("router", keys.ROUTER_CONTAINER_NAME),
+                            ("prefill", keys.CONTAINER_NAME), ("decode", keys.CONTAINER_NAME)):
+        doc["spec"].setdefault(role, {}).setdefault("template", {"spec": {"containers": [
+            {"name": container, "env": [{"name": "PDD_ACCESS_LOG", "value": "1"}]}]}})
     return yaml.safe_dump(doc, sort_keys=False), doc
 
 
