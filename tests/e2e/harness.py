@@ -370,6 +370,16 @@ class Stack:
             progress=lambda: self.progress_line(name, namespace),
         )
 
+    def free_gpus(self) -> float:
+        """nvidia.com/gpu the real node has left, counted as the operator counts room for a
+        surge pair (pdd_operator.rollout.free_by_node: a terminating pod holds its GPUs)."""
+        from pdd_api.models import GPU_RESOURCE
+        from pdd_operator.rollout import free_by_node
+
+        nodes = json.loads(self.kubectl("get", "nodes", "-o", "json"))["items"]
+        pods = json.loads(self.kubectl("get", "pods", "-A", "-o", "json"))["items"]
+        return sum(free_by_node(nodes, pods, GPU_RESOURCE).values())
+
     # ----------------------------------------------------------------- the router Service
 
     def router_url(self, name: str, namespace: str) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 import harness
 import pytest
 
+from pdd_api.models import GPU_RESOURCE as GPU
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REFERENCE_EXAMPLE = "p-tp2-dcp2-to-d-tp4-dcp4"
@@ -245,6 +247,13 @@ def test_change_decode_dcp_4_to_1_under_traffic(reference_deployment: Deployment
             and dep.stack.is_ready(dep.name, dep.namespace)
         )
 
+    # The surge this test is about needs a free pair's GPUs: the namespaces of earlier tests
+    # may still be ending (their pods drain), and without room the roll goes role by role,
+    # which with one replica a role leaves a gap by design (docs/operator.md).
+    spec = dep.get()["spec"]
+    pair = sum(float(spec[r]["resources"]["limits"][GPU]) for r in ("prefill", "decode"))
+    dep.stack.wait(f"{pair:.0f} free GPUs for a surge pair", lambda: dep.stack.free_gpus() >= pair,
+                   300)
     with Traffic(dep) as traffic:
         dep.stack.wait("3 requests before the change", lambda: len(traffic.requests) >= 3, 300)
         t_patch = time.monotonic()
