@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if os.environ.get("PDD_DEMO_KEEP") == "1" and stack.cluster is not None:
             say(f"\nPDD_DEMO_KEEP=1: left running; KUBECONFIG={stack.kubeconfig}")
+            if stack.pod_logs is not None:  # its followers end with the demo
+                stack.pod_logs.stop()
         else:
             banner("cleaning up")
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand pods
