@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "cluster"))
 
 import localcluster  # noqa: E402
 import realnode  # noqa: E402
-from pod_logs import PodLogs  # noqa: E402
+from pod_logs import SELECTOR, PodLogs  # noqa: E402
 
 # The committed CRD; PDD_CRD_FILE points elsewhere only to try an unreleased one.
 CRD_FILE = Path(
@@ -186,7 +186,7 @@ class Stack:
         self.wait("operator webhook", lambda: _tcp_open("127.0.0.1", webhook_port), 90,
                   procs=["operator"])  # fmt: skip
         self.say(f"operator up (python -m pdd_operator, webhook on 127.0.0.1:{webhook_port})")
-        self.pod_logs = PodLogs(self.kubeconfig, self.work_dir / "pod-logs")
+        self.pod_logs = PodLogs(self.cluster, self.work_dir / "pod-logs")
         self.pod_logs.start()
 
     def _prepare_real_node(self) -> None:
@@ -238,7 +238,7 @@ class Stack:
             out.append(f"----- {proc.log} (last {lines} lines) -----\n{tail(proc.log, lines)}")
         if self.cluster is not None:
             out.append(self.cluster.log_tails(lines, ["kubelet"]))
-            listed = self.cluster.kubectl("get", "pods", "-A", "-l", "app.kubernetes.io/name=pdd",
+            listed = self.cluster.kubectl("get", "pods", "-A", "-l", SELECTOR,
                                           "-o", "json", check=False)  # fmt: skip
             for pod in json.loads(listed.stdout)["items"] if listed.returncode == 0 else []:
                 ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
@@ -371,14 +371,15 @@ class Stack:
         )
 
     def free_gpus(self) -> float:
-        """nvidia.com/gpu the real node has left, counted as the operator counts room for a
-        surge pair (pdd_operator.rollout.free_by_node: a terminating pod holds its GPUs)."""
+        """nvidia.com/gpu the real node (the stack's only one) has left, counted as the
+        operator counts room for a surge pair (pdd_operator.rollout.free_by_node: a
+        terminating pod holds its GPUs)."""
         from pdd_api.models import GPU_RESOURCE
         from pdd_operator.rollout import free_by_node
 
-        nodes = json.loads(self.kubectl("get", "nodes", "-o", "json"))["items"]
+        node = json.loads(self.kubectl("get", "node", realnode.NODE_NAME, "-o", "json"))
         pods = json.loads(self.kubectl("get", "pods", "-A", "-o", "json"))["items"]
-        return sum(free_by_node(nodes, pods, GPU_RESOURCE).values())
+        return free_by_node([node], pods, GPU_RESOURCE)[realnode.NODE_NAME]
 
     # ----------------------------------------------------------------- the router Service
 

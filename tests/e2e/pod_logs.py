@@ -15,13 +15,17 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SELECTOR = "app.kubernetes.io/name=pdd"
+from localcluster import Cluster
+
+from pdd_api import keys
+
+SELECTOR = f"{keys.LABEL_NAME}={keys.APP_NAME}"  # every pdd pod
 POLL_S = 1.0
 
 
 @dataclass
 class PodLogs:
-    kubeconfig: Path
+    cluster: Cluster
     folder: Path
     _followers: dict[str, tuple[subprocess.Popen[bytes], Path]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -42,17 +46,14 @@ class PodLogs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(5)
 
-    def _kubectl(self, *args: str) -> list[str]:
-        return ["kubectl", "--kubeconfig", str(self.kubeconfig), *args]
-
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             with contextlib.suppress(subprocess.SubprocessError, OSError, ValueError):
                 self._follow_new()
 
     def _follow_new(self) -> None:
-        listed = subprocess.run(self._kubectl("get", "pods", "-A", "-l", SELECTOR, "-o", "json"),
-                                capture_output=True, text=True, timeout=30, check=False)
+        listed = self.cluster.kubectl("get", "pods", "-A", "-l", SELECTOR, "-o", "json",
+                                      check=False, timeout=30)
         if listed.returncode != 0:
             return
         for pod in json.loads(listed.stdout)["items"]:
@@ -64,7 +65,8 @@ class PodLogs:
             path = self.folder / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}.log"
             with open(path, "ab") as out:
                 popen = subprocess.Popen(
-                    self._kubectl("logs", "-f", "-n", meta["namespace"], meta["name"]),
+                    ["kubectl", "--kubeconfig", str(self.cluster.kubeconfig), "logs", "-f",
+                     "-n", meta["namespace"], meta["name"]],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self._followers[meta["uid"]] = (popen, path)
 
